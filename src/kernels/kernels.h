@@ -1,0 +1,174 @@
+/*
+ * kernels.h — pure compute on raw pointers: no tensors, no autograd.
+ *
+ * Forward and backward sit side by side. Each fast kernel has a plain
+ * reference (`*_ref`) that its test compares against. Activations and weights
+ * come in one dtype `dt` (f32, bf16 or f16); internal arithmetic (sums,
+ * softmax, statistics) is fp32. Shape comments use B (batch), T (time),
+ * C (channels), NH (query heads), NKV (key/value heads), HS (head size),
+ * V (vocabulary), N (rows = B*T).
+ *
+ * Kernels never allocate from the system in steady state: scratch comes from
+ * loom_alloc(…, LOOM_MEM_WORKSPACE). They never abort on caller input: the
+ * op layer validates shapes before calling.
+ */
+#ifndef LOOM_KERNELS_H
+#define LOOM_KERNELS_H
+
+#include "loom/core.h"
+
+/* ------------------------------------------------------------------ GEMM */
+
+typedef enum gemm_backend {
+    GEMM_BACKEND_AUTO = 0,     /* oneDNN when built with it, else fallback */
+    GEMM_BACKEND_ONEDNN = 1,
+    GEMM_BACKEND_FALLBACK = 2  /* portable blocked C loops */
+} gemm_backend;
+
+/* Row-major C[M,N] = alpha * op(A)[M,K] · op(B)[K,N] + beta * C + bias[N].
+ * op(X) is X or X^T (trans_x != 0). A and B share one dtype; C is f32 or the
+ * same dtype as A. Accumulation is fp32. bias (may be NULL) is a row of N
+ * values of dtype `bias_dt`, added to every row of C.
+ * lda/ldb/ldc are row strides in elements of the stored (untransposed)
+ * matrices. beta = 1 accumulates into C (e.g. dW into main_grad). */
+loom_status gemm(int trans_a, int trans_b, int M, int N, int K, float alpha,
+                 const void *A, int lda, const void *B, int ldb, loom_dtype ab_dt,
+                 float beta, void *C, int ldc, loom_dtype c_dt,
+                 const void *bias, loom_dtype bias_dt);
+void gemm_ref(int trans_a, int trans_b, int M, int N, int K, float alpha,
+              const void *A, int lda, const void *B, int ldb, loom_dtype ab_dt,
+              float beta, void *C, int ldc, loom_dtype c_dt,
+              const void *bias, loom_dtype bias_dt);
+void gemm_set_backend(gemm_backend b);
+gemm_backend gemm_get_backend(void);   /* the backend actually in use */
+int gemm_have_onednn(void);
+
+/* --------------------------------------------------------------- RMSNorm */
+
+/* out = x / sqrt(mean(x^2) + eps) * w.   x, out: (N, C) dt; w: (C) dt;
+ * rstd: (N) f32, kept for backward. */
+void rmsnorm_fwd(void *out, float *rstd, const void *x, const void *w,
+                 int N, int C, float eps, loom_dtype dt);
+/* dx: (N, C) dt (written); dw: (C) f32, accumulated (+=). */
+void rmsnorm_bwd(void *dx, float *dw, const void *dout, const void *x,
+                 const void *w, const float *rstd, int N, int C, loom_dtype dt);
+void rmsnorm_fwd_ref(void *out, float *rstd, const void *x, const void *w,
+                     int N, int C, float eps, loom_dtype dt);
+void rmsnorm_bwd_ref(void *dx, float *dw, const void *dout, const void *x,
+                     const void *w, const float *rstd, int N, int C, loom_dtype dt);
+
+/* ------------------------------------------------------------------ RoPE */
+
+/* Hugging Face LLaMA rotate-half convention: for each head vector
+ * x = [x1, x2] (halves of HS), out = x*cos + rotate_half(x)*sin with
+ * rotate_half(x) = [-x2, x1], angle(t, i) = (pos0 + t) * theta^(-2i/HS).
+ * x, out: (B, T, NH, HS) dt; out may equal x (in place). */
+void rope_fwd(void *out, const void *x, int B, int T, int NH, int HS,
+              int pos0, float theta, loom_dtype dt);
+/* The transpose rotation: dx from dout. dx may equal dout. */
+void rope_bwd(void *dx, const void *dout, int B, int T, int NH, int HS,
+              int pos0, float theta, loom_dtype dt);
+void rope_fwd_ref(void *out, const void *x, int B, int T, int NH, int HS,
+                  int pos0, float theta, loom_dtype dt);
+
+/* ------------------------------------------------------------- attention */
+
+/* Causal scaled-dot-product attention with grouped-query heads, flash-style:
+ * blocked over keys with an online softmax; no Tq x Tk matrix is stored.
+ * q, out: (B, Tq, NH, HS) dt;  k, v: (B, Tk, NKV, HS) dt;  NH % NKV == 0,
+ * query head h uses kv head h / (NH / NKV). Query t sits at absolute position
+ * q_pos0 + t and sees keys 0 .. q_pos0 + t (so Tk >= q_pos0 + Tq).
+ * lse: (B, NH, Tq) f32 log-sum-exp of the scaled scores, kept for backward
+ * (may be NULL when no backward follows). scale = 1/sqrt(HS). */
+void attention_fwd(void *out, float *lse, const void *q, const void *k, const void *v,
+                   int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
+                   loom_dtype dt);
+/* dq: (B,Tq,NH,HS), dk, dv: (B,Tk,NKV,HS), all dt, written (not accumulated). */
+void attention_bwd(void *dq, void *dk, void *dv, const void *dout,
+                   const void *q, const void *k, const void *v, const void *out,
+                   const float *lse, int B, int Tq, int Tk, int NH, int NKV, int HS,
+                   int q_pos0, loom_dtype dt);
+/* Reference: materialises the score matrix, fp32 everywhere. */
+void attention_fwd_ref(void *out, float *lse, const void *q, const void *k, const void *v,
+                       int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
+                       loom_dtype dt);
+void attention_bwd_ref(void *dq, void *dk, void *dv, const void *dout,
+                       const void *q, const void *k, const void *v,
+                       int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
+                       loom_dtype dt);
+
+/* ---------------------------------------------------------- SiLU, SwiGLU */
+
+/* out = silu(x) = x * sigmoid(x).  n elements, dt. */
+void silu_fwd(void *out, const void *x, size_t n, loom_dtype dt);
+void silu_bwd(void *dx, const void *dout, const void *x, size_t n, loom_dtype dt);
+/* out = silu(gate) * up. */
+void swiglu_fwd(void *out, const void *gate, const void *up, size_t n, loom_dtype dt);
+void swiglu_bwd(void *dgate, void *dup, const void *dout, const void *gate,
+                const void *up, size_t n, loom_dtype dt);
+
+/* ------------------------------------------------------------- embedding */
+
+/* out[i, :] = table[tokens[i], :].  out: (N, C) dt; table: (V, C) dt.
+ * Tokens are validated by the caller (0 <= token < V). */
+void embedding_fwd(void *out, const int32_t *tokens, const void *table,
+                   int N, int C, loom_dtype dt);
+/* dtable[tokens[i], :] += dout[i, :]; dtable: (V, C) f32 (accumulated). */
+void embedding_bwd(float *dtable, const void *dout, const int32_t *tokens,
+                   int N, int C, int V, loom_dtype dt);
+
+/* --------------------------------------------------------- cross-entropy */
+
+/* Softmax cross-entropy fused with its gradient. logits: (N, V) dt;
+ * targets: (N) int32, rows with target == ignore_index contribute 0 loss
+ * and 0 gradient. losses: (N) f32, written. If dlogits (N, V) dt is not NULL
+ * it receives (softmax - onehot) * grad_scale (it may alias logits).
+ * Returns nothing; the caller averages. */
+void crossentropy_fwd_bwd(float *losses, void *dlogits, const void *logits,
+                          const int32_t *targets, int N, int V, int ignore_index,
+                          float grad_scale, loom_dtype dt);
+void crossentropy_fwd_bwd_ref(float *losses, void *dlogits, const void *logits,
+                              const int32_t *targets, int N, int V, int ignore_index,
+                              float grad_scale, loom_dtype dt);
+
+/* ------------------------------------------------------------ elementwise */
+
+/* out = a + b; out = a * b; out = a * s.  All n elements of dtype dt.
+ * out may alias an input. */
+void add_fwd(void *out, const void *a, const void *b, size_t n, loom_dtype dt);
+void mul_fwd(void *out, const void *a, const void *b, size_t n, loom_dtype dt);
+void scale_fwd(void *out, const void *a, float s, size_t n, loom_dtype dt);
+/* dst (dst_dt) += scale * src (src_dt): gradient accumulation. */
+void accumulate(void *dst, loom_dtype dst_dt, const void *src, loom_dtype src_dt,
+                float scale, size_t n);
+
+/* --------------------------------------------------------------- dropout */
+
+/* out = in * mask / (1 - p), mask[i] = (u_i >= p) with u_i uniform drawn from
+ * Philox (seed, offset + i / 4), lane i % 4. The mask is never stored:
+ * backward regenerates it from the same (seed, offset). */
+void dropout_fwd(void *out, const void *in, size_t n, float p,
+                 uint64_t seed, uint64_t offset, loom_dtype dt);
+void dropout_bwd(void *din, const void *dout, size_t n, float p,
+                 uint64_t seed, uint64_t offset, loom_dtype dt);
+/* Number of Philox blocks a dropout over n elements consumes. */
+static inline uint64_t dropout_blocks(size_t n) { return (uint64_t)((n + 3) / 4); }
+
+/* ------------------------------------------------------------ reductions */
+
+/* Sum of squares in fp64 accumulated, returned as double; and whether any
+ * element is NaN or Inf. */
+double sumsq(const void *x, size_t n, loom_dtype dt);
+int has_nonfinite(const void *x, size_t n, loom_dtype dt);
+
+/* ----------------------------------------------------------------- AdamW */
+
+/* Decoupled-weight-decay Adam on fp32: for each i,
+ *   g = grad[i] * grad_scale; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+ *   p -= lr * (m / (1-b1^t) / (sqrt(v / (1-b2^t)) + eps) + wd * p).
+ * step t >= 1. */
+void adamw_step(float *param, float *m, float *v, const float *grad, size_t n,
+                float lr, float b1, float b2, float eps, float wd, int step,
+                float grad_scale);
+
+#endif

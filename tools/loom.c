@@ -1,0 +1,3 @@
+#include "loom/loom.h"
+#include <stdio.h>
+int main(void) { printf("loom\n"); return 0; }
