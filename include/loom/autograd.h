@@ -1,0 +1,186 @@
+/*
+ * loom/autograd.h — parameters, the function interface shared by built-in
+ * ops and user code, the tape and the backward engine.
+ *
+ * The tape records nodes in creation order; loom_backward walks it in
+ * reverse, accumulates the gradients of tensors used more than once, calls
+ * each node's backward and frees the node's saved tensors right after. A
+ * backward consumes the tape: the graph it walked is freed, and walking it
+ * again is an error (LOOM_ERR_STATE), never a crash.
+ *
+ * Thread model: the tape, the no-grad depth and the recompute state are
+ * thread-local. Kernels inside ops use OpenMP; the autograd bookkeeping runs
+ * on the calling thread.
+ */
+#ifndef LOOM_AUTOGRAD_H
+#define LOOM_AUTOGRAD_H
+
+#include "loom/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------ parameters */
+
+/* A trainable tensor. The parameter owns:
+ *  - its compute copy `tensor` (dtype f32, bf16 or f16; tensor->param == p),
+ *  - an fp32 master copy when the compute dtype is not f32 (else the compute
+ *    copy is the master),
+ *  - its gradient: with master_grad on, `main_grad` in fp32; with it off, a
+ *    gradient in the compute dtype. Gradients are only ever accumulated.
+ * Counters: `uses` counts recorded forward uses, `contributions` counts
+ * gradient accumulations; the gradient audit compares them. */
+struct loom_param {
+    char name[160];
+    loom_tensor *tensor;  /* compute copy (owned) */
+    float *master;        /* fp32 master (owned) or NULL when tensor is f32 */
+    void *grad;           /* main_grad (f32) or gradient in grad_dtype (owned) */
+    loom_dtype grad_dtype;
+    int master_grad;      /* 1: grad is the fp32 main_grad */
+    int trainable;        /* 0: frozen, receives no gradient */
+    int no_weight_decay;  /* norms and biases: AdamW skips decay */
+    int uses;             /* forward uses recorded since the last zero_grad */
+    int contributions;    /* gradient accumulations since the last zero_grad */
+    int grad_written;     /* any contribution since the last zero_grad */
+    /* tensor parallel: which dimension is split across ranks (-1: none) */
+    int tp_split_dim;
+};
+
+/* Create a parameter of the given shape, zero-initialised, with compute dtype
+ * dt. With master_grad = 1 the gradient is an fp32 main_grad; with 0 it has
+ * dtype dt. Free with loom_param_free. */
+loom_status loom_param_new(const char *name, loom_dtype dt, int ndim, const int64_t *shape,
+                           int master_grad, loom_param **out);
+void loom_param_free(loom_param *p);
+static inline int64_t loom_param_numel(const loom_param *p) { return loom_tensor_numel(p->tensor); }
+/* The fp32 master values (borrowed): `master`, or the compute copy when the
+ * compute dtype is f32. */
+float *loom_param_master(loom_param *p);
+/* Set master and compute copy from n floats (n must equal numel). */
+loom_status loom_param_set_f32(loom_param *p, const float *src, int64_t n);
+/* Refresh the compute copy from the master (after an optimizer step). */
+void loom_param_sync_from_master(loom_param *p);
+/* Zero the gradient and the audit counters. */
+void loom_param_zero_grad(loom_param *p);
+/* The buffer gradients accumulate into, for a function that writes its
+ * gradient directly (e.g. a GEMM with beta = 1 into main_grad). Counts one
+ * contribution. The buffer is borrowed; *dt is f32 for main_grad. */
+void *loom_param_grad_target(loom_param *p, loom_dtype *dt);
+/* Accumulate a gradient tensor g (any dtype, p's shape) into p. Counts one
+ * contribution. */
+loom_status loom_param_accumulate(loom_param *p, const loom_tensor *g);
+/* Copy p's gradient out as n floats. */
+void loom_param_read_grad(const loom_param *p, float *dst);
+
+/* ----------------------------------------------------- function interface */
+
+typedef struct loom_fn_ctx loom_fn_ctx;
+
+/* Flags of a function. */
+enum {
+    /* The selective recompute policy of loom_recompute_policy_default keeps
+     * this op's saved tensors (expensive ops like GEMMs). */
+    LOOM_FN_EXPENSIVE = 1u << 0,
+    /* Parameters among the inputs are not counted as uses (the op does not
+     * itself produce their gradient; e.g. a reentrant checkpoint region). */
+    LOOM_FN_PASS_THROUGH_PARAMS = 1u << 1,
+};
+
+/* One differentiable operation. Built-in ops are loom_functions too.
+ *
+ * forward: read `inputs` (entries may be NULL for absent optional inputs),
+ *   create every output (new references, stored into outputs[0..n_outputs)),
+ *   call loom_ctx_save for what backward needs. Non-tensor arguments come
+ *   from loom_ctx_args. Return LOOM_OK or an error.
+ * backward: given grad_outputs (one per output, never NULL: an output that
+ *   received no gradient gets zeros), store into grad_inputs[i] a new
+ *   reference to the gradient of input i, or leave it NULL (no gradient, or
+ *   the function accumulated into a parameter itself through
+ *   loom_param_grad_target). A gradient's shape must equal the input's.
+ * n_inputs / n_outputs: the counts the function expects (-1: any).
+ */
+typedef struct loom_function {
+    const char *name;
+    int n_inputs;
+    int n_outputs;
+    unsigned flags;
+    loom_status (*forward)(loom_fn_ctx *ctx, loom_tensor *const *inputs, int n_inputs,
+                           loom_tensor **outputs, int n_outputs);
+    loom_status (*backward)(loom_fn_ctx *ctx, loom_tensor *const *grad_outputs, int n_outputs,
+                            loom_tensor **grad_inputs, int n_inputs);
+} loom_function;
+
+/* Run fn on inputs, producing n_outputs new tensor references in outputs.
+ * `args` (args_size bytes, may be NULL) are copied into the ctx and are
+ * readable in forward and backward. The call is recorded on the tape when
+ * gradients are enabled and any input needs a gradient (or fn has
+ * LOOM_FN_PASS_THROUGH_PARAMS). On error no output is returned. */
+loom_status loom_function_apply(const loom_function *fn, loom_tensor *const *inputs, int n_inputs,
+                                loom_tensor **outputs, int n_outputs, const void *args,
+                                size_t args_size);
+
+/* Save tensors for backward. Any mix of activations, parameters' tensors
+ * and NULL, in any order; may be called more than once (slots append).
+ * A parameter is saved by reference: loom_ctx_saved gives back the very
+ * same loom_tensor (and its loom_param) in every recompute mode. Inside a
+ * recomputed region, activations may be dropped and recomputed later. */
+loom_status loom_ctx_save(loom_fn_ctx *ctx, loom_tensor *const *tensors, int n);
+/* The i-th saved slot (borrowed): *out is NULL for a NULL slot. Errors:
+ * index out of range, or the saved tensors were already freed (a second
+ * backward), or a recompute replay failed its determinism check. */
+loom_status loom_ctx_saved(loom_fn_ctx *ctx, int i, loom_tensor **out);
+int loom_ctx_n_saved(const loom_fn_ctx *ctx);
+/* The args blob given to loom_function_apply (borrowed; NULL if none). */
+const void *loom_ctx_args(const loom_fn_ctx *ctx);
+/* Small per-call state that forward may write and backward read (zeroed,
+ * at most 256 bytes, kept with the ctx). */
+void *loom_ctx_state(loom_fn_ctx *ctx, size_t bytes);
+/* Whether input i needs a gradient (an op may skip computing it). */
+int loom_ctx_needs_input_grad(const loom_fn_ctx *ctx, int i);
+/* Whether this forward call is a recompute replay (its outputs will be
+ * discarded; only what it saves matters). */
+int loom_ctx_is_replay(const loom_fn_ctx *ctx);
+
+/* ------------------------------------------------------------- backward */
+
+/* Backpropagate from a scalar loss with initial gradient `seed` (1, or the
+ * loss scale for fp16). Walks and then frees the current tape. */
+loom_status loom_backward(loom_tensor *loss, float seed);
+/* Backpropagate from several tensors with the given gradients (each
+ * grads[i] has tensors[i]'s shape; NULL entries are skipped). */
+loom_status loom_backward_multi(loom_tensor *const *tensors, loom_tensor *const *grads, int n);
+
+/* Whether t needs a gradient: it has a live producer node, is a trainable
+ * parameter's tensor, or is a leaf marked with loom_tensor_set_requires_grad. */
+int loom_tensor_requires_grad(const loom_tensor *t);
+/* Mark a leaf (no producer, not a parameter) to collect its gradient in
+ * t->grad during backward. */
+loom_status loom_tensor_set_requires_grad(loom_tensor *t, int on);
+
+/* No-grad scopes nest; ops inside record nothing. */
+void loom_no_grad_enter(void);
+void loom_no_grad_exit(void);
+int loom_grad_enabled(void);
+
+/* Tapes nest (a reentrant recompute replays onto its own tape). */
+void loom_tape_push(void);
+void loom_tape_pop(void);
+/* Nodes recorded on the current tape and not yet freed. */
+int loom_tape_size(void);
+/* Free the current tape's nodes without backward (e.g. after an evaluation
+ * forward that recorded a graph). */
+void loom_tape_clear(void);
+
+/* --------------------------------------------------------- gradient audit */
+
+/* After backward: checks that every trainable parameter received exactly as
+ * many gradient contributions as it had recorded uses, and that none was
+ * left unwritten. Returns LOOM_OK, or LOOM_ERR_STATE with a message naming
+ * every offending parameter (also written to `report` when not NULL). */
+loom_status loom_grad_audit(loom_param *const *params, int n, char *report, size_t report_size);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

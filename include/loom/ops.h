@@ -1,0 +1,82 @@
+/*
+ * loom/ops.h — built-in differentiable ops. Each is a loom_function applied
+ * through loom_function_apply, the same interface user code uses.
+ *
+ * Conventions: every op returns a status and, on success, a new tensor
+ * reference in *out (release it with loom_tensor_release). Inputs are
+ * borrowed. Activations keep the dtype of their inputs; internal math
+ * (statistics, softmax, loss, reductions) is fp32. Row-wise ops treat the
+ * last dimension as C and all leading dimensions as rows. Shapes are checked
+ * and a mismatch is LOOM_ERR_INVALID with both shapes in the message.
+ */
+#ifndef LOOM_OPS_H
+#define LOOM_OPS_H
+
+#include "loom/autograd.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------ element-wise */
+
+loom_status loom_add(loom_tensor *a, loom_tensor *b, loom_tensor **out);   /* same shape */
+loom_status loom_mul(loom_tensor *a, loom_tensor *b, loom_tensor **out);   /* same shape */
+loom_status loom_scale(loom_tensor *a, float s, loom_tensor **out);
+loom_status loom_silu(loom_tensor *x, loom_tensor **out);
+/* silu(gate) * up */
+loom_status loom_swiglu(loom_tensor *gate, loom_tensor *up, loom_tensor **out);
+/* Inverted dropout with probability p, driven by the default RNG
+ * (loom_rng_default): the mask is regenerated in backward from the
+ * (seed, offset) reserved in forward, never stored. */
+loom_status loom_dropout(loom_tensor *x, float p, loom_tensor **out);
+/* Convert to dtype dt (gradient converted back). */
+loom_status loom_cast(loom_tensor *x, loom_dtype dt, loom_tensor **out);
+/* Differentiable reshape of a contiguous tensor (shares storage). */
+loom_status loom_reshape(loom_tensor *x, int ndim, const int64_t *shape, loom_tensor **out);
+/* Sum of all elements as a 1-element f32 tensor. */
+loom_status loom_sum(loom_tensor *x, loom_tensor **out);
+
+/* ----------------------------------------------------------------- linear */
+
+/* out = x · w^T: x (..., K), w (M, K), out (..., M). The weight gradient is
+ * returned to the engine as a tensor (which accumulates it into the
+ * parameter). See loom/nn.h for the fused linear that accumulates straight
+ * into main_grad. */
+loom_status loom_matmul(loom_tensor *x, loom_tensor *w, loom_tensor **out);
+/* out = x + b with b (C) broadcast over the rows of x (..., C). */
+loom_status loom_add_bias(loom_tensor *x, loom_tensor *b, loom_tensor **out);
+
+/* The GEMM kernel, for user functions: row-major
+ * C[M,N] = alpha * op(A) · op(B) + beta * C (+ bias[N]); A and B of dtype
+ * ab_dt, C of dtype c_dt (f32 or ab_dt), fp32 accumulation. beta = 1
+ * accumulates into C. */
+loom_status loom_gemm(int trans_a, int trans_b, int M, int N, int K, float alpha,
+                      const void *A, int lda, const void *B, int ldb, loom_dtype ab_dt,
+                      float beta, void *C, int ldc, loom_dtype c_dt,
+                      const void *bias, loom_dtype bias_dt);
+
+/* ------------------------------------------------------------- LLaMA ops */
+
+/* RMSNorm over the last dimension with weight w (C). */
+loom_status loom_rmsnorm(loom_tensor *x, loom_tensor *w, float eps, loom_tensor **out);
+/* Rotary embedding, Hugging Face rotate-half convention, on x of shape
+ * (B, T, NH, HS); position of x[:, t] is pos0 + t. */
+loom_status loom_rope(loom_tensor *x, float theta, int pos0, loom_tensor **out);
+/* Causal grouped-query attention: q (B, T, NH, HS), k and v (B, T, NKV, HS)
+ * with NH % NKV == 0; out (B, T, NH, HS). Flash-style kernel: nothing of
+ * size T x T is stored. */
+loom_status loom_attention(loom_tensor *q, loom_tensor *k, loom_tensor *v, loom_tensor **out);
+/* out[i] = table[tokens[i]]: table (V, C), n tokens (copied), out (n, C).
+ * A token outside [0, V) is LOOM_ERR_INVALID. */
+loom_status loom_embedding(loom_tensor *table, const int32_t *tokens, int n, loom_tensor **out);
+/* Mean softmax cross-entropy over the rows of logits (N, V) whose target is
+ * not ignore_index; a 1-element f32 tensor. Targets are copied. A target
+ * outside [0, V) (other than ignore_index) is LOOM_ERR_INVALID. */
+loom_status loom_cross_entropy(loom_tensor *logits, const int32_t *targets, int n, int ignore_index,
+                               loom_tensor **out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,102 @@
+/*
+ * internal.h — autograd's private structures: the ctx with its saved slots,
+ * nodes, and the saved-tensor hooks through which the recompute layer
+ * (above) drops and replays activations.
+ *
+ * The parameter rule lives here, below any hook: loom_ctx_save stores a
+ * parameter's tensor and NULL directly; only activations ever reach a pack
+ * hook. That is what keeps a saved parameter the very same object, with its
+ * main_grad, in every recompute mode.
+ */
+#ifndef LOOM_AUTOGRAD_INTERNAL_H
+#define LOOM_AUTOGRAD_INTERNAL_H
+
+#include "loom/autograd.h"
+
+typedef enum slot_kind {
+    SLOT_NULL = 0,
+    SLOT_PARAM,   /* t: the parameter's tensor (a reference) */
+    SLOT_TENSOR,  /* t: an activation (a reference) */
+    SLOT_PACKED,  /* handle: owned by `hooks` (e.g. a recompute placeholder) */
+} slot_kind;
+
+typedef struct saved_hooks saved_hooks;
+
+typedef struct saved_slot {
+    slot_kind kind;
+    loom_tensor *t;
+    void *handle;
+    saved_hooks *hooks;
+} saved_slot;
+
+#define CTX_STATE_BYTES 256
+
+struct loom_fn_ctx {
+    const loom_function *fn;
+    saved_slot *slots;
+    int n_slots, cap_slots;
+    void *args;
+    size_t args_size;
+    int n_inputs;
+    unsigned char *needs_grad;  /* per input */
+    int replay;                 /* forward of a recompute replay */
+    int discard;                /* saves are dropped (not recorded) */
+    int keep_saved;             /* selective policy: store activations as they are */
+    int freed;                  /* saved slots already released */
+    saved_hooks *hooks;         /* hooks in force during forward */
+    _Alignas(16) unsigned char state[CTX_STATE_BYTES];
+};
+
+/* The recompute layer's hooks (a stack, thread-local). */
+struct saved_hooks {
+    void *self;
+    /* Returns 1 when the call is a replay: the hooks take its saves through
+     * pack and nothing is recorded. */
+    int replaying;
+    /* Before forward of every call made while grad is enabled. `recorded`
+     * says whether the call will be recorded. May fill outputs itself and
+     * return 1 to skip forward (a kept op in a selective replay). May set
+     * ctx->keep_saved. */
+    int (*before_forward)(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor **outputs, int n_outputs);
+    /* After forward produced outputs (not called when before_forward skipped it). */
+    void (*after_forward)(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor **outputs, int n_outputs);
+    /* An activation saved in ctx: return a handle (the slot becomes PACKED)
+     * or NULL to store the tensor itself. */
+    void *(*pack)(void *self, loom_fn_ctx *ctx, loom_tensor *t);
+    loom_status (*unpack)(void *handle, loom_tensor **out); /* borrowed result */
+    void (*drop)(void *handle);
+};
+
+void autograd_hooks_push(saved_hooks *h);
+void autograd_hooks_pop(void);
+saved_hooks *autograd_hooks_top(void);
+
+/* An input edge of a node: where its gradient goes. */
+typedef struct edge {
+    loom_node *node;     /* producer (a reference) … */
+    int index;           /* … and its output index */
+    loom_param *param;   /* or a trainable parameter */
+    loom_tensor *leaf;   /* or a leaf collecting t->grad (a reference) */
+    int64_t shape[LOOM_MAX_DIMS];
+    int ndim;
+} edge;
+
+struct loom_node {
+    loom_object obj;          /* refcount: the tape + each output tensor */
+    const loom_function *fn;
+    loom_fn_ctx *ctx;
+    int n_inputs, n_outputs;
+    edge *inputs;
+    loom_tensor **grad_out;   /* accumulated output gradients */
+    int64_t (*out_shape)[LOOM_MAX_DIMS];
+    int *out_ndim;
+    loom_dtype *out_dtype;
+    int released;             /* backward done or tape cleared */
+    long seq;                 /* position on the tape */
+};
+
+loom_fn_ctx *ctx_new(const loom_function *fn, int n_inputs, const void *args, size_t args_size);
+void ctx_free_saved(loom_fn_ctx *ctx);
+void ctx_free(loom_fn_ctx *ctx);
+
+#endif

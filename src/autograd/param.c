@@ -1,0 +1,131 @@
+/*
+ * param.c — parameters: compute copy, fp32 master, gradient (main_grad in
+ * fp32 or a gradient in the compute dtype), and the gradient audit.
+ * Must never: assign a gradient (only accumulate), or hand out a gradient
+ * buffer without counting the contribution.
+ */
+#include "internal.h"
+#include "kernels/kernels.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+loom_status loom_param_new(const char *name, loom_dtype dt, int ndim, const int64_t *shape,
+                           int master_grad, loom_param **out) {
+    *out = NULL;
+    loom_param *p = calloc(1, sizeof *p);
+    if (!p) return loom_error(LOOM_ERR_NOMEM, "parameter '%s': out of memory", name);
+    snprintf(p->name, sizeof p->name, "%s", name);
+    p->tensor = loom_tensor_zeros(dt, ndim, shape, LOOM_MEM_PARAMS);
+    if (!p->tensor) {
+        free(p);
+        return LOOM_ERR_NOMEM;
+    }
+    p->tensor->param = p;
+    size_t n = (size_t)loom_tensor_numel(p->tensor);
+    if (dt != LOOM_F32) {
+        p->master = loom_alloc_zeroed(n * sizeof(float), LOOM_MEM_PARAMS);
+        if (!p->master) { loom_param_free(p); return LOOM_ERR_NOMEM; }
+    }
+    p->master_grad = master_grad;
+    p->grad_dtype = master_grad ? LOOM_F32 : dt;
+    p->grad = loom_alloc_zeroed(n * loom_dtype_size(p->grad_dtype), LOOM_MEM_GRADS);
+    if (!p->grad) { loom_param_free(p); return LOOM_ERR_NOMEM; }
+    p->trainable = 1;
+    p->tp_split_dim = -1;
+    *out = p;
+    return LOOM_OK;
+}
+
+void loom_param_free(loom_param *p) {
+    if (!p) return;
+    if (p->tensor) {
+        p->tensor->param = NULL;
+        loom_tensor_release(p->tensor);
+    }
+    loom_free(p->master);
+    loom_free(p->grad);
+    free(p);
+}
+
+float *loom_param_master(loom_param *p) {
+    return p->master ? p->master : (float *)loom_tensor_data(p->tensor);
+}
+
+loom_status loom_param_set_f32(loom_param *p, const float *src, int64_t n) {
+    if (n != loom_param_numel(p))
+        return loom_error(LOOM_ERR_INVALID, "parameter '%s': %lld values given, it has %lld", p->name,
+                          (long long)n, (long long)loom_param_numel(p));
+    memcpy(loom_param_master(p), src, (size_t)n * sizeof(float));
+    loom_param_sync_from_master(p);
+    return LOOM_OK;
+}
+
+void loom_param_sync_from_master(loom_param *p) {
+    if (p->master)
+        loom_convert(loom_tensor_data(p->tensor), p->tensor->dtype, p->master, LOOM_F32,
+                     (size_t)loom_param_numel(p));
+}
+
+void loom_param_zero_grad(loom_param *p) {
+    memset(p->grad, 0, (size_t)loom_param_numel(p) * loom_dtype_size(p->grad_dtype));
+    p->uses = 0;
+    p->contributions = 0;
+    p->grad_written = 0;
+}
+
+void *loom_param_grad_target(loom_param *p, loom_dtype *dt) {
+    p->contributions++;
+    p->grad_written = 1;
+    *dt = p->grad_dtype;
+    return p->grad;
+}
+
+loom_status loom_param_accumulate(loom_param *p, const loom_tensor *g) {
+    char a[96], b[96];
+    if (!loom_tensor_same_shape(g, p->tensor))
+        return loom_error(LOOM_ERR_INVALID, "parameter '%s' of shape %s received a gradient of shape %s",
+                          p->name, loom_tensor_describe(p->tensor, a, sizeof a),
+                          loom_tensor_describe(g, b, sizeof b));
+    loom_tensor *c = loom_tensor_contiguous((loom_tensor *)g, LOOM_MEM_WORKSPACE);
+    if (!c) return LOOM_ERR_NOMEM;
+    loom_dtype dt;
+    void *dst = loom_param_grad_target(p, &dt);
+    accumulate(dst, dt, loom_tensor_data(c), c->dtype, 1.0f, (size_t)loom_param_numel(p));
+    loom_tensor_release(c);
+    return LOOM_OK;
+}
+
+void loom_param_read_grad(const loom_param *p, float *dst) {
+    loom_convert(dst, LOOM_F32, p->grad, p->grad_dtype, (size_t)loom_param_numel(p));
+}
+
+loom_status loom_grad_audit(loom_param *const *params, int n, char *report, size_t report_size) {
+    char local[4096];
+    char *buf = report ? report : local;
+    size_t cap = report ? report_size : sizeof local, k = 0;
+    int bad = 0;
+    if (cap) buf[0] = '\0';
+    for (int i = 0; i < n; i++) {
+        const loom_param *p = params[i];
+        if (!p->trainable) continue;
+        const char *why = NULL;
+        char detail[128];
+        if (!p->grad_written) {
+            why = detail;
+            snprintf(detail, sizeof detail, "gradient never written (%d recorded uses)", p->uses);
+        } else if (p->contributions != p->uses) {
+            why = detail;
+            snprintf(detail, sizeof detail, "%d gradient contributions for %d recorded uses",
+                     p->contributions, p->uses);
+        }
+        if (!why) continue;
+        bad++;
+        if (k < cap) {
+            int w = snprintf(buf + k, cap - k, "%s%s: %s", bad > 1 ? "; " : "", p->name, why);
+            if (w > 0) k += (size_t)w;
+        }
+    }
+    if (!bad) return LOOM_OK;
+    return loom_error(LOOM_ERR_STATE, "gradient audit failed for %d parameter(s): %s", bad, buf);
+}

@@ -1,0 +1,111 @@
+/*
+ * fused_linear.c — the fused linear layer, written only with loom's public
+ * function interface, exactly as a user would write a custom op.
+ *
+ *   forward:  y = x · W^T (+ b)            one GEMM with the bias fused
+ *   backward: dx = dy · W                  one GEMM
+ *             main_grad(W) += dy^T · x     one GEMM, beta = 1, fp32 accumulate,
+ *                                          no temporary dW
+ *             grad(b) += sum_rows(dy)      fp32 reduction
+ *
+ * It saves (x, W, b) with b possibly NULL. In backward the saved W is the
+ * parameter itself (loom_tensor_param(W) != NULL) in every recompute mode,
+ * which is how dW reaches main_grad.
+ */
+#include "loom/loom.h"
+
+#include <stdlib.h>
+
+static int64_t last_dim(const loom_tensor *t) { return t->shape[t->ndim - 1]; }
+static int64_t rows(const loom_tensor *t) { return loom_tensor_numel(t) / last_dim(t); }
+
+static loom_status fused_linear_forward(loom_fn_ctx *ctx, loom_tensor *const *in, int n_in, loom_tensor **out,
+                                        int n_out) {
+    (void)n_in; (void)n_out;
+    loom_tensor *x = in[0], *w = in[1], *b = in[2];
+    int K = (int)last_dim(x), N = (int)rows(x), M = (int)w->shape[0];
+    int64_t shape[LOOM_MAX_DIMS];
+    memcpy(shape, x->shape, sizeof shape);
+    shape[x->ndim - 1] = M;
+    out[0] = loom_tensor_new(x->dtype, x->ndim, shape, LOOM_MEM_ACTIVATIONS); /* (..., M) */
+    if (!out[0]) return LOOM_ERR_NOMEM;
+    LOOM_TRY(loom_gemm(0, 1, N, M, K, 1.0f, loom_tensor_data(x), K, loom_tensor_data(w), K, x->dtype, 0.0f,
+                       loom_tensor_data(out[0]), M, x->dtype, b ? loom_tensor_data(b) : NULL, x->dtype));
+    return loom_ctx_save(ctx, in, 3); /* (x, W, b), b may be NULL */
+}
+
+/* grad(b) += sum over rows of dy, reduced in fp32 first. */
+static loom_status bias_grad(loom_tensor *b, const loom_tensor *dy, loom_tensor **gin) {
+    int M = (int)last_dim(dy), N = (int)rows(dy);
+    float *db = calloc((size_t)M, sizeof *db); /* (M) */
+    if (!db) return loom_error(LOOM_ERR_NOMEM, "fused_linear: out of memory");
+    const void *g = loom_tensor_data(dy);
+    for (int r = 0; r < N; r++)
+        for (int j = 0; j < M; j++) db[j] += loom_load(g, (size_t)r * (size_t)M + (size_t)j, dy->dtype);
+    loom_param *p = loom_tensor_param(b);
+    if (p) {
+        loom_dtype dt;
+        void *dst = loom_param_grad_target(p, &dt);
+        for (int j = 0; j < M; j++) loom_store(dst, (size_t)j, dt, loom_load(dst, (size_t)j, dt) + db[j]);
+    } else {
+        *gin = loom_tensor_from_f32(db, b->dtype, 1, b->shape, LOOM_MEM_ACTIVATIONS);
+    }
+    free(db);
+    return (p || *gin) ? LOOM_OK : LOOM_ERR_NOMEM;
+}
+
+static loom_status fused_linear_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, int n_out, loom_tensor **gin,
+                                         int n_in) {
+    (void)n_out; (void)n_in;
+    loom_tensor *x, *w, *b;
+    LOOM_TRY(loom_ctx_saved(ctx, 0, &x));
+    LOOM_TRY(loom_ctx_saved(ctx, 1, &w));
+    LOOM_TRY(loom_ctx_saved(ctx, 2, &b));
+    loom_tensor *dy = gout[0]; /* (..., M) */
+    int K = (int)last_dim(x), N = (int)rows(x), M = (int)w->shape[0];
+    if (loom_ctx_needs_input_grad(ctx, 0)) {
+        gin[0] = loom_tensor_new(x->dtype, x->ndim, x->shape, LOOM_MEM_ACTIVATIONS);
+        if (!gin[0]) return LOOM_ERR_NOMEM;
+        LOOM_TRY(loom_gemm(0, 0, N, K, M, 1.0f, loom_tensor_data(dy), M, loom_tensor_data(w), K, x->dtype, 0.0f,
+                           loom_tensor_data(gin[0]), K, x->dtype, NULL, LOOM_F32));
+    }
+    if (loom_ctx_needs_input_grad(ctx, 1)) {
+        loom_param *p = loom_tensor_param(w);
+        if (p) {
+            /* dW accumulates straight into the parameter's gradient (fp32
+             * main_grad when master-grad is on): beta = 1, no temporary. */
+            loom_dtype dt;
+            void *dst = loom_param_grad_target(p, &dt);
+            LOOM_TRY(loom_gemm(1, 0, M, K, N, 1.0f, loom_tensor_data(dy), M, loom_tensor_data(x), K, x->dtype, 1.0f,
+                               dst, K, dt, NULL, LOOM_F32));
+        } else {
+            gin[1] = loom_tensor_new(LOOM_F32, 2, w->shape, LOOM_MEM_ACTIVATIONS);
+            if (!gin[1]) return LOOM_ERR_NOMEM;
+            LOOM_TRY(loom_gemm(1, 0, M, K, N, 1.0f, loom_tensor_data(dy), M, loom_tensor_data(x), K, x->dtype, 0.0f,
+                               loom_tensor_data(gin[1]), K, LOOM_F32, NULL, LOOM_F32));
+        }
+    }
+    if (b && loom_ctx_needs_input_grad(ctx, 2)) LOOM_TRY(bias_grad(b, dy, &gin[2]));
+    return LOOM_OK;
+}
+
+static const loom_function fused_linear_function = {
+    "fused_linear", 3, 1, LOOM_FN_EXPENSIVE, fused_linear_forward, fused_linear_backward,
+};
+
+const loom_function *loom_fused_linear_function(void) { return &fused_linear_function; }
+
+loom_status loom_fused_linear(loom_tensor *x, loom_tensor *w, loom_tensor *b, loom_tensor **out) {
+    char d1[96], d2[96];
+    *out = NULL;
+    if (!x || !w) return loom_error(LOOM_ERR_INVALID, "fused_linear: x and w are required");
+    if (!loom_tensor_is_contiguous(x) || !loom_tensor_is_contiguous(w) || (b && !loom_tensor_is_contiguous(b)))
+        return loom_error(LOOM_ERR_INVALID, "fused_linear: x, w and b must be contiguous");
+    if (w->ndim != 2 || x->ndim < 1 || last_dim(x) != w->shape[1] || x->dtype != w->dtype ||
+        (b && (b->ndim != 1 || b->shape[0] != w->shape[0] || b->dtype != w->dtype)))
+        return loom_error(LOOM_ERR_INVALID, "fused_linear: x %s does not fit w %s (need x (..., K), w (M, K), "
+                          "b (M), one dtype)", loom_tensor_describe(x, d1, sizeof d1),
+                          loom_tensor_describe(w, d2, sizeof d2));
+    loom_tensor *in[3] = {x, w, b};
+    return loom_function_apply(&fused_linear_function, in, 3, out, 1, NULL, 0);
+}

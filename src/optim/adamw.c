@@ -1,0 +1,92 @@
+/*
+ * adamw.c — AdamW on fp32 masters. Owns the moments (LOOM_MEM_OPTIMIZER).
+ * Must never: update a frozen parameter, or leave the compute copy stale
+ * after a step.
+ */
+#include "loom/optim.h"
+#include "kernels/kernels.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+struct loom_adamw {
+    loom_adamw_config cfg;
+    loom_param **params;
+    float **m, **v;
+    int n;
+    int steps;
+};
+
+loom_adamw_config loom_adamw_defaults(void) {
+    loom_adamw_config c = {0.9f, 0.95f, 1e-8f, 0.1f};
+    return c;
+}
+
+loom_status loom_adamw_new(const loom_adamw_config *cfg, loom_param *const *params, int n, loom_adamw **out) {
+    *out = NULL;
+    loom_adamw *o = calloc(1, sizeof *o);
+    if (!o) return loom_error(LOOM_ERR_NOMEM, "adamw: out of memory");
+    o->cfg = *cfg;
+    o->n = n;
+    o->params = calloc((size_t)(n ? n : 1), sizeof *o->params);
+    o->m = calloc((size_t)(n ? n : 1), sizeof *o->m);
+    o->v = calloc((size_t)(n ? n : 1), sizeof *o->v);
+    if (!o->params || !o->m || !o->v) { loom_adamw_free(o); return loom_error(LOOM_ERR_NOMEM, "adamw: out of memory"); }
+    for (int i = 0; i < n; i++) {
+        o->params[i] = params[i];
+        size_t bytes = (size_t)loom_param_numel(params[i]) * sizeof(float);
+        o->m[i] = loom_alloc_zeroed(bytes, LOOM_MEM_OPTIMIZER);
+        o->v[i] = loom_alloc_zeroed(bytes, LOOM_MEM_OPTIMIZER);
+        if (!o->m[i] || !o->v[i]) { loom_adamw_free(o); return LOOM_ERR_NOMEM; }
+    }
+    *out = o;
+    return LOOM_OK;
+}
+
+void loom_adamw_free(loom_adamw *o) {
+    if (!o) return;
+    for (int i = 0; i < o->n; i++) {
+        if (o->m) loom_free(o->m[i]);
+        if (o->v) loom_free(o->v[i]);
+    }
+    free(o->params);
+    free(o->m);
+    free(o->v);
+    free(o);
+}
+
+loom_status loom_adamw_step(loom_adamw *o, float lr, float grad_multiplier) {
+    o->steps++;
+    for (int i = 0; i < o->n; i++) {
+        loom_param *p = o->params[i];
+        if (!p->trainable) continue;
+        size_t n = (size_t)loom_param_numel(p);
+        const float *g = p->grad;
+        float *tmp = NULL;
+        if (p->grad_dtype != LOOM_F32) {
+            tmp = loom_alloc(n * sizeof(float), LOOM_MEM_WORKSPACE);
+            if (!tmp) return LOOM_ERR_NOMEM;
+            loom_convert(tmp, LOOM_F32, p->grad, p->grad_dtype, n);
+            g = tmp;
+        }
+        float wd = p->no_weight_decay ? 0.0f : o->cfg.weight_decay;
+        adamw_step(loom_param_master(p), o->m[i], o->v[i], g, n, lr, o->cfg.beta1, o->cfg.beta2, o->cfg.eps, wd,
+                   o->steps, grad_multiplier);
+        loom_free(tmp);
+        loom_param_sync_from_master(p);
+    }
+    return LOOM_OK;
+}
+
+int loom_adamw_steps(const loom_adamw *o) { return o->steps; }
+float *loom_adamw_m(loom_adamw *o, int i) { return o->m[i]; }
+float *loom_adamw_v(loom_adamw *o, int i) { return o->v[i]; }
+void loom_adamw_set_steps(loom_adamw *o, int steps) { o->steps = steps; }
+
+float loom_lr_cosine(int step, int warmup, int total, float max_lr, float min_lr) {
+    if (warmup > 0 && step < warmup) return max_lr * (float)(step + 1) / (float)warmup;
+    if (step >= total) return min_lr;
+    double progress = (double)(step - warmup) / (double)(total - warmup > 0 ? total - warmup : 1);
+    double c = 0.5 * (1.0 + cos(M_PI * progress));
+    return min_lr + (float)c * (max_lr - min_lr);
+}

@@ -1,0 +1,154 @@
+/*
+ * checkpoint.c — loom_checkpoint: mode dispatch and the reentrant region.
+ *
+ * The reentrant region is a loom_function like any op: its forward runs the
+ * region without recording and saves the inputs; its backward replays the
+ * region onto a nested tape (same RNG offset) and runs a nested backward.
+ * Parameters passed as inputs are handed to the replay as themselves, so
+ * their gradients reach the real main_grad, never a copy.
+ */
+#include "recompute/internal.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <strings.h>
+
+
+
+static int keep_expensive(void *user, const loom_function *fn) {
+    (void)user;
+    return (fn->flags & LOOM_FN_EXPENSIVE) != 0;
+}
+
+const loom_recompute_policy loom_recompute_policy_default = {keep_expensive, NULL};
+
+const char *loom_recompute_mode_name(loom_recompute_mode m) {
+    switch (m) {
+    case LOOM_RECOMPUTE_NONE: return "none";
+    case LOOM_RECOMPUTE_REENTRANT: return "reentrant";
+    case LOOM_RECOMPUTE_NONREENTRANT: return "nonreentrant";
+    case LOOM_RECOMPUTE_SELECTIVE: return "selective";
+    }
+    return "?";
+}
+
+loom_status loom_recompute_mode_parse(const char *s, loom_recompute_mode *out) {
+    if (!strcasecmp(s, "none")) *out = LOOM_RECOMPUTE_NONE;
+    else if (!strcasecmp(s, "reentrant")) *out = LOOM_RECOMPUTE_REENTRANT;
+    else if (!strcasecmp(s, "nonreentrant") || !strcasecmp(s, "non-reentrant")) *out = LOOM_RECOMPUTE_NONREENTRANT;
+    else if (!strcasecmp(s, "selective")) *out = LOOM_RECOMPUTE_SELECTIVE;
+    else return loom_error(LOOM_ERR_INVALID, "unknown recompute mode '%s': use none, reentrant, nonreentrant or selective", s);
+    return LOOM_OK;
+}
+
+/* ------------------------------------------------------ reentrant region */
+
+typedef struct reentrant_args {
+    loom_region_fn fn;
+    void *user;
+} reentrant_args;
+
+typedef struct reentrant_state {
+    loom_rng rng_start;
+} reentrant_state;
+
+static loom_status reentrant_forward(loom_fn_ctx *ctx, loom_tensor *const *inputs, int n_inputs,
+                                     loom_tensor **outputs, int n_outputs) {
+    const reentrant_args *a = loom_ctx_args(ctx);
+    reentrant_state *s = loom_ctx_state(ctx, sizeof *s);
+    s->rng_start = *loom_rng_default();
+    loom_no_grad_enter();
+    loom_status st = a->fn(a->user, inputs, n_inputs, outputs, n_outputs);
+    loom_no_grad_exit();
+    if (st != LOOM_OK) return st;
+    for (int i = 0; i < n_outputs; i++) {
+        if (!outputs[i])
+            return loom_error(LOOM_ERR_INVALID, "checkpoint (reentrant): output %d is NULL; a reentrant "
+                              "region must produce every output it declares", i);
+    }
+    return loom_ctx_save(ctx, inputs, n_inputs);
+}
+
+static loom_status reentrant_backward(loom_fn_ctx *ctx, loom_tensor *const *grad_outputs, int n_outputs,
+                                      loom_tensor **grad_inputs, int n_inputs) {
+    const reentrant_args *a = loom_ctx_args(ctx);
+    const reentrant_state *s = loom_ctx_state(ctx, sizeof *s);
+    loom_tensor *in_local[16], *out_local[16];
+    loom_tensor **in = n_inputs <= 16 ? in_local : calloc((size_t)n_inputs, sizeof *in);
+    loom_tensor **out = n_outputs <= 16 ? out_local : calloc((size_t)n_outputs, sizeof *out);
+    loom_status st = (in && out) ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
+    for (int i = 0; i < n_inputs; i++) if (in) in[i] = NULL;
+    for (int i = 0; i < n_outputs; i++) if (out) out[i] = NULL;
+    /* Fresh leaves for activations; parameters stay themselves. */
+    for (int i = 0; i < n_inputs && st == LOOM_OK; i++) {
+        loom_tensor *t;
+        st = loom_ctx_saved(ctx, i, &t);
+        if (st != LOOM_OK || !t) continue;
+        if (t->param) {
+            in[i] = loom_tensor_retain(t);
+            continue;
+        }
+        in[i] = loom_tensor_detach(t);
+        if (!in[i]) st = LOOM_ERR_NOMEM;
+        else in[i]->requires_grad = loom_ctx_needs_input_grad(ctx, i);
+    }
+    if (st == LOOM_OK) {
+        loom_tape_push();
+        loom_rng *rng = loom_rng_default(), saved_rng = *rng;
+        *rng = s->rng_start;
+        st = a->fn(a->user, in, n_inputs, out, n_outputs);
+        *rng = saved_rng;
+        if (st == LOOM_OK) {
+            int any = 0;
+            for (int k = 0; k < n_outputs; k++) any |= out[k] && loom_tensor_requires_grad(out[k]);
+            if (!any)
+                st = loom_error(LOOM_ERR_STATE, "checkpoint (reentrant): none of the region's outputs "
+                                "requires a gradient (no input or parameter used inside needs one); "
+                                "run the region under no-grad instead");
+            else
+                st = loom_backward_multi(out, grad_outputs, n_outputs);
+        }
+        loom_tape_pop();
+    }
+    for (int i = 0; i < n_inputs; i++) {
+        if (!in || !in[i]) continue;
+        if (st == LOOM_OK && !in[i]->param && in[i]->grad) grad_inputs[i] = loom_tensor_retain(in[i]->grad);
+        loom_tensor_release(in[i]);
+    }
+    for (int k = 0; k < n_outputs; k++) if (out) loom_tensor_release(out[k]);
+    if (in != in_local) free(in);
+    if (out != out_local) free(out);
+    return st;
+}
+
+static const loom_function reentrant_fn = {
+    "checkpoint_reentrant", -1, -1, LOOM_FN_PASS_THROUGH_PARAMS, reentrant_forward, reentrant_backward,
+};
+
+/* ------------------------------------------------------------------ entry */
+
+loom_status loom_checkpoint(loom_recompute_mode mode, loom_region_fn fn, void *user,
+                            loom_tensor *const *inputs, int n_inputs, loom_tensor **outputs,
+                            int n_outputs) {
+    if (!fn) return loom_error(LOOM_ERR_INVALID, "checkpoint: region function is NULL");
+    switch (mode) {
+    case LOOM_RECOMPUTE_NONE:
+        for (int i = 0; i < n_outputs; i++) outputs[i] = NULL;
+        return fn(user, inputs, n_inputs, outputs, n_outputs);
+    case LOOM_RECOMPUTE_NONREENTRANT:
+        return loom_checkpoint_policy(NULL, fn, user, inputs, n_inputs, outputs, n_outputs);
+    case LOOM_RECOMPUTE_SELECTIVE:
+        return loom_checkpoint_policy(&loom_recompute_policy_default, fn, user, inputs, n_inputs, outputs,
+                                      n_outputs);
+    case LOOM_RECOMPUTE_REENTRANT: {
+        if (!loom_grad_enabled()) {
+            for (int i = 0; i < n_outputs; i++) outputs[i] = NULL;
+            return fn(user, inputs, n_inputs, outputs, n_outputs);
+        }
+        recompute_count_region();
+        reentrant_args a = {fn, user};
+        return loom_function_apply(&reentrant_fn, inputs, n_inputs, outputs, n_outputs, &a, sizeof a);
+    }
+    }
+    return loom_error(LOOM_ERR_INVALID, "checkpoint: unknown mode %d", (int)mode);
+}

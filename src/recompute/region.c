@@ -1,0 +1,313 @@
+/*
+ * region.c — non-reentrant and selective checkpoint regions.
+ *
+ * Owns: placeholders for activations saved inside a region, the region's
+ * replay (once, on first need, with the region's RNG offset restored), the
+ * selective policy's kept outputs, and the determinism check.
+ * Must never: see a parameter or a NULL slot (autograd stores those itself
+ * before any hook runs), or replay a region twice in one backward.
+ */
+#include "recompute/internal.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+static _Thread_local loom_recompute_stats stats;
+
+void loom_recompute_get_stats(loom_recompute_stats *out) { *out = stats; }
+void loom_recompute_reset_stats(void) { memset(&stats, 0, sizeof stats); }
+void recompute_count_region(void) { stats.regions++; }
+
+typedef struct saved_meta {
+    int ndim;
+    int64_t shape[LOOM_MAX_DIMS];
+    loom_dtype dtype;
+} saved_meta;
+
+typedef struct op_record {
+    const loom_function *fn;
+    int recorded;
+    int n_inputs;
+    unsigned char *needs_grad;
+    loom_tensor **kept; /* outputs kept by the policy (NULL: recomputed) */
+    int n_kept;
+} op_record;
+
+typedef struct region {
+    int refcount;
+    loom_region_fn fn;
+    void *user;
+    loom_tensor **inputs;
+    int n_inputs, n_outputs;
+    loom_rng rng_start;
+    loom_recompute_policy policy;
+    int has_policy;
+    saved_meta *meta;
+    loom_tensor **replayed;
+    int n_saved, cap_saved;
+    op_record *ops;
+    int n_ops, cap_ops;
+    int replayed_once;     /* 1 after a replay (successful or not) */
+    loom_status replay_status;
+    char replay_error[768];
+    int replay_op, replay_save; /* cursors during replay */
+    int mismatch;
+    char mismatch_msg[384];
+    saved_hooks fw_hooks, rp_hooks;
+} region;
+
+typedef struct placeholder {
+    region *r;
+    int index;
+} placeholder;
+
+static void region_release(region *r) {
+    if (!r || --r->refcount > 0) return;
+    for (int i = 0; i < r->n_inputs; i++) loom_tensor_release(r->inputs[i]);
+    for (int i = 0; i < r->n_saved; i++) loom_tensor_release(r->replayed ? r->replayed[i] : NULL);
+    for (int j = 0; j < r->n_ops; j++) {
+        for (int k = 0; k < r->ops[j].n_kept; k++) loom_tensor_release(r->ops[j].kept[k]);
+        free(r->ops[j].kept);
+        free(r->ops[j].needs_grad);
+    }
+    free(r->inputs);
+    free(r->meta);
+    free(r->replayed);
+    free(r->ops);
+    free(r);
+}
+
+/* Stored as is (never recomputed): the region's inputs and kept outputs. */
+static int is_stored(const region *r, const loom_tensor *t) {
+    for (int i = 0; i < r->n_inputs; i++)
+        if (r->inputs[i] == t) return 1;
+    for (int j = 0; j < r->n_ops; j++)
+        for (int k = 0; k < r->ops[j].n_kept; k++)
+            if (r->ops[j].kept[k] == t) return 1;
+    return 0;
+}
+
+/* ---------------------------------------------------------- first forward */
+
+static int fw_before(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor **outputs, int n_outputs) {
+    (void)outputs; (void)n_outputs;
+    region *r = self;
+    if (r->n_ops == r->cap_ops) {
+        int cap = r->cap_ops ? 2 * r->cap_ops : 16;
+        op_record *n = realloc(r->ops, (size_t)cap * sizeof *n);
+        LOOM_ASSERT(n != NULL);
+        r->ops = n;
+        r->cap_ops = cap;
+    }
+    op_record *op = &r->ops[r->n_ops++];
+    memset(op, 0, sizeof *op);
+    op->fn = ctx->fn;
+    op->recorded = recorded;
+    op->n_inputs = ctx->n_inputs;
+    op->needs_grad = malloc((size_t)(ctx->n_inputs > 0 ? ctx->n_inputs : 1));
+    LOOM_ASSERT(op->needs_grad != NULL);
+    memcpy(op->needs_grad, ctx->needs_grad, (size_t)ctx->n_inputs);
+    return 0;
+}
+
+static void fw_after(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor **outputs, int n_outputs) {
+    region *r = self;
+    op_record *op = &r->ops[r->n_ops - 1];
+    if (!recorded || !r->has_policy || !r->policy.keep(r->policy.user, ctx->fn)) return;
+    op->kept = calloc((size_t)(n_outputs ? n_outputs : 1), sizeof *op->kept);
+    LOOM_ASSERT(op->kept != NULL);
+    for (int k = 0; k < n_outputs; k++) op->kept[k] = loom_tensor_retain(outputs[k]);
+    op->n_kept = n_outputs;
+    stats.kept_outputs += n_outputs;
+}
+
+static void *fw_pack(void *self, loom_fn_ctx *ctx, loom_tensor *t) {
+    (void)ctx;
+    region *r = self;
+    if (is_stored(r, t)) return NULL;
+    if (r->n_saved == r->cap_saved) {
+        int cap = r->cap_saved ? 2 * r->cap_saved : 32;
+        saved_meta *m = realloc(r->meta, (size_t)cap * sizeof *m);
+        LOOM_ASSERT(m != NULL);
+        r->meta = m;
+        r->cap_saved = cap;
+    }
+    saved_meta *m = &r->meta[r->n_saved];
+    m->ndim = t->ndim;
+    memcpy(m->shape, t->shape, sizeof m->shape);
+    m->dtype = t->dtype;
+    placeholder *ph = malloc(sizeof *ph);
+    LOOM_ASSERT(ph != NULL);
+    ph->r = r;
+    ph->index = r->n_saved++;
+    r->refcount++;
+    stats.placeholders++;
+    return ph;
+}
+
+/* ----------------------------------------------------------------- replay */
+
+static void mismatch(region *r, const char *msg) {
+    if (!r->mismatch) snprintf(r->mismatch_msg, sizeof r->mismatch_msg, "%s", msg);
+    r->mismatch = 1;
+}
+
+static int rp_before(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor **outputs, int n_outputs) {
+    (void)recorded;
+    region *r = self;
+    int j = r->replay_op++;
+    char msg[256];
+    if (j >= r->n_ops || r->ops[j].fn != ctx->fn || r->ops[j].n_inputs != ctx->n_inputs) {
+        snprintf(msg, sizeof msg, "op %d of the replay is %s, the forward ran %s", j, ctx->fn->name,
+                 j < r->n_ops ? r->ops[j].fn->name : "nothing there");
+        mismatch(r, msg);
+        ctx->discard = 1;
+        return 0;
+    }
+    op_record *op = &r->ops[j];
+    memcpy(ctx->needs_grad, op->needs_grad, (size_t)ctx->n_inputs);
+    if (!op->recorded) ctx->discard = 1;
+    if (!op->kept) return 0;
+    if (op->n_kept != n_outputs) {
+        mismatch(r, "a kept op returned a different number of outputs");
+        return 0;
+    }
+    for (int k = 0; k < n_outputs; k++) outputs[k] = loom_tensor_retain(op->kept[k]);
+    return 1;
+}
+
+static void rp_after(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor **outputs, int n_outputs) {
+    (void)self; (void)ctx; (void)recorded; (void)outputs; (void)n_outputs;
+}
+
+static void *rp_pack(void *self, loom_fn_ctx *ctx, loom_tensor *t) {
+    (void)ctx;
+    region *r = self;
+    if (is_stored(r, t)) return NULL;
+    int k = r->replay_save++;
+    char msg[256], a[96];
+    if (k >= r->n_saved) {
+        snprintf(msg, sizeof msg, "the replay saved more tensors than the forward's %d", r->n_saved);
+        mismatch(r, msg);
+        return NULL;
+    }
+    const saved_meta *m = &r->meta[k];
+    int same = m->ndim == t->ndim && m->dtype == t->dtype;
+    for (int i = 0; same && i < m->ndim; i++) same = m->shape[i] == t->shape[i];
+    if (!same) {
+        snprintf(msg, sizeof msg, "saved tensor %d is %s in the replay but had %d dims of dtype %s in the forward",
+                 k, loom_tensor_describe(t, a, sizeof a), m->ndim, loom_dtype_name(m->dtype));
+        mismatch(r, msg);
+        return NULL;
+    }
+    r->replayed[k] = loom_tensor_retain(t);
+    return NULL;
+}
+
+static loom_status region_replay(region *r) {
+    r->replayed_once = 1;
+    stats.replays++;
+    r->replayed = calloc((size_t)(r->n_saved ? r->n_saved : 1), sizeof *r->replayed);
+    loom_tensor **outs = calloc((size_t)(r->n_outputs ? r->n_outputs : 1), sizeof *outs);
+    if (!r->replayed || !outs) {
+        free(outs);
+        return r->replay_status = loom_error(LOOM_ERR_NOMEM, "recompute: out of memory replaying a region");
+    }
+    r->replay_op = r->replay_save = 0;
+    r->mismatch = 0;
+    loom_rng *rng = loom_rng_default(), saved_rng = *rng;
+    *rng = r->rng_start;
+    autograd_hooks_push(&r->rp_hooks);
+    loom_status st = r->fn(r->user, r->inputs, r->n_inputs, outs, r->n_outputs);
+    autograd_hooks_pop();
+    *rng = saved_rng;
+    for (int i = 0; i < r->n_outputs; i++) loom_tensor_release(outs[i]);
+    free(outs);
+    if (st != LOOM_OK) {
+        snprintf(r->replay_error, sizeof r->replay_error, "recompute: replaying a region failed: %s",
+                 loom_last_error());
+        return r->replay_status = st;
+    }
+    if (!r->mismatch && r->replay_op != r->n_ops) {
+        snprintf(r->mismatch_msg, sizeof r->mismatch_msg, "the replay ran %d ops, the forward %d", r->replay_op,
+                 r->n_ops);
+        r->mismatch = 1;
+    }
+    if (!r->mismatch && r->replay_save != r->n_saved) {
+        snprintf(r->mismatch_msg, sizeof r->mismatch_msg, "the replay saved %d tensors, the forward %d",
+                 r->replay_save, r->n_saved);
+        r->mismatch = 1;
+    }
+    if (r->mismatch) {
+        snprintf(r->replay_error, sizeof r->replay_error,
+                 "recompute: determinism check failed: %s. A recomputed region must run the same ops "
+                 "with the same shapes and dtypes given the same inputs and RNG offset", r->mismatch_msg);
+        return r->replay_status = LOOM_ERR_STATE;
+    }
+    return r->replay_status = LOOM_OK;
+}
+
+static loom_status ph_unpack(void *handle, loom_tensor **out) {
+    placeholder *ph = handle;
+    region *r = ph->r;
+    *out = NULL;
+    if (!r->replayed_once) region_replay(r);
+    if (r->replay_status != LOOM_OK) return loom_error(r->replay_status, "%s", r->replay_error);
+    *out = r->replayed[ph->index];
+    LOOM_ASSERT(*out != NULL);
+    return LOOM_OK;
+}
+
+static void ph_drop(void *handle) {
+    placeholder *ph = handle;
+    region *r = ph->r;
+    if (r->replayed) {
+        loom_tensor_release(r->replayed[ph->index]);
+        r->replayed[ph->index] = NULL;
+    }
+    free(ph);
+    region_release(r);
+}
+
+/* ------------------------------------------------------------------ entry */
+
+int recompute_in_region(void) {
+    saved_hooks *h = autograd_hooks_top();
+    return h && (h->before_forward == fw_before || h->before_forward == rp_before);
+}
+
+loom_status loom_checkpoint_policy(const loom_recompute_policy *policy, loom_region_fn fn, void *user,
+                                   loom_tensor *const *inputs, int n_inputs, loom_tensor **outputs,
+                                   int n_outputs) {
+    for (int i = 0; i < n_outputs; i++) outputs[i] = NULL;
+    /* Without grad nothing is saved; inside another region (first forward
+     * or replay) the outer region already covers this one. */
+    if (!loom_grad_enabled() || recompute_in_region()) return fn(user, inputs, n_inputs, outputs, n_outputs);
+    region *r = calloc(1, sizeof *r);
+    if (r) r->inputs = calloc((size_t)(n_inputs ? n_inputs : 1), sizeof *r->inputs);
+    if (!r || !r->inputs) {
+        free(r);
+        return loom_error(LOOM_ERR_NOMEM, "recompute: out of memory for a region");
+    }
+    stats.regions++;
+    r->refcount = 1;
+    r->fn = fn;
+    r->user = user;
+    r->n_inputs = n_inputs;
+    r->n_outputs = n_outputs;
+    for (int i = 0; i < n_inputs; i++) r->inputs[i] = loom_tensor_retain(inputs[i]);
+    r->rng_start = *loom_rng_default();
+    if (policy) {
+        r->policy = *policy;
+        r->has_policy = 1;
+    }
+    r->fw_hooks = (saved_hooks){r, 0, fw_before, fw_after, fw_pack, ph_unpack, ph_drop};
+    r->rp_hooks = (saved_hooks){r, 1, rp_before, rp_after, rp_pack, ph_unpack, ph_drop};
+    autograd_hooks_push(&r->fw_hooks);
+    loom_status st = fn(user, inputs, n_inputs, outputs, n_outputs);
+    autograd_hooks_pop();
+    if (st != LOOM_OK)
+        for (int i = 0; i < n_outputs; i++) { loom_tensor_release(outputs[i]); outputs[i] = NULL; }
+    region_release(r);
+    return st;
+}
