@@ -13,6 +13,18 @@
 #include <pthread.h>
 #include <stdlib.h>
 
+/* Under AddressSanitizer, a block's bytes past `requested` and a cached
+ * block's whole body are poisoned, so overruns into the class's slack and
+ * use after loom_free are reported even though the cache keeps the memory. */
+#ifdef __SANITIZE_ADDRESS__
+#include <sanitizer/asan_interface.h>
+#define POISON(p, n) ASAN_POISON_MEMORY_REGION((p), (n))
+#define UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION((p), (n))
+#else
+#define POISON(p, n) ((void)(p), (void)(n))
+#define UNPOISON(p, n) ((void)(p), (void)(n))
+#endif
+
 #define ALIGN 64
 /* Classes: 256 B (index 0), then 2^k * {1, 1.25, 1.5, 1.75} for 2^k >= 256
  * (index 4(k - 8) + s). The largest k is the top bit of size_t, so this is
@@ -106,7 +118,10 @@ void *loom_alloc(size_t bytes, loom_mem_category cat) {
     stats.n_alloc++;
     account(cat, bytes, 1);
     pthread_mutex_unlock(&lock);
-    return (char *)h + sizeof(block_header);
+    char *body = (char *)h + sizeof(block_header);
+    UNPOISON(body, bytes);
+    POISON(body + bytes, cb - bytes);
+    return body;
 }
 
 void *loom_alloc_zeroed(size_t bytes, loom_mem_category cat) {
@@ -118,6 +133,7 @@ void *loom_alloc_zeroed(size_t bytes, loom_mem_category cat) {
 void loom_free(void *p) {
     if (!p) return;
     block_header *h = (block_header *)((char *)p - sizeof(block_header));
+    POISON(p, h->class_bytes); /* before it is shared through the cache */
     pthread_mutex_lock(&lock);
     account(h->category, h->requested, 0);
     h->next_free = free_lists[h->cls];
@@ -145,6 +161,7 @@ void loom_mem_trim(void) {
         while (free_lists[c]) {
             block_header *h = free_lists[c];
             free_lists[c] = h->next_free;
+            UNPOISON((char *)h + sizeof(block_header), h->class_bytes);
             free(h);
         }
     }

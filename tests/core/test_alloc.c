@@ -357,6 +357,32 @@ static void test_impossible_sizes(void **state) {
     loom_free(p);
 }
 
+#ifdef __SANITIZE_ADDRESS__
+/* Under ASan the bytes past the requested size and freed (cached) blocks are
+ * poisoned, and a reused block is usable again. */
+static void test_asan_poisoning(void **state) {
+    (void)state;
+    const size_t sizes[] = {1, 100, 300, 1000, 5000};
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+        size_t n = sizes[i];
+        char *p = loom_alloc(n, LOOM_MEM_WORKSPACE);
+        assert_non_null(p);
+        assert_null(__asan_region_is_poisoned(p, n));
+        assert_true(__asan_address_is_poisoned(p + n));
+        assert_true(__asan_address_is_poisoned(p + expected_class(n) - 1));
+        loom_free(p);
+        assert_true(__asan_address_is_poisoned(p));
+        assert_true(__asan_address_is_poisoned(p + n - 1));
+        char *q = loom_alloc(n, LOOM_MEM_WORKSPACE); /* the cached block again */
+        assert_ptr_equal(p, q);
+        assert_null(__asan_region_is_poisoned(q, n));
+        memset(q, 1, n);
+        loom_free(q);
+    }
+    loom_mem_trim();
+}
+#endif
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_alignment_and_size),
@@ -366,6 +392,9 @@ int main(void) {
         cmocka_unit_test(test_reuse_and_trim),
         cmocka_unit_test(test_threads),
         cmocka_unit_test(test_impossible_sizes),
+#ifdef __SANITIZE_ADDRESS__
+        cmocka_unit_test(test_asan_poisoning),
+#endif
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
