@@ -13,8 +13,24 @@
 #include <pthread.h>
 #include <stdlib.h>
 
+/* Under AddressSanitizer, a block's bytes past `requested` and a cached
+ * block's whole body are poisoned, so overruns into the class's slack and
+ * use after loom_free are reported even though the cache keeps the memory. */
+#ifdef __SANITIZE_ADDRESS__
+#include <sanitizer/asan_interface.h>
+#define POISON(p, n) ASAN_POISON_MEMORY_REGION((p), (n))
+#define UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION((p), (n))
+#else
+#define POISON(p, n) ((void)(p), (void)(n))
+#define UNPOISON(p, n) ((void)(p), (void)(n))
+#endif
+
 #define ALIGN 64
-#define N_CLASSES 256
+/* Classes: 256 B (index 0), then 2^k * {1, 1.25, 1.5, 1.75} for 2^k >= 256
+ * (index 4(k - 8) + s). The largest k is the top bit of size_t, so this is
+ * every class a size_t can name: each class holds blocks of one size only. */
+#define SIZE_BITS ((int)(sizeof(size_t) * 8))
+#define N_CLASSES (4 * (SIZE_BITS - 8))
 
 typedef struct block_header {
     struct block_header *next_free; /* link while cached */
@@ -27,59 +43,71 @@ typedef struct block_header {
 
 _Static_assert(sizeof(block_header) == ALIGN, "block header must keep 64-byte alignment");
 
+/* The largest block whose header + body still fits in a size_t. */
+#define MAX_CLASS_BYTES (SIZE_MAX - sizeof(block_header) - (ALIGN - 1))
+
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static block_header *free_lists[N_CLASSES];
 static loom_mem_stats stats;
 
-/* Smallest class >= bytes: classes are 64 B … then {1, 1.25, 1.5, 1.75} x 2^k. */
+/* Smallest class >= bytes; -1 when there is none (the block would not fit in
+ * the address space, so the request can only fail). */
 static int size_class(size_t bytes, size_t *class_bytes) {
     if (bytes <= 256) { *class_bytes = 256; return 0; }
+    if (bytes > MAX_CLASS_BYTES) return -1;
     int k = 63 - __builtin_clzll((unsigned long long)bytes); /* 2^k <= bytes */
     size_t base = (size_t)1 << k, quarter = base >> 2;
     for (int s = 0; s <= 4; s++) {
+        if ((size_t)s * quarter > MAX_CLASS_BYTES - base) return -1; /* base + s*quarter overflows */
         size_t c = base + (size_t)s * quarter;
         if (c >= bytes) {
-            int idx = (k - 8) * 4 + s;
-            if (s == 4) idx = (k + 1 - 8) * 4;
+            int idx = s < 4 ? (k - 8) * 4 + s : (k + 1 - 8) * 4; /* 2^(k+1): next power's s = 0 */
+            LOOM_ASSERT(idx >= 0 && idx < N_CLASSES);
             *class_bytes = c;
-            return idx < N_CLASSES ? idx : N_CLASSES - 1;
+            return idx;
         }
     }
     LOOM_ASSERT(0);
-    return 0;
+    return -1;
 }
 
-static void account(int cat, long long delta) {
-    stats.current[cat] = (size_t)((long long)stats.current[cat] + delta);
-    stats.current_total = (size_t)((long long)stats.current_total + delta);
+/* Under `lock`. */
+static void account(int cat, size_t bytes, int add) {
+    if (add) {
+        stats.current[cat] += bytes;
+        stats.current_total += bytes;
+    } else {
+        stats.current[cat] -= bytes;
+        stats.current_total -= bytes;
+    }
     if (stats.current[cat] > stats.peak[cat]) stats.peak[cat] = stats.current[cat];
     if (stats.current_total > stats.peak_total) stats.peak_total = stats.current_total;
+}
+
+static void *out_of_memory(size_t bytes, loom_mem_category cat) {
+    loom_error(LOOM_ERR_NOMEM, "out of memory allocating %zu bytes for %s", bytes,
+               loom_mem_category_name(cat));
+    return NULL;
 }
 
 void *loom_alloc(size_t bytes, loom_mem_category cat) {
     if ((unsigned)cat >= LOOM_MEM_N_CATEGORIES) cat = LOOM_MEM_WORKSPACE;
     size_t cb;
     int cls = size_class(bytes ? bytes : 1, &cb);
+    if (cls < 0) return out_of_memory(bytes, cat);
     pthread_mutex_lock(&lock);
-    block_header *h = NULL;
-    /* The last class collects all huge blocks: reuse only an exact fit. */
-    for (block_header **pp = &free_lists[cls]; *pp; pp = &(*pp)->next_free) {
-        if ((*pp)->class_bytes >= bytes && (cls < N_CLASSES - 1 || (*pp)->class_bytes == cb)) {
-            h = *pp;
-            *pp = h->next_free;
-            stats.cached -= h->class_bytes;
-            break;
-        }
-    }
-    if (!h) {
+    /* Every block in a class has the class's size: take the first. */
+    block_header *h = free_lists[cls];
+    if (h) {
+        LOOM_ASSERT(h->class_bytes == cb && h->cls == cls);
+        free_lists[cls] = h->next_free;
+        stats.cached -= h->class_bytes;
+    } else {
         stats.n_malloc++;
         pthread_mutex_unlock(&lock);
+        /* cb <= MAX_CLASS_BYTES, so neither the rounding nor the sum overflows. */
         h = aligned_alloc(ALIGN, sizeof(block_header) + ((cb + ALIGN - 1) / ALIGN) * ALIGN);
-        if (!h) {
-            loom_error(LOOM_ERR_NOMEM, "out of memory allocating %zu bytes for %s", bytes,
-                       loom_mem_category_name(cat));
-            return NULL;
-        }
+        if (!h) return out_of_memory(bytes, cat);
         h->class_bytes = cb;
         h->cls = cls;
         pthread_mutex_lock(&lock);
@@ -88,9 +116,12 @@ void *loom_alloc(size_t bytes, loom_mem_category cat) {
     h->requested = bytes;
     h->category = (int)cat;
     stats.n_alloc++;
-    account(cat, (long long)bytes);
+    account(cat, bytes, 1);
     pthread_mutex_unlock(&lock);
-    return (char *)h + sizeof(block_header);
+    char *body = (char *)h + sizeof(block_header);
+    UNPOISON(body, bytes);
+    POISON(body + bytes, cb - bytes);
+    return body;
 }
 
 void *loom_alloc_zeroed(size_t bytes, loom_mem_category cat) {
@@ -102,8 +133,9 @@ void *loom_alloc_zeroed(size_t bytes, loom_mem_category cat) {
 void loom_free(void *p) {
     if (!p) return;
     block_header *h = (block_header *)((char *)p - sizeof(block_header));
+    POISON(p, h->class_bytes); /* before it is shared through the cache */
     pthread_mutex_lock(&lock);
-    account(h->category, -(long long)h->requested);
+    account(h->category, h->requested, 0);
     h->next_free = free_lists[h->cls];
     free_lists[h->cls] = h;
     stats.cached += h->class_bytes;
@@ -129,6 +161,7 @@ void loom_mem_trim(void) {
         while (free_lists[c]) {
             block_header *h = free_lists[c];
             free_lists[c] = h->next_free;
+            UNPOISON((char *)h + sizeof(block_header), h->class_bytes);
             free(h);
         }
     }

@@ -16,6 +16,9 @@ const char *loom_dtype_name(loom_dtype dt) {
 }
 
 loom_status loom_dtype_parse(const char *s, loom_dtype *out) {
+    if (!s || !out)
+        return loom_error(LOOM_ERR_INVALID, "loom_dtype_parse: %s is NULL",
+                          !s ? "the precision string" : "the output pointer");
     if (!strcasecmp(s, "fp32") || !strcasecmp(s, "f32") || !strcasecmp(s, "float32")) *out = LOOM_F32;
     else if (!strcasecmp(s, "bf16") || !strcasecmp(s, "bfloat16")) *out = LOOM_BF16;
     else if (!strcasecmp(s, "fp16") || !strcasecmp(s, "f16") || !strcasecmp(s, "float16")) *out = LOOM_F16;

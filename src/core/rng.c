@@ -1,10 +1,12 @@
 /*
  * rng.c — Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as
- * 1, 2, 3", SC 2011). A stream is (seed, offset): the 64-bit seed is the key,
- * the 64-bit offset the high half of the 128-bit counter. Nothing here keeps
- * hidden state beyond the explicit loom_rng struct.
+ * 1, 2, 3", SC 2011). A stream is (seed, offset): the 64-bit seed is the key
+ * {low, high}, the 64-bit block offset the low half {c0, c1} of the 128-bit
+ * counter (c2 = c3 = 0). Nothing here keeps hidden state beyond the explicit
+ * loom_rng struct.
  */
 #include "loom/core.h"
+#include "core/rng_internal.h"
 
 #include <math.h>
 
@@ -19,10 +21,11 @@ static inline void mulhilo(uint32_t a, uint32_t b, uint32_t *hi, uint32_t *lo) {
     *lo = (uint32_t)p;
 }
 
-void loom_philox4x32(uint64_t seed, uint64_t counter, uint32_t out[4]) {
-    uint32_t c0 = (uint32_t)counter, c1 = (uint32_t)(counter >> 32), c2 = 0, c3 = 0;
-    uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
-    for (int r = 0; r < 10; r++) {
+void loom_philox4x32_rounds(const uint32_t ctr[4], const uint32_t key[2], int rounds,
+                            uint32_t out[4]) {
+    uint32_t c0 = ctr[0], c1 = ctr[1], c2 = ctr[2], c3 = ctr[3];
+    uint32_t k0 = key[0], k1 = key[1];
+    for (int r = 0; r < rounds; r++) {
         uint32_t hi0, lo0, hi1, lo1;
         mulhilo(PHILOX_M0, c0, &hi0, &lo0);
         mulhilo(PHILOX_M1, c2, &hi1, &lo1);
@@ -32,6 +35,16 @@ void loom_philox4x32(uint64_t seed, uint64_t counter, uint32_t out[4]) {
         k1 += PHILOX_W1;
     }
     out[0] = c0; out[1] = c1; out[2] = c2; out[3] = c3;
+}
+
+void loom_philox4x32_full(const uint32_t ctr[4], const uint32_t key[2], uint32_t out[4]) {
+    loom_philox4x32_rounds(ctr, key, 10, out);
+}
+
+void loom_philox4x32(uint64_t seed, uint64_t counter, uint32_t out[4]) {
+    const uint32_t ctr[4] = {(uint32_t)counter, (uint32_t)(counter >> 32), 0, 0};
+    const uint32_t key[2] = {(uint32_t)seed, (uint32_t)(seed >> 32)};
+    loom_philox4x32_full(ctr, key, out);
 }
 
 void loom_rng_init(loom_rng *rng, uint64_t seed) {

@@ -8,6 +8,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 static _Thread_local char last_error[1024];
 
@@ -15,11 +16,16 @@ const char *loom_last_error(void) { return last_error; }
 
 void loom_clear_error(void) { last_error[0] = '\0'; }
 
+/* Formats into a local buffer first: an argument may be loom_last_error()
+ * itself (adding context to a message), and vsnprintf's destination must not
+ * overlap its arguments. */
 loom_status loom_error(loom_status st, const char *fmt, ...) {
+    char msg[sizeof last_error];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(last_error, sizeof last_error, fmt, ap);
+    vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
+    memcpy(last_error, msg, strlen(msg) + 1);
     return st;
 }
 
