@@ -7,6 +7,7 @@
 
 #include "loom/recompute.h"
 #include "loom/ops.h"
+#include "loom/amp.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -18,6 +19,65 @@ extern "C" {
  * (x, W, b) with b possibly NULL. */
 loom_status loom_fused_linear(loom_tensor *x, loom_tensor *w, loom_tensor *b, loom_tensor **out);
 const loom_function *loom_fused_linear_function(void);
+
+/* ------------------------------------------------------------------ LLaMA */
+
+typedef struct loom_llama_config {
+    int dim;          /* C */
+    int n_layers;     /* L */
+    int n_heads;      /* NH */
+    int n_kv_heads;   /* NKV */
+    int ffn_dim;      /* hidden size of the SwiGLU MLP */
+    int vocab_size;   /* V */
+    int max_seq;      /* T at most */
+    float rope_theta;
+    float norm_eps;
+    int tie_embeddings; /* lm_head shares model.embed_tokens.weight */
+} loom_llama_config;
+
+/* "tiny" (288/6/6/6/768/4096/256) and "small" (512/8/8/8/1376/8192/512). */
+loom_status loom_llama_preset(const char *name, loom_llama_config *cfg);
+/* Checks every field (positive sizes, heads divide dim, even head size…). */
+loom_status loom_llama_config_validate(const loom_llama_config *cfg);
+
+typedef struct loom_llama_layer {
+    loom_param *attn_norm, *wq, *wk, *wv, *wo, *mlp_norm, *w_gate, *w_up, *w_down;
+} loom_llama_layer;
+
+typedef struct loom_llama loom_llama;
+
+/* Per-block recompute settings. */
+typedef struct loom_llama_recompute {
+    loom_recompute_mode mode;  /* NONE, REENTRANT, NONREENTRANT or SELECTIVE */
+} loom_llama_recompute;
+
+struct loom_llama {
+    loom_llama_config cfg;
+    loom_precision prec;
+    loom_llama_recompute recompute;
+    loom_param *embed, *final_norm, *lm_head; /* lm_head == embed when tied */
+    loom_llama_layer *layers;
+    loom_param **params;  /* every parameter, in Hugging Face order */
+    int n_params;
+    struct llama_block_args *block_args; /* per layer, valid until backward */
+};
+
+/* Allocate a model with zero weights. Free with loom_llama_free. */
+loom_status loom_llama_new(const loom_llama_config *cfg, loom_precision prec, loom_llama **out);
+void loom_llama_free(loom_llama *m);
+/* Normal(0, 0.02) weights, residual projections (o_proj, down_proj) scaled
+ * by 1/sqrt(2 L), norms 1; reproducible from the seed alone. */
+void loom_llama_init_weights(loom_llama *m, uint64_t seed);
+loom_param *loom_llama_find_param(const loom_llama *m, const char *name);
+int64_t loom_llama_n_weights(const loom_llama *m);  /* total parameter count */
+
+/* Forward over tokens (B, T) int32. With targets (B, T) (ignore index -1),
+ * *loss gets the mean cross-entropy (1-element f32); with logits_out
+ * non-NULL it receives the logits (B*T, V) in the compute dtype. Either may
+ * be NULL. Records the graph when gradients are enabled. */
+loom_status loom_llama_forward(loom_llama *m, const int32_t *tokens, const int32_t *targets, int B, int T,
+                               loom_tensor **loss, loom_tensor **logits_out);
+void loom_llama_zero_grad(loom_llama *m);
 
 #ifdef __cplusplus
 }

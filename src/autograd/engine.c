@@ -19,6 +19,8 @@ static _Thread_local int no_grad_depth;
 void loom_no_grad_enter(void) { no_grad_depth++; }
 void loom_no_grad_exit(void) { if (no_grad_depth > 0) no_grad_depth--; }
 int loom_grad_enabled(void) { return no_grad_depth == 0; }
+int autograd_grad_mode_enable(void) { int d = no_grad_depth; no_grad_depth = 0; return d; }
+void autograd_grad_mode_restore(int saved) { no_grad_depth = saved; }
 
 /* ------------------------------------------------------------------ tape */
 
@@ -246,7 +248,13 @@ static loom_status run_node_backward(loom_node *n) {
             if (!n->grad_out[k]) st = LOOM_ERR_NOMEM;
         }
     }
-    if (st == LOOM_OK) st = n->fn->backward(n->ctx, n->grad_out, n->n_outputs, gin, n->n_inputs);
+    if (st == LOOM_OK) {
+        /* Ops a backward calls are not recorded (a reentrant region
+         * re-enables recording for its replay). */
+        loom_no_grad_enter();
+        st = n->fn->backward(n->ctx, n->grad_out, n->n_outputs, gin, n->n_inputs);
+        loom_no_grad_exit();
+    }
     /* Saved tensors and output gradients are freed as soon as the node is done. */
     ctx_free_saved(n->ctx);
     for (int k = 0; k < n->n_outputs; k++) {

@@ -155,7 +155,10 @@ static void release_outputs(loom_tensor **outputs, int n) {
 
 static loom_status run_forward(const loom_function *fn, loom_fn_ctx *ctx, loom_tensor *const *inputs,
                                int n_inputs, loom_tensor **outputs, int n_outputs) {
+    /* Ops called inside a forward are part of this op, not recorded. */
+    loom_no_grad_enter();
     loom_status st = fn->forward(ctx, inputs, n_inputs, outputs, n_outputs);
+    loom_no_grad_exit();
     if (st != LOOM_OK) {
         release_outputs(outputs, n_outputs);
         return st;

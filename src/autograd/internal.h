@@ -67,6 +67,10 @@ struct saved_hooks {
     void (*drop)(void *handle);
 };
 
+/* Enable recording regardless of no-grad scopes; returns what to restore. */
+int autograd_grad_mode_enable(void);
+void autograd_grad_mode_restore(int saved);
+
 void autograd_hooks_push(saved_hooks *h);
 void autograd_hooks_pop(void);
 saved_hooks *autograd_hooks_top(void);

@@ -94,6 +94,7 @@ static loom_status reentrant_backward(loom_fn_ctx *ctx, loom_tensor *const *grad
     }
     if (st == LOOM_OK) {
         loom_tape_push();
+        int grad_mode = autograd_grad_mode_enable();
         loom_rng *rng = loom_rng_default(), saved_rng = *rng;
         *rng = s->rng_start;
         st = a->fn(a->user, in, n_inputs, out, n_outputs);
@@ -108,6 +109,7 @@ static loom_status reentrant_backward(loom_fn_ctx *ctx, loom_tensor *const *grad
             else
                 st = loom_backward_multi(out, grad_outputs, n_outputs);
         }
+        autograd_grad_mode_restore(grad_mode);
         loom_tape_pop();
     }
     for (int i = 0; i < n_inputs; i++) {

@@ -217,9 +217,13 @@ static loom_status region_replay(region *r) {
     r->mismatch = 0;
     loom_rng *rng = loom_rng_default(), saved_rng = *rng;
     *rng = r->rng_start;
+    /* Backward runs under no-grad; the replay must see grad mode as the
+     * forward did, so that the same calls save the same tensors. */
+    int grad_mode = autograd_grad_mode_enable();
     autograd_hooks_push(&r->rp_hooks);
     loom_status st = r->fn(r->user, r->inputs, r->n_inputs, outs, r->n_outputs);
     autograd_hooks_pop();
+    autograd_grad_mode_restore(grad_mode);
     *rng = saved_rng;
     for (int i = 0; i < r->n_outputs; i++) loom_tensor_release(outs[i]);
     free(outs);

@@ -1,0 +1,234 @@
+/*
+ * llama.c — the LLaMA model: parameters with Hugging Face names, weight
+ * initialisation, and the forward pass with each transformer block as a
+ * checkpoint region. Every linear is the fused linear.
+ */
+#include "loom/loom.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct llama_block_args {
+    loom_llama *m;
+    int layer;
+    int B, T;
+};
+
+loom_status loom_llama_preset(const char *name, loom_llama_config *c) {
+    memset(c, 0, sizeof *c);
+    c->rope_theta = 10000.0f;
+    c->norm_eps = 1e-5f;
+    if (!strcmp(name, "tiny")) {
+        c->dim = 288; c->n_layers = 6; c->n_heads = 6; c->n_kv_heads = 6;
+        c->ffn_dim = 768; c->vocab_size = 4096; c->max_seq = 256;
+    } else if (!strcmp(name, "small")) {
+        c->dim = 512; c->n_layers = 8; c->n_heads = 8; c->n_kv_heads = 8;
+        c->ffn_dim = 1376; c->vocab_size = 8192; c->max_seq = 512;
+    } else {
+        return loom_error(LOOM_ERR_INVALID, "unknown preset '%s': use tiny or small", name);
+    }
+    return LOOM_OK;
+}
+
+loom_status loom_llama_config_validate(const loom_llama_config *c) {
+    if (c->dim <= 0 || c->n_layers <= 0 || c->n_heads <= 0 || c->n_kv_heads <= 0 || c->ffn_dim <= 0 ||
+        c->vocab_size <= 0 || c->max_seq <= 0)
+        return loom_error(LOOM_ERR_INVALID, "model config: every size must be positive (dim %d, layers %d, heads %d, "
+                          "kv heads %d, ffn %d, vocab %d, max seq %d)", c->dim, c->n_layers, c->n_heads,
+                          c->n_kv_heads, c->ffn_dim, c->vocab_size, c->max_seq);
+    if (c->dim % c->n_heads || (c->dim / c->n_heads) % 2)
+        return loom_error(LOOM_ERR_INVALID, "model config: dim %d must split into %d heads of even size", c->dim,
+                          c->n_heads);
+    if (c->n_heads % c->n_kv_heads)
+        return loom_error(LOOM_ERR_INVALID, "model config: %d heads is not a multiple of %d kv heads", c->n_heads,
+                          c->n_kv_heads);
+    if (!(c->rope_theta > 0.0f) || !(c->norm_eps > 0.0f))
+        return loom_error(LOOM_ERR_INVALID, "model config: rope_theta and norm_eps must be positive");
+    return LOOM_OK;
+}
+
+static loom_status add_param(loom_llama *m, const char *name, loom_dtype dt, int ndim, int64_t d0, int64_t d1,
+                             loom_param **out) {
+    int64_t shape[2] = {d0, d1};
+    LOOM_TRY(loom_param_new(name, dt, ndim, shape, m->prec.master_grad, out));
+    m->params[m->n_params++] = *out;
+    if (ndim == 1) (*out)->no_weight_decay = 1;
+    return LOOM_OK;
+}
+
+loom_status loom_llama_new(const loom_llama_config *cfg, loom_precision prec, loom_llama **out) {
+    *out = NULL;
+    LOOM_TRY(loom_llama_config_validate(cfg));
+    loom_llama *m = calloc(1, sizeof *m);
+    if (!m) return loom_error(LOOM_ERR_NOMEM, "llama: out of memory");
+    m->cfg = *cfg;
+    m->prec = prec;
+    int L = cfg->n_layers, C = cfg->dim, HS = cfg->dim / cfg->n_heads, KV = cfg->n_kv_heads * HS;
+    m->layers = calloc((size_t)L, sizeof *m->layers);
+    m->params = calloc((size_t)(9 * L + 3), sizeof *m->params);
+    m->block_args = calloc((size_t)L, sizeof *m->block_args);
+    if (!m->layers || !m->params || !m->block_args) { loom_llama_free(m); return LOOM_ERR_NOMEM; }
+    loom_dtype dt = prec.compute;
+    char name[160];
+    loom_status st = add_param(m, "model.embed_tokens.weight", dt, 2, cfg->vocab_size, C, &m->embed);
+    for (int l = 0; l < L && st == LOOM_OK; l++) {
+        loom_llama_layer *y = &m->layers[l];
+        struct { const char *suffix; int ndim; int64_t d0, d1; loom_param **slot; } spec[] = {
+            {"input_layernorm.weight", 1, C, 0, &y->attn_norm},
+            {"self_attn.q_proj.weight", 2, C, C, &y->wq},
+            {"self_attn.k_proj.weight", 2, KV, C, &y->wk},
+            {"self_attn.v_proj.weight", 2, KV, C, &y->wv},
+            {"self_attn.o_proj.weight", 2, C, C, &y->wo},
+            {"post_attention_layernorm.weight", 1, C, 0, &y->mlp_norm},
+            {"mlp.gate_proj.weight", 2, cfg->ffn_dim, C, &y->w_gate},
+            {"mlp.up_proj.weight", 2, cfg->ffn_dim, C, &y->w_up},
+            {"mlp.down_proj.weight", 2, C, cfg->ffn_dim, &y->w_down},
+        };
+        for (size_t i = 0; i < sizeof spec / sizeof spec[0] && st == LOOM_OK; i++) {
+            snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[i].suffix);
+            st = add_param(m, name, dt, spec[i].ndim, spec[i].d0, spec[i].d1, spec[i].slot);
+        }
+    }
+    if (st == LOOM_OK) st = add_param(m, "model.norm.weight", dt, 1, C, 0, &m->final_norm);
+    if (st == LOOM_OK) {
+        if (cfg->tie_embeddings) m->lm_head = m->embed;
+        else st = add_param(m, "lm_head.weight", dt, 2, cfg->vocab_size, C, &m->lm_head);
+    }
+    if (st != LOOM_OK) { loom_llama_free(m); return st; }
+    *out = m;
+    return LOOM_OK;
+}
+
+void loom_llama_free(loom_llama *m) {
+    if (!m) return;
+    for (int i = 0; i < m->n_params; i++) loom_param_free(m->params[i]);
+    free(m->params);
+    free(m->layers);
+    free(m->block_args);
+    free(m);
+}
+
+loom_param *loom_llama_find_param(const loom_llama *m, const char *name) {
+    for (int i = 0; i < m->n_params; i++)
+        if (!strcmp(m->params[i]->name, name)) return m->params[i];
+    return NULL;
+}
+
+int64_t loom_llama_n_weights(const loom_llama *m) {
+    int64_t n = 0;
+    for (int i = 0; i < m->n_params; i++) n += loom_param_numel(m->params[i]);
+    return n;
+}
+
+void loom_llama_init_weights(loom_llama *m, uint64_t seed) {
+    float resid_std = 0.02f / sqrtf(2.0f * (float)m->cfg.n_layers);
+    for (int i = 0; i < m->n_params; i++) {
+        loom_param *p = m->params[i];
+        size_t n = (size_t)loom_param_numel(p);
+        float *w = loom_param_master(p);
+        if (p->tensor->ndim == 1) {
+            for (size_t k = 0; k < n; k++) w[k] = 1.0f;
+        } else {
+            int resid = strstr(p->name, "o_proj") || strstr(p->name, "down_proj");
+            /* Each parameter draws from its own stream: offset i << 40. */
+            loom_rng_normal(w, n, 0.0f, resid ? resid_std : 0.02f, seed, (uint64_t)i << 40);
+        }
+        loom_param_sync_from_master(p);
+    }
+}
+
+void loom_llama_zero_grad(loom_llama *m) {
+    for (int i = 0; i < m->n_params; i++) loom_param_zero_grad(m->params[i]);
+}
+
+/* ------------------------------------------------------------- forward */
+
+#define RELEASE(...) do { loom_tensor *r_[] = {__VA_ARGS__}; \
+    for (size_t i_ = 0; i_ < sizeof r_ / sizeof r_[0]; i_++) loom_tensor_release(r_[i_]); } while (0)
+
+/* q/k/v projection then view as (B, T, heads, HS) and rotate (q, k). */
+static loom_status project_heads(loom_tensor *h, loom_param *w, int B, int T, int heads, int HS, float theta,
+                                 int rotate, loom_tensor **out) {
+    loom_tensor *y = NULL, *y4 = NULL;
+    int64_t shape[4] = {B, T, heads, HS};
+    loom_status st = loom_fused_linear(h, w->tensor, NULL, &y);
+    if (st == LOOM_OK) st = loom_reshape(y, 4, shape, &y4);
+    loom_tensor_release(y);
+    if (st != LOOM_OK || !rotate) { *out = y4; return st; }
+    st = loom_rope(y4, theta, 0, out);
+    loom_tensor_release(y4);
+    return st;
+}
+
+static loom_status attention_part(const struct llama_block_args *a, loom_tensor *x, loom_tensor **out) {
+    const loom_llama_config *c = &a->m->cfg;
+    const loom_llama_layer *y = &a->m->layers[a->layer];
+    int HS = c->dim / c->n_heads;
+    loom_tensor *h = NULL, *q = NULL, *k = NULL, *v = NULL, *att = NULL, *att2 = NULL;
+    int64_t flat[2] = {(int64_t)a->B * a->T, c->dim};
+    loom_status st = loom_rmsnorm(x, y->attn_norm->tensor, c->norm_eps, &h);
+    if (st == LOOM_OK) st = project_heads(h, y->wq, a->B, a->T, c->n_heads, HS, c->rope_theta, 1, &q);
+    if (st == LOOM_OK) st = project_heads(h, y->wk, a->B, a->T, c->n_kv_heads, HS, c->rope_theta, 1, &k);
+    if (st == LOOM_OK) st = project_heads(h, y->wv, a->B, a->T, c->n_kv_heads, HS, c->rope_theta, 0, &v);
+    if (st == LOOM_OK) st = loom_attention(q, k, v, &att);
+    if (st == LOOM_OK) st = loom_reshape(att, 2, flat, &att2);
+    if (st == LOOM_OK) st = loom_fused_linear(att2, y->wo->tensor, NULL, out);
+    RELEASE(h, q, k, v, att, att2);
+    return st;
+}
+
+static loom_status mlp_part(const struct llama_block_args *a, loom_tensor *x, loom_tensor **out) {
+    const loom_llama_config *c = &a->m->cfg;
+    const loom_llama_layer *y = &a->m->layers[a->layer];
+    loom_tensor *h = NULL, *g = NULL, *u = NULL, *s = NULL;
+    loom_status st = loom_rmsnorm(x, y->mlp_norm->tensor, c->norm_eps, &h);
+    if (st == LOOM_OK) st = loom_fused_linear(h, y->w_gate->tensor, NULL, &g);
+    if (st == LOOM_OK) st = loom_fused_linear(h, y->w_up->tensor, NULL, &u);
+    if (st == LOOM_OK) st = loom_swiglu(g, u, &s);
+    if (st == LOOM_OK) st = loom_fused_linear(s, y->w_down->tensor, NULL, out);
+    RELEASE(h, g, u, s);
+    return st;
+}
+
+/* One transformer block: x + attn(norm(x)), then + mlp(norm(.)). x (B*T, C). */
+static loom_status block_region(void *user, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
+    (void)n_in; (void)n_out;
+    const struct llama_block_args *a = user;
+    loom_tensor *att = NULL, *x2 = NULL, *mlp = NULL;
+    loom_status st = attention_part(a, in[0], &att);
+    if (st == LOOM_OK) st = loom_add(in[0], att, &x2);
+    if (st == LOOM_OK) st = mlp_part(a, x2, &mlp);
+    if (st == LOOM_OK) st = loom_add(x2, mlp, &out[0]);
+    RELEASE(att, x2, mlp);
+    return st;
+}
+
+loom_status loom_llama_forward(loom_llama *m, const int32_t *tokens, const int32_t *targets, int B, int T,
+                               loom_tensor **loss, loom_tensor **logits_out) {
+    const loom_llama_config *c = &m->cfg;
+    if (loss) *loss = NULL;
+    if (logits_out) *logits_out = NULL;
+    if (B <= 0 || T <= 0 || T > c->max_seq)
+        return loom_error(LOOM_ERR_INVALID, "llama forward: batch %d x sequence %d (sequence must be 1..%d)", B, T,
+                          c->max_seq);
+    int N = B * T;
+    loom_tensor *x = NULL, *h = NULL, *logits = NULL;
+    LOOM_TRY(loom_embedding(m->embed->tensor, tokens, N, &x));
+    loom_status st = LOOM_OK;
+    for (int l = 0; l < c->n_layers && st == LOOM_OK; l++) {
+        struct llama_block_args *a = &m->block_args[l];
+        a->m = m; a->layer = l; a->B = B; a->T = T;
+        loom_tensor *next = NULL;
+        st = loom_checkpoint(m->recompute.mode, block_region, a, &x, 1, &next, 1);
+        loom_tensor_release(x);
+        x = next;
+    }
+    if (st == LOOM_OK) st = loom_rmsnorm(x, m->final_norm->tensor, c->norm_eps, &h);
+    if (st == LOOM_OK) st = loom_fused_linear(h, m->lm_head->tensor, NULL, &logits);
+    if (st == LOOM_OK && loss && targets) st = loom_cross_entropy(logits, targets, N, -1, loss);
+    if (st == LOOM_OK && logits_out) *logits_out = loom_tensor_retain(logits);
+    RELEASE(x, h, logits);
+    return st;
+}

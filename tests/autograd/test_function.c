@@ -1,0 +1,306 @@
+/*
+ * test_function.c — the function interface as a user sees it: a custom
+ * linear that saves (x, weight, NULL), the identity of saved parameters,
+ * gradient accumulation, no-grad, misuse errors, allocator accounting.
+ */
+#include "testutil.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "loom/loom.h"
+
+/* ------------------------------------------------ a user-written linear */
+
+static int saw_param_identity;   /* backward found the very same parameter */
+static loom_param *expected_param;
+
+static loom_status user_linear_forward(loom_fn_ctx *ctx, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
+    (void)n_in; (void)n_out;
+    loom_tensor *x = in[0], *w = in[1], *b = in[2];
+    int K = (int)x->shape[1], N = (int)x->shape[0], M = (int)w->shape[0];
+    out[0] = loom_tensor_new_2d(x->dtype, N, M, LOOM_MEM_ACTIVATIONS);
+    if (!out[0]) return LOOM_ERR_NOMEM;
+    LOOM_TRY(loom_gemm(0, 1, N, M, K, 1.0f, loom_tensor_data(x), K, loom_tensor_data(w), K, x->dtype, 0.0f,
+                       loom_tensor_data(out[0]), M, x->dtype, b ? loom_tensor_data(b) : NULL, x->dtype));
+    loom_tensor *save[3] = {x, w, b}; /* b is NULL here */
+    return loom_ctx_save(ctx, save, 3);
+}
+
+static loom_status user_linear_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, int n_out, loom_tensor **gin, int n_in) {
+    (void)n_out; (void)n_in;
+    loom_tensor *x, *w, *b;
+    LOOM_TRY(loom_ctx_saved(ctx, 0, &x));
+    LOOM_TRY(loom_ctx_saved(ctx, 1, &w));
+    LOOM_TRY(loom_ctx_saved(ctx, 2, &b));
+    saw_param_identity = (b == NULL) && loom_tensor_param(w) == expected_param && w == expected_param->tensor;
+    int K = (int)x->shape[1], N = (int)x->shape[0], M = (int)w->shape[0];
+    if (loom_ctx_needs_input_grad(ctx, 0)) {
+        gin[0] = loom_tensor_new_2d(x->dtype, N, K, LOOM_MEM_ACTIVATIONS);
+        LOOM_TRY(loom_gemm(0, 0, N, K, M, 1.0f, loom_tensor_data(gout[0]), M, loom_tensor_data(w), K, x->dtype, 0.0f,
+                           loom_tensor_data(gin[0]), K, x->dtype, NULL, LOOM_F32));
+    }
+    loom_dtype dt;
+    void *mg = loom_param_grad_target(loom_tensor_param(w), &dt);
+    return loom_gemm(1, 0, M, K, N, 1.0f, loom_tensor_data(gout[0]), M, loom_tensor_data(x), K, x->dtype, 1.0f, mg, K,
+                     dt, NULL, LOOM_F32);
+}
+
+static const loom_function user_linear = {"user_linear", 3, 1, 0, user_linear_forward, user_linear_backward};
+
+static loom_param *make_param(const char *name, int64_t d0, int64_t d1, uint64_t seed) {
+    loom_param *p;
+    int64_t shape[2] = {d0, d1};
+    assert_int_equal(loom_param_new(name, LOOM_F32, 2, shape, 1, &p), LOOM_OK);
+    float *v = malloc((size_t)(d0 * d1) * sizeof *v);
+    tu_fill_uniform(v, (size_t)(d0 * d1), -0.5f, 0.5f, seed);
+    assert_int_equal(loom_param_set_f32(p, v, d0 * d1), LOOM_OK);
+    free(v);
+    return p;
+}
+
+/* loss = sum(tanh-free nonlinearity(linear(x)) * R) built from ops */
+static void custom_vs_builtin(int use_custom, loom_param *w, loom_tensor *x, float *dx_out) {
+    loom_tensor *y = NULL, *sq = NULL, *loss = NULL;
+    loom_tensor_release(x->grad);
+    x->grad = NULL;
+    if (use_custom) {
+        loom_tensor *in[3] = {x, w->tensor, NULL};
+        assert_int_equal(loom_function_apply(&user_linear, in, 3, &y, 1, NULL, 0), LOOM_OK);
+    } else {
+        assert_int_equal(loom_matmul(x, w->tensor, &y), LOOM_OK);
+    }
+    assert_int_equal(loom_mul(y, y, &sq), LOOM_OK);
+    assert_int_equal(loom_sum(sq, &loss), LOOM_OK);
+    assert_int_equal(loom_backward(loss, 1.0f), LOOM_OK);
+    loom_tensor_read_f32(x->grad, dx_out);
+    loom_tensor_release(y);
+    loom_tensor_release(sq);
+    loom_tensor_release(loss);
+}
+
+static void test_custom_linear_matches_builtin(void **state) {
+    (void)state;
+    loom_param *w = make_param("w", 6, 5, 1);
+    float xv[4 * 5];
+    tu_fill_uniform(xv, 20, -1, 1, 2);
+    loom_tensor *x = loom_tensor_from_f32(xv, LOOM_F32, 2, (const int64_t[]){4, 5}, LOOM_MEM_ACTIVATIONS);
+    assert_int_equal(loom_tensor_set_requires_grad(x, 1), LOOM_OK);
+    float dx_builtin[20], dx_custom[20], dw_builtin[30], dw_custom[30];
+    loom_param_zero_grad(w);
+    custom_vs_builtin(0, w, x, dx_builtin);
+    loom_param_read_grad(w, dw_builtin);
+    loom_param_zero_grad(w);
+    expected_param = w;
+    saw_param_identity = 0;
+    custom_vs_builtin(1, w, x, dx_custom);
+    loom_param_read_grad(w, dw_custom);
+    assert_true(saw_param_identity);
+    TU_ASSERT_CLOSE(dx_custom, dx_builtin, 20, 1e-6, 1e-5);
+    TU_ASSERT_CLOSE(dw_custom, dw_builtin, 30, 1e-6, 1e-5);
+    /* Not zero: the gradient really reached main_grad. */
+    double s = 0;
+    for (int i = 0; i < 30; i++) s += fabs(dw_custom[i]);
+    assert_true(s > 1e-3);
+    assert_int_equal(w->uses, 1);
+    assert_int_equal(w->contributions, 1);
+    assert_int_equal(loom_grad_audit(&w, 1, NULL, 0), LOOM_OK);
+    loom_tensor_release(x);
+    loom_param_free(w);
+}
+
+/* A function saving (NULL, weight, x, NULL): y = x + w. */
+static int mix_checked;
+static loom_status mix_forward(loom_fn_ctx *ctx, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
+    (void)n_in; (void)n_out;
+    LOOM_TRY(loom_add(in[0], in[1], &out[0])); /* inside forward: not recorded */
+    loom_tensor *save[4] = {NULL, in[1], in[0], NULL};
+    return loom_ctx_save(ctx, save, 4);
+}
+static loom_status mix_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, int n_out, loom_tensor **gin, int n_in) {
+    (void)n_out; (void)n_in;
+    loom_tensor *s[4];
+    for (int i = 0; i < 4; i++) LOOM_TRY(loom_ctx_saved(ctx, i, &s[i]));
+    mix_checked = s[0] == NULL && s[3] == NULL && s[1] == expected_param->tensor &&
+                  loom_tensor_param(s[1]) == expected_param && s[2] && !s[2]->param;
+    loom_tensor *none;
+    assert_int_equal(loom_ctx_saved(ctx, 4, &none), LOOM_ERR_INVALID); /* out of range: an error */
+    gin[0] = loom_tensor_retain(gout[0]);
+    gin[1] = loom_tensor_retain(gout[0]);
+    return LOOM_OK;
+}
+static const loom_function mix_fn = {"mix", 2, 1, 0, mix_forward, mix_backward};
+
+static void test_saved_slots_any_mix(void **state) {
+    (void)state;
+    loom_param *w = make_param("w", 2, 2, 3);
+    float v[4] = {1, 2, 3, 4};
+    loom_tensor *a = loom_tensor_from_f32(v, LOOM_F32, 2, (const int64_t[]){2, 2}, LOOM_MEM_ACTIVATIONS);
+    assert_int_equal(loom_tensor_set_requires_grad(a, 1), LOOM_OK);
+    expected_param = w;
+    mix_checked = 0;
+    loom_param_zero_grad(w);
+    loom_tensor *in[2] = {a, w->tensor}, *y = NULL, *l = NULL;
+    assert_int_equal(loom_function_apply(&mix_fn, in, 2, &y, 1, NULL, 0), LOOM_OK);
+    assert_int_equal(loom_sum(y, &l), LOOM_OK);
+    assert_int_equal(loom_backward(l, 1.0f), LOOM_OK);
+    assert_true(mix_checked);
+    float g[4];
+    loom_param_read_grad(w, g);
+    for (int i = 0; i < 4; i++) assert_float_equal(g[i], 1.0f, 0);
+    assert_int_equal(loom_grad_audit(&w, 1, NULL, 0), LOOM_OK);
+
+    /* The audit flags a parameter whose gradient was never written. */
+    loom_param_zero_grad(w);
+    w->uses = 1;
+    char report[256];
+    assert_int_equal(loom_grad_audit(&w, 1, report, sizeof report), LOOM_ERR_STATE);
+    assert_non_null(strstr(report, "w: gradient never written"));
+    assert_non_null(strstr(loom_last_error(), "w"));
+    loom_tensor_release(y);
+    loom_tensor_release(l);
+    loom_tensor_release(a);
+    loom_param_free(w);
+}
+
+static void test_accumulation_and_reuse(void **state) {
+    (void)state;
+    /* y = x * x + x: dy/dx = 2x + 1, x used three times */
+    float v[5] = {-2, -0.5f, 0, 1, 3};
+    loom_tensor *x = loom_tensor_from_f32(v, LOOM_F32, 1, (const int64_t[]){5}, LOOM_MEM_ACTIVATIONS);
+    assert_int_equal(loom_tensor_set_requires_grad(x, 1), LOOM_OK);
+    loom_tensor *sq, *y, *loss;
+    assert_int_equal(loom_mul(x, x, &sq), LOOM_OK);
+    assert_int_equal(loom_add(sq, x, &y), LOOM_OK);
+    assert_int_equal(loom_sum(y, &loss), LOOM_OK);
+    assert_int_equal(loom_backward(loss, 1.0f), LOOM_OK);
+    for (int i = 0; i < 5; i++) assert_float_equal(loom_tensor_get(x->grad, i), 2 * v[i] + 1, 1e-6);
+    /* The tape was consumed; a second backward is an error, not a crash. */
+    assert_int_equal(loom_tape_size(), 0);
+    assert_int_equal(loom_backward(loss, 1.0f), LOOM_ERR_STATE);
+    assert_non_null(strstr(loom_last_error(), "already freed"));
+    loom_tensor_release(sq);
+    loom_tensor_release(y);
+    loom_tensor_release(loss);
+
+    /* A parameter used twice in one step and across two steps accumulates. */
+    loom_param *w = make_param("w", 1, 5, 4);
+    loom_param_zero_grad(w);
+    loom_tensor *wv = loom_tensor_view(w->tensor, 1, (const int64_t[]){5});
+    (void)wv;
+    for (int step = 0; step < 2; step++) {
+        loom_tensor *p1, *l1;
+        assert_int_equal(loom_mul(w->tensor, w->tensor, &p1), LOOM_OK); /* two uses */
+        assert_int_equal(loom_sum(p1, &l1), LOOM_OK);
+        assert_int_equal(loom_backward(l1, 1.0f), LOOM_OK);
+        loom_tensor_release(p1);
+        loom_tensor_release(l1);
+    }
+    float g[5], wvals[5];
+    loom_param_read_grad(w, g);
+    memcpy(wvals, loom_param_master(w), sizeof wvals);
+    for (int i = 0; i < 5; i++) assert_float_equal(g[i], 2 * (2 * wvals[i]), 1e-6); /* two steps of 2w */
+    assert_int_equal(w->uses, 4);
+    assert_int_equal(w->contributions, 4);
+    loom_tensor_release(wv);
+    loom_tensor_release(x);
+    loom_param_free(w);
+}
+
+static void test_no_grad_and_misuse(void **state) {
+    (void)state;
+    loom_param *w = make_param("w", 3, 4, 5);
+    float v[8];
+    tu_fill_uniform(v, 8, -1, 1, 6);
+    loom_tensor *x = loom_tensor_from_f32(v, LOOM_F32, 2, (const int64_t[]){2, 4}, LOOM_MEM_ACTIVATIONS);
+    loom_tensor *y = NULL;
+    loom_no_grad_enter();
+    assert_int_equal(loom_fused_linear(x, w->tensor, NULL, &y), LOOM_OK);
+    loom_no_grad_exit();
+    assert_int_equal(loom_tape_size(), 0);
+    assert_false(loom_tensor_requires_grad(y));
+    assert_int_equal(w->uses, 0);
+    loom_tensor_release(y);
+
+    /* Wrong number of inputs: a clear error. */
+    loom_tensor *in[2] = {x, w->tensor};
+    assert_int_equal(loom_function_apply(&user_linear, in, 2, &y, 1, NULL, 0), LOOM_ERR_INVALID);
+    assert_non_null(strstr(loom_last_error(), "user_linear"));
+    /* Wrong shapes: a clear error naming both. */
+    assert_int_equal(loom_fused_linear(w->tensor, w->tensor, NULL, &y), LOOM_ERR_INVALID);
+    assert_non_null(strstr(loom_last_error(), "(3, 4)"));
+    /* Backward on something that needs no gradient. */
+    loom_tensor *s = NULL;
+    assert_int_equal(loom_sum(x, &s), LOOM_OK);
+    assert_int_equal(loom_backward(s, 1.0f), LOOM_ERR_STATE);
+    loom_tensor_release(s);
+    loom_tensor_release(x);
+    loom_param_free(w);
+}
+
+/* A function whose backward returns a gradient of the wrong shape. */
+static loom_status bad_forward(loom_fn_ctx *ctx, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
+    (void)ctx; (void)n_in; (void)n_out;
+    out[0] = loom_tensor_to(in[0], in[0]->dtype, LOOM_MEM_ACTIVATIONS);
+    return LOOM_OK;
+}
+static loom_status bad_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, int n_out, loom_tensor **gin, int n_in) {
+    (void)ctx; (void)gout; (void)n_out; (void)n_in;
+    gin[0] = loom_tensor_zeros(LOOM_F32, 1, (const int64_t[]){7}, LOOM_MEM_ACTIVATIONS);
+    return LOOM_OK;
+}
+static const loom_function bad_fn = {"bad_grad", 1, 1, 0, bad_forward, bad_backward};
+
+static void test_bad_gradient_shape(void **state) {
+    (void)state;
+    float v[3] = {1, 2, 3};
+    loom_tensor *x = loom_tensor_from_f32(v, LOOM_F32, 1, (const int64_t[]){3}, LOOM_MEM_ACTIVATIONS);
+    assert_int_equal(loom_tensor_set_requires_grad(x, 1), LOOM_OK);
+    loom_tensor *y = NULL, *l = NULL;
+    assert_int_equal(loom_function_apply(&bad_fn, &x, 1, &y, 1, NULL, 0), LOOM_OK);
+    assert_int_equal(loom_sum(y, &l), LOOM_OK);
+    assert_int_equal(loom_backward(l, 1.0f), LOOM_ERR_STATE);
+    assert_non_null(strstr(loom_last_error(), "bad_grad"));
+    loom_tensor_release(y);
+    loom_tensor_release(l);
+    loom_tensor_release(x);
+}
+
+static void test_memory_returns_to_zero(void **state) {
+    (void)state;
+    loom_param *w = make_param("w", 16, 8, 7);
+    loom_mem_stats before, after;
+    loom_mem_get_stats(&before);
+    for (int step = 0; step < 2; step++) {
+        float v[32 * 8];
+        tu_fill_uniform(v, 32 * 8, -1, 1, 8);
+        loom_tensor *x = loom_tensor_from_f32(v, LOOM_F32, 2, (const int64_t[]){32, 8}, LOOM_MEM_ACTIVATIONS);
+        loom_tensor *y, *h, *l;
+        assert_int_equal(loom_fused_linear(x, w->tensor, NULL, &y), LOOM_OK);
+        assert_int_equal(loom_silu(y, &h), LOOM_OK);
+        assert_int_equal(loom_sum(h, &l), LOOM_OK);
+        assert_int_equal(loom_backward(l, 1.0f), LOOM_OK);
+        loom_tensor_release(x);
+        loom_tensor_release(y);
+        loom_tensor_release(h);
+        loom_tensor_release(l);
+    }
+    loom_mem_get_stats(&after);
+    assert_int_equal(after.current[LOOM_MEM_ACTIVATIONS], before.current[LOOM_MEM_ACTIVATIONS]);
+    assert_int_equal(after.current[LOOM_MEM_WORKSPACE], before.current[LOOM_MEM_WORKSPACE]);
+    assert_true(after.peak[LOOM_MEM_ACTIVATIONS] > before.current[LOOM_MEM_ACTIVATIONS]);
+    loom_param_free(w);
+}
+
+int main(void) {
+    loom_set_threads(2);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_custom_linear_matches_builtin),
+        cmocka_unit_test(test_saved_slots_any_mix),
+        cmocka_unit_test(test_accumulation_and_reuse),
+        cmocka_unit_test(test_no_grad_and_misuse),
+        cmocka_unit_test(test_bad_gradient_shape),
+        cmocka_unit_test(test_memory_returns_to_zero),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

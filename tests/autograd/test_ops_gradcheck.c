@@ -1,0 +1,199 @@
+/*
+ * test_ops_gradcheck.c — every built-in op's backward against central
+ * finite differences, on the fp32 path.
+ *
+ * Loss L = sum(op(inputs) * R) with a fixed random R, so dL/dout = R. The
+ * numeric derivative (L(x+h) - L(x-h)) / 2h is computed with L summed in
+ * fp64 (loom_sum) from fp32 kernels: its error is about eps32 * |L| / h +
+ * O(h^2 f'''). With h = 1e-2 and |L| ~ 10 that is ~1e-4 absolute, so we
+ * accept |analytic - numeric| <= 2e-3 + 2e-2 * |numeric|; a wrong backward
+ * (a missing term, a transposed index) is off by O(1).
+ */
+#include "testutil.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "loom/loom.h"
+
+typedef loom_status (*op_fn)(loom_tensor **in, void *user, loom_tensor **out);
+
+typedef struct gradcheck {
+    op_fn op;
+    void *user;
+    int n_in;
+    loom_tensor *in[4];
+    loom_tensor *R;      /* same shape as the output, or NULL for scalar outputs */
+} gradcheck;
+
+static double eval_loss(gradcheck *g, int record, loom_tensor **loss_out) {
+    loom_tensor *out = NULL, *prod = NULL, *loss = NULL;
+    if (!record) loom_no_grad_enter();
+    loom_rng_default()->offset = 0; /* dropout: the same mask every evaluation */
+    assert_int_equal(g->op(g->in, g->user, &out), LOOM_OK);
+    if (g->R) {
+        assert_int_equal(loom_mul(out, g->R, &prod), LOOM_OK);
+        assert_int_equal(loom_sum(prod, &loss), LOOM_OK);
+    } else {
+        loss = loom_tensor_retain(out);
+    }
+    double v = loom_tensor_get(loss, 0);
+    loom_tensor_release(out);
+    loom_tensor_release(prod);
+    if (loss_out) *loss_out = loss;
+    else loom_tensor_release(loss);
+    if (!record) loom_no_grad_exit();
+    return v;
+}
+
+static void run_gradcheck(gradcheck *g, const char *name) {
+    /* Output shape for R: run once. */
+    loom_tensor *probe = NULL;
+    loom_no_grad_enter();
+    loom_rng_default()->offset = 0;
+    assert_int_equal(g->op(g->in, g->user, &probe), LOOM_OK);
+    loom_no_grad_exit();
+    if (loom_tensor_numel(probe) > 1) {
+        float *r = malloc((size_t)loom_tensor_numel(probe) * sizeof *r);
+        tu_fill_uniform(r, (size_t)loom_tensor_numel(probe), -1.0f, 1.0f, 99);
+        g->R = loom_tensor_from_f32(r, LOOM_F32, probe->ndim, probe->shape, LOOM_MEM_ACTIVATIONS);
+        free(r);
+    }
+    loom_tensor_release(probe);
+    for (int i = 0; i < g->n_in; i++)
+        if (g->in[i]) {
+            loom_tensor_release(g->in[i]->grad);
+            g->in[i]->grad = NULL;
+            assert_int_equal(loom_tensor_set_requires_grad(g->in[i], 1), LOOM_OK);
+        }
+    loom_tensor *loss = NULL;
+    eval_loss(g, 1, &loss);
+    assert_int_equal(loom_backward(loss, 1.0f), LOOM_OK);
+    loom_tensor_release(loss);
+    const float h = 1e-2f;
+    for (int i = 0; i < g->n_in; i++) {
+        loom_tensor *t = g->in[i];
+        if (!t) continue;
+        assert_non_null(t->grad);
+        float *x = loom_tensor_data(t);
+        int64_t n = loom_tensor_numel(t);
+        int64_t stride = n > 64 ? n / 47 + 1 : 1; /* a spread of elements */
+        for (int64_t k = 0; k < n; k += stride) {
+            float keep = x[k];
+            x[k] = keep + h;
+            double lp = eval_loss(g, 0, NULL);
+            x[k] = keep - h;
+            double lm = eval_loss(g, 0, NULL);
+            x[k] = keep;
+            double num = (lp - lm) / (2.0 * h);
+            double ana = loom_tensor_get(t->grad, k);
+            if (fabs(ana - num) > 2e-3 + 2e-2 * fabs(num)) {
+                fprintf(stderr, "%s: input %d element %lld: analytic %.6g numeric %.6g\n", name, i, (long long)k, ana,
+                        num);
+                fail();
+            }
+        }
+    }
+    for (int i = 0; i < g->n_in; i++) loom_tensor_release(g->in[i]);
+    loom_tensor_release(g->R);
+}
+
+static loom_tensor *rand_tensor(int ndim, const int64_t *shape, float lo, float hi, uint64_t seed) {
+    int64_t n = 1;
+    for (int i = 0; i < ndim; i++) n *= shape[i];
+    float *v = malloc((size_t)n * sizeof *v);
+    tu_fill_uniform(v, (size_t)n, lo, hi, seed);
+    loom_tensor *t = loom_tensor_from_f32(v, LOOM_F32, ndim, shape, LOOM_MEM_ACTIVATIONS);
+    free(v);
+    return t;
+}
+
+/* --------------------------------------------------------------- op glue */
+
+static loom_status op_add(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_add(in[0], in[1], out); }
+static loom_status op_mul(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_mul(in[0], in[1], out); }
+static loom_status op_scale(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_scale(in[0], -1.7f, out); }
+static loom_status op_silu(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_silu(in[0], out); }
+static loom_status op_swiglu(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_swiglu(in[0], in[1], out); }
+static loom_status op_matmul(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_matmul(in[0], in[1], out); }
+static loom_status op_add_bias(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_add_bias(in[0], in[1], out); }
+static loom_status op_rmsnorm(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_rmsnorm(in[0], in[1], 1e-5f, out); }
+static loom_status op_rope(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_rope(in[0], 10000.0f, 3, out); }
+static loom_status op_attention(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_attention(in[0], in[1], in[2], out); }
+static loom_status op_dropout(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_dropout(in[0], 0.3f, out); }
+static loom_status op_fused_linear(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_fused_linear(in[0], in[1], in[2], out); }
+static loom_status op_reshape(loom_tensor **in, void *u, loom_tensor **out) {
+    (void)u;
+    loom_tensor *r = NULL, *s = NULL;
+    int64_t shape[2] = {4, 6};
+    loom_status st = loom_reshape(in[0], 2, shape, &r);
+    if (st == LOOM_OK) st = loom_mul(r, r, &s); /* something non-linear after the view */
+    loom_tensor_release(r);
+    *out = s;
+    return st;
+}
+static const int32_t emb_tokens[7] = {3, 1, 3, 0, 4, 1, 3};
+static loom_status op_embedding(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_embedding(in[0], emb_tokens, 7, out); }
+static const int32_t xent_targets[6] = {2, -1, 0, 4, 4, 1};
+static loom_status op_xent(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_cross_entropy(in[0], xent_targets, 6, -1, out); }
+
+#define SHAPE(...) ((const int64_t[]){__VA_ARGS__})
+
+static void test_elementwise(void **state) {
+    (void)state;
+    gradcheck a = {op_add, NULL, 2, {rand_tensor(2, SHAPE(3, 5), -1, 1, 1), rand_tensor(2, SHAPE(3, 5), -1, 1, 2)}, NULL};
+    run_gradcheck(&a, "add");
+    gradcheck m = {op_mul, NULL, 2, {rand_tensor(2, SHAPE(3, 5), -1, 1, 3), rand_tensor(2, SHAPE(3, 5), -1, 1, 4)}, NULL};
+    run_gradcheck(&m, "mul");
+    gradcheck s = {op_scale, NULL, 1, {rand_tensor(1, SHAPE(9), -1, 1, 5)}, NULL};
+    run_gradcheck(&s, "scale");
+    gradcheck si = {op_silu, NULL, 1, {rand_tensor(2, SHAPE(4, 7), -3, 3, 6)}, NULL};
+    run_gradcheck(&si, "silu");
+    gradcheck sw = {op_swiglu, NULL, 2, {rand_tensor(2, SHAPE(4, 7), -3, 3, 7), rand_tensor(2, SHAPE(4, 7), -2, 2, 8)}, NULL};
+    run_gradcheck(&sw, "swiglu");
+    gradcheck d = {op_dropout, NULL, 1, {rand_tensor(2, SHAPE(5, 8), -1, 1, 9)}, NULL};
+    run_gradcheck(&d, "dropout");
+    gradcheck r = {op_reshape, NULL, 1, {rand_tensor(3, SHAPE(2, 3, 4), -1, 1, 10)}, NULL};
+    run_gradcheck(&r, "reshape");
+}
+
+static void test_linear_ops(void **state) {
+    (void)state;
+    gradcheck mm = {op_matmul, NULL, 2, {rand_tensor(3, SHAPE(2, 3, 5), -1, 1, 11), rand_tensor(2, SHAPE(4, 5), -1, 1, 12)}, NULL};
+    run_gradcheck(&mm, "matmul");
+    gradcheck ab = {op_add_bias, NULL, 2, {rand_tensor(2, SHAPE(3, 4), -1, 1, 13), rand_tensor(1, SHAPE(4), -1, 1, 14)}, NULL};
+    run_gradcheck(&ab, "add_bias");
+    gradcheck fl = {op_fused_linear, NULL, 3,
+                    {rand_tensor(2, SHAPE(6, 5), -1, 1, 15), rand_tensor(2, SHAPE(4, 5), -1, 1, 16),
+                     rand_tensor(1, SHAPE(4), -1, 1, 17)}, NULL};
+    run_gradcheck(&fl, "fused_linear");
+    gradcheck fln = {op_fused_linear, NULL, 3,
+                     {rand_tensor(2, SHAPE(6, 5), -1, 1, 18), rand_tensor(2, SHAPE(4, 5), -1, 1, 19), NULL}, NULL};
+    run_gradcheck(&fln, "fused_linear (no bias)");
+}
+
+static void test_llama_ops(void **state) {
+    (void)state;
+    gradcheck rn = {op_rmsnorm, NULL, 2, {rand_tensor(2, SHAPE(5, 8), -2, 2, 20), rand_tensor(1, SHAPE(8), 0.5f, 1.5f, 21)}, NULL};
+    run_gradcheck(&rn, "rmsnorm");
+    gradcheck rp = {op_rope, NULL, 1, {rand_tensor(4, SHAPE(2, 3, 2, 8), -1, 1, 22)}, NULL};
+    run_gradcheck(&rp, "rope");
+    gradcheck at = {op_attention, NULL, 3,
+                    {rand_tensor(4, SHAPE(2, 5, 4, 8), -1, 1, 23), rand_tensor(4, SHAPE(2, 5, 2, 8), -1, 1, 24),
+                     rand_tensor(4, SHAPE(2, 5, 2, 8), -1, 1, 25)}, NULL};
+    run_gradcheck(&at, "attention (GQA)");
+    gradcheck em = {op_embedding, NULL, 1, {rand_tensor(2, SHAPE(5, 6), -1, 1, 26)}, NULL};
+    run_gradcheck(&em, "embedding");
+    gradcheck xe = {op_xent, NULL, 1, {rand_tensor(2, SHAPE(6, 5), -3, 3, 27)}, NULL};
+    run_gradcheck(&xe, "cross_entropy");
+}
+
+int main(void) {
+    loom_set_threads(2);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_elementwise),
+        cmocka_unit_test(test_linear_ops),
+        cmocka_unit_test(test_llama_ops),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
