@@ -1,0 +1,114 @@
+/*
+ * gemm.c — the GEMM entry point: argument checks, backend choice, and the
+ * plain reference.
+ *
+ * Owns: the process-wide backend setting and the path counters.
+ * Must never: abort on a bad argument (it returns LOOM_ERR_INVALID), or let
+ * a oneDNN refusal reach the caller (the portable loops take over).
+ */
+#include "kernels/gemm_internal.h"
+
+gemm_counters gemm_counters_;
+
+static int backend_requested = GEMM_BACKEND_AUTO;
+
+void gemm_set_backend(gemm_backend b) {
+    __atomic_store_n(&backend_requested, (int)b, __ATOMIC_RELAXED);
+}
+
+gemm_backend gemm_get_backend(void) {
+    int b = __atomic_load_n(&backend_requested, __ATOMIC_RELAXED);
+    if (b == GEMM_BACKEND_FALLBACK || !gemm_onednn_available()) return GEMM_BACKEND_FALLBACK;
+    return GEMM_BACKEND_ONEDNN;
+}
+
+int gemm_have_onednn(void) { return gemm_onednn_available(); }
+
+void gemm_get_counters(gemm_counters *out) {
+    out->onednn_calls = __atomic_load_n(&gemm_counters_.onednn_calls, __ATOMIC_RELAXED);
+    out->onednn_created = __atomic_load_n(&gemm_counters_.onednn_created, __ATOMIC_RELAXED);
+    out->onednn_hits = __atomic_load_n(&gemm_counters_.onednn_hits, __ATOMIC_RELAXED);
+    out->onednn_rejected = __atomic_load_n(&gemm_counters_.onednn_rejected, __ATOMIC_RELAXED);
+    out->fallback_calls = __atomic_load_n(&gemm_counters_.fallback_calls, __ATOMIC_RELAXED);
+}
+
+static int dtype_ok(loom_dtype dt) {
+    return dt == LOOM_F32 || dt == LOOM_BF16 || dt == LOOM_F16;
+}
+
+static loom_status check_ld(const char *name, int ld, int row_len, int trans) {
+    int need = row_len > 1 ? row_len : 1;
+    if (ld < need)
+        return loom_error(LOOM_ERR_INVALID,
+                          "gemm: %s = %d is smaller than the stored row length %d%s; "
+                          "pass the row stride in elements of the stored matrix",
+                          name, ld, row_len, trans ? " (the matrix is transposed)" : "");
+    return LOOM_OK;
+}
+
+static loom_status check_args(const gemm_args *g) {
+    if (g->M < 0 || g->N < 0 || g->K < 0)
+        return loom_error(LOOM_ERR_INVALID, "gemm: negative size M=%d N=%d K=%d", g->M, g->N, g->K);
+    if (!dtype_ok(g->ab_dt) || !dtype_ok(g->c_dt) || (g->bias && !dtype_ok(g->bias_dt)))
+        return loom_error(LOOM_ERR_INVALID, "gemm: unknown dtype (ab %d, c %d, bias %d)",
+                          (int)g->ab_dt, (int)g->c_dt, (int)g->bias_dt);
+    if (g->c_dt != LOOM_F32 && g->c_dt != g->ab_dt)
+        return loom_error(LOOM_ERR_INVALID, "gemm: C must be fp32 or the input dtype %s, not %s",
+                          loom_dtype_name(g->ab_dt), loom_dtype_name(g->c_dt));
+    /* Stored A is (M, K), or (K, M) when transposed; likewise B. */
+    LOOM_TRY(check_ld("lda", g->lda, g->trans_a ? g->M : g->K, g->trans_a));
+    LOOM_TRY(check_ld("ldb", g->ldb, g->trans_b ? g->K : g->N, g->trans_b));
+    LOOM_TRY(check_ld("ldc", g->ldc, g->N, 0));
+    int need_ab = g->M > 0 && g->N > 0 && g->K > 0;
+    if ((need_ab && (!g->A || !g->B)) || (g->M > 0 && g->N > 0 && !g->C))
+        return loom_error(LOOM_ERR_INVALID, "gemm: NULL matrix pointer for M=%d N=%d K=%d",
+                          g->M, g->N, g->K);
+    return LOOM_OK;
+}
+
+loom_status gemm(int trans_a, int trans_b, int M, int N, int K, float alpha,
+                 const void *A, int lda, const void *B, int ldb, loom_dtype ab_dt,
+                 float beta, void *C, int ldc, loom_dtype c_dt,
+                 const void *bias, loom_dtype bias_dt) {
+    gemm_args g = {
+        .trans_a = trans_a != 0, .trans_b = trans_b != 0, .M = M, .N = N, .K = K,
+        .alpha = alpha, .beta = beta, .A = A, .B = B, .C = C, .bias = bias,
+        .lda = lda, .ldb = ldb, .ldc = ldc, .ab_dt = ab_dt, .c_dt = c_dt, .bias_dt = bias_dt,
+    };
+    LOOM_TRY(check_args(&g));
+    if (M == 0 || N == 0) return LOOM_OK;
+    /* K == 0 leaves C = beta*C + bias: the fallback handles that edge. */
+    if (K > 0 && gemm_get_backend() == GEMM_BACKEND_ONEDNN) {
+        int handled = 0;
+        loom_status st = gemm_onednn(&g, &handled);
+        if (handled) return st;
+    }
+    return gemm_fallback(&g);
+}
+
+/* Element (i, k) of op(X) for stored X with row stride ld. */
+static inline size_t op_index(int trans, int r, int c, int ld) {
+    return trans ? (size_t)c * (size_t)ld + (size_t)r : (size_t)r * (size_t)ld + (size_t)c;
+}
+
+/* Plain triple loop, double accumulation: the oracle for the tests.
+ * A: (M, K), or (K, M) stored when trans_a; B: (K, N), or (N, K) stored
+ * when trans_b; C: (M, N); bias: (N). */
+void gemm_ref(int trans_a, int trans_b, int M, int N, int K, float alpha,
+              const void *A, int lda, const void *B, int ldb, loom_dtype ab_dt,
+              float beta, void *C, int ldc, loom_dtype c_dt,
+              const void *bias, loom_dtype bias_dt) {
+    for (int i = 0; i < M; i++) {
+        for (int j = 0; j < N; j++) {
+            double acc = 0.0;
+            for (int k = 0; k < K; k++)
+                acc += (double)loom_load(A, op_index(trans_a, i, k, lda), ab_dt) *
+                       (double)loom_load(B, op_index(trans_b, k, j, ldb), ab_dt);
+            size_t ci = (size_t)i * (size_t)ldc + (size_t)j;
+            double v = (double)alpha * acc;
+            if (beta != 0.0f) v += (double)beta * (double)loom_load(C, ci, c_dt);
+            if (bias) v += (double)loom_load(bias, (size_t)j, bias_dt);
+            loom_store(C, ci, c_dt, (float)v);
+        }
+    }
+}

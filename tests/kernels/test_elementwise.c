@@ -1,0 +1,280 @@
+/*
+ * test_elementwise.c — add/mul/scale/accumulate, sumsq/has_nonfinite,
+ * dropout and AdamW against plain loops.
+ *
+ * add/mul/scale do one fp32 operation and one rounding, so a plain loop
+ * doing the same must match bit for bit. accumulate may fuse its multiply-
+ * add, so it gets one ulp of the destination dtype. Dropout's mask is
+ * recomputed here from the Philox definition in kernels.h.
+ */
+#include "testutil.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "kernels/kernels.h"
+
+static const loom_dtype dtypes[] = { LOOM_F32, LOOM_BF16, LOOM_F16 };
+static const size_t sizes[] = { 1, 5, 100003 }; /* the last runs in parallel */
+
+static void *random_dt(size_t n, loom_dtype dt, float lo, float hi, uint64_t seed) {
+    float *f = malloc(n * sizeof(float) + 1);
+    tu_fill_uniform(f, n, lo, hi, seed);
+    void *p = tu_from_f32(f, n, dt);
+    free(f);
+    return p;
+}
+
+/* ------------------------------------------------------------ binary ops */
+
+enum { OP_ADD, OP_MUL, OP_SCALE };
+
+static float op_ref(int op, float x, float y, float s) {
+    return op == OP_ADD ? x + y : op == OP_MUL ? x * y : x * s;
+}
+
+static void run_op(int op, void *out, const void *a, const void *b, float s, size_t n,
+                   loom_dtype dt) {
+    if (op == OP_ADD) add_fwd(out, a, b, n, dt);
+    else if (op == OP_MUL) mul_fwd(out, a, b, n, dt);
+    else scale_fwd(out, a, s, n, dt);
+}
+
+static void check_op(int op, size_t n, loom_dtype dt, int in_place) {
+    size_t es = loom_dtype_size(dt);
+    void *a = random_dt(n, dt, -3, 3, 1 + n), *b = random_dt(n, dt, -3, 3, 2 + n);
+    void *want = malloc(n * es + 1), *out = in_place ? a : malloc(n * es + 1);
+    const float s = -1.37f;
+    for (size_t i = 0; i < n; i++)
+        loom_store(want, i, dt, op_ref(op, loom_load(a, i, dt), loom_load(b, i, dt), s));
+    run_op(op, out, a, b, s, n, dt);
+    assert_true(tu_bits_equal(out, want, n * es, loom_dtype_name(dt)));
+    if (!in_place) free(out);
+    free(a); free(b); free(want);
+}
+
+static void test_binary_ops(void **state) {
+    (void)state;
+    for (int op = OP_ADD; op <= OP_SCALE; op++)
+        for (int d = 0; d < 3; d++)
+            for (int s = 0; s < 3; s++) {
+                check_op(op, sizes[s], dtypes[d], 0);
+                check_op(op, sizes[s], dtypes[d], 1);
+            }
+}
+
+/* dst += scale * src in every (dst, src) dtype pair. */
+static void test_accumulate(void **state) {
+    (void)state;
+    const float scale = 0.625f;
+    for (int dd = 0; dd < 3; dd++)
+        for (int sd = 0; sd < 3; sd++)
+            for (int s = 0; s < 3; s++) {
+                size_t n = sizes[s];
+                loom_dtype dt = dtypes[dd], st = dtypes[sd];
+                void *dst = random_dt(n, dt, -2, 2, 10 + n), *src = random_dt(n, st, -2, 2, 20 + n);
+                float *want = malloc(n * sizeof(float) + 1);
+                for (size_t i = 0; i < n; i++)
+                    want[i] = loom_round_to(
+                        (float)((double)loom_load(dst, i, dt) + (double)scale * loom_load(src, i, st)), dt);
+                accumulate(dst, dt, src, st, scale, n);
+                float *got = tu_to_f32(dst, n, dt);
+                /* one ulp of dst's dtype, relative to values up to 3.25 */
+                double ulp = dt == LOOM_F32 ? 0x1p-22 : dt == LOOM_BF16 ? 0x1p-6 : 0x1p-9;
+                TU_ASSERT_CLOSE(got, want, n, ulp, 0.0);
+                free(dst); free(src); free(want); free(got);
+            }
+}
+
+/* ------------------------------------------------------------ reductions */
+
+static void test_sumsq(void **state) {
+    (void)state;
+    for (int d = 0; d < 3; d++)
+        for (int s = 0; s < 3; s++) {
+            size_t n = sizes[s];
+            void *x = random_dt(n, dtypes[d], -2, 2, 30 + n);
+            double want = 0.0;
+            for (size_t i = 0; i < n; i++) {
+                double v = loom_load(x, i, dtypes[d]);
+                want += v * v;
+            }
+            double got = sumsq(x, n, dtypes[d]);
+            assert_true(fabs(got - want) <= 1e-12 * want);
+            loom_set_threads(1); /* fixed chunking: same bits on any thread count */
+            double one = sumsq(x, n, dtypes[d]);
+            loom_set_threads(0);
+            assert_memory_equal(&one, &got, sizeof got);
+            loom_store(x, n / 2, dtypes[d], NAN);
+            assert_true(isnan(sumsq(x, n, dtypes[d])));
+            loom_store(x, n / 2, dtypes[d], -INFINITY);
+            assert_true(isinf(sumsq(x, n, dtypes[d])));
+            free(x);
+        }
+    assert_true(sumsq(NULL, 0, LOOM_F32) == 0.0);
+}
+
+static void test_has_nonfinite(void **state) {
+    (void)state;
+    const float bad[] = { NAN, INFINITY, -INFINITY };
+    for (int d = 0; d < 3; d++)
+        for (int s = 0; s < 3; s++) {
+            size_t n = sizes[s];
+            loom_dtype dt = dtypes[d];
+            void *x = random_dt(n, dt, -2, 2, 40 + n);
+            /* the largest finite value of each dtype is still finite */
+            float big = dt == LOOM_F32 ? 3.4028235e38f : dt == LOOM_BF16 ? 3.3895314e38f : 65504.0f;
+            loom_store(x, 0, dt, -big);
+            assert_int_equal(has_nonfinite(x, n, dt), 0);
+            for (int b = 0; b < 3; b++) {
+                size_t at = n - 1 - (size_t)b * (n / 3);
+                float keep = loom_load(x, at, dt);
+                loom_store(x, at, dt, bad[b]);
+                assert_int_equal(has_nonfinite(x, n, dt), 1);
+                loom_store(x, at, dt, keep);
+            }
+            assert_int_equal(has_nonfinite(x, n, dt), 0);
+            free(x);
+        }
+}
+
+/* --------------------------------------------------------------- dropout */
+
+/* The mask by its definition: lane i % 4 of Philox(seed, offset + i / 4). */
+static int mask_ref(size_t i, float p, uint64_t seed, uint64_t offset) {
+    uint32_t r[4];
+    loom_philox4x32(seed, offset + i / 4, r);
+    return loom_u32_to_unit(r[i % 4]) >= p;
+}
+
+/* Forward on inputs in [0.5, 1.5) (never 0): out is in * scale or 0 per
+ * the reference mask; returns how many were kept. */
+static size_t check_dropout_fwd(const void *in, void *out, size_t n, float p, uint64_t seed,
+                                uint64_t offset, loom_dtype dt) {
+    dropout_fwd(out, in, n, p, seed, offset, dt);
+    float scale = 1.0f / (1.0f - p);
+    size_t kept = 0, wrong = 0;
+    for (size_t i = 0; i < n; i++) {
+        int m = mask_ref(i, p, seed, offset);
+        float want = m ? loom_round_to(loom_load(in, i, dt) * scale, dt) : 0.0f;
+        wrong += loom_load(out, i, dt) != want;
+        kept += m;
+    }
+    assert_int_equal(wrong, 0);
+    return kept;
+}
+
+static void test_dropout_mask(void **state) {
+    (void)state;
+    const float p = 0.3f;
+    for (int d = 0; d < 3; d++) {
+        loom_dtype dt = dtypes[d];
+        for (int s = 0; s < 3; s++) {
+            size_t n = sizes[s];
+            void *in = random_dt(n, dt, 0.5f, 1.5f, 50 + n), *out = malloc(n * 4 + 1);
+            size_t kept = check_dropout_fwd(in, out, n, p, 1234, 77, dt);
+            if (n > 1000) { /* binomial: within 6 standard deviations of n (1-p) */
+                double sd = sqrt(n * p * (1.0 - p));
+                assert_true(fabs((double)kept - n * (1.0 - p)) < 6.0 * sd);
+            }
+            free(in); free(out);
+        }
+    }
+}
+
+/* Backward with the same (seed, offset) drops the same elements; a
+ * different offset gives a different mask; replay and thread count do not
+ * change a bit. */
+static void test_dropout_replay(void **state) {
+    (void)state;
+    const size_t n = 100003;
+    const float p = 0.25f;
+    for (int d = 0; d < 3; d++) {
+        loom_dtype dt = dtypes[d];
+        size_t es = loom_dtype_size(dt);
+        void *x = random_dt(n, dt, 0.5f, 1.5f, 60), *ones = random_dt(n, dt, 1, 1, 61);
+        void *y = malloc(n * es), *y2 = malloc(n * es), *dx = malloc(n * es);
+        dropout_fwd(y, x, n, p, 99, 1000, dt);
+        dropout_bwd(dx, ones, n, p, 99, 1000, dt);
+        size_t mismatched = 0, differ = 0;
+        for (size_t i = 0; i < n; i++)
+            mismatched += (loom_load(y, i, dt) == 0.0f) != (loom_load(dx, i, dt) == 0.0f);
+        assert_int_equal(mismatched, 0);
+        loom_set_threads(1);
+        dropout_fwd(y2, x, n, p, 99, 1000, dt);
+        loom_set_threads(0);
+        assert_true(tu_bits_equal(y, y2, n * es, "dropout replay"));
+        dropout_fwd(y2, x, n, p, 99, 1000 + dropout_blocks(n), dt);
+        for (size_t i = 0; i < n; i++)
+            differ += (loom_load(y, i, dt) == 0.0f) != (loom_load(y2, i, dt) == 0.0f);
+        /* independent masks disagree on 2 p (1 - p) of the elements */
+        assert_true(differ > n * 2 * p * (1 - p) / 2);
+        free(x); free(ones); free(y); free(y2); free(dx);
+    }
+}
+
+static void test_dropout_edges(void **state) {
+    (void)state;
+    const size_t n = 1001;
+    void *x = random_dt(n, LOOM_BF16, -1, 1, 70), *y = malloc(n * 2);
+    dropout_fwd(y, x, n, 0.0f, 5, 6, LOOM_BF16); /* p = 0 copies */
+    assert_true(tu_bits_equal(y, x, n * 2, "p = 0"));
+    dropout_fwd(y, x, n, 1.0f, 5, 6, LOOM_BF16); /* p = 1 drops everything */
+    for (size_t i = 0; i < n; i++) assert_true(loom_load(y, i, LOOM_BF16) == 0.0f);
+    check_dropout_fwd(x, y, n, 0.5f, 5, 6, LOOM_BF16);
+    dropout_fwd(x, x, n, 0.5f, 5, 6, LOOM_BF16); /* in place gives the same */
+    assert_true(tu_bits_equal(x, y, n * 2, "dropout in place"));
+    free(x); free(y);
+}
+
+/* ----------------------------------------------------------------- AdamW */
+
+/* The kernels.h formula, in double. */
+static void adamw_ref(double *p, double *m, double *v, const float *g, size_t n, double lr,
+                      double b1, double b2, double eps, double wd, int t, double gs) {
+    for (size_t i = 0; i < n; i++) {
+        double gi = g[i] * gs;
+        m[i] = b1 * m[i] + (1 - b1) * gi;
+        v[i] = b2 * v[i] + (1 - b2) * gi * gi;
+        double mhat = m[i] / (1 - pow(b1, t)), vhat = v[i] / (1 - pow(b2, t));
+        p[i] -= lr * (mhat / (sqrt(vhat) + eps) + wd * p[i]);
+    }
+}
+
+static void test_adamw(void **state) {
+    (void)state;
+    const size_t n = 40000; /* > the parallel threshold */
+    const float lr = 1e-2f, b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, wd = 0.1f, gs = 0.5f;
+    float *p = malloc(n * 4), *m = calloc(n, 4), *v = calloc(n, 4), *g = malloc(n * 4);
+    double *pd = malloc(n * 8), *md = calloc(n, 8), *vd = calloc(n, 8);
+    tu_fill_uniform(p, n, -1, 1, 80);
+    for (size_t i = 0; i < n; i++) pd[i] = p[i];
+    for (int t = 1; t <= 5; t++) {
+        tu_fill_uniform(g, n, -2, 2, 80 + (uint64_t)t);
+        adamw_step(p, m, v, g, n, lr, b1, b2, eps, wd, t, gs);
+        adamw_ref(pd, md, vd, g, n, lr, b1, b2, eps, wd, t, gs);
+    }
+    float *pf = malloc(n * 4), *mf = malloc(n * 4), *vf = malloc(n * 4);
+    for (size_t i = 0; i < n; i++) { pf[i] = (float)pd[i]; mf[i] = (float)md[i]; vf[i] = (float)vd[i]; }
+    /* fp32 arithmetic: m and v (|.| < 1) within 4 ulps of 1 (2^-24 each);
+     * p (|p| < 2) picks up about one ulp (2^-23) per step: allow 8. */
+    TU_ASSERT_CLOSE(m, mf, n, 4 * 0x1p-24, 0.0);
+    TU_ASSERT_CLOSE(v, vf, n, 4 * 0x1p-24, 0.0);
+    TU_ASSERT_CLOSE(p, pf, n, 8 * 0x1p-23, 0.0);
+    free(p); free(m); free(v); free(g); free(pd); free(md); free(vd);
+    free(pf); free(mf); free(vf);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_binary_ops),
+        cmocka_unit_test(test_accumulate),
+        cmocka_unit_test(test_sumsq),
+        cmocka_unit_test(test_has_nonfinite),
+        cmocka_unit_test(test_dropout_mask),
+        cmocka_unit_test(test_dropout_replay),
+        cmocka_unit_test(test_dropout_edges),
+        cmocka_unit_test(test_adamw),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
