@@ -107,13 +107,16 @@ static int fw_before(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor **o
     op->needs_grad = malloc((size_t)(ctx->n_inputs > 0 ? ctx->n_inputs : 1));
     LOOM_ASSERT(op->needs_grad != NULL);
     memcpy(op->needs_grad, ctx->needs_grad, (size_t)ctx->n_inputs);
+    /* A kept op is not re-run by the replay, so what it saves must be
+     * stored as is. */
+    if (recorded && r->has_policy && r->policy.keep(r->policy.user, ctx->fn)) ctx->keep_saved = 1;
     return 0;
 }
 
 static void fw_after(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor **outputs, int n_outputs) {
     region *r = self;
     op_record *op = &r->ops[r->n_ops - 1];
-    if (!recorded || !r->has_policy || !r->policy.keep(r->policy.user, ctx->fn)) return;
+    if (!recorded || !ctx->keep_saved) return;
     op->kept = calloc((size_t)(n_outputs ? n_outputs : 1), sizeof *op->kept);
     LOOM_ASSERT(op->kept != NULL);
     for (int k = 0; k < n_outputs; k++) op->kept[k] = loom_tensor_retain(outputs[k]);
