@@ -1,0 +1,369 @@
+/*
+ * attention.c — causal grouped-query attention, flash-style, and references.
+ *
+ * Owns: softmax(q k^T * scale + causal mask) v for query heads that share
+ * key/value heads, its backward, and plain references that materialise the
+ * scores. Query t sits at absolute position q_pos0 + t and sees keys
+ * 0 .. q_pos0 + t.
+ *
+ * Forward: one task per (b, h, query block of ATTN_BQ rows); keys are visited
+ * in blocks of ATTN_BK with an online softmax (running max m, running sum l,
+ * unnormalised output acc), so no Tq x Tk matrix exists. lse = m + log(l).
+ * Backward (FlashAttention-2): one task per (b, kv head g). For each key block
+ * it recomputes p = exp(s - lse) for every query head of the group and
+ * accumulates dK, dV for the block in fp32; D_i = rowsum(dout_i * out_i). The
+ * task owns dq rows of its heads too, so no two threads write the same row.
+ *
+ * Blocks of q/k/v/dout are converted to fp32 scratch rows once, so the inner
+ * dot products and axpys run on contiguous fp32.
+ * Must never: let the thread count or the schedule change a result — every
+ * output element is summed by one task in a fixed order.
+ */
+#include "kernels/kernels.h"
+#include "kernels/kernel_rows.h"
+
+#include <math.h>
+#include <omp.h>
+
+#define ATTN_BQ 32 /* queries per block */
+#define ATTN_BK 64 /* keys per block */
+
+typedef struct attn_shape {
+    int B, Tq, Tk, NH, NKV, HS, q_pos0;
+    int G; /* query heads per kv head */
+    float scale;
+    loom_dtype dt;
+} attn_shape;
+
+static attn_shape attn_shape_make(int B, int Tq, int Tk, int NH, int NKV, int HS,
+                                  int q_pos0, loom_dtype dt) {
+    attn_shape s = {B, Tq, Tk, NH, NKV, HS, q_pos0, NH / NKV, 1.0f / sqrtf((float)HS), dt};
+    return s;
+}
+
+/* Element offsets of rows in q/out/dq (B, Tq, NH, HS), k/v (B, Tk, NKV, HS)
+ * and of entries in lse (B, NH, Tq). */
+static size_t q_off(const attn_shape *s, int b, int t, int h) {
+    return (((size_t)b * s->Tq + t) * s->NH + h) * s->HS;
+}
+static size_t kv_off(const attn_shape *s, int b, int t, int g) {
+    return (((size_t)b * s->Tk + t) * s->NKV + g) * s->HS;
+}
+static size_t lse_off(const attn_shape *s, int b, int h, int t) {
+    return ((size_t)b * s->NH + h) * s->Tq + t;
+}
+
+/* Number of keys in [k0, k0 + nk) that query t sees (0 if none). */
+static int attn_visible(const attn_shape *s, int t, int k0, int nk) {
+    int n = s->q_pos0 + t - k0 + 1;
+    return n < 0 ? 0 : (n < nk ? n : nk);
+}
+
+/* Load n rows starting at time t0 of head `head` from a (B, T, H, HS) buffer
+ * into dst (n, HS) fp32. */
+static void load_rows(float *dst, const void *src, int T, int H, int b, int t0, int head,
+                      int n, const attn_shape *s) {
+    for (int i = 0; i < n; i++)
+        row_load(dst + (size_t)i * s->HS, src, (((size_t)b * T + t0 + i) * H + head) * s->HS,
+                 s->HS, s->dt);
+}
+
+/* ---------------------------------------------------------------- forward */
+
+/* Fold nk keys into one query's running softmax. qi, acc: (HS); K, V: (nk, HS);
+ * sc: (nk) scratch. */
+static void online_softmax_row(float *acc, float *m, float *l, const float *qi,
+                               const float *K, const float *V, int nk, int HS,
+                               float scale, float *sc) {
+    float bm = -INFINITY;
+    for (int j = 0; j < nk; j++) {
+        sc[j] = row_dot(qi, K + (size_t)j * HS, HS) * scale;
+        bm = fmaxf(bm, sc[j]);
+    }
+    float mn = fmaxf(*m, bm);
+    float corr = expf(*m - mn); // 0 on the first block, where m = -inf
+    float sum = 0.0f;
+    for (int d = 0; d < HS; d++) acc[d] *= corr;
+    for (int j = 0; j < nk; j++) {
+        float p = expf(sc[j] - mn);
+        sum += p;
+        row_axpy(acc, p, V + (size_t)j * HS, HS);
+    }
+    *l = *l * corr + sum;
+    *m = mn;
+}
+
+typedef struct attn_fwd_scratch {
+    float *q, *acc; // (ATTN_BQ, HS)
+    float *k, *v;   // (ATTN_BK, HS)
+    float *m, *l;   // (ATTN_BQ)
+    float *sc;      // (ATTN_BK)
+} attn_fwd_scratch;
+
+static size_t attn_fwd_scratch_floats(int HS) {
+    return (size_t)(2 * ATTN_BQ + 2 * ATTN_BK) * HS + 2 * ATTN_BQ + ATTN_BK;
+}
+
+static attn_fwd_scratch attn_fwd_scratch_at(float *p, int HS) {
+    attn_fwd_scratch w;
+    w.q = p;   p += (size_t)ATTN_BQ * HS;
+    w.acc = p; p += (size_t)ATTN_BQ * HS;
+    w.k = p;   p += (size_t)ATTN_BK * HS;
+    w.v = p;   p += (size_t)ATTN_BK * HS;
+    w.m = p;   p += ATTN_BQ;
+    w.l = p;   p += ATTN_BQ;
+    w.sc = p;
+    return w;
+}
+
+/* Queries [q0, q0 + nq) of head h in batch b: out rows and lse entries. */
+static void attn_fwd_block(void *out, float *lse, const void *q, const void *k, const void *v,
+                           int b, int h, int q0, int nq, const attn_shape *s,
+                           attn_fwd_scratch *w) {
+    int HS = s->HS, g = h / s->G;
+    int kv_end = s->q_pos0 + q0 + nq; // keys the last query of the block sees
+    load_rows(w->q, q, s->Tq, s->NH, b, q0, h, nq, s);
+    memset(w->acc, 0, (size_t)nq * HS * sizeof(float));
+    for (int i = 0; i < nq; i++) { w->m[i] = -INFINITY; w->l[i] = 0.0f; }
+    for (int k0 = 0; k0 < kv_end; k0 += ATTN_BK) {
+        int nk = kv_end - k0 < ATTN_BK ? kv_end - k0 : ATTN_BK;
+        load_rows(w->k, k, s->Tk, s->NKV, b, k0, g, nk, s);
+        load_rows(w->v, v, s->Tk, s->NKV, b, k0, g, nk, s);
+        for (int i = 0; i < nq; i++) {
+            int n = attn_visible(s, q0 + i, k0, nk);
+            if (n > 0)
+                online_softmax_row(w->acc + (size_t)i * HS, &w->m[i], &w->l[i],
+                                   w->q + (size_t)i * HS, w->k, w->v, n, HS, s->scale, w->sc);
+        }
+    }
+    for (int i = 0; i < nq; i++) {
+        float *acc = w->acc + (size_t)i * HS, inv = 1.0f / w->l[i];
+        for (int d = 0; d < HS; d++) acc[d] *= inv;
+        row_store(out, q_off(s, b, q0 + i, h), acc, HS, s->dt);
+        if (lse) lse[lse_off(s, b, h, q0 + i)] = w->m[i] + logf(w->l[i]);
+    }
+}
+
+void attention_fwd(void *out, float *lse, const void *q, const void *k, const void *v,
+                   int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
+                   loom_dtype dt) {
+    attn_shape s = attn_shape_make(B, Tq, Tk, NH, NKV, HS, q_pos0, dt);
+    int nqb = (Tq + ATTN_BQ - 1) / ATTN_BQ;
+    int ntasks = B * NH * nqb;
+    size_t per = attn_fwd_scratch_floats(HS);
+    float *ws = workspace_floats(per * (size_t)omp_get_max_threads());
+    // Round-robin (static, 1): later query blocks see more keys.
+    #pragma omp parallel for schedule(static, 1)
+    for (int task = 0; task < ntasks; task++) {
+        attn_fwd_scratch w = attn_fwd_scratch_at(ws + per * (size_t)omp_get_thread_num(), HS);
+        int qb = task % nqb, h = (task / nqb) % NH, b = task / (nqb * NH);
+        int q0 = qb * ATTN_BQ, nq = Tq - q0 < ATTN_BQ ? Tq - q0 : ATTN_BQ;
+        attn_fwd_block(out, lse, q, k, v, b, h, q0, nq, &s, &w);
+    }
+    loom_free(ws);
+}
+
+/* --------------------------------------------------------------- backward */
+
+typedef struct attn_bwd_scratch {
+    float *k, *v, *dk, *dv; // (ATTN_BK, HS)
+    float *q, *dout;        // (ATTN_BQ, HS)
+} attn_bwd_scratch;
+
+static size_t attn_bwd_scratch_floats(int HS) {
+    return (size_t)(4 * ATTN_BK + 2 * ATTN_BQ) * HS;
+}
+
+static attn_bwd_scratch attn_bwd_scratch_at(float *p, int HS) {
+    attn_bwd_scratch w;
+    size_t kb = (size_t)ATTN_BK * HS, qb = (size_t)ATTN_BQ * HS;
+    w.k = p; w.v = p + kb; w.dk = p + 2 * kb; w.dv = p + 3 * kb;
+    w.q = p + 4 * kb; w.dout = p + 4 * kb + qb;
+    return w;
+}
+
+/* D: (B, NH, Tq) = rowsum(dout * out) in fp32. */
+static void attn_rowdot(float *D, const void *dout, const void *out, const attn_shape *s) {
+    int rows = s->B * s->Tq * s->NH;
+    #pragma omp parallel for schedule(static)
+    for (int r = 0; r < rows; r++) {
+        int h = r % s->NH, t = (r / s->NH) % s->Tq, b = r / (s->NH * s->Tq);
+        size_t off = (size_t)r * s->HS;
+        float acc = 0.0f;
+        for (int d = 0; d < s->HS; d++)
+            acc += loom_load(dout, off + d, s->dt) * loom_load(out, off + d, s->dt);
+        D[lse_off(s, b, h, t)] = acc;
+    }
+}
+
+/* One query against n keys of a block: recompute p from lse, then
+ * dV += p dout_i, dK += ds q_i, dq_i += ds K with ds = p (dout_i . v - D) scale. */
+static void attn_bwd_row(float *dq, attn_bwd_scratch *w, const float *qi, const float *doi,
+                         int n, float lse, float D, const attn_shape *s) {
+    int HS = s->HS;
+    for (int j = 0; j < n; j++) {
+        const float *kj = w->k + (size_t)j * HS, *vj = w->v + (size_t)j * HS;
+        float p = expf(row_dot(qi, kj, HS) * s->scale - lse);
+        float ds = p * (row_dot(doi, vj, HS) - D) * s->scale;
+        row_axpy(w->dv + (size_t)j * HS, p, doi, HS);
+        row_axpy(w->dk + (size_t)j * HS, ds, qi, HS);
+        row_axpy(dq, ds, kj, HS);
+    }
+}
+
+/* All queries of head h that see the key block [k0, k0 + nk) (already in w).
+ * dq32: (B, Tq, NH, HS) fp32 accumulator. */
+static void attn_bwd_head(float *dq32, attn_bwd_scratch *w, const void *dout, const void *q,
+                          const float *lse, const float *D, int b, int h, int k0, int nk,
+                          const attn_shape *s) {
+    int HS = s->HS;
+    int t_first = k0 - s->q_pos0 > 0 ? k0 - s->q_pos0 : 0; // first query seeing k0
+    for (int q0 = t_first; q0 < s->Tq; q0 += ATTN_BQ) {
+        int nq = s->Tq - q0 < ATTN_BQ ? s->Tq - q0 : ATTN_BQ;
+        load_rows(w->q, q, s->Tq, s->NH, b, q0, h, nq, s);
+        load_rows(w->dout, dout, s->Tq, s->NH, b, q0, h, nq, s);
+        for (int i = 0; i < nq; i++) {
+            size_t li = lse_off(s, b, h, q0 + i);
+            attn_bwd_row(dq32 + q_off(s, b, q0 + i, h), w, w->q + (size_t)i * HS,
+                         w->dout + (size_t)i * HS, attn_visible(s, q0 + i, k0, nk),
+                         lse[li], D[li], s);
+        }
+    }
+}
+
+/* Task (b, g): dk, dv rows of kv head g and dq rows of its query heads. */
+static void attn_bwd_task(void *dq, void *dk, void *dv, float *dq32, const void *dout,
+                          const void *q, const void *k, const void *v, const float *lse,
+                          const float *D, int b, int g, const attn_shape *s,
+                          attn_bwd_scratch *w) {
+    int HS = s->HS, h0 = g * s->G, GHS = s->G * HS; // heads h0 .. h0+G-1 are contiguous
+    for (int t = 0; t < s->Tq; t++)
+        memset(dq32 + q_off(s, b, t, h0), 0, (size_t)GHS * sizeof(float));
+    for (int k0 = 0; k0 < s->Tk; k0 += ATTN_BK) {
+        int nk = s->Tk - k0 < ATTN_BK ? s->Tk - k0 : ATTN_BK;
+        memset(w->dk, 0, (size_t)nk * HS * sizeof(float));
+        memset(w->dv, 0, (size_t)nk * HS * sizeof(float));
+        if (k0 < s->q_pos0 + s->Tq) { // else no query sees these keys: zero grads
+            load_rows(w->k, k, s->Tk, s->NKV, b, k0, g, nk, s);
+            load_rows(w->v, v, s->Tk, s->NKV, b, k0, g, nk, s);
+            for (int h = h0; h < h0 + s->G; h++)
+                attn_bwd_head(dq32, w, dout, q, lse, D, b, h, k0, nk, s);
+        }
+        for (int j = 0; j < nk; j++) {
+            row_store(dk, kv_off(s, b, k0 + j, g), w->dk + (size_t)j * HS, HS, s->dt);
+            row_store(dv, kv_off(s, b, k0 + j, g), w->dv + (size_t)j * HS, HS, s->dt);
+        }
+    }
+    if ((void *)dq32 != dq)
+        for (int t = 0; t < s->Tq; t++)
+            row_store(dq, q_off(s, b, t, h0), dq32 + q_off(s, b, t, h0), GHS, s->dt);
+}
+
+void attention_bwd(void *dq, void *dk, void *dv, const void *dout,
+                   const void *q, const void *k, const void *v, const void *out,
+                   const float *lse, int B, int Tq, int Tk, int NH, int NKV, int HS,
+                   int q_pos0, loom_dtype dt) {
+    attn_shape s = attn_shape_make(B, Tq, Tk, NH, NKV, HS, q_pos0, dt);
+    size_t nq_elems = (size_t)B * Tq * NH * HS;
+    float *D = workspace_floats((size_t)B * NH * Tq);                         // (B, NH, Tq)
+    float *dq32 = dt == LOOM_F32 ? (float *)dq : workspace_floats(nq_elems); // (B, Tq, NH, HS)
+    size_t per = attn_bwd_scratch_floats(HS);
+    float *ws = workspace_floats(per * (size_t)omp_get_max_threads());
+    attn_rowdot(D, dout, out, &s);
+    #pragma omp parallel for schedule(static)
+    for (int task = 0; task < B * NKV; task++) {
+        attn_bwd_scratch w = attn_bwd_scratch_at(ws + per * (size_t)omp_get_thread_num(), HS);
+        attn_bwd_task(dq, dk, dv, dq32, dout, q, k, v, lse, D, task / NKV, task % NKV, &s, &w);
+    }
+    loom_free(ws);
+    if ((void *)dq32 != dq) loom_free(dq32);
+    loom_free(D);
+}
+
+/* ------------------------------------------------------------- references */
+
+/* p: (Tk) softmax row of query t of head h (keys 0 .. pos); returns its lse. */
+static float attn_ref_probs(float *p, const void *q, const void *k, int b, int h, int t,
+                            const attn_shape *s) {
+    int n = s->q_pos0 + t + 1, g = h / s->G;
+    float m = -INFINITY, sum = 0.0f;
+    for (int j = 0; j < n; j++) {
+        float acc = 0.0f;
+        for (int d = 0; d < s->HS; d++)
+            acc += loom_load(q, q_off(s, b, t, h) + d, s->dt) *
+                   loom_load(k, kv_off(s, b, j, g) + d, s->dt);
+        p[j] = acc * s->scale;
+        m = fmaxf(m, p[j]);
+    }
+    for (int j = 0; j < n; j++) { p[j] = expf(p[j] - m); sum += p[j]; }
+    for (int j = 0; j < n; j++) p[j] /= sum;
+    return m + logf(sum);
+}
+
+void attention_fwd_ref(void *out, float *lse, const void *q, const void *k, const void *v,
+                       int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
+                       loom_dtype dt) {
+    attn_shape s = attn_shape_make(B, Tq, Tk, NH, NKV, HS, q_pos0, dt);
+    float *p = workspace_floats((size_t)Tk); // (Tk)
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < NH; h++)
+            for (int t = 0; t < Tq; t++) {
+                float l = attn_ref_probs(p, q, k, b, h, t, &s);
+                if (lse) lse[lse_off(&s, b, h, t)] = l;
+                for (int d = 0; d < HS; d++) {
+                    float o = 0.0f;
+                    for (int j = 0; j <= q_pos0 + t; j++)
+                        o += p[j] * loom_load(v, kv_off(&s, b, j, h / s.G) + d, dt);
+                    loom_store(out, q_off(&s, b, t, h) + d, dt, o);
+                }
+            }
+    loom_free(p);
+}
+
+/* One query row: dp = dout . v, ds = p (dp - sum(p dp)); dq = scale ds K,
+ * dk32 += scale ds q, dv32 += p dout. p, dp: (n). */
+static void attn_ref_bwd_row(void *dq, float *dk32, float *dv32, float *p, float *dp,
+                             const void *dout, const void *q, const void *k, const void *v,
+                             int b, int h, int t, const attn_shape *s) {
+    int n = s->q_pos0 + t + 1, g = h / s->G, HS = s->HS;
+    size_t qo = q_off(s, b, t, h);
+    float Dt = 0.0f;
+    for (int j = 0; j < n; j++) {
+        dp[j] = 0.0f;
+        for (int d = 0; d < HS; d++)
+            dp[j] += loom_load(dout, qo + d, s->dt) * loom_load(v, kv_off(s, b, j, g) + d, s->dt);
+        Dt += p[j] * dp[j];
+    }
+    for (int d = 0; d < HS; d++) {
+        float acc = 0.0f, qd = loom_load(q, qo + d, s->dt), od = loom_load(dout, qo + d, s->dt);
+        for (int j = 0; j < n; j++) {
+            float ds = p[j] * (dp[j] - Dt);
+            acc += ds * loom_load(k, kv_off(s, b, j, g) + d, s->dt);
+            dk32[kv_off(s, b, j, g) + d] += s->scale * ds * qd;
+            dv32[kv_off(s, b, j, g) + d] += p[j] * od;
+        }
+        loom_store(dq, qo + d, s->dt, s->scale * acc);
+    }
+}
+
+void attention_bwd_ref(void *dq, void *dk, void *dv, const void *dout,
+                       const void *q, const void *k, const void *v,
+                       int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
+                       loom_dtype dt) {
+    attn_shape s = attn_shape_make(B, Tq, Tk, NH, NKV, HS, q_pos0, dt);
+    size_t nkv = (size_t)B * Tk * NKV * HS;
+    float *dk32 = workspace_floats(2 * nkv + 2 * (size_t)Tk); // (B, Tk, NKV, HS) x 2
+    float *dv32 = dk32 + nkv, *p = dv32 + nkv, *dp = p + Tk;
+    memset(dk32, 0, 2 * nkv * sizeof(float));
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < NH; h++)
+            for (int t = 0; t < Tq; t++) {
+                attn_ref_probs(p, q, k, b, h, t, &s);
+                attn_ref_bwd_row(dq, dk32, dv32, p, dp, dout, q, k, v, b, h, t, &s);
+            }
+    for (size_t i = 0; i < nkv; i++) {
+        loom_store(dk, i, dt, dk32[i]);
+        loom_store(dv, i, dt, dv32[i]);
+    }
+    loom_free(dk32);
+}

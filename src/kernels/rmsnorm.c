@@ -1,0 +1,130 @@
+/*
+ * rmsnorm.c — RMSNorm forward and backward, with plain references.
+ *
+ * Owns: out = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps) per row, and its
+ * gradient. Statistics and sums are fp32 whatever the dtype.
+ * Must never: let the thread count change a result. dw is reduced over a
+ * fixed partition of the rows (RMSNORM_CHUNKS chunks, summed in chunk order),
+ * so it is bit-identical run to run and for any number of threads.
+ */
+#include "kernels/kernels.h"
+#include "kernels/kernel_rows.h"
+
+#include <math.h>
+#include <omp.h>
+
+/* Row chunks of the dw reduction: fixed, so dw does not depend on threads. */
+#define RMSNORM_CHUNKS 64
+
+static float row_rstd(const float *x, int C, float eps) {
+    float ss = 0.0f;
+    for (int i = 0; i < C; i++) ss += x[i] * x[i];
+    return 1.0f / sqrtf(ss / (float)C + eps);
+}
+
+void rmsnorm_fwd(void *out, float *rstd, const void *x, const void *w,
+                 int N, int C, float eps, loom_dtype dt) {
+    int nt = omp_get_max_threads();
+    float *ws = workspace_floats((size_t)(nt + 1) * C);
+    float *wf = ws + (size_t)nt * C; // (C) w in fp32
+    row_load(wf, w, 0, C, dt);
+    #pragma omp parallel for schedule(static)
+    for (int i = 0; i < N; i++) {
+        float *xr = ws + (size_t)omp_get_thread_num() * C; // (C)
+        row_load(xr, x, (size_t)i * C, C, dt);
+        float r = row_rstd(xr, C, eps);
+        for (int j = 0; j < C; j++) xr[j] = xr[j] * r * wf[j];
+        row_store(out, (size_t)i * C, xr, C, dt);
+        if (rstd) rstd[i] = r;
+    }
+    loom_free(ws);
+}
+
+/* One row: g (dout row, C) becomes dx; dw_part += dout * x * r.
+ * dx = r * dout * w - r^3 / C * x * sum(dout * w * x). */
+static void rmsnorm_bwd_row(float *g, float *dw_part, const float *xr,
+                            const float *wf, float r, int C) {
+    float dot = 0.0f;
+    for (int j = 0; j < C; j++) {
+        dw_part[j] += g[j] * xr[j] * r;
+        dot += g[j] * wf[j] * xr[j];
+    }
+    float c = dot * r * r * r / (float)C;
+    for (int j = 0; j < C; j++) g[j] = r * g[j] * wf[j] - c * xr[j];
+}
+
+/* Rows [i0, i1) of the backward; dw_part (C) is this chunk's dw. */
+static void rmsnorm_bwd_chunk(void *dx, float *dw_part, float *xr, float *g,
+                              const float *wf, const void *dout, const void *x,
+                              const float *rstd, int i0, int i1, int C, loom_dtype dt) {
+    memset(dw_part, 0, (size_t)C * sizeof(float));
+    for (int i = i0; i < i1; i++) {
+        row_load(xr, x, (size_t)i * C, C, dt);
+        row_load(g, dout, (size_t)i * C, C, dt);
+        rmsnorm_bwd_row(g, dw_part, xr, wf, rstd[i], C);
+        row_store(dx, (size_t)i * C, g, C, dt);
+    }
+}
+
+void rmsnorm_bwd(void *dx, float *dw, const void *dout, const void *x,
+                 const void *w, const float *rstd, int N, int C, loom_dtype dt) {
+    int P = N < RMSNORM_CHUNKS ? N : RMSNORM_CHUNKS;
+    if (P <= 0) return;
+    int nt = omp_get_max_threads();
+    float *ws = workspace_floats((size_t)(2 * nt + 1 + P) * C);
+    float *wf = ws;                                 // (C)
+    float *part = ws + C;                           // (P, C) per-chunk dw
+    float *rows = part + (size_t)P * C;             // (nt, 2, C) x and dout rows
+    row_load(wf, w, 0, C, dt);
+    #pragma omp parallel for schedule(static)
+    for (int p = 0; p < P; p++) {
+        float *xr = rows + (size_t)omp_get_thread_num() * 2 * C;
+        int i0 = (int)((long long)N * p / P), i1 = (int)((long long)N * (p + 1) / P);
+        rmsnorm_bwd_chunk(dx, part + (size_t)p * C, xr, xr + C, wf, dout, x, rstd,
+                          i0, i1, C, dt);
+    }
+    // Fixed reduction order: chunk 0, 1, ..., P-1, then into dw.
+    #pragma omp parallel for schedule(static)
+    for (int j = 0; j < C; j++) {
+        float s = 0.0f;
+        for (int p = 0; p < P; p++) s += part[(size_t)p * C + j];
+        dw[j] += s;
+    }
+    loom_free(ws);
+}
+
+/* ------------------------------------------------------------- references */
+
+void rmsnorm_fwd_ref(void *out, float *rstd, const void *x, const void *w,
+                     int N, int C, float eps, loom_dtype dt) {
+    for (int i = 0; i < N; i++) {
+        size_t row = (size_t)i * C;
+        float ss = 0.0f;
+        for (int j = 0; j < C; j++) {
+            float v = loom_load(x, row + j, dt);
+            ss += v * v;
+        }
+        float r = 1.0f / sqrtf(ss / (float)C + eps);
+        for (int j = 0; j < C; j++)
+            loom_store(out, row + j, dt, loom_load(x, row + j, dt) * r * loom_load(w, j, dt));
+        if (rstd) rstd[i] = r;
+    }
+}
+
+void rmsnorm_bwd_ref(void *dx, float *dw, const void *dout, const void *x,
+                     const void *w, const float *rstd, int N, int C, loom_dtype dt) {
+    for (int i = 0; i < N; i++) {
+        size_t row = (size_t)i * C;
+        float r = rstd[i], dot = 0.0f;
+        for (int j = 0; j < C; j++) {
+            float g = loom_load(dout, row + j, dt), xv = loom_load(x, row + j, dt);
+            dot += g * loom_load(w, j, dt) * xv;
+            dw[j] += g * xv * r;
+        }
+        for (int j = 0; j < C; j++) {
+            float g = loom_load(dout, row + j, dt), xv = loom_load(x, row + j, dt);
+            float d = r * g * loom_load(w, j, dt) - dot * r * r * r / (float)C * xv;
+            loom_store(dx, row + j, dt, d);
+        }
+    }
+}

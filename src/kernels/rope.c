@@ -1,0 +1,97 @@
+/*
+ * rope.c — rotary position embedding, Hugging Face LLaMA convention.
+ *
+ * Owns: the rotation of each head vector x = [x1, x2] (halves of HS) by
+ * angle(t, i) = (pos0 + t) * inv_freq[i], and its transpose for backward.
+ * Angles follow Hugging Face exactly: inv_freq = 1 / theta^(2i/HS) and
+ * position * inv_freq are fp32, cos/sin of that fp32 angle are taken in double
+ * and rounded to fp32 (torch's fp32 cos/sin agree to an ulp). Unlike Hugging
+ * Face in bf16, cos/sin are not rounded to the activation dtype and the
+ * rotation is fp32 with one rounding at the store.
+ * Must never: read an element after writing its pair partner (out may be x).
+ */
+#include "kernels/kernels.h"
+#include "kernels/kernel_rows.h"
+
+#include <math.h>
+
+static float rope_inv_freq(int i, int HS, float theta) {
+    return 1.0f / powf(theta, (float)(2 * i) / (float)HS);
+}
+
+static float rope_angle(int pos, int i, int HS, float theta) {
+    return (float)pos * rope_inv_freq(i, HS, theta);
+}
+
+/* cs, sn: (T, HS/2) cos and sin of the angles of positions pos0 .. pos0+T-1. */
+static void rope_table(float *cs, float *sn, int T, int HS, int pos0, float theta) {
+    int H2 = HS / 2;
+    #pragma omp parallel for schedule(static) if (T * H2 > 4096)
+    for (int t = 0; t < T; t++) {
+        for (int i = 0; i < H2; i++) {
+            double a = rope_angle(pos0 + t, i, HS, theta);
+            cs[(size_t)t * H2 + i] = (float)cos(a);
+            sn[(size_t)t * H2 + i] = (float)sin(a);
+        }
+    }
+}
+
+/* Rotate one head vector (HS at off) by the angles (c, s): sign = +1 is the
+ * forward rotation, -1 its transpose. */
+static void rope_rotate(void *out, const void *x, size_t off, const float *c,
+                        const float *s, float sign, int HS, loom_dtype dt) {
+    int H2 = HS / 2;
+    for (int i = 0; i < H2; i++) {
+        float x1 = loom_load(x, off + i, dt), x2 = loom_load(x, off + i + H2, dt);
+        float si = sign * s[i];
+        loom_store(out, off + i, dt, x1 * c[i] - x2 * si);
+        loom_store(out, off + i + H2, dt, x2 * c[i] + x1 * si);
+    }
+}
+
+/* out, x: (B, T, NH, HS) */
+static void rope_apply(void *out, const void *x, int B, int T, int NH, int HS,
+                       int pos0, float theta, float sign, loom_dtype dt) {
+    int H2 = HS / 2;
+    float *cs = workspace_floats((size_t)2 * T * H2);
+    float *sn = cs + (size_t)T * H2;
+    rope_table(cs, sn, T, HS, pos0, theta);
+    #pragma omp parallel for collapse(2) schedule(static) if ((size_t)B * T * NH * HS > 16384)
+    for (int b = 0; b < B; b++) {
+        for (int t = 0; t < T; t++) {
+            const float *c = cs + (size_t)t * H2, *s = sn + (size_t)t * H2;
+            for (int h = 0; h < NH; h++) {
+                size_t off = (((size_t)b * T + t) * NH + h) * HS;
+                rope_rotate(out, x, off, c, s, sign, HS, dt);
+            }
+        }
+    }
+    loom_free(cs);
+}
+
+void rope_fwd(void *out, const void *x, int B, int T, int NH, int HS,
+              int pos0, float theta, loom_dtype dt) {
+    rope_apply(out, x, B, T, NH, HS, pos0, theta, 1.0f, dt);
+}
+
+/* The rotation is orthogonal: its transpose is the rotation by -angle. */
+void rope_bwd(void *dx, const void *dout, int B, int T, int NH, int HS,
+              int pos0, float theta, loom_dtype dt) {
+    rope_apply(dx, dout, B, T, NH, HS, pos0, theta, -1.0f, dt);
+}
+
+void rope_fwd_ref(void *out, const void *x, int B, int T, int NH, int HS,
+                  int pos0, float theta, loom_dtype dt) {
+    int H2 = HS / 2;
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++)
+            for (int h = 0; h < NH; h++)
+                for (int i = 0; i < H2; i++) {
+                    size_t off = (((size_t)b * T + t) * NH + h) * HS + i;
+                    double a = rope_angle(pos0 + t, i, HS, theta);
+                    float c = (float)cos(a), s = (float)sin(a);
+                    float x1 = loom_load(x, off, dt), x2 = loom_load(x, off + H2, dt);
+                    loom_store(out, off, dt, x1 * c - x2 * s);
+                    loom_store(out, off + H2, dt, x2 * c + x1 * s);
+                }
+}

@@ -1,0 +1,349 @@
+/*
+ * test_attention.c — causal GQA attention: flash kernels vs the materialised
+ * references (f32, bf16, f16), forward vs a double-precision formula,
+ * backward vs central finite differences, the causal mask, the KV-cache
+ * shapes (q_pos0 > 0, Tq = 1 and 3), sizes off the block sizes (32 queries,
+ * 64 keys), and bit-reproducibility across thread counts.
+ */
+#include "testutil.h"
+#include "kernels/kernels.h"
+
+#include <math.h>
+
+#define FD_STEP 1e-3f
+
+static double unit_roundoff(loom_dtype dt) {
+    return dt == LOOM_BF16 ? 0x1p-8 : dt == LOOM_F16 ? 0x1p-11 : 0x1p-24;
+}
+
+typedef struct attn_case {
+    int B, Tq, Tk, NH, NKV, HS, pos0;
+} attn_case;
+
+static const attn_case CASES[] = {
+    {2, 37, 37, 4, 2, 16, 0},   // GQA, T off both block sizes
+    {1, 70, 70, 4, 1, 8, 0},    // one kv head, several query and key blocks
+    {2, 1, 50, 4, 2, 16, 49},   // KV cache: one new token
+    {1, 3, 43, 4, 2, 16, 40},   // KV cache: three new tokens
+    {1, 3, 47, 4, 1, 16, 40},   // keys past the last query are never seen
+    {1, 100, 140, 4, 2, 8, 40}, // q_pos0 > 0 with many blocks of both kinds
+    {1, 1, 65, 4, 2, 8, 64},    // a key block only the last query sees
+};
+#define N_CASES (sizeof CASES / sizeof CASES[0])
+
+/* Inputs as f32 and as dt; outputs as dt; sizes. */
+typedef struct attn_data {
+    attn_case c;
+    loom_dtype dt;
+    size_t nq, nkv, nlse;     // elements of q/out, k/v, lse
+    float *qf, *kf, *vf, *df; // f32 sources
+    void *q, *k, *v, *dout;   // dt copies
+} attn_data;
+
+static attn_data data_make(const attn_case *c, loom_dtype dt, uint64_t seed) {
+    attn_data d = {.c = *c, .dt = dt};
+    d.nq = (size_t)c->B * c->Tq * c->NH * c->HS;
+    d.nkv = (size_t)c->B * c->Tk * c->NKV * c->HS;
+    d.nlse = (size_t)c->B * c->NH * c->Tq;
+    d.qf = malloc(d.nq * 4); d.df = malloc(d.nq * 4);
+    d.kf = malloc(d.nkv * 4); d.vf = malloc(d.nkv * 4);
+    tu_fill_uniform(d.qf, d.nq, -2.0f, 2.0f, seed); // peaked enough to matter
+    tu_fill_uniform(d.kf, d.nkv, -2.0f, 2.0f, seed + 1);
+    tu_fill_uniform(d.vf, d.nkv, -1.0f, 1.0f, seed + 2);
+    tu_fill_uniform(d.df, d.nq, -1.0f, 1.0f, seed + 3);
+    d.q = tu_from_f32(d.qf, d.nq, dt); d.dout = tu_from_f32(d.df, d.nq, dt);
+    d.k = tu_from_f32(d.kf, d.nkv, dt); d.v = tu_from_f32(d.vf, d.nkv, dt);
+    return d;
+}
+
+static void data_free(attn_data *d) {
+    free(d->qf); free(d->kf); free(d->vf); free(d->df);
+    free(d->q); free(d->k); free(d->v); free(d->dout);
+}
+
+#define CASE_ARGS(c) (c).B, (c).Tq, (c).Tk, (c).NH, (c).NKV, (c).HS, (c).pos0
+
+static void assert_close_dt(const void *a, const void *b, size_t n, loom_dtype dt,
+                            double atol, double rtol) {
+    float *fa = tu_to_f32(a, n, dt), *fb = tu_to_f32(b, n, dt);
+    TU_ASSERT_CLOSE(fa, fb, n, atol, rtol);
+    free(fa);
+    free(fb);
+}
+
+/* ---------------------------------------------------------------- forward */
+
+/* Online softmax vs one pass over the whole row: fp32 reassociation, a few
+ * 2^-24 relative on |out| <= 1; after one rounding to dt, one ulp (2u). */
+static void check_fwd_vs_ref(const attn_case *c, loom_dtype dt) {
+    attn_data d = data_make(c, dt, 100);
+    void *o1 = malloc(d.nq * 4), *o2 = malloc(d.nq * 4);
+    float *l1 = malloc(d.nlse * 4), *l2 = malloc(d.nlse * 4);
+    attention_fwd(o1, l1, d.q, d.k, d.v, CASE_ARGS(*c), dt);
+    attention_fwd_ref(o2, l2, d.q, d.k, d.v, CASE_ARGS(*c), dt);
+    assert_close_dt(o1, o2, d.nq, dt, 1e-6, 2.0 * unit_roundoff(dt) + 1e-5);
+    TU_ASSERT_CLOSE(l1, l2, d.nlse, 1e-5, 1e-5);
+    free(o1); free(o2); free(l1); free(l2);
+    data_free(&d);
+}
+
+static void test_fwd_vs_ref(void **state) {
+    (void)state;
+    for (size_t i = 0; i < N_CASES; i++) {
+        check_fwd_vs_ref(&CASES[i], LOOM_F32);
+        check_fwd_vs_ref(&CASES[i], LOOM_BF16);
+        check_fwd_vs_ref(&CASES[i], LOOM_F16);
+    }
+}
+
+/* Independent oracle in double on the dt-rounded inputs: query t of head h
+ * uses kv head h / (NH / NKV) and keys 0 .. pos0 + t. */
+static void attention_double(float *out, float *lse, const attn_data *d) {
+    const attn_case *c = &d->c;
+    int G = c->NH / c->NKV;
+    double *p = malloc(sizeof(double) * c->Tk);
+    for (int b = 0; b < c->B; b++)
+        for (int t = 0; t < c->Tq; t++)
+            for (int h = 0; h < c->NH; h++) {
+                size_t qo = (((size_t)b * c->Tq + t) * c->NH + h) * c->HS;
+                int n = c->pos0 + t + 1;
+                double m = -INFINITY, sum = 0.0;
+                for (int j = 0; j < n; j++) {
+                    size_t ko = (((size_t)b * c->Tk + j) * c->NKV + h / G) * c->HS;
+                    p[j] = 0.0;
+                    for (int e = 0; e < c->HS; e++)
+                        p[j] += (double)loom_load(d->q, qo + e, d->dt) *
+                                loom_load(d->k, ko + e, d->dt);
+                    p[j] /= sqrt((double)c->HS);
+                    m = fmax(m, p[j]);
+                }
+                for (int j = 0; j < n; j++) sum += (p[j] = exp(p[j] - m));
+                lse[((size_t)b * c->NH + h) * c->Tq + t] = (float)(m + log(sum));
+                for (int e = 0; e < c->HS; e++) {
+                    double o = 0.0;
+                    for (int j = 0; j < n; j++) {
+                        size_t vo = (((size_t)b * c->Tk + j) * c->NKV + h / G) * c->HS;
+                        o += p[j] * loom_load(d->v, vo + e, d->dt);
+                    }
+                    out[qo + e] = (float)(o / sum);
+                }
+            }
+    free(p);
+}
+
+/* fp32 accumulation error (< 1e-5 here) plus one rounding to dt (u). */
+static void check_fwd_formula(const attn_case *c, loom_dtype dt) {
+    attn_data d = data_make(c, dt, 200);
+    void *o = malloc(d.nq * 4);
+    float *l = malloc(d.nlse * 4), *wo = malloc(d.nq * 4), *wl = malloc(d.nlse * 4);
+    attention_fwd(o, l, d.q, d.k, d.v, CASE_ARGS(*c), dt);
+    attention_double(wo, wl, &d);
+    float *got = tu_to_f32(o, d.nq, dt);
+    TU_ASSERT_CLOSE(got, wo, d.nq, 1e-5, unit_roundoff(dt) + 1e-5);
+    TU_ASSERT_CLOSE(l, wl, d.nlse, 1e-5, 1e-5);
+    free(o); free(l); free(wo); free(wl); free(got);
+    data_free(&d);
+}
+
+static void test_fwd_formula(void **state) {
+    (void)state;
+    for (size_t i = 0; i < N_CASES; i++) {
+        check_fwd_formula(&CASES[i], LOOM_F32);
+        check_fwd_formula(&CASES[i], LOOM_BF16);
+    }
+}
+
+/* lse = NULL is allowed and changes nothing else. */
+static void test_fwd_without_lse(void **state) {
+    (void)state;
+    attn_data d = data_make(&CASES[0], LOOM_F32, 300);
+    float *o1 = malloc(d.nq * 4), *o2 = malloc(d.nq * 4), *l = malloc(d.nlse * 4);
+    attention_fwd(o1, l, d.q, d.k, d.v, CASE_ARGS(d.c), LOOM_F32);
+    attention_fwd(o2, NULL, d.q, d.k, d.v, CASE_ARGS(d.c), LOOM_F32);
+    assert_true(tu_bits_equal(o1, o2, d.nq * 4, "out"));
+    free(o1); free(o2); free(l);
+    data_free(&d);
+}
+
+/* Changing key/value t' must leave every query before position t' bit-for-bit
+ * unchanged, and must change the ones at or after it. */
+static void test_causal_mask(void **state) {
+    (void)state;
+    attn_case c = {1, 70, 70, 4, 2, 8, 0};
+    attn_data d = data_make(&c, LOOM_F32, 400);
+    int tp = 45;
+    float *o1 = malloc(d.nq * 4), *o2 = malloc(d.nq * 4);
+    attention_fwd(o1, NULL, d.qf, d.kf, d.vf, CASE_ARGS(c), LOOM_F32);
+    for (int e = 0; e < c.NKV * c.HS; e++) {
+        d.kf[(size_t)tp * c.NKV * c.HS + e] += 0.5f;
+        d.vf[(size_t)tp * c.NKV * c.HS + e] -= 0.5f;
+    }
+    attention_fwd(o2, NULL, d.qf, d.kf, d.vf, CASE_ARGS(c), LOOM_F32);
+    size_t row = (size_t)c.NH * c.HS; // elements per time step
+    assert_true(tu_bits_equal(o1, o2, tp * row * 4, "queries before t'"));
+    for (int t = tp; t < c.Tq; t++)
+        assert_false(tu_bits_equal(o1 + t * row, o2 + t * row, row * 4, NULL));
+    free(o1); free(o2);
+    data_free(&d);
+}
+
+/* In the KV-cache shape, keys at or past q_pos0 + Tq are never seen: changing
+ * them changes nothing, and their gradients are zero. */
+static void test_kv_cache_unseen_keys(void **state) {
+    (void)state;
+    attn_case c = {1, 3, 47, 4, 2, 8, 40};
+    attn_data d = data_make(&c, LOOM_F32, 500);
+    float *o1 = malloc(d.nq * 4), *o2 = malloc(d.nq * 4), *l = malloc(d.nlse * 4);
+    float *dq = malloc(d.nq * 4), *dk = malloc(d.nkv * 4), *dv = malloc(d.nkv * 4);
+    attention_fwd(o1, l, d.qf, d.kf, d.vf, CASE_ARGS(c), LOOM_F32);
+    size_t seen = (size_t)(c.pos0 + c.Tq) * c.NKV * c.HS;
+    for (size_t i = seen; i < d.nkv; i++) d.kf[i] = d.vf[i] = 7.0f;
+    attention_fwd(o2, NULL, d.qf, d.kf, d.vf, CASE_ARGS(c), LOOM_F32);
+    assert_true(tu_bits_equal(o1, o2, d.nq * 4, "out"));
+    memset(dk, 0xff, d.nkv * 4); // NaN: every element must be written
+    memset(dv, 0xff, d.nkv * 4);
+    attention_bwd(dq, dk, dv, d.df, d.qf, d.kf, d.vf, o1, l, CASE_ARGS(c), LOOM_F32);
+    for (size_t i = seen; i < d.nkv; i++) assert_true(dk[i] == 0.0f && dv[i] == 0.0f);
+    for (size_t i = 0; i < seen; i++) assert_false(isnan(dk[i]) || isnan(dv[i]));
+    free(o1); free(o2); free(l); free(dq); free(dk); free(dv);
+    data_free(&d);
+}
+
+/* --------------------------------------------------------------- backward */
+
+typedef struct attn_grads {
+    void *dq, *dk, *dv;
+} attn_grads;
+
+static attn_grads grads_alloc(const attn_data *d) {
+    attn_grads g = {malloc(d->nq * 4), malloc(d->nkv * 4), malloc(d->nkv * 4)};
+    return g;
+}
+
+static void grads_free(attn_grads *g) { free(g->dq); free(g->dk); free(g->dv); }
+
+/* The flash backward: forward for out and lse, then backward. */
+static void run_flash_bwd(attn_grads *g, const attn_data *d) {
+    void *o = malloc(d->nq * 4);
+    float *l = malloc(d->nlse * 4);
+    attention_fwd(o, l, d->q, d->k, d->v, CASE_ARGS(d->c), d->dt);
+    attention_bwd(g->dq, g->dk, g->dv, d->dout, d->q, d->k, d->v, o, l, CASE_ARGS(d->c), d->dt);
+    free(o);
+    free(l);
+}
+
+/* f32: recomputation from lse and D = rowsum(dout * out) vs the materialised
+ * softmax: fp32 reassociation only, relative 1e-5 of gradients that are
+ * O(0.1 .. 1); atol for the ones that cancel to near 0.
+ * bf16 / f16: the kernel takes D from out rounded to dt; the HS roundings are
+ * independent, so |dD| ~ sqrt(HS) * u * rms(dout * out) ~ u. That moves
+ * ds = p (dp - D) by p * dD: dq by scale * max|k| * dD ~ 0.5u, dk by the sum
+ * of p over the queries of the group that see the key (~G * ln T < 8) times
+ * scale * max|q| * dD ~ 4u. Plus one final rounding: one ulp, 2u relative. */
+static void check_bwd_vs_ref(const attn_case *c, loom_dtype dt) {
+    attn_data d = data_make(c, dt, 600);
+    attn_grads g1 = grads_alloc(&d), g2 = grads_alloc(&d);
+    run_flash_bwd(&g1, &d);
+    attention_bwd_ref(g2.dq, g2.dk, g2.dv, d.dout, d.q, d.k, d.v, CASE_ARGS(*c), dt);
+    double u = unit_roundoff(dt);
+    double atol = dt == LOOM_F32 ? 1e-5 : 4.0 * u, rtol = 2.0 * u + 1e-5;
+    assert_close_dt(g1.dq, g2.dq, d.nq, dt, atol, rtol);
+    assert_close_dt(g1.dk, g2.dk, d.nkv, dt, atol, rtol);
+    assert_close_dt(g1.dv, g2.dv, d.nkv, dt, atol, rtol);
+    grads_free(&g1); grads_free(&g2);
+    data_free(&d);
+}
+
+static void test_bwd_vs_ref(void **state) {
+    (void)state;
+    for (size_t i = 0; i < N_CASES; i++) {
+        check_bwd_vs_ref(&CASES[i], LOOM_F32);
+        check_bwd_vs_ref(&CASES[i], LOOM_BF16);
+        check_bwd_vs_ref(&CASES[i], LOOM_F16);
+    }
+}
+
+/* L = sum(dout * attention(q, k, v)) in double from the f32 kernel. */
+static double loss_f32(const attn_data *d) {
+    float *o = malloc(d->nq * 4);
+    attention_fwd(o, NULL, d->qf, d->kf, d->vf, CASE_ARGS(d->c), LOOM_F32);
+    double L = 0.0;
+    for (size_t i = 0; i < d->nq; i++) L += (double)d->df[i] * o[i];
+    free(o);
+    return L;
+}
+
+/* Central differences of L w.r.t. every element of p (n): num (n). */
+static void fd_grad(float *num, attn_data *d, float *p, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        float p0 = p[i], pp = p0 + FD_STEP, pm = p0 - FD_STEP;
+        p[i] = pp;
+        double lp = loss_f32(d);
+        p[i] = pm;
+        double lm = loss_f32(d);
+        p[i] = p0;
+        num[i] = (float)((lp - lm) / ((double)pp - (double)pm));
+    }
+}
+
+/* Truncation h^2 |L'''| / 6 ~ 1e-6. Rounding: moving k_j changes every output
+ * row that sees it (<= Tq * NH * HS = 288 here), each by independent fp32
+ * noise ~2^-24 |out|: ~1e-6 on L, ~5e-4 on the quotient by 2h at the very
+ * worst, ~1e-4 typically. Gradients here are O(0.1 .. 1). */
+static void check_bwd_fd(const attn_case *c) {
+    attn_data d = data_make(c, LOOM_F32, 700);
+    attn_grads g = grads_alloc(&d);
+    run_flash_bwd(&g, &d);
+    float *num = malloc((d.nq > d.nkv ? d.nq : d.nkv) * 4);
+    fd_grad(num, &d, d.qf, d.nq);
+    TU_ASSERT_CLOSE((float *)g.dq, num, d.nq, 1e-3, 5e-3);
+    fd_grad(num, &d, d.kf, d.nkv);
+    TU_ASSERT_CLOSE((float *)g.dk, num, d.nkv, 1e-3, 5e-3);
+    fd_grad(num, &d, d.vf, d.nkv);
+    TU_ASSERT_CLOSE((float *)g.dv, num, d.nkv, 1e-3, 5e-3);
+    free(num);
+    grads_free(&g);
+    data_free(&d);
+}
+
+static void test_bwd_finite_differences(void **state) {
+    (void)state;
+    const attn_case fd_cases[] = {
+        {1, 9, 9, 4, 2, 8, 0},  // GQA, training shape
+        {1, 3, 10, 4, 1, 8, 5}, // KV-cache shape with two unseen keys
+        {2, 1, 6, 4, 2, 4, 5},  // one new token
+    };
+    for (size_t i = 0; i < sizeof fd_cases / sizeof fd_cases[0]; i++) check_bwd_fd(&fd_cases[i]);
+}
+
+/* Every output element is summed by one task in a fixed order: 1 and 2
+ * threads give the same bits, forward and backward. */
+static void test_thread_count_invariant(void **state) {
+    (void)state;
+    attn_data d = data_make(&CASES[5], LOOM_BF16, 800);
+    attn_grads g1 = grads_alloc(&d), g2 = grads_alloc(&d);
+    loom_set_threads(1);
+    run_flash_bwd(&g1, &d);
+    loom_set_threads(2);
+    run_flash_bwd(&g2, &d);
+    loom_set_threads(0);
+    assert_true(tu_bits_equal(g1.dq, g2.dq, d.nq * 2, "dq"));
+    assert_true(tu_bits_equal(g1.dk, g2.dk, d.nkv * 2, "dk"));
+    assert_true(tu_bits_equal(g1.dv, g2.dv, d.nkv * 2, "dv"));
+    grads_free(&g1); grads_free(&g2);
+    data_free(&d);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_fwd_vs_ref),
+        cmocka_unit_test(test_fwd_formula),
+        cmocka_unit_test(test_fwd_without_lse),
+        cmocka_unit_test(test_causal_mask),
+        cmocka_unit_test(test_kv_cache_unseen_keys),
+        cmocka_unit_test(test_bwd_vs_ref),
+        cmocka_unit_test(test_bwd_finite_differences),
+        cmocka_unit_test(test_thread_count_invariant),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

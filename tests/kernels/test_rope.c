@@ -1,0 +1,164 @@
+/*
+ * test_rope.c — RoPE: fast kernel vs reference, vs the Hugging Face formula
+ * in double, backward as the inverse rotation, in place, and backward vs
+ * central finite differences.
+ */
+#include "testutil.h"
+#include "kernels/kernels.h"
+
+#include <math.h>
+
+#define FD_STEP 1e-3f
+
+static double unit_roundoff(loom_dtype dt) {
+    return dt == LOOM_BF16 ? 0x1p-8 : dt == LOOM_F16 ? 0x1p-11 : 0x1p-24;
+}
+
+typedef struct rope_case {
+    int B, T, NH, HS, pos0;
+    float theta;
+} rope_case;
+
+static size_t rope_n(const rope_case *c) { return (size_t)c->B * c->T * c->NH * c->HS; }
+
+static float *rope_input(const rope_case *c, uint64_t seed) {
+    float *x = malloc(rope_n(c) * 4);
+    tu_fill_uniform(x, rope_n(c), -1.0f, 1.0f, seed);
+    return x;
+}
+
+/* Same fp32 angles and rotation on both sides: at most one ulp of dt apart. */
+static void check_fwd_vs_ref(const rope_case *c, loom_dtype dt) {
+    size_t n = rope_n(c);
+    float *xf = rope_input(c, 1);
+    void *x = tu_from_f32(xf, n, dt), *o1 = malloc(n * 4), *o2 = malloc(n * 4);
+    rope_fwd(o1, x, c->B, c->T, c->NH, c->HS, c->pos0, c->theta, dt);
+    rope_fwd_ref(o2, x, c->B, c->T, c->NH, c->HS, c->pos0, c->theta, dt);
+    float *a = tu_to_f32(o1, n, dt), *b = tu_to_f32(o2, n, dt);
+    TU_ASSERT_CLOSE(a, b, n, 1e-6, 2.0 * unit_roundoff(dt) + 1e-6);
+    free(xf); free(x); free(o1); free(o2); free(a); free(b);
+}
+
+static const rope_case CASES[] = {
+    {2, 5, 3, 16, 0, 10000.0f},
+    {1, 7, 2, 8, 1000, 10000.0f},
+    {2, 3, 4, 64, 17, 500000.0f},
+};
+#define N_CASES (sizeof CASES / sizeof CASES[0])
+
+static void test_fwd_vs_ref(void **state) {
+    (void)state;
+    for (size_t i = 0; i < N_CASES; i++) {
+        check_fwd_vs_ref(&CASES[i], LOOM_F32);
+        check_fwd_vs_ref(&CASES[i], LOOM_BF16);
+        check_fwd_vs_ref(&CASES[i], LOOM_F16);
+    }
+}
+
+/* The Hugging Face formula in double: out = x cos + rotate_half(x) sin with
+ * rotate_half([x1, x2]) = [-x2, x1], angle = pos * theta^(-2i/HS). The kernel
+ * forms the angle in fp32 (as HF does): a few ulps of the largest angle,
+ * ~(pos0 + T) * 2^-24 each, which moves the output by as much (|x| <= 1). */
+static void check_formula(const rope_case *c) {
+    size_t n = rope_n(c);
+    int H2 = c->HS / 2;
+    float *x = rope_input(c, 2), *o = malloc(n * 4), *want = malloc(n * 4);
+    rope_fwd(o, x, c->B, c->T, c->NH, c->HS, c->pos0, c->theta, LOOM_F32);
+    for (size_t r = 0; r < n / c->HS; r++) {
+        int t = (int)(r / c->NH % c->T);
+        const float *xr = x + r * c->HS;
+        for (int i = 0; i < c->HS; i++) {
+            double a = (c->pos0 + t) * pow(c->theta, -2.0 * (i % H2) / c->HS);
+            double rot = i < H2 ? -xr[i + H2] : xr[i - H2];
+            want[r * c->HS + i] = (float)(xr[i] * cos(a) + rot * sin(a));
+        }
+    }
+    double atol = 8.0 * (c->pos0 + c->T) * 0x1p-24 + 1e-6;
+    TU_ASSERT_CLOSE(o, want, n, atol, 1e-6);
+    free(x); free(o); free(want);
+}
+
+static void test_fwd_formula(void **state) {
+    (void)state;
+    for (size_t i = 0; i < N_CASES; i++) check_formula(&CASES[i]);
+}
+
+/* bwd is the transpose = inverse rotation: bwd(fwd(x)) = x up to fp32 rounding
+ * of the two rotations (a few 2^-24). Both run in place. */
+static void test_bwd_inverts_fwd(void **state) {
+    (void)state;
+    for (size_t k = 0; k < N_CASES; k++) {
+        const rope_case *c = &CASES[k];
+        size_t n = rope_n(c);
+        float *x = rope_input(c, 3), *y = malloc(n * 4);
+        memcpy(y, x, n * 4);
+        rope_fwd(y, y, c->B, c->T, c->NH, c->HS, c->pos0, c->theta, LOOM_F32);
+        assert_true(tu_close_ratio(y, x, n, 1e-3, 0.0, NULL) > 1.0); // it did rotate
+        rope_bwd(y, y, c->B, c->T, c->NH, c->HS, c->pos0, c->theta, LOOM_F32);
+        TU_ASSERT_CLOSE(y, x, n, 1e-6, 1e-6);
+        free(x); free(y);
+    }
+}
+
+/* In place gives the same bits as out of place, forward and backward. */
+static void test_in_place(void **state) {
+    (void)state;
+    const rope_case *c = &CASES[0];
+    size_t n = rope_n(c);
+    float *xf = rope_input(c, 4);
+    void *x = tu_from_f32(xf, n, LOOM_BF16), *o = malloc(n * 2), *d = malloc(n * 2);
+    rope_fwd(o, x, c->B, c->T, c->NH, c->HS, c->pos0, c->theta, LOOM_BF16);
+    rope_bwd(d, x, c->B, c->T, c->NH, c->HS, c->pos0, c->theta, LOOM_BF16);
+    void *y = malloc(n * 2);
+    memcpy(y, x, n * 2);
+    rope_fwd(y, y, c->B, c->T, c->NH, c->HS, c->pos0, c->theta, LOOM_BF16);
+    assert_true(tu_bits_equal(y, o, n * 2, "rope_fwd in place"));
+    memcpy(y, x, n * 2);
+    rope_bwd(y, y, c->B, c->T, c->NH, c->HS, c->pos0, c->theta, LOOM_BF16);
+    assert_true(tu_bits_equal(y, d, n * 2, "rope_bwd in place"));
+    free(xf); free(x); free(o); free(d); free(y);
+}
+
+static double loss_f32(const rope_case *c, const float *x, const float *dout) {
+    size_t n = rope_n(c);
+    float *o = malloc(n * 4);
+    rope_fwd(o, x, c->B, c->T, c->NH, c->HS, c->pos0, c->theta, LOOM_F32);
+    double L = 0.0;
+    for (size_t i = 0; i < n; i++) L += (double)dout[i] * o[i];
+    free(o);
+    return L;
+}
+
+/* L = sum(dout * rope(x)) is linear in x, so the central difference has no
+ * truncation error; the fp32 rounding of the two outputs x_i touches,
+ * ~2 * 2^-24, over 2h = 2e-3, is ~1e-4. */
+static void test_bwd_finite_differences(void **state) {
+    (void)state;
+    rope_case c = {1, 3, 2, 8, 5, 10000.0f};
+    size_t n = rope_n(&c);
+    float *x = rope_input(&c, 5), *dout = rope_input(&c, 6);
+    float *dx = malloc(n * 4), *num = malloc(n * 4);
+    rope_bwd(dx, dout, c.B, c.T, c.NH, c.HS, c.pos0, c.theta, LOOM_F32);
+    for (size_t i = 0; i < n; i++) {
+        float x0 = x[i], xp = x0 + FD_STEP, xm = x0 - FD_STEP;
+        x[i] = xp;
+        double lp = loss_f32(&c, x, dout);
+        x[i] = xm;
+        double lm = loss_f32(&c, x, dout);
+        x[i] = x0;
+        num[i] = (float)((lp - lm) / ((double)xp - (double)xm));
+    }
+    TU_ASSERT_CLOSE(dx, num, n, 1e-3, 1e-3);
+    free(x); free(dout); free(dx); free(num);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_fwd_vs_ref),
+        cmocka_unit_test(test_fwd_formula),
+        cmocka_unit_test(test_bwd_inverts_fwd),
+        cmocka_unit_test(test_in_place),
+        cmocka_unit_test(test_bwd_finite_differences),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,183 @@
+/*
+ * test_swiglu.c — SiLU and SwiGLU: forward and backward vs the formulas in
+ * double (f32, bf16, f16), backward vs central finite differences, extreme
+ * inputs, in place.
+ */
+#include "testutil.h"
+#include "kernels/kernels.h"
+
+#include <math.h>
+
+#define N_ELEMS 1000
+#define FD_STEP 1e-3f
+
+static double unit_roundoff(loom_dtype dt) {
+    return dt == LOOM_BF16 ? 0x1p-8 : dt == LOOM_F16 ? 0x1p-11 : 0x1p-24;
+}
+
+static double sigmoid_d(double x) { return 1.0 / (1.0 + exp(-x)); }
+static double silu_d(double x) { return x * sigmoid_d(x); }
+static double silu_grad_d(double x) {
+    double s = sigmoid_d(x);
+    return s * (1.0 + x * (1.0 - s));
+}
+
+/* The kernel's fp32 expf and division cost a few 2^-24 relative (1e-6 allows
+ * 16), then one rounding to dt (u). atol covers the cancellation in
+ * 1 + x (1 - s) near silu' = 0 (a few 2^-24 absolute with |dout| <= 1) and
+ * f16 subnormal results (spacing 6e-8). */
+static void assert_close_formula(const void *got, const double *want, size_t n, loom_dtype dt) {
+    float *g = tu_to_f32(got, n, dt), *w = malloc(n * 4);
+    for (size_t i = 0; i < n; i++) w[i] = (float)want[i];
+    TU_ASSERT_CLOSE(g, w, n, 5e-7, unit_roundoff(dt) + 1e-6);
+    free(g);
+    free(w);
+}
+
+/* Inputs a, b, dout (N_ELEMS) in dt; fa, fb, fd are their values as float. */
+typedef struct ew_data {
+    loom_dtype dt;
+    void *a, *b, *dout;
+    float *fa, *fb, *fd;
+} ew_data;
+
+static ew_data ew_make(loom_dtype dt) {
+    ew_data d = {.dt = dt, .fa = malloc(N_ELEMS * 4), .fb = malloc(N_ELEMS * 4),
+                 .fd = malloc(N_ELEMS * 4)};
+    tu_fill_uniform(d.fa, N_ELEMS, -8.0f, 8.0f, 1);
+    tu_fill_uniform(d.fb, N_ELEMS, -2.0f, 2.0f, 2);
+    tu_fill_uniform(d.fd, N_ELEMS, -1.0f, 1.0f, 3);
+    d.a = tu_from_f32(d.fa, N_ELEMS, dt);
+    d.b = tu_from_f32(d.fb, N_ELEMS, dt);
+    d.dout = tu_from_f32(d.fd, N_ELEMS, dt);
+    for (int i = 0; i < N_ELEMS; i++) { // the values the kernel sees
+        d.fa[i] = loom_load(d.a, i, dt);
+        d.fb[i] = loom_load(d.b, i, dt);
+        d.fd[i] = loom_load(d.dout, i, dt);
+    }
+    return d;
+}
+
+static void ew_free(ew_data *d) {
+    free(d->a); free(d->b); free(d->dout); free(d->fa); free(d->fb); free(d->fd);
+}
+
+static void check_silu(loom_dtype dt) {
+    ew_data d = ew_make(dt);
+    void *out = malloc(N_ELEMS * 4), *dx = malloc(N_ELEMS * 4);
+    double want[N_ELEMS], wgrad[N_ELEMS];
+    silu_fwd(out, d.a, N_ELEMS, dt);
+    silu_bwd(dx, d.dout, d.a, N_ELEMS, dt);
+    for (int i = 0; i < N_ELEMS; i++) {
+        want[i] = silu_d(d.fa[i]);
+        wgrad[i] = d.fd[i] * silu_grad_d(d.fa[i]);
+    }
+    assert_close_formula(out, want, N_ELEMS, dt);
+    assert_close_formula(dx, wgrad, N_ELEMS, dt);
+    free(out); free(dx);
+    ew_free(&d);
+}
+
+static void check_swiglu(loom_dtype dt) {
+    ew_data d = ew_make(dt);
+    void *out = malloc(N_ELEMS * 4), *dg = malloc(N_ELEMS * 4), *du = malloc(N_ELEMS * 4);
+    double want[N_ELEMS], wg[N_ELEMS], wu[N_ELEMS];
+    swiglu_fwd(out, d.a, d.b, N_ELEMS, dt);
+    swiglu_bwd(dg, du, d.dout, d.a, d.b, N_ELEMS, dt);
+    for (int i = 0; i < N_ELEMS; i++) {
+        want[i] = silu_d(d.fa[i]) * d.fb[i];
+        wg[i] = d.fd[i] * d.fb[i] * silu_grad_d(d.fa[i]);
+        wu[i] = d.fd[i] * silu_d(d.fa[i]);
+    }
+    assert_close_formula(out, want, N_ELEMS, dt);
+    assert_close_formula(dg, wg, N_ELEMS, dt);
+    assert_close_formula(du, wu, N_ELEMS, dt);
+    free(out); free(dg); free(du);
+    ew_free(&d);
+}
+
+static void test_vs_formula(void **state) {
+    (void)state;
+    loom_dtype dts[] = {LOOM_F32, LOOM_BF16, LOOM_F16};
+    for (int i = 0; i < 3; i++) {
+        check_silu(dts[i]);
+        check_swiglu(dts[i]);
+    }
+}
+
+/* out_i depends on input i only, so shifting every element by +-h at once
+ * gives each element's central difference of L = sum(dout * f(x)).
+ * Truncation h^2 |f'''| / 6 < 1e-6; rounding 2 * 2^-24 * |out| <= 8 over
+ * 2h = 2e-3 is < 1e-3 at worst. p points into one input of d. */
+static void fd_elementwise(float *num, float *p, const ew_data *d, int swiglu) {
+    float *xp = malloc(N_ELEMS * 4), *xm = malloc(N_ELEMS * 4), *saved = malloc(N_ELEMS * 4);
+    float *op = malloc(N_ELEMS * 4), *om = malloc(N_ELEMS * 4);
+    memcpy(saved, p, N_ELEMS * 4);
+    for (int i = 0; i < N_ELEMS; i++) { xp[i] = saved[i] + FD_STEP; xm[i] = saved[i] - FD_STEP; }
+    for (int s = 0; s < 2; s++) {
+        memcpy(p, s ? xm : xp, N_ELEMS * 4);
+        if (swiglu) swiglu_fwd(s ? om : op, d->fa, d->fb, N_ELEMS, LOOM_F32);
+        else silu_fwd(s ? om : op, d->fa, N_ELEMS, LOOM_F32);
+    }
+    memcpy(p, saved, N_ELEMS * 4);
+    for (int i = 0; i < N_ELEMS; i++)
+        num[i] = (float)((double)d->fd[i] * ((double)op[i] - om[i]) / ((double)xp[i] - xm[i]));
+    free(xp); free(xm); free(saved); free(op); free(om);
+}
+
+static void test_bwd_finite_differences(void **state) {
+    (void)state;
+    ew_data d = ew_make(LOOM_F32);
+    float *num = malloc(N_ELEMS * 4), *dx = malloc(N_ELEMS * 4), *du = malloc(N_ELEMS * 4);
+    silu_bwd(dx, d.fd, d.fa, N_ELEMS, LOOM_F32);
+    fd_elementwise(num, d.fa, &d, 0);
+    TU_ASSERT_CLOSE(dx, num, N_ELEMS, 1e-3, 1e-3);
+    swiglu_bwd(dx, du, d.fd, d.fa, d.fb, N_ELEMS, LOOM_F32);
+    fd_elementwise(num, d.fa, &d, 1);
+    TU_ASSERT_CLOSE(dx, num, N_ELEMS, 1e-3, 1e-3);
+    fd_elementwise(num, d.fb, &d, 1);
+    TU_ASSERT_CLOSE(du, num, N_ELEMS, 1e-3, 1e-3);
+    free(num); free(dx); free(du);
+    ew_free(&d);
+}
+
+/* Saturated sigmoid: exp overflows to inf for x << 0; results stay finite
+ * and take their limits (silu -> 0 or x, silu' -> 0 or 1). */
+static void test_extreme_inputs(void **state) {
+    (void)state;
+    float x[4] = {-1e4f, -100.0f, 100.0f, 1e4f}, one[4] = {1, 1, 1, 1};
+    float out[4], dx[4], dg[4], du[4];
+    silu_fwd(out, x, 4, LOOM_F32);
+    silu_bwd(dx, one, x, 4, LOOM_F32);
+    swiglu_bwd(dg, du, one, x, one, 4, LOOM_F32);
+    for (int i = 0; i < 4; i++) {
+        assert_true(isfinite(out[i]) && isfinite(dx[i]) && isfinite(dg[i]) && isfinite(du[i]));
+        assert_true(fabsf(out[i] - (x[i] > 0 ? x[i] : 0.0f)) <= 1e-6f * fabsf(x[i]) + 1e-30f);
+        assert_true(fabsf(dx[i] - (x[i] > 0 ? 1.0f : 0.0f)) < 1e-6f);
+        assert_true(dg[i] == dx[i] && du[i] == out[i]);
+    }
+}
+
+/* Outputs may alias inputs: in place gives the same bits. */
+static void test_in_place(void **state) {
+    (void)state;
+    ew_data d = ew_make(LOOM_BF16);
+    void *out = malloc(N_ELEMS * 2), *dg = malloc(N_ELEMS * 2), *du = malloc(N_ELEMS * 2);
+    swiglu_fwd(out, d.a, d.b, N_ELEMS, LOOM_BF16);
+    swiglu_bwd(dg, du, d.dout, d.a, d.b, N_ELEMS, LOOM_BF16);
+    swiglu_bwd(d.a, d.b, d.dout, d.a, d.b, N_ELEMS, LOOM_BF16);
+    assert_true(tu_bits_equal(d.a, dg, N_ELEMS * 2, "dgate in place"));
+    assert_true(tu_bits_equal(d.b, du, N_ELEMS * 2, "dup in place"));
+    free(out); free(dg); free(du);
+    ew_free(&d);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_vs_formula),
+        cmocka_unit_test(test_bwd_finite_differences),
+        cmocka_unit_test(test_extreme_inputs),
+        cmocka_unit_test(test_in_place),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
