@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs the Debian packages loom's build, tests and default data need,
+# when they are missing. Safe to run again. Needs root (or sudo).
+set -euo pipefail
+pkgs=(build-essential cmake ninja-build pkg-config libdnnl-dev libopenmpi-dev openmpi-bin
+      libjansson-dev libcmocka-dev python3 python3-torch python3-numpy fortunes)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+else
+  echo "setup: all packages present"
+fi

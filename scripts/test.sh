@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The test command: builds loom with -Wall -Wextra -Werror and runs the ctest
+# suite, then builds with AddressSanitizer + UndefinedBehaviorSanitizer and
+# runs the suite again. Exits non-zero on any failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+jobs=$(nproc)
+echo "== release build (-Werror)"
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_WERROR=ON >/dev/null
+ninja -C build -j "$jobs"
+(cd build && ctest --output-on-failure -j 1)
+echo "== ASan + UBSan build"
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_WERROR=ON -DLOOM_SANITIZE=ON >/dev/null
+ninja -C build-asan -j "$jobs"
+(cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+   ctest --output-on-failure -j 1 -LE slow)
