@@ -79,6 +79,25 @@ loom_status loom_llama_forward(loom_llama *m, const int32_t *tokens, const int32
                                loom_tensor **loss, loom_tensor **logits_out);
 void loom_llama_zero_grad(loom_llama *m);
 
+/* ------------------------------------------------------------ generation */
+
+typedef struct loom_sampler {
+    float temperature;  /* 0: greedy (argmax) */
+    float top_p;        /* nucleus sampling threshold in (0, 1]; 1 disables */
+    uint64_t seed;      /* Philox seed for sampling */
+} loom_sampler;
+
+/* Autoregressive generation with a KV cache (no autograd). The prompt's
+ * n_prompt tokens are processed in one pass, then up to n_new tokens are
+ * sampled one at a time; generation stops early at `stop_token` (>= 0) or
+ * when the context reaches max_seq. out receives the new tokens (room for
+ * n_new); *n_out how many. */
+loom_status loom_llama_generate(loom_llama *m, const int32_t *prompt, int n_prompt, int n_new,
+                                const loom_sampler *sampler, int stop_token, int32_t *out, int *n_out);
+/* Logits (V floats) of the next token after `tokens`, by the KV-cache path;
+ * for tests. */
+loom_status loom_llama_next_logits(loom_llama *m, const int32_t *tokens, int n, float *logits);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,185 @@
+/*
+ * generate.c — KV-cache inference for the LLaMA model: no autograd, the
+ * kernels called directly on raw buffers in the compute dtype.
+ * Must never: read past the cache (the context is capped at max_seq).
+ */
+#include "loom/loom.h"
+#include "kernels/kernels.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+typedef struct kv_cache {
+    void **k, **v; /* per layer: (max_seq, NKV, HS) in dt */
+    int len;
+} kv_cache;
+
+typedef struct scratch {
+    void *x, *h, *q, *k, *v, *att, *o, *g, *u; /* (T, ...) rows in dt */
+    float *rstd;  /* (T) */
+    float *logits; /* (V) */
+} scratch;
+
+#define ELT(dt) loom_dtype_size(dt)
+
+static void *row(void *base, int i, int width, loom_dtype dt) { return (char *)base + (size_t)i * (size_t)width * ELT(dt); }
+
+static loom_status linear(void *out, const void *x, const loom_param *w, int T, int K, int M, loom_dtype dt) {
+    return gemm(0, 1, T, M, K, 1.0f, x, K, loom_tensor_data(w->tensor), K, dt, 0.0f, out, M, dt, NULL, LOOM_F32);
+}
+
+/* Run T new tokens at positions cache->len .. through every layer; leaves
+ * the last position's logits in s->logits. */
+static loom_status forward_tokens(loom_llama *m, kv_cache *c, scratch *s, const int32_t *tokens, int T) {
+    const loom_llama_config *cfg = &m->cfg;
+    loom_dtype dt = m->prec.compute;
+    int C = cfg->dim, NH = cfg->n_heads, NKV = cfg->n_kv_heads, HS = C / NH, KV = NKV * HS, F = cfg->ffn_dim;
+    int pos0 = c->len;
+    embedding_fwd(s->x, tokens, loom_tensor_data(m->embed->tensor), T, C, dt);
+    for (int l = 0; l < cfg->n_layers; l++) {
+        const loom_llama_layer *y = &m->layers[l];
+        float *rs = s->rstd;
+        rmsnorm_fwd(s->h, rs, s->x, loom_tensor_data(y->attn_norm->tensor), T, C, cfg->norm_eps, dt);
+        LOOM_TRY(linear(s->q, s->h, y->wq, T, C, C, dt));
+        void *kdst = row(c->k[l], pos0, KV, dt), *vdst = row(c->v[l], pos0, KV, dt);
+        LOOM_TRY(linear(kdst, s->h, y->wk, T, C, KV, dt));
+        LOOM_TRY(linear(vdst, s->h, y->wv, T, C, KV, dt));
+        rope_fwd(s->q, s->q, 1, T, NH, HS, pos0, cfg->rope_theta, dt);
+        rope_fwd(kdst, kdst, 1, T, NKV, HS, pos0, cfg->rope_theta, dt);
+        attention_fwd(s->att, NULL, s->q, c->k[l], c->v[l], 1, T, pos0 + T, NH, NKV, HS, pos0, dt);
+        LOOM_TRY(linear(s->o, s->att, y->wo, T, C, C, dt));
+        add_fwd(s->x, s->x, s->o, (size_t)T * (size_t)C, dt);
+        rmsnorm_fwd(s->h, rs, s->x, loom_tensor_data(y->mlp_norm->tensor), T, C, cfg->norm_eps, dt);
+        LOOM_TRY(linear(s->g, s->h, y->w_gate, T, C, F, dt));
+        LOOM_TRY(linear(s->u, s->h, y->w_up, T, C, F, dt));
+        swiglu_fwd(s->g, s->g, s->u, (size_t)T * (size_t)F, dt);
+        LOOM_TRY(linear(s->o, s->g, y->w_down, T, F, C, dt));
+        add_fwd(s->x, s->x, s->o, (size_t)T * (size_t)C, dt);
+    }
+    c->len += T;
+    /* Only the last position's logits are needed. */
+    float rs1;
+    void *last = row(s->x, T - 1, C, dt);
+    rmsnorm_fwd(s->h, &rs1, last, loom_tensor_data(m->final_norm->tensor), 1, C, cfg->norm_eps, dt);
+    return gemm(0, 1, 1, cfg->vocab_size, C, 1.0f, s->h, C, loom_tensor_data(m->lm_head->tensor), C, dt, 0.0f,
+                s->logits, cfg->vocab_size, LOOM_F32, NULL, LOOM_F32);
+}
+
+static void state_free(loom_llama *m, kv_cache *c, scratch *s) {
+    for (int l = 0; c->k && l < m->cfg.n_layers; l++) {
+        loom_free(c->k[l]);
+        loom_free(c->v[l]);
+    }
+    free(c->k);
+    free(c->v);
+    void *bufs[] = {s->x, s->h, s->q, s->k, s->v, s->att, s->o, s->g, s->u, s->rstd, s->logits};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) loom_free(bufs[i]);
+}
+
+static loom_status state_init(loom_llama *m, int T, kv_cache *c, scratch *s) {
+    const loom_llama_config *cfg = &m->cfg;
+    loom_dtype dt = m->prec.compute;
+    size_t C = (size_t)cfg->dim, KV = (size_t)cfg->n_kv_heads * (C / (size_t)cfg->n_heads), F = (size_t)cfg->ffn_dim;
+    memset(c, 0, sizeof *c);
+    memset(s, 0, sizeof *s);
+    c->k = calloc((size_t)cfg->n_layers, sizeof *c->k);
+    c->v = calloc((size_t)cfg->n_layers, sizeof *c->v);
+    int ok = c->k && c->v;
+    for (int l = 0; ok && l < cfg->n_layers; l++) {
+        c->k[l] = loom_alloc((size_t)cfg->max_seq * KV * ELT(dt), LOOM_MEM_ACTIVATIONS);
+        c->v[l] = loom_alloc((size_t)cfg->max_seq * KV * ELT(dt), LOOM_MEM_ACTIVATIONS);
+        ok = c->k[l] && c->v[l];
+    }
+    size_t t = (size_t)T;
+    void **bufs[] = {&s->x, &s->h, &s->q, &s->att, &s->o};
+    for (size_t i = 0; ok && i < sizeof bufs / sizeof bufs[0]; i++) ok = (*bufs[i] = loom_alloc(t * C * ELT(dt), LOOM_MEM_WORKSPACE)) != NULL;
+    if (ok) ok = (s->g = loom_alloc(t * F * ELT(dt), LOOM_MEM_WORKSPACE)) && (s->u = loom_alloc(t * F * ELT(dt), LOOM_MEM_WORKSPACE));
+    if (ok) ok = (s->logits = loom_alloc((size_t)cfg->vocab_size * sizeof(float), LOOM_MEM_WORKSPACE)) != NULL;
+    if (ok) ok = (s->rstd = loom_alloc(t * sizeof(float), LOOM_MEM_WORKSPACE)) != NULL;
+    if (!ok) {
+        state_free(m, c, s);
+        return loom_error(LOOM_ERR_NOMEM, "generate: out of memory for the KV cache");
+    }
+    return LOOM_OK;
+}
+
+/* Sample from logits: greedy, or temperature + nucleus (top-p). */
+static int32_t sample(float *logits, int V, const loom_sampler *sp, uint64_t counter) {
+    int best = 0;
+    for (int i = 1; i < V; i++) if (logits[i] > logits[best]) best = i;
+    if (sp->temperature <= 0.0f) return best;
+    double sum = 0.0;
+    for (int i = 0; i < V; i++) {
+        logits[i] = expf((logits[i] - logits[best]) / sp->temperature);
+        sum += logits[i];
+    }
+    uint32_t r[4];
+    loom_philox4x32(sp->seed, counter, r);
+    double u = loom_u32_to_unit(r[0]);
+    float top_p = sp->top_p > 0.0f && sp->top_p < 1.0f ? sp->top_p : 1.0f;
+    /* Nucleus: keep the most probable tokens up to mass top_p; draw within them.
+     * Sorted selection by repeated max is fine for V of a few thousand at
+     * generation speed only when top_p is small, so threshold instead. */
+    double kept = sum;
+    float cut = 0.0f;
+    if (top_p < 1.0f) {
+        /* Bisect a probability threshold whose kept mass is >= top_p. */
+        float lo = 0.0f, hi = 1.0f;
+        for (int it = 0; it < 40; it++) {
+            float mid = 0.5f * (lo + hi);
+            double mass = 0.0;
+            for (int i = 0; i < V; i++) if (logits[i] >= mid) mass += logits[i];
+            if (mass / sum >= top_p) lo = mid; else hi = mid;
+        }
+        cut = lo;
+        kept = 0.0;
+        for (int i = 0; i < V; i++) if (logits[i] >= cut) kept += logits[i];
+    }
+    double target = u * kept, acc = 0.0;
+    for (int i = 0; i < V; i++) {
+        if (logits[i] < cut) continue;
+        acc += logits[i];
+        if (acc >= target) return i;
+    }
+    return best;
+}
+
+static loom_status check_tokens(const loom_llama *m, const int32_t *t, int n) {
+    if (n <= 0) return loom_error(LOOM_ERR_INVALID, "generate: the prompt is empty");
+    if (n > m->cfg.max_seq)
+        return loom_error(LOOM_ERR_INVALID, "generate: the prompt has %d tokens, the model's context is %d", n,
+                          m->cfg.max_seq);
+    for (int i = 0; i < n; i++)
+        if (t[i] < 0 || t[i] >= m->cfg.vocab_size)
+            return loom_error(LOOM_ERR_INVALID, "generate: token %d at %d is outside the vocabulary", t[i], i);
+    return LOOM_OK;
+}
+
+loom_status loom_llama_next_logits(loom_llama *m, const int32_t *tokens, int n, float *logits) {
+    LOOM_TRY(check_tokens(m, tokens, n));
+    kv_cache c;
+    scratch s;
+    LOOM_TRY(state_init(m, n, &c, &s));
+    loom_status st = forward_tokens(m, &c, &s, tokens, n);
+    if (st == LOOM_OK) memcpy(logits, s.logits, (size_t)m->cfg.vocab_size * sizeof(float));
+    state_free(m, &c, &s);
+    return st;
+}
+
+loom_status loom_llama_generate(loom_llama *m, const int32_t *prompt, int n_prompt, int n_new,
+                                const loom_sampler *sampler, int stop_token, int32_t *out, int *n_out) {
+    *n_out = 0;
+    LOOM_TRY(check_tokens(m, prompt, n_prompt));
+    kv_cache c;
+    scratch s;
+    LOOM_TRY(state_init(m, n_prompt, &c, &s));
+    loom_status st = forward_tokens(m, &c, &s, prompt, n_prompt);
+    for (int i = 0; i < n_new && st == LOOM_OK; i++) {
+        int32_t next = sample(s.logits, m->cfg.vocab_size, sampler, (uint64_t)i);
+        out[(*n_out)++] = next;
+        if (next == stop_token || c.len >= m->cfg.max_seq) break;
+        st = forward_tokens(m, &c, &s, &next, 1);
+    }
+    state_free(m, &c, &s);
+    return st;
+}
