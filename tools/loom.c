@@ -1,3 +1,38 @@
-#include "loom/loom.h"
-#include <stdio.h>
-int main(void) { printf("loom\n"); return 0; }
+/*
+ * loom.c — the command-line entry point: dispatches to the subcommands.
+ */
+#include "cli.h"
+
+#include <string.h>
+
+static const command *const commands[] = {&cmd_tokenize, &cmd_train, &cmd_generate, &cmd_export};
+#define N_COMMANDS ((int)(sizeof commands / sizeof commands[0]))
+
+static void usage(FILE *f) {
+    fprintf(f, "usage: loom COMMAND [flags]\n\n"
+               "loom trains LLaMA-family language models on the CPU with mixed precision\n"
+               "(fp32 / bf16 / fp16, fp32 master weights and main_grad) and activation\n"
+               "recomputation.\n\ncommands:\n");
+    for (int i = 0; i < N_COMMANDS; i++) fprintf(f, "  %-10s %s\n", commands[i]->name, commands[i]->summary);
+    fprintf(f, "\nRun 'loom COMMAND --help' for a command's flags.\n");
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        usage(stderr);
+        return 2;
+    }
+    if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
+        usage(stdout);
+        return 0;
+    }
+    if (!strcmp(argv[1], "--version")) {
+        printf("loom 0.1.0\n");
+        return 0;
+    }
+    for (int i = 0; i < N_COMMANDS; i++)
+        if (!strcmp(argv[1], commands[i]->name)) return commands[i]->run(argc - 1, argv + 1);
+    fprintf(stderr, "loom: unknown command '%s'\n\n", argv[1]);
+    usage(stderr);
+    return 2;
+}

@@ -1,0 +1,115 @@
+/* cli.c — flag parsing and help for the loom subcommands; see cli.h. */
+#include "cli.h"
+
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static int parse_value(const char *cmd, const flag *f, const char *v) {
+    char *end;
+    switch (f->kind) {
+    case FLAG_STRING:
+        *(const char **)f->target = v;
+        return 0;
+    case FLAG_INT: {
+        long x = strtol(v, &end, 10);
+        if (*v == '\0' || *end || x < -2147483647L || x > 2147483647L)
+            return cli_usage_error(cmd, "--%s expects an integer, got '%s'", f->name, v), -1;
+        *(int *)f->target = (int)x;
+        return 0;
+    }
+    case FLAG_FLOAT: {
+        double x = strtod(v, &end);
+        if (*v == '\0' || *end) return cli_usage_error(cmd, "--%s expects a number, got '%s'", f->name, v), -1;
+        *(float *)f->target = (float)x;
+        return 0;
+    }
+    case FLAG_LIST: {
+        string_list *l = f->target;
+        const char **items = realloc(l->items, (size_t)(l->n + 1) * sizeof *items);
+        if (!items) return cli_usage_error(cmd, "out of memory"), -1;
+        l->items = items;
+        l->items[l->n++] = v;
+        return 0;
+    }
+    case FLAG_BOOL:
+        break;
+    }
+    return -1;
+}
+
+int cli_parse(const command *cmd, const flag *flags, int n_flags, int argc, char **argv) {
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            cli_print_help(stdout, cmd, flags, n_flags);
+            return 1;
+        }
+        if (strncmp(a, "--", 2) != 0)
+            return cli_usage_error(cmd->name, "unexpected argument '%s' (flags start with --; see loom %s --help)", a,
+                                   cmd->name), -1;
+        const char *name = a + 2, *eq = strchr(name, '=');
+        size_t len = eq ? (size_t)(eq - name) : strlen(name);
+        const flag *f = NULL;
+        for (int k = 0; k < n_flags; k++)
+            if (strlen(flags[k].name) == len && !strncmp(flags[k].name, name, len)) f = &flags[k];
+        if (!f)
+            return cli_usage_error(cmd->name, "unknown flag '%.*s' (see loom %s --help)", (int)len + 2, a, cmd->name), -1;
+        if (f->kind == FLAG_BOOL) {
+            if (eq) return cli_usage_error(cmd->name, "--%s takes no value", f->name), -1;
+            *(int *)f->target = 1;
+            continue;
+        }
+        const char *v = eq ? eq + 1 : NULL;
+        if (!v) {
+            if (i + 1 >= argc) return cli_usage_error(cmd->name, "--%s needs a value (%s)", f->name, f->metavar), -1;
+            v = argv[++i];
+        }
+        if (parse_value(cmd->name, f, v) != 0) return -1;
+        /* A list takes every following non-flag argument too. */
+        while (f->kind == FLAG_LIST && i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0)
+            if (parse_value(cmd->name, f, argv[++i]) != 0) return -1;
+    }
+    return 0;
+}
+
+void cli_print_help(FILE *out, const command *cmd, const flag *flags, int n_flags) {
+    fprintf(out, "usage: loom %s\n\n%s\n\nflags:\n", cmd->usage, cmd->summary);
+    for (int k = 0; k < n_flags; k++) {
+        char left[64];
+        snprintf(left, sizeof left, "--%s%s%s", flags[k].name, flags[k].metavar ? " " : "",
+                 flags[k].metavar ? flags[k].metavar : "");
+        fprintf(out, "  %-26s %s\n", left, flags[k].help);
+    }
+    fprintf(out, "  %-26s %s\n", "--help", "show this help");
+    if (cmd->details) fprintf(out, "\n%s\n", cmd->details);
+}
+
+int cli_fail(const char *cmd, loom_status st) {
+    fprintf(stderr, "loom %s: %s\n", cmd, *loom_last_error() ? loom_last_error() : loom_status_name(st));
+    return 1;
+}
+
+int cli_usage_error(const char *cmd, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "loom %s: ", cmd);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    return 2;
+}
+
+double cli_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+int cli_parse_on_off(const char *cmd, const char *flag_name, const char *value, int *out) {
+    if (!strcmp(value, "on") || !strcmp(value, "true") || !strcmp(value, "1")) *out = 1;
+    else if (!strcmp(value, "off") || !strcmp(value, "false") || !strcmp(value, "0")) *out = 0;
+    else return cli_usage_error(cmd, "--%s expects on or off, got '%s'", flag_name, value);
+    return 0;
+}

@@ -1,0 +1,183 @@
+/*
+ * cmd_tokenize.c — `loom tokenize`: train a byte-level BPE tokenizer and/or
+ * encode text files into llm.c token shards (train and validation).
+ */
+#include "cli.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define SHARD_TOKENS 100000000
+
+typedef struct doc { const char *text; size_t len; } doc;
+
+typedef struct doc_list { doc *items; size_t n, cap; } doc_list;
+
+static int push_doc(doc_list *l, const char *text, size_t len) {
+    if (l->n == l->cap) {
+        size_t cap = l->cap ? 2 * l->cap : 1024;
+        doc *d = realloc(l->items, cap * sizeof *d);
+        if (!d) return -1;
+        l->items = d;
+        l->cap = cap;
+    }
+    l->items[l->n++] = (doc){text, len};
+    return 0;
+}
+
+/* Split text into documents at lines equal to sep (if sep is set). */
+static int split_docs(doc_list *l, const char *text, size_t len, const char *sep) {
+    if (!sep || !*sep) return push_doc(l, text, len);
+    size_t sl = strlen(sep), start = 0, i = 0;
+    while (i <= len) {
+        size_t eol = i;
+        while (eol < len && text[eol] != '\n') eol++;
+        int is_sep = eol - i == sl && !memcmp(text + i, sep, sl);
+        if (is_sep || eol >= len) {
+            size_t end = is_sep ? i : len;
+            if (end > start && push_doc(l, text + start, end - start) != 0) return -1;
+            start = eol + 1;
+        }
+        i = eol + 1;
+    }
+    return 0;
+}
+
+typedef struct tok_buf { int32_t *ids; size_t n, cap; } tok_buf;
+
+static loom_status append_doc(loom_tokenizer *tok, tok_buf *b, const doc *d) {
+    size_t need = b->n + d->len + 1;
+    if (need > b->cap) {
+        size_t cap = need * 2;
+        int32_t *ids = realloc(b->ids, cap * sizeof *ids);
+        if (!ids) return loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory");
+        b->ids = ids;
+        b->cap = cap;
+    }
+    size_t n = 0;
+    int eot = loom_tokenizer_eot(tok);
+    if (eot >= 0) b->ids[b->n++] = eot; /* every document starts after a separator */
+    LOOM_TRY(loom_tokenizer_encode(tok, d->text, d->len, b->ids + b->n, b->cap - b->n, &n));
+    b->n += n;
+    return LOOM_OK;
+}
+
+static loom_status write_shards(const char *dir, const char *split, const tok_buf *b, int vocab) {
+    char path[4096];
+    for (size_t off = 0, k = 0; off < b->n || k == 0; off += SHARD_TOKENS, k++) {
+        size_t n = b->n - off < SHARD_TOKENS ? b->n - off : SHARD_TOKENS;
+        snprintf(path, sizeof path, "%s/%s_%06zu.bin", dir, split, k);
+        LOOM_TRY(loom_shard_write(path, b->ids + off, n, vocab));
+        fprintf(stderr, "tokenize: wrote %s (%zu tokens)\n", path, n);
+        if (n == 0) break;
+    }
+    return LOOM_OK;
+}
+
+static int run(int argc, char **argv) {
+    string_list train = {0}, in = {0};
+    const char *out = NULL, *tok_path = NULL, *doc_sep = NULL;
+    int vocab = 4096;
+    float val_fraction = 0.05f;
+    const flag flags[] = {
+        {"train", FLAG_LIST, &train, "FILE...", "train a BPE tokenizer on these text files"},
+        {"vocab", FLAG_INT, &vocab, "N", "vocabulary size when training (default 4096)"},
+        {"tokenizer", FLAG_STRING, &tok_path, "FILE", "an existing tokenizer.json to encode with"},
+        {"in", FLAG_LIST, &in, "FILE...", "text files to encode into shards"},
+        {"out", FLAG_STRING, &out, "PATH", "tokenizer file (training only) or shard directory"},
+        {"val-fraction", FLAG_FLOAT, &val_fraction, "F", "share of documents for validation (default 0.05)"},
+        {"doc-sep", FLAG_STRING, &doc_sep, "LINE", "a line that separates documents, e.g. % (default: one per file)"},
+    };
+    int n_flags = (int)(sizeof flags / sizeof flags[0]);
+    int rc = cli_parse(&cmd_tokenize, flags, n_flags, argc, argv);
+    if (rc) { free(train.items); free(in.items); return rc > 0 ? 0 : 2; }
+    if (!out) rc = cli_usage_error("tokenize", "--out is required");
+    else if (!train.n && !in.n) rc = cli_usage_error("tokenize", "give --train FILE... and/or --in FILE...");
+    else if (in.n && !train.n && !tok_path) rc = cli_usage_error("tokenize", "--in needs --tokenizer FILE (or --train)");
+    else if (!(val_fraction >= 0.0f && val_fraction < 1.0f)) rc = cli_usage_error("tokenize", "--val-fraction must be in [0, 1)");
+    if (rc) { free(train.items); free(in.items); return rc; }
+
+    loom_status st = LOOM_OK;
+    loom_tokenizer *tok = NULL;
+    char tok_out[4096];
+    void **texts = calloc((size_t)(train.n + in.n + 1), sizeof *texts);
+    size_t *lens = calloc((size_t)(train.n + in.n + 1), sizeof *lens);
+    if (train.n) {
+        double t0 = cli_now();
+        for (int i = 0; i < train.n && st == LOOM_OK; i++) st = loom_read_file(train.items[i], &texts[i], &lens[i]);
+        size_t total = 0;
+        for (int i = 0; i < train.n; i++) total += lens[i];
+        if (st == LOOM_OK) st = loom_tokenizer_train((const char *const *)texts, lens, (size_t)train.n, vocab, &tok);
+        if (st == LOOM_OK) {
+            /* Training alone: --out is the tokenizer file; with --in, a directory. */
+            if (in.n) {
+                st = loom_mkdir_p(out);
+                snprintf(tok_out, sizeof tok_out, "%s/tokenizer.json", out);
+            } else {
+                snprintf(tok_out, sizeof tok_out, "%s", out);
+            }
+        }
+        if (st == LOOM_OK) st = loom_tokenizer_save(tok, tok_out);
+        if (st == LOOM_OK)
+            fprintf(stderr, "tokenize: trained %d tokens on %.1f MB in %.1f s -> %s\n", loom_tokenizer_vocab_size(tok),
+                    (double)total / 1e6, cli_now() - t0, tok_out);
+    } else {
+        st = loom_tokenizer_load(tok_path, &tok);
+        if (st == LOOM_OK) st = loom_mkdir_p(out);
+        if (st == LOOM_OK) {
+            snprintf(tok_out, sizeof tok_out, "%s/tokenizer.json", out);
+            void *data; size_t len;
+            st = loom_read_file(tok_path, &data, &len);
+            if (st == LOOM_OK) { st = loom_file_write_atomic(tok_out, data, len); free(data); }
+        }
+    }
+    if (st == LOOM_OK && in.n) {
+        doc_list docs = {0};
+        for (int i = 0; i < in.n && st == LOOM_OK; i++) {
+            int k = train.n + i;
+            st = loom_read_file(in.items[i], &texts[k], &lens[k]);
+            if (st == LOOM_OK && split_docs(&docs, texts[k], lens[k], doc_sep) != 0)
+                st = loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory");
+        }
+        tok_buf tr = {0}, va = {0};
+        /* Document i goes to validation when floor((i+1) f) > floor(i f):
+         * an even spread, the same every run. */
+        for (size_t i = 0; i < docs.n && st == LOOM_OK; i++) {
+            int is_val = (long)((double)(i + 1) * val_fraction) > (long)((double)i * val_fraction);
+            st = append_doc(tok, is_val ? &va : &tr, &docs.items[i]);
+        }
+        if (st == LOOM_OK && docs.n == 1 && val_fraction > 0.0f) {
+            /* One document: the validation set is its last share of tokens. */
+            size_t n_val = (size_t)((double)tr.n * val_fraction);
+            va.ids = malloc((n_val + 1) * sizeof *va.ids);
+            if (!va.ids) st = loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory");
+            else { memcpy(va.ids, tr.ids + tr.n - n_val, n_val * sizeof *va.ids); va.n = n_val; tr.n -= n_val; }
+        }
+        if (st == LOOM_OK) st = write_shards(out, "train", &tr, loom_tokenizer_vocab_size(tok));
+        if (st == LOOM_OK && val_fraction > 0.0f) st = write_shards(out, "val", &va, loom_tokenizer_vocab_size(tok));
+        if (st == LOOM_OK)
+            fprintf(stderr, "tokenize: %zu documents, %zu train tokens, %zu validation tokens\n", docs.n, tr.n, va.n);
+        free(tr.ids);
+        free(va.ids);
+        free(docs.items);
+    }
+    for (int i = 0; i < train.n + in.n; i++) free(texts[i]);
+    free(texts);
+    free(lens);
+    free(train.items);
+    free(in.items);
+    loom_tokenizer_free(tok);
+    return st == LOOM_OK ? 0 : cli_fail("tokenize", st);
+}
+
+const command cmd_tokenize = {
+    "tokenize",
+    "train a byte-level BPE tokenizer and encode text into token shards",
+    "tokenize --train FILE... --vocab N --out tok.json\n"
+    "       loom tokenize --tokenizer tok.json --in FILE... --out DIR [--val-fraction F]\n"
+    "       loom tokenize --train FILE... --vocab N --in FILE... --out DIR",
+    "Shards use llm.c's format (uint16 tokens up to 65536 ids, else uint32):\n"
+    "DIR/train_000000.bin, DIR/val_000000.bin, and DIR/tokenizer.json. Documents are\n"
+    "joined with the <|endoftext|> token.",
+    run,
+};
