@@ -87,6 +87,7 @@ static int parse_dtype(const char *s, loom_safetensors_dtype *out) {
 }
 
 static loom_status parse_metadata(loom_safetensors *st, json_t *meta) {
+    if (json_is_null(meta)) return LOOM_OK; /* what writers of "no metadata" may emit */
     if (!json_is_object(meta)) return BAD(st, "\"__metadata__\" is not a JSON object");
     size_t n = json_object_size(meta);
     st->meta_keys = calloc(n + 1, sizeof *st->meta_keys);

@@ -226,6 +226,7 @@ static void test_corrupt_headers(void **state) {
     EXPECT_CORRUPT("{\"a\":[1,2]}", 0, "not a JSON object");
     EXPECT_CORRUPT("{\"__metadata__\":{\"k\":3}}", 0, "__metadata__");
     EXPECT_CORRUPT("{\"__metadata__\":[\"k\"]}", 0, "__metadata__");
+    assert_int_equal(open_crafted("null-meta.safetensors", "{\"__metadata__\":null}", 0), LOOM_OK);
 
     /* Header length fields that do not fit the file. */
     unsigned char small[16] = {0};
@@ -329,6 +330,15 @@ static void test_writer_rejects_bad_entries(void **state) {
     assert_int_equal(loom_safetensors_writer_add(w, "z", LOOM_SAFETENSORS_F32, s1, 1, NULL), LOOM_ERR_INVALID);
     assert_int_equal(loom_safetensors_writer_add(w, "m", LOOM_SAFETENSORS_F32, s1, 9, x), LOOM_ERR_INVALID);
     loom_safetensors_writer_free(w);
+    /* An empty writer makes a valid empty file. */
+    assert_int_equal(loom_safetensors_writer_init(&w), LOOM_OK);
+    assert_int_equal(loom_safetensors_writer_write(w, io_path("empty.safetensors")), LOOM_OK);
+    loom_safetensors_writer_free(w);
+    loom_safetensors *st;
+    assert_int_equal(loom_safetensors_open(io_path("empty.safetensors"), &st), LOOM_OK);
+    assert_int_equal(loom_safetensors_count(st), 0);
+    assert_int_equal(loom_safetensors_metadata_count(st), 0);
+    loom_safetensors_close(st);
 }
 
 /* Write a small safetensors file holding one F32 tensor of `n` values. */
