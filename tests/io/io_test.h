@@ -20,24 +20,24 @@
 static char io_scratch[256];
 
 /* cmocka group setup/teardown: a fresh mkdtemp directory per test file. */
-static int io_scratch_setup(void **state) {
+static inline int io_scratch_setup(void **state) {
     (void)state;
     snprintf(io_scratch, sizeof io_scratch, "/tmp/loom-io-test-XXXXXX");
     return mkdtemp(io_scratch) ? 0 : -1;
 }
 
-static int io_rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
+static inline int io_rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
     (void)sb; (void)flag; (void)ftw;
     return remove(path);
 }
 
-static int io_scratch_teardown(void **state) {
+static inline int io_scratch_teardown(void **state) {
     (void)state;
     return nftw(io_scratch, io_rm_entry, 16, FTW_DEPTH | FTW_PHYS);
 }
 
 /* A path inside the scratch directory (static buffer, rotating 8 slots). */
-static const char *io_path(const char *name) {
+static inline const char *io_path(const char *name) {
     static char bufs[8][512];
     static int k;
     char *b = bufs[k++ % 8];
@@ -45,7 +45,7 @@ static const char *io_path(const char *name) {
     return b;
 }
 
-static void io_write_raw(const char *path, const void *data, size_t n) {
+static inline void io_write_raw(const char *path, const void *data, size_t n) {
     FILE *f = fopen(path, "wb");
     assert_non_null(f);
     if (n) assert_int_equal(fwrite(data, 1, n, f), n);
@@ -53,7 +53,7 @@ static void io_write_raw(const char *path, const void *data, size_t n) {
 }
 
 /* Read a whole file (malloc'd) through stdio, independent of loom. */
-static unsigned char *io_read_raw(const char *path, size_t *n) {
+static inline unsigned char *io_read_raw(const char *path, size_t *n) {
     FILE *f = fopen(path, "rb");
     assert_non_null(f);
     fseek(f, 0, SEEK_END);
@@ -67,7 +67,7 @@ static unsigned char *io_read_raw(const char *path, size_t *n) {
 }
 
 /* Number of entries in the scratch directory whose name contains `part`. */
-static int io_count_files(const char *part) {
+static inline int io_count_files(const char *part) {
     DIR *d = opendir(io_scratch);
     assert_non_null(d);
     int n = 0;
