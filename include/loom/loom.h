@@ -5,5 +5,6 @@
 #define LOOM_H
 
 #include "loom/core.h"
+#include "loom/io.h"
 
 #endif
