@@ -50,8 +50,10 @@ loom_status loom_file_write_atomic(const char *path, const void *data, size_t n)
  * (checkpoints). Open creates the temporary file; write appends; commit
  * flushes, fsyncs, renames over the target and fsyncs the directory; abort
  * removes the temporary file. Commit and abort always release the handle,
- * whatever they return. After a failed write the handle only accepts
- * abort (commit returns the first error again and removes the temp file). */
+ * whatever they return. After a failed write, later writes and commit
+ * return that first error again (commit then removes the temporary file).
+ * One case leaves the new file in place yet returns LOOM_ERR_IO: the rename
+ * succeeded but the directory could not be fsynced. */
 typedef struct loom_atomic_file loom_atomic_file;
 loom_status loom_atomic_file_open(const char *path, loom_atomic_file **out);
 loom_status loom_atomic_file_write(loom_atomic_file *f, const void *data, size_t n);
@@ -103,7 +105,9 @@ typedef struct loom_safetensors loom_safetensors;
  * size, the JSON (syntax, duplicate keys, field types), each tensor's dtype,
  * shape and data_offsets (in range, size == product(shape) * dtype size, no
  * overlap, no gap, covering the whole byte buffer), and __metadata__ (string
- * values only). The file is memory-mapped (read into memory if it cannot be).
+ * values only). The file is memory-mapped (read into memory if it cannot be):
+ * do not truncate or rewrite it in place while it is open (loom's writers
+ * replace files by rename, which is safe).
  * Errors: LOOM_ERR_IO (cannot open/read), LOOM_ERR_FORMAT (anything wrong in
  * the file: the message names the file and the tensor), LOOM_ERR_NOMEM. */
 loom_status loom_safetensors_open(const char *path, loom_safetensors **out);
@@ -181,6 +185,7 @@ loom_status loom_shard_write(const char *path, const int32_t *tokens, size_t n, 
 typedef struct loom_shard loom_shard;
 /* Open (memory-map) and validate a shard: magic/version pair, a
  * non-negative count and a file size of exactly header + count * token size.
+ * As with safetensors, do not rewrite the file in place while it is open.
  * Errors: LOOM_ERR_IO, LOOM_ERR_FORMAT (the message names the file). */
 loom_status loom_shard_open(const char *path, loom_shard **out);
 void loom_shard_close(loom_shard *s);

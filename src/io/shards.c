@@ -30,7 +30,7 @@ loom_status loom_shard_write(const char *path, const int32_t *tokens, size_t n, 
     if (n > 0 && !tokens) return loom_error(LOOM_ERR_INVALID, "shard '%s': tokens is NULL", path);
     for (size_t i = 0; i < n; i++)
         if (tokens[i] < 0 || tokens[i] >= vocab_size)
-            return loom_error(LOOM_ERR_INVALID, "shard '%s': token %zu is %d, outside the vocabulary "
+            return loom_error(LOOM_ERR_INVALID, "shard '%s': the token at index %zu is %d, outside the vocabulary "
                               "[0, %d)", path, i, (int)tokens[i], vocab_size);
     int wide = vocab_size > 65536;
     int32_t header[256] = {0};
@@ -148,7 +148,7 @@ loom_status loom_shard_read(const loom_shard *s, size_t start, size_t n, int32_t
         uint32_t t;
         memcpy(&t, p + 4 * (start + i), 4);
         if (t > INT32_MAX)
-            return loom_error(LOOM_ERR_FORMAT, "shard '%s': token %zu is %u, beyond any vocabulary; "
+            return loom_error(LOOM_ERR_FORMAT, "shard '%s': the token at position %zu is %u, beyond any vocabulary; "
                               "the file is corrupt", s->path, start + i, t);
         dst[i] = (int32_t)t;
     }

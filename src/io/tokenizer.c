@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define CACHE_MAX_IDS (1u << 22) /* cleared when it holds more than this */
+#define CACHE_MAX_IDS (1u << 20) /* cleared when it holds more than this */
 
 struct loom_tokenizer {
     int n_merges, vocab_size, eot;
@@ -280,8 +280,8 @@ static loom_status load_bad(const char *path, const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(what, sizeof what, fmt, ap);
     va_end(ap);
-    return loom_error(LOOM_ERR_FORMAT, "tokenizer file '%s' is invalid: %s; re-create it with "
-                      "`loom tokenize --train` or restore a good copy", path, what);
+    return loom_error(LOOM_ERR_FORMAT, "tokenizer file '%s' is invalid: %s; re-train the tokenizer "
+                      "or restore a good copy", path, what);
 }
 
 /* Validate the parsed JSON; on success *merges (malloc'd) holds the pairs. */

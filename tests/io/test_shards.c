@@ -59,7 +59,7 @@ static void test_shard_round_trip(void **state) {
 
     int32_t bad[3] = {1, 2, 50257};
     assert_int_equal(loom_shard_write(io_path("bad.bin"), bad, 3, 50257), LOOM_ERR_INVALID);
-    IO_ASSERT_MSG("token 2 is 50257");
+    IO_ASSERT_MSG("index 2 is 50257");
     bad[2] = -1;
     assert_int_equal(loom_shard_write(io_path("bad.bin"), bad, 3, 50257), LOOM_ERR_INVALID);
     assert_int_equal(loom_shard_write(io_path("bad.bin"), bad, 2, 0), LOOM_ERR_INVALID);
@@ -334,7 +334,7 @@ static void test_loader_errors(void **state) {
     assert_int_equal(loom_dataloader_next(dl, in, tg), LOOM_ERR_FORMAT);
     IO_ASSERT_MSG("train_000002.bin");
     IO_ASSERT_MSG("20005");
-    IO_ASSERT_MSG("token 5 ");
+    IO_ASSERT_MSG("position 5 ");
     loom_dataloader_get_position(dl, &b);
     assert_memory_equal(&a, &b, sizeof a);
     loom_dataloader_close(dl);
