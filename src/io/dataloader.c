@@ -1,0 +1,239 @@
+/*
+ * dataloader.c — sequential (B, T) batches from llm.c token shards, with an
+ * exactly restorable position and data-parallel rank slicing.
+ *
+ * A step consumes B*T*W tokens of the current shard (W ranks); rank r reads
+ * the span [offset + r*B*T, offset + (r+1)*B*T + 1). The position is
+ * normalised after every step so it always names a step that fits, which
+ * makes a saved position mean the same thing on every rank and after a
+ * restart. Owns: shard discovery (directory, glob or file), the position.
+ * Must never: return a token >= vocab_size, or advance on a failed step.
+ */
+#define _GNU_SOURCE
+#include "io/io_internal.h"
+
+#include <dirent.h>
+#include <fnmatch.h>
+#include <glob.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+struct loom_dataloader {
+    loom_dataloader_options opt;
+    char **paths;
+    size_t *counts;    /* tokens per shard */
+    size_t n_shards;
+    size_t step;       /* B*T*W tokens consumed per step */
+    size_t span;       /* B*T+1 tokens read per rank */
+    loom_dataloader_position pos;
+    loom_shard *current; /* the open shard, index current_index */
+    size_t current_index;
+    int32_t *buf;      /* (B*T+1) */
+};
+
+static int cmp_str(const void *a, const void *b) {
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+static loom_status add_path(loom_dataloader *dl, const char *path, size_t *cap) {
+    if (dl->n_shards == *cap) {
+        size_t c = *cap ? 2 * *cap : 16;
+        char **np = realloc(dl->paths, c * sizeof *np);
+        if (!np) return loom_error(LOOM_ERR_NOMEM, "out of memory listing shards");
+        dl->paths = np;
+        *cap = c;
+    }
+    dl->paths[dl->n_shards] = strdup(path);
+    if (!dl->paths[dl->n_shards]) return loom_error(LOOM_ERR_NOMEM, "out of memory listing shards");
+    dl->n_shards++;
+    return LOOM_OK;
+}
+
+/* Fill dl->paths (sorted) from a directory, a glob pattern or one file. */
+static loom_status find_shards(loom_dataloader *dl, const char *source, const char *split) {
+    size_t cap = 0;
+    struct stat sb;
+    if (stat(source, &sb) == 0 && S_ISDIR(sb.st_mode)) {
+        if (!split || !*split)
+            return loom_error(LOOM_ERR_INVALID, "data source '%s' is a directory: set the split "
+                              "(\"train\" or \"val\") to choose its *<split>*.bin files", source);
+        char pattern[256];
+        snprintf(pattern, sizeof pattern, "*%s*.bin", split);
+        DIR *d = opendir(source);
+        if (!d) return loom_error(LOOM_ERR_IO, "cannot list data directory '%s'", source);
+        loom_status s = LOOM_OK;
+        for (struct dirent *e; s == LOOM_OK && (e = readdir(d));) {
+            if (fnmatch(pattern, e->d_name, 0) != 0) continue;
+            size_t len = strlen(source) + strlen(e->d_name) + 2;
+            char *p = malloc(len);
+            if (!p) s = loom_error(LOOM_ERR_NOMEM, "out of memory listing shards");
+            else {
+                snprintf(p, len, "%s/%s", source, e->d_name);
+                s = add_path(dl, p, &cap);
+                free(p);
+            }
+        }
+        closedir(d);
+        LOOM_TRY(s);
+        if (dl->n_shards == 0)
+            return loom_error(LOOM_ERR_INVALID, "no shards matching '%s' in data directory '%s'; "
+                              "check the path and the split name", pattern, source);
+    } else if (stat(source, &sb) == 0) {
+        LOOM_TRY(add_path(dl, source, &cap));
+    } else {
+        glob_t g;
+        int r = glob(source, 0, NULL, &g);
+        if (r == GLOB_NOMATCH || (r == 0 && g.gl_pathc == 0)) {
+            if (r == 0) globfree(&g);
+            return loom_error(LOOM_ERR_INVALID, "no token shards match '%s'; check the path (a "
+                              "directory, a glob such as DIR/train_*.bin, or a file)", source);
+        }
+        if (r != 0) return loom_error(LOOM_ERR_IO, "cannot expand the shard pattern '%s'", source);
+        loom_status s = LOOM_OK;
+        for (size_t i = 0; s == LOOM_OK && i < g.gl_pathc; i++) s = add_path(dl, g.gl_pathv[i], &cap);
+        globfree(&g);
+        LOOM_TRY(s);
+    }
+    qsort(dl->paths, dl->n_shards, sizeof *dl->paths, cmp_str);
+    return LOOM_OK;
+}
+
+/* Move pos forward to the first place at or after it where a whole step
+ * fits (next shard, wrapping to the next epoch). */
+static void normalise(loom_dataloader *dl, loom_dataloader_position *pos) {
+    for (;;) {
+        if (pos->shard < dl->n_shards && pos->offset <= dl->counts[pos->shard] &&
+            dl->counts[pos->shard] - pos->offset >= dl->step + 1)
+            return;
+        pos->offset = 0;
+        if (++pos->shard >= dl->n_shards) {
+            pos->shard = 0;
+            pos->epoch++;
+        }
+    }
+}
+
+static loom_status check_options(const loom_dataloader_options *o) {
+    if (o->batch_size < 1 || o->seq_len < 1)
+        return loom_error(LOOM_ERR_INVALID, "data loader: batch size %d and sequence length %d must be "
+                          ">= 1", o->batch_size, o->seq_len);
+    if (o->world_size < 1 || o->rank < 0 || o->rank >= o->world_size)
+        return loom_error(LOOM_ERR_INVALID, "data loader: rank %d is not in [0, world size %d)", o->rank,
+                          o->world_size);
+    if (o->vocab_size < 1)
+        return loom_error(LOOM_ERR_INVALID, "data loader: vocab_size %d must be positive", o->vocab_size);
+    uint64_t bt = (uint64_t)o->batch_size * (uint64_t)o->seq_len;
+    if (bt > ((uint64_t)1 << 40) / (uint64_t)o->world_size)
+        return loom_error(LOOM_ERR_INVALID, "data loader: B*T*world_size is too large");
+    return LOOM_OK;
+}
+
+loom_status loom_dataloader_open(const char *source, const loom_dataloader_options *opt,
+                                 loom_dataloader **out) {
+    *out = NULL;
+    if (!source || !opt) return loom_error(LOOM_ERR_INVALID, "data loader: NULL source or options");
+    LOOM_TRY(check_options(opt));
+    loom_dataloader *dl = calloc(1, sizeof *dl);
+    if (!dl) return loom_error(LOOM_ERR_NOMEM, "out of memory opening the data loader");
+    dl->opt = *opt;
+    dl->opt.split = NULL; /* used only here; the caller owns the string */
+    size_t bt = (size_t)opt->batch_size * (size_t)opt->seq_len;
+    dl->step = bt * (size_t)opt->world_size;
+    dl->span = bt + 1;
+    loom_status s = find_shards(dl, source, opt->split);
+    if (s == LOOM_OK) {
+        dl->counts = calloc(dl->n_shards, sizeof *dl->counts);
+        dl->buf = malloc(dl->span * sizeof *dl->buf);
+        if (!dl->counts || !dl->buf) s = loom_error(LOOM_ERR_NOMEM, "out of memory opening the data loader");
+    }
+    size_t longest = 0;
+    for (size_t i = 0; s == LOOM_OK && i < dl->n_shards; i++) {
+        loom_shard *sh;
+        s = loom_shard_open(dl->paths[i], &sh);
+        if (s != LOOM_OK) break;
+        dl->counts[i] = loom_shard_count(sh);
+        if (dl->counts[i] > longest) longest = dl->counts[i];
+        loom_shard_close(sh);
+    }
+    if (s == LOOM_OK && longest < dl->step + 1)
+        s = loom_error(LOOM_ERR_INVALID, "data loader: one step needs B*T*world_size+1 = %zu tokens but "
+                       "the longest of the %zu shards ('%s'...) holds %zu; use a smaller batch or sequence "
+                       "length, or more data", dl->step + 1, dl->n_shards, dl->paths[0], longest);
+    if (s != LOOM_OK) {
+        loom_dataloader_close(dl);
+        return s;
+    }
+    normalise(dl, &dl->pos);
+    *out = dl;
+    return LOOM_OK;
+}
+
+void loom_dataloader_close(loom_dataloader *dl) {
+    if (!dl) return;
+    loom_shard_close(dl->current);
+    for (size_t i = 0; i < dl->n_shards; i++) free(dl->paths[i]);
+    free(dl->paths);
+    free(dl->counts);
+    free(dl->buf);
+    free(dl);
+}
+
+loom_status loom_dataloader_next(loom_dataloader *dl, int32_t *inputs, int32_t *targets) {
+    if (!dl || !inputs || !targets) return loom_error(LOOM_ERR_INVALID, "data loader: NULL argument");
+    if (!dl->current || dl->current_index != dl->pos.shard) {
+        loom_shard_close(dl->current);
+        dl->current = NULL;
+        LOOM_TRY(loom_shard_open(dl->paths[dl->pos.shard], &dl->current));
+        dl->current_index = (size_t)dl->pos.shard;
+        if (loom_shard_count(dl->current) != dl->counts[dl->pos.shard])
+            return loom_error(LOOM_ERR_IO, "token shard '%s' changed while training (%zu tokens, was %zu)",
+                              dl->paths[dl->pos.shard], loom_shard_count(dl->current),
+                              dl->counts[dl->pos.shard]);
+    }
+    size_t bt = dl->span - 1;
+    size_t start = (size_t)dl->pos.offset + (size_t)dl->opt.rank * bt;
+    LOOM_TRY(loom_shard_read(dl->current, start, dl->span, dl->buf));
+    for (size_t i = 0; i < dl->span; i++) {
+        if (dl->buf[i] >= dl->opt.vocab_size)
+            return loom_error(LOOM_ERR_FORMAT, "token shard '%s': the token at position %zu is %d, not below vocab_size %d; "
+                              "the data was tokenized with a different tokenizer", dl->paths[dl->pos.shard],
+                              start + i, (int)dl->buf[i], dl->opt.vocab_size);
+    }
+    memcpy(inputs, dl->buf, bt * sizeof *inputs);
+    memcpy(targets, dl->buf + 1, bt * sizeof *targets);
+    dl->pos.offset += dl->step;
+    normalise(dl, &dl->pos);
+    return LOOM_OK;
+}
+
+void loom_dataloader_get_position(const loom_dataloader *dl, loom_dataloader_position *pos) {
+    *pos = dl->pos;
+}
+
+loom_status loom_dataloader_set_position(loom_dataloader *dl, const loom_dataloader_position *pos) {
+    if (pos->shard >= dl->n_shards)
+        return loom_error(LOOM_ERR_INVALID, "data position names shard %llu but there are %zu shards; "
+                          "resume with the same data", (unsigned long long)pos->shard, dl->n_shards);
+    size_t count = dl->counts[pos->shard];
+    if (pos->offset > count || count - pos->offset < dl->step + 1)
+        return loom_error(LOOM_ERR_INVALID, "data position offset %llu does not leave a step of %zu tokens "
+                          "in shard '%s' (%zu tokens); resume with the same data, batch size, sequence "
+                          "length and world size", (unsigned long long)pos->offset, dl->step + 1,
+                          dl->paths[pos->shard], count);
+    dl->pos = *pos;
+    return LOOM_OK;
+}
+
+loom_status loom_dataloader_reset(loom_dataloader *dl) {
+    memset(&dl->pos, 0, sizeof dl->pos);
+    normalise(dl, &dl->pos);
+    return LOOM_OK;
+}
+
+size_t loom_dataloader_num_shards(const loom_dataloader *dl) { return dl ? dl->n_shards : 0; }
+
+const char *loom_dataloader_shard_path(const loom_dataloader *dl, size_t i) {
+    return dl && i < dl->n_shards ? dl->paths[i] : NULL;
+}

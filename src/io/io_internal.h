@@ -1,0 +1,102 @@
+/*
+ * io_internal.h — private helpers shared by the io sources (and their tests):
+ * failure injection for the atomic writer, read-only file mappings, the
+ * hash maps behind the tokenizer, and the tokenizer's pre-splitter.
+ * Nothing here is public API; names carry an `io_` or `bpe_` prefix.
+ */
+#ifndef LOOM_IO_INTERNAL_H
+#define LOOM_IO_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "loom/io.h"
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "loom's file formats are little-endian; this host is not"
+#endif
+
+/* ------------------------------------------------------ failure injection */
+
+/* Points in the atomic writer where a test can force a failure. */
+typedef enum io_fail_point {
+    IO_FAIL_NONE = 0,
+    IO_FAIL_OPEN,   /* creating the temporary file */
+    IO_FAIL_WRITE,  /* a write(2) of the temporary file */
+    IO_FAIL_FSYNC,  /* fsync of the temporary file */
+    IO_FAIL_RENAME  /* rename over the target */
+} io_fail_point;
+
+/* Make the (skip + 1)-th call at `point` on this thread fail with errno
+ * `err` (ENOSPC, EIO, ...), once. IO_FAIL_NONE disarms. Test-only. */
+void io_test_inject_failure(io_fail_point point, int skip, int err);
+
+/* ------------------------------------------------------- mapped files */
+
+/* A whole file, read-only: memory-mapped, or read into a malloc'd buffer
+ * when mapping is not possible (an empty file has data == NULL). */
+typedef struct io_mapped {
+    const unsigned char *data;
+    size_t size;
+    int is_mmap;
+} io_mapped;
+
+/* Errors: LOOM_ERR_IO naming `path` (`what` says what kind of file was
+ * expected, e.g. "safetensors file"). */
+loom_status io_map_file(const char *path, const char *what, io_mapped *m);
+void io_unmap_file(io_mapped *m);
+
+/* Format the errno `err` of a failed write of `path` into a message suffix
+ * with a hint ("disk full?" for ENOSPC/EDQUOT). */
+const char *io_write_hint(int err);
+
+/* ------------------------------------------------------------ hash maps */
+
+/* uint64 key -> int64 value, open addressing. Key UINT64_MAX is reserved. */
+typedef struct io_u64map {
+    uint64_t *keys;
+    int64_t *values;
+    size_t cap, n; /* cap is a power of two (or 0) */
+} io_u64map;
+
+void io_u64map_free(io_u64map *m);
+/* The value slot for `key`, or NULL when absent. */
+int64_t *io_u64map_find(const io_u64map *m, uint64_t key);
+/* The value slot for `key`, inserted with `init` when absent; NULL when out
+ * of memory. *inserted (may be NULL) tells which. Pointers into the map are
+ * invalidated by the next insertion. */
+int64_t *io_u64map_upsert(io_u64map *m, uint64_t key, int64_t init, int *inserted);
+
+/* Byte-string keys -> dense entry index 0..n-1 in insertion order. The map
+ * copies each key into its own arena. */
+typedef struct io_bytesmap {
+    int32_t *slots;      /* entry index + 1, 0 = empty */
+    uint64_t *hashes;    /* hash of each entry (by entry index) */
+    size_t *key_off;     /* arena offset of each entry's key */
+    uint32_t *key_len;
+    char *arena;
+    size_t arena_len, arena_cap;
+    size_t cap, n, entries_cap;
+} io_bytesmap;
+
+void io_bytesmap_free(io_bytesmap *m);
+void io_bytesmap_clear(io_bytesmap *m);
+/* Entry index of the key, or -1 when absent. */
+int64_t io_bytesmap_find(const io_bytesmap *m, const void *key, size_t len);
+/* Entry index of the key, inserted when absent (*inserted says so); -1 when
+ * out of memory. */
+int64_t io_bytesmap_insert(io_bytesmap *m, const void *key, size_t len, int *inserted);
+
+/* ----------------------------------------------------------- tokenizer */
+
+#define BPE_MAX_CHUNK 128
+
+/* Length of the first pre-split chunk of s[0..n) (0 only when n == 0). */
+size_t bpe_chunk_len(const unsigned char *s, size_t n);
+
+/* Build a tokenizer from validated merges (merges[2r], merges[2r+1] create
+ * id 256 + r) with or without the end-of-text token. Takes nothing over. */
+loom_status bpe_tokenizer_build(const int32_t *merges, int n_merges, int with_eot,
+                                loom_tokenizer **out);
+
+#endif

@@ -1,0 +1,386 @@
+/*
+ * tokenizer.c — the byte-level BPE tokenizer: pre-splitting, encoding
+ * (merges applied by rank, with a per-chunk cache), decoding, and the JSON
+ * file format. Training lives in bpe_train.c.
+ *
+ * Ids: 0..255 are bytes, 256 + r is merge r, then "<|endoftext|>" (if any)
+ * as the last id. Owns: the token byte table and the merge-rank map. Must
+ * never: emit a special token from text, lose or alter a byte (decode of
+ * encode is the identity for every byte string), or trust a loaded file.
+ */
+#include "io/io_internal.h"
+
+#include <jansson.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CACHE_MAX_IDS (1u << 20) /* cleared when it holds more than this */
+
+struct loom_tokenizer {
+    int n_merges, vocab_size, eot;
+    int32_t *merges;     /* (n_merges, 2) */
+    size_t *tok_off;     /* (vocab_size + 1): id i is arena[tok_off[i] .. tok_off[i+1]) */
+    char *arena;
+    io_u64map ranks;     /* (a << 32 | b) -> merged id */
+    io_bytesmap cache;   /* chunk -> entry e, whose ids are cache_ids[cache_start[e] .. [e+1]) */
+    int32_t *cache_ids;
+    size_t *cache_start;
+    size_t cache_ids_cap, cache_start_cap;
+};
+
+/* ------------------------------------------------------------ pre-split */
+
+enum { C_LETTER, C_DIGIT, C_SPACE, C_OTHER };
+
+static int byte_class(unsigned char c) {
+    if ((c | 0x20) >= 'a' && (c | 0x20) <= 'z') return C_LETTER;
+    if (c >= 0x80) return C_LETTER; /* UTF-8 multi-byte sequences stay with letters */
+    if (c >= '0' && c <= '9') return C_DIGIT;
+    if (c == ' ' || (c >= '\t' && c <= '\r')) return C_SPACE;
+    return C_OTHER;
+}
+
+size_t bpe_chunk_len(const unsigned char *s, size_t n) {
+    if (n == 0) return 0;
+    size_t lim = n < BPE_MAX_CHUNK ? n : BPE_MAX_CHUNK;
+    int c = byte_class(s[0]);
+    size_t i = 1;
+    if (c == C_SPACE) {
+        /* " word": a single space joins the run after it. */
+        if (s[0] == ' ' && n > 1 && byte_class(s[1]) != C_SPACE) {
+            c = byte_class(s[1]);
+            i = 2;
+        } else {
+            while (i < lim && byte_class(s[i]) == C_SPACE) i++;
+            /* Leave a final space to lead the next word, as GPT-2 does. */
+            if (i < n && i > 1 && s[i - 1] == ' ' && byte_class(s[i]) != C_SPACE) i--;
+            return i;
+        }
+    }
+    while (i < lim && byte_class(s[i]) == c) i++;
+    return i;
+}
+
+/* ---------------------------------------------------------------- build */
+
+void loom_tokenizer_free(loom_tokenizer *tok) {
+    if (!tok) return;
+    free(tok->merges);
+    free(tok->tok_off);
+    free(tok->arena);
+    io_u64map_free(&tok->ranks);
+    io_bytesmap_free(&tok->cache);
+    free(tok->cache_ids);
+    free(tok->cache_start);
+    free(tok);
+}
+
+static inline uint64_t pair_key(int32_t a, int32_t b) { return (uint64_t)(uint32_t)a << 32 | (uint32_t)b; }
+
+loom_status bpe_tokenizer_build(const int32_t *merges, int n_merges, int with_eot, loom_tokenizer **out) {
+    *out = NULL;
+    loom_tokenizer *tok = calloc(1, sizeof *tok);
+    if (!tok) return loom_error(LOOM_ERR_NOMEM, "out of memory building a tokenizer");
+    tok->n_merges = n_merges;
+    tok->vocab_size = 256 + n_merges + (with_eot ? 1 : 0);
+    tok->eot = with_eot ? tok->vocab_size - 1 : -1;
+    size_t v = (size_t)tok->vocab_size;
+    tok->merges = malloc(((size_t)n_merges * 2 + 1) * sizeof *tok->merges);
+    tok->tok_off = malloc((v + 1) * sizeof *tok->tok_off);
+    size_t *len = malloc(v * sizeof *len);
+    if (tok->merges && tok->tok_off && len) {
+        /* Lengths, then offsets as their prefix sums. Token lengths are at
+         * most BPE_MAX_CHUNK (checked on load), so nothing overflows. */
+        for (int i = 0; i < 256; i++) len[i] = 1;
+        for (int r = 0; r < n_merges; r++) len[256 + r] = len[merges[2 * r]] + len[merges[2 * r + 1]];
+        if (with_eot) len[tok->eot] = strlen(LOOM_TOKENIZER_EOT);
+        tok->tok_off[0] = 0;
+        for (size_t i = 0; i < v; i++) tok->tok_off[i + 1] = tok->tok_off[i] + len[i];
+        tok->arena = malloc(tok->tok_off[v] + 1);
+    }
+    if (!tok->merges || !tok->tok_off || !len || !tok->arena) {
+        free(len);
+        loom_tokenizer_free(tok);
+        return loom_error(LOOM_ERR_NOMEM, "out of memory building a tokenizer of %zu tokens", v);
+    }
+    memcpy(tok->merges, merges, (size_t)n_merges * 2 * sizeof *merges);
+    for (int i = 0; i < 256; i++) tok->arena[i] = (char)i;
+    /* A merge's parts have smaller ids, so their bytes are already in place. */
+    for (int r = 0; r < n_merges; r++) {
+        int32_t a = merges[2 * r], b = merges[2 * r + 1];
+        char *dst = tok->arena + tok->tok_off[256 + r];
+        memcpy(dst, tok->arena + tok->tok_off[a], len[a]);
+        memcpy(dst + len[a], tok->arena + tok->tok_off[b], len[b]);
+        if (!io_u64map_upsert(&tok->ranks, pair_key(a, b), 256 + r, NULL)) {
+            free(len);
+            loom_tokenizer_free(tok);
+            return loom_error(LOOM_ERR_NOMEM, "out of memory building a tokenizer of %zu tokens", v);
+        }
+    }
+    if (with_eot) memcpy(tok->arena + tok->tok_off[tok->eot], LOOM_TOKENIZER_EOT, len[tok->eot]);
+    free(len);
+    *out = tok;
+    return LOOM_OK;
+}
+
+int loom_tokenizer_vocab_size(const loom_tokenizer *tok) { return tok ? tok->vocab_size : 0; }
+int loom_tokenizer_num_merges(const loom_tokenizer *tok) { return tok ? tok->n_merges : 0; }
+int loom_tokenizer_eot(const loom_tokenizer *tok) { return tok ? tok->eot : -1; }
+
+/* --------------------------------------------------------------- encode */
+
+/* BPE on one chunk (n <= BPE_MAX_CHUNK): merge the lowest-ranked adjacent
+ * pair until none is left. Returns the number of ids written. */
+static size_t bpe_chunk(const loom_tokenizer *tok, const unsigned char *s, size_t n, int32_t *ids) {
+    for (size_t i = 0; i < n; i++) ids[i] = s[i];
+    size_t m = n;
+    while (m >= 2) {
+        int64_t best = INT64_MAX;
+        for (size_t i = 0; i + 1 < m; i++) {
+            const int64_t *r = io_u64map_find(&tok->ranks, pair_key(ids[i], ids[i + 1]));
+            if (r && *r < best) best = *r;
+        }
+        if (best == INT64_MAX) break;
+        int32_t a = tok->merges[2 * (best - 256)], b = tok->merges[2 * (best - 256) + 1];
+        size_t j = 0;
+        for (size_t i = 0; i < m;) {
+            if (i + 1 < m && ids[i] == a && ids[i + 1] == b) {
+                ids[j++] = (int32_t)best;
+                i += 2;
+            } else {
+                ids[j++] = ids[i++];
+            }
+        }
+        m = j;
+    }
+    return m;
+}
+
+static int grow(void **p, size_t *cap, size_t need, size_t elem) {
+    if (need <= *cap) return 1;
+    size_t c = *cap ? *cap : 1024;
+    while (c < need) c *= 2;
+    void *np = realloc(*p, c * elem);
+    if (!np) return 0;
+    *p = np;
+    *cap = c;
+    return 1;
+}
+
+/* The ids of one chunk, from the cache or computed and cached. */
+static loom_status chunk_ids(loom_tokenizer *tok, const unsigned char *s, size_t n, const int32_t **ids,
+                             size_t *m) {
+    int64_t e = io_bytesmap_find(&tok->cache, s, n);
+    if (e < 0) {
+        int32_t tmp[BPE_MAX_CHUNK];
+        size_t k = bpe_chunk(tok, s, n, tmp);
+        size_t used = tok->cache.n ? tok->cache_start[tok->cache.n] : 0;
+        if (used + k > CACHE_MAX_IDS) {
+            io_bytesmap_clear(&tok->cache);
+            used = 0;
+        }
+        int inserted;
+        if (!grow((void **)&tok->cache_ids, &tok->cache_ids_cap, used + k, sizeof(int32_t)) ||
+            !grow((void **)&tok->cache_start, &tok->cache_start_cap, tok->cache.n + 2, sizeof(size_t)) ||
+            (e = io_bytesmap_insert(&tok->cache, s, n, &inserted)) < 0)
+            return loom_error(LOOM_ERR_NOMEM, "out of memory in the tokenizer's cache");
+        tok->cache_start[e] = used;
+        memcpy(tok->cache_ids + used, tmp, k * sizeof *tmp);
+        tok->cache_start[e + 1] = used + k;
+    }
+    *ids = tok->cache_ids + tok->cache_start[e];
+    *m = tok->cache_start[e + 1] - tok->cache_start[e];
+    return LOOM_OK;
+}
+
+loom_status loom_tokenizer_encode(loom_tokenizer *tok, const void *text, size_t len, int32_t *out,
+                                  size_t capacity, size_t *n_out) {
+    *n_out = 0;
+    if (!tok || (len && !text))
+        return loom_error(LOOM_ERR_INVALID, "loom_tokenizer_encode: NULL tokenizer or text");
+    const unsigned char *s = text;
+    size_t count = 0;
+    for (size_t pos = 0; pos < len;) {
+        size_t n = bpe_chunk_len(s + pos, len - pos);
+        const int32_t *ids;
+        size_t m;
+        LOOM_TRY(chunk_ids(tok, s + pos, n, &ids, &m));
+        for (size_t i = 0; i < m; i++, count++)
+            if (count < capacity) out[count] = ids[i];
+        pos += n;
+    }
+    *n_out = count;
+    if (count > capacity)
+        return loom_error(LOOM_ERR_INVALID, "tokenizer: %zu bytes encode to %zu ids but the output holds "
+                          "%zu; pass a buffer of at least %zu ids", len, count, capacity, count);
+    return LOOM_OK;
+}
+
+/* --------------------------------------------------------------- decode */
+
+loom_status loom_tokenizer_token_bytes(const loom_tokenizer *tok, int32_t id, const char **bytes,
+                                       size_t *len) {
+    if (id < 0 || id >= tok->vocab_size)
+        return loom_error(LOOM_ERR_INVALID, "token id %d is outside the vocabulary [0, %d)", (int)id,
+                          tok->vocab_size);
+    *bytes = tok->arena + tok->tok_off[id];
+    *len = tok->tok_off[id + 1] - tok->tok_off[id];
+    return LOOM_OK;
+}
+
+loom_status loom_tokenizer_decode(const loom_tokenizer *tok, const int32_t *ids, size_t n, void *out,
+                                  size_t capacity, size_t *n_out) {
+    *n_out = 0;
+    size_t total = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= tok->vocab_size)
+            return loom_error(LOOM_ERR_INVALID, "decode: id %zu is %d, outside the vocabulary [0, %d); was "
+                              "it produced by another tokenizer?", i, (int)ids[i], tok->vocab_size);
+        size_t l = tok->tok_off[ids[i] + 1] - tok->tok_off[ids[i]];
+        if (out && total + l <= capacity) memcpy((char *)out + total, tok->arena + tok->tok_off[ids[i]], l);
+        total += l;
+    }
+    *n_out = total;
+    if (out && total > capacity)
+        return loom_error(LOOM_ERR_INVALID, "decode: %zu ids give %zu bytes but the output holds %zu",
+                          n, total, capacity);
+    return LOOM_OK;
+}
+
+/* ------------------------------------------------------------ save/load */
+
+loom_status loom_tokenizer_save(const loom_tokenizer *tok, const char *path) {
+    if (!tok || !path) return loom_error(LOOM_ERR_INVALID, "loom_tokenizer_save: NULL tokenizer or path");
+    json_t *root = json_object(), *merges = json_array(), *special = json_object();
+    int ok = root && merges && special;
+    for (int r = 0; ok && r < tok->n_merges; r++)
+        ok = json_array_append_new(merges, json_pack("[ii]", (int)tok->merges[2 * r],
+                                                     (int)tok->merges[2 * r + 1])) == 0;
+    if (ok && tok->eot >= 0) ok = json_object_set_new(special, LOOM_TOKENIZER_EOT, json_integer(tok->eot)) == 0;
+    ok = ok && json_object_set_new(root, "type", json_string("loom-bpe")) == 0 &&
+         json_object_set_new(root, "version", json_integer(1)) == 0 &&
+         json_object_set_new(root, "vocab_size", json_integer(tok->vocab_size)) == 0;
+    ok = ok && json_object_set(root, "merges", merges) == 0 && json_object_set(root, "special", special) == 0;
+    char *text = ok ? json_dumps(root, JSON_COMPACT) : NULL;
+    json_decref(merges);
+    json_decref(special);
+    json_decref(root);
+    if (!text) return loom_error(LOOM_ERR_NOMEM, "out of memory saving tokenizer '%s'", path);
+    loom_status s = loom_file_write_atomic(path, text, strlen(text));
+    free(text);
+    return s;
+}
+
+static loom_status load_bad(const char *path, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static loom_status load_bad(const char *path, const char *fmt, ...) {
+    char what[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof what, fmt, ap);
+    va_end(ap);
+    return loom_error(LOOM_ERR_FORMAT, "tokenizer file '%s' is invalid: %s; re-train the tokenizer "
+                      "or restore a good copy", path, what);
+}
+
+/* Validate the parsed JSON; on success *merges (malloc'd) holds the pairs. */
+static loom_status parse_tokenizer(const char *path, json_t *root, int32_t **merges_out, int *n_out,
+                                   int *with_eot) {
+    if (!json_is_object(root)) return load_bad(path, "the top level is not a JSON object");
+    json_t *type = json_object_get(root, "type"), *version = json_object_get(root, "version");
+    json_t *vocab = json_object_get(root, "vocab_size"), *merges = json_object_get(root, "merges");
+    json_t *special = json_object_get(root, "special");
+    if (!json_is_string(type) || strcmp(json_string_value(type), "loom-bpe"))
+        return load_bad(path, "\"type\" is not \"loom-bpe\"");
+    if (!json_is_integer(version) || json_integer_value(version) != 1)
+        return load_bad(path, "\"version\" is not 1 (this loom reads version 1)");
+    if (!json_is_integer(vocab)) return load_bad(path, "\"vocab_size\" is missing or not an integer");
+    if (!json_is_array(merges)) return load_bad(path, "\"merges\" is missing or not an array");
+    size_t n = json_array_size(merges);
+    if (n > (1u << 24)) return load_bad(path, "%zu merges is more than loom supports (2^24)", n);
+    int32_t *m = malloc((2 * n + 1) * sizeof *m);
+    size_t *len = malloc((256 + n) * sizeof *len);
+    io_u64map seen = {0};
+    loom_status s = (m && len) ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "out of memory loading '%s'", path);
+    for (size_t i = 0; i < 256 && s == LOOM_OK; i++) len[i] = 1;
+    for (size_t r = 0; r < n && s == LOOM_OK; r++) {
+        json_t *pair = json_array_get(merges, r);
+        json_t *a = json_array_get(pair, 0), *b = json_array_get(pair, 1);
+        if (!json_is_array(pair) || json_array_size(pair) != 2 || !json_is_integer(a) || !json_is_integer(b)) {
+            s = load_bad(path, "merge %zu is not a pair of integer ids [a, b]", r);
+            break;
+        }
+        json_int_t ia = json_integer_value(a), ib = json_integer_value(b);
+        if (ia < 0 || ib < 0 || ia >= (json_int_t)(256 + r) || ib >= (json_int_t)(256 + r)) {
+            s = load_bad(path, "merge %zu is [%lld, %lld] but may only use ids below %zu (the bytes and "
+                         "earlier merges)", r, (long long)ia, (long long)ib, 256 + r);
+            break;
+        }
+        m[2 * r] = (int32_t)ia;
+        m[2 * r + 1] = (int32_t)ib;
+        len[256 + r] = len[ia] + len[ib];
+        if (len[256 + r] > BPE_MAX_CHUNK) {
+            s = load_bad(path, "merge %zu makes a %zu-byte token, longer than any chunk (%d bytes)", r,
+                         len[256 + r], BPE_MAX_CHUNK);
+            break;
+        }
+        int inserted;
+        if (!io_u64map_upsert(&seen, pair_key(m[2 * r], m[2 * r + 1]), (int64_t)r, &inserted))
+            s = loom_error(LOOM_ERR_NOMEM, "out of memory loading '%s'", path);
+        else if (!inserted)
+            s = load_bad(path, "merge %zu repeats the pair [%d, %d] of merge %lld", r, (int)m[2 * r],
+                         (int)m[2 * r + 1], (long long)*io_u64map_find(&seen, pair_key(m[2 * r], m[2 * r + 1])));
+    }
+    io_u64map_free(&seen);
+    free(len);
+    *with_eot = 0;
+    if (s == LOOM_OK && special && !json_is_object(special)) s = load_bad(path, "\"special\" is not an object");
+    const char *key;
+    json_t *v;
+    if (s == LOOM_OK && special) {
+        json_object_foreach(special, key, v) {
+            if (strcmp(key, LOOM_TOKENIZER_EOT)) {
+                s = load_bad(path, "unknown special token \"%s\" (only \"%s\" is supported)", key,
+                             LOOM_TOKENIZER_EOT);
+                break;
+            }
+            if (!json_is_integer(v) || json_integer_value(v) != (json_int_t)(256 + n)) {
+                s = load_bad(path, "special token \"%s\" must have id %zu (right after the merges)", key, 256 + n);
+                break;
+            }
+            *with_eot = 1;
+        }
+    }
+    if (s == LOOM_OK && json_integer_value(vocab) != (json_int_t)(256 + n + (size_t)*with_eot))
+        s = load_bad(path, "\"vocab_size\" is %lld but 256 bytes + %zu merges + %d special tokens make %zu",
+                     (long long)json_integer_value(vocab), n, *with_eot, 256 + n + (size_t)*with_eot);
+    if (s != LOOM_OK) {
+        free(m);
+        return s;
+    }
+    *merges_out = m;
+    *n_out = (int)n;
+    return LOOM_OK;
+}
+
+loom_status loom_tokenizer_load(const char *path, loom_tokenizer **out) {
+    *out = NULL;
+    if (!path) return loom_error(LOOM_ERR_INVALID, "loom_tokenizer_load: path is NULL");
+    void *data;
+    size_t len;
+    LOOM_TRY(loom_read_file(path, &data, &len));
+    json_error_t jerr;
+    json_t *root = json_loadb(data, len, JSON_REJECT_DUPLICATES, &jerr);
+    free(data);
+    if (!root)
+        return load_bad(path, "the JSON does not parse (line %d, column %d: %s)", jerr.line, jerr.column,
+                        jerr.text);
+    int32_t *merges = NULL;
+    int n = 0, with_eot = 0;
+    loom_status s = parse_tokenizer(path, root, &merges, &n, &with_eot);
+    json_decref(root);
+    if (s == LOOM_OK) s = bpe_tokenizer_build(merges, n, with_eot, out);
+    free(merges);
+    return s;
+}

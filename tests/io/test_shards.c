@@ -1,0 +1,362 @@
+/*
+ * test_shards.c — llm.c token shards (uint16 and uint32 round trips, every
+ * corruption), and the data loader: batches against an independent
+ * enumeration of steps, exact position save/restore, disjoint rank slices,
+ * out-of-vocabulary tokens.
+ */
+#include "io_test.h"
+
+#include <sys/stat.h>
+
+static uint32_t rnd(uint64_t seed, uint64_t i) {
+    uint32_t r[4];
+    loom_philox4x32(seed, i, r);
+    return r[0];
+}
+
+/* Write, reopen, compare; returns the token width the shard chose. */
+static int round_trip(const char *name, int vocab, size_t n, uint64_t seed) {
+    const char *path = io_path(name);
+    int32_t *t = malloc((n + 1) * sizeof *t), *back = malloc((n + 1) * sizeof *back);
+    for (size_t i = 0; i < n; i++) t[i] = (int32_t)(rnd(seed, i) % (uint32_t)vocab);
+    if (n > 2) { t[0] = 0; t[1] = vocab - 1; }
+    assert_int_equal(loom_shard_write(path, t, n, vocab), LOOM_OK);
+    loom_shard *s;
+    assert_int_equal(loom_shard_open(path, &s), LOOM_OK);
+    assert_int_equal(loom_shard_count(s), n);
+    assert_int_equal(loom_shard_read(s, 0, n, back), LOOM_OK);
+    assert_memory_equal(t, back, n * sizeof *t);
+    if (n > 5) {
+        assert_int_equal(loom_shard_read(s, 3, 2, back), LOOM_OK);
+        assert_memory_equal(t + 3, back, 2 * sizeof *t);
+    }
+    assert_int_equal(loom_shard_read(s, n, 1, back), LOOM_ERR_INVALID);
+    assert_int_equal(loom_shard_read(s, 1, n, back), LOOM_ERR_INVALID);
+    int width = loom_shard_token_bytes(s);
+    loom_shard_close(s);
+    /* The header is llm.c's, independent of loom's reader. */
+    size_t len;
+    unsigned char *raw = io_read_raw(path, &len);
+    int32_t h[3];
+    memcpy(h, raw, sizeof h);
+    assert_int_equal(h[0], width == 2 ? 20240520 : 20240801);
+    assert_int_equal(h[1], width == 2 ? 1 : 7);
+    assert_int_equal(h[2], (int32_t)n);
+    assert_int_equal(len, 1024 + n * (size_t)width);
+    free(raw);
+    free(t);
+    free(back);
+    return width;
+}
+
+static void test_shard_round_trip(void **state) {
+    (void)state;
+    assert_int_equal(round_trip("gpt2.bin", 50257, 10007, 1), 2);
+    assert_int_equal(round_trip("edge16.bin", 65536, 5000, 2), 2);
+    assert_int_equal(round_trip("edge32.bin", 65537, 5000, 3), 4);
+    assert_int_equal(round_trip("llama3.bin", 128256, 9001, 4), 4);
+    assert_int_equal(round_trip("empty.bin", 100, 0, 5), 2);
+
+    int32_t bad[3] = {1, 2, 50257};
+    assert_int_equal(loom_shard_write(io_path("bad.bin"), bad, 3, 50257), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("index 2 is 50257");
+    bad[2] = -1;
+    assert_int_equal(loom_shard_write(io_path("bad.bin"), bad, 3, 50257), LOOM_ERR_INVALID);
+    assert_int_equal(loom_shard_write(io_path("bad.bin"), bad, 2, 0), LOOM_ERR_INVALID);
+    assert_int_equal(io_count_files("bad.bin"), 0);
+}
+
+/* Write a shard by hand: header fields, `n` tokens of `width` bytes, plus
+ * `extra` bytes (negative: cut that many from the end). */
+static const char *craft(int32_t magic, int32_t version, int32_t count, size_t n, int width, long extra) {
+    const char *path = io_path("crafted.bin");
+    size_t len = 1024 + n * (size_t)width;
+    unsigned char *b = calloc(1, len + 64);
+    int32_t h[3] = {magic, version, count};
+    memcpy(b, h, sizeof h);
+    for (size_t i = 0; i < n * (size_t)width; i++) b[1024 + i] = (unsigned char)(i * 7);
+    io_write_raw(path, b, (size_t)((long)len + extra));
+    free(b);
+    return path;
+}
+
+#define EXPECT_BAD_SHARD(path, part)                                 \
+    do {                                                             \
+        loom_shard *s_ = (loom_shard *)0x1;                          \
+        assert_int_equal(loom_shard_open((path), &s_), LOOM_ERR_FORMAT); \
+        assert_null(s_);                                             \
+        IO_ASSERT_MSG(part);                                         \
+        IO_ASSERT_MSG("crafted.bin");                                \
+    } while (0)
+
+static void test_shard_corrupt(void **state) {
+    (void)state;
+    loom_shard *s;
+    /* The baseline is valid, so each case below fails for its one defect. */
+    assert_int_equal(loom_shard_open(craft(20240520, 1, 10, 10, 2, 0), &s), LOOM_OK);
+    loom_shard_close(s);
+    EXPECT_BAD_SHARD(craft(20240520, 1, 10, 10, 2, -1), "truncated");
+    EXPECT_BAD_SHARD(craft(20240520, 1, 11, 10, 2, 0), "truncated");
+    EXPECT_BAD_SHARD(craft(20240520, 1, 10, 10, 2, 2), "trailing");
+    EXPECT_BAD_SHARD(craft(20240520, 7, 10, 10, 2, 0), "version 7");
+    EXPECT_BAD_SHARD(craft(20240801, 1, 10, 10, 4, 0), "version 1");
+    EXPECT_BAD_SHARD(craft(12345, 1, 10, 10, 2, 0), "magic 12345");
+    EXPECT_BAD_SHARD(craft(20240520, 1, -3, 0, 2, 0), "negative");
+    EXPECT_BAD_SHARD(craft(20240520, 1, 0, 0, 2, -1), "shorter than");
+    EXPECT_BAD_SHARD(craft(20240520, 1, 0, 0, 2, -1024), "shorter than");
+    /* A uint32 shard claiming uint16 sizes, and vice versa. */
+    EXPECT_BAD_SHARD(craft(20240801, 7, 20, 10, 2, 0), "20 tokens");
+    /* Header truncated at every length. */
+    for (long cut = 1; cut <= 1024; cut += 37) EXPECT_BAD_SHARD(craft(20240520, 1, 0, 0, 2, -cut), "crafted.bin");
+    /* A uint32 token above INT32_MAX is a format error on read. */
+    const char *path = io_path("crafted.bin");
+    unsigned char b[1024 + 8] = {0};
+    int32_t h[3] = {20240801, 7, 2};
+    uint32_t toks[2] = {5, 0x80000000u};
+    memcpy(b, h, sizeof h);
+    memcpy(b + 1024, toks, sizeof toks);
+    io_write_raw(path, b, sizeof b);
+    assert_int_equal(loom_shard_open(path, &s), LOOM_OK);
+    int32_t out[2];
+    assert_int_equal(loom_shard_read(s, 0, 1, out), LOOM_OK);
+    assert_int_equal(out[0], 5);
+    assert_int_equal(loom_shard_read(s, 0, 2, out), LOOM_ERR_FORMAT);
+    IO_ASSERT_MSG("crafted.bin");
+    loom_shard_close(s);
+    assert_int_equal(loom_shard_open(io_path("missing.bin"), &s), LOOM_ERR_IO);
+    IO_ASSERT_MSG("missing.bin");
+}
+
+/* ------------------------------------------------------------ data loader */
+
+/* Shard k holds tokens k*10000 + i, so a token names its shard and place. */
+#define VOCAB 60000
+static const size_t train_sizes[] = {700, 40, 1001, 480}; /* 40: too short for some steps; 480 = 10 * 48 = 16 * 30 */
+
+static void make_dataset(void) {
+    mkdir(io_path("data"), 0755);
+    for (size_t k = 0; k < sizeof train_sizes / sizeof train_sizes[0]; k++) {
+        size_t n = train_sizes[k];
+        int32_t *t = malloc(n * sizeof *t);
+        for (size_t i = 0; i < n; i++) t[i] = (int32_t)(k * 10000 + i);
+        char name[64];
+        snprintf(name, sizeof name, "data/train_%06zu.bin", k);
+        assert_int_equal(loom_shard_write(io_path(name), t, n, VOCAB), LOOM_OK);
+        free(t);
+    }
+    int32_t v[300];
+    for (int i = 0; i < 300; i++) v[i] = 50000 + i;
+    assert_int_equal(loom_shard_write(io_path("data/val_000000.bin"), v, 300, VOCAB), LOOM_OK);
+}
+
+static loom_dataloader *open_loader(const char *source, int B, int T, int rank, int world) {
+    loom_dataloader_options o = {.batch_size = B, .seq_len = T, .rank = rank, .world_size = world,
+                                 .vocab_size = VOCAB, .split = "train"};
+    loom_dataloader *dl;
+    loom_status s = loom_dataloader_open(source, &o, &dl);
+    if (s != LOOM_OK) fail_msg("%s", loom_last_error());
+    return dl;
+}
+
+/* Independent enumeration of step starts: (shard, offset) for every whole
+ * step of `step` tokens (+1 for the last target) in each shard in order. */
+static size_t enumerate_steps(size_t step, size_t (*out)[2], size_t cap) {
+    size_t n = 0;
+    for (size_t k = 0; k < sizeof train_sizes / sizeof train_sizes[0]; k++)
+        for (size_t off = 0; off + step + 1 <= train_sizes[k] && n < cap; off += step) {
+            out[n][0] = k;
+            out[n][1] = off;
+            n++;
+        }
+    return n;
+}
+
+static void test_loader_sequence(void **state) {
+    (void)state;
+    make_dataset();
+    const int B = 3, T = 16;
+    size_t steps[256][2];
+    size_t n_steps = enumerate_steps((size_t)(B * T), steps, 256);
+    assert_true(n_steps > 3);
+    loom_dataloader *dl = open_loader(io_path("data"), B, T, 0, 1);
+    assert_int_equal(loom_dataloader_num_shards(dl), 4);
+    assert_non_null(strstr(loom_dataloader_shard_path(dl, 0), "train_000000.bin"));
+    int32_t in[48], tg[48];
+    for (size_t s = 0; s < 2 * n_steps + 3; s++) { /* over two epochs */
+        size_t k = steps[s % n_steps][0], off = steps[s % n_steps][1];
+        loom_dataloader_position pos;
+        loom_dataloader_get_position(dl, &pos);
+        assert_int_equal(pos.epoch, s / n_steps);
+        assert_int_equal(loom_dataloader_next(dl, in, tg), LOOM_OK);
+        for (int i = 0; i < B * T; i++) {
+            assert_int_equal(in[i], (int32_t)(k * 10000 + off + (size_t)i));
+            assert_int_equal(tg[i], in[i] + 1);
+        }
+    }
+    loom_dataloader_close(dl);
+
+    /* The val split, a glob and a single file select the right shards. */
+    loom_dataloader_options o = {.batch_size = 2, .seq_len = 8, .rank = 0, .world_size = 1,
+                                 .vocab_size = VOCAB, .split = "val"};
+    assert_int_equal(loom_dataloader_open(io_path("data"), &o, &dl), LOOM_OK);
+    assert_int_equal(loom_dataloader_num_shards(dl), 1);
+    assert_int_equal(loom_dataloader_next(dl, in, tg), LOOM_OK);
+    assert_int_equal(in[0], 50000);
+    loom_dataloader_close(dl);
+    dl = open_loader(io_path("data/train_00000[23].bin"), 2, 8, 0, 1);
+    assert_int_equal(loom_dataloader_num_shards(dl), 2);
+    assert_int_equal(loom_dataloader_next(dl, in, tg), LOOM_OK);
+    assert_int_equal(in[0], 20000);
+    loom_dataloader_close(dl);
+    dl = open_loader(io_path("data/train_000003.bin"), 2, 8, 0, 1);
+    assert_int_equal(loom_dataloader_num_shards(dl), 1);
+    assert_int_equal(loom_dataloader_next(dl, in, tg), LOOM_OK);
+    assert_int_equal(in[0], 30000);
+    loom_dataloader_close(dl);
+}
+
+static void test_loader_position_restore(void **state) {
+    (void)state;
+    const int B = 2, T = 8, W = 2, BT = B * T;
+    /* Positions taken at every step, from before the first shard change
+     * to past the end of the epoch, restore exactly. */
+    enum { STEPS = 160, AFTER = 20 };
+    loom_dataloader *ref = open_loader(io_path("data"), B, T, 1, W);
+    loom_dataloader_position *pos = malloc(STEPS * sizeof *pos);
+    int32_t (*ins)[16] = malloc((STEPS + AFTER) * sizeof *ins), (*tgs)[16] = malloc((STEPS + AFTER) * sizeof *tgs);
+    for (int s = 0; s < STEPS + AFTER; s++) {
+        if (s < STEPS) loom_dataloader_get_position(ref, &pos[s]);
+        assert_int_equal(loom_dataloader_next(ref, ins[s], tgs[s]), LOOM_OK);
+    }
+    assert_true(pos[STEPS - 1].epoch >= 1);
+    loom_dataloader_close(ref);
+    loom_dataloader *dl = open_loader(io_path("data"), B, T, 1, W);
+    for (int s = 0; s < STEPS; s += 7) {
+        assert_int_equal(loom_dataloader_set_position(dl, &pos[s]), LOOM_OK);
+        for (int j = 0; j < AFTER; j++) {
+            int32_t in[16], tg[16];
+            assert_int_equal(loom_dataloader_next(dl, in, tg), LOOM_OK);
+            assert_memory_equal(in, ins[s + j], BT * sizeof(int32_t));
+            assert_memory_equal(tg, tgs[s + j], BT * sizeof(int32_t));
+        }
+    }
+    /* Reset goes back to the first batch. */
+    assert_int_equal(loom_dataloader_reset(dl), LOOM_OK);
+    int32_t in[16], tg[16];
+    assert_int_equal(loom_dataloader_next(dl, in, tg), LOOM_OK);
+    assert_memory_equal(in, ins[0], BT * sizeof(int32_t));
+    /* Positions that do not belong to these shards are refused. */
+    loom_dataloader_position badpos = {0, 9, 0};
+    assert_int_equal(loom_dataloader_set_position(dl, &badpos), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("shard 9");
+    badpos.shard = 1; /* the 40-token shard has one step, at offset 0 */
+    badpos.offset = 8;
+    assert_int_equal(loom_dataloader_set_position(dl, &badpos), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("train_000001.bin");
+    badpos.shard = 0;
+    badpos.offset = 699;
+    assert_int_equal(loom_dataloader_set_position(dl, &badpos), LOOM_ERR_INVALID);
+    loom_dataloader_close(dl);
+    free(pos);
+    free(ins);
+    free(tgs);
+}
+
+static void test_loader_ranks_disjoint(void **state) {
+    (void)state;
+    enum { W = 3, B = 2, T = 5, BT = B * T };
+    loom_dataloader *dl[W];
+    for (int r = 0; r < W; r++) dl[r] = open_loader(io_path("data"), B, T, r, W);
+    /* Over one epoch every input token is read by exactly one rank. */
+    size_t steps[256][2];
+    size_t n_steps = enumerate_steps(BT * W, steps, 256);
+    assert_true(n_steps > 10);
+    unsigned char *seen = calloc(40000, 1);
+    for (size_t s = 0; s < n_steps; s++) {
+        loom_dataloader_position p0, pr;
+        loom_dataloader_get_position(dl[0], &p0);
+        for (int r = 0; r < W; r++) {
+            loom_dataloader_get_position(dl[r], &pr);
+            assert_memory_equal(&p0, &pr, sizeof p0); /* all ranks agree */
+            int32_t in[BT], tg[BT];
+            assert_int_equal(loom_dataloader_next(dl[r], in, tg), LOOM_OK);
+            for (int i = 0; i < BT; i++) {
+                assert_true(in[i] < 40000);
+                assert_int_equal(seen[in[i]], 0);
+                seen[in[i]] = (unsigned char)(r + 1);
+                assert_int_equal(tg[i], in[i] + 1);
+            }
+            /* Rank r's block follows rank r-1's within the step. */
+            assert_int_equal(in[0], (int32_t)(steps[s][0] * 10000 + steps[s][1] + (size_t)(r * BT)));
+        }
+    }
+    /* Each rank got the same number of tokens. */
+    int per_rank[W + 1] = {0};
+    for (int i = 0; i < 40000; i++) per_rank[seen[i]]++;
+    for (int r = 1; r <= W; r++) assert_int_equal(per_rank[r], (int)n_steps * BT);
+    free(seen);
+    for (int r = 0; r < W; r++) loom_dataloader_close(dl[r]);
+}
+
+static void test_loader_errors(void **state) {
+    (void)state;
+    loom_dataloader *dl;
+    loom_dataloader_options o = {.batch_size = 2, .seq_len = 8, .rank = 0, .world_size = 1,
+                                 .vocab_size = VOCAB, .split = "train"};
+    assert_int_equal(loom_dataloader_open(io_path("data/nothing_*.bin"), &o, &dl), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("nothing_*.bin");
+    assert_null(dl);
+    o.split = "test";
+    assert_int_equal(loom_dataloader_open(io_path("data"), &o, &dl), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("*test*.bin");
+    o.split = NULL;
+    assert_int_equal(loom_dataloader_open(io_path("data"), &o, &dl), LOOM_ERR_INVALID);
+    o.split = "train";
+    o.rank = 1;
+    assert_int_equal(loom_dataloader_open(io_path("data"), &o, &dl), LOOM_ERR_INVALID);
+    o.rank = 0;
+    o.batch_size = 100; /* 800 tokens + 1: more than any shard but one */
+    o.seq_len = 10;
+    assert_int_equal(loom_dataloader_open(io_path("data"), &o, &dl), LOOM_OK);
+    loom_dataloader_close(dl);
+    o.batch_size = 101;
+    assert_int_equal(loom_dataloader_open(io_path("data"), &o, &dl), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("1011");
+    o.batch_size = 2;
+    o.seq_len = 8;
+
+    /* A token beyond the vocabulary: clear error, the position stays. */
+    o.vocab_size = 20005; /* shard 2 holds 20000 .. 21000 */
+    assert_int_equal(loom_dataloader_open(io_path("data/train_000002.bin"), &o, &dl), LOOM_OK);
+    int32_t in[16], tg[16];
+    loom_dataloader_position a, b;
+    loom_dataloader_get_position(dl, &a);
+    assert_int_equal(loom_dataloader_next(dl, in, tg), LOOM_ERR_FORMAT);
+    IO_ASSERT_MSG("train_000002.bin");
+    IO_ASSERT_MSG("20005");
+    IO_ASSERT_MSG("position 5 ");
+    loom_dataloader_get_position(dl, &b);
+    assert_memory_equal(&a, &b, sizeof a);
+    loom_dataloader_close(dl);
+    o.vocab_size = VOCAB;
+
+    /* A corrupt shard among good ones is named when the loader opens. */
+    mkdir(io_path("data2"), 0755);
+    int32_t t[100] = {0};
+    assert_int_equal(loom_shard_write(io_path("data2/train_000000.bin"), t, 100, VOCAB), LOOM_OK);
+    io_write_raw(io_path("data2/train_000001.bin"), "garbage", 7);
+    assert_int_equal(loom_dataloader_open(io_path("data2"), &o, &dl), LOOM_ERR_FORMAT);
+    IO_ASSERT_MSG("train_000001.bin");
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_shard_round_trip),
+        cmocka_unit_test(test_shard_corrupt),
+        cmocka_unit_test(test_loader_sequence),
+        cmocka_unit_test(test_loader_position_restore),
+        cmocka_unit_test(test_loader_ranks_disjoint),
+        cmocka_unit_test(test_loader_errors),
+    };
+    return cmocka_run_group_tests(tests, io_scratch_setup, io_scratch_teardown);
+}
