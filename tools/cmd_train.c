@@ -7,7 +7,6 @@
 #include "cli.h"
 #include "train_report.h"
 
-#include <dirent.h>
 #include <math.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -64,27 +63,13 @@ static int parse_settings(trainer *t, loom_precision *prec, loom_recompute_mode 
     return 0;
 }
 
-static loom_status find_latest_checkpoint(const char *dir, char *out, size_t n) {
-    DIR *d = opendir(dir);
-    if (!d) return loom_error(LOOM_ERR_IO, "--resume %s: cannot open directory", dir);
-    char best[256] = "";
-    struct dirent *e;
-    while ((e = readdir(d)))
-        if (!strncmp(e->d_name, "ckpt-", 5) && !strchr(e->d_name, '.') && strcmp(e->d_name, best) > 0)
-            snprintf(best, sizeof best, "%s", e->d_name);
-    closedir(d);
-    if (!*best) return loom_error(LOOM_ERR_IO, "--resume %s: no checkpoint (ckpt-NNNNNNNN) found there", dir);
-    snprintf(out, n, "%s/%s", dir, best);
-    return LOOM_OK;
-}
-
 /* A checkpoint directory has state.safetensors; otherwise look inside. */
 static loom_status resolve_resume(const char *path, char *out, size_t n) {
     char probe[4200];
     struct stat sb;
     snprintf(probe, sizeof probe, "%s/state.safetensors", path);
     if (stat(probe, &sb) == 0) { snprintf(out, n, "%s", path); return LOOM_OK; }
-    return find_latest_checkpoint(path, out, n);
+    return loom_checkpoint_latest(path, out, n);
 }
 
 static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_mode mode, const char *resume_dir) {
@@ -240,26 +225,6 @@ static void capture_state(trainer *t) {
     t->state.scaler_skipped = t->scaler.skipped_steps;
 }
 
-static void prune_checkpoints(const char *out, int keep) {
-    DIR *d = opendir(out);
-    if (!d) return;
-    char names[1024][64];
-    int n = 0;
-    struct dirent *e;
-    while ((e = readdir(d)) && n < 1024)
-        if (!strncmp(e->d_name, "ckpt-", 5) && !strchr(e->d_name, '.') && strlen(e->d_name) < 64)
-            snprintf(names[n++], 64, "%s", e->d_name);
-    closedir(d);
-    qsort(names, (size_t)n, sizeof names[0], (int (*)(const void *, const void *))strcmp);
-    for (int i = 0; i < n - keep; i++) {
-        char dir[4200], f[4400];
-        snprintf(dir, sizeof dir, "%s/%s", out, names[i]);
-        const char *files[] = {"config.json", "model.safetensors", "tokenizer.json", "state.safetensors"};
-        for (size_t k = 0; k < 4; k++) { snprintf(f, sizeof f, "%s/%s", dir, files[k]); unlink(f); }
-        rmdir(dir);
-    }
-}
-
 static loom_status save_checkpoint(trainer *t) {
     char dir[4200];
     snprintf(dir, sizeof dir, "%s/ckpt-%08d", t->o.out, t->state.step);
@@ -267,7 +232,7 @@ static loom_status save_checkpoint(trainer *t) {
     if (stat(dir, &sb) == 0) return LOOM_OK; /* this step is saved already */
     capture_state(t);
     LOOM_TRY(loom_checkpoint_save(dir, t->m, t->opt, &t->state, t->has_tokenizer ? t->tokenizer_path : NULL));
-    prune_checkpoints(t->o.out, t->o.keep);
+    LOOM_TRY(loom_checkpoint_prune(t->o.out, t->o.keep));
     fprintf(stderr, "train: checkpoint %s\n", dir);
     return LOOM_OK;
 }
@@ -385,8 +350,8 @@ static int run(int argc, char **argv) {
     if (rc) return rc > 0 ? 0 : 2;
     if (!o->data) return cli_usage_error("train", "--data DIR is required (make shards with loom tokenize)");
     if (o->min_lr < 0.0f) o->min_lr = o->lr / 10.0f;
-    loom_precision prec;
-    loom_recompute_mode mode;
+    loom_precision prec = {LOOM_BF16, 1};
+    loom_recompute_mode mode = LOOM_RECOMPUTE_NONE;
     if ((rc = parse_settings(&t, &prec, &mode))) return rc;
     if (o->threads > 0) loom_set_threads(o->threads);
     loom_rng_init(loom_rng_default(), (uint64_t)o->seed);

@@ -1,0 +1,83 @@
+/*
+ * loom/checkpoint.h — model directories (Hugging Face layout) and training
+ * checkpoints.
+ *
+ * A model directory holds `config.json` (Hugging Face LlamaConfig fields),
+ * `model.safetensors` (Hugging Face LLaMA tensor names) and, when known,
+ * `tokenizer.json` (loom's BPE). Standard LLaMA loaders read the first two.
+ *
+ * A training checkpoint is a model directory plus `state.safetensors`: fp32
+ * masters, AdamW moments, and metadata (step, RNG, data position, loss
+ * scaler). Every checkpoint is written into a temporary directory, each file
+ * fsynced, then renamed into place: a crash or a full disk never leaves a
+ * torn checkpoint, and an existing checkpoint is never modified.
+ */
+#ifndef LOOM_CHECKPOINT_H
+#define LOOM_CHECKPOINT_H
+
+#include "loom/nn.h"
+#include "loom/optim.h"
+#include "loom/io.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Read config.json (Hugging Face names: hidden_size, num_hidden_layers,
+ * num_attention_heads, num_key_value_heads, intermediate_size, vocab_size,
+ * max_position_embeddings, rope_theta, rms_norm_eps, tie_word_embeddings).
+ * Errors: LOOM_ERR_IO, LOOM_ERR_FORMAT (naming the file and the field). */
+loom_status loom_llama_config_load(const char *path, loom_llama_config *cfg);
+loom_status loom_llama_config_save(const loom_llama_config *cfg, loom_dtype weights_dtype, const char *path);
+
+/* Write weights as safetensors with Hugging Face names, stored in dtype dt
+ * (from the fp32 masters). Atomic. */
+loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *path);
+/* Load weights (any float dtype in the file) into masters and compute
+ * copies; every parameter must be present with the model's shape (the
+ * message names the tensor, the file and both shapes). lm_head.weight may be
+ * absent when embeddings are tied. */
+loom_status loom_llama_load_weights(loom_llama *m, const char *path);
+
+/* Write a model directory: config.json, model.safetensors (dtype dt) and,
+ * if tokenizer_path is not NULL, a copy of it as tokenizer.json. The
+ * directory is created if needed; files are replaced atomically. */
+loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokenizer_path, const char *dir);
+/* Create a model from a directory (config.json + model.safetensors) with
+ * the given precision. */
+loom_status loom_model_dir_load(const char *dir, loom_precision prec, loom_llama **out);
+
+/* Everything besides weights that resuming needs. */
+typedef struct loom_train_state {
+    int step;                         /* optimizer steps completed */
+    uint64_t rng_seed, rng_offset;    /* the default RNG */
+    loom_dataloader_position data;    /* next batch */
+    float loss_scale;
+    int scaler_good_steps;
+    long scaler_skipped;
+    uint64_t tokens_seen;
+} loom_train_state;
+
+/* Write checkpoint `dir` (which must not exist yet; it is created through a
+ * temporary sibling and renamed): a model directory plus state.safetensors
+ * with masters, moments and the state. */
+loom_status loom_checkpoint_save(const char *dir, loom_llama *m, loom_adamw *opt, const loom_train_state *st,
+                                 const char *tokenizer_path);
+/* Restore masters, compute copies, moments and state from `dir` into a model
+ * of the same configuration and an optimizer over m->params. */
+loom_status loom_checkpoint_load(const char *dir, loom_llama *m, loom_adamw *opt, loom_train_state *st);
+
+/* Checkpoints in `out_dir` are named ckpt-NNNNNNNN (the step, zero-padded).
+ * Remove all but the newest `keep`. */
+loom_status loom_checkpoint_prune(const char *out_dir, int keep);
+/* The newest checkpoint directory in out_dir, into path (n bytes).
+ * Errors: LOOM_ERR_IO when there is none. */
+loom_status loom_checkpoint_latest(const char *out_dir, char *path, size_t n);
+
+/* Create a directory and its parents (like mkdir -p). */
+loom_status loom_mkdir_p(const char *dir);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,192 @@
+/*
+ * model_dir.c — model directories in the Hugging Face layout: config.json
+ * and model.safetensors with Hugging Face LLaMA names (loom's parameter
+ * names are those names). Must never: leave a half-written file (every
+ * write is atomic), or load a tensor whose shape differs from the config.
+ */
+#include "loom/checkpoint.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+
+loom_status loom_mkdir_p(const char *dir) {
+    char buf[4096];
+    if (snprintf(buf, sizeof buf, "%s", dir) >= (int)sizeof buf)
+        return loom_error(LOOM_ERR_INVALID, "path too long: %s", dir);
+    for (char *p = buf + 1; *p; p++) {
+        if (*p != '/') continue;
+        *p = '\0';
+        if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+            return loom_error(LOOM_ERR_IO, "cannot create directory %s: %s", buf, strerror(errno));
+        *p = '/';
+    }
+    if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+        return loom_error(LOOM_ERR_IO, "cannot create directory %s: %s", buf, strerror(errno));
+    struct stat s;
+    if (stat(buf, &s) != 0 || !S_ISDIR(s.st_mode))
+        return loom_error(LOOM_ERR_IO, "%s exists and is not a directory", buf);
+    return LOOM_OK;
+}
+
+/* ----------------------------------------------------------- config.json */
+
+static loom_status get_int(json_t *root, const char *path, const char *key, int required, int *out) {
+    json_t *v = json_object_get(root, key);
+    if (!v) {
+        if (required) return loom_error(LOOM_ERR_FORMAT, "%s: missing field \"%s\"", path, key);
+        return LOOM_OK;
+    }
+    if (!json_is_integer(v) || json_integer_value(v) <= 0 || json_integer_value(v) > (1 << 30))
+        return loom_error(LOOM_ERR_FORMAT, "%s: field \"%s\" must be a positive integer", path, key);
+    *out = (int)json_integer_value(v);
+    return LOOM_OK;
+}
+
+static loom_status get_float(json_t *root, const char *path, const char *key, float *out) {
+    json_t *v = json_object_get(root, key);
+    if (!v) return LOOM_OK;
+    if (!json_is_number(v) || !(json_number_value(v) > 0))
+        return loom_error(LOOM_ERR_FORMAT, "%s: field \"%s\" must be a positive number", path, key);
+    *out = (float)json_number_value(v);
+    return LOOM_OK;
+}
+
+loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
+    json_error_t err;
+    json_t *root = json_load_file(path, 0, &err);
+    if (!root) {
+        FILE *f = fopen(path, "rb");
+        if (!f) return loom_error(LOOM_ERR_IO, "cannot open config %s: %s", path, strerror(errno));
+        fclose(f);
+        return loom_error(LOOM_ERR_FORMAT, "%s: invalid JSON at line %d: %s", path, err.line, err.text);
+    }
+    loom_status st = LOOM_OK;
+    if (!json_is_object(root)) st = loom_error(LOOM_ERR_FORMAT, "%s: expected a JSON object", path);
+    memset(c, 0, sizeof *c);
+    c->rope_theta = 10000.0f;
+    c->norm_eps = 1e-5f;
+    if (st == LOOM_OK) st = get_int(root, path, "hidden_size", 1, &c->dim);
+    if (st == LOOM_OK) st = get_int(root, path, "num_hidden_layers", 1, &c->n_layers);
+    if (st == LOOM_OK) st = get_int(root, path, "num_attention_heads", 1, &c->n_heads);
+    c->n_kv_heads = c->n_heads;
+    if (st == LOOM_OK) st = get_int(root, path, "num_key_value_heads", 0, &c->n_kv_heads);
+    if (st == LOOM_OK) st = get_int(root, path, "intermediate_size", 1, &c->ffn_dim);
+    if (st == LOOM_OK) st = get_int(root, path, "vocab_size", 1, &c->vocab_size);
+    c->max_seq = 2048;
+    if (st == LOOM_OK) st = get_int(root, path, "max_position_embeddings", 0, &c->max_seq);
+    if (st == LOOM_OK) st = get_float(root, path, "rope_theta", &c->rope_theta);
+    if (st == LOOM_OK) st = get_float(root, path, "rms_norm_eps", &c->norm_eps);
+    json_t *tie = st == LOOM_OK ? json_object_get(root, "tie_word_embeddings") : NULL;
+    if (tie) {
+        if (!json_is_boolean(tie)) st = loom_error(LOOM_ERR_FORMAT, "%s: tie_word_embeddings must be true or false", path);
+        else c->tie_embeddings = json_is_true(tie);
+    }
+    json_decref(root);
+    if (st == LOOM_OK && loom_llama_config_validate(c) != LOOM_OK)
+        st = loom_error(LOOM_ERR_FORMAT, "%s: %s", path, loom_last_error());
+    return st;
+}
+
+loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, const char *path) {
+    json_t *root = json_pack("{s:[s], s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:f, s:b, s:s, s:s, s:b, s:f}",
+                             "architectures", "LlamaForCausalLM", "model_type", "llama", "hidden_size", c->dim,
+                             "num_hidden_layers", c->n_layers, "num_attention_heads", c->n_heads,
+                             "num_key_value_heads", c->n_kv_heads, "intermediate_size", c->ffn_dim,
+                             "vocab_size", c->vocab_size, "max_position_embeddings", c->max_seq,
+                             "rope_theta", (double)c->rope_theta, "rms_norm_eps", (double)c->norm_eps,
+                             "tie_word_embeddings", c->tie_embeddings, "hidden_act", "silu", "torch_dtype",
+                             dt == LOOM_F32 ? "float32" : dt == LOOM_BF16 ? "bfloat16" : "float16",
+                             "attention_bias", 0, "initializer_range", 0.02);
+    if (!root) return loom_error(LOOM_ERR_NOMEM, "config: cannot build JSON");
+    char *text = json_dumps(root, JSON_INDENT(2) | JSON_REAL_PRECISION(9));
+    json_decref(root);
+    if (!text) return loom_error(LOOM_ERR_NOMEM, "config: cannot format JSON");
+    loom_status st = loom_file_write_atomic(path, text, strlen(text));
+    free(text);
+    return st;
+}
+
+/* ------------------------------------------------------------- weights */
+
+loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *path) {
+    loom_safetensors_writer *w;
+    LOOM_TRY(loom_safetensors_writer_init(&w));
+    void **bufs = calloc((size_t)m->n_params, sizeof *bufs);
+    loom_status st = bufs ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "save weights: out of memory");
+    for (int i = 0; i < m->n_params && st == LOOM_OK; i++) {
+        loom_param *p = m->params[i];
+        size_t n = (size_t)loom_param_numel(p);
+        bufs[i] = malloc(n * loom_dtype_size(dt) + 1);
+        if (!bufs[i]) { st = loom_error(LOOM_ERR_NOMEM, "save weights: out of memory"); break; }
+        loom_convert(bufs[i], dt, loom_param_master(p), LOOM_F32, n);
+        st = loom_safetensors_writer_add(w, p->name, loom_safetensors_dtype_of(dt), p->tensor->shape, p->tensor->ndim,
+                                         bufs[i]);
+    }
+    if (st == LOOM_OK) st = loom_safetensors_writer_set_metadata(w, "format", "pt");
+    if (st == LOOM_OK) st = loom_safetensors_writer_write(w, path);
+    for (int i = 0; bufs && i < m->n_params; i++) free(bufs[i]);
+    free(bufs);
+    loom_safetensors_writer_free(w);
+    return st;
+}
+
+loom_status loom_llama_load_weights(loom_llama *m, const char *path) {
+    loom_safetensors *sf;
+    LOOM_TRY(loom_safetensors_open(path, &sf));
+    loom_status st = LOOM_OK;
+    for (int i = 0; i < m->n_params && st == LOOM_OK; i++) {
+        loom_param *p = m->params[i];
+        if (!loom_safetensors_has(sf, p->name)) {
+            st = loom_error(LOOM_ERR_FORMAT, "%s: tensor %s is missing (is this a LLaMA checkpoint of the same "
+                            "configuration?)", path, p->name);
+            break;
+        }
+        st = loom_safetensors_read(sf, p->name, LOOM_F32, p->tensor->shape, p->tensor->ndim, loom_param_master(p));
+        if (st != LOOM_OK) st = loom_error(st, "%s (the config and the weights disagree)", loom_last_error());
+        else loom_param_sync_from_master(p);
+    }
+    loom_safetensors_close(sf);
+    return st;
+}
+
+static loom_status join(char *buf, size_t n, const char *dir, const char *file) {
+    if (snprintf(buf, n, "%s/%s", dir, file) >= (int)n) return loom_error(LOOM_ERR_INVALID, "path too long: %s", dir);
+    return LOOM_OK;
+}
+
+loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokenizer_path, const char *dir) {
+    char path[4096];
+    LOOM_TRY(loom_mkdir_p(dir));
+    LOOM_TRY(join(path, sizeof path, dir, "config.json"));
+    LOOM_TRY(loom_llama_config_save(&m->cfg, dt, path));
+    LOOM_TRY(join(path, sizeof path, dir, "model.safetensors"));
+    LOOM_TRY(loom_llama_save_weights(m, dt, path));
+    if (tokenizer_path) {
+        void *data;
+        size_t len;
+        LOOM_TRY(loom_read_file(tokenizer_path, &data, &len));
+        LOOM_TRY(join(path, sizeof path, dir, "tokenizer.json"));
+        loom_status st = loom_file_write_atomic(path, data, len);
+        free(data);
+        LOOM_TRY(st);
+    }
+    return LOOM_OK;
+}
+
+loom_status loom_model_dir_load(const char *dir, loom_precision prec, loom_llama **out) {
+    char path[4096];
+    loom_llama_config cfg;
+    *out = NULL;
+    LOOM_TRY(join(path, sizeof path, dir, "config.json"));
+    LOOM_TRY(loom_llama_config_load(path, &cfg));
+    loom_llama *m;
+    LOOM_TRY(loom_llama_new(&cfg, prec, &m));
+    loom_status st = join(path, sizeof path, dir, "model.safetensors");
+    if (st == LOOM_OK) st = loom_llama_load_weights(m, path);
+    if (st != LOOM_OK) { loom_llama_free(m); return st; }
+    *out = m;
+    return LOOM_OK;
+}

@@ -1,0 +1,91 @@
+/*
+ * cmd_generate.c — `loom generate`: load a model directory and its
+ * tokenizer, encode a prompt, sample with a KV cache, print the text.
+ */
+#include "cli.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static int run(int argc, char **argv) {
+    const char *model = NULL, *prompt = "", *precision = "fp32", *tok_path = NULL;
+    int n_tokens = 128, seed = 1, threads = 0;
+    float temperature = 0.8f, top_p = 0.95f;
+    const flag flags[] = {
+        {"model", FLAG_STRING, &model, "DIR", "model directory (config.json, model.safetensors, tokenizer.json)"},
+        {"prompt", FLAG_STRING, &prompt, "TEXT", "text to continue (default: start of a document)"},
+        {"tokens", FLAG_INT, &n_tokens, "N", "tokens to generate (default 128)"},
+        {"temperature", FLAG_FLOAT, &temperature, "T", "sampling temperature; 0 is greedy (default 0.8)"},
+        {"top-p", FLAG_FLOAT, &top_p, "P", "nucleus sampling mass in (0, 1] (default 0.95)"},
+        {"seed", FLAG_INT, &seed, "S", "sampling seed (default 1)"},
+        {"precision", FLAG_STRING, &precision, "P", "compute dtype: fp32, bf16 or fp16 (default fp32)"},
+        {"tokenizer", FLAG_STRING, &tok_path, "FILE", "tokenizer.json (default: the model directory's)"},
+        {"threads", FLAG_INT, &threads, "N", "OpenMP threads (default: all cores)"},
+    };
+    int rc = cli_parse(&cmd_generate, flags, (int)(sizeof flags / sizeof flags[0]), argc, argv);
+    if (rc) return rc > 0 ? 0 : 2;
+    if (!model) return cli_usage_error("generate", "--model DIR is required");
+    if (n_tokens < 0) return cli_usage_error("generate", "--tokens must be >= 0");
+    if (temperature < 0.0f || !(top_p > 0.0f && top_p <= 1.0f))
+        return cli_usage_error("generate", "--temperature must be >= 0 and --top-p in (0, 1]");
+    loom_precision prec = {LOOM_F32, 0};
+    if (loom_dtype_parse(precision, &prec.compute) != LOOM_OK) return cli_usage_error("generate", "%s", loom_last_error());
+    if (threads > 0) loom_set_threads(threads);
+
+    char path[4200];
+    if (!tok_path) {
+        snprintf(path, sizeof path, "%s/tokenizer.json", model);
+        tok_path = path;
+    }
+    loom_tokenizer *tok = NULL;
+    loom_llama *m = NULL;
+    int32_t *ids = NULL, *out = NULL;
+    char *text = NULL;
+    loom_status st = loom_tokenizer_load(tok_path, &tok);
+    if (st == LOOM_OK) st = loom_model_dir_load(model, prec, &m);
+    if (st == LOOM_OK && loom_tokenizer_vocab_size(tok) > m->cfg.vocab_size)
+        st = loom_error(LOOM_ERR_FORMAT, "%s has %d tokens but the model only %d", tok_path,
+                        loom_tokenizer_vocab_size(tok), m->cfg.vocab_size);
+    size_t plen = strlen(prompt), n_ids = 0;
+    if (st == LOOM_OK) {
+        ids = malloc((plen + 2) * sizeof *ids);
+        out = malloc(((size_t)n_tokens + 1) * sizeof *out);
+        if (!ids || !out) st = loom_error(LOOM_ERR_NOMEM, "generate: out of memory");
+    }
+    if (st == LOOM_OK) {
+        int eot = loom_tokenizer_eot(tok);
+        if (eot >= 0) ids[n_ids++] = eot; /* documents start after a separator, as in training */
+        size_t n = 0;
+        st = loom_tokenizer_encode(tok, prompt, plen, ids + n_ids, plen + 1, &n);
+        n_ids += n;
+    }
+    int n_out = 0;
+    if (st == LOOM_OK) {
+        loom_sampler sp = {temperature, top_p, (uint64_t)seed};
+        st = loom_llama_generate(m, ids, (int)n_ids, n_tokens, &sp, loom_tokenizer_eot(tok), out, &n_out);
+    }
+    if (st == LOOM_OK && n_out > 0 && out[n_out - 1] == loom_tokenizer_eot(tok)) n_out--;
+    size_t bytes = 0;
+    if (st == LOOM_OK) st = loom_tokenizer_decode(tok, out, (size_t)n_out, NULL, 0, &bytes);
+    if (st == LOOM_OK && !(text = malloc(bytes + 1))) st = loom_error(LOOM_ERR_NOMEM, "generate: out of memory");
+    if (st == LOOM_OK) st = loom_tokenizer_decode(tok, out, (size_t)n_out, text, bytes, &bytes);
+    if (st == LOOM_OK) {
+        fwrite(prompt, 1, plen, stdout);
+        fwrite(text, 1, bytes, stdout);
+        fputc('\n', stdout);
+    }
+    free(text);
+    free(ids);
+    free(out);
+    loom_llama_free(m);
+    loom_tokenizer_free(tok);
+    return st == LOOM_OK ? 0 : cli_fail("generate", st);
+}
+
+const command cmd_generate = {
+    "generate",
+    "generate text from a trained model (KV cache; greedy when --temperature 0)",
+    "generate --model DIR [--prompt TEXT] [--tokens N] [--temperature T] [--top-p P] [--seed S]",
+    NULL,
+    run,
+};
