@@ -18,7 +18,7 @@ static volatile sig_atomic_t stop_signal;
 static void on_signal(int sig) { stop_signal = sig; }
 
 typedef struct train_opts {
-    const char *data, *out, *preset, *config, *init, *resume, *dump_grads, *tokenizer;
+    const char *data, *out, *preset, *config, *init, *resume, *dump_grads, *dump_logits, *tokenizer;
     const char *precision, *master_grad, *recompute, *recompute_mode;
     int batch, seq, grad_accum, steps, warmup, seed, threads, eval_every, eval_batches, ckpt_every, keep;
     int log_every, check_grads, tie;
@@ -37,6 +37,7 @@ typedef struct trainer {
     int has_tokenizer;
     FILE *metrics;
     train_report report;
+    double first_loss;  /* loss of the first micro-batch, for the dumps */
 } trainer;
 
 /* ----------------------------------------------------------------- setup */
@@ -127,14 +128,40 @@ typedef struct step_result {
     float lr;
 } step_result;
 
+/* The first micro-batch's logits (B*T, V) as fp32 and its loss, for
+ * cross-checks against other implementations. */
+static loom_status dump_logits(trainer *t, loom_tensor *logits) {
+    int64_t n = loom_tensor_numel(logits);
+    float *buf = malloc((size_t)n * sizeof *buf + 1);
+    if (!buf) return loom_error(LOOM_ERR_NOMEM, "dump-logits: out of memory");
+    loom_tensor_read_f32(logits, buf);
+    loom_safetensors_writer *w;
+    loom_status st = loom_safetensors_writer_init(&w);
+    char v[64];
+    snprintf(v, sizeof v, "%.9g", t->first_loss);
+    if (st == LOOM_OK) st = loom_safetensors_writer_add(w, "logits", LOOM_SAFETENSORS_F32, logits->shape, logits->ndim, buf);
+    if (st == LOOM_OK) st = loom_safetensors_writer_set_metadata(w, "loss", v);
+    if (st == LOOM_OK) st = loom_safetensors_writer_write(w, t->o.dump_logits);
+    loom_safetensors_writer_free(w);
+    free(buf);
+    return st;
+}
+
 static loom_status forward_backward(trainer *t, double *loss_sum) {
     const train_opts *o = &t->o;
     float seed = t->scaler.scale / (float)o->grad_accum;
     for (int k = 0; k < o->grad_accum; k++) {
         LOOM_TRY(loom_dataloader_next(t->train, t->inputs, t->targets));
-        loom_tensor *loss = NULL;
-        LOOM_TRY(loom_llama_forward(t->m, t->inputs, t->targets, o->batch, o->seq, &loss, NULL));
+        loom_tensor *loss = NULL, *logits = NULL;
+        int dump = k == 0 && t->state.step == 0 && o->dump_logits;
+        LOOM_TRY(loom_llama_forward(t->m, t->inputs, t->targets, o->batch, o->seq, &loss, dump ? &logits : NULL));
         float l = loom_tensor_get(loss, 0);
+        if (k == 0) t->first_loss = l;
+        if (dump) {
+            loom_status st = dump_logits(t, logits);
+            loom_tensor_release(logits);
+            if (st != LOOM_OK) { loom_tensor_release(loss); return st; }
+        }
         loom_status st = loom_backward(loss, seed);
         loom_tensor_release(loss);
         LOOM_TRY(st);
@@ -160,6 +187,9 @@ static loom_status dump_grads(trainer *t) {
         for (size_t k = 0; k < n; k++) bufs[i][k] /= t->scaler.scale;
         st = loom_safetensors_writer_add(w, p->name, LOOM_SAFETENSORS_F32, p->tensor->shape, p->tensor->ndim, bufs[i]);
     }
+    char v[64];
+    snprintf(v, sizeof v, "%.9g", t->first_loss);
+    if (st == LOOM_OK) st = loom_safetensors_writer_set_metadata(w, "loss", v);
     if (st == LOOM_OK) st = loom_safetensors_writer_write(w, t->o.dump_grads);
     for (int i = 0; bufs && i < m->n_params; i++) free(bufs[i]);
     free(bufs);
@@ -344,6 +374,7 @@ static int run(int argc, char **argv) {
         {"log-every", FLAG_INT, &o->log_every, "N", "plain progress line every N steps when not a terminal (default 1)"},
         {"check-grads", FLAG_BOOL, &o->check_grads, NULL, "gradient audit after every backward"},
         {"dump-grads", FLAG_STRING, &o->dump_grads, "FILE", "write the first step's gradients (fp32 safetensors) and exit"},
+        {"dump-logits", FLAG_STRING, &o->dump_logits, "FILE", "write the first micro-batch's logits and loss (fp32 safetensors)"},
     };
     int n_flags = (int)(sizeof flags / sizeof flags[0]);
     int rc = cli_parse(&cmd_train, flags, n_flags, argc, argv);
