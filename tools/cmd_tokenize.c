@@ -4,6 +4,7 @@
  */
 #include "cli.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -72,6 +73,18 @@ static loom_status write_shards(const char *dir, const char *split, const tok_bu
         if (n == 0) break;
     }
     return LOOM_OK;
+}
+
+/* Entropy (nats) of the unigram distribution of the tokens: the loss a
+ * model that ignores context cannot beat. */
+static double unigram_entropy(const tok_buf *b, int vocab) {
+    double *count = calloc((size_t)vocab, sizeof *count), h = 0.0;
+    if (!count || b->n == 0) { free(count); return 0.0; }
+    for (size_t i = 0; i < b->n; i++) count[b->ids[i]] += 1.0;
+    for (int v = 0; v < vocab; v++)
+        if (count[v] > 0) h -= count[v] / (double)b->n * log(count[v] / (double)b->n);
+    free(count);
+    return h;
 }
 
 static int run(int argc, char **argv) {
@@ -156,7 +169,8 @@ static int run(int argc, char **argv) {
         if (st == LOOM_OK) st = write_shards(out, "train", &tr, loom_tokenizer_vocab_size(tok));
         if (st == LOOM_OK && val_fraction > 0.0f) st = write_shards(out, "val", &va, loom_tokenizer_vocab_size(tok));
         if (st == LOOM_OK)
-            fprintf(stderr, "tokenize: %zu documents, %zu train tokens, %zu validation tokens\n", docs.n, tr.n, va.n);
+            fprintf(stderr, "tokenize: %zu documents, %zu train tokens, %zu validation tokens; unigram entropy "
+                            "%.3f nats/token\n", docs.n, tr.n, va.n, unigram_entropy(&tr, loom_tokenizer_vocab_size(tok)));
         free(tr.ids);
         free(va.ids);
         free(docs.items);

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The main job: build loom, tokenize the default corpus (Debian's fortunes),
+# train the `tiny` LLaMA for a few minutes, then generate text from it.
+# Environment: STEPS (default 300), OUT (default out/demo).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STEPS=${STEPS:-300}
+OUT=${OUT:-out/demo}
+bash scripts/build.sh >/dev/null
+corpus=()
+for f in /usr/share/games/fortunes/*; do
+  case "$f" in *.dat|*.u8) continue ;; esac
+  [ -f "$f" ] && corpus+=("$f")
+done
+if [ ${#corpus[@]} -eq 0 ]; then
+  echo "demo: no fortunes corpus in /usr/share/games/fortunes; run scripts/setup.sh" >&2
+  exit 1
+fi
+build/loom tokenize --train "${corpus[@]}" --vocab 4096 --in "${corpus[@]}" --doc-sep % --out data/fortunes
+build/loom train --data data/fortunes --preset tiny --out "$OUT" --steps "$STEPS" --batch 8 --seq 256 \
+  --lr 2e-3 --warmup 20 --eval-every 50 --precision bf16 --master-grad on
+echo
+echo "== generated text (loom generate --model $OUT/model --prompt 'The ')"
+build/loom generate --model "$OUT/model" --prompt "The " --tokens 120 --temperature 0.8 --top-p 0.95 --seed 7
