@@ -212,8 +212,9 @@ static loom_status train_step(trainer *t, step_result *r) {
     if (r->info.found_inf) {
         r->skipped = 1;
         if (!t->scaler.enabled)
-            return loom_error(LOOM_ERR_NUMERIC, "step %d: the gradients contain NaN or Inf (loss %g); lower --lr or "
-                              "use --precision fp32 / --master-grad on", t->state.step + 1, r->loss);
+            return loom_error(LOOM_ERR_NUMERIC, "step %d: the gradients contain NaN or Inf (loss %g); training "
+                              "diverged: lower --lr, keep --clip on, or resume from an earlier checkpoint",
+                              t->state.step + 1, r->loss);
     } else {
         LOOM_TRY(loom_adamw_step(t->opt, r->lr, r->info.grad_multiplier));
     }
@@ -405,7 +406,7 @@ static int run(int argc, char **argv) {
     }
     if (st == LOOM_OK) {
         train_report_init(&t.report, o->log_every);
-        fprintf(stderr, "train: %lld parameters, %s master_grad=%s recompute=%s, batch %d x %d x %d, %d threads\n",
+        fprintf(stderr, "train: %lld parameters, %s master_grad=%s recompute=%s, %d x %d sequences of %d tokens per step, %d threads\n",
                 (long long)loom_llama_n_weights(t.m), loom_dtype_name(prec.compute), prec.master_grad ? "on" : "off",
                 loom_recompute_mode_name(mode), o->grad_accum, o->batch, o->seq, loom_get_threads());
         signal(SIGINT, on_signal);

@@ -1,0 +1,32 @@
+# Shared helpers for the script tests (sourced).
+set -euo pipefail
+LOOM=${LOOM_BINARY_DIR:?}/loom
+SRC=${LOOM_SOURCE_DIR:?}
+WORK=$(mktemp -d /tmp/loom-test.XXXXXX)
+trap 'rm -rf "$WORK"' EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+# A small corpus of real English-ish text that every checkout has: loom's own
+# documentation and sources.
+corpus() { ls "$SRC"/README.md "$SRC"/src/*/*.c "$SRC"/include/loom/*.h; }
+# A small model config (Hugging Face names).
+small_config() { # $1 path, $2 vocab
+  cat > "$1" <<JSON
+{"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+ "intermediate_size": 128, "vocab_size": $2, "max_position_embeddings": 64,
+ "rope_theta": 10000.0, "rms_norm_eps": 1e-5}
+JSON
+}
+make_data() { # $1 dir
+  "$LOOM" tokenize --train $(corpus) --vocab 512 --in $(corpus) --out "$1" --val-fraction 0.1 2>"$WORK/tokenize.log"
+}
+# Expect a command to fail cleanly (exit 1 or 2, not a signal) with a message matching $1.
+expect_error() {
+  local pattern=$1; shift
+  set +e
+  "$@" >"$WORK/out.log" 2>"$WORK/err.log"
+  local rc=$?
+  set -e
+  if [ $rc -eq 0 ]; then fail "expected failure: $*"; fi
+  if [ $rc -gt 2 ]; then cat "$WORK/err.log" >&2; fail "exit code $rc (crash?) for: $*"; fi
+  grep -q -E -e "$pattern" "$WORK/err.log" || { cat "$WORK/err.log" >&2; fail "message does not match /$pattern/ for: $*"; }
+}

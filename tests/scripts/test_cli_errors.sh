@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Bad input gets a clear message naming the problem and a non-zero exit, never
+# a crash; a failed checkpoint never damages an existing one.
+source "$(dirname "$0")/lib.sh"
+make_data "$WORK/data"
+small_config "$WORK/cfg.json" 512
+D=(--data "$WORK/data" --config "$WORK/cfg.json" --batch 2 --seq 16 --eval-every 0)
+
+# Flags and commands
+expect_error "unknown flag '--bogus'" "$LOOM" train --bogus
+expect_error "unknown command" "$LOOM" frobnicate
+expect_error "--data DIR is required" "$LOOM" train
+expect_error "expects an integer" "$LOOM" train "${D[@]}" --steps ten
+expect_error "--precision" "$LOOM" train "${D[@]}" --precision fp8
+expect_error "--recompute expects" "$LOOM" train "${D[@]}" --recompute most
+expect_error "expects on or off" "$LOOM" train "${D[@]}" --master-grad maybe
+expect_error "unknown preset" "$LOOM" train --data "$WORK/data" --preset huge
+expect_error "longer than the model's context" "$LOOM" train "${D[@]}" --seq 1000
+"$LOOM" train --help | grep -q -- "--recompute-mode" || fail "train --help lacks flags"
+"$LOOM" --help | grep -q "generate" || fail "loom --help lacks commands"
+
+# Missing and corrupt files
+expect_error "no token shards match" "$LOOM" train --data "$WORK/nope" --config "$WORK/cfg.json"
+mkdir -p "$WORK/bad"
+cp "$WORK/data/val_000000.bin" "$WORK/bad/"
+printf 'garbage that is not a shard header' > "$WORK/bad/train_000000.bin"
+expect_error "train_000000.bin" "$LOOM" train --data "$WORK/bad" --config "$WORK/cfg.json" --batch 2 --seq 16
+head -c 2000 "$WORK/data/train_000000.bin" > "$WORK/bad/train_000000.bin"   # truncated: count says more
+expect_error "train_000000.bin" "$LOOM" train --data "$WORK/bad" --config "$WORK/cfg.json" --batch 2 --seq 16
+small_config "$WORK/cfg-small-vocab.json" 100                                 # tokens >= vocab
+expect_error "vocab|vocabulary|token" "$LOOM" train --data "$WORK/data" --config "$WORK/cfg-small-vocab.json" --batch 2 --seq 16
+echo '{"hidden_size": 64, "num_hidden_layers": 2' > "$WORK/broken.json"
+expect_error "broken.json" "$LOOM" train --data "$WORK/data" --config "$WORK/broken.json"
+echo '{"hidden_size": 65, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 8, "vocab_size": 512}' > "$WORK/odd.json"
+expect_error "heads" "$LOOM" train --data "$WORK/data" --config "$WORK/odd.json"
+echo '{"type": "loom-bpe", "version": 1, "merges": [[1, 999999]]' > "$WORK/tok.json"
+expect_error "tok.json" "$LOOM" tokenize --tokenizer "$WORK/tok.json" --in "$SRC/README.md" --out "$WORK/t2"
+expect_error "cannot|No such|missing" "$LOOM" tokenize --train "$WORK/does-not-exist.txt" --out "$WORK/t.json"
+
+# A model directory whose weights disagree with its config, or are corrupt
+"$LOOM" train "${D[@]}" --steps 1 --out "$WORK/r" 2>/dev/null
+mkdir -p "$WORK/m2" && cp "$WORK/r/model/"* "$WORK/m2/"
+sed -i 's/"intermediate_size": 128/"intermediate_size": 96/' "$WORK/m2/config.json"
+expect_error "mlp.*proj.weight" "$LOOM" generate --model "$WORK/m2" --prompt x
+cp "$WORK/r/model/config.json" "$WORK/m2/config.json"
+head -c 5000 "$WORK/r/model/model.safetensors" > "$WORK/m2/model.safetensors"
+expect_error "model.safetensors" "$LOOM" generate --model "$WORK/m2" --prompt x
+expect_error "model.safetensors" "$LOOM" train "${D[@]}" --init "$WORK/m2" --out "$WORK/r3"
+printf 'not json' > "$WORK/m2/model.safetensors"
+expect_error "model.safetensors" "$LOOM" export --model "$WORK/m2" --out "$WORK/x"
+
+# Outputs that cannot be written
+touch "$WORK/a-file"
+expect_error "not a directory|cannot" "$LOOM" train "${D[@]}" --steps 1 --out "$WORK/a-file"
+expect_error "/proc" "$LOOM" export --model "$WORK/r/model" --out /proc/loom-export
+
+# NaN in training: a clear error, not a silent NaN model
+expect_error "NaN|Inf" "$LOOM" train "${D[@]}" --precision fp32 --lr 1e9 --clip 0 --warmup 0 --steps 20 --out "$WORK/nan"
+
+# A full disk while checkpointing: the new checkpoint fails, the old one is intact.
+"$LOOM" train "${D[@]}" --steps 2 --ckpt-every 1 --keep 5 --out "$WORK/full" 2>/dev/null
+before=$(cd "$WORK/full/ckpt-00000001" && md5sum *)
+set +e
+( ulimit -f 200; trap '' XFSZ; "$LOOM" train "${D[@]}" --steps 4 --ckpt-every 1 --keep 5 --out "$WORK/full" \
+    --resume "$WORK/full/ckpt-00000001" ) >/dev/null 2>"$WORK/err.log"
+rc=$?
+set -e
+[ $rc -eq 1 ] || { cat "$WORK/err.log"; fail "full disk: exit code $rc"; }
+grep -q "not written" "$WORK/err.log" || { cat "$WORK/err.log"; fail "full disk: no clear message"; }
+after=$(cd "$WORK/full/ckpt-00000001" && md5sum *)
+[ "$before" = "$after" ] || fail "an existing checkpoint changed"
+ls -d "$WORK"/full/*.tmp.* 2>/dev/null && fail "a temporary checkpoint was left behind"
+echo "1 passed, 0 failed"

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# End to end: tokenize, train a small model until validation loss is well
+# below the unigram entropy, generate, export and reload.
+source "$(dirname "$0")/lib.sh"
+make_data "$WORK/data"
+entropy=$(grep -o 'unigram entropy [0-9.]*' "$WORK/tokenize.log" | awk '{print $3}')
+[ -n "$entropy" ] || fail "tokenize printed no unigram entropy"
+small_config "$WORK/cfg.json" 512
+"$LOOM" train --data "$WORK/data" --config "$WORK/cfg.json" --out "$WORK/run" --steps 80 --batch 8 --seq 64 \
+  --lr 3e-3 --warmup 5 --eval-every 40 --eval-batches 4 --precision bf16 2>"$WORK/train.log" \
+  || { cat "$WORK/train.log"; fail "train"; }
+val=$(grep val_loss "$WORK/run/metrics.jsonl" | tail -1 | sed 's/.*"val_loss":\([0-9.]*\).*/\1/')
+echo "validation loss $val, unigram entropy $entropy"
+awk -v v="$val" -v h="$entropy" 'BEGIN { exit !(v < h - 0.5) }' || fail "validation loss $val is not well below the unigram entropy $entropy"
+for f in loss.svg metrics.jsonl model/config.json model/model.safetensors model/tokenizer.json; do
+  [ -s "$WORK/run/$f" ] || fail "missing $f"
+done
+ls -d "$WORK"/run/ckpt-00000080 >/dev/null || fail "no final checkpoint"
+text=$("$LOOM" generate --model "$WORK/run/model" --prompt "loom" --tokens 20 --temperature 0)
+[ ${#text} -gt 4 ] || fail "generate printed too little: '$text'"
+# Greedy decoding is deterministic.
+[ "$text" = "$("$LOOM" generate --model "$WORK/run/model" --prompt "loom" --tokens 20 --temperature 0)" ] || fail "greedy differs"
+"$LOOM" export --model "$WORK/run/model" --out "$WORK/hf" --dtype bf16 2>/dev/null
+"$LOOM" generate --model "$WORK/hf" --prompt "the" --tokens 5 --seed 3 >/dev/null || fail "exported model does not load"
+grep -q '"torch_dtype": "bfloat16"' "$WORK/hf/config.json" || fail "export dtype not in config"
+echo "1 passed, 0 failed"
