@@ -21,14 +21,17 @@ typedef struct train_opts {
     const char *data, *out, *preset, *config, *init, *resume, *dump_grads, *dump_logits, *tokenizer;
     const char *precision, *master_grad, *recompute, *recompute_mode;
     int batch, seq, grad_accum, steps, warmup, seed, threads, eval_every, eval_batches, ckpt_every, keep;
-    int log_every, check_grads, tie;
+    int log_every, check_grads, tie, tp, zero;
     float lr, min_lr, weight_decay, clip;
 } train_opts;
 
 typedef struct trainer {
     train_opts o;
     loom_llama *m;
-    loom_adamw *opt;
+    loom_dist_optim *opt;
+    loom_comm *world;
+    loom_dist dist;
+    int leader;   /* world rank 0: prints, writes metrics and plots */
     loom_dataloader *train, *val;
     loom_loss_scaler scaler;
     loom_train_state state;
@@ -92,7 +95,7 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
     if (t->o.seq == 0) t->o.seq = cfg.max_seq < 256 ? cfg.max_seq : 256;
     if (t->o.seq > cfg.max_seq)
         return loom_error(LOOM_ERR_INVALID, "--seq %d is longer than the model's context (%d)", t->o.seq, cfg.max_seq);
-    LOOM_TRY(loom_llama_new(&cfg, prec, &t->m));
+    LOOM_TRY(loom_llama_new_tp(&cfg, prec, t->dist.tp, &t->m));
     t->m->recompute.mode = mode;
     loom_llama_init_weights(t->m, (uint64_t)o->seed);
     if (o->init && !resume_dir) {
@@ -101,16 +104,16 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
     }
     loom_adamw_config ac = loom_adamw_defaults();
     ac.weight_decay = o->weight_decay;
-    return loom_adamw_new(&ac, t->m->params, t->m->n_params, &t->opt);
+    return loom_dist_optim_new(&ac, t->m->params, t->m->n_params, &t->dist, o->zero, &t->opt);
 }
 
 static loom_status open_data(trainer *t) {
     const train_opts *o = &t->o;
-    loom_dataloader_options dl = {o->batch, o->seq, 0, 1, t->m->cfg.vocab_size, "train"};
+    loom_dataloader_options dl = {o->batch, o->seq, t->dist.dp_rank, t->dist.dp_size, t->m->cfg.vocab_size, "train"};
     LOOM_TRY(loom_dataloader_open(o->data, &dl, &t->train));
     dl.split = "val";
     if (o->eval_every > 0 && loom_dataloader_open(o->data, &dl, &t->val) != LOOM_OK) {
-        fprintf(stderr, "train: no validation data (%s); validation is off\n", loom_last_error());
+        if (t->leader) fprintf(stderr, "train: no validation data (%s); validation is off\n", loom_last_error());
         t->val = NULL;
     }
     t->inputs = malloc((size_t)o->batch * (size_t)o->seq * sizeof *t->inputs);
@@ -149,7 +152,8 @@ static loom_status dump_logits(trainer *t, loom_tensor *logits) {
 
 static loom_status forward_backward(trainer *t, double *loss_sum) {
     const train_opts *o = &t->o;
-    float seed = t->scaler.scale / (float)o->grad_accum;
+    /* Gradients are summed over micro-batches and data-parallel ranks. */
+    float seed = t->scaler.scale / (float)(o->grad_accum * t->dist.dp_size);
     for (int k = 0; k < o->grad_accum; k++) {
         LOOM_TRY(loom_dataloader_next(t->train, t->inputs, t->targets));
         loom_tensor *loss = NULL, *logits = NULL;
@@ -167,10 +171,12 @@ static loom_status forward_backward(trainer *t, double *loss_sum) {
         LOOM_TRY(st);
         *loss_sum += l / o->grad_accum;
     }
-    t->state.tokens_seen += (uint64_t)o->grad_accum * (uint64_t)o->batch * (uint64_t)o->seq;
+    t->state.tokens_seen += (uint64_t)o->grad_accum * (uint64_t)o->batch * (uint64_t)o->seq * (uint64_t)t->dist.dp_size;
     return LOOM_OK;
 }
 
+/* The first step's gradients, averaged over data-parallel ranks and
+ * gathered over tensor-parallel ranks: comparable with one process. */
 static loom_status dump_grads(trainer *t) {
     loom_safetensors_writer *w;
     LOOM_TRY(loom_safetensors_writer_init(&w));
@@ -180,17 +186,23 @@ static loom_status dump_grads(trainer *t) {
     for (int i = 0; i < m->n_params && st == LOOM_OK; i++) {
         loom_param *p = m->params[i];
         size_t n = (size_t)loom_param_numel(p);
-        bufs[i] = malloc(n * sizeof(float) + 1);
-        if (!bufs[i]) { st = loom_error(LOOM_ERR_NOMEM, "dump-grads: out of memory"); break; }
-        loom_param_read_grad(p, bufs[i]);
+        int64_t fs[2];
+        loom_llama_param_full_shape(m, i, fs);
+        float *local = malloc(n * sizeof(float) + 1);
+        bufs[i] = malloc((size_t)(fs[0] * fs[1]) * sizeof(float) + 1);
+        if (!local || !bufs[i]) { free(local); st = loom_error(LOOM_ERR_NOMEM, "dump-grads: out of memory"); break; }
+        loom_param_read_grad(p, local);
+        st = loom_comm_allreduce_sum_f32(t->dist.dp, local, n);
+        if (st == LOOM_OK) st = loom_llama_tp_gather(m, i, local, bufs[i]);
+        free(local);
         /* Unscale (a power of two: exact) so files compare across precisions. */
-        for (size_t k = 0; k < n; k++) bufs[i][k] /= t->scaler.scale;
-        st = loom_safetensors_writer_add(w, p->name, LOOM_SAFETENSORS_F32, p->tensor->shape, p->tensor->ndim, bufs[i]);
+        for (size_t k = 0; st == LOOM_OK && k < (size_t)(fs[0] * fs[1]); k++) bufs[i][k] /= t->scaler.scale;
+        if (st == LOOM_OK) st = loom_safetensors_writer_add(w, p->name, LOOM_SAFETENSORS_F32, fs, p->tensor->ndim, bufs[i]);
     }
     char v[64];
     snprintf(v, sizeof v, "%.9g", t->first_loss);
     if (st == LOOM_OK) st = loom_safetensors_writer_set_metadata(w, "loss", v);
-    if (st == LOOM_OK) st = loom_safetensors_writer_write(w, t->o.dump_grads);
+    if (st == LOOM_OK && t->leader) st = loom_safetensors_writer_write(w, t->o.dump_grads);
     for (int i = 0; bufs && i < m->n_params; i++) free(bufs[i]);
     free(bufs);
     loom_safetensors_writer_free(w);
@@ -202,12 +214,17 @@ static loom_status train_step(trainer *t, step_result *r) {
     memset(r, 0, sizeof *r);
     loom_llama_zero_grad(t->m);
     LOOM_TRY(forward_backward(t, &r->loss));
+    if (t->dist.dp_size > 1) {
+        LOOM_TRY(loom_comm_allreduce_sum_f64(t->dist.dp, &r->loss, 1));
+        r->loss /= t->dist.dp_size;
+    }
     if (o->check_grads) {
         char report[4096];
         loom_status st = loom_grad_audit(t->m->params, t->m->n_params, report, sizeof report);
         if (st != LOOM_OK) return st;
     }
-    loom_amp_prepare_step(t->m->params, t->m->n_params, &t->scaler, o->clip, &r->info);
+    if (o->dump_grads) return LOOM_OK; /* the caller dumps and stops */
+    LOOM_TRY(loom_dist_optim_prepare(t->opt, &t->scaler, o->clip, &r->info));
     r->lr = loom_lr_cosine(t->state.step, o->warmup, o->steps, o->lr, o->min_lr);
     if (r->info.found_inf) {
         r->skipped = 1;
@@ -216,7 +233,7 @@ static loom_status train_step(trainer *t, step_result *r) {
                               "diverged: lower --lr, keep --clip on, or resume from an earlier checkpoint",
                               t->state.step + 1, r->loss);
     } else {
-        LOOM_TRY(loom_adamw_step(t->opt, r->lr, r->info.grad_multiplier));
+        LOOM_TRY(loom_dist_optim_step(t->opt, r->lr, r->info.grad_multiplier));
     }
     if (!isfinite(r->loss) && !t->scaler.enabled)
         return loom_error(LOOM_ERR_NUMERIC, "step %d: the loss is %g; lower --lr or check the data",
@@ -240,7 +257,8 @@ static loom_status evaluate(trainer *t, double *val_loss) {
         loom_tensor_release(loss);
     }
     loom_no_grad_exit();
-    *val_loss = sum / o->eval_batches;
+    if (st == LOOM_OK) st = loom_comm_allreduce_sum_f64(t->dist.dp, &sum, 1);
+    *val_loss = sum / o->eval_batches / t->dist.dp_size;
     return st;
 }
 
@@ -256,20 +274,58 @@ static void capture_state(trainer *t) {
     t->state.scaler_skipped = t->scaler.skipped_steps;
 }
 
+/* Every rank takes part (moments are gathered over DP with ZeRO, tensors
+ * over TP); the ranks of data-parallel group 0 write, TP rank 0 of it. */
 static loom_status save_checkpoint(trainer *t) {
     char dir[4200];
     snprintf(dir, sizeof dir, "%s/ckpt-%08d", t->o.out, t->state.step);
     struct stat sb;
-    if (stat(dir, &sb) == 0) return LOOM_OK; /* this step is saved already */
+    int exists = t->leader && stat(dir, &sb) == 0;
+    LOOM_TRY(loom_comm_allreduce_max_int(t->world, &exists, 1));
+    if (exists) return LOOM_OK; /* this step is saved already */
     capture_state(t);
-    LOOM_TRY(loom_checkpoint_save(dir, t->m, t->opt, &t->state, t->has_tokenizer ? t->tokenizer_path : NULL));
-    LOOM_TRY(loom_checkpoint_prune(t->o.out, t->o.keep));
-    fprintf(stderr, "train: checkpoint %s\n", dir);
-    return LOOM_OK;
+    loom_llama *m = t->m;
+    float **mm = calloc((size_t)m->n_params, sizeof *mm), **vv = calloc((size_t)m->n_params, sizeof *vv);
+    loom_status st = mm && vv ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
+    for (int i = 0; i < m->n_params && st == LOOM_OK; i++) {
+        size_t n = (size_t)loom_param_numel(m->params[i]);
+        mm[i] = malloc(n * sizeof(float) + 1);
+        vv[i] = malloc(n * sizeof(float) + 1);
+        if (!mm[i] || !vv[i]) st = loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
+        else st = loom_dist_optim_get_moments(t->opt, i, mm[i], vv[i]);
+    }
+    if (st == LOOM_OK && t->dist.dp_rank == 0)
+        st = loom_checkpoint_save(dir, m, mm, vv, loom_dist_optim_steps(t->opt), &t->state,
+                                  t->has_tokenizer ? t->tokenizer_path : NULL);
+    for (int i = 0; i < m->n_params; i++) { if (mm) free(mm[i]); if (vv) free(vv[i]); }
+    free(mm);
+    free(vv);
+    LOOM_TRY(st);
+    if (t->leader) {
+        LOOM_TRY(loom_checkpoint_prune(t->o.out, t->o.keep));
+        fprintf(stderr, "train: checkpoint %s\n", dir);
+    }
+    return loom_comm_barrier(t->world);
 }
 
 static loom_status restore(trainer *t, const char *dir) {
-    LOOM_TRY(loom_checkpoint_load(dir, t->m, t->opt, &t->state));
+    loom_llama *m = t->m;
+    float **mm = calloc((size_t)m->n_params, sizeof *mm), **vv = calloc((size_t)m->n_params, sizeof *vv);
+    loom_status st = mm && vv ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "resume: out of memory");
+    for (int i = 0; i < m->n_params && st == LOOM_OK; i++) {
+        size_t n = (size_t)loom_param_numel(m->params[i]);
+        mm[i] = malloc(n * sizeof(float) + 1);
+        vv[i] = malloc(n * sizeof(float) + 1);
+        if (!mm[i] || !vv[i]) st = loom_error(LOOM_ERR_NOMEM, "resume: out of memory");
+    }
+    int adam_steps = 0;
+    if (st == LOOM_OK) st = loom_checkpoint_load(dir, m, mm, vv, &adam_steps, &t->state);
+    for (int i = 0; i < m->n_params && st == LOOM_OK; i++) loom_dist_optim_set_moments(t->opt, i, mm[i], vv[i]);
+    loom_dist_optim_set_steps(t->opt, adam_steps);
+    for (int i = 0; i < m->n_params; i++) { if (mm) free(mm[i]); if (vv) free(vv[i]); }
+    free(mm);
+    free(vv);
+    LOOM_TRY(st);
     loom_rng *rng = loom_rng_default();
     rng->seed = t->state.rng_seed;
     rng->offset = t->state.rng_offset;
@@ -277,14 +333,15 @@ static loom_status restore(trainer *t, const char *dir) {
     t->scaler.scale = t->state.loss_scale;
     t->scaler.good_steps = t->state.scaler_good_steps;
     t->scaler.skipped_steps = t->state.scaler_skipped;
-    fprintf(stderr, "train: resumed from %s at step %d\n", dir, t->state.step);
+    if (t->leader) fprintf(stderr, "train: resumed from %s at step %d\n", dir, t->state.step);
     return LOOM_OK;
 }
 
 /* ------------------------------------------------------------------ run */
 
 static void cleanup(trainer *t) {
-    loom_adamw_free(t->opt);
+    loom_dist_optim_free(t->opt);
+    loom_dist_layout_free(&t->dist);
     loom_llama_free(t->m);
     loom_dataloader_close(t->train);
     loom_dataloader_close(t->val);
@@ -304,26 +361,29 @@ static loom_status train_loop(trainer *t) {
         LOOM_TRY(train_step(t, &r));
         if (o->dump_grads) {
             LOOM_TRY(dump_grads(t));
-            fprintf(stderr, "train: wrote gradients of the first step to %s\n", o->dump_grads);
+            if (t->leader) fprintf(stderr, "train: wrote gradients of the first step to %s\n", o->dump_grads);
             return LOOM_OK;
         }
         double dt = cli_now() - t0;
-        train_report_step(&t->report, t->metrics, t->state.step, o->steps, r.loss, r.lr, r.info.grad_norm,
+        if (t->leader) train_report_step(&t->report, t->metrics, t->state.step, o->steps, r.loss, r.lr, r.info.grad_norm,
                           (double)o->grad_accum * o->batch * o->seq / dt, dt, t->scaler.scale, r.skipped,
                           (cli_now() - t_start) / (t->state.step - first_step) * (o->steps - t->state.step));
         if (t->val && o->eval_every > 0 && (t->state.step % o->eval_every == 0 || t->state.step == o->steps)) {
             double vl;
             LOOM_TRY(evaluate(t, &vl));
-            train_report_val(&t->report, t->metrics, t->state.step, vl);
+            if (t->leader) train_report_val(&t->report, t->metrics, t->state.step, vl);
         }
         if (o->ckpt_every > 0 && t->state.step % o->ckpt_every == 0 && t->state.step < o->steps)
             LOOM_TRY(save_checkpoint(t));
-        if (stop_signal) {
+        int stop = stop_signal; /* all ranks stop at the same step */
+        LOOM_TRY(loom_comm_allreduce_max_int(t->world, &stop, 1));
+        if (stop) {
             train_report_end_line(&t->report);
-            fprintf(stderr, "train: %s received at step %d; saving a checkpoint\n",
-                    stop_signal == SIGINT ? "SIGINT" : "SIGTERM", t->state.step);
+            if (t->leader)
+                fprintf(stderr, "train: %s received at step %d; saving a checkpoint\n",
+                        stop == SIGINT ? "SIGINT" : "SIGTERM", t->state.step);
             LOOM_TRY(save_checkpoint(t));
-            fprintf(stderr, "train: resume with: loom train ... --resume %s\n", o->out);
+            if (t->leader) fprintf(stderr, "train: resume with: loom train ... --resume %s\n", o->out);
             return LOOM_OK;
         }
     }
@@ -331,8 +391,9 @@ static loom_status train_loop(trainer *t) {
     LOOM_TRY(save_checkpoint(t));
     char model_dir[4200];
     snprintf(model_dir, sizeof model_dir, "%s/model", o->out);
-    LOOM_TRY(loom_model_dir_save(t->m, LOOM_F32, t->has_tokenizer ? t->tokenizer_path : NULL, model_dir));
-    fprintf(stderr, "train: done; model in %s\n", model_dir);
+    if (t->dist.dp_rank == 0)
+        LOOM_TRY(loom_model_dir_save(t->m, LOOM_F32, t->has_tokenizer ? t->tokenizer_path : NULL, model_dir));
+    if (t->leader) fprintf(stderr, "train: done; model in %s\n", model_dir);
     return LOOM_OK;
 }
 
@@ -342,7 +403,7 @@ static int run(int argc, char **argv) {
     train_opts *o = &t.o;
     *o = (train_opts){.out = "out", .preset = "tiny", .precision = "bf16", .master_grad = "on",
                       .recompute = "none", .recompute_mode = "nonreentrant", .batch = 8, .seq = 0,
-                      .grad_accum = 1, .steps = 100, .warmup = 10, .seed = 1337, .threads = 0, .eval_every = 50,
+                      .grad_accum = 1, .tp = 1, .steps = 100, .warmup = 10, .seed = 1337, .threads = 0, .eval_every = 50,
                       .eval_batches = 4, .ckpt_every = 0, .keep = 2, .log_every = 1, .lr = 1e-3f, .min_lr = -1.0f,
                       .weight_decay = 0.1f, .clip = 1.0f};
     const flag flags[] = {
@@ -373,6 +434,8 @@ static int run(int argc, char **argv) {
         {"ckpt-every", FLAG_INT, &o->ckpt_every, "N", "checkpoint every N steps; 0: only at the end (default 0)"},
         {"keep", FLAG_INT, &o->keep, "K", "checkpoints to keep (default 2)"},
         {"log-every", FLAG_INT, &o->log_every, "N", "plain progress line every N steps when not a terminal (default 1)"},
+        {"tp", FLAG_INT, &o->tp, "T", "tensor-parallel ranks per data-parallel group (mpirun; default 1)"},
+        {"zero", FLAG_INT, &o->zero, "0|1", "1: shard AdamW moments across data-parallel ranks (ZeRO-1; default 0)"},
         {"check-grads", FLAG_BOOL, &o->check_grads, NULL, "gradient audit after every backward"},
         {"dump-grads", FLAG_STRING, &o->dump_grads, "FILE", "write the first step's gradients (fp32 safetensors) and exit"},
         {"dump-logits", FLAG_STRING, &o->dump_logits, "FILE", "write the first micro-batch's logits and loss (fp32 safetensors)"},
@@ -386,39 +449,52 @@ static int run(int argc, char **argv) {
     loom_recompute_mode mode = LOOM_RECOMPUTE_NONE;
     if ((rc = parse_settings(&t, &prec, &mode))) return rc;
     if (o->threads > 0) loom_set_threads(o->threads);
+    if (o->zero != 0 && o->zero != 1) return cli_usage_error("train", "--zero expects 0 or 1");
     loom_rng_init(loom_rng_default(), (uint64_t)o->seed);
     loom_loss_scaler_init(&t.scaler, prec.compute == LOOM_F16);
 
     char resume_dir[4096] = "";
-    loom_status st = LOOM_OK;
-    if (o->resume) st = resolve_resume(o->resume, resume_dir, sizeof resume_dir);
+    loom_status st = loom_dist_init(&argc, &argv, &t.world);
+    if (st == LOOM_OK) st = loom_dist_layout(t.world, o->tp, &t.dist);
+    t.leader = loom_comm_rank(t.world) == 0;
+    if (st == LOOM_OK && o->resume) st = resolve_resume(o->resume, resume_dir, sizeof resume_dir);
     if (st == LOOM_OK) st = build_model(&t, prec, mode, *resume_dir ? resume_dir : NULL);
     if (st == LOOM_OK) st = open_data(&t);
     if (st == LOOM_OK && *resume_dir) st = restore(&t, resume_dir);
     if (st == LOOM_OK) st = loom_mkdir_p(o->out);
-    if (st == LOOM_OK) {
-        snprintf(t.tokenizer_path, sizeof t.tokenizer_path, "%s/tokenizer.json", o->data);
-        t.has_tokenizer = access(t.tokenizer_path, R_OK) == 0;
+    if (st == LOOM_OK && t.leader) {
         char path[4200];
         snprintf(path, sizeof path, "%s/metrics.jsonl", o->out);
         t.metrics = fopen(path, *resume_dir ? "a" : "w");
         if (!t.metrics) st = loom_error(LOOM_ERR_IO, "cannot write %s (is the output directory writable?)", path);
     }
     if (st == LOOM_OK) {
+        snprintf(t.tokenizer_path, sizeof t.tokenizer_path, "%s/tokenizer.json", o->data);
+        t.has_tokenizer = access(t.tokenizer_path, R_OK) == 0;
         train_report_init(&t.report, o->log_every);
-        fprintf(stderr, "train: %lld parameters, %s master_grad=%s recompute=%s, %d x %d sequences of %d tokens per step, %d threads\n",
-                (long long)loom_llama_n_weights(t.m), loom_dtype_name(prec.compute), prec.master_grad ? "on" : "off",
-                loom_recompute_mode_name(mode), o->grad_accum, o->batch, o->seq, loom_get_threads());
+        if (t.leader)
+            fprintf(stderr, "train: %lld parameters, %s master_grad=%s recompute=%s, %d x %d sequences of %d tokens "
+                    "per step and rank, %d threads, %d ranks (tp %d x dp %d%s)\n",
+                    (long long)loom_llama_n_weights(t.m) * t.dist.tp_size, loom_dtype_name(prec.compute),
+                    prec.master_grad ? "on" : "off", loom_recompute_mode_name(mode), o->grad_accum, o->batch, o->seq,
+                    loom_get_threads(), t.dist.world_size, t.dist.tp_size, t.dist.dp_size, o->zero ? ", ZeRO-1" : "");
         signal(SIGINT, on_signal);
         signal(SIGTERM, on_signal);
         st = train_loop(&t);
-        if (st == LOOM_OK && !o->dump_grads) {
+        if (st == LOOM_OK && !o->dump_grads && t.leader) {
             char path[4200];
             snprintf(path, sizeof path, "%s/loss.svg", o->out);
             if (train_report_plot(&t.report, path) == LOOM_OK) fprintf(stderr, "train: loss plot in %s\n", path);
         }
     }
     cleanup(&t);
+    if (st != LOOM_OK && loom_dist_is_distributed()) {
+        /* One rank's failure ends the whole job, never a hang. */
+        char msg[1200];
+        snprintf(msg, sizeof msg, "loom train: %s", loom_last_error());
+        loom_dist_abort(msg, 1);
+    }
+    loom_dist_finalize();
     return st == LOOM_OK ? 0 : cli_fail("train", st);
 }
 

@@ -31,7 +31,8 @@ loom_status loom_llama_config_load(const char *path, loom_llama_config *cfg);
 loom_status loom_llama_config_save(const loom_llama_config *cfg, loom_dtype weights_dtype, const char *path);
 
 /* Write weights as safetensors with Hugging Face names, stored in dtype dt
- * (from the fp32 masters). Atomic. */
+ * (from the fp32 masters, gathered over the TP group). Atomic. path NULL:
+ * only take part in the gathers. */
 loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *path);
 /* Load weights (any float dtype in the file) into masters and compute
  * copies; every parameter must be present with the model's shape (the
@@ -41,7 +42,9 @@ loom_status loom_llama_load_weights(loom_llama *m, const char *path);
 
 /* Write a model directory: config.json, model.safetensors (dtype dt) and,
  * if tokenizer_path is not NULL, a copy of it as tokenizer.json. The
- * directory is created if needed; files are replaced atomically. */
+ * directory is created if needed; files are replaced atomically. With
+ * tensor parallelism every TP rank calls it (weights are gathered) and TP
+ * rank 0 writes; dir may be NULL on the others. */
 loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokenizer_path, const char *dir);
 /* Create a model from a directory (config.json + model.safetensors) with
  * the given precision. */
@@ -60,12 +63,16 @@ typedef struct loom_train_state {
 
 /* Write checkpoint `dir` (which must not exist yet; it is created through a
  * temporary sibling and renamed): a model directory plus state.safetensors
- * with masters, moments and the state. */
-loom_status loom_checkpoint_save(const char *dir, loom_llama *m, loom_adamw *opt, const loom_train_state *st,
-                                 const char *tokenizer_path);
+ * with fp32 masters, the AdamW moments adam_m[i], adam_v[i] (this rank's
+ * shard of parameter i, numel floats each) and the state. With tensor
+ * parallelism every rank of the TP group calls it (tensors are gathered);
+ * TP rank 0 writes. The files hold full tensors, whatever the layout. */
+loom_status loom_checkpoint_save(const char *dir, loom_llama *m, float *const *adam_m, float *const *adam_v,
+                                 int adam_steps, const loom_train_state *st, const char *tokenizer_path);
 /* Restore masters, compute copies, moments and state from `dir` into a model
- * of the same configuration and an optimizer over m->params. */
-loom_status loom_checkpoint_load(const char *dir, loom_llama *m, loom_adamw *opt, loom_train_state *st);
+ * of the same configuration (any TP layout: each rank takes its shard). */
+loom_status loom_checkpoint_load(const char *dir, loom_llama *m, float *const *adam_m, float *const *adam_v,
+                                 int *adam_steps, loom_train_state *st);
 
 /* Checkpoints in `out_dir` are named ckpt-NNNNNNNN (the step, zero-padded).
  * Remove all but the newest `keep`. */

@@ -11,6 +11,7 @@
  *   loom/optim.h       AdamW, learning-rate schedules
  *   loom/io.h          files, safetensors, token shards, tokenizer
  *   loom/checkpoint.h  model directories, training checkpoints
+ *   loom/dist.h        communicators (MPI or single process), DP/TP layout
  */
 #ifndef LOOM_H
 #define LOOM_H
@@ -25,5 +26,6 @@
 #include "loom/optim.h"
 #include "loom/io.h"
 #include "loom/checkpoint.h"
+#include "loom/dist.h"
 
 #endif

@@ -8,6 +8,7 @@
 #include "loom/recompute.h"
 #include "loom/ops.h"
 #include "loom/amp.h"
+#include "loom/dist.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -60,10 +61,31 @@ struct loom_llama {
     loom_param **params;  /* every parameter, in Hugging Face order */
     int n_params;
     struct llama_block_args *block_args; /* per layer, valid until backward */
+    /* Tensor parallelism (Megatron): q/k/v and gate/up column-parallel,
+     * o and down row-parallel, heads split across the tp_size ranks of
+     * tp_comm; embeddings, norms and lm_head replicated. */
+    loom_comm *tp_comm;  /* borrowed; NULL or size 1: no tensor parallelism */
+    int tp_rank, tp_size;
 };
 
 /* Allocate a model with zero weights. Free with loom_llama_free. */
 loom_status loom_llama_new(const loom_llama_config *cfg, loom_precision prec, loom_llama **out);
+/* The same, holding this rank's shard of a tensor-parallel model over
+ * tp_comm (borrowed, must outlive the model). Heads and ffn_dim must divide
+ * by the group size. */
+loom_status loom_llama_new_tp(const loom_llama_config *cfg, loom_precision prec, loom_comm *tp_comm,
+                              loom_llama **out);
+/* Full (unsplit) shape of parameter i (rows, cols; cols 1 for vectors). */
+void loom_llama_param_full_shape(const loom_llama *m, int i, int64_t shape[2]);
+/* Parameter i's full fp32 master values (or gradient, as fp32) into `full`
+ * (rows*cols floats of the full shape). Collective over the TP group. */
+loom_status loom_llama_param_gather(loom_llama *m, int i, int grad, float *full);
+/* Set parameter i's master (and compute copy) from its full values. */
+void loom_llama_param_scatter(loom_llama *m, int i, const float *full);
+/* Any per-parameter fp32 array (e.g. an optimizer moment) of parameter i:
+ * this rank's shard -> full (collective over the TP group), and back. */
+loom_status loom_llama_tp_gather(loom_llama *m, int i, const float *local, float *full);
+void loom_llama_tp_shard(const loom_llama *m, int i, const float *full, float *local);
 void loom_llama_free(loom_llama *m);
 /* Normal(0, 0.02) weights, residual projections (o_proj, down_proj) scaled
  * by 1/sqrt(2 L), norms 1; reproducible from the seed alone. */

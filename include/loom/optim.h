@@ -10,6 +10,8 @@
 #define LOOM_OPTIM_H
 
 #include "loom/autograd.h"
+#include "loom/amp.h"
+#include "loom/dist.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -35,6 +37,35 @@ int loom_adamw_steps(const loom_adamw *opt);
 float *loom_adamw_m(loom_adamw *opt, int i);
 float *loom_adamw_v(loom_adamw *opt, int i);
 void loom_adamw_set_steps(loom_adamw *opt, int steps);
+
+/* ------------------------------------------- data parallel and ZeRO-1 */
+
+/* The optimizer of a (possibly) distributed job:
+ *  - one process: AdamW as above;
+ *  - data parallel: gradients all-reduced (sum, fp32, in buckets) across
+ *    the DP group, then every rank takes the same step;
+ *  - zero = 1: fp32 moments sharded across the DP ranks: gradients are
+ *    reduce-scattered, each rank updates its shard of the masters, and the
+ *    updated masters are all-gathered.
+ * With tensor parallelism the global gradient norm sums split parameters
+ * over the TP group and counts replicated ones once. The loss scale must
+ * already fold in 1/(dp_size) so that summed gradients are averages. */
+typedef struct loom_dist_optim loom_dist_optim;
+
+loom_status loom_dist_optim_new(const loom_adamw_config *cfg, loom_param *const *params, int n, const loom_dist *dist,
+                                int zero, loom_dist_optim **out);
+void loom_dist_optim_free(loom_dist_optim *o);
+/* After the last backward of a step: make gradients global, check for
+ * NaN/Inf and compute the norm and multiplier (as loom_amp_prepare_step). */
+loom_status loom_dist_optim_prepare(loom_dist_optim *o, const loom_loss_scaler *scaler, float max_norm,
+                                    loom_step_info *info);
+loom_status loom_dist_optim_step(loom_dist_optim *o, float lr, float grad_multiplier);
+int loom_dist_optim_steps(const loom_dist_optim *o);
+void loom_dist_optim_set_steps(loom_dist_optim *o, int steps);
+/* Parameter i's moments (this rank's TP shard, numel floats each): read
+ * (collective over the DP group with ZeRO) and write. */
+loom_status loom_dist_optim_get_moments(loom_dist_optim *o, int i, float *m, float *v);
+void loom_dist_optim_set_moments(loom_dist_optim *o, int i, const float *m, const float *v);
 
 /* Linear warmup over `warmup` steps to max_lr, then cosine decay to min_lr
  * at `total` steps. step counts from 0. */

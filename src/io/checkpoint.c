@@ -51,21 +51,47 @@ typedef struct meta_kv {
     char value[64];
 } meta_kv;
 
-static loom_status write_state(const char *path, loom_llama *m, loom_adamw *opt, const loom_train_state *st) {
+/* Full fp32 copies of what a TP shard holds, gathered over the TP group. */
+typedef struct gathered {
+    float **bufs;
+    int n;
+} gathered;
+
+static void gathered_free(gathered *g) {
+    for (int i = 0; i < g->n; i++) free(g->bufs[i]);
+    free(g->bufs);
+}
+
+static loom_status gather_full(loom_llama *m, int i, const float *local, gathered *g, float **out) {
+    int64_t fs[2];
+    loom_llama_param_full_shape(m, i, fs);
+    float *full = malloc((size_t)(fs[0] * fs[1]) * sizeof(float) + 1);
+    if (!full) return loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
+    g->bufs[g->n++] = full;
+    *out = full;
+    return loom_llama_tp_gather(m, i, local, full);
+}
+
+static loom_status write_state(const char *path, loom_llama *m, float *const *adam_m, float *const *adam_v,
+                               int adam_steps, const loom_train_state *st) {
     loom_safetensors_writer *w;
     LOOM_TRY(loom_safetensors_writer_init(&w));
-    loom_status s = LOOM_OK;
+    gathered g = {calloc((size_t)(3 * m->n_params + 1), sizeof(float *)), 0};
+    loom_status s = g.bufs ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
     char name[256];
     for (int i = 0; i < m->n_params && s == LOOM_OK; i++) {
         loom_param *p = m->params[i];
-        const int64_t *shape = p->tensor->shape;
+        int64_t fs[2];
+        loom_llama_param_full_shape(m, i, fs);
         int nd = p->tensor->ndim;
-        snprintf(name, sizeof name, "master.%s", p->name);
-        s = loom_safetensors_writer_add(w, name, LOOM_SAFETENSORS_F32, shape, nd, loom_param_master(p));
-        snprintf(name, sizeof name, "adam_m.%s", p->name);
-        if (s == LOOM_OK) s = loom_safetensors_writer_add(w, name, LOOM_SAFETENSORS_F32, shape, nd, loom_adamw_m(opt, i));
-        snprintf(name, sizeof name, "adam_v.%s", p->name);
-        if (s == LOOM_OK) s = loom_safetensors_writer_add(w, name, LOOM_SAFETENSORS_F32, shape, nd, loom_adamw_v(opt, i));
+        const char *prefix[3] = {"master", "adam_m", "adam_v"};
+        const float *local[3] = {loom_param_master(p), adam_m[i], adam_v[i]};
+        for (int k = 0; k < 3 && s == LOOM_OK; k++) {
+            float *full = NULL;
+            s = gather_full(m, i, local[k], &g, &full);
+            snprintf(name, sizeof name, "%s.%s", prefix[k], p->name);
+            if (s == LOOM_OK) s = loom_safetensors_writer_add(w, name, LOOM_SAFETENSORS_F32, fs, nd, full);
+        }
     }
     meta_kv meta[] = {
         {"loom_checkpoint_version", ""}, {"step", ""}, {"adam_steps", ""}, {"rng_seed", ""}, {"rng_offset", ""},
@@ -74,7 +100,7 @@ static loom_status write_state(const char *path, loom_llama *m, loom_adamw *opt,
     };
     snprintf(meta[0].value, 64, "1");
     snprintf(meta[1].value, 64, "%d", st->step);
-    snprintf(meta[2].value, 64, "%d", loom_adamw_steps(opt));
+    snprintf(meta[2].value, 64, "%d", adam_steps);
     snprintf(meta[3].value, 64, "%" PRIu64, st->rng_seed);
     snprintf(meta[4].value, 64, "%" PRIu64, st->rng_offset);
     snprintf(meta[5].value, 64, "%" PRIu64, st->data.epoch);
@@ -86,14 +112,20 @@ static loom_status write_state(const char *path, loom_llama *m, loom_adamw *opt,
     snprintf(meta[11].value, 64, "%" PRIu64, st->tokens_seen);
     for (size_t k = 0; k < sizeof meta / sizeof meta[0] && s == LOOM_OK; k++)
         s = loom_safetensors_writer_set_metadata(w, meta[k].key, meta[k].value);
-    if (s == LOOM_OK) s = loom_safetensors_writer_write(w, path);
+    if (s == LOOM_OK && m->tp_rank == 0) s = loom_safetensors_writer_write(w, path);
     loom_safetensors_writer_free(w);
+    gathered_free(&g);
     return s;
 }
 
-loom_status loom_checkpoint_save(const char *dir, loom_llama *m, loom_adamw *opt, const loom_train_state *st,
-                                 const char *tokenizer_path) {
+loom_status loom_checkpoint_save(const char *dir, loom_llama *m, float *const *adam_m, float *const *adam_v,
+                                 int adam_steps, const loom_train_state *st, const char *tokenizer_path) {
     struct stat sb;
+    if (m->tp_rank != 0) {
+        /* Take part in the gathers; TP rank 0 writes. */
+        LOOM_TRY(loom_model_dir_save(m, LOOM_F32, NULL, NULL));
+        return write_state(NULL, m, adam_m, adam_v, adam_steps, st);
+    }
     if (stat(dir, &sb) == 0)
         return loom_error(LOOM_ERR_IO, "checkpoint %s already exists; refusing to overwrite it", dir);
     char tmp[4096], path[4200];
@@ -103,7 +135,7 @@ loom_status loom_checkpoint_save(const char *dir, loom_llama *m, loom_adamw *opt
     loom_status s = loom_model_dir_save(m, LOOM_F32, tokenizer_path, tmp);
     if (s == LOOM_OK) {
         snprintf(path, sizeof path, "%s/state.safetensors", tmp);
-        s = write_state(path, m, opt, st);
+        s = write_state(path, m, adam_m, adam_v, adam_steps, st);
     }
     if (s == LOOM_OK && rename(tmp, dir) != 0)
         s = loom_error(LOOM_ERR_IO, "cannot rename %s to %s: %s", tmp, dir, strerror(errno));
@@ -128,7 +160,20 @@ static loom_status meta_u64(const loom_safetensors *sf, const char *path, const 
     return LOOM_OK;
 }
 
-loom_status loom_checkpoint_load(const char *dir, loom_llama *m, loom_adamw *opt, loom_train_state *st) {
+/* Read a full tensor and keep this rank's shard. */
+static loom_status read_shard(loom_safetensors *sf, loom_llama *m, int i, const char *name, float *local) {
+    int64_t fs[2];
+    loom_llama_param_full_shape(m, i, fs);
+    float *full = malloc((size_t)(fs[0] * fs[1]) * sizeof(float) + 1);
+    if (!full) return loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
+    loom_status s = loom_safetensors_read(sf, name, LOOM_F32, fs, m->params[i]->tensor->ndim, full);
+    if (s == LOOM_OK) loom_llama_tp_shard(m, i, full, local);
+    free(full);
+    return s;
+}
+
+loom_status loom_checkpoint_load(const char *dir, loom_llama *m, float *const *adam_m, float *const *adam_v,
+                                 int *adam_steps, loom_train_state *st) {
     char path[4200];
     loom_llama_config cfg;
     snprintf(path, sizeof path, "%s/config.json", dir);
@@ -144,14 +189,12 @@ loom_status loom_checkpoint_load(const char *dir, loom_llama *m, loom_adamw *opt
     char name[256];
     for (int i = 0; i < m->n_params && s == LOOM_OK; i++) {
         loom_param *p = m->params[i];
-        const int64_t *shape = p->tensor->shape;
-        int nd = p->tensor->ndim;
         snprintf(name, sizeof name, "master.%s", p->name);
-        s = loom_safetensors_read(sf, name, LOOM_F32, shape, nd, loom_param_master(p));
+        s = read_shard(sf, m, i, name, loom_param_master(p));
         snprintf(name, sizeof name, "adam_m.%s", p->name);
-        if (s == LOOM_OK) s = loom_safetensors_read(sf, name, LOOM_F32, shape, nd, loom_adamw_m(opt, i));
+        if (s == LOOM_OK) s = read_shard(sf, m, i, name, adam_m[i]);
         snprintf(name, sizeof name, "adam_v.%s", p->name);
-        if (s == LOOM_OK) s = loom_safetensors_read(sf, name, LOOM_F32, shape, nd, loom_adamw_v(opt, i));
+        if (s == LOOM_OK) s = read_shard(sf, m, i, name, adam_v[i]);
         if (s == LOOM_OK) loom_param_sync_from_master(p);
     }
     uint64_t v[10] = {0};
@@ -163,7 +206,7 @@ loom_status loom_checkpoint_load(const char *dir, loom_llama *m, loom_adamw *opt
     if (s == LOOM_OK) {
         memset(st, 0, sizeof *st);
         st->step = (int)v[0];
-        loom_adamw_set_steps(opt, (int)v[1]);
+        *adam_steps = (int)v[1];
         st->rng_seed = v[2];
         st->rng_offset = v[3];
         st->data.epoch = v[4];

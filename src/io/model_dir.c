@@ -115,18 +115,26 @@ loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *pa
     loom_safetensors_writer *w;
     LOOM_TRY(loom_safetensors_writer_init(&w));
     void **bufs = calloc((size_t)m->n_params, sizeof *bufs);
+    float *full = NULL;
     loom_status st = bufs ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "save weights: out of memory");
     for (int i = 0; i < m->n_params && st == LOOM_OK; i++) {
         loom_param *p = m->params[i];
-        size_t n = (size_t)loom_param_numel(p);
+        int64_t fs[2];
+        loom_llama_param_full_shape(m, i, fs);
+        size_t n = (size_t)(fs[0] * fs[1]);
+        full = malloc(n * sizeof(float) + 1);
         bufs[i] = malloc(n * loom_dtype_size(dt) + 1);
-        if (!bufs[i]) { st = loom_error(LOOM_ERR_NOMEM, "save weights: out of memory"); break; }
-        loom_convert(bufs[i], dt, loom_param_master(p), LOOM_F32, n);
-        st = loom_safetensors_writer_add(w, p->name, loom_safetensors_dtype_of(dt), p->tensor->shape, p->tensor->ndim,
-                                         bufs[i]);
+        if (!full || !bufs[i]) { st = loom_error(LOOM_ERR_NOMEM, "save weights: out of memory"); break; }
+        st = loom_llama_param_gather(m, i, 0, full); /* collective over the TP group */
+        if (st == LOOM_OK) loom_convert(bufs[i], dt, full, LOOM_F32, n);
+        free(full);
+        full = NULL;
+        if (st == LOOM_OK)
+            st = loom_safetensors_writer_add(w, p->name, loom_safetensors_dtype_of(dt), fs, p->tensor->ndim, bufs[i]);
     }
+    free(full);
     if (st == LOOM_OK) st = loom_safetensors_writer_set_metadata(w, "format", "pt");
-    if (st == LOOM_OK) st = loom_safetensors_writer_write(w, path);
+    if (st == LOOM_OK && path) st = loom_safetensors_writer_write(w, path);
     for (int i = 0; bufs && i < m->n_params; i++) free(bufs[i]);
     free(bufs);
     loom_safetensors_writer_free(w);
@@ -144,9 +152,14 @@ loom_status loom_llama_load_weights(loom_llama *m, const char *path) {
                             "configuration?)", path, p->name);
             break;
         }
-        st = loom_safetensors_read(sf, p->name, LOOM_F32, p->tensor->shape, p->tensor->ndim, loom_param_master(p));
+        int64_t fs[2];
+        loom_llama_param_full_shape(m, i, fs);
+        float *full = malloc((size_t)(fs[0] * fs[1]) * sizeof(float) + 1);
+        if (!full) { st = loom_error(LOOM_ERR_NOMEM, "load weights: out of memory"); break; }
+        st = loom_safetensors_read(sf, p->name, LOOM_F32, fs, p->tensor->ndim, full);
         if (st != LOOM_OK) st = loom_error(st, "%s (the config and the weights disagree)", loom_last_error());
-        else loom_param_sync_from_master(p);
+        else loom_llama_param_scatter(m, i, full);
+        free(full);
     }
     loom_safetensors_close(sf);
     return st;
@@ -159,6 +172,7 @@ static loom_status join(char *buf, size_t n, const char *dir, const char *file) 
 
 loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokenizer_path, const char *dir) {
     char path[4096];
+    if (m->tp_rank != 0 || !dir) return loom_llama_save_weights(m, dt, NULL); /* the gathers only */
     LOOM_TRY(loom_mkdir_p(dir));
     LOOM_TRY(join(path, sizeof path, dir, "config.json"));
     LOOM_TRY(loom_llama_config_save(&m->cfg, dt, path));

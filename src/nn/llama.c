@@ -4,6 +4,7 @@
  * checkpoint region. Every linear is the fused linear.
  */
 #include "loom/loom.h"
+#include "nn/tp.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -49,22 +50,38 @@ loom_status loom_llama_config_validate(const loom_llama_config *c) {
     return LOOM_OK;
 }
 
+/* split: -1 replicated, 0 rows split (column-parallel), 1 columns split
+ * (row-parallel) across the TP group. Shapes given are full. */
 static loom_status add_param(loom_llama *m, const char *name, loom_dtype dt, int ndim, int64_t d0, int64_t d1,
-                             loom_param **out) {
+                             int split, loom_param **out) {
     int64_t shape[2] = {d0, d1};
+    if (split >= 0) shape[split] /= m->tp_size;
     LOOM_TRY(loom_param_new(name, dt, ndim, shape, m->prec.master_grad, out));
     m->params[m->n_params++] = *out;
+    (*out)->tp_split_dim = m->tp_size > 1 ? split : -1;
     if (ndim == 1) (*out)->no_weight_decay = 1;
     return LOOM_OK;
 }
 
 loom_status loom_llama_new(const loom_llama_config *cfg, loom_precision prec, loom_llama **out) {
+    return loom_llama_new_tp(cfg, prec, NULL, out);
+}
+
+loom_status loom_llama_new_tp(const loom_llama_config *cfg, loom_precision prec, loom_comm *tp_comm,
+                              loom_llama **out) {
     *out = NULL;
     LOOM_TRY(loom_llama_config_validate(cfg));
+    int T = tp_comm ? loom_comm_size(tp_comm) : 1;
+    if (cfg->n_kv_heads % T || cfg->ffn_dim % T)
+        return loom_error(LOOM_ERR_INVALID, "tensor parallel %d: the %d kv heads, %d heads and ffn %d must divide by it",
+                          T, cfg->n_kv_heads, cfg->n_heads, cfg->ffn_dim);
     loom_llama *m = calloc(1, sizeof *m);
     if (!m) return loom_error(LOOM_ERR_NOMEM, "llama: out of memory");
     m->cfg = *cfg;
     m->prec = prec;
+    m->tp_comm = tp_comm;
+    m->tp_size = T;
+    m->tp_rank = tp_comm ? loom_comm_rank(tp_comm) : 0;
     int L = cfg->n_layers, C = cfg->dim, HS = cfg->dim / cfg->n_heads, KV = cfg->n_kv_heads * HS;
     m->layers = calloc((size_t)L, sizeof *m->layers);
     m->params = calloc((size_t)(9 * L + 3), sizeof *m->params);
@@ -72,29 +89,29 @@ loom_status loom_llama_new(const loom_llama_config *cfg, loom_precision prec, lo
     if (!m->layers || !m->params || !m->block_args) { loom_llama_free(m); return LOOM_ERR_NOMEM; }
     loom_dtype dt = prec.compute;
     char name[160];
-    loom_status st = add_param(m, "model.embed_tokens.weight", dt, 2, cfg->vocab_size, C, &m->embed);
+    loom_status st = add_param(m, "model.embed_tokens.weight", dt, 2, cfg->vocab_size, C, -1, &m->embed);
     for (int l = 0; l < L && st == LOOM_OK; l++) {
         loom_llama_layer *y = &m->layers[l];
-        struct { const char *suffix; int ndim; int64_t d0, d1; loom_param **slot; } spec[] = {
-            {"input_layernorm.weight", 1, C, 0, &y->attn_norm},
-            {"self_attn.q_proj.weight", 2, C, C, &y->wq},
-            {"self_attn.k_proj.weight", 2, KV, C, &y->wk},
-            {"self_attn.v_proj.weight", 2, KV, C, &y->wv},
-            {"self_attn.o_proj.weight", 2, C, C, &y->wo},
-            {"post_attention_layernorm.weight", 1, C, 0, &y->mlp_norm},
-            {"mlp.gate_proj.weight", 2, cfg->ffn_dim, C, &y->w_gate},
-            {"mlp.up_proj.weight", 2, cfg->ffn_dim, C, &y->w_up},
-            {"mlp.down_proj.weight", 2, C, cfg->ffn_dim, &y->w_down},
+        struct { const char *suffix; int ndim; int64_t d0, d1; int split; loom_param **slot; } spec[] = {
+            {"input_layernorm.weight", 1, C, 0, -1, &y->attn_norm},
+            {"self_attn.q_proj.weight", 2, C, C, 0, &y->wq},
+            {"self_attn.k_proj.weight", 2, KV, C, 0, &y->wk},
+            {"self_attn.v_proj.weight", 2, KV, C, 0, &y->wv},
+            {"self_attn.o_proj.weight", 2, C, C, 1, &y->wo},
+            {"post_attention_layernorm.weight", 1, C, 0, -1, &y->mlp_norm},
+            {"mlp.gate_proj.weight", 2, cfg->ffn_dim, C, 0, &y->w_gate},
+            {"mlp.up_proj.weight", 2, cfg->ffn_dim, C, 0, &y->w_up},
+            {"mlp.down_proj.weight", 2, C, cfg->ffn_dim, 1, &y->w_down},
         };
         for (size_t i = 0; i < sizeof spec / sizeof spec[0] && st == LOOM_OK; i++) {
             snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[i].suffix);
-            st = add_param(m, name, dt, spec[i].ndim, spec[i].d0, spec[i].d1, spec[i].slot);
+            st = add_param(m, name, dt, spec[i].ndim, spec[i].d0, spec[i].d1, spec[i].split, spec[i].slot);
         }
     }
-    if (st == LOOM_OK) st = add_param(m, "model.norm.weight", dt, 1, C, 0, &m->final_norm);
+    if (st == LOOM_OK) st = add_param(m, "model.norm.weight", dt, 1, C, 0, -1, &m->final_norm);
     if (st == LOOM_OK) {
         if (cfg->tie_embeddings) m->lm_head = m->embed;
-        else st = add_param(m, "lm_head.weight", dt, 2, cfg->vocab_size, C, &m->lm_head);
+        else st = add_param(m, "lm_head.weight", dt, 2, cfg->vocab_size, C, -1, &m->lm_head);
     }
     if (st != LOOM_OK) { loom_llama_free(m); return st; }
     *out = m;
@@ -122,12 +139,50 @@ int64_t loom_llama_n_weights(const loom_llama *m) {
     return n;
 }
 
+void loom_llama_param_full_shape(const loom_llama *m, int i, int64_t shape[2]) {
+    tp_full_shape(m->params[i], m->tp_size, shape);
+}
+
+void loom_llama_param_scatter(loom_llama *m, int i, const float *full) {
+    loom_param *p = m->params[i];
+    tp_take_shard(p, m->tp_rank, m->tp_size, full, loom_param_master(p));
+    loom_param_sync_from_master(p);
+}
+
+loom_status loom_llama_tp_gather(loom_llama *m, int i, const float *local, float *full) {
+    return tp_gather(m->tp_comm, m->params[i], local, full);
+}
+
+void loom_llama_tp_shard(const loom_llama *m, int i, const float *full, float *local) {
+    tp_take_shard(m->params[i], m->tp_rank, m->tp_size, full, local);
+}
+
+loom_status loom_llama_param_gather(loom_llama *m, int i, int grad, float *full) {
+    loom_param *p = m->params[i];
+    const float *src = loom_param_master(p);
+    float *tmp = NULL;
+    if (grad) {
+        tmp = malloc((size_t)loom_param_numel(p) * sizeof(float) + 1);
+        if (!tmp) return loom_error(LOOM_ERR_NOMEM, "gather %s: out of memory", p->name);
+        loom_param_read_grad(p, tmp);
+        src = tmp;
+    }
+    loom_status st = tp_gather(m->tp_comm, p, src, full);
+    free(tmp);
+    return st;
+}
+
 void loom_llama_init_weights(loom_llama *m, uint64_t seed) {
     float resid_std = 0.02f / sqrtf(2.0f * (float)m->cfg.n_layers);
     for (int i = 0; i < m->n_params; i++) {
         loom_param *p = m->params[i];
-        size_t n = (size_t)loom_param_numel(p);
-        float *w = loom_param_master(p);
+        int64_t fs[2];
+        loom_llama_param_full_shape(m, i, fs);
+        size_t n = (size_t)(fs[0] * fs[1]);
+        /* The full tensor is drawn on every rank, then sliced: a TP model
+         * starts from exactly the weights of the single-process one. */
+        float *w = p->tp_split_dim >= 0 ? malloc(n * sizeof *w) : loom_param_master(p);
+        LOOM_ASSERT(w != NULL);
         if (p->tensor->ndim == 1) {
             for (size_t k = 0; k < n; k++) w[k] = 1.0f;
         } else {
@@ -135,7 +190,12 @@ void loom_llama_init_weights(loom_llama *m, uint64_t seed) {
             /* Each parameter draws from its own stream: offset i << 40. */
             loom_rng_normal(w, n, 0.0f, resid ? resid_std : 0.02f, seed, (uint64_t)i << 40);
         }
-        loom_param_sync_from_master(p);
+        if (p->tp_split_dim >= 0) {
+            loom_llama_param_scatter(m, i, w);
+            free(w);
+        } else {
+            loom_param_sync_from_master(p);
+        }
     }
 }
 
@@ -162,33 +222,42 @@ static loom_status project_heads(loom_tensor *h, loom_param *w, int B, int T, in
     return st;
 }
 
+/* Heads are split across the TP group: each rank runs NH/T query heads and
+ * NKV/T kv heads; o_proj's partial sums are all-reduced (g), and the
+ * normalised input's gradient is all-reduced (f). */
 static loom_status attention_part(const struct llama_block_args *a, loom_tensor *x, loom_tensor **out) {
-    const loom_llama_config *c = &a->m->cfg;
-    const loom_llama_layer *y = &a->m->layers[a->layer];
-    int HS = c->dim / c->n_heads;
-    loom_tensor *h = NULL, *q = NULL, *k = NULL, *v = NULL, *att = NULL, *att2 = NULL;
-    int64_t flat[2] = {(int64_t)a->B * a->T, c->dim};
-    loom_status st = loom_rmsnorm(x, y->attn_norm->tensor, c->norm_eps, &h);
-    if (st == LOOM_OK) st = project_heads(h, y->wq, a->B, a->T, c->n_heads, HS, c->rope_theta, 1, &q);
-    if (st == LOOM_OK) st = project_heads(h, y->wk, a->B, a->T, c->n_kv_heads, HS, c->rope_theta, 1, &k);
-    if (st == LOOM_OK) st = project_heads(h, y->wv, a->B, a->T, c->n_kv_heads, HS, c->rope_theta, 0, &v);
+    const loom_llama *m = a->m;
+    const loom_llama_config *c = &m->cfg;
+    const loom_llama_layer *y = &m->layers[a->layer];
+    int HS = c->dim / c->n_heads, NH = c->n_heads / m->tp_size, NKV = c->n_kv_heads / m->tp_size;
+    loom_tensor *hn = NULL, *h = NULL, *q = NULL, *k = NULL, *v = NULL, *att = NULL, *att2 = NULL, *o = NULL;
+    int64_t flat[2] = {(int64_t)a->B * a->T, (int64_t)NH * HS};
+    loom_status st = loom_rmsnorm(x, y->attn_norm->tensor, c->norm_eps, &hn);
+    if (st == LOOM_OK) st = tp_copy(m->tp_comm, hn, &h);
+    if (st == LOOM_OK) st = project_heads(h, y->wq, a->B, a->T, NH, HS, c->rope_theta, 1, &q);
+    if (st == LOOM_OK) st = project_heads(h, y->wk, a->B, a->T, NKV, HS, c->rope_theta, 1, &k);
+    if (st == LOOM_OK) st = project_heads(h, y->wv, a->B, a->T, NKV, HS, c->rope_theta, 0, &v);
     if (st == LOOM_OK) st = loom_attention(q, k, v, &att);
     if (st == LOOM_OK) st = loom_reshape(att, 2, flat, &att2);
-    if (st == LOOM_OK) st = loom_fused_linear(att2, y->wo->tensor, NULL, out);
-    RELEASE(h, q, k, v, att, att2);
+    if (st == LOOM_OK) st = loom_fused_linear(att2, y->wo->tensor, NULL, &o);
+    if (st == LOOM_OK) st = tp_reduce(m->tp_comm, o, out);
+    RELEASE(hn, h, q, k, v, att, att2, o);
     return st;
 }
 
 static loom_status mlp_part(const struct llama_block_args *a, loom_tensor *x, loom_tensor **out) {
-    const loom_llama_config *c = &a->m->cfg;
-    const loom_llama_layer *y = &a->m->layers[a->layer];
-    loom_tensor *h = NULL, *g = NULL, *u = NULL, *s = NULL;
-    loom_status st = loom_rmsnorm(x, y->mlp_norm->tensor, c->norm_eps, &h);
+    const loom_llama *m = a->m;
+    const loom_llama_config *c = &m->cfg;
+    const loom_llama_layer *y = &m->layers[a->layer];
+    loom_tensor *hn = NULL, *h = NULL, *g = NULL, *u = NULL, *s = NULL, *d = NULL;
+    loom_status st = loom_rmsnorm(x, y->mlp_norm->tensor, c->norm_eps, &hn);
+    if (st == LOOM_OK) st = tp_copy(m->tp_comm, hn, &h);
     if (st == LOOM_OK) st = loom_fused_linear(h, y->w_gate->tensor, NULL, &g);
     if (st == LOOM_OK) st = loom_fused_linear(h, y->w_up->tensor, NULL, &u);
     if (st == LOOM_OK) st = loom_swiglu(g, u, &s);
-    if (st == LOOM_OK) st = loom_fused_linear(s, y->w_down->tensor, NULL, out);
-    RELEASE(h, g, u, s);
+    if (st == LOOM_OK) st = loom_fused_linear(s, y->w_down->tensor, NULL, &d);
+    if (st == LOOM_OK) st = tp_reduce(m->tp_comm, d, out);
+    RELEASE(hn, h, g, u, s, d);
     return st;
 }
 

@@ -1,0 +1,66 @@
+/*
+ * loom/dist.h — communicators: an Open MPI backend and a single-process
+ * backend behind one interface, plus the data-parallel / tensor-parallel
+ * layout of a job.
+ *
+ * A build without MPI, or a process not started by mpirun, gets the
+ * single-process backend: every collective is a copy or a no-op. Errors
+ * from MPI come back as LOOM_ERR_DIST with MPI's message; a process that
+ * cannot continue calls loom_dist_abort, which ends the whole job (never a
+ * hang waiting for a dead rank).
+ */
+#ifndef LOOM_DIST_H
+#define LOOM_DIST_H
+
+#include "loom/core.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct loom_comm loom_comm;
+
+/* Initialise (MPI_Init when launched by mpirun and built with MPI). Returns
+ * the world communicator (owned by loom; freed by loom_dist_finalize). */
+loom_status loom_dist_init(int *argc, char ***argv, loom_comm **world);
+void loom_dist_finalize(void);
+/* Print "loom: rank R: message" and end every process of the job. */
+void loom_dist_abort(const char *message, int code) __attribute__((noreturn));
+/* Whether this process runs under MPI with more than one rank. */
+int loom_dist_is_distributed(void);
+
+int loom_comm_rank(const loom_comm *c);
+int loom_comm_size(const loom_comm *c);
+/* Ranks with the same color form one new communicator, ordered by key. */
+loom_status loom_comm_split(loom_comm *c, int color, int key, loom_comm **out);
+void loom_comm_free(loom_comm *c);
+
+/* In-place sum over all ranks. */
+loom_status loom_comm_allreduce_sum_f32(loom_comm *c, float *buf, size_t n);
+loom_status loom_comm_allreduce_sum_f64(loom_comm *c, double *buf, size_t n);
+/* In-place maximum (e.g. found-inf flags). */
+loom_status loom_comm_allreduce_max_int(loom_comm *c, int *buf, size_t n);
+/* recv (n floats) = sum over ranks of send[rank * n .. (rank + 1) * n). */
+loom_status loom_comm_reduce_scatter_f32(loom_comm *c, const float *send, float *recv, size_t n);
+/* recv (size * n floats) = every rank's send (n floats), in rank order. */
+loom_status loom_comm_allgather_f32(loom_comm *c, const float *send, float *recv, size_t n);
+loom_status loom_comm_broadcast(loom_comm *c, void *buf, size_t bytes, int root);
+loom_status loom_comm_barrier(loom_comm *c);
+
+/* The layout of a job of `world` ranks with tensor-parallel degree tp:
+ * consecutive ranks form a tensor-parallel group; ranks with the same
+ * position in their TP group form a data-parallel group. */
+typedef struct loom_dist {
+    loom_comm *world, *tp, *dp;
+    int rank, world_size;
+    int tp_rank, tp_size;
+    int dp_rank, dp_size;
+} loom_dist;
+
+loom_status loom_dist_layout(loom_comm *world, int tp, loom_dist *out);
+void loom_dist_layout_free(loom_dist *d);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

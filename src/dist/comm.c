@@ -1,0 +1,220 @@
+/*
+ * comm.c — communicators over Open MPI, or a single process.
+ * Owns: MPI initialisation and error handling (MPI_ERRORS_RETURN, every
+ * return code checked, messages through loom_error), the TP/DP layout.
+ * Must never: hang on an error it knows about (loom_dist_abort ends the job).
+ */
+#include "loom/dist.h"
+
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if LOOM_HAVE_MPI
+#include <mpi.h>
+#endif
+
+struct loom_comm {
+    int rank, size;
+    int owned; /* free the MPI communicator on loom_comm_free */
+#if LOOM_HAVE_MPI
+    MPI_Comm mpi;
+#endif
+};
+
+static loom_comm world_comm = {0, 1, 0
+#if LOOM_HAVE_MPI
+                               , 0
+#endif
+};
+static int mpi_active;
+
+int loom_dist_is_distributed(void) { return mpi_active && world_comm.size > 1; }
+
+#if LOOM_HAVE_MPI
+static loom_status mpi_check(int rc, const char *what) {
+    if (rc == MPI_SUCCESS) return LOOM_OK;
+    char msg[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    MPI_Error_string(rc, msg, &len);
+    return loom_error(LOOM_ERR_DIST, "%s failed on rank %d: %s", what, world_comm.rank, msg);
+}
+
+static int launched_by_mpirun(void) {
+    return getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("PMIX_RANK") || getenv("PMI_RANK");
+}
+#endif
+
+loom_status loom_dist_init(int *argc, char ***argv, loom_comm **world) {
+    *world = &world_comm;
+#if LOOM_HAVE_MPI
+    if (!launched_by_mpirun() || mpi_active) return LOOM_OK;
+    int provided;
+    LOOM_TRY(mpi_check(MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided), "MPI_Init"));
+    mpi_active = 1;
+    world_comm.mpi = MPI_COMM_WORLD;
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(MPI_COMM_WORLD, &world_comm.rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &world_comm.size);
+#else
+    (void)argc; (void)argv;
+#endif
+    return LOOM_OK;
+}
+
+void loom_dist_finalize(void) {
+#if LOOM_HAVE_MPI
+    if (mpi_active) MPI_Finalize();
+    mpi_active = 0;
+#endif
+}
+
+void loom_dist_abort(const char *message, int code) {
+    if (world_comm.size > 1) fprintf(stderr, "loom: rank %d: %s\n", world_comm.rank, message);
+    else fprintf(stderr, "%s\n", message);
+    fflush(stderr);
+#if LOOM_HAVE_MPI
+    if (mpi_active && world_comm.size > 1) MPI_Abort(MPI_COMM_WORLD, code);
+#endif
+    exit(code);
+}
+
+int loom_comm_rank(const loom_comm *c) { return c->rank; }
+int loom_comm_size(const loom_comm *c) { return c->size; }
+
+loom_status loom_comm_split(loom_comm *c, int color, int key, loom_comm **out) {
+    loom_comm *n = calloc(1, sizeof *n);
+    if (!n) return loom_error(LOOM_ERR_NOMEM, "comm_split: out of memory");
+    n->rank = 0;
+    n->size = 1;
+#if LOOM_HAVE_MPI
+    if (mpi_active) {
+        loom_status st = mpi_check(MPI_Comm_split(c->mpi, color, key, &n->mpi), "MPI_Comm_split");
+        if (st != LOOM_OK) { free(n); return st; }
+        MPI_Comm_set_errhandler(n->mpi, MPI_ERRORS_RETURN);
+        MPI_Comm_rank(n->mpi, &n->rank);
+        MPI_Comm_size(n->mpi, &n->size);
+        n->owned = 1;
+    }
+#else
+    (void)c; (void)color; (void)key;
+#endif
+    *out = n;
+    return LOOM_OK;
+}
+
+void loom_comm_free(loom_comm *c) {
+    if (!c || c == &world_comm) return;
+#if LOOM_HAVE_MPI
+    if (c->owned && mpi_active) MPI_Comm_free(&c->mpi);
+#endif
+    free(c);
+}
+
+#if LOOM_HAVE_MPI
+/* MPI counts are int: split large buffers. */
+static loom_status allreduce(loom_comm *c, void *buf, size_t n, MPI_Datatype t, size_t esize, MPI_Op op) {
+    for (size_t off = 0; off < n;) {
+        int k = n - off > (size_t)INT_MAX ? INT_MAX : (int)(n - off);
+        LOOM_TRY(mpi_check(MPI_Allreduce(MPI_IN_PLACE, (char *)buf + off * esize, k, t, op, c->mpi), "MPI_Allreduce"));
+        off += (size_t)k;
+    }
+    return LOOM_OK;
+}
+#endif
+
+loom_status loom_comm_allreduce_sum_f32(loom_comm *c, float *buf, size_t n) {
+#if LOOM_HAVE_MPI
+    if (c->size > 1) return allreduce(c, buf, n, MPI_FLOAT, sizeof(float), MPI_SUM);
+#endif
+    (void)c; (void)buf; (void)n;
+    return LOOM_OK;
+}
+
+loom_status loom_comm_allreduce_sum_f64(loom_comm *c, double *buf, size_t n) {
+#if LOOM_HAVE_MPI
+    if (c->size > 1) return allreduce(c, buf, n, MPI_DOUBLE, sizeof(double), MPI_SUM);
+#endif
+    (void)c; (void)buf; (void)n;
+    return LOOM_OK;
+}
+
+loom_status loom_comm_allreduce_max_int(loom_comm *c, int *buf, size_t n) {
+#if LOOM_HAVE_MPI
+    if (c->size > 1) return allreduce(c, buf, n, MPI_INT, sizeof(int), MPI_MAX);
+#endif
+    (void)c; (void)buf; (void)n;
+    return LOOM_OK;
+}
+
+loom_status loom_comm_reduce_scatter_f32(loom_comm *c, const float *send, float *recv, size_t n) {
+#if LOOM_HAVE_MPI
+    if (c->size > 1) {
+        if (n > (size_t)INT_MAX) return loom_error(LOOM_ERR_DIST, "reduce_scatter: %zu elements per rank is too many", n);
+        return mpi_check(MPI_Reduce_scatter_block(send, recv, (int)n, MPI_FLOAT, MPI_SUM, c->mpi),
+                         "MPI_Reduce_scatter_block");
+    }
+#endif
+    (void)c;
+    if (recv != send) memmove(recv, send, n * sizeof *recv);
+    return LOOM_OK;
+}
+
+loom_status loom_comm_allgather_f32(loom_comm *c, const float *send, float *recv, size_t n) {
+#if LOOM_HAVE_MPI
+    if (c->size > 1) {
+        if (n > (size_t)INT_MAX) return loom_error(LOOM_ERR_DIST, "allgather: %zu elements per rank is too many", n);
+        const void *s = send == recv + (size_t)c->rank * n ? MPI_IN_PLACE : send;
+        return mpi_check(MPI_Allgather(s, (int)n, MPI_FLOAT, recv, (int)n, MPI_FLOAT, c->mpi), "MPI_Allgather");
+    }
+#endif
+    (void)c;
+    if (recv != send) memmove(recv, send, n * sizeof *recv);
+    return LOOM_OK;
+}
+
+loom_status loom_comm_broadcast(loom_comm *c, void *buf, size_t bytes, int root) {
+#if LOOM_HAVE_MPI
+    if (c->size > 1) {
+        for (size_t off = 0; off < bytes;) {
+            int k = bytes - off > (size_t)INT_MAX ? INT_MAX : (int)(bytes - off);
+            LOOM_TRY(mpi_check(MPI_Bcast((char *)buf + off, k, MPI_BYTE, root, c->mpi), "MPI_Bcast"));
+            off += (size_t)k;
+        }
+    }
+#endif
+    (void)c; (void)buf; (void)bytes; (void)root;
+    return LOOM_OK;
+}
+
+loom_status loom_comm_barrier(loom_comm *c) {
+#if LOOM_HAVE_MPI
+    if (c->size > 1) return mpi_check(MPI_Barrier(c->mpi), "MPI_Barrier");
+#endif
+    (void)c;
+    return LOOM_OK;
+}
+
+loom_status loom_dist_layout(loom_comm *world, int tp, loom_dist *d) {
+    memset(d, 0, sizeof *d);
+    int n = loom_comm_size(world), r = loom_comm_rank(world);
+    if (tp < 1 || n % tp)
+        return loom_error(LOOM_ERR_INVALID, "--tp %d must divide the number of ranks (%d)", tp, n);
+    d->world = world;
+    d->rank = r;
+    d->world_size = n;
+    d->tp_size = tp;
+    d->dp_size = n / tp;
+    LOOM_TRY(loom_comm_split(world, r / tp, r % tp, &d->tp));
+    LOOM_TRY(loom_comm_split(world, r % tp, r / tp, &d->dp));
+    d->tp_rank = loom_comm_rank(d->tp);
+    d->dp_rank = loom_comm_rank(d->dp);
+    return LOOM_OK;
+}
+
+void loom_dist_layout_free(loom_dist *d) {
+    loom_comm_free(d->tp);
+    loom_comm_free(d->dp);
+    memset(d, 0, sizeof *d);
+}

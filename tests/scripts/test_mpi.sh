@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Distributed training over Open MPI with 2 ranks: DP=2 vs DP=1, TP=2 vs
+# TP=1 (every precision setting and recompute mode), ZeRO-1 vs plain DP,
+# checkpoint/resume with 2 ranks, and a dying rank ending the whole job.
+source "$(dirname "$0")/lib.sh"
+command -v mpirun >/dev/null || fail "mpirun not found: run scripts/setup.sh (openmpi-bin)"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+MPI="mpirun -np 2 --oversubscribe"
+PY=/usr/bin/python3
+CMP="$PY $SRC/tests/python/compare_safetensors.py"
+make_data "$WORK/data"
+small_config "$WORK/cfg.json" 512
+D=(--data "$WORK/data" --config "$WORK/cfg.json" --seq 16 --eval-every 0 --threads 1)
+losses() { grep -o '"loss":[0-9.e+-]*' "$1/metrics.jsonl" | cut -d: -f2; }
+close() { # $1 $2 files of numbers, $3 relative tolerance
+  paste "$1" "$2" | awk -v r="$3" '{ d = $1 - $2; if (d < 0) d = -d; if (d > r * ($2 < 0 ? -$2 : $2)) { print "loss " NR ": " $1 " vs " $2; bad = 1 } } END { exit bad }'
+}
+
+# DP=2 equals DP=1 at the same global batch (5 fp32 steps, 1e-5 relative).
+"$LOOM" train "${D[@]}" --batch 4 --steps 5 --precision fp32 --out "$WORK/dp1" 2>/dev/null
+timeout 300 $MPI "$LOOM" train "${D[@]}" --batch 2 --steps 5 --precision fp32 --out "$WORK/dp2" 2>/dev/null
+close <(losses "$WORK/dp1") <(losses "$WORK/dp2") 1e-5 || fail "DP=2 differs from DP=1"
+[ "$(losses "$WORK/dp2" | wc -l)" -eq 5 ] || fail "DP=2 logged the wrong number of steps"
+
+# ZeRO-1 equals plain data parallelism.
+timeout 300 $MPI "$LOOM" train "${D[@]}" --batch 2 --steps 5 --precision fp32 --zero 1 --out "$WORK/z1" 2>/dev/null
+close <(losses "$WORK/dp2") <(losses "$WORK/z1") 1e-6 || fail "ZeRO-1 differs from plain DP"
+
+# TP=2 equals TP=1: logits, loss and every gradient, per precision and mode.
+for prec in "fp32 on 1e-4" "bf16 on 3e-2" "bf16 off 3e-2"; do
+  set -- $prec
+  for rc in "none nonreentrant" "full nonreentrant" "full reentrant" "selective nonreentrant"; do
+    set -- $prec $rc
+    A=(--batch 2 --precision $1 --master-grad $2 --recompute $4 --recompute-mode $5)
+    "$LOOM" train "${D[@]}" "${A[@]}" --out "$WORK/t1" --dump-grads "$WORK/g1.st" --dump-logits "$WORK/l1.st" 2>/dev/null
+    timeout 300 $MPI "$LOOM" train "${D[@]}" "${A[@]}" --tp 2 --out "$WORK/t2" \
+      --dump-grads "$WORK/g2.st" --dump-logits "$WORK/l2.st" 2>/dev/null
+    $CMP "$WORK/g2.st" "$WORK/g1.st" --rtol $3 >/dev/null || fail "TP=2 gradients differ ($*)"
+    $CMP "$WORK/l2.st" "$WORK/l1.st" --rtol $3 >/dev/null || fail "TP=2 logits differ ($*)"
+  done
+done
+
+# Checkpoint and resume with 2 ranks (DP, TP and ZeRO) equal the uninterrupted run.
+for layout in "--tp 1" "--tp 2" "--zero 1"; do
+  C=("${D[@]}" --batch 2 --steps 8 --precision fp32 $layout)
+  timeout 300 $MPI "$LOOM" train "${C[@]}" --out "$WORK/full" 2>/dev/null
+  timeout 300 $MPI "$LOOM" train "${C[@]}" --out "$WORK/part" --ckpt-every 4 --keep 3 2>/dev/null
+  timeout 300 $MPI "$LOOM" train "${C[@]}" --out "$WORK/res" --resume "$WORK/part/ckpt-00000004" 2>/dev/null
+  diff <(losses "$WORK/full" | tail -4) <(losses "$WORK/res") >/dev/null || fail "resume with 2 ranks ($layout) differs"
+  rm -rf "$WORK/full" "$WORK/part" "$WORK/res"
+done
+
+# A rank that fails (bad data on rank 1) ends the whole job with a message.
+mkdir -p "$WORK/bad" && printf 'not a shard' > "$WORK/bad/train_000000.bin"
+set +e
+timeout 120 mpirun -np 1 "$LOOM" train "${D[@]}" --batch 2 --steps 50 --out "$WORK/x" : \
+                    -np 1 "$LOOM" train --data "$WORK/bad" --config "$WORK/cfg.json" --seq 16 --batch 2 --steps 50 \
+                    --out "$WORK/x" >/dev/null 2>"$WORK/err.log"
+rc=$?
+set -e
+[ $rc -ne 0 ] && [ $rc -ne 124 ] || { cat "$WORK/err.log"; fail "failing rank: exit $rc (124 = hang)"; }
+grep -q "rank 1: loom train: .*train_000000.bin" "$WORK/err.log" || { cat "$WORK/err.log"; fail "no clear message from the failing rank"; }
+
+# A rank killed mid-training (SIGKILL) ends the job, not a hang.
+set +e
+timeout 120 mpirun -np 1 "$LOOM" train "${D[@]}" --batch 2 --steps 100000 --out "$WORK/k" : \
+                    -np 1 timeout -s KILL 3 "$LOOM" train "${D[@]}" --batch 2 --steps 100000 --out "$WORK/k" \
+                    >/dev/null 2>"$WORK/err.log"
+rc=$?
+set -e
+[ $rc -ne 0 ] && [ $rc -ne 124 ] || { cat "$WORK/err.log"; fail "killed rank: exit $rc (124 = hang)"; }
+echo "1 passed, 0 failed"
