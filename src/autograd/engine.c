@@ -206,9 +206,10 @@ static loom_status route_grad(loom_node *n, int i, loom_tensor *g) {
     edge *e = &n->inputs[i];
     if (!shape_matches(g, e->ndim, e->shape)) {
         char d[96];
+        loom_tensor_describe(g, d, sizeof d);
         loom_tensor_release(g);
         return loom_error(LOOM_ERR_STATE, "%s: backward returned a gradient %s for input %d of %d dims",
-                          n->fn->name, loom_tensor_describe(g, d, sizeof d), i, e->ndim);
+                          n->fn->name, d, i, e->ndim);
     }
     loom_dtype want = e->node ? e->node->out_dtype[e->index] : e->leaf ? e->leaf->dtype : g->dtype;
     if (!e->param && g->dtype != want) {
