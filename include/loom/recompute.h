@@ -72,7 +72,7 @@ loom_status loom_checkpoint_policy(const loom_recompute_policy *policy, loom_reg
 /* Counters for tests and reports (thread-local, since the last reset). */
 typedef struct loom_recompute_stats {
     long regions;        /* regions entered in a recomputing mode */
-    long replays;        /* region replays run by backward */
+    long replays;        /* region replays run by backward (every recomputing mode) */
     long placeholders;   /* activations dropped for recompute */
     long kept_outputs;   /* selective: op outputs kept */
 } loom_recompute_stats;

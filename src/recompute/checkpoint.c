@@ -46,6 +46,9 @@ loom_status loom_recompute_mode_parse(const char *s, loom_recompute_mode *out) {
 typedef struct reentrant_args {
     loom_region_fn fn;
     void *user;
+    /* Where forward marks the outputs the region left NULL (the caller's
+     * array in loom_checkpoint; read there only, never in backward). */
+    unsigned char *null_outputs;
 } reentrant_args;
 
 typedef struct reentrant_state {
@@ -61,10 +64,13 @@ static loom_status reentrant_forward(loom_fn_ctx *ctx, loom_tensor *const *input
     loom_status st = a->fn(a->user, inputs, n_inputs, outputs, n_outputs);
     loom_no_grad_exit();
     if (st != LOOM_OK) return st;
+    /* An output the region left NULL becomes an empty stand-in (a node's
+     * outputs are tensors); loom_checkpoint hands NULL back in its place,
+     * and the replay's NULL there takes no gradient. */
     for (int i = 0; i < n_outputs; i++) {
-        if (!outputs[i])
-            return loom_error(LOOM_ERR_INVALID, "checkpoint (reentrant): output %d is NULL; a reentrant "
-                              "region must produce every output it declares", i);
+        a->null_outputs[i] = outputs[i] == NULL;
+        if (!outputs[i] && !(outputs[i] = loom_tensor_new(LOOM_F32, 1, (const int64_t[]){0}, LOOM_MEM_ACTIVATIONS)))
+            return LOOM_ERR_NOMEM;
     }
     return loom_ctx_save(ctx, inputs, n_inputs);
 }
@@ -93,6 +99,7 @@ static loom_status reentrant_backward(loom_fn_ctx *ctx, loom_tensor *const *grad
         else in[i]->requires_grad = loom_ctx_needs_input_grad(ctx, i);
     }
     if (st == LOOM_OK) {
+        recompute_count_replay();
         loom_tape_push();
         int grad_mode = autograd_grad_mode_enable();
         loom_rng *rng = loom_rng_default(), saved_rng = *rng;
@@ -147,9 +154,19 @@ loom_status loom_checkpoint(loom_recompute_mode mode, loom_region_fn fn, void *u
             for (int i = 0; i < n_outputs; i++) outputs[i] = NULL;
             return fn(user, inputs, n_inputs, outputs, n_outputs);
         }
+        unsigned char null_local[16];
+        unsigned char *null_outputs = n_outputs <= 16 ? null_local : calloc((size_t)n_outputs, 1);
+        if (!null_outputs) return loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
         recompute_count_region();
-        reentrant_args a = {fn, user};
-        return loom_function_apply(&reentrant_fn, inputs, n_inputs, outputs, n_outputs, &a, sizeof a);
+        reentrant_args a = {fn, user, null_outputs};
+        loom_status st = loom_function_apply(&reentrant_fn, inputs, n_inputs, outputs, n_outputs, &a, sizeof a);
+        for (int i = 0; i < n_outputs && st == LOOM_OK; i++) {
+            if (!null_outputs[i]) continue;
+            loom_tensor_release(outputs[i]);
+            outputs[i] = NULL;
+        }
+        if (null_outputs != null_local) free(null_outputs);
+        return st;
     }
     }
     return loom_error(LOOM_ERR_INVALID, "checkpoint: unknown mode %d", (int)mode);

@@ -9,5 +9,7 @@
  * forward or its replay). */
 int recompute_in_region(void);
 void recompute_count_region(void);
+/* A reentrant region's backward replayed it (stats.replays). */
+void recompute_count_replay(void);
 
 #endif

@@ -17,6 +17,7 @@ static _Thread_local loom_recompute_stats stats;
 void loom_recompute_get_stats(loom_recompute_stats *out) { *out = stats; }
 void loom_recompute_reset_stats(void) { memset(&stats, 0, sizeof stats); }
 void recompute_count_region(void) { stats.regions++; }
+void recompute_count_replay(void) { stats.replays++; }
 
 typedef struct saved_meta {
     int ndim;
@@ -198,8 +199,11 @@ static void *rp_pack(void *self, loom_fn_ctx *ctx, loom_tensor *t) {
     int same = m->ndim == t->ndim && m->dtype == t->dtype;
     for (int i = 0; same && i < m->ndim; i++) same = m->shape[i] == t->shape[i];
     if (!same) {
-        snprintf(msg, sizeof msg, "saved tensor %d is %s in the replay but had %d dims of dtype %s in the forward",
-                 k, loom_tensor_describe(t, a, sizeof a), m->ndim, loom_dtype_name(m->dtype));
+        char b[96];
+        loom_tensor fw = {.dtype = m->dtype, .ndim = m->ndim};
+        memcpy(fw.shape, m->shape, sizeof fw.shape);
+        snprintf(msg, sizeof msg, "saved tensor %d is %s in the replay but was %s in the forward", k,
+                 loom_tensor_describe(t, a, sizeof a), loom_tensor_describe(&fw, b, sizeof b));
         mismatch(r, msg);
         return NULL;
     }

@@ -1,0 +1,142 @@
+/*
+ * test_recompute_memory.c — the memory bound of full recompute on an
+ * 8-block LLaMA (dim 64, 4 heads, ffn 128, vocab 64, B = 2, T = 32, fp32).
+ *
+ * All figures are LOOM_MEM_ACTIVATIONS bytes from the allocator's own
+ * accounting (bytes requested, not size classes), measured, not modelled:
+ *  - one block's activations: what a block leaves saved after forward
+ *    without recompute, (saved(8 layers) - saved(4 layers)) / 4;
+ *  - head/tail: the rest of the forward's saved bytes (final norm, logits,
+ *    loss), saved(8 layers) - 8 x one block;
+ *  - stored block inputs: 8 x B*T*C*4 bytes, what a recomputing region keeps.
+ * With every block recomputed (reentrant or non-reentrant), the peak over
+ * forward + backward must stay within
+ *     head/tail + stored inputs + one block's activations + slack,
+ * because backward replays one block at a time and frees each replayed
+ * activation after use. The slack is the backward's working set on top of
+ * the replayed block:
+ *  - non-reentrant: 2 x B*T*C*4 bytes, the gradient of the residual stream
+ *    and the gradient passed between two ops (measured: about 1 x);
+ *  - reentrant: 2 x B*T*C*4 more, the replay's output, held during the
+ *    nested backward, and the copy of its incoming gradient that the nested
+ *    backward makes (measured: about 3 x in all).
+ * A regression that kept a second block's activations alive (about
+ * 14 x B*T*C here), or kept each replayed activation until the whole block
+ * is done instead of freeing it after use (+2 x), breaks the bound.
+ */
+#include "testutil.h"
+
+#include <string.h>
+
+#include "loom/loom.h"
+
+#define B 2
+#define T 32
+#define DIM 64
+#define FFN 128
+#define VOCAB 64
+
+typedef struct mem_figures {
+    size_t after_forward; /* activation bytes alive after forward (saved for backward + loss) */
+    size_t peak;          /* activation peak over forward + backward */
+    float loss;
+} mem_figures;
+
+static size_t act_current(void) {
+    loom_mem_stats s;
+    loom_mem_get_stats(&s);
+    return s.current[LOOM_MEM_ACTIVATIONS];
+}
+
+static mem_figures measure(int layers, loom_recompute_mode mode) {
+    loom_llama_config c;
+    memset(&c, 0, sizeof c);
+    c.dim = DIM; c.n_layers = layers; c.n_heads = 4; c.n_kv_heads = 4; c.ffn_dim = FFN;
+    c.vocab_size = VOCAB; c.max_seq = T; c.rope_theta = 10000.0f; c.norm_eps = 1e-5f;
+    loom_precision prec = {LOOM_F32, 1};
+    loom_llama *m;
+    assert_int_equal(loom_llama_new(&c, prec, &m), LOOM_OK);
+    loom_llama_init_weights(m, 5);
+    m->recompute.mode = mode;
+    loom_llama_zero_grad(m);
+    int32_t tok[B * T], tgt[B * T];
+    for (int i = 0; i < B * T; i++) {
+        tok[i] = (i * 7 + 3) % VOCAB;
+        tgt[i] = (i * 7 + 10) % VOCAB;
+    }
+    mem_figures f;
+    size_t base = act_current();
+    loom_mem_reset_peak();
+    loom_tensor *loss = NULL;
+    assert_int_equal(loom_llama_forward(m, tok, tgt, B, T, &loss, NULL), LOOM_OK);
+    f.after_forward = act_current() - base;
+    f.loss = loom_tensor_get(loss, 0);
+    assert_int_equal(loom_backward(loss, 1.0f), LOOM_OK);
+    loom_mem_stats s;
+    loom_mem_get_stats(&s);
+    f.peak = s.peak[LOOM_MEM_ACTIVATIONS] - base;
+    loom_tensor_release(loss);
+    assert_int_equal(loom_grad_audit(m->params, m->n_params, NULL, 0), LOOM_OK);
+    loom_llama_free(m);
+    assert_int_equal(act_current(), base); /* everything freed */
+    return f;
+}
+
+static void test_full_recompute_memory_bound(void **state) {
+    (void)state;
+    const size_t btc = (size_t)B * T * DIM * sizeof(float); /* one (B, T, C) fp32 tensor */
+    mem_figures none4 = measure(4, LOOM_RECOMPUTE_NONE);
+    mem_figures none8 = measure(8, LOOM_RECOMPUTE_NONE);
+    mem_figures nonre = measure(8, LOOM_RECOMPUTE_NONREENTRANT);
+    mem_figures reent = measure(8, LOOM_RECOMPUTE_REENTRANT);
+    mem_figures selec = measure(8, LOOM_RECOMPUTE_SELECTIVE);
+
+    assert_true(none8.after_forward > none4.after_forward);
+    size_t per_block = (none8.after_forward - none4.after_forward) / 4;
+    assert_true(none8.after_forward > 8 * per_block);
+    size_t head_tail = none8.after_forward - 8 * per_block;
+    size_t stored_inputs = 8 * btc;
+    size_t slack_nonreentrant = 2 * btc, slack_reentrant = 4 * btc;
+    size_t bound_nonreentrant = head_tail + stored_inputs + per_block + slack_nonreentrant;
+    size_t bound_reentrant = head_tail + stored_inputs + per_block + slack_reentrant;
+
+    printf("recompute memory, 8-block LLaMA dim %d ffn %d vocab %d, B=%d T=%d, fp32 (activation bytes)\n", DIM, FFN,
+           VOCAB, B, T);
+    printf("  B*T*C*4                        %9zu\n", btc);
+    printf("  one block's activations        %9zu  (%.1f x B*T*C*4)\n", per_block, (double)per_block / (double)btc);
+    printf("  head/tail                      %9zu\n", head_tail);
+    printf("  stored block inputs (8)        %9zu\n", stored_inputs);
+    printf("  %-14s after forward %9zu   peak %9zu\n", "none", none8.after_forward, none8.peak);
+    printf("  %-14s after forward %9zu   peak %9zu   bound %9zu (slack 2 x B*T*C*4)\n", "nonreentrant",
+           nonre.after_forward, nonre.peak, bound_nonreentrant);
+    printf("  %-14s after forward %9zu   peak %9zu   bound %9zu (slack 4 x B*T*C*4)\n", "reentrant",
+           reent.after_forward, reent.peak, bound_reentrant);
+    printf("  %-14s after forward %9zu   peak %9zu   (not bounded here)\n", "selective", selec.after_forward,
+           selec.peak);
+
+    /* The same computation in every mode. */
+    assert_memory_equal(&nonre.loss, &none8.loss, sizeof(float));
+    assert_memory_equal(&reent.loss, &none8.loss, sizeof(float));
+    assert_memory_equal(&selec.loss, &none8.loss, sizeof(float));
+
+    /* After forward a recomputing model holds only the block inputs and the
+     * head/tail. */
+    assert_true(nonre.after_forward <= head_tail + stored_inputs);
+    assert_true(reent.after_forward <= head_tail + stored_inputs);
+    /* The peak: one block replayed at a time. */
+    assert_true(nonre.peak <= bound_nonreentrant);
+    assert_true(reent.peak <= bound_reentrant);
+    /* Well below storing everything: under a third of it here. */
+    assert_true(3 * nonre.peak < none8.peak);
+    assert_true(3 * reent.peak < none8.peak);
+}
+
+int main(void) {
+    /* One thread: the activation figures do not depend on it, and the test
+     * stays fast on a busy machine and under the sanitizers. */
+    loom_set_threads(1);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_full_recompute_memory_bound),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
