@@ -256,7 +256,7 @@ def lr_cosine(step, warmup, total, max_lr, min_lr):
 class AdamW:
     """loom's AdamW on fp32 masters (src/optim/adamw.c, src/kernels/adamw.c)."""
 
-    def __init__(self, cfg, params, weight_decay, b1=0.9, b2=0.95, eps=1e-8):
+    def __init__(self, params, weight_decay, b1=0.9, b2=0.95, eps=1e-8):
         self.params = params
         self.b1, self.b2, self.eps, self.wd = f32(b1), f32(b2), f32(eps), f32(weight_decay)
         self.m = {k: torch.zeros_like(v) for k, v in params.items()}
@@ -292,10 +292,17 @@ def clip_multiplier(params, max_norm):
     return norm, coef
 
 
+@torch.no_grad()
+def eval_losses(cfg, params, data, B, T, steps):
+    """The loss of each of the first `steps` batches with the weights fixed."""
+    it = batches(data, B, T)
+    return [forward(cfg, params, *next(it))[1].item() for _ in range(steps)]
+
+
 def train(cfg, params, data, B, T, steps, lr, min_lr, warmup, weight_decay, clip):
     """loom train's loop, one micro-batch per step: returns the loss of each
     step (before its update)."""
-    opt = AdamW(cfg, params, weight_decay)
+    opt = AdamW(params, weight_decay)
     it = batches(data, B, T)
     losses = []
     for step in range(steps):
