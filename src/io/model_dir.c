@@ -66,8 +66,10 @@ loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
     loom_status st = LOOM_OK;
     if (!json_is_object(root)) st = loom_error(LOOM_ERR_FORMAT, "%s: expected a JSON object", path);
     memset(c, 0, sizeof *c);
+    /* Absent fields take Hugging Face LlamaConfig's defaults (not loom's
+     * presets'): the same directory must give the same model in both. */
     c->rope_theta = 10000.0f;
-    c->norm_eps = 1e-5f;
+    c->norm_eps = 1e-6f;
     if (st == LOOM_OK) st = get_int(root, path, "hidden_size", 1, &c->dim);
     if (st == LOOM_OK) st = get_int(root, path, "num_hidden_layers", 1, &c->n_layers);
     if (st == LOOM_OK) st = get_int(root, path, "num_attention_heads", 1, &c->n_heads);

@@ -1,0 +1,317 @@
+"""llama_ref.py — loom's PyTorch oracle: a compact LLaMA, its training step and
+the file formats loom reads and writes, written for the cross-check only.
+
+The model follows Hugging Face's LlamaForCausalLM term by term: RMSNorm
+x * rsqrt(mean(x^2) + eps) * w (statistics in fp32), rotate-half RoPE with
+inv_freq = 1 / theta^(arange(0, HS, 2) / HS) in fp32, grouped-query attention
+by repeat_interleave of the kv heads, causal softmax attention (softmax in
+fp32), SwiGLU MLP down(silu(gate(x)) * up(x)), lm_head (or the tied
+embedding), and mean cross-entropy over targets != -1.
+
+The optimizer is loom's, not torch.optim's: AdamW (b1 .9, b2 .95, eps 1e-8)
+with the decoupled decay inside the update, p -= lr * (mhat / (sqrt(vhat) +
+eps) + wd * p), no decay on 1-D parameters, the global-norm clip coefficient
+max_norm / (norm + 1e-6) folded into the gradient, and warmup + cosine
+learning rates, each in fp32 in the same order of operations as
+src/optim/adamw.c, src/kernels/adamw.c and src/amp/amp.c.
+
+Needs only torch and numpy (no transformers, no safetensors package).
+"""
+import json
+import math
+import struct
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# ------------------------------------------------------------------ files
+
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def read_safetensors(path):
+    """Returns ({name: tensor}, metadata) of a safetensors file: an 8-byte
+    little-endian header length, a JSON header, then the raw tensor bytes."""
+    with open(path, "rb") as f:
+        blob = f.read()
+    (hlen,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + hlen])
+    data = blob[8 + hlen:]
+    meta = header.pop("__metadata__", {}) or {}
+    tensors = {}
+    for name, info in header.items():
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"{path}: tensor {name} has dtype {info['dtype']}; only F32, BF16, F16 are read")
+        a, b = info["data_offsets"]
+        raw = bytearray(data[a:b])  # writable: torch.frombuffer warns on bytes
+        t = torch.frombuffer(raw, dtype=dtype) if b > a else torch.empty(0, dtype=dtype)
+        tensors[name] = t.reshape(info["shape"]).clone()
+    return tensors, meta
+
+
+def write_safetensors(path, tensors, metadata=None):
+    """Writes {name: tensor} (F32, BF16 or F16) as a safetensors file."""
+    header, chunks, off = {}, [], 0
+    if metadata:
+        header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
+    for name, t in tensors.items():
+        t = t.detach().contiguous().cpu()
+        # bytes of any dtype: view the storage as uint8 (numpy has no bf16)
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        header[name] = {"dtype": _ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + len(raw)]}
+        chunks.append(raw)
+        off += len(raw)
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * ((8 - len(h) % 8) % 8)  # align the data to 8 bytes
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for c in chunks:
+            f.write(c)
+
+
+SHARD_MAGIC_U16, SHARD_VERSION_U16 = 20240520, 1
+
+
+def write_shard(path, tokens):
+    """An llm.c shard: 256 int32 header (magic, version, count) + uint16 tokens."""
+    tokens = np.asarray(tokens)
+    assert tokens.min() >= 0 and tokens.max() < 65536
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = [SHARD_MAGIC_U16, SHARD_VERSION_U16, len(tokens)]
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype("<u2").tobytes())
+
+
+def read_shard(path):
+    with open(path, "rb") as f:
+        header = np.frombuffer(f.read(1024), dtype="<i4")
+        assert header[0] == SHARD_MAGIC_U16 and header[1] == SHARD_VERSION_U16, path
+        tokens = np.frombuffer(f.read(), dtype="<u2")
+    assert len(tokens) == header[2], path
+    return tokens.astype(np.int64)
+
+
+def batches(tokens, B, T):
+    """loom's data loader on one shard, one rank: step k reads the span
+    tokens[off : off + B*T + 1], inputs = span[:-1], targets = span[1:], then
+    off += B*T; when fewer than B*T + 1 tokens remain it starts again at 0."""
+    off = 0
+    while True:
+        if len(tokens) - off < B * T + 1:
+            off = 0
+        span = torch.from_numpy(tokens[off:off + B * T + 1].copy())
+        yield span[:-1].view(B, T), span[1:].view(B, T)
+        off += B * T
+
+
+# ------------------------------------------------------------------ model
+
+class Config:
+    """The fields of a Hugging Face LlamaConfig that the math uses, with
+    LlamaConfig's defaults for the optional ones."""
+
+    def __init__(self, d):
+        self.dim = d["hidden_size"]
+        self.n_layers = d["num_hidden_layers"]
+        self.n_heads = d["num_attention_heads"]
+        self.n_kv_heads = d.get("num_key_value_heads") or self.n_heads
+        self.ffn_dim = d["intermediate_size"]
+        self.vocab_size = d["vocab_size"]
+        self.max_seq = d.get("max_position_embeddings", 2048)
+        self.rope_theta = float(d.get("rope_theta", 10000.0))
+        self.norm_eps = float(d.get("rms_norm_eps", 1e-6))
+        self.tie = bool(d.get("tie_word_embeddings", False))
+        self.head_size = self.dim // self.n_heads
+
+    def param_shapes(self):
+        """{Hugging Face name: shape} in loom's parameter order."""
+        C, F_, V, KV = self.dim, self.ffn_dim, self.vocab_size, self.n_kv_heads * self.head_size
+        s = {"model.embed_tokens.weight": (V, C)}
+        for l in range(self.n_layers):
+            p = f"model.layers.{l}."
+            s[p + "input_layernorm.weight"] = (C,)
+            s[p + "self_attn.q_proj.weight"] = (C, C)
+            s[p + "self_attn.k_proj.weight"] = (KV, C)
+            s[p + "self_attn.v_proj.weight"] = (KV, C)
+            s[p + "self_attn.o_proj.weight"] = (C, C)
+            s[p + "post_attention_layernorm.weight"] = (C,)
+            s[p + "mlp.gate_proj.weight"] = (F_, C)
+            s[p + "mlp.up_proj.weight"] = (F_, C)
+            s[p + "mlp.down_proj.weight"] = (C, F_)
+        s["model.norm.weight"] = (C,)
+        if not self.tie:
+            s["lm_head.weight"] = (V, C)
+        return s
+
+
+def load_model_dir(path):
+    """(Config, {name: fp32 leaf tensor}) from config.json + model.safetensors."""
+    with open(f"{path}/config.json") as f:
+        cfg = Config(json.load(f))
+    tensors, _ = read_safetensors(f"{path}/model.safetensors")
+    params = {}
+    for name, shape in cfg.param_shapes().items():
+        t = tensors[name].float()
+        assert tuple(t.shape) == shape, (name, t.shape, shape)
+        params[name] = t.requires_grad_(True)
+    return cfg, params
+
+
+def rms_norm(x, w, eps):
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * y.to(x.dtype)
+
+
+def rope_cos_sin(T, HS, theta):
+    inv_freq = 1.0 / (theta ** (torch.arange(0, HS, 2, dtype=torch.int64).float() / HS))  # (HS/2) fp32
+    freqs = torch.outer(torch.arange(T, dtype=torch.float32), inv_freq)  # (T, HS/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, HS)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def attention(x, params, p, cfg, cos, sin):
+    B, T, C = x.shape
+    NH, NKV, HS = cfg.n_heads, cfg.n_kv_heads, cfg.head_size
+    q = F.linear(x, params[p + "self_attn.q_proj.weight"]).view(B, T, NH, HS).transpose(1, 2)  # (B, NH, T, HS)
+    k = F.linear(x, params[p + "self_attn.k_proj.weight"]).view(B, T, NKV, HS).transpose(1, 2)
+    v = F.linear(x, params[p + "self_attn.v_proj.weight"]).view(B, T, NKV, HS).transpose(1, 2)
+    cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    k = k.repeat_interleave(NH // NKV, dim=1)  # query head h reads kv head h // (NH / NKV)
+    v = v.repeat_interleave(NH // NKV, dim=1)
+    s = q @ k.transpose(-1, -2) / math.sqrt(HS)  # (B, NH, T, T)
+    mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+    s = s.masked_fill(mask, float("-inf"))
+    a = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v  # (B, NH, T, HS)
+    return F.linear(a.transpose(1, 2).reshape(B, T, C), params[p + "self_attn.o_proj.weight"])
+
+
+def mlp(x, params, p):
+    g = F.linear(x, params[p + "mlp.gate_proj.weight"])
+    u = F.linear(x, params[p + "mlp.up_proj.weight"])
+    return F.linear(F.silu(g) * u, params[p + "mlp.down_proj.weight"])
+
+
+def forward(cfg, params, inputs, targets, dtype=torch.float32):
+    """Logits (B, T, V) in `dtype` and the fp32 mean cross-entropy over
+    targets != -1. With dtype bf16 every weight is cast (differentiably) and
+    the activations are bf16, as in Hugging Face's model.to(torch.bfloat16)."""
+    w = {k: v.to(dtype) for k, v in params.items()}
+    B, T = inputs.shape
+    cos, sin = rope_cos_sin(T, cfg.head_size, cfg.rope_theta)
+    x = F.embedding(inputs, w["model.embed_tokens.weight"])  # (B, T, C)
+    for l in range(cfg.n_layers):
+        p = f"model.layers.{l}."
+        x = x + attention(rms_norm(x, w[p + "input_layernorm.weight"], cfg.norm_eps), w, p, cfg, cos, sin)
+        x = x + mlp(rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.norm_eps), w, p)
+    x = rms_norm(x, w["model.norm.weight"], cfg.norm_eps)
+    head = w["model.embed_tokens.weight"] if cfg.tie else w["lm_head.weight"]
+    logits = F.linear(x, head)  # (B, T, V)
+    loss = F.cross_entropy(logits.float().view(-1, cfg.vocab_size), targets.reshape(-1), ignore_index=-1)
+    return logits, loss
+
+
+def grads(cfg, params, inputs, targets, dtype=torch.float32):
+    """(logits, loss, {name: fp32 gradient}) of one forward and backward."""
+    for t in params.values():
+        t.grad = None
+    logits, loss = forward(cfg, params, inputs, targets, dtype)
+    loss.backward()
+    return logits.detach(), loss.item(), {k: v.grad.detach().float().clone() for k, v in params.items()}
+
+
+# -------------------------------------------------------------- optimizer
+
+def f32(x):
+    """x rounded to fp32, as a Python float (what a C float holds)."""
+    return float(np.float32(x))
+
+
+def lr_cosine(step, warmup, total, max_lr, min_lr):
+    """loom_lr_cosine: linear warmup (step+1)/warmup * max_lr, then a cosine
+    from max_lr to min_lr over the remaining steps (progress in double, the
+    blend in fp32)."""
+    max_lr, min_lr = np.float32(max_lr), np.float32(min_lr)
+    if warmup > 0 and step < warmup:
+        return float(max_lr * np.float32(step + 1) / np.float32(warmup))
+    if step >= total:
+        return float(min_lr)
+    progress = (step - warmup) / max(total - warmup, 1)
+    c = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return float(min_lr + np.float32(c) * (max_lr - min_lr))
+
+
+class AdamW:
+    """loom's AdamW on fp32 masters (src/optim/adamw.c, src/kernels/adamw.c)."""
+
+    def __init__(self, params, weight_decay, b1=0.9, b2=0.95, eps=1e-8):
+        self.params = params
+        self.b1, self.b2, self.eps, self.wd = f32(b1), f32(b2), f32(eps), f32(weight_decay)
+        self.m = {k: torch.zeros_like(v) for k, v in params.items()}
+        self.v = {k: torch.zeros_like(v) for k, v in params.items()}
+        self.steps = 0
+
+    @torch.no_grad()
+    def step(self, lr, grad_multiplier):
+        self.steps += 1
+        t = self.steps
+        bc1 = f32(1.0 - self.b1 ** t)  # computed in double, rounded to fp32
+        bc2 = f32(1.0 - self.b2 ** t)
+        c1, c2 = f32(np.float32(1) - np.float32(self.b1)), f32(np.float32(1) - np.float32(self.b2))
+        for name, p in self.params.items():
+            wd = 0.0 if p.dim() == 1 else self.wd  # no decay on norms
+            g = p.grad * grad_multiplier
+            m = self.b1 * self.m[name] + c1 * g
+            v = self.b2 * self.v[name] + c2 * g * g
+            update = (m / bc1) / (torch.sqrt(v / bc2) + self.eps) + wd * p
+            self.m[name], self.v[name] = m, v
+            p -= lr * update
+
+
+def clip_multiplier(params, max_norm):
+    """(grad_norm, multiplier) as loom_amp_prepare_step: the global norm of
+    all gradients (sum of squares in double), coefficient max_norm / (norm +
+    1e-6) when norm > max_norm, rounded to fp32."""
+    ss = sum(float(p.grad.double().pow(2).sum()) for p in params.values())
+    norm = math.sqrt(ss)
+    coef = 1.0
+    if max_norm > 0 and norm > max_norm:
+        coef = f32(max_norm / (norm + 1e-6))
+    return norm, coef
+
+
+@torch.no_grad()
+def eval_losses(cfg, params, data, B, T, steps):
+    """The loss of each of the first `steps` batches with the weights fixed."""
+    it = batches(data, B, T)
+    return [forward(cfg, params, *next(it))[1].item() for _ in range(steps)]
+
+
+def train(cfg, params, data, B, T, steps, lr, min_lr, warmup, weight_decay, clip):
+    """loom train's loop, one micro-batch per step: returns the loss of each
+    step (before its update)."""
+    opt = AdamW(params, weight_decay)
+    it = batches(data, B, T)
+    losses = []
+    for step in range(steps):
+        inputs, targets = next(it)
+        for p in params.values():
+            p.grad = None
+        _, loss = forward(cfg, params, inputs, targets)
+        loss.backward()
+        losses.append(loss.item())
+        _, mult = clip_multiplier(params, clip)
+        opt.step(lr_cosine(step, warmup, steps, lr, min_lr), mult)
+    return losses
