@@ -54,6 +54,27 @@ static loom_status get_float(json_t *root, const char *path, const char *key, fl
     return LOOM_OK;
 }
 
+/* Fields that change the math: refuse what loom does not implement rather
+ * than compute something else. */
+static loom_status check_unsupported(json_t *root, const char *path, const loom_llama_config *c) {
+    json_t *v = json_object_get(root, "rope_scaling");
+    if (v && !json_is_null(v))
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: rope_scaling is not supported by loom (plain RoPE only)", path);
+    const char *bias[] = {"attention_bias", "mlp_bias"};
+    for (int i = 0; i < 2; i++) {
+        v = json_object_get(root, bias[i]);
+        if (v && json_is_true(v))
+            return loom_error(LOOM_ERR_UNSUPPORTED, "%s: %s = true is not supported by loom's LLaMA", path, bias[i]);
+    }
+    v = json_object_get(root, "head_dim");
+    if (v && !json_is_null(v) && (!json_is_integer(v) || json_integer_value(v) * c->n_heads != c->dim))
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: head_dim must equal hidden_size / num_attention_heads", path);
+    v = json_object_get(root, "hidden_act");
+    if (v && (!json_is_string(v) || strcmp(json_string_value(v), "silu") != 0))
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: hidden_act must be \"silu\"", path);
+    return LOOM_OK;
+}
+
 loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
     json_error_t err;
     json_t *root = json_load_file(path, 0, &err);
@@ -86,6 +107,7 @@ loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
         if (!json_is_boolean(tie)) st = loom_error(LOOM_ERR_FORMAT, "%s: tie_word_embeddings must be true or false", path);
         else c->tie_embeddings = json_is_true(tie);
     }
+    if (st == LOOM_OK) st = check_unsupported(root, path, c);
     json_decref(root);
     if (st == LOOM_OK && loom_llama_config_validate(c) != LOOM_OK)
         st = loom_error(LOOM_ERR_FORMAT, "%s: %s", path, loom_last_error());
