@@ -217,7 +217,7 @@ loom_status loom_function_apply(const loom_function *fn, loom_tensor *const *inp
     ctx->hooks = hooks;
     ctx->replay = replaying;
     ctx->discard = !recorded && !replaying;
-    if (hooks && hooks->before_forward(hooks->self, ctx, recorded, outputs, n_outputs)) {
+    if (hooks && hooks->before_forward(hooks->self, ctx, recorded, inputs, outputs, n_outputs)) {
         /* The hook supplied the outputs (a kept op in a selective replay). */
         ctx_free(ctx);
         return LOOM_OK;

@@ -57,7 +57,8 @@ struct saved_hooks {
      * says whether the call will be recorded. May fill outputs itself and
      * return 1 to skip forward (a kept op in a selective replay). May set
      * ctx->keep_saved. */
-    int (*before_forward)(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor **outputs, int n_outputs);
+    int (*before_forward)(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor *const *inputs,
+                          loom_tensor **outputs, int n_outputs);
     /* After forward produced outputs (not called when before_forward skipped it). */
     void (*after_forward)(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor **outputs, int n_outputs);
     /* An activation saved in ctx: return a handle (the slot becomes PACKED)

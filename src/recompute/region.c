@@ -32,6 +32,11 @@ typedef struct op_record {
     unsigned char *needs_grad;
     loom_tensor **kept; /* outputs kept by the policy (NULL: recomputed) */
     int n_kept;
+    /* A kept op is not re-run by the replay. The activations it saved that
+     * were its own inputs are placeholders [ph_first, ph_first + ph_count),
+     * refilled from the replay's inputs: ph_input[i] is which input. */
+    int ph_first, ph_count;
+    int *ph_input;
 } op_record;
 
 typedef struct region {
@@ -49,6 +54,8 @@ typedef struct region {
     op_record *ops;
     int n_ops, cap_ops;
     int replayed_once;     /* 1 after a replay (successful or not) */
+    int cur_kept;          /* first forward: index of the kept op running, or -1 */
+    loom_tensor *const *cur_inputs;
     loom_status replay_status;
     char replay_error[768];
     int replay_op, replay_save; /* cursors during replay */
@@ -70,6 +77,7 @@ static void region_release(region *r) {
         for (int k = 0; k < r->ops[j].n_kept; k++) loom_tensor_release(r->ops[j].kept[k]);
         free(r->ops[j].kept);
         free(r->ops[j].needs_grad);
+        free(r->ops[j].ph_input);
     }
     free(r->inputs);
     free(r->meta);
@@ -90,7 +98,8 @@ static int is_stored(const region *r, const loom_tensor *t) {
 
 /* ---------------------------------------------------------- first forward */
 
-static int fw_before(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor **outputs, int n_outputs) {
+static int fw_before(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor *const *inputs, loom_tensor **outputs,
+                     int n_outputs) {
     (void)outputs; (void)n_outputs;
     region *r = self;
     if (r->n_ops == r->cap_ops) {
@@ -108,16 +117,26 @@ static int fw_before(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor **o
     op->needs_grad = malloc((size_t)(ctx->n_inputs > 0 ? ctx->n_inputs : 1));
     LOOM_ASSERT(op->needs_grad != NULL);
     memcpy(op->needs_grad, ctx->needs_grad, (size_t)ctx->n_inputs);
-    /* A kept op is not re-run by the replay, so what it saves must be
-     * stored as is. */
-    if (recorded && r->has_policy && r->policy.keep(r->policy.user, ctx->fn)) ctx->keep_saved = 1;
+    /* A kept op is not re-run by the replay: what it saves is stored as is,
+     * except its inputs, which the replay recomputes anyway (fw_pack). */
+    if (recorded && r->has_policy && r->policy.keep(r->policy.user, ctx->fn)) {
+        op->n_kept = -1; /* marked; outputs arrive in fw_after */
+        op->ph_first = r->n_saved;
+        op->ph_input = malloc((size_t)(ctx->n_inputs > 0 ? ctx->n_inputs : 1) * 4 * sizeof *op->ph_input);
+        LOOM_ASSERT(op->ph_input != NULL);
+        r->cur_kept = r->n_ops - 1;
+        r->cur_inputs = inputs;
+    }
     return 0;
 }
 
 static void fw_after(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor **outputs, int n_outputs) {
     region *r = self;
     op_record *op = &r->ops[r->n_ops - 1];
-    if (!recorded || !ctx->keep_saved) return;
+    if (op->n_kept != -1) return;
+    (void)recorded; (void)ctx;
+    op->ph_count = r->n_saved - op->ph_first;
+    r->cur_kept = -1;
     op->kept = calloc((size_t)(n_outputs ? n_outputs : 1), sizeof *op->kept);
     LOOM_ASSERT(op->kept != NULL);
     for (int k = 0; k < n_outputs; k++) op->kept[k] = loom_tensor_retain(outputs[k]);
@@ -129,6 +148,15 @@ static void *fw_pack(void *self, loom_fn_ctx *ctx, loom_tensor *t) {
     (void)ctx;
     region *r = self;
     if (is_stored(r, t)) return NULL;
+    int refill = -1;
+    if (r->cur_kept >= 0) {
+        op_record *op = &r->ops[r->cur_kept];
+        for (int j = 0; j < op->n_inputs && refill < 0; j++)
+            if (r->cur_inputs[j] == t) refill = j;
+        /* Anything else a kept op saves cannot be rebuilt: store it. */
+        if (refill < 0 || r->n_saved - op->ph_first >= 4 * (op->n_inputs > 0 ? op->n_inputs : 1)) return NULL;
+        op->ph_input[r->n_saved - op->ph_first] = refill;
+    }
     if (r->n_saved == r->cap_saved) {
         int cap = r->cap_saved ? 2 * r->cap_saved : 32;
         saved_meta *m = realloc(r->meta, (size_t)cap * sizeof *m);
@@ -156,7 +184,8 @@ static void mismatch(region *r, const char *msg) {
     r->mismatch = 1;
 }
 
-static int rp_before(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor **outputs, int n_outputs) {
+static int rp_before(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor *const *inputs, loom_tensor **outputs,
+                     int n_outputs) {
     (void)recorded;
     region *r = self;
     int j = r->replay_op++;
@@ -176,6 +205,24 @@ static int rp_before(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor **o
         mismatch(r, "a kept op returned a different number of outputs");
         return 0;
     }
+    /* Fill the kept op's placeholders from this replay's inputs. */
+    if (r->replay_save != op->ph_first) {
+        mismatch(r, "a kept op's saved tensors are out of order in the replay");
+        return 0;
+    }
+    for (int i = 0; i < op->ph_count; i++) {
+        int k = op->ph_first + i;
+        const loom_tensor *t = inputs[op->ph_input[i]];
+        const saved_meta *m = &r->meta[k];
+        int same = t && m->ndim == t->ndim && m->dtype == t->dtype;
+        for (int d = 0; same && d < m->ndim; d++) same = m->shape[d] == t->shape[d];
+        if (!same) {
+            mismatch(r, "a kept op's input differs in shape or dtype in the replay");
+            return 0;
+        }
+        r->replayed[k] = loom_tensor_retain((loom_tensor *)t);
+    }
+    r->replay_save += op->ph_count;
     for (int k = 0; k < n_outputs; k++) outputs[k] = loom_tensor_retain(op->kept[k]);
     return 1;
 }
@@ -302,6 +349,7 @@ loom_status loom_checkpoint_policy(const loom_recompute_policy *policy, loom_reg
     }
     stats.regions++;
     r->refcount = 1;
+    r->cur_kept = -1;
     r->fn = fn;
     r->user = user;
     r->n_inputs = n_inputs;

@@ -212,9 +212,10 @@ static void run_model(loom_recompute_mode mode, int bias, run_result *r) {
     loom_recompute_get_stats(&rs);
     assert_int_equal(rs.replays, mode == LOOM_RECOMPUTE_NONE ? 0 : LAYERS);
     /* Only activations become placeholders, never W or b: per block, silu's
-     * input h and (unless the selective policy keeps the GEMM) the input of
-     * loom_fused_linear. The user linear's x is the region's input, stored. */
-    int per_block = mode == LOOM_RECOMPUTE_NONREENTRANT ? 2 : mode == LOOM_RECOMPUTE_SELECTIVE ? 1 : 0;
+     * input h and the input of loom_fused_linear (under the selective policy
+     * the GEMM is kept, and its saved input is refilled from the replay's).
+     * The user linear's x is the region's input, stored. */
+    int per_block = mode == LOOM_RECOMPUTE_NONREENTRANT || mode == LOOM_RECOMPUTE_SELECTIVE ? 2 : 0;
     assert_int_equal(rs.placeholders, per_block * LAYERS);
 
     /* The user linear ran its backward once per layer and found the very
