@@ -144,11 +144,46 @@ static void test_microbatch_accumulation(void **state) {
     free_result(&two);
 }
 
+/* After a warm-up step, a training step (forward, backward, AdamW) is
+ * served from the allocator's cache: no new system allocation, and the
+ * activation bytes return to where they were. */
+static void test_steady_state_no_malloc(void **state) {
+    (void)state;
+    loom_llama_config cfg = small_config(2);
+    loom_llama *m;
+    loom_precision prec = {LOOM_BF16, 1};
+    assert_int_equal(loom_llama_new(&cfg, prec, &m), LOOM_OK);
+    loom_llama_init_weights(m, 5);
+    m->recompute.mode = LOOM_RECOMPUTE_NONREENTRANT;
+    loom_adamw_config ac = loom_adamw_defaults();
+    loom_adamw *opt;
+    assert_int_equal(loom_adamw_new(&ac, m->params, m->n_params, &opt), LOOM_OK);
+    int32_t tok[32], tgt[32];
+    make_tokens(tok, tgt, 32, cfg.vocab_size, 3, 0);
+    loom_mem_stats before, after;
+    for (int step = 0; step < 3; step++) {
+        if (step == 2) loom_mem_get_stats(&before);
+        loom_llama_zero_grad(m);
+        loom_tensor *loss = NULL;
+        assert_int_equal(loom_llama_forward(m, tok, tgt, 2, 16, &loss, NULL), LOOM_OK);
+        assert_int_equal(loom_backward(loss, 1.0f), LOOM_OK);
+        loom_tensor_release(loss);
+        assert_int_equal(loom_adamw_step(opt, 1e-3f, 1.0f), LOOM_OK);
+    }
+    loom_mem_get_stats(&after);
+    assert_int_equal(after.n_malloc, before.n_malloc);
+    assert_true(after.n_alloc > before.n_alloc);
+    assert_int_equal(after.current[LOOM_MEM_ACTIVATIONS], before.current[LOOM_MEM_ACTIVATIONS]);
+    loom_adamw_free(opt);
+    loom_llama_free(m);
+}
+
 int main(void) {
     loom_set_threads(2);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_matrix),
         cmocka_unit_test(test_microbatch_accumulation),
+        cmocka_unit_test(test_steady_state_no_malloc),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
