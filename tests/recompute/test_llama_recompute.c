@@ -1,7 +1,8 @@
 /*
  * test_llama_recompute.c — the precision x master-grad x recompute matrix on
- * a small LLaMA, micro-batch accumulation, and the memory bound of full
- * recompute on an 8-block model.
+ * a small LLaMA, micro-batch accumulation, and a steady-state step that
+ * makes no system allocation. (The memory bound of full recompute is in
+ * test_recompute_memory.c.)
  *
  * Within one precision and master-grad setting, every recompute mode must
  * give bit-identical losses and gradients: the same kernels run on the same
