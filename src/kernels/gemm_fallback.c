@@ -15,6 +15,7 @@
  * Must never: read C when beta == 0, or write outside the M x N window of C.
  */
 #include "kernels/gemm_internal.h"
+#include "kernels/kernel_rows.h"
 
 #include <omp.h>
 
@@ -28,39 +29,13 @@
 static inline int min_int(int a, int b) { return a < b ? a : b; }
 static inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
-/* dst[0..n) = src[off..off+n) converted to fp32. */
-static void load_row(float *dst, const void *src, size_t off, int n, loom_dtype dt) {
-    if (dt == LOOM_BF16) {
-        const uint16_t *s = (const uint16_t *)src + off;
-        for (int i = 0; i < n; i++) dst[i] = loom_bf16_to_f32(s[i]);
-    } else if (dt == LOOM_F16) {
-        const uint16_t *s = (const uint16_t *)src + off;
-        for (int i = 0; i < n; i++) dst[i] = loom_f16_to_f32(s[i]);
-    } else {
-        memcpy(dst, (const float *)src + off, (size_t)n * sizeof(float));
-    }
-}
-
-/* dst[off..off+n) = src[0..n) converted to dt. */
-static void store_row(void *dst, size_t off, const float *src, int n, loom_dtype dt) {
-    if (dt == LOOM_BF16) {
-        uint16_t *d = (uint16_t *)dst + off;
-        for (int i = 0; i < n; i++) d[i] = loom_f32_to_bf16(src[i]);
-    } else if (dt == LOOM_F16) {
-        uint16_t *d = (uint16_t *)dst + off;
-        for (int i = 0; i < n; i++) d[i] = loom_f32_to_f16(src[i]);
-    } else {
-        memcpy((float *)dst + off, src, (size_t)n * sizeof(float));
-    }
-}
-
 /* Pack columns j0 .. j0+w of op(B) (w <= NR), all K rows, into
  * bp: (K, NR), zero-padded beyond w. */
 static void pack_b_panel(float *bp, const gemm_args *g, int j0, int w) {
     int K = g->K;
     if (!g->trans_b) { /* stored (K, N): row k holds the panel's columns */
         for (int k = 0; k < K; k++) {
-            load_row(bp + (size_t)k * NR, g->B, (size_t)k * g->ldb + j0, w, g->ab_dt);
+            row_load(bp + (size_t)k * NR, g->B, (size_t)k * g->ldb + j0, w, g->ab_dt);
             for (int j = w; j < NR; j++) bp[(size_t)k * NR + j] = 0.0f;
         }
         return;
@@ -69,7 +44,7 @@ static void pack_b_panel(float *bp, const gemm_args *g, int j0, int w) {
     for (int j = 0; j < NR; j++) {
         for (int k0 = 0; k0 < K; k0 += KC) {
             int kc = min_int(KC, K - k0);
-            if (j < w) load_row(tmp, g->B, (size_t)(j0 + j) * g->ldb + k0, kc, g->ab_dt);
+            if (j < w) row_load(tmp, g->B, (size_t)(j0 + j) * g->ldb + k0, kc, g->ab_dt);
             for (int k = 0; k < kc; k++) bp[(size_t)(k0 + k) * NR + j] = j < w ? tmp[k] : 0.0f;
         }
     }
@@ -83,13 +58,13 @@ static void pack_a(float *ap, const gemm_args *g, int i0, int mc, int k0, int kc
     if (!g->trans_a) { /* stored (M, K): row i holds op(A)[i, :] */
         for (int i = 0; i < mcp; i++) {
             float *dst = ap + (size_t)(i / MR) * kc * MR + i % MR;
-            if (i < mc) load_row(tmp, g->A, (size_t)(i0 + i) * g->lda + k0, kc, g->ab_dt);
+            if (i < mc) row_load(tmp, g->A, (size_t)(i0 + i) * g->lda + k0, kc, g->ab_dt);
             for (int k = 0; k < kc; k++) dst[(size_t)k * MR] = i < mc ? tmp[k] : 0.0f;
         }
         return;
     }
     for (int k = 0; k < kc; k++) { /* stored (K, M): row k holds op(A)[:, k] */
-        load_row(tmp, g->A, (size_t)(k0 + k) * g->lda + i0, mc, g->ab_dt);
+        row_load(tmp, g->A, (size_t)(k0 + k) * g->lda + i0, mc, g->ab_dt);
         for (int i = 0; i < mcp; i++)
             ap[(size_t)(i / MR) * kc * MR + (size_t)k * MR + i % MR] = i < mc ? tmp[i] : 0.0f;
     }
@@ -135,19 +110,19 @@ typedef struct block {
 static void finish_block(const gemm_args *g, const float *acc, size_t ldacc, const block *bk) {
     int jb = bk->j0 + bk->q0 * NR, w = min_int(bk->q1 * NR, bk->nc) - bk->q0 * NR;
     float bias[NC], row[NC];
-    if (g->bias) load_row(bias, g->bias, (size_t)jb, w, g->bias_dt);
+    if (g->bias) row_load(bias, g->bias, (size_t)jb, w, g->bias_dt);
     for (int i = 0; i < bk->mc; i++) {
         size_t ci = (size_t)(bk->i0 + i) * g->ldc + jb;
         const float *a = acc + (size_t)i * ldacc;
         if (g->beta != 0.0f) {
-            load_row(row, g->C, ci, w, g->c_dt);
+            row_load(row, g->C, ci, w, g->c_dt);
             for (int j = 0; j < w; j++) row[j] = g->alpha * a[j] + g->beta * row[j];
         } else {
             for (int j = 0; j < w; j++) row[j] = g->alpha * a[j];
         }
         if (g->bias)
             for (int j = 0; j < w; j++) row[j] += bias[j];
-        store_row(g->C, ci, row, w, g->c_dt);
+        row_store(g->C, ci, row, w, g->c_dt);
     }
 }
 

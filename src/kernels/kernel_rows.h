@@ -9,31 +9,16 @@
 #define LOOM_KERNEL_ROWS_H
 
 #include "loom/core.h"
+#include "core/simd.h"
 
-/* dst[0 .. n) = src[off .. off + n) converted to fp32. */
+/* dst[0 .. n) = src[off .. off + n) converted to fp32 (AVX2 when available). */
 static inline void row_load(float *dst, const void *src, size_t off, int n, loom_dtype dt) {
-    if (dt == LOOM_F32) {
-        memcpy(dst, (const float *)src + off, (size_t)n * sizeof(float));
-    } else if (dt == LOOM_BF16) {
-        const uint16_t *s = (const uint16_t *)src + off;
-        for (int i = 0; i < n; i++) dst[i] = loom_bf16_to_f32(s[i]);
-    } else {
-        const uint16_t *s = (const uint16_t *)src + off;
-        for (int i = 0; i < n; i++) dst[i] = loom_f16_to_f32(s[i]);
-    }
+    convert_to_f32(dst, (const char *)src + off * loom_dtype_size(dt), dt, (size_t)n);
 }
 
 /* dst[off .. off + n) = src[0 .. n) rounded to dt. */
 static inline void row_store(void *dst, size_t off, const float *src, int n, loom_dtype dt) {
-    if (dt == LOOM_F32) {
-        memcpy((float *)dst + off, src, (size_t)n * sizeof(float));
-    } else if (dt == LOOM_BF16) {
-        uint16_t *d = (uint16_t *)dst + off;
-        for (int i = 0; i < n; i++) d[i] = loom_f32_to_bf16(src[i]);
-    } else {
-        uint16_t *d = (uint16_t *)dst + off;
-        for (int i = 0; i < n; i++) d[i] = loom_f32_to_f16(src[i]);
-    }
+    convert_from_f32((char *)dst + off * loom_dtype_size(dt), dt, src, (size_t)n);
 }
 
 /* sum_i a[i] * b[i]. The simd reduction fixes one summation order per build,
