@@ -21,8 +21,9 @@
 
 typedef enum gemm_backend {
     GEMM_BACKEND_AUTO = 0,     /* oneDNN when built with it, else fallback */
-    GEMM_BACKEND_ONEDNN = 1,
-    GEMM_BACKEND_FALLBACK = 2  /* portable blocked C loops */
+    GEMM_BACKEND_ONEDNN = 1,   /* oneDNN; bf16/f16 it refuses are widened to its fp32 matmul */
+    GEMM_BACKEND_FALLBACK = 2, /* loom's blocked loops (AVX2 micro-kernel or portable C) */
+    GEMM_BACKEND_WIDEN = 3     /* oneDNN, bf16/f16 always widened to fp32 (for tests) */
 } gemm_backend;
 
 /* Row-major C[M,N] = alpha * op(A)[M,K] · op(B)[K,N] + beta * C + bias[N].
