@@ -6,16 +6,20 @@
  * scores. Query t sits at absolute position q_pos0 + t and sees keys
  * 0 .. q_pos0 + t.
  *
- * Forward: one task per (b, h, query block of ATTN_BQ rows); keys are visited
- * in blocks of ATTN_BK with an online softmax (running max m, running sum l,
- * unnormalised output acc), so no Tq x Tk matrix exists. lse = m + log(l).
- * Backward (FlashAttention-2): one task per (b, kv head g). For each key block
- * it recomputes p = exp(s - lse) for every query head of the group and
- * accumulates dK, dV for the block in fp32; D_i = rowsum(dout_i * out_i). The
- * task owns dq rows of its heads too, so no two threads write the same row.
- *
- * Blocks of q/k/v/dout are converted to fp32 scratch rows once, so the inner
- * dot products and axpys run on contiguous fp32.
+ * Both directions work on blocks converted to fp32 once: ATTN_BQ queries
+ * against ATTN_BK keys, with the products as small matrix multiplies
+ * (mm_f32: AVX2/FMA or portable C) and the exps vectorized.
+ * Forward: one task per (b, h, query block); key blocks are folded in with
+ * an online softmax (running max m, running sum l, unnormalised output acc):
+ * S = (scale q) k^T, P = exp(S - m), acc = acc * exp(m_old - m) + P v, so no
+ * Tq x Tk matrix exists. lse = m + log(l).
+ * Backward (FlashAttention-2): one task per (b, kv head g). For each key
+ * block and each query block of the group's heads it recomputes
+ * P = exp(S - lse) exactly as the forward formed S, then with
+ * D_i = rowsum(dout_i * out_i): dP = dout v^T, dS = P (dP - D),
+ * dV += P^T dout, dK += dS^T (scale q), dq += dS k (times scale at the end).
+ * The task owns the dq rows of its heads too, so no two threads write the
+ * same row.
  * Must never: let the thread count or the schedule change a result — every
  * output element is summed by one task in a fixed order.
  */
@@ -25,7 +29,7 @@
 #include <math.h>
 #include <omp.h>
 
-#define ATTN_BQ 32 /* queries per block */
+#define ATTN_BQ 64 /* queries per block */
 #define ATTN_BK 64 /* keys per block */
 
 typedef struct attn_shape {
@@ -53,6 +57,8 @@ static size_t lse_off(const attn_shape *s, int b, int h, int t) {
     return ((size_t)b * s->NH + h) * s->Tq + t;
 }
 
+static int min_i(int a, int b) { return a < b ? a : b; }
+
 /* Number of keys in [k0, k0 + nk) that query t sees (0 if none). */
 static int attn_visible(const attn_shape *s, int t, int k0, int nk) {
     int n = s->q_pos0 + t - k0 + 1;
@@ -68,52 +74,62 @@ static void load_rows(float *dst, const void *src, int T, int H, int b, int t0, 
                  s->HS, s->dt);
 }
 
-/* ---------------------------------------------------------------- forward */
-
-/* Fold nk keys into one query's running softmax. qi, acc: (HS); K, V: (nk, HS);
- * sc: (nk) scratch. */
-static void online_softmax_row(float *acc, float *m, float *l, const float *qi,
-                               const float *K, const float *V, int nk, int HS,
-                               float scale, float *sc) {
-    float bm = -INFINITY;
-    for (int j = 0; j < nk; j++) {
-        sc[j] = row_dot(qi, K + (size_t)j * HS, HS) * scale;
-        bm = fmaxf(bm, sc[j]);
-    }
-    float mn = fmaxf(*m, bm);
-    float corr = expf(*m - mn); // 0 on the first block, where m = -inf
-    float sum = 0.0f;
-    for (int d = 0; d < HS; d++) acc[d] *= corr;
-    for (int j = 0; j < nk; j++) {
-        float p = expf(sc[j] - mn);
-        sum += p;
-        row_axpy(acc, p, V + (size_t)j * HS, HS);
-    }
-    *l = *l * corr + sum;
-    *m = mn;
+/* Query rows [q0, q0 + nq) of head h, times scale: qs (nq, HS). Forward and
+ * backward form S from this same product, so P agrees bit for bit. */
+static void load_q_scaled(float *qs, const void *q, int b, int h, int q0, int nq, const attn_shape *s) {
+    load_rows(qs, q, s->Tq, s->NH, b, q0, h, nq, s);
+    row_scale(qs, s->scale, nq * s->HS);
 }
+
+/* Key rows [k0, k0 + nk) of kv head g as kt (HS, ATTN_BK): transposed, so
+ * S = qs · kt is a plain product. tmp: (nk, HS) scratch. */
+static void load_kt(float *kt, float *tmp, const void *k, int b, int g, int k0, int nk, const attn_shape *s) {
+    load_rows(tmp, k, s->Tk, s->NKV, b, k0, g, nk, s);
+    transpose_f32(kt, ATTN_BK, tmp, s->HS, nk, s->HS);
+}
+
+/* ---------------------------------------------------------------- forward */
 
 typedef struct attn_fwd_scratch {
     float *q, *acc; // (ATTN_BQ, HS)
+    float *kt;      // (HS, ATTN_BK)
     float *k, *v;   // (ATTN_BK, HS)
+    float *sc;      // (ATTN_BQ, ATTN_BK) scores, then probabilities
     float *m, *l;   // (ATTN_BQ)
-    float *sc;      // (ATTN_BK)
 } attn_fwd_scratch;
 
 static size_t attn_fwd_scratch_floats(int HS) {
-    return (size_t)(2 * ATTN_BQ + 2 * ATTN_BK) * HS + 2 * ATTN_BQ + ATTN_BK;
+    return (size_t)(2 * ATTN_BQ + 3 * ATTN_BK) * HS + (size_t)ATTN_BQ * ATTN_BK + 2 * ATTN_BQ;
 }
 
 static attn_fwd_scratch attn_fwd_scratch_at(float *p, int HS) {
     attn_fwd_scratch w;
     w.q = p;   p += (size_t)ATTN_BQ * HS;
     w.acc = p; p += (size_t)ATTN_BQ * HS;
+    w.kt = p;  p += (size_t)ATTN_BK * HS;
     w.k = p;   p += (size_t)ATTN_BK * HS;
     w.v = p;   p += (size_t)ATTN_BK * HS;
+    w.sc = p;  p += (size_t)ATTN_BQ * ATTN_BK;
     w.m = p;   p += ATTN_BQ;
-    w.l = p;   p += ATTN_BQ;
-    w.sc = p;
+    w.l = p;
     return w;
+}
+
+/* Fold the scores sc (nq, ATTN_BK) of one key block into the running
+ * softmax: sc becomes P (zero where masked), acc rows are rescaled. */
+static void attn_fwd_softmax(attn_fwd_scratch *w, int q0, int nq, int k0, int nk, const attn_shape *s) {
+    for (int i = 0; i < nq; i++) {
+        float *p = w->sc + (size_t)i * ATTN_BK;
+        int n = attn_visible(s, q0 + i, k0, nk);
+        for (int j = n; j < nk; j++) p[j] = 0.0f;
+        if (n == 0) continue; // this row sees none of the block: m, l, acc unchanged
+        float mn = fmaxf(w->m[i], row_max(p, n));
+        float corr = expf(w->m[i] - mn); // 0 on the first block, where m = -inf
+        float sum = row_exp_sum(p, n, mn);
+        w->l[i] = w->l[i] * corr + sum;
+        w->m[i] = mn;
+        row_scale(w->acc + (size_t)i * s->HS, corr, s->HS);
+    }
 }
 
 /* Queries [q0, q0 + nq) of head h in batch b: out rows and lse entries. */
@@ -122,23 +138,20 @@ static void attn_fwd_block(void *out, float *lse, const void *q, const void *k, 
                            attn_fwd_scratch *w) {
     int HS = s->HS, g = h / s->G;
     int kv_end = s->q_pos0 + q0 + nq; // keys the last query of the block sees
-    load_rows(w->q, q, s->Tq, s->NH, b, q0, h, nq, s);
+    load_q_scaled(w->q, q, b, h, q0, nq, s);
     memset(w->acc, 0, (size_t)nq * HS * sizeof(float));
     for (int i = 0; i < nq; i++) { w->m[i] = -INFINITY; w->l[i] = 0.0f; }
     for (int k0 = 0; k0 < kv_end; k0 += ATTN_BK) {
-        int nk = kv_end - k0 < ATTN_BK ? kv_end - k0 : ATTN_BK;
-        load_rows(w->k, k, s->Tk, s->NKV, b, k0, g, nk, s);
+        int nk = min_i(kv_end - k0, ATTN_BK);
+        load_kt(w->kt, w->k, k, b, g, k0, nk, s);
         load_rows(w->v, v, s->Tk, s->NKV, b, k0, g, nk, s);
-        for (int i = 0; i < nq; i++) {
-            int n = attn_visible(s, q0 + i, k0, nk);
-            if (n > 0)
-                online_softmax_row(w->acc + (size_t)i * HS, &w->m[i], &w->l[i],
-                                   w->q + (size_t)i * HS, w->k, w->v, n, HS, s->scale, w->sc);
-        }
+        mm_f32(nq, nk, HS, w->q, HS, w->kt, ATTN_BK, w->sc, ATTN_BK, 0);     // S = qs kt
+        attn_fwd_softmax(w, q0, nq, k0, nk, s);
+        mm_f32(nq, HS, nk, w->sc, ATTN_BK, w->v, HS, w->acc, HS, 1);         // acc += P v
     }
     for (int i = 0; i < nq; i++) {
-        float *acc = w->acc + (size_t)i * HS, inv = 1.0f / w->l[i];
-        for (int d = 0; d < HS; d++) acc[d] *= inv;
+        float *acc = w->acc + (size_t)i * HS;
+        row_scale(acc, 1.0f / w->l[i], HS);
         row_store(out, q_off(s, b, q0 + i, h), acc, HS, s->dt);
         if (lse) lse[lse_off(s, b, h, q0 + i)] = w->m[i] + logf(w->l[i]);
     }
@@ -153,11 +166,11 @@ void attention_fwd(void *out, float *lse, const void *q, const void *k, const vo
     size_t per = attn_fwd_scratch_floats(HS);
     float *ws = workspace_floats(per * (size_t)omp_get_max_threads());
     // Round-robin (static, 1): later query blocks see more keys.
-    #pragma omp parallel for schedule(static, 1)
+    #pragma omp parallel for schedule(static, 1) if (ntasks > 1)
     for (int task = 0; task < ntasks; task++) {
         attn_fwd_scratch w = attn_fwd_scratch_at(ws + per * (size_t)omp_get_thread_num(), HS);
         int qb = task % nqb, h = (task / nqb) % NH, b = task / (nqb * NH);
-        int q0 = qb * ATTN_BQ, nq = Tq - q0 < ATTN_BQ ? Tq - q0 : ATTN_BQ;
+        int q0 = qb * ATTN_BQ, nq = min_i(Tq - q0, ATTN_BQ);
         attn_fwd_block(out, lse, q, k, v, b, h, q0, nq, &s, &w);
     }
     loom_free(ws);
@@ -166,68 +179,82 @@ void attention_fwd(void *out, float *lse, const void *q, const void *k, const vo
 /* --------------------------------------------------------------- backward */
 
 typedef struct attn_bwd_scratch {
-    float *k, *v, *dk, *dv; // (ATTN_BK, HS)
-    float *q, *dout;        // (ATTN_BQ, HS)
+    float *k, *dk, *dv;      // (ATTN_BK, HS)
+    float *kt, *vt;          // (HS, ATTN_BK)
+    float *q, *dout;         // (ATTN_BQ, HS)
+    float *p, *ds;           // (ATTN_BQ, ATTN_BK)
+    float *t;                // (ATTN_BK, ATTN_BQ) a transposed P or dS
 } attn_bwd_scratch;
 
 static size_t attn_bwd_scratch_floats(int HS) {
-    return (size_t)(4 * ATTN_BK + 2 * ATTN_BQ) * HS;
+    return (size_t)(5 * ATTN_BK + 2 * ATTN_BQ) * HS + 3 * (size_t)ATTN_BQ * ATTN_BK;
 }
 
 static attn_bwd_scratch attn_bwd_scratch_at(float *p, int HS) {
     attn_bwd_scratch w;
-    size_t kb = (size_t)ATTN_BK * HS, qb = (size_t)ATTN_BQ * HS;
-    w.k = p; w.v = p + kb; w.dk = p + 2 * kb; w.dv = p + 3 * kb;
-    w.q = p + 4 * kb; w.dout = p + 4 * kb + qb;
+    size_t kb = (size_t)ATTN_BK * HS, qb = (size_t)ATTN_BQ * HS, sb = (size_t)ATTN_BQ * ATTN_BK;
+    w.k = p;  p += kb;
+    w.dk = p; p += kb;
+    w.dv = p; p += kb;
+    w.kt = p; p += kb;
+    w.vt = p; p += kb;
+    w.q = p;  p += qb;
+    w.dout = p; p += qb;
+    w.p = p;  p += sb;
+    w.ds = p; p += sb;
+    w.t = p;
     return w;
 }
 
 /* D: (B, NH, Tq) = rowsum(dout * out) in fp32. */
 static void attn_rowdot(float *D, const void *dout, const void *out, const attn_shape *s) {
-    int rows = s->B * s->Tq * s->NH;
+    int rows = s->B * s->Tq * s->NH, HS = s->HS;
+    int nt = omp_get_max_threads();
+    float *tmp = workspace_floats((size_t)nt * 2 * HS);
     #pragma omp parallel for schedule(static)
     for (int r = 0; r < rows; r++) {
+        float *a = tmp + (size_t)omp_get_thread_num() * 2 * HS, *o = a + HS;
         int h = r % s->NH, t = (r / s->NH) % s->Tq, b = r / (s->NH * s->Tq);
-        size_t off = (size_t)r * s->HS;
-        float acc = 0.0f;
-        for (int d = 0; d < s->HS; d++)
-            acc += loom_load(dout, off + d, s->dt) * loom_load(out, off + d, s->dt);
-        D[lse_off(s, b, h, t)] = acc;
+        row_load(a, dout, (size_t)r * HS, HS, s->dt);
+        row_load(o, out, (size_t)r * HS, HS, s->dt);
+        D[lse_off(s, b, h, t)] = row_dot(a, o, HS);
+    }
+    loom_free(tmp);
+}
+
+/* P = exp(S - lse) for the block (zero where masked), then dS = P (dP - D).
+ * w->p holds S on entry and P on exit; w->ds holds dP on entry. */
+static void attn_bwd_probs(attn_bwd_scratch *w, const float *lse, const float *D, int q0, int nq,
+                           int k0, int nk, const attn_shape *s) {
+    for (int i = 0; i < nq; i++) {
+        float *p = w->p + (size_t)i * ATTN_BK, *ds = w->ds + (size_t)i * ATTN_BK;
+        int n = attn_visible(s, q0 + i, k0, nk);
+        row_exp_sum(p, n, lse[i]);
+        for (int j = n; j < nk; j++) p[j] = 0.0f;
+        for (int j = 0; j < nk; j++) ds[j] = p[j] * (ds[j] - D[i]);
     }
 }
 
-/* One query against n keys of a block: recompute p from lse, then
- * dV += p dout_i, dK += ds q_i, dq_i += ds K with ds = p (dout_i . v - D) scale. */
-static void attn_bwd_row(float *dq, attn_bwd_scratch *w, const float *qi, const float *doi,
-                         int n, float lse, float D, const attn_shape *s) {
-    int HS = s->HS;
-    for (int j = 0; j < n; j++) {
-        const float *kj = w->k + (size_t)j * HS, *vj = w->v + (size_t)j * HS;
-        float p = expf(row_dot(qi, kj, HS) * s->scale - lse);
-        float ds = p * (row_dot(doi, vj, HS) - D) * s->scale;
-        row_axpy(w->dv + (size_t)j * HS, p, doi, HS);
-        row_axpy(w->dk + (size_t)j * HS, ds, qi, HS);
-        row_axpy(dq, ds, kj, HS);
-    }
-}
-
-/* All queries of head h that see the key block [k0, k0 + nk) (already in w).
- * dq32: (B, Tq, NH, HS) fp32 accumulator. */
+/* All queries of head h that see the key block [k0, k0 + nk) (k, kt, vt in
+ * w). dq32: (B, Tq, NH, HS) fp32 accumulator (unscaled). */
 static void attn_bwd_head(float *dq32, attn_bwd_scratch *w, const void *dout, const void *q,
                           const float *lse, const float *D, int b, int h, int k0, int nk,
                           const attn_shape *s) {
-    int HS = s->HS;
+    int HS = s->HS, ldq = s->NH * HS;
     int t_first = k0 - s->q_pos0 > 0 ? k0 - s->q_pos0 : 0; // first query seeing k0
     for (int q0 = t_first; q0 < s->Tq; q0 += ATTN_BQ) {
-        int nq = s->Tq - q0 < ATTN_BQ ? s->Tq - q0 : ATTN_BQ;
-        load_rows(w->q, q, s->Tq, s->NH, b, q0, h, nq, s);
+        int nq = min_i(s->Tq - q0, ATTN_BQ);
+        size_t l0 = lse_off(s, b, h, q0);
+        load_q_scaled(w->q, q, b, h, q0, nq, s);
         load_rows(w->dout, dout, s->Tq, s->NH, b, q0, h, nq, s);
-        for (int i = 0; i < nq; i++) {
-            size_t li = lse_off(s, b, h, q0 + i);
-            attn_bwd_row(dq32 + q_off(s, b, q0 + i, h), w, w->q + (size_t)i * HS,
-                         w->dout + (size_t)i * HS, attn_visible(s, q0 + i, k0, nk),
-                         lse[li], D[li], s);
-        }
+        mm_f32(nq, nk, HS, w->q, HS, w->kt, ATTN_BK, w->p, ATTN_BK, 0);       // S = qs kt
+        mm_f32(nq, nk, HS, w->dout, HS, w->vt, ATTN_BK, w->ds, ATTN_BK, 0);   // dP = dout vt
+        attn_bwd_probs(w, lse + l0, D + l0, q0, nq, k0, nk, s);
+        transpose_f32(w->t, ATTN_BQ, w->p, ATTN_BK, nq, nk);
+        mm_f32(nk, HS, nq, w->t, ATTN_BQ, w->dout, HS, w->dv, HS, 1);         // dV += P^T dout
+        transpose_f32(w->t, ATTN_BQ, w->ds, ATTN_BK, nq, nk);
+        mm_f32(nk, HS, nq, w->t, ATTN_BQ, w->q, HS, w->dk, HS, 1);            // dK += dS^T qs
+        mm_f32(nq, HS, nk, w->ds, ATTN_BK, w->k, HS, dq32 + q_off(s, b, q0, h), ldq, 1); // dq += dS k
     }
 }
 
@@ -240,12 +267,15 @@ static void attn_bwd_task(void *dq, void *dk, void *dv, float *dq32, const void 
     for (int t = 0; t < s->Tq; t++)
         memset(dq32 + q_off(s, b, t, h0), 0, (size_t)GHS * sizeof(float));
     for (int k0 = 0; k0 < s->Tk; k0 += ATTN_BK) {
-        int nk = s->Tk - k0 < ATTN_BK ? s->Tk - k0 : ATTN_BK;
+        int nk = min_i(s->Tk - k0, ATTN_BK);
         memset(w->dk, 0, (size_t)nk * HS * sizeof(float));
         memset(w->dv, 0, (size_t)nk * HS * sizeof(float));
         if (k0 < s->q_pos0 + s->Tq) { // else no query sees these keys: zero grads
             load_rows(w->k, k, s->Tk, s->NKV, b, k0, g, nk, s);
-            load_rows(w->v, v, s->Tk, s->NKV, b, k0, g, nk, s);
+            transpose_f32(w->kt, ATTN_BK, w->k, HS, nk, HS);
+            load_rows(w->dk, v, s->Tk, s->NKV, b, k0, g, nk, s); // v rows, borrowing dk
+            transpose_f32(w->vt, ATTN_BK, w->dk, HS, nk, HS);
+            memset(w->dk, 0, (size_t)nk * HS * sizeof(float));
             for (int h = h0; h < h0 + s->G; h++)
                 attn_bwd_head(dq32, w, dout, q, lse, D, b, h, k0, nk, s);
         }
@@ -254,9 +284,11 @@ static void attn_bwd_task(void *dq, void *dk, void *dv, float *dq32, const void 
             row_store(dv, kv_off(s, b, k0 + j, g), w->dv + (size_t)j * HS, HS, s->dt);
         }
     }
-    if ((void *)dq32 != dq)
-        for (int t = 0; t < s->Tq; t++)
-            row_store(dq, q_off(s, b, t, h0), dq32 + q_off(s, b, t, h0), GHS, s->dt);
+    for (int t = 0; t < s->Tq; t++) {
+        float *r = dq32 + q_off(s, b, t, h0);
+        row_scale(r, s->scale, GHS);
+        if ((void *)dq32 != dq) row_store(dq, q_off(s, b, t, h0), r, GHS, s->dt);
+    }
 }
 
 void attention_bwd(void *dq, void *dk, void *dv, const void *dout,
@@ -270,7 +302,7 @@ void attention_bwd(void *dq, void *dk, void *dv, const void *dout,
     size_t per = attn_bwd_scratch_floats(HS);
     float *ws = workspace_floats(per * (size_t)omp_get_max_threads());
     attn_rowdot(D, dout, out, &s);
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if (B * NKV > 1)
     for (int task = 0; task < B * NKV; task++) {
         attn_bwd_scratch w = attn_bwd_scratch_at(ws + per * (size_t)omp_get_thread_num(), HS);
         attn_bwd_task(dq, dk, dv, dq32, dout, q, k, v, lse, D, task / NKV, task % NKV, &s, &w);

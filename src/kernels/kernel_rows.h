@@ -1,7 +1,8 @@
 /*
  * kernel_rows.h — private helpers shared by the row-wise kernels (RMSNorm,
  * attention, cross-entropy): fp32 scratch rows converted from/to the
- * activation dtype once, the small vector loops on them, and workspace.
+ * activation dtype once, the small vector loops and matrix blocks on them,
+ * and workspace.
  *
  * Must never: be included outside src/kernels, or hold state.
  */
@@ -21,20 +22,24 @@ static inline void row_store(void *dst, size_t off, const float *src, int n, loo
     convert_from_f32((char *)dst + off * loom_dtype_size(dt), dt, src, (size_t)n);
 }
 
-/* sum_i a[i] * b[i]. The simd reduction fixes one summation order per build,
- * so results stay deterministic. */
-static inline float row_dot(const float *a, const float *b, int n) {
-    float s = 0.0f;
-    #pragma omp simd reduction(+ : s)
-    for (int i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
-}
+/* ---- fp32 building blocks (kernel_rows.c): AVX2 when simd_avx2(), else
+ * portable C; each deterministic on its own. */
 
-/* y += a * x */
-static inline void row_axpy(float *y, float a, const float *x, int n) {
-    #pragma omp simd
-    for (int i = 0; i < n; i++) y[i] += a * x[i];
-}
+/* C (m, n) = A (m, k) · B (k, n), or C += A · B when accumulate; all
+ * row-major fp32 with row strides lda, ldb, ldc. For the small blocks of
+ * attention, not for large GEMMs. */
+void mm_f32(int m, int n, int k, const float *A, int lda, const float *B, int ldb, float *C, int ldc,
+            int accumulate);
+/* dst (cols, rows) = src (rows, cols)^T; row strides ldd, lds. */
+void transpose_f32(float *dst, int ldd, const float *src, int lds, int rows, int cols);
+/* max of x[0 .. n) (-inf for n = 0). */
+float row_max(const float *x, int n);
+/* x[i] = exp(x[i] - m) for i < n; returns the sum of the new values. */
+float row_exp_sum(float *x, int n, float m);
+/* x[i] *= s */
+void row_scale(float *x, float s, int n);
+/* sum_i a[i] * b[i] */
+float row_dot(const float *a, const float *b, int n);
 
 /* Workspace for a kernel. Kernels return void and have no error channel, so
  * running out of memory for scratch is fatal here; the op layer keeps the
