@@ -134,6 +134,14 @@ SIMD_AVX2 static float dot_avx2(const float *a, const float *b, int n) {
     return r;
 }
 
+/* x[0 .. 8k) *= s; returns 8k (the tail is the caller's: same operation). */
+SIMD_AVX2 static int scale_avx2(float *x, float s, int n) {
+    __m256 vs = _mm256_set1_ps(s);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), vs));
+    return i;
+}
+
 #endif /* LOOM_HAVE_X86_SIMD */
 
 /* ------------------------------------------------------------- dispatch */
@@ -176,7 +184,11 @@ float row_exp_sum(float *x, int n, float m) {
 }
 
 void row_scale(float *x, float s, int n) {
-    for (int i = 0; i < n; i++) x[i] *= s;
+    int i = 0;
+#if LOOM_HAVE_X86_SIMD
+    if (simd_avx2()) i = scale_avx2(x, s, n);
+#endif
+    for (; i < n; i++) x[i] *= s;
 }
 
 float row_dot(const float *a, const float *b, int n) {

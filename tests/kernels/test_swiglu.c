@@ -179,5 +179,5 @@ int main(void) {
         cmocka_unit_test(test_extreme_inputs),
         cmocka_unit_test(test_in_place),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return TU_RUN_SIMD_AND_PORTABLE(tests);
 }
