@@ -14,14 +14,15 @@
 
 /* ------------------------------------------------------------- portable */
 
-static void mm_c(int m, int n, int k, const float *A, int lda, const float *B, int ldb, float *C, int ldc,
-                 int accumulate) {
+/* Element (r, d) of op(A) is A[r * rs + d * ds]. */
+static void mm_c(int m, int n, int k, const float *A, size_t rs, size_t ds, const float *B, int ldb, float *C,
+                 int ldc, int accumulate) {
     for (int i = 0; i < m; i++) {
         float *c = C + (size_t)i * ldc;
         if (!accumulate)
             for (int j = 0; j < n; j++) c[j] = 0.0f;
         for (int d = 0; d < k; d++) {
-            float a = A[(size_t)i * lda + d];
+            float a = A[(size_t)i * rs + (size_t)d * ds];
             const float *b = B + (size_t)d * ldb;
             for (int j = 0; j < n; j++) c[j] += a * b[j];
         }
@@ -47,12 +48,13 @@ SIMD_AVX2 static inline __m256i lane_mask(int n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-/* C rows [0, 4) x columns [0, cols <= 16): rows beyond `rows` compute on a
- * repeated row and are not stored. */
-SIMD_AVX2 static void mm_tile_4x16(int rows, int cols, int k, const float *A, int lda, const float *B, int ldb,
-                                   float *C, int ldc, int accumulate) {
-    const float *a0 = A, *a1 = A + (size_t)(rows > 1) * lda, *a2 = A + (size_t)(rows > 2 ? 2 : rows - 1) * lda;
-    const float *a3 = A + (size_t)(rows > 3 ? 3 : rows - 1) * lda;
+/* C rows [0, 4) x columns [0, cols <= 16); element (r, d) of op(A) is
+ * A[r * rs + d * ds]. Rows beyond `rows` compute on a repeated row and are
+ * not stored. */
+SIMD_AVX2 static void mm_tile_4x16(int rows, int cols, int k, const float *A, size_t rs, size_t ds,
+                                   const float *B, int ldb, float *C, int ldc, int accumulate) {
+    const float *a0 = A, *a1 = A + (rows > 1 ? 1 : 0) * rs, *a2 = A + (rows > 2 ? 2 : rows - 1) * rs;
+    const float *a3 = A + (rows > 3 ? 3 : rows - 1) * rs;
     __m256i m0 = lane_mask(cols), m1 = lane_mask(cols - 8);
     __m256 c00, c01, c10, c11, c20, c21, c30, c31;
     c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = _mm256_setzero_ps();
@@ -62,40 +64,35 @@ SIMD_AVX2 static void mm_tile_4x16(int rows, int cols, int k, const float *A, in
         LOADC(0); LOADC(1); LOADC(2); LOADC(3);
 #undef LOADC
     }
-    if (cols == 16) {
-        for (int d = 0; d < k; d++) {
-            __m256 b0 = _mm256_loadu_ps(B + (size_t)d * ldb), b1 = _mm256_loadu_ps(B + (size_t)d * ldb + 8);
-            __m256 x0 = _mm256_broadcast_ss(a0 + d), x1 = _mm256_broadcast_ss(a1 + d);
-            __m256 x2 = _mm256_broadcast_ss(a2 + d), x3 = _mm256_broadcast_ss(a3 + d);
-            c00 = _mm256_fmadd_ps(x0, b0, c00); c01 = _mm256_fmadd_ps(x0, b1, c01);
-            c10 = _mm256_fmadd_ps(x1, b0, c10); c11 = _mm256_fmadd_ps(x1, b1, c11);
-            c20 = _mm256_fmadd_ps(x2, b0, c20); c21 = _mm256_fmadd_ps(x2, b1, c21);
-            c30 = _mm256_fmadd_ps(x3, b0, c30); c31 = _mm256_fmadd_ps(x3, b1, c31);
-        }
-    } else {
-        for (int d = 0; d < k; d++) {
-            __m256 b0 = _mm256_maskload_ps(B + (size_t)d * ldb, m0);
-            __m256 b1 = _mm256_maskload_ps(B + (size_t)d * ldb + 8, m1);
-            __m256 x0 = _mm256_broadcast_ss(a0 + d), x1 = _mm256_broadcast_ss(a1 + d);
-            __m256 x2 = _mm256_broadcast_ss(a2 + d), x3 = _mm256_broadcast_ss(a3 + d);
-            c00 = _mm256_fmadd_ps(x0, b0, c00); c01 = _mm256_fmadd_ps(x0, b1, c01);
-            c10 = _mm256_fmadd_ps(x1, b0, c10); c11 = _mm256_fmadd_ps(x1, b1, c11);
-            c20 = _mm256_fmadd_ps(x2, b0, c20); c21 = _mm256_fmadd_ps(x2, b1, c21);
-            c30 = _mm256_fmadd_ps(x3, b0, c30); c31 = _mm256_fmadd_ps(x3, b1, c31);
-        }
-    }
+#define STEP(LOAD) do { \
+        __m256 b0 = LOAD(B + (size_t)d * ldb, m0), b1 = LOAD(B + (size_t)d * ldb + 8, m1); \
+        size_t o = (size_t)d * ds; \
+        __m256 x0 = _mm256_broadcast_ss(a0 + o), x1 = _mm256_broadcast_ss(a1 + o); \
+        __m256 x2 = _mm256_broadcast_ss(a2 + o), x3 = _mm256_broadcast_ss(a3 + o); \
+        c00 = _mm256_fmadd_ps(x0, b0, c00); c01 = _mm256_fmadd_ps(x0, b1, c01); \
+        c10 = _mm256_fmadd_ps(x1, b0, c10); c11 = _mm256_fmadd_ps(x1, b1, c11); \
+        c20 = _mm256_fmadd_ps(x2, b0, c20); c21 = _mm256_fmadd_ps(x2, b1, c21); \
+        c30 = _mm256_fmadd_ps(x3, b0, c30); c31 = _mm256_fmadd_ps(x3, b1, c31); \
+    } while (0)
+#define LOADU(p, mask) _mm256_loadu_ps(p)
+    if (cols == 16)
+        for (int d = 0; d < k; d++) STEP(LOADU);
+    else
+        for (int d = 0; d < k; d++) STEP(_mm256_maskload_ps);
+#undef LOADU
+#undef STEP
 #define STOREC(r) do { if (r < rows) { _mm256_maskstore_ps(C + (size_t)r * ldc, m0, c##r##0); \
         _mm256_maskstore_ps(C + (size_t)r * ldc + 8, m1, c##r##1); } } while (0)
     STOREC(0); STOREC(1); STOREC(2); STOREC(3);
 #undef STOREC
 }
 
-SIMD_AVX2 static void mm_avx2(int m, int n, int k, const float *A, int lda, const float *B, int ldb, float *C,
-                              int ldc, int accumulate) {
+SIMD_AVX2 static void mm_avx2(int m, int n, int k, const float *A, size_t rs, size_t ds, const float *B, int ldb,
+                              float *C, int ldc, int accumulate) {
     for (int i = 0; i < m; i += 4)
         for (int j = 0; j < n; j += 16)
-            mm_tile_4x16(m - i < 4 ? m - i : 4, n - j < 16 ? n - j : 16, k, A + (size_t)i * lda, lda, B + j, ldb,
-                         C + (size_t)i * ldc + j, ldc, accumulate);
+            mm_tile_4x16(m - i < 4 ? m - i : 4, n - j < 16 ? n - j : 16, k, A + (size_t)i * rs, rs, ds, B + j,
+                         ldb, C + (size_t)i * ldc + j, ldc, accumulate);
 }
 
 SIMD_AVX2 static float max_avx2(const float *x, int n) {
@@ -146,16 +143,17 @@ SIMD_AVX2 static int scale_avx2(float *x, float s, int n) {
 
 /* ------------------------------------------------------------- dispatch */
 
-void mm_f32(int m, int n, int k, const float *A, int lda, const float *B, int ldb, float *C, int ldc,
-            int accumulate) {
+void mm_f32(int m, int n, int k, const float *A, int lda, int trans_a, const float *B, int ldb, float *C,
+            int ldc, int accumulate) {
     if (m <= 0 || n <= 0) return;
+    size_t rs = trans_a ? 1 : (size_t)lda, ds = trans_a ? (size_t)lda : 1;
 #if LOOM_HAVE_X86_SIMD
     if (simd_avx2()) {
-        mm_avx2(m, n, k, A, lda, B, ldb, C, ldc, accumulate);
+        mm_avx2(m, n, k, A, rs, ds, B, ldb, C, ldc, accumulate);
         return;
     }
 #endif
-    mm_c(m, n, k, A, lda, B, ldb, C, ldc, accumulate);
+    mm_c(m, n, k, A, rs, ds, B, ldb, C, ldc, accumulate);
 }
 
 void transpose_f32(float *dst, int ldd, const float *src, int lds, int rows, int cols) {

@@ -25,11 +25,14 @@ static inline void row_store(void *dst, size_t off, const float *src, int n, loo
 /* ---- fp32 building blocks (kernel_rows.c): AVX2 when simd_avx2(), else
  * portable C; each deterministic on its own. */
 
-/* C (m, n) = A (m, k) · B (k, n), or C += A · B when accumulate; all
- * row-major fp32 with row strides lda, ldb, ldc. For the small blocks of
- * attention, not for large GEMMs. */
-void mm_f32(int m, int n, int k, const float *A, int lda, const float *B, int ldb, float *C, int ldc,
-            int accumulate);
+/* C (m, n) = op(A) (m, k) · B (k, n), or C += op(A) · B when accumulate;
+ * op(A) = A stored (m, k), or A^T of A stored (k, m) when trans_a; all
+ * row-major fp32 with row strides lda, ldb, ldc. Each element of C adds its
+ * k products in order (fused multiply-adds on AVX2), so its value does not
+ * depend on m, n, where it sits in C, or the order of the two factors. For the small blocks
+ * of attention, not for large GEMMs. */
+void mm_f32(int m, int n, int k, const float *A, int lda, int trans_a, const float *B, int ldb, float *C,
+            int ldc, int accumulate);
 /* dst (cols, rows) = src (rows, cols)^T; row strides ldd, lds. */
 void transpose_f32(float *dst, int ldd, const float *src, int lds, int rows, int cols);
 /* max of x[0 .. n) (-inf for n = 0). */
