@@ -174,8 +174,12 @@ static void print_profile(const bench_run *r, int steps, double total) {
     fflush(stdout);
 }
 
+/* Steps of one model under n recompute modes. With n > 1 the modes take
+ * turns step by step (the same weights, data and machine state for each), so
+ * their ratios hold up on a machine shared with other work; rss is then the
+ * process's, not any one mode's (res[i].rss_mib < 0). */
 static loom_status run_config(const bench_opts *o, const loom_llama_config *cfg, loom_precision prec,
-                              loom_recompute_mode mode, bench_result *res) {
+                              const loom_recompute_mode *modes, int n_modes, bench_result *res) {
     bench_run r;
     memset(&r, 0, sizeof r);
     r.B = o->batch;
@@ -184,7 +188,6 @@ static loom_status run_config(const bench_opts *o, const loom_llama_config *cfg,
     loom_status st = loom_llama_new(cfg, prec, &r.m);
     loom_adamw_config ac = loom_adamw_defaults();
     if (st == LOOM_OK) {
-        r.m->recompute.mode = mode;
         loom_llama_init_weights(r.m, 1337);
         st = loom_adamw_new(&ac, r.m->params, r.m->n_params, &r.opt);
     }
@@ -192,8 +195,10 @@ static loom_status run_config(const bench_opts *o, const loom_llama_config *cfg,
     r.tokens = malloc(n * sizeof *r.tokens);
     r.targets = malloc(n * sizeof *r.targets);
     float *u = malloc(2 * n * sizeof *u);
-    double *times = malloc((size_t)o->steps * sizeof *times);
-    if (st == LOOM_OK && (!r.tokens || !r.targets || !u || !times))
+    double *times = malloc((size_t)o->steps * n_modes * sizeof *times); /* (n_modes, steps) */
+    size_t *peak_act = calloc((size_t)n_modes, sizeof *peak_act);
+    uint64_t *mallocs = calloc((size_t)n_modes, sizeof *mallocs);
+    if (st == LOOM_OK && (!r.tokens || !r.targets || !u || !times || !peak_act || !mallocs))
         st = loom_error(LOOM_ERR_NOMEM, "bench: out of memory");
     if (st == LOOM_OK) {
         loom_rng_uniform(u, 2 * n, 7, 0);
@@ -203,38 +208,48 @@ static loom_status run_config(const bench_opts *o, const loom_llama_config *cfg,
         }
     }
     double loss = 0.0;
-    for (int s = 0; s < o->warmup && st == LOOM_OK; s++) st = train_step(&r, &loss);
-    loom_mem_stats before, after;
-    loom_mem_reset_peak();
-    loom_mem_get_stats(&before);
+    for (int s = 0; s < o->warmup && st == LOOM_OK; s++)
+        for (int m = 0; m < n_modes && st == LOOM_OK; m++) {
+            r.m->recompute.mode = modes[m];
+            st = train_step(&r, &loss);
+        }
     memset(r.phase, 0, sizeof r.phase);
     loom_profile_reset();
     loom_profile_enable(o->profile);
     double total = 0.0;
-    for (int s = 0; s < o->steps && st == LOOM_OK; s++) {
-        double t0 = cli_now();
-        st = train_step(&r, &loss);
-        times[s] = cli_now() - t0;
-        total += times[s];
-    }
+    for (int s = 0; s < o->steps && st == LOOM_OK; s++)
+        for (int m = 0; m < n_modes && st == LOOM_OK; m++) {
+            loom_mem_stats before, after;
+            r.m->recompute.mode = modes[m];
+            loom_mem_reset_peak();
+            loom_mem_get_stats(&before);
+            double t0 = cli_now();
+            st = train_step(&r, &loss);
+            times[(size_t)m * o->steps + s] = cli_now() - t0;
+            total += times[(size_t)m * o->steps + s];
+            loom_mem_get_stats(&after);
+            if (after.peak[LOOM_MEM_ACTIVATIONS] > peak_act[m]) peak_act[m] = after.peak[LOOM_MEM_ACTIVATIONS];
+            mallocs[m] += after.n_malloc - before.n_malloc;
+        }
     loom_profile_enable(0);
-    loom_mem_get_stats(&after);
     if (st == LOOM_OK && o->profile) print_profile(&r, o->steps, total);
-    if (st == LOOM_OK) {
-        struct rusage ru;
-        getrusage(RUSAGE_SELF, &ru);
-        double flop = model_flops_per_token(cfg, r.T) * (double)n;
-        res->step_ms = median(times, o->steps) * 1e3;
-        res->tok_s = (double)n / (res->step_ms * 1e-3);
-        res->gflop_per_step = flop * 1e-9;
-        res->gflops = res->gflop_per_step / (res->step_ms * 1e-3);
-        res->peak_act_mib = (double)after.peak[LOOM_MEM_ACTIVATIONS] / (1024.0 * 1024.0);
-        res->rss_mib = (double)ru.ru_maxrss / 1024.0;
-        res->mallocs_per_step = (double)(after.n_malloc - before.n_malloc) / o->steps;
-        res->loss = loss;
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    for (int m = 0; m < n_modes && st == LOOM_OK; m++) {
+        bench_result *x = &res[m];
+        x->step_ms = median(times + (size_t)m * o->steps, o->steps) * 1e3;
+        x->tok_s = (double)n / (x->step_ms * 1e-3);
+        x->gflop_per_step = model_flops_per_token(cfg, r.T) * (double)n * 1e-9;
+        x->gflops = x->gflop_per_step / (x->step_ms * 1e-3);
+        x->peak_act_mib = (double)peak_act[m] / (1024.0 * 1024.0);
+        x->rss_mib = n_modes == 1 ? (double)ru.ru_maxrss / 1024.0 : -1.0;
+        x->mallocs_per_step = (double)mallocs[m] / o->steps;
+        x->loss = loss;
     }
     free(u);
     free(times);
+    free(peak_act);
+    free(mallocs);
     free(r.tokens);
     free(r.targets);
     loom_adamw_free(r.opt);
@@ -253,20 +268,24 @@ static const char *recompute_label(loom_recompute_mode m) {
 static void print_result(const bench_opts *o, loom_precision prec, loom_recompute_mode mode, const bench_result *r) {
     const char *mg = prec.master_grad ? "on" : "off";
     const char *rm = mode == LOOM_RECOMPUTE_REENTRANT ? "reentrant" : "nonreentrant";
+    char rss[32]; /* "null" (JSON) when several modes shared the process */
+    if (r->rss_mib < 0) snprintf(rss, sizeof rss, "null");
+    else snprintf(rss, sizeof rss, "%.1f", r->rss_mib);
     if (o->json) {
         printf("{\"preset\":\"%s\",\"precision\":\"%s\",\"master_grad\":\"%s\",\"recompute\":\"%s\","
                "\"recompute_mode\":\"%s\",\"batch\":%d,\"seq\":%d,\"threads\":%d,\"steps\":%d,"
                "\"tok_s\":%.1f,\"step_ms\":%.2f,\"gflop_per_step\":%.3f,\"gflops\":%.2f,\"mfu\":%.4f,"
-               "\"peak_act_MiB\":%.1f,\"rss_MiB\":%.1f,\"mallocs_per_step\":%.1f,\"loss\":%.5f}\n",
+               "\"peak_act_MiB\":%.1f,\"rss_MiB\":%s,\"mallocs_per_step\":%.1f,\"loss\":%.5f}\n",
                o->preset, loom_dtype_name(prec.compute), mg, recompute_label(mode), rm, o->batch, o->seq,
                loom_get_threads(), o->steps, r->tok_s, r->step_ms, r->gflop_per_step, r->gflops, r->mfu,
-               r->peak_act_mib, r->rss_mib, r->mallocs_per_step, r->loss);
+               r->peak_act_mib, rss, r->mallocs_per_step, r->loss);
     } else {
         printf("bench preset=%s precision=%s master_grad=%s recompute=%s tok/s=%.0f step_ms=%.1f gflops=%.1f "
-               "mfu=%.3f peak_act_MiB=%.1f rss_MiB=%.1f recompute_mode=%s batch=%d seq=%d threads=%d "
+               "mfu=%.3f peak_act_MiB=%.1f rss_MiB=%s recompute_mode=%s batch=%d seq=%d threads=%d "
                "mallocs/step=%.1f loss=%.4f\n",
                o->preset, loom_dtype_name(prec.compute), mg, recompute_label(mode), r->tok_s, r->step_ms, r->gflops,
-               r->mfu, r->peak_act_mib, r->rss_mib, rm, o->batch, o->seq, loom_get_threads(), r->mallocs_per_step,
+               r->mfu, r->peak_act_mib, r->rss_mib < 0 ? "n/a" : rss, rm, o->batch, o->seq, loom_get_threads(),
+               r->mallocs_per_step,
                r->loss);
     }
     fflush(stdout);
@@ -318,15 +337,30 @@ static int spawn_config(char **argv0_args, int argc0, const char *precision, con
 
 /* ------------------------------------------------------------------ run */
 
-static int parse_mode(const bench_opts *o, loom_recompute_mode *mode) {
+/* One recompute mode by name (full takes --recompute-mode). */
+static int parse_mode(const char *name, int reentrant, loom_recompute_mode *mode) {
+    if (!strcmp(name, "none")) *mode = LOOM_RECOMPUTE_NONE;
+    else if (!strcmp(name, "full")) *mode = reentrant ? LOOM_RECOMPUTE_REENTRANT : LOOM_RECOMPUTE_NONREENTRANT;
+    else if (!strcmp(name, "selective")) *mode = LOOM_RECOMPUTE_SELECTIVE;
+    else return cli_usage_error("bench", "--recompute expects none, selective or full (or a comma list), got '%s'", name);
+    return 0;
+}
+
+/* --recompute MODE[,MODE...] into modes (at most 3). */
+static int parse_modes(const bench_opts *o, loom_recompute_mode *modes, int *n) {
     int reentrant;
     if (!strcmp(o->recompute_mode, "reentrant")) reentrant = 1;
     else if (!strcmp(o->recompute_mode, "nonreentrant") || !strcmp(o->recompute_mode, "non-reentrant")) reentrant = 0;
     else return cli_usage_error("bench", "--recompute-mode expects reentrant or nonreentrant, got '%s'", o->recompute_mode);
-    if (!strcmp(o->recompute, "none")) *mode = LOOM_RECOMPUTE_NONE;
-    else if (!strcmp(o->recompute, "full")) *mode = reentrant ? LOOM_RECOMPUTE_REENTRANT : LOOM_RECOMPUTE_NONREENTRANT;
-    else if (!strcmp(o->recompute, "selective")) *mode = LOOM_RECOMPUTE_SELECTIVE;
-    else return cli_usage_error("bench", "--recompute expects none, selective or full, got '%s'", o->recompute);
+    char buf[128];
+    snprintf(buf, sizeof buf, "%s", o->recompute);
+    *n = 0;
+    for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        if (*n == 3) return cli_usage_error("bench", "--recompute takes at most three modes");
+        int rc = parse_mode(t, reentrant, &modes[(*n)++]);
+        if (rc) return rc;
+    }
+    if (*n == 0) return cli_usage_error("bench", "--recompute needs a mode");
     return 0;
 }
 
@@ -338,7 +372,7 @@ static int run(int argc, char **argv) {
         {"preset", FLAG_STRING, &o.preset, "NAME", "tiny (dim 288, 6 layers, seq 256) or small (512, 8, 512)"},
         {"precision", FLAG_STRING, &o.precision, "P", "fp32, bf16 or fp16 (default: the standard matrix)"},
         {"master-grad", FLAG_STRING, &o.master_grad, "on|off", "fp32 main_grad for every weight (default on)"},
-        {"recompute", FLAG_STRING, &o.recompute, "MODE", "none, selective or full (default: the standard matrix)"},
+        {"recompute", FLAG_STRING, &o.recompute, "MODE", "none, selective or full; a comma list takes turns step by step"},
         {"recompute-mode", FLAG_STRING, &o.recompute_mode, "M", "full recompute: reentrant or nonreentrant (default)"},
         {"threads", FLAG_INT, &o.threads, "N", "OpenMP threads (default: all cores)"},
         {"steps", FLAG_INT, &o.steps, "N", "timed steps; the median is reported (default 5)"},
@@ -385,18 +419,22 @@ static int run(int argc, char **argv) {
     if (loom_dtype_parse(o.precision, &prec.compute) != LOOM_OK)
         return cli_usage_error("bench", "--precision: %s", loom_last_error());
     if (cli_parse_on_off("bench", "master-grad", o.master_grad, &prec.master_grad)) return 2;
-    loom_recompute_mode mode = LOOM_RECOMPUTE_NONE;
-    if ((rc = parse_mode(&o, &mode))) return rc;
-    bench_result res;
-    memset(&res, 0, sizeof res);
-    loom_status st = run_config(&o, &cfg, prec, mode, &res);
+    loom_recompute_mode modes[3];
+    int n_modes = 0;
+    if ((rc = parse_modes(&o, modes, &n_modes))) return rc;
+    if (o.profile && n_modes > 1) return cli_usage_error("bench", "--profile takes a single recompute mode");
+    bench_result res[3];
+    memset(res, 0, sizeof res);
+    loom_status st = run_config(&o, &cfg, prec, modes, n_modes, res);
     /* Measured after the run, so its buffers do not count in rss_MiB. */
     if (st == LOOM_OK && !o.gemm_peak) st = measure_peak(&peak);
     if (st != LOOM_OK) return cli_fail("bench", st);
     if (!no_header) print_header(&o, &cfg, &peak);
     double p = prec.compute == LOOM_F32 ? peak.f32 : peak.bf16;
-    res.mfu = res.gflops / p;
-    print_result(&o, prec, mode, &res);
+    for (int m = 0; m < n_modes; m++) {
+        res[m].mfu = res[m].gflops / p;
+        print_result(&o, prec, modes[m], &res[m]);
+    }
     return 0;
 }
 
@@ -411,6 +449,8 @@ const command cmd_bench = {
     "activations during the timed steps), rss_MiB (the process's peak RSS) and\n"
     "mallocs/step (calls that reached the system allocator; 0 in steady state).\n"
     "With neither --precision nor --recompute it runs {fp32, bf16 master-grad} x\n"
-    "{none, selective, full}, each in a fresh process so that rss_MiB is per line.",
+    "{none, selective, full}, each in a fresh process so that rss_MiB is per line.\n"
+    "--recompute none,selective,full runs the modes in turns, step by step, on one\n"
+    "model: their ratios then hold up on a busy machine (rss_MiB is n/a there).",
     run,
 };

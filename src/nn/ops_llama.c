@@ -143,7 +143,12 @@ static loom_status attention_backward(loom_fn_ctx *ctx, loom_tensor *const *gout
     return LOOM_OK;
 }
 
-static const loom_function attention_function = {"attention", 3, 1, 0, attention_forward, attention_backward};
+/* Flagged expensive: the flash kernel stores nothing of size T x T, so
+ * keeping its saves costs O(T) memory while recomputing it costs O(T^2)
+ * flops — the opposite of the unfused attention core that selective
+ * recompute (Korthikanti et al.) drops. The default selective policy keeps it. */
+static const loom_function attention_function = {"attention", 3, 1, LOOM_FN_EXPENSIVE, attention_forward,
+                                                 attention_backward};
 
 loom_status loom_attention(loom_tensor *q, loom_tensor *k, loom_tensor *v, loom_tensor **out) {
     char a[96], b[96];
