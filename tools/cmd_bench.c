@@ -171,6 +171,13 @@ static void print_profile(const bench_run *r, int steps, double total) {
     }
     printf("  %-34s %8.1f ms %5.1f%%\n", "outside functions", (total - inside) / steps * 1e3,
            100.0 * (total - inside) / total);
+    loom_mem_stats ms;
+    loom_mem_get_stats(&ms);
+    for (int c = 0; c < LOOM_MEM_N_CATEGORIES; c++)
+        printf("  mem   %-28s %8.1f MiB peak (%.1f MiB now)\n", loom_mem_category_name((loom_mem_category)c),
+               ms.peak[c] / 1048576.0, ms.current[c] / 1048576.0);
+    printf("  mem   %-28s %8.1f MiB peak, %.1f MiB cached free blocks\n", "total", ms.peak_total / 1048576.0,
+           ms.cached / 1048576.0);
     fflush(stdout);
 }
 
