@@ -260,9 +260,10 @@ static void test_fallback_thread_invariant(void **state) {
     free(A); free(B); free(C1); free(C2);
 }
 
-/* Half-precision inputs widened to fp32 for oneDNN: every sweep, and a
- * deep K that makes the row chunks small (several chunks plus a remainder),
- * with C fp32 (written by oneDNN, beta = 1) and C half (finished by loom). */
+/* Half-precision inputs widened to fp32 for oneDNN: every sweep, a deep K
+ * that makes the row chunks small (several chunks plus a remainder), with C
+ * fp32 (written by oneDNN, beta = 1) and C half (finished by loom), and tiles
+ * of several row and column chunks. */
 static void test_widen_shapes(void **state) {
     (void)state;
     if (!gemm_have_onednn()) skip();
@@ -278,6 +279,12 @@ static void test_widen_shapes(void **state) {
                     .beta = (float)(t % 2), .has_bias = t >= 2, .ab = t % 2 ? LOOM_BF16 : LOOM_F16,
                     .c = t < 2 ? LOOM_F32 : (t % 2 ? LOOM_BF16 : LOOM_F16), .bias_dt = LOOM_F32 };
         run_case(&c, "widen chunks");
+    }
+    /* Several column chunks as well (a bias offset per chunk), C half. */
+    for (int t = 0; t < 2; t++) {
+        gcase c = { .ta = t, .tb = 1 - t, .M = 150, .N = 300, .K = 3000, .alpha = 1.0f, .beta = 0.5f,
+                    .has_bias = 1, .ab = LOOM_BF16, .c = LOOM_BF16, .bias_dt = LOOM_BF16 };
+        run_case(&c, "widen tiles");
     }
     gemm_get_counters(&after);
     assert_true(after.widened_calls > before.widened_calls);
