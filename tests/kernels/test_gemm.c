@@ -280,10 +280,11 @@ static void test_widen_shapes(void **state) {
                     .c = t < 2 ? LOOM_F32 : (t % 2 ? LOOM_BF16 : LOOM_F16), .bias_dt = LOOM_F32 };
         run_case(&c, "widen chunks");
     }
-    /* Several column chunks as well (a bias offset per chunk), C half. */
+    /* Several column chunks as well (a bias offset per chunk), C fp32 (bias
+     * added by oneDNN) and C half (bias added by loom). */
     for (int t = 0; t < 2; t++) {
         gcase c = { .ta = t, .tb = 1 - t, .M = 150, .N = 300, .K = 3000, .alpha = 1.0f, .beta = 0.5f,
-                    .has_bias = 1, .ab = LOOM_BF16, .c = LOOM_BF16, .bias_dt = LOOM_BF16 };
+                    .has_bias = 1, .ab = LOOM_BF16, .c = t ? LOOM_BF16 : LOOM_F32, .bias_dt = LOOM_F32 };
         run_case(&c, "widen tiles");
     }
     gemm_get_counters(&after);
