@@ -45,6 +45,6 @@ int cli_usage_error(const char *cmd, const char *fmt, ...) __attribute__((format
 double cli_now(void);
 int cli_parse_on_off(const char *cmd, const char *flag_name, const char *value, int *out);
 
-extern const command cmd_train, cmd_generate, cmd_tokenize, cmd_export;
+extern const command cmd_train, cmd_generate, cmd_tokenize, cmd_export, cmd_bench;
 
 #endif

@@ -172,6 +172,23 @@ int loom_tape_size(void);
  * forward that recorded a graph). */
 void loom_tape_clear(void);
 
+/* -------------------------------------------------------------- profiling */
+
+/* Self time of one function's forward (backward = 0) or backward calls. */
+typedef struct loom_profile_entry {
+    const char *name;  /* the function's name (borrowed) */
+    int backward;
+    double seconds;    /* wall time inside it, minus nested functions */
+    long calls;
+} loom_profile_entry;
+
+/* Per-function timing on the calling thread: off by default (and nearly
+ * free when off). Enabling restarts the nesting; reset clears the table. */
+void loom_profile_enable(int on);
+void loom_profile_reset(void);
+/* Copies up to max entries in first-seen order; returns how many exist. */
+int loom_profile_get(loom_profile_entry *out, int max);
+
 /* --------------------------------------------------------- gradient audit */
 
 /* After backward: checks that every trainable parameter received exactly as

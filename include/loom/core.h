@@ -112,7 +112,8 @@ static inline uint16_t loom_f32_to_f16(float f) {
 static inline float loom_f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-    if (e == 0x1f) return loom_bits_f32(sign | 0x7f800000u | (m << 13));
+    /* Inf, or a NaN that comes out quiet (as F16C's vcvtph2ps gives it) */
+    if (e == 0x1f) return loom_bits_f32(sign | 0x7f800000u | (m << 13) | (m ? 0x400000u : 0u));
     if (e == 0) {
         if (m == 0) return loom_bits_f32(sign);
         float f = (float)m * (1.0f / 16777216.0f); /* m * 2^-24 */
@@ -213,6 +214,16 @@ void loom_rng_uniform(float *out, size_t n, uint64_t seed, uint64_t offset);
 void loom_rng_normal(float *out, size_t n, float mean, float std, uint64_t seed, uint64_t offset);
 /* The process-wide default generator (thread-local; used by dropout). */
 loom_rng *loom_rng_default(void);
+
+/* ------------------------------------------------------------------ SIMD */
+
+/* Kernels pick AVX2/FMA/F16C code at run time when the CPU has it, else
+ * portable C. loom_set_simd(0) forces the portable paths (to compare them,
+ * or to rule them out when chasing a numerical difference); loom_set_simd(1)
+ * restores detection. Not meant to change while kernels run. Each path is
+ * deterministic; the two may differ in the last bits of sums and exps. */
+void loom_set_simd(int on);
+int loom_simd_enabled(void);   /* 1 when the AVX2 paths are in use */
 
 /* --------------------------------------------------------------- threads */
 

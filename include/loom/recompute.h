@@ -14,7 +14,9 @@
  *    time backward needs one, the region is replayed once and the
  *    placeholders are filled in order, each freed after use.
  *  - SELECTIVE: NONREENTRANT with a policy that keeps the outputs of
- *    expensive ops (flag LOOM_FN_EXPENSIVE: GEMMs) and recomputes the rest.
+ *    expensive ops (flag LOOM_FN_EXPENSIVE: GEMMs and the flash attention,
+ *    whose recompute costs O(T^2) flops but whose saves are O(T)) and
+ *    recomputes the rest (norms, RoPE, SwiGLU, element-wise ops).
  *
  * In every mode parameters and NULL slots are never packed, copied or
  * recomputed: a saved parameter comes back as the very same parameter. The

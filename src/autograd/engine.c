@@ -253,7 +253,9 @@ static loom_status run_node_backward(loom_node *n) {
         /* Ops a backward calls are not recorded (a reentrant region
          * re-enables recording for its replay). */
         loom_no_grad_enter();
+        profile_enter();
         st = n->fn->backward(n->ctx, n->grad_out, n->n_outputs, gin, n->n_inputs);
+        profile_leave(n->fn, 1);
         loom_no_grad_exit();
     }
     /* Saved tensors and output gradients are freed as soon as the node is done. */

@@ -157,7 +157,9 @@ static loom_status run_forward(const loom_function *fn, loom_fn_ctx *ctx, loom_t
                                int n_inputs, loom_tensor **outputs, int n_outputs) {
     /* Ops called inside a forward are part of this op, not recorded. */
     loom_no_grad_enter();
+    profile_enter();
     loom_status st = fn->forward(ctx, inputs, n_inputs, outputs, n_outputs);
+    profile_leave(fn, 0);
     loom_no_grad_exit();
     if (st != LOOM_OK) {
         release_outputs(outputs, n_outputs);

@@ -72,6 +72,10 @@ struct saved_hooks {
 int autograd_grad_mode_enable(void);
 void autograd_grad_mode_restore(int saved);
 
+/* Profiling hooks around a function's forward or backward (profile.c). */
+void profile_enter(void);
+void profile_leave(const loom_function *fn, int backward);
+
 void autograd_hooks_push(saved_hooks *h);
 void autograd_hooks_pop(void);
 saved_hooks *autograd_hooks_top(void);

@@ -31,6 +31,10 @@
  * every class a size_t can name: each class holds blocks of one size only. */
 #define SIZE_BITS ((int)(sizeof(size_t) * 8))
 #define N_CLASSES (4 * (SIZE_BITS - 8))
+/* A request its own class cannot serve may take a cached block up to this
+ * many classes larger: fewer blocks held in the cache overall, so a lower
+ * peak RSS, for at most 75% slack while the block is in use. */
+#define SPARE_CLASSES 2
 
 typedef struct block_header {
     struct block_header *next_free; /* link while cached */
@@ -96,13 +100,19 @@ void *loom_alloc(size_t bytes, loom_mem_category cat) {
     int cls = size_class(bytes ? bytes : 1, &cb);
     if (cls < 0) return out_of_memory(bytes, cat);
     pthread_mutex_lock(&lock);
-    /* Every block in a class has the class's size: take the first. */
-    block_header *h = free_lists[cls];
-    if (h) {
-        LOOM_ASSERT(h->class_bytes == cb && h->cls == cls);
-        free_lists[cls] = h->next_free;
-        stats.cached -= h->class_bytes;
-    } else {
+    /* Every block in a class has the class's size: take the first, else one
+     * of the next SPARE_CLASSES classes up (at most 1.75x the size) before
+     * going to the system. The block keeps its class and goes back to it. */
+    block_header *h = NULL;
+    for (int c = cls; c < N_CLASSES && c <= cls + SPARE_CLASSES && !h; c++) {
+        h = free_lists[c];
+        if (h) {
+            LOOM_ASSERT(h->cls == c && h->class_bytes >= cb);
+            free_lists[c] = h->next_free;
+            stats.cached -= h->class_bytes;
+        }
+    }
+    if (!h) {
         stats.n_malloc++;
         pthread_mutex_unlock(&lock);
         /* cb <= MAX_CLASS_BYTES, so neither the rounding nor the sum overflows. */
@@ -120,7 +130,7 @@ void *loom_alloc(size_t bytes, loom_mem_category cat) {
     pthread_mutex_unlock(&lock);
     char *body = (char *)h + sizeof(block_header);
     UNPOISON(body, bytes);
-    POISON(body + bytes, cb - bytes);
+    POISON(body + bytes, h->class_bytes - bytes);
     return body;
 }
 

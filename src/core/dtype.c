@@ -3,6 +3,7 @@
  * are inline in loom/core.h; this file only loops over them.
  */
 #include "loom/core.h"
+#include "core/simd.h"
 
 #include <strings.h>
 
@@ -26,23 +27,28 @@ loom_status loom_dtype_parse(const char *s, loom_dtype *out) {
     return LOOM_OK;
 }
 
+#define CONVERT_CHUNK 16384 /* elements per task (a multiple of 8) */
+
 void loom_convert(void *dst, loom_dtype dst_dt, const void *src, loom_dtype src_dt, size_t n) {
     if (dst_dt == src_dt) {
         if (dst != src) memmove(dst, src, n * loom_dtype_size(dst_dt));
         return;
     }
-    if (src_dt == LOOM_F32 && dst_dt == LOOM_BF16) {
-        const float *s = src; uint16_t *d = dst;
-        #pragma omp parallel for schedule(static) if (n > 65536)
-        for (size_t i = 0; i < n; i++) d[i] = loom_f32_to_bf16(s[i]);
-        return;
+    size_t nchunks = (n + CONVERT_CHUNK - 1) / CONVERT_CHUNK;
+    #pragma omp parallel for schedule(static) if (nchunks > 4)
+    for (size_t c = 0; c < nchunks; c++) {
+        size_t i = c * CONVERT_CHUNK, m = n - i < CONVERT_CHUNK ? n - i : CONVERT_CHUNK;
+        if (src_dt == LOOM_F32) {
+            convert_from_f32((char *)dst + i * loom_dtype_size(dst_dt), dst_dt, (const float *)src + i, m);
+        } else if (dst_dt == LOOM_F32) {
+            convert_to_f32((float *)dst + i, (const char *)src + i * loom_dtype_size(src_dt), src_dt, m);
+        } else { /* bf16 <-> f16 through fp32, in pieces */
+            float buf[512];
+            for (size_t k = 0; k < m; k += 512) {
+                size_t w = m - k < 512 ? m - k : 512;
+                convert_to_f32(buf, (const uint16_t *)src + i + k, src_dt, w);
+                convert_from_f32((uint16_t *)dst + i + k, dst_dt, buf, w);
+            }
+        }
     }
-    if (src_dt == LOOM_BF16 && dst_dt == LOOM_F32) {
-        const uint16_t *s = src; float *d = dst;
-        #pragma omp parallel for schedule(static) if (n > 65536)
-        for (size_t i = 0; i < n; i++) d[i] = loom_bf16_to_f32(s[i]);
-        return;
-    }
-    #pragma omp parallel for schedule(static) if (n > 65536)
-    for (size_t i = 0; i < n; i++) loom_store(dst, i, dst_dt, loom_load(src, i, src_dt));
 }

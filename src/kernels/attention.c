@@ -6,16 +6,23 @@
  * scores. Query t sits at absolute position q_pos0 + t and sees keys
  * 0 .. q_pos0 + t.
  *
- * Forward: one task per (b, h, query block of ATTN_BQ rows); keys are visited
- * in blocks of ATTN_BK with an online softmax (running max m, running sum l,
- * unnormalised output acc), so no Tq x Tk matrix exists. lse = m + log(l).
- * Backward (FlashAttention-2): one task per (b, kv head g). For each key block
- * it recomputes p = exp(s - lse) for every query head of the group and
- * accumulates dK, dV for the block in fp32; D_i = rowsum(dout_i * out_i). The
- * task owns dq rows of its heads too, so no two threads write the same row.
- *
- * Blocks of q/k/v/dout are converted to fp32 scratch rows once, so the inner
- * dot products and axpys run on contiguous fp32.
+ * Both directions convert their rows to fp32 once per task and work on
+ * blocks of ATTN_BQ queries x ATTN_BK keys, with the products as small
+ * matrix multiplies (mm_f32: AVX2/FMA or portable C) and vectorized exps.
+ * Forward: one task per (b, kv head g); for each query head of the group and
+ * each query block, key blocks are folded in with an online softmax (running
+ * max m, running sum l, unnormalised output acc) on the transposed scores
+ * St = k (scale q)^T, so each query is a column and the softmax runs down
+ * the columns, eight queries at a time: P = exp(St - m),
+ * acc = acc * exp(m_old - m) + P^T v. No Tq x Tk matrix exists.
+ * lse = m + log(l).
+ * Backward (FlashAttention-2): one task per (b, kv head g). For each query
+ * head, key block and query block it recomputes S = (scale q) k^T — the
+ * same products as the forward, so P = exp(S - lse) is consistent — then with
+ * D_i = rowsum(dout_i * out_i): dP = dout v^T, dS = P (dP - D),
+ * dV += P^T dout, dK += dS^T (scale q), dq += dS k (times scale at the end).
+ * The task owns dk, dv of its kv head and dq of its query heads, so no two
+ * threads write the same row.
  * Must never: let the thread count or the schedule change a result — every
  * output element is summed by one task in a fixed order.
  */
@@ -25,7 +32,7 @@
 #include <math.h>
 #include <omp.h>
 
-#define ATTN_BQ 32 /* queries per block */
+#define ATTN_BQ 64 /* queries per block (a multiple of 8) */
 #define ATTN_BK 64 /* keys per block */
 
 typedef struct attn_shape {
@@ -53,6 +60,8 @@ static size_t lse_off(const attn_shape *s, int b, int h, int t) {
     return ((size_t)b * s->NH + h) * s->Tq + t;
 }
 
+static int min_i(int a, int b) { return a < b ? a : b; }
+
 /* Number of keys in [k0, k0 + nk) that query t sees (0 if none). */
 static int attn_visible(const attn_shape *s, int t, int k0, int nk) {
     int n = s->q_pos0 + t - k0 + 1;
@@ -68,79 +77,135 @@ static void load_rows(float *dst, const void *src, int T, int H, int b, int t0, 
                  s->HS, s->dt);
 }
 
+/* All Tq query rows of head h, times scale: qs (Tq, HS). Forward and
+ * backward form the scores from these same values. */
+static void load_q_scaled(float *qs, const void *q, int b, int h, const attn_shape *s) {
+    load_rows(qs, q, s->Tq, s->NH, b, 0, h, s->Tq, s);
+    row_scale(qs, s->scale, s->Tq * s->HS);
+}
+
 /* ---------------------------------------------------------------- forward */
 
-/* Fold nk keys into one query's running softmax. qi, acc: (HS); K, V: (nk, HS);
- * sc: (nk) scratch. */
-static void online_softmax_row(float *acc, float *m, float *l, const float *qi,
-                               const float *K, const float *V, int nk, int HS,
-                               float scale, float *sc) {
-    float bm = -INFINITY;
-    for (int j = 0; j < nk; j++) {
-        sc[j] = row_dot(qi, K + (size_t)j * HS, HS) * scale;
-        bm = fmaxf(bm, sc[j]);
-    }
-    float mn = fmaxf(*m, bm);
-    float corr = expf(*m - mn); // 0 on the first block, where m = -inf
-    float sum = 0.0f;
-    for (int d = 0; d < HS; d++) acc[d] *= corr;
-    for (int j = 0; j < nk; j++) {
-        float p = expf(sc[j] - mn);
-        sum += p;
-        row_axpy(acc, p, V + (size_t)j * HS, HS);
-    }
-    *l = *l * corr + sum;
-    *m = mn;
-}
-
 typedef struct attn_fwd_scratch {
-    float *q, *acc; // (ATTN_BQ, HS)
-    float *k, *v;   // (ATTN_BK, HS)
-    float *m, *l;   // (ATTN_BQ)
-    float *sc;      // (ATTN_BK)
+    float *k, *v;          // (Tk, HS) the kv head's rows
+    float *qs;             // (Tq, HS) one query head, scaled
+    float *qt;             // (HS, ATTN_BQ) a query block, transposed
+    float *acc;            // (ATTN_BQ, HS)
+    float *st;             // (ATTN_BK, ATTN_BQ) transposed scores, then P^T
+    float *m, *l, *corr;   // (ATTN_BQ)
 } attn_fwd_scratch;
 
-static size_t attn_fwd_scratch_floats(int HS) {
-    return (size_t)(2 * ATTN_BQ + 2 * ATTN_BK) * HS + 2 * ATTN_BQ + ATTN_BK;
+static size_t attn_fwd_scratch_floats(const attn_shape *s) {
+    return (size_t)(2 * s->Tk + s->Tq + 2 * ATTN_BQ) * s->HS + (size_t)ATTN_BK * ATTN_BQ + 3 * ATTN_BQ;
 }
 
-static attn_fwd_scratch attn_fwd_scratch_at(float *p, int HS) {
+static attn_fwd_scratch attn_fwd_scratch_at(float *p, const attn_shape *s) {
     attn_fwd_scratch w;
-    w.q = p;   p += (size_t)ATTN_BQ * HS;
-    w.acc = p; p += (size_t)ATTN_BQ * HS;
-    w.k = p;   p += (size_t)ATTN_BK * HS;
-    w.v = p;   p += (size_t)ATTN_BK * HS;
-    w.m = p;   p += ATTN_BQ;
-    w.l = p;   p += ATTN_BQ;
-    w.sc = p;
+    w.k = p;    p += (size_t)s->Tk * s->HS;
+    w.v = p;    p += (size_t)s->Tk * s->HS;
+    w.qs = p;   p += (size_t)s->Tq * s->HS;
+    w.qt = p;   p += (size_t)ATTN_BQ * s->HS;
+    w.acc = p;  p += (size_t)ATTN_BQ * s->HS;
+    w.st = p;   p += (size_t)ATTN_BK * ATTN_BQ;
+    w.m = p;    p += ATTN_BQ;
+    w.l = p;    p += ATTN_BQ;
+    w.corr = p;
     return w;
 }
 
-/* Queries [q0, q0 + nq) of head h in batch b: out rows and lse entries. */
-static void attn_fwd_block(void *out, float *lse, const void *q, const void *k, const void *v,
-                           int b, int h, int q0, int nq, const attn_shape *s,
-                           attn_fwd_scratch *w) {
-    int HS = s->HS, g = h / s->G;
-    int kv_end = s->q_pos0 + q0 + nq; // keys the last query of the block sees
-    load_rows(w->q, q, s->Tq, s->NH, b, q0, h, nq, s);
-    memset(w->acc, 0, (size_t)nq * HS * sizeof(float));
-    for (int i = 0; i < nq; i++) { w->m[i] = -INFINITY; w->l[i] = 0.0f; }
-    for (int k0 = 0; k0 < kv_end; k0 += ATTN_BK) {
-        int nk = kv_end - k0 < ATTN_BK ? kv_end - k0 : ATTN_BK;
-        load_rows(w->k, k, s->Tk, s->NKV, b, k0, g, nk, s);
-        load_rows(w->v, v, s->Tk, s->NKV, b, k0, g, nk, s);
-        for (int i = 0; i < nq; i++) {
-            int n = attn_visible(s, q0 + i, k0, nk);
-            if (n > 0)
-                online_softmax_row(w->acc + (size_t)i * HS, &w->m[i], &w->l[i],
-                                   w->q + (size_t)i * HS, w->k, w->v, n, HS, s->scale, w->sc);
-        }
+/* Column j of st (nk, ATTN_BQ) is query q0 + j; set the keys it does not
+ * see, and the padding columns [nq, nqp), to -inf. */
+static void attn_fwd_mask(float *st, int q0, int nq, int nqp, int k0, int nk, const attn_shape *s) {
+    for (int r = 0; r < nk; r++) {
+        float *row = st + (size_t)r * ATTN_BQ;
+        int first = k0 + r - s->q_pos0 - q0; // first query column that sees key k0 + r
+        for (int j = 0; j < nq && j < first; j++) row[j] = -INFINITY;
+        for (int j = nq; j < nqp; j++) row[j] = -INFINITY;
     }
-    for (int i = 0; i < nq; i++) {
-        float *acc = w->acc + (size_t)i * HS, inv = 1.0f / w->l[i];
-        for (int d = 0; d < HS; d++) acc[d] *= inv;
-        row_store(out, q_off(s, b, q0 + i, h), acc, HS, s->dt);
-        if (lse) lse[lse_off(s, b, h, q0 + i)] = w->m[i] + logf(w->l[i]);
+}
+
+/* The online softmax step down the columns of st (nk, nq): st becomes P^T
+ * (0 where masked), m and l are updated, corr gets each column's rescale
+ * factor exp(m_old - m_new). A column with no visible key so far keeps
+ * m = -inf and gets P = 0, corr = 0 (its acc and l are still 0). */
+static void attn_fwd_softmax_c(float *st, float *m, float *l, float *corr, int nq, int nk) {
+    for (int j = 0; j < nq; j++) {
+        float mx = m[j];
+        for (int r = 0; r < nk; r++) mx = fmaxf(mx, st[(size_t)r * ATTN_BQ + j]);
+        float base = mx == -INFINITY ? 0.0f : mx, sum = 0.0f;
+        for (int r = 0; r < nk; r++) {
+            float *p = &st[(size_t)r * ATTN_BQ + j];
+            *p = expf(*p - base);
+            sum += *p;
+        }
+        corr[j] = expf(m[j] - base);
+        l[j] = l[j] * corr[j] + sum;
+        m[j] = mx;
+    }
+}
+
+#if LOOM_HAVE_X86_SIMD
+/* Eight columns at a time; nq is padded to a multiple of 8 by the caller
+ * (padding columns hold -inf and are never read back). */
+SIMD_AVX2 static void attn_fwd_softmax_avx2(float *st, float *m, float *l, float *corr, int nq, int nk) {
+    const __m256 ninf = _mm256_set1_ps(-INFINITY), zero = _mm256_setzero_ps();
+    for (int j = 0; j < nq; j += 8) {
+        __m256 mo = _mm256_loadu_ps(m + j), mx = mo;
+        for (int r = 0; r < nk; r++) mx = _mm256_max_ps(mx, _mm256_loadu_ps(st + (size_t)r * ATTN_BQ + j));
+        __m256 base = _mm256_blendv_ps(mx, zero, _mm256_cmp_ps(mx, ninf, _CMP_EQ_OQ));
+        __m256 sum = zero;
+        for (int r = 0; r < nk; r++) {
+            float *p = st + (size_t)r * ATTN_BQ + j;
+            __m256 e = simd_exp(_mm256_sub_ps(_mm256_loadu_ps(p), base));
+            _mm256_storeu_ps(p, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        __m256 c = simd_exp(_mm256_sub_ps(mo, base));
+        _mm256_storeu_ps(corr + j, c);
+        _mm256_storeu_ps(l + j, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(l + j), c), sum));
+        _mm256_storeu_ps(m + j, mx);
+    }
+}
+#endif
+
+/* Queries [q0, q0 + nq) of head h (qs holds the head): out rows and lse. */
+static void attn_fwd_block(void *out, float *lse, int b, int h, int q0, int nq, const attn_shape *s,
+                           attn_fwd_scratch *w) {
+    int HS = s->HS, nqp = (nq + 7) / 8 * 8;
+    int kv_end = s->q_pos0 + q0 + nq; // keys the last query of the block sees
+    transpose_f32(w->qt, ATTN_BQ, w->qs + (size_t)q0 * HS, HS, nq, HS);
+    memset(w->acc, 0, (size_t)nq * HS * sizeof(float));
+    for (int j = 0; j < nqp; j++) { w->m[j] = -INFINITY; w->l[j] = 0.0f; }
+    for (int k0 = 0; k0 < kv_end; k0 += ATTN_BK) {
+        int nk = min_i(kv_end - k0, ATTN_BK);
+        mm_f32(nk, nq, HS, w->k + (size_t)k0 * HS, HS, 0, w->qt, ATTN_BQ, w->st, ATTN_BQ, 0); // St = k qs^T
+        attn_fwd_mask(w->st, q0, nq, nqp, k0, nk, s);
+#if LOOM_HAVE_X86_SIMD
+        if (simd_avx2()) attn_fwd_softmax_avx2(w->st, w->m, w->l, w->corr, nqp, nk);
+        else
+#endif
+            attn_fwd_softmax_c(w->st, w->m, w->l, w->corr, nq, nk);
+        for (int j = 0; j < nq; j++) row_scale(w->acc + (size_t)j * HS, w->corr[j], HS);
+        mm_f32(nq, HS, nk, w->st, ATTN_BQ, 1, w->v + (size_t)k0 * HS, HS, w->acc, HS, 1); // acc += P v
+    }
+    for (int j = 0; j < nq; j++) {
+        float *acc = w->acc + (size_t)j * HS;
+        row_scale(acc, 1.0f / w->l[j], HS);
+        row_store(out, q_off(s, b, q0 + j, h), acc, HS, s->dt);
+        if (lse) lse[lse_off(s, b, h, q0 + j)] = w->m[j] + logf(w->l[j]);
+    }
+}
+
+/* Task (b, g): every query of the heads that share kv head g. */
+static void attn_fwd_task(void *out, float *lse, const void *q, const void *k, const void *v, int b, int g,
+                          const attn_shape *s, attn_fwd_scratch *w) {
+    int kv_end = s->q_pos0 + s->Tq; // keys any query sees
+    load_rows(w->k, k, s->Tk, s->NKV, b, 0, g, kv_end, s);
+    load_rows(w->v, v, s->Tk, s->NKV, b, 0, g, kv_end, s);
+    for (int h = g * s->G; h < (g + 1) * s->G; h++) {
+        load_q_scaled(w->qs, q, b, h, s);
+        for (int q0 = 0; q0 < s->Tq; q0 += ATTN_BQ)
+            attn_fwd_block(out, lse, b, h, q0, min_i(s->Tq - q0, ATTN_BQ), s, w);
     }
 }
 
@@ -148,17 +213,12 @@ void attention_fwd(void *out, float *lse, const void *q, const void *k, const vo
                    int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
                    loom_dtype dt) {
     attn_shape s = attn_shape_make(B, Tq, Tk, NH, NKV, HS, q_pos0, dt);
-    int nqb = (Tq + ATTN_BQ - 1) / ATTN_BQ;
-    int ntasks = B * NH * nqb;
-    size_t per = attn_fwd_scratch_floats(HS);
+    size_t per = attn_fwd_scratch_floats(&s);
     float *ws = workspace_floats(per * (size_t)omp_get_max_threads());
-    // Round-robin (static, 1): later query blocks see more keys.
-    #pragma omp parallel for schedule(static, 1)
-    for (int task = 0; task < ntasks; task++) {
-        attn_fwd_scratch w = attn_fwd_scratch_at(ws + per * (size_t)omp_get_thread_num(), HS);
-        int qb = task % nqb, h = (task / nqb) % NH, b = task / (nqb * NH);
-        int q0 = qb * ATTN_BQ, nq = Tq - q0 < ATTN_BQ ? Tq - q0 : ATTN_BQ;
-        attn_fwd_block(out, lse, q, k, v, b, h, q0, nq, &s, &w);
+    #pragma omp parallel for schedule(static) if (B * NKV > 1)
+    for (int task = 0; task < B * NKV; task++) {
+        attn_fwd_scratch w = attn_fwd_scratch_at(ws + per * (size_t)omp_get_thread_num(), &s);
+        attn_fwd_task(out, lse, q, k, v, task / NKV, task % NKV, &s, &w);
     }
     loom_free(ws);
 }
@@ -166,67 +226,79 @@ void attention_fwd(void *out, float *lse, const void *q, const void *k, const vo
 /* --------------------------------------------------------------- backward */
 
 typedef struct attn_bwd_scratch {
-    float *k, *v, *dk, *dv; // (ATTN_BK, HS)
-    float *q, *dout;        // (ATTN_BQ, HS)
+    float *k, *kt, *vt;    // (Tk, HS), (HS, Tk), (HS, Tk) the kv head
+    float *dk, *dv;        // (Tk, HS) fp32 accumulators
+    float *qs, *dout;      // (Tq, HS) one query head (q scaled)
+    float *p, *ds;         // (ATTN_BQ, ATTN_BK)
 } attn_bwd_scratch;
 
-static size_t attn_bwd_scratch_floats(int HS) {
-    return (size_t)(4 * ATTN_BK + 2 * ATTN_BQ) * HS;
+static size_t attn_bwd_scratch_floats(const attn_shape *s) {
+    return (size_t)(5 * s->Tk + 2 * s->Tq) * s->HS + 2 * (size_t)ATTN_BQ * ATTN_BK;
 }
 
-static attn_bwd_scratch attn_bwd_scratch_at(float *p, int HS) {
+static attn_bwd_scratch attn_bwd_scratch_at(float *p, const attn_shape *s) {
     attn_bwd_scratch w;
-    size_t kb = (size_t)ATTN_BK * HS, qb = (size_t)ATTN_BQ * HS;
-    w.k = p; w.v = p + kb; w.dk = p + 2 * kb; w.dv = p + 3 * kb;
-    w.q = p + 4 * kb; w.dout = p + 4 * kb + qb;
+    size_t kb = (size_t)s->Tk * s->HS, qb = (size_t)s->Tq * s->HS;
+    w.k = p;  p += kb;
+    w.kt = p; p += kb;
+    w.vt = p; p += kb;
+    w.dk = p; p += kb;
+    w.dv = p; p += kb;
+    w.qs = p; p += qb;
+    w.dout = p; p += qb;
+    w.p = p;  p += (size_t)ATTN_BQ * ATTN_BK;
+    w.ds = p;
     return w;
 }
 
 /* D: (B, NH, Tq) = rowsum(dout * out) in fp32. */
 static void attn_rowdot(float *D, const void *dout, const void *out, const attn_shape *s) {
-    int rows = s->B * s->Tq * s->NH;
+    int rows = s->B * s->Tq * s->NH, HS = s->HS;
+    int nt = omp_get_max_threads();
+    float *tmp = workspace_floats((size_t)nt * 2 * HS);
     #pragma omp parallel for schedule(static)
     for (int r = 0; r < rows; r++) {
+        float *a = tmp + (size_t)omp_get_thread_num() * 2 * HS, *o = a + HS;
         int h = r % s->NH, t = (r / s->NH) % s->Tq, b = r / (s->NH * s->Tq);
-        size_t off = (size_t)r * s->HS;
-        float acc = 0.0f;
-        for (int d = 0; d < s->HS; d++)
-            acc += loom_load(dout, off + d, s->dt) * loom_load(out, off + d, s->dt);
-        D[lse_off(s, b, h, t)] = acc;
+        row_load(a, dout, (size_t)r * HS, HS, s->dt);
+        row_load(o, out, (size_t)r * HS, HS, s->dt);
+        D[lse_off(s, b, h, t)] = row_dot(a, o, HS);
+    }
+    loom_free(tmp);
+}
+
+/* P = exp(S - lse) for the block (zero where masked), then dS = P (dP - D).
+ * w->p holds S on entry and P on exit; w->ds holds dP on entry. */
+static void attn_bwd_probs(attn_bwd_scratch *w, const float *lse, const float *D, int q0, int nq,
+                           int k0, int nk, const attn_shape *s) {
+    for (int i = 0; i < nq; i++) {
+        float *p = w->p + (size_t)i * ATTN_BK, *ds = w->ds + (size_t)i * ATTN_BK;
+        int n = attn_visible(s, q0 + i, k0, nk);
+        row_exp_sum(p, n, lse[i]);
+        for (int j = n; j < nk; j++) p[j] = 0.0f;
+        for (int j = 0; j < nk; j++) ds[j] = p[j] * (ds[j] - D[i]);
     }
 }
 
-/* One query against n keys of a block: recompute p from lse, then
- * dV += p dout_i, dK += ds q_i, dq_i += ds K with ds = p (dout_i . v - D) scale. */
-static void attn_bwd_row(float *dq, attn_bwd_scratch *w, const float *qi, const float *doi,
-                         int n, float lse, float D, const attn_shape *s) {
-    int HS = s->HS;
-    for (int j = 0; j < n; j++) {
-        const float *kj = w->k + (size_t)j * HS, *vj = w->v + (size_t)j * HS;
-        float p = expf(row_dot(qi, kj, HS) * s->scale - lse);
-        float ds = p * (row_dot(doi, vj, HS) - D) * s->scale;
-        row_axpy(w->dv + (size_t)j * HS, p, doi, HS);
-        row_axpy(w->dk + (size_t)j * HS, ds, qi, HS);
-        row_axpy(dq, ds, kj, HS);
-    }
-}
-
-/* All queries of head h that see the key block [k0, k0 + nk) (already in w).
- * dq32: (B, Tq, NH, HS) fp32 accumulator. */
-static void attn_bwd_head(float *dq32, attn_bwd_scratch *w, const void *dout, const void *q,
-                          const float *lse, const float *D, int b, int h, int k0, int nk,
+/* Query head h (its qs and dout in w) against every key block it sees:
+ * dk, dv accumulate; dq32 rows of head h (stride NH * HS) are written. */
+static void attn_bwd_head(float *dq32, attn_bwd_scratch *w, const float *lse, const float *D, int b, int h,
                           const attn_shape *s) {
-    int HS = s->HS;
-    int t_first = k0 - s->q_pos0 > 0 ? k0 - s->q_pos0 : 0; // first query seeing k0
-    for (int q0 = t_first; q0 < s->Tq; q0 += ATTN_BQ) {
-        int nq = s->Tq - q0 < ATTN_BQ ? s->Tq - q0 : ATTN_BQ;
-        load_rows(w->q, q, s->Tq, s->NH, b, q0, h, nq, s);
-        load_rows(w->dout, dout, s->Tq, s->NH, b, q0, h, nq, s);
-        for (int i = 0; i < nq; i++) {
-            size_t li = lse_off(s, b, h, q0 + i);
-            attn_bwd_row(dq32 + q_off(s, b, q0 + i, h), w, w->q + (size_t)i * HS,
-                         w->dout + (size_t)i * HS, attn_visible(s, q0 + i, k0, nk),
-                         lse[li], D[li], s);
+    int HS = s->HS, ldq = s->NH * HS, Tk = s->Tk;
+    for (int k0 = 0; k0 < s->q_pos0 + s->Tq && k0 < Tk; k0 += ATTN_BK) {
+        int nk = min_i(Tk - k0, ATTN_BK);
+        int t_first = k0 - s->q_pos0 > 0 ? k0 - s->q_pos0 : 0; // first query seeing k0
+        for (int q0 = t_first; q0 < s->Tq; q0 += ATTN_BQ) {
+            int nq = min_i(s->Tq - q0, ATTN_BQ);
+            size_t l0 = lse_off(s, b, h, q0);
+            const float *qs = w->qs + (size_t)q0 * HS, *dout = w->dout + (size_t)q0 * HS;
+            mm_f32(nq, nk, HS, qs, HS, 0, w->kt + k0, Tk, w->p, ATTN_BK, 0);     // S = qs k^T
+            mm_f32(nq, nk, HS, dout, HS, 0, w->vt + k0, Tk, w->ds, ATTN_BK, 0);  // dP = dout v^T
+            attn_bwd_probs(w, lse + l0, D + l0, q0, nq, k0, nk, s);
+            mm_f32(nk, HS, nq, w->p, ATTN_BK, 1, dout, HS, w->dv + (size_t)k0 * HS, HS, 1);  // dV += P^T dout
+            mm_f32(nk, HS, nq, w->ds, ATTN_BK, 1, qs, HS, w->dk + (size_t)k0 * HS, HS, 1);   // dK += dS^T qs
+            mm_f32(nq, HS, nk, w->ds, ATTN_BK, 0, w->k + (size_t)k0 * HS, HS, dq32 + q_off(s, b, q0, h), ldq,
+                   1);                                                                        // dq += dS k
         }
     }
 }
@@ -236,27 +308,28 @@ static void attn_bwd_task(void *dq, void *dk, void *dv, float *dq32, const void 
                           const void *q, const void *k, const void *v, const float *lse,
                           const float *D, int b, int g, const attn_shape *s,
                           attn_bwd_scratch *w) {
-    int HS = s->HS, h0 = g * s->G, GHS = s->G * HS; // heads h0 .. h0+G-1 are contiguous
-    for (int t = 0; t < s->Tq; t++)
-        memset(dq32 + q_off(s, b, t, h0), 0, (size_t)GHS * sizeof(float));
-    for (int k0 = 0; k0 < s->Tk; k0 += ATTN_BK) {
-        int nk = s->Tk - k0 < ATTN_BK ? s->Tk - k0 : ATTN_BK;
-        memset(w->dk, 0, (size_t)nk * HS * sizeof(float));
-        memset(w->dv, 0, (size_t)nk * HS * sizeof(float));
-        if (k0 < s->q_pos0 + s->Tq) { // else no query sees these keys: zero grads
-            load_rows(w->k, k, s->Tk, s->NKV, b, k0, g, nk, s);
-            load_rows(w->v, v, s->Tk, s->NKV, b, k0, g, nk, s);
-            for (int h = h0; h < h0 + s->G; h++)
-                attn_bwd_head(dq32, w, dout, q, lse, D, b, h, k0, nk, s);
-        }
-        for (int j = 0; j < nk; j++) {
-            row_store(dk, kv_off(s, b, k0 + j, g), w->dk + (size_t)j * HS, HS, s->dt);
-            row_store(dv, kv_off(s, b, k0 + j, g), w->dv + (size_t)j * HS, HS, s->dt);
+    int HS = s->HS, Tk = s->Tk;
+    load_rows(w->k, k, Tk, s->NKV, b, 0, g, Tk, s);
+    transpose_f32(w->kt, Tk, w->k, HS, Tk, HS);
+    load_rows(w->dv, v, Tk, s->NKV, b, 0, g, Tk, s); // v rows, borrowing dv
+    transpose_f32(w->vt, Tk, w->dv, HS, Tk, HS);
+    memset(w->dk, 0, (size_t)Tk * HS * sizeof(float));
+    memset(w->dv, 0, (size_t)Tk * HS * sizeof(float));
+    for (int h = g * s->G; h < (g + 1) * s->G; h++) {
+        load_q_scaled(w->qs, q, b, h, s);
+        load_rows(w->dout, dout, s->Tq, s->NH, b, 0, h, s->Tq, s);
+        for (int t = 0; t < s->Tq; t++) memset(dq32 + q_off(s, b, t, h), 0, (size_t)HS * sizeof(float));
+        attn_bwd_head(dq32, w, lse, D, b, h, s);
+        for (int t = 0; t < s->Tq; t++) {
+            float *r = dq32 + q_off(s, b, t, h);
+            row_scale(r, s->scale, HS);
+            if ((void *)dq32 != dq) row_store(dq, q_off(s, b, t, h), r, HS, s->dt);
         }
     }
-    if ((void *)dq32 != dq)
-        for (int t = 0; t < s->Tq; t++)
-            row_store(dq, q_off(s, b, t, h0), dq32 + q_off(s, b, t, h0), GHS, s->dt);
+    for (int t = 0; t < Tk; t++) {
+        row_store(dk, kv_off(s, b, t, g), w->dk + (size_t)t * HS, HS, s->dt);
+        row_store(dv, kv_off(s, b, t, g), w->dv + (size_t)t * HS, HS, s->dt);
+    }
 }
 
 void attention_bwd(void *dq, void *dk, void *dv, const void *dout,
@@ -264,15 +337,14 @@ void attention_bwd(void *dq, void *dk, void *dv, const void *dout,
                    const float *lse, int B, int Tq, int Tk, int NH, int NKV, int HS,
                    int q_pos0, loom_dtype dt) {
     attn_shape s = attn_shape_make(B, Tq, Tk, NH, NKV, HS, q_pos0, dt);
-    size_t nq_elems = (size_t)B * Tq * NH * HS;
-    float *D = workspace_floats((size_t)B * NH * Tq);                         // (B, NH, Tq)
-    float *dq32 = dt == LOOM_F32 ? (float *)dq : workspace_floats(nq_elems); // (B, Tq, NH, HS)
-    size_t per = attn_bwd_scratch_floats(HS);
+    float *D = workspace_floats((size_t)B * NH * Tq);                                  // (B, NH, Tq)
+    float *dq32 = dt == LOOM_F32 ? (float *)dq : workspace_floats((size_t)B * Tq * NH * HS); // (B, Tq, NH, HS)
+    size_t per = attn_bwd_scratch_floats(&s);
     float *ws = workspace_floats(per * (size_t)omp_get_max_threads());
     attn_rowdot(D, dout, out, &s);
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if (B * NKV > 1)
     for (int task = 0; task < B * NKV; task++) {
-        attn_bwd_scratch w = attn_bwd_scratch_at(ws + per * (size_t)omp_get_thread_num(), HS);
+        attn_bwd_scratch w = attn_bwd_scratch_at(ws + per * (size_t)omp_get_thread_num(), &s);
         attn_bwd_task(dq, dk, dv, dq32, dout, q, k, v, lse, D, task / NKV, task % NKV, &s, &w);
     }
     loom_free(ws);

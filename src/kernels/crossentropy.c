@@ -16,17 +16,12 @@
 /* x: (V) logits in fp32, overwritten by the gradient row when want_grad.
  * Returns the row's loss. */
 static float crossentropy_row(float *x, int V, int target, float grad_scale, int want_grad) {
-    float m = -INFINITY, sum = 0.0f, xt = x[target];
-    for (int j = 0; j < V; j++) m = fmaxf(m, x[j]);
-    for (int j = 0; j < V; j++) {
-        x[j] = expf(x[j] - m);
-        sum += x[j];
-    }
+    float xt = x[target], m = row_max(x, V);
+    float sum = row_exp_sum(x, V, m); // x = exp(x - m)
     if (want_grad) {
-        float inv = 1.0f / sum;
-        for (int j = 0; j < V; j++) x[j] *= inv;
+        row_scale(x, 1.0f / sum, V);
         x[target] -= 1.0f;
-        for (int j = 0; j < V; j++) x[j] *= grad_scale;
+        row_scale(x, grad_scale, V);
     }
     return logf(sum) - (xt - m);
 }

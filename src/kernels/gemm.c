@@ -19,7 +19,7 @@ void gemm_set_backend(gemm_backend b) {
 gemm_backend gemm_get_backend(void) {
     int b = __atomic_load_n(&backend_requested, __ATOMIC_RELAXED);
     if (b == GEMM_BACKEND_FALLBACK || !gemm_onednn_available()) return GEMM_BACKEND_FALLBACK;
-    return GEMM_BACKEND_ONEDNN;
+    return b == GEMM_BACKEND_WIDEN ? GEMM_BACKEND_WIDEN : GEMM_BACKEND_ONEDNN;
 }
 
 int gemm_have_onednn(void) { return gemm_onednn_available(); }
@@ -30,6 +30,7 @@ void gemm_get_counters(gemm_counters *out) {
     out->onednn_hits = __atomic_load_n(&gemm_counters_.onednn_hits, __ATOMIC_RELAXED);
     out->onednn_rejected = __atomic_load_n(&gemm_counters_.onednn_rejected, __ATOMIC_RELAXED);
     out->fallback_calls = __atomic_load_n(&gemm_counters_.fallback_calls, __ATOMIC_RELAXED);
+    out->widened_calls = __atomic_load_n(&gemm_counters_.widened_calls, __ATOMIC_RELAXED);
 }
 
 static int dtype_ok(loom_dtype dt) {
@@ -77,10 +78,15 @@ loom_status gemm(int trans_a, int trans_b, int M, int N, int K, float alpha,
     };
     LOOM_TRY(check_args(&g));
     if (M == 0 || N == 0) return LOOM_OK;
-    /* K == 0 leaves C = beta*C + bias: the fallback handles that edge. */
-    if (K > 0 && gemm_get_backend() == GEMM_BACKEND_ONEDNN) {
+    /* K == 0 leaves C = beta*C + bias: the fallback handles that edge.
+     * bf16/f16 that oneDNN refuses (CPUs without AVX-512 bf16/fp16) run on
+     * its fp32 matmul after widening, which beats the fallback there. */
+    gemm_backend be = gemm_get_backend();
+    if (K > 0 && be != GEMM_BACKEND_FALLBACK) {
         int handled = 0;
-        loom_status st = gemm_onednn(&g, &handled);
+        loom_status st = LOOM_OK;
+        if (be == GEMM_BACKEND_ONEDNN || ab_dt == LOOM_F32) st = gemm_onednn(&g, &handled);
+        if (!handled) st = gemm_widen(&g, &handled);
         if (handled) return st;
     }
     return gemm_fallback(&g);

@@ -29,6 +29,7 @@ typedef struct gemm_counters {
     uint64_t onednn_hits;       /* calls that found their primitive cached */
     uint64_t onednn_rejected;   /* shapes/dtypes oneDNN refused (cached too) */
     uint64_t fallback_calls;    /* calls served by the portable loops */
+    uint64_t widened_calls;     /* half-precision calls widened to fp32 for oneDNN */
 } gemm_counters;
 
 void gemm_get_counters(gemm_counters *out);
@@ -41,6 +42,11 @@ loom_status gemm_fallback(const gemm_args *g);
  * the fallback. Otherwise *handled = 1 and the status is the call's result. */
 loom_status gemm_onednn(const gemm_args *g, int *handled);
 int gemm_onednn_available(void);
+
+/* Half-precision inputs through oneDNN's fp32 matmul (gemm_widen.c), for
+ * when oneDNN refuses the half types. *handled = 0 (C untouched) for fp32
+ * inputs, K == 0, or without oneDNN. */
+loom_status gemm_widen(const gemm_args *g, int *handled);
 /* Destroy every cached primitive (tests; idle callers only). */
 void gemm_onednn_cache_clear(void);
 

@@ -1,7 +1,8 @@
 /*
  * kernel_rows.h — private helpers shared by the row-wise kernels (RMSNorm,
  * attention, cross-entropy): fp32 scratch rows converted from/to the
- * activation dtype once, the small vector loops on them, and workspace.
+ * activation dtype once, the small vector loops and matrix blocks on them,
+ * and workspace.
  *
  * Must never: be included outside src/kernels, or hold state.
  */
@@ -9,47 +10,39 @@
 #define LOOM_KERNEL_ROWS_H
 
 #include "loom/core.h"
+#include "core/simd.h"
 
-/* dst[0 .. n) = src[off .. off + n) converted to fp32. */
+/* dst[0 .. n) = src[off .. off + n) converted to fp32 (AVX2 when available). */
 static inline void row_load(float *dst, const void *src, size_t off, int n, loom_dtype dt) {
-    if (dt == LOOM_F32) {
-        memcpy(dst, (const float *)src + off, (size_t)n * sizeof(float));
-    } else if (dt == LOOM_BF16) {
-        const uint16_t *s = (const uint16_t *)src + off;
-        for (int i = 0; i < n; i++) dst[i] = loom_bf16_to_f32(s[i]);
-    } else {
-        const uint16_t *s = (const uint16_t *)src + off;
-        for (int i = 0; i < n; i++) dst[i] = loom_f16_to_f32(s[i]);
-    }
+    convert_to_f32(dst, (const char *)src + off * loom_dtype_size(dt), dt, (size_t)n);
 }
 
 /* dst[off .. off + n) = src[0 .. n) rounded to dt. */
 static inline void row_store(void *dst, size_t off, const float *src, int n, loom_dtype dt) {
-    if (dt == LOOM_F32) {
-        memcpy((float *)dst + off, src, (size_t)n * sizeof(float));
-    } else if (dt == LOOM_BF16) {
-        uint16_t *d = (uint16_t *)dst + off;
-        for (int i = 0; i < n; i++) d[i] = loom_f32_to_bf16(src[i]);
-    } else {
-        uint16_t *d = (uint16_t *)dst + off;
-        for (int i = 0; i < n; i++) d[i] = loom_f32_to_f16(src[i]);
-    }
+    convert_from_f32((char *)dst + off * loom_dtype_size(dt), dt, src, (size_t)n);
 }
 
-/* sum_i a[i] * b[i]. The simd reduction fixes one summation order per build,
- * so results stay deterministic. */
-static inline float row_dot(const float *a, const float *b, int n) {
-    float s = 0.0f;
-    #pragma omp simd reduction(+ : s)
-    for (int i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
-}
+/* ---- fp32 building blocks (kernel_rows.c): AVX2 when simd_avx2(), else
+ * portable C; each deterministic on its own. */
 
-/* y += a * x */
-static inline void row_axpy(float *y, float a, const float *x, int n) {
-    #pragma omp simd
-    for (int i = 0; i < n; i++) y[i] += a * x[i];
-}
+/* C (m, n) = op(A) (m, k) · B (k, n), or C += op(A) · B when accumulate;
+ * op(A) = A stored (m, k), or A^T of A stored (k, m) when trans_a; all
+ * row-major fp32 with row strides lda, ldb, ldc. Each element of C adds its
+ * k products in order (fused multiply-adds on AVX2), so its value does not
+ * depend on m, n, where it sits in C, or the order of the two factors. For the small blocks
+ * of attention, not for large GEMMs. */
+void mm_f32(int m, int n, int k, const float *A, int lda, int trans_a, const float *B, int ldb, float *C,
+            int ldc, int accumulate);
+/* dst (cols, rows) = src (rows, cols)^T; row strides ldd, lds. */
+void transpose_f32(float *dst, int ldd, const float *src, int lds, int rows, int cols);
+/* max of x[0 .. n) (-inf for n = 0). */
+float row_max(const float *x, int n);
+/* x[i] = exp(x[i] - m) for i < n; returns the sum of the new values. */
+float row_exp_sum(float *x, int n, float m);
+/* x[i] *= s */
+void row_scale(float *x, float s, int n);
+/* sum_i a[i] * b[i] */
+float row_dot(const float *a, const float *b, int n);
 
 /* Workspace for a kernel. Kernels return void and have no error channel, so
  * running out of memory for scratch is fatal here; the op layer keeps the

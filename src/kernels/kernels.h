@@ -21,8 +21,9 @@
 
 typedef enum gemm_backend {
     GEMM_BACKEND_AUTO = 0,     /* oneDNN when built with it, else fallback */
-    GEMM_BACKEND_ONEDNN = 1,
-    GEMM_BACKEND_FALLBACK = 2  /* portable blocked C loops */
+    GEMM_BACKEND_ONEDNN = 1,   /* oneDNN; bf16/f16 it refuses are widened to its fp32 matmul */
+    GEMM_BACKEND_FALLBACK = 2, /* loom's blocked loops (AVX2 micro-kernel or portable C) */
+    GEMM_BACKEND_WIDEN = 3     /* oneDNN, bf16/f16 always widened to fp32 (for tests) */
 } gemm_backend;
 
 /* Row-major C[M,N] = alpha * op(A)[M,K] · op(B)[K,N] + beta * C + bias[N].
@@ -49,7 +50,7 @@ int gemm_have_onednn(void);
  * rstd: (N) f32, kept for backward. */
 void rmsnorm_fwd(void *out, float *rstd, const void *x, const void *w,
                  int N, int C, float eps, loom_dtype dt);
-/* dx: (N, C) dt (written); dw: (C) f32, accumulated (+=). */
+/* dx: (N, C) dt (written; may equal dout); dw: (C) f32, accumulated (+=). */
 void rmsnorm_bwd(void *dx, float *dw, const void *dout, const void *x,
                  const void *w, const float *rstd, int N, int C, loom_dtype dt);
 void rmsnorm_fwd_ref(void *out, float *rstd, const void *x, const void *w,
@@ -102,7 +103,8 @@ void attention_bwd_ref(void *dq, void *dk, void *dv, const void *dout,
 /* out = silu(x) = x * sigmoid(x).  n elements, dt. */
 void silu_fwd(void *out, const void *x, size_t n, loom_dtype dt);
 void silu_bwd(void *dx, const void *dout, const void *x, size_t n, loom_dtype dt);
-/* out = silu(gate) * up. */
+/* out = silu(gate) * up. Outputs may alias inputs (element i is read before
+ * it is written), e.g. dgate = dout in place. */
 void swiglu_fwd(void *out, const void *gate, const void *up, size_t n, loom_dtype dt);
 void swiglu_bwd(void *dgate, void *dup, const void *dout, const void *gate,
                 const void *up, size_t n, loom_dtype dt);

@@ -17,9 +17,81 @@
 #define RMSNORM_CHUNKS 64
 
 static float row_rstd(const float *x, int C, float eps) {
-    float ss = 0.0f;
-    for (int i = 0; i < C; i++) ss += x[i] * x[i];
-    return 1.0f / sqrtf(ss / (float)C + eps);
+    return 1.0f / sqrtf(row_dot(x, x, C) / (float)C + eps);
+}
+
+/* x[j] = x[j] * r * w[j] */
+static void row_normalize_c(float *x, const float *w, float r, int C) {
+    for (int j = 0; j < C; j++) x[j] = x[j] * r * w[j];
+}
+
+/* One row: g (dout row, C) becomes dx; dw_part += dout * x * r.
+ * dx = r * dout * w - r^3 / C * x * sum(dout * w * x). */
+static void rmsnorm_bwd_row_c(float *g, float *dw_part, const float *xr,
+                              const float *wf, float r, int C) {
+    float dot = 0.0f;
+    for (int j = 0; j < C; j++) {
+        dw_part[j] += g[j] * xr[j] * r;
+        dot += g[j] * wf[j] * xr[j];
+    }
+    float c = dot * r * r * r / (float)C;
+    for (int j = 0; j < C; j++) g[j] = r * g[j] * wf[j] - c * xr[j];
+}
+
+#if LOOM_HAVE_X86_SIMD
+SIMD_AVX2 static void row_normalize_avx2(float *x, const float *w, float r, int C) {
+    __m256 vr = _mm256_set1_ps(r);
+    int j = 0;
+    for (; j + 8 <= C; j += 8)
+        _mm256_storeu_ps(x + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), vr), _mm256_loadu_ps(w + j)));
+    row_normalize_c(x + j, w + j, r, C - j);
+}
+
+/* The same terms; the dot product sums eight lanes, then the tail. */
+SIMD_AVX2 static void rmsnorm_bwd_row_avx2(float *g, float *dw_part, const float *xr,
+                                           const float *wf, float r, int C) {
+    __m256 vr = _mm256_set1_ps(r), acc = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= C; j += 8) {
+        __m256 gj = _mm256_loadu_ps(g + j), xj = _mm256_loadu_ps(xr + j);
+        _mm256_storeu_ps(dw_part + j, _mm256_add_ps(_mm256_loadu_ps(dw_part + j),
+                                                    _mm256_mul_ps(_mm256_mul_ps(gj, xj), vr)));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(gj, _mm256_loadu_ps(wf + j)), xj));
+    }
+    float dot = simd_hsum(acc);
+    for (int t = j; t < C; t++) {
+        dw_part[t] += g[t] * xr[t] * r;
+        dot += g[t] * wf[t] * xr[t];
+    }
+    float c = dot * r * r * r / (float)C;
+    __m256 vc = _mm256_set1_ps(c);
+    for (j = 0; j + 8 <= C; j += 8) {
+        __m256 gj = _mm256_loadu_ps(g + j);
+        _mm256_storeu_ps(g + j, _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(vr, gj), _mm256_loadu_ps(wf + j)),
+                                              _mm256_mul_ps(vc, _mm256_loadu_ps(xr + j))));
+    }
+    for (; j < C; j++) g[j] = r * g[j] * wf[j] - c * xr[j];
+}
+#endif
+
+static void row_normalize(float *x, const float *w, float r, int C) {
+#if LOOM_HAVE_X86_SIMD
+    if (simd_avx2()) {
+        row_normalize_avx2(x, w, r, C);
+        return;
+    }
+#endif
+    row_normalize_c(x, w, r, C);
+}
+
+static void rmsnorm_bwd_row(float *g, float *dw_part, const float *xr, const float *wf, float r, int C) {
+#if LOOM_HAVE_X86_SIMD
+    if (simd_avx2()) {
+        rmsnorm_bwd_row_avx2(g, dw_part, xr, wf, r, C);
+        return;
+    }
+#endif
+    rmsnorm_bwd_row_c(g, dw_part, xr, wf, r, C);
 }
 
 void rmsnorm_fwd(void *out, float *rstd, const void *x, const void *w,
@@ -33,24 +105,11 @@ void rmsnorm_fwd(void *out, float *rstd, const void *x, const void *w,
         float *xr = ws + (size_t)omp_get_thread_num() * C; // (C)
         row_load(xr, x, (size_t)i * C, C, dt);
         float r = row_rstd(xr, C, eps);
-        for (int j = 0; j < C; j++) xr[j] = xr[j] * r * wf[j];
+        row_normalize(xr, wf, r, C);
         row_store(out, (size_t)i * C, xr, C, dt);
         if (rstd) rstd[i] = r;
     }
     loom_free(ws);
-}
-
-/* One row: g (dout row, C) becomes dx; dw_part += dout * x * r.
- * dx = r * dout * w - r^3 / C * x * sum(dout * w * x). */
-static void rmsnorm_bwd_row(float *g, float *dw_part, const float *xr,
-                            const float *wf, float r, int C) {
-    float dot = 0.0f;
-    for (int j = 0; j < C; j++) {
-        dw_part[j] += g[j] * xr[j] * r;
-        dot += g[j] * wf[j] * xr[j];
-    }
-    float c = dot * r * r * r / (float)C;
-    for (int j = 0; j < C; j++) g[j] = r * g[j] * wf[j] - c * xr[j];
 }
 
 /* Rows [i0, i1) of the backward; dw_part (C) is this chunk's dw. */

@@ -13,6 +13,17 @@
 static inline loom_tensor *op_new_like(const loom_tensor *t, loom_dtype dt) {
     return loom_tensor_new(dt, t->ndim, t->shape, LOOM_MEM_ACTIVATIONS);
 }
+/* A tensor to write the gradient of an input into, with the shape and dtype
+ * of the incoming gradient g: g's own storage when g holds the only
+ * reference to it (the engine hands each output gradient over with one
+ * reference and drops it after backward, so nothing reads it later), else a
+ * new tensor. For kernels that read each element, or row, before writing it:
+ * one activation-sized buffer fewer at the peak of backward. */
+static inline loom_tensor *op_grad_in_place(loom_tensor *g) {
+    if (g->refcount == 1 && g->storage->refcount == 1 && !g->param && loom_tensor_is_contiguous(g))
+        return loom_tensor_detach(g);
+    return loom_tensor_new(g->dtype, g->ndim, g->shape, LOOM_MEM_ACTIVATIONS);
+}
 static inline int64_t op_last_dim(const loom_tensor *t) { return t->ndim ? t->shape[t->ndim - 1] : 1; }
 static inline int64_t op_rows(const loom_tensor *t) {
     int64_t c = op_last_dim(t);

@@ -146,7 +146,7 @@ static loom_status swiglu_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, i
     loom_tensor *gate, *up;
     OP_SAVED(ctx, 0, gate);
     OP_SAVED(ctx, 1, up);
-    gin[0] = op_new_like(gate, gate->dtype);
+    gin[0] = op_grad_in_place(gout[0]); /* swiglu_bwd reads dout[i] before writing dgate[i] */
     gin[1] = op_new_like(up, up->dtype);
     if (!gin[0] || !gin[1]) return LOOM_ERR_NOMEM;
     swiglu_bwd(loom_tensor_data(gin[0]), loom_tensor_data(gin[1]), loom_tensor_data(gout[0]), loom_tensor_data(gate),

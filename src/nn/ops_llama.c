@@ -33,7 +33,7 @@ static loom_status rmsnorm_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, 
     OP_SAVED(ctx, 2, rstd);
     int64_t N = op_rows(x), C = op_last_dim(x);
     float *dw = loom_alloc_zeroed((size_t)C * sizeof(float), LOOM_MEM_WORKSPACE); /* (C) */
-    gin[0] = op_new_like(x, x->dtype);
+    gin[0] = op_grad_in_place(gout[0]); /* rmsnorm_bwd reads each dout row before writing it */
     if (!dw || !gin[0]) { loom_free(dw); return LOOM_ERR_NOMEM; }
     rmsnorm_bwd(loom_tensor_data(gin[0]), dw, loom_tensor_data(gout[0]), loom_tensor_data(x), loom_tensor_data(w),
                 loom_tensor_data(rstd), (int)N, (int)C, x->dtype);
@@ -80,7 +80,7 @@ static loom_status rope_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, int
     (void)n_out; (void)n_in;
     const rope_args *a = loom_ctx_args(ctx);
     loom_tensor *g = gout[0];
-    gin[0] = op_new_like(g, g->dtype);
+    gin[0] = op_grad_in_place(g); /* rope_bwd may work in place */
     if (!gin[0]) return LOOM_ERR_NOMEM;
     rope_bwd(loom_tensor_data(gin[0]), loom_tensor_data(g), (int)g->shape[0], (int)g->shape[1], (int)g->shape[2],
              (int)g->shape[3], a->pos0, a->theta, g->dtype);
@@ -143,7 +143,12 @@ static loom_status attention_backward(loom_fn_ctx *ctx, loom_tensor *const *gout
     return LOOM_OK;
 }
 
-static const loom_function attention_function = {"attention", 3, 1, 0, attention_forward, attention_backward};
+/* Flagged expensive: the flash kernel stores nothing of size T x T, so
+ * keeping its saves costs O(T) memory while recomputing it costs O(T^2)
+ * flops — the opposite of the unfused attention core that selective
+ * recompute (Korthikanti et al.) drops. The default selective policy keeps it. */
+static const loom_function attention_function = {"attention", 3, 1, LOOM_FN_EXPENSIVE, attention_forward,
+                                                 attention_backward};
 
 loom_status loom_attention(loom_tensor *q, loom_tensor *k, loom_tensor *v, loom_tensor **out) {
     char a[96], b[96];
@@ -265,7 +270,10 @@ static loom_status xent_forward(loom_fn_ctx *ctx, loom_tensor *const *in, int n_
 
 /* The softmax is recomputed here with the incoming gradient (e.g. the fp16
  * loss scale) folded in before rounding to the logits' dtype, so small
- * gradients do not underflow. */
+ * gradients do not underflow. When this op holds the only reference to the
+ * logits (nobody else can read them again), the gradient overwrites them in
+ * place: (N, V) is the largest activation of a language model, and this
+ * keeps one copy of it alive instead of two. */
 static loom_status xent_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, int n_out, loom_tensor **gin, int n_in) {
     (void)n_out; (void)n_in;
     const token_args *a = loom_ctx_args(ctx);
@@ -274,7 +282,9 @@ static loom_status xent_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, int
     int V = (int)logits->shape[1];
     int valid = count_valid(a);
     float scale = valid ? loom_tensor_get(gout[0], 0) / (float)valid : 0.0f;
-    gin[0] = op_new_like(logits, logits->dtype);
+    int sole_owner = logits->refcount == 1 && logits->storage->refcount == 1 && !logits->param &&
+                     loom_tensor_is_contiguous(logits);
+    gin[0] = sole_owner ? loom_tensor_detach(logits) : op_new_like(logits, logits->dtype);
     float *losses = loom_alloc((size_t)(a->n ? a->n : 1) * sizeof(float), LOOM_MEM_WORKSPACE);
     if (!gin[0] || !losses) { loom_free(losses); return LOOM_ERR_NOMEM; }
     crossentropy_fwd_bwd(losses, loom_tensor_data(gin[0]), loom_tensor_data(logits), a->tokens, a->n, V,

@@ -28,6 +28,7 @@ static const attn_case CASES[] = {
     {1, 3, 47, 4, 1, 16, 40},   // keys past the last query are never seen
     {1, 100, 140, 4, 2, 8, 40}, // q_pos0 > 0 with many blocks of both kinds
     {1, 1, 65, 4, 2, 8, 64},    // a key block only the last query sees
+    {1, 130, 130, 2, 2, 48, 0}, // a model's head size, blocks full and partial
 };
 #define N_CASES (sizeof CASES / sizeof CASES[0])
 
@@ -345,5 +346,5 @@ int main(void) {
         cmocka_unit_test(test_bwd_finite_differences),
         cmocka_unit_test(test_thread_count_invariant),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return TU_RUN_SIMD_AND_PORTABLE(tests);
 }

@@ -220,5 +220,5 @@ int main(void) {
         cmocka_unit_test(test_large_logits),
         cmocka_unit_test(test_finite_differences),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return TU_RUN_SIMD_AND_PORTABLE(tests);
 }

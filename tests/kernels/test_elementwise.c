@@ -265,6 +265,31 @@ static void test_adamw(void **state) {
     free(pf); free(mf); free(vf);
 }
 
+/* The AVX2 and portable paths do the same fp32 operations: same bits. */
+static void test_paths_agree(void **state) {
+    (void)state;
+    const size_t n = 40003;
+    int was = loom_simd_enabled();
+    float *p[2], *m[2], *v[2], *g = malloc(n * 4), *acc[2];
+    void *src = random_dt(n, LOOM_BF16, -2, 2, 90);
+    tu_fill_uniform(g, n, -2, 2, 91);
+    for (int k = 0; k < 2; k++) {
+        p[k] = malloc(n * 4); m[k] = calloc(n, 4); v[k] = calloc(n, 4); acc[k] = malloc(n * 4);
+        tu_fill_uniform(p[k], n, -1, 1, 92);
+        tu_fill_uniform(acc[k], n, -1, 1, 93);
+        loom_set_simd(k == 0);
+        for (int t = 1; t <= 3; t++) adamw_step(p[k], m[k], v[k], g, n, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, t, 0.5f);
+        accumulate(acc[k], LOOM_F32, src, LOOM_BF16, 0.37f, n);
+    }
+    loom_set_simd(was);
+    assert_true(tu_bits_equal(p[0], p[1], n * 4, "adamw param"));
+    assert_true(tu_bits_equal(v[0], v[1], n * 4, "adamw v"));
+    assert_true(tu_bits_equal(acc[0], acc[1], n * 4, "accumulate"));
+    for (int k = 0; k < 2; k++) { free(p[k]); free(m[k]); free(v[k]); free(acc[k]); }
+    free(g);
+    free(src);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_binary_ops),
@@ -275,6 +300,7 @@ int main(void) {
         cmocka_unit_test(test_dropout_replay),
         cmocka_unit_test(test_dropout_edges),
         cmocka_unit_test(test_adamw),
+        cmocka_unit_test(test_paths_agree),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return TU_RUN_SIMD_AND_PORTABLE(tests);
 }

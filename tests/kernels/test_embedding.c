@@ -127,5 +127,5 @@ int main(void) {
         cmocka_unit_test(test_bwd_finite_differences),
         cmocka_unit_test(test_bwd_thread_count_invariant),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return TU_RUN_SIMD_AND_PORTABLE(tests);
 }

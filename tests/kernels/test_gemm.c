@@ -224,6 +224,74 @@ static void test_onednn_shapes(void **state) {
     gemm_set_backend(GEMM_BACKEND_AUTO);
 }
 
+/* The fallback's portable C micro-kernel (what CPUs without AVX2 run). */
+static void test_fallback_portable(void **state) {
+    (void)state;
+    gemm_set_backend(GEMM_BACKEND_FALLBACK);
+    loom_set_simd(0);
+    sweep_shapes("fallback portable");
+    sweep_large("fallback portable");
+    loom_set_simd(1);
+    gemm_set_backend(GEMM_BACKEND_AUTO);
+}
+
+/* The fallback sums each element in the same order whatever the number of
+ * threads (its row blocks and slabs change with it, its K slices do not). */
+static void test_fallback_thread_invariant(void **state) {
+    (void)state;
+    enum { M = 200, N = 300, K = 700 };
+    float *A = malloc(sizeof(float) * M * K), *B = malloc(sizeof(float) * K * N);
+    float *C1 = malloc(sizeof(float) * M * N), *C2 = malloc(sizeof(float) * M * N);
+    tu_fill_uniform(A, (size_t)M * K, -1, 1, 11);
+    tu_fill_uniform(B, (size_t)K * N, -1, 1, 12);
+    gemm_set_backend(GEMM_BACKEND_FALLBACK);
+    int nt = loom_get_threads();
+    for (int t = 0; t < 2; t++) {
+        loom_set_threads(1);
+        assert_int_equal(gemm(t, 0, M, N, K, 1.0f, A, t ? M : K, B, N, LOOM_F32, 0.0f, C1, N, LOOM_F32, NULL,
+                              LOOM_F32), LOOM_OK);
+        loom_set_threads(3);
+        assert_int_equal(gemm(t, 0, M, N, K, 1.0f, A, t ? M : K, B, N, LOOM_F32, 0.0f, C2, N, LOOM_F32, NULL,
+                              LOOM_F32), LOOM_OK);
+        assert_true(tu_bits_equal(C1, C2, sizeof(float) * M * N, "1 vs 3 threads"));
+    }
+    loom_set_threads(nt);
+    gemm_set_backend(GEMM_BACKEND_AUTO);
+    free(A); free(B); free(C1); free(C2);
+}
+
+/* Half-precision inputs widened to fp32 for oneDNN: every sweep, a deep K
+ * that makes the row chunks small (several chunks plus a remainder), with C
+ * fp32 (written by oneDNN, beta = 1) and C half (finished by loom), and tiles
+ * of several row and column chunks. */
+static void test_widen_shapes(void **state) {
+    (void)state;
+    if (!gemm_have_onednn()) skip();
+    gemm_set_backend(GEMM_BACKEND_WIDEN);
+    assert_int_equal(gemm_get_backend(), GEMM_BACKEND_WIDEN);
+    gemm_counters before, after;
+    gemm_get_counters(&before);
+    sweep_shapes("widen");
+    sweep_options("widen");
+    sweep_large("widen");
+    for (int t = 0; t < 4; t++) {
+        gcase c = { .ta = t & 1, .tb = t >> 1, .M = 130, .N = 8, .K = 20000, .pad = 1, .alpha = 1.0f,
+                    .beta = (float)(t % 2), .has_bias = t >= 2, .ab = t % 2 ? LOOM_BF16 : LOOM_F16,
+                    .c = t < 2 ? LOOM_F32 : (t % 2 ? LOOM_BF16 : LOOM_F16), .bias_dt = LOOM_F32 };
+        run_case(&c, "widen chunks");
+    }
+    /* Several column chunks as well (a bias offset per chunk), C fp32 (bias
+     * added by oneDNN) and C half (bias added by loom). */
+    for (int t = 0; t < 2; t++) {
+        gcase c = { .ta = t, .tb = 1 - t, .M = 150, .N = 300, .K = 3000, .alpha = 1.0f, .beta = 0.5f,
+                    .has_bias = 1, .ab = LOOM_BF16, .c = t ? LOOM_BF16 : LOOM_F32, .bias_dt = LOOM_F32 };
+        run_case(&c, "widen tiles");
+    }
+    gemm_get_counters(&after);
+    assert_true(after.widened_calls > before.widened_calls);
+    gemm_set_backend(GEMM_BACKEND_AUTO);
+}
+
 /* ------------------------------------------------------------- edge cases */
 
 /* K = 0: C = beta * C + bias, on both backends. */
@@ -417,6 +485,9 @@ int main(void) {
         cmocka_unit_test(test_backend_choice),
         cmocka_unit_test(test_fallback_shapes),
         cmocka_unit_test(test_onednn_shapes),
+        cmocka_unit_test(test_widen_shapes),
+        cmocka_unit_test(test_fallback_portable),
+        cmocka_unit_test(test_fallback_thread_invariant),
         cmocka_unit_test(test_k_zero),
         cmocka_unit_test(test_accumulate_twice),
         cmocka_unit_test(test_cache_reuse),

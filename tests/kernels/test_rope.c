@@ -160,5 +160,5 @@ int main(void) {
         cmocka_unit_test(test_in_place),
         cmocka_unit_test(test_bwd_finite_differences),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return TU_RUN_SIMD_AND_PORTABLE(tests);
 }

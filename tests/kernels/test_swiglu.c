@@ -163,12 +163,18 @@ static void test_in_place(void **state) {
     (void)state;
     ew_data d = ew_make(LOOM_BF16);
     void *out = malloc(N_ELEMS * 2), *dg = malloc(N_ELEMS * 2), *du = malloc(N_ELEMS * 2);
+    void *du2 = malloc(N_ELEMS * 2);
     swiglu_fwd(out, d.a, d.b, N_ELEMS, LOOM_BF16);
     swiglu_bwd(dg, du, d.dout, d.a, d.b, N_ELEMS, LOOM_BF16);
-    swiglu_bwd(d.a, d.b, d.dout, d.a, d.b, N_ELEMS, LOOM_BF16);
+    swiglu_bwd(d.dout, du2, d.dout, d.a, d.b, N_ELEMS, LOOM_BF16); /* dgate over dout */
+    assert_true(tu_bits_equal(d.dout, dg, N_ELEMS * 2, "dgate over dout"));
+    assert_true(tu_bits_equal(du2, du, N_ELEMS * 2, "dup with dgate over dout"));
+    ew_free(&d);
+    d = ew_make(LOOM_BF16);
+    swiglu_bwd(d.a, d.b, d.dout, d.a, d.b, N_ELEMS, LOOM_BF16); /* over gate and up */
     assert_true(tu_bits_equal(d.a, dg, N_ELEMS * 2, "dgate in place"));
     assert_true(tu_bits_equal(d.b, du, N_ELEMS * 2, "dup in place"));
-    free(out); free(dg); free(du);
+    free(out); free(dg); free(du); free(du2);
     ew_free(&d);
 }
 
@@ -179,5 +185,5 @@ int main(void) {
         cmocka_unit_test(test_extreme_inputs),
         cmocka_unit_test(test_in_place),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return TU_RUN_SIMD_AND_PORTABLE(tests);
 }

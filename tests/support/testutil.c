@@ -47,3 +47,15 @@ int tu_bits_equal(const void *a, const void *b, size_t bytes, const char *what) 
     }
     return 1;
 }
+
+int tu_portable_on(void **state) {
+    (void)state;
+    loom_set_simd(0);
+    return 0;
+}
+
+int tu_portable_off(void **state) {
+    (void)state;
+    loom_set_simd(1);
+    return 0;
+}

@@ -29,6 +29,14 @@ double tu_close_ratio(const float *a, const float *b, size_t n, double atol,
                       double rtol, const char *what);
 #define TU_ASSERT_CLOSE(a, b, n, atol, rtol) \
     assert_true(tu_close_ratio((a), (b), (n), (atol), (rtol), #a " vs " #b) <= 1.0)
+/* Run a cmocka group twice: with the AVX2 kernels (when this CPU has them)
+ * and with the portable ones (loom_set_simd(0)); nonzero if either fails. */
+#define TU_RUN_SIMD_AND_PORTABLE(tests) \
+    (_cmocka_run_group_tests("simd", (tests), sizeof(tests) / sizeof((tests)[0]), NULL, NULL) | \
+     _cmocka_run_group_tests("portable", (tests), sizeof(tests) / sizeof((tests)[0]), tu_portable_on, \
+                             tu_portable_off))
+int tu_portable_on(void **state);
+int tu_portable_off(void **state);
 /* Bitwise equality of two buffers, printing the first differing element. */
 int tu_bits_equal(const void *a, const void *b, size_t bytes, const char *what);
 

@@ -1,0 +1,199 @@
+/*
+ * kernel_rows.c — the fp32 building blocks of the row-wise kernels: a small
+ * matrix product for attention's blocks, a transpose, and row reductions and
+ * maps (max, exp-and-sum, scale, dot).
+ *
+ * Each has an AVX2/FMA version and a portable C version; simd_avx2() picks
+ * one per call. Sums run in a fixed order (8 lanes, then a fixed horizontal
+ * reduction), so results are deterministic for either path.
+ * Must never: allocate, or read outside the given rows and columns.
+ */
+#include "kernels/kernel_rows.h"
+
+#include <math.h>
+
+/* ------------------------------------------------------------- portable */
+
+/* Element (r, d) of op(A) is A[r * rs + d * ds]. */
+static void mm_c(int m, int n, int k, const float *A, size_t rs, size_t ds, const float *B, int ldb, float *C,
+                 int ldc, int accumulate) {
+    for (int i = 0; i < m; i++) {
+        float *c = C + (size_t)i * ldc;
+        if (!accumulate)
+            for (int j = 0; j < n; j++) c[j] = 0.0f;
+        for (int d = 0; d < k; d++) {
+            float a = A[(size_t)i * rs + (size_t)d * ds];
+            const float *b = B + (size_t)d * ldb;
+            for (int j = 0; j < n; j++) c[j] += a * b[j];
+        }
+    }
+}
+
+static float exp_sum_c(float *x, int n, float m) {
+    float s = 0.0f;
+    for (int i = 0; i < n; i++) {
+        x[i] = expf(x[i] - m);
+        s += x[i];
+    }
+    return s;
+}
+
+/* ----------------------------------------------------------------- AVX2 */
+
+#if LOOM_HAVE_X86_SIMD
+
+/* Lanes [0, n) of a vector set (n clamped to 0..8), for masked loads/stores. */
+SIMD_AVX2 static inline __m256i lane_mask(int n) {
+    n = n < 0 ? 0 : n > 8 ? 8 : n;
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* C rows [0, 4) x columns [0, cols <= 16); element (r, d) of op(A) is
+ * A[r * rs + d * ds]. Rows beyond `rows` compute on a repeated row and are
+ * not stored. */
+SIMD_AVX2 static void mm_tile_4x16(int rows, int cols, int k, const float *A, size_t rs, size_t ds,
+                                   const float *B, int ldb, float *C, int ldc, int accumulate) {
+    const float *a0 = A, *a1 = A + (rows > 1 ? 1 : 0) * rs, *a2 = A + (rows > 2 ? 2 : rows - 1) * rs;
+    const float *a3 = A + (rows > 3 ? 3 : rows - 1) * rs;
+    __m256i m0 = lane_mask(cols), m1 = lane_mask(cols - 8);
+    __m256 c00, c01, c10, c11, c20, c21, c30, c31;
+    c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = _mm256_setzero_ps();
+    if (accumulate) {
+#define LOADC(r) do { if (r < rows) { c##r##0 = _mm256_maskload_ps(C + (size_t)r * ldc, m0); \
+        c##r##1 = _mm256_maskload_ps(C + (size_t)r * ldc + 8, m1); } } while (0)
+        LOADC(0); LOADC(1); LOADC(2); LOADC(3);
+#undef LOADC
+    }
+#define STEP(LOAD) do { \
+        __m256 b0 = LOAD(B + (size_t)d * ldb, m0), b1 = LOAD(B + (size_t)d * ldb + 8, m1); \
+        size_t o = (size_t)d * ds; \
+        __m256 x0 = _mm256_broadcast_ss(a0 + o), x1 = _mm256_broadcast_ss(a1 + o); \
+        __m256 x2 = _mm256_broadcast_ss(a2 + o), x3 = _mm256_broadcast_ss(a3 + o); \
+        c00 = _mm256_fmadd_ps(x0, b0, c00); c01 = _mm256_fmadd_ps(x0, b1, c01); \
+        c10 = _mm256_fmadd_ps(x1, b0, c10); c11 = _mm256_fmadd_ps(x1, b1, c11); \
+        c20 = _mm256_fmadd_ps(x2, b0, c20); c21 = _mm256_fmadd_ps(x2, b1, c21); \
+        c30 = _mm256_fmadd_ps(x3, b0, c30); c31 = _mm256_fmadd_ps(x3, b1, c31); \
+    } while (0)
+#define LOADU(p, mask) _mm256_loadu_ps(p)
+    if (cols == 16)
+        for (int d = 0; d < k; d++) STEP(LOADU);
+    else
+        for (int d = 0; d < k; d++) STEP(_mm256_maskload_ps);
+#undef LOADU
+#undef STEP
+#define STOREC(r) do { if (r < rows) { _mm256_maskstore_ps(C + (size_t)r * ldc, m0, c##r##0); \
+        _mm256_maskstore_ps(C + (size_t)r * ldc + 8, m1, c##r##1); } } while (0)
+    STOREC(0); STOREC(1); STOREC(2); STOREC(3);
+#undef STOREC
+}
+
+SIMD_AVX2 static void mm_avx2(int m, int n, int k, const float *A, size_t rs, size_t ds, const float *B, int ldb,
+                              float *C, int ldc, int accumulate) {
+    for (int i = 0; i < m; i += 4)
+        for (int j = 0; j < n; j += 16)
+            mm_tile_4x16(m - i < 4 ? m - i : 4, n - j < 16 ? n - j : 16, k, A + (size_t)i * rs, rs, ds, B + j,
+                         ldb, C + (size_t)i * ldc + j, ldc, accumulate);
+}
+
+SIMD_AVX2 static float max_avx2(const float *x, int n) {
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+    float r = simd_hmax(m);
+    for (; i < n; i++) r = fmaxf(r, x[i]);
+    return r;
+}
+
+SIMD_AVX2 static float exp_sum_avx2(float *x, int n, float m) {
+    __m256 vm = _mm256_set1_ps(m), s = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = simd_exp(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+        _mm256_storeu_ps(x + i, e);
+        s = _mm256_add_ps(s, e);
+    }
+    if (i < n) { /* the tail through the same vector exp, masked */
+        __m256i mk = lane_mask(n - i);
+        __m256 e = simd_exp(_mm256_sub_ps(_mm256_maskload_ps(x + i, mk), vm));
+        e = _mm256_and_ps(e, _mm256_castsi256_ps(mk));
+        _mm256_maskstore_ps(x + i, mk, e);
+        s = _mm256_add_ps(s, e);
+    }
+    return simd_hsum(s);
+}
+
+SIMD_AVX2 static float dot_avx2(const float *a, const float *b, int n) {
+    __m256 s = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
+    float r = simd_hsum(s);
+    for (; i < n; i++) r += a[i] * b[i];
+    return r;
+}
+
+/* x[0 .. 8k) *= s; returns 8k (the tail is the caller's: same operation). */
+SIMD_AVX2 static int scale_avx2(float *x, float s, int n) {
+    __m256 vs = _mm256_set1_ps(s);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), vs));
+    return i;
+}
+
+#endif /* LOOM_HAVE_X86_SIMD */
+
+/* ------------------------------------------------------------- dispatch */
+
+void mm_f32(int m, int n, int k, const float *A, int lda, int trans_a, const float *B, int ldb, float *C,
+            int ldc, int accumulate) {
+    if (m <= 0 || n <= 0) return;
+    size_t rs = trans_a ? 1 : (size_t)lda, ds = trans_a ? (size_t)lda : 1;
+#if LOOM_HAVE_X86_SIMD
+    if (simd_avx2()) {
+        mm_avx2(m, n, k, A, rs, ds, B, ldb, C, ldc, accumulate);
+        return;
+    }
+#endif
+    mm_c(m, n, k, A, rs, ds, B, ldb, C, ldc, accumulate);
+}
+
+void transpose_f32(float *dst, int ldd, const float *src, int lds, int rows, int cols) {
+    enum { TB = 8 }; /* blocks of 8 x 8 keep both sides in cache lines */
+    for (int i0 = 0; i0 < rows; i0 += TB)
+        for (int j0 = 0; j0 < cols; j0 += TB)
+            for (int i = i0; i < rows && i < i0 + TB; i++)
+                for (int j = j0; j < cols && j < j0 + TB; j++)
+                    dst[(size_t)j * ldd + i] = src[(size_t)i * lds + j];
+}
+
+float row_max(const float *x, int n) {
+#if LOOM_HAVE_X86_SIMD
+    if (simd_avx2()) return max_avx2(x, n);
+#endif
+    float m = -INFINITY;
+    for (int i = 0; i < n; i++) m = fmaxf(m, x[i]);
+    return m;
+}
+
+float row_exp_sum(float *x, int n, float m) {
+#if LOOM_HAVE_X86_SIMD
+    if (simd_avx2()) return exp_sum_avx2(x, n, m);
+#endif
+    return exp_sum_c(x, n, m);
+}
+
+void row_scale(float *x, float s, int n) {
+    int i = 0;
+#if LOOM_HAVE_X86_SIMD
+    if (simd_avx2()) i = scale_avx2(x, s, n);
+#endif
+    for (; i < n; i++) x[i] *= s;
+}
+
+float row_dot(const float *a, const float *b, int n) {
+#if LOOM_HAVE_X86_SIMD
+    if (simd_avx2()) return dot_avx2(a, b, n);
+#endif
+    float s = 0.0f;
+    for (int i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}

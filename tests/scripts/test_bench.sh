@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# test_bench.sh — `loom bench` end to end on small shapes: one configuration
+# (text and JSON, every field present, no malloc in steady-state steps), the
+# interleaved comparison of recompute modes, the standard matrix (six lines,
+# one process each), bad flags; and bench/compare_peer.sh against the
+# PyTorch peer when it and torch are present. No timing is asserted.
+set -euo pipefail
+src=${LOOM_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}
+bin=${LOOM_BINARY_DIR:-$src/build}
+loom=$bin/loom
+fail() { echo "FAIL: $*" >&2; exit 1; }
+small=(--preset tiny --batch 1 --seq 32 --steps 2 --warmup 1 --gemm-peak 100,100)
+
+out=$("$loom" bench "${small[@]}" --precision bf16 --recompute none)
+line=$(grep '^bench preset=' <<<"$out") || fail "no result line: $out"
+for f in precision=bf16 master_grad=on recompute=none 'tok/s=' step_ms= gflops= mfu= peak_act_MiB= rss_MiB= \
+         'mallocs/step=0.0'; do
+  grep -q "$f" <<<"$line" || fail "missing $f in: $line"
+done
+grep -q '^bench flops: 6\*N\*tokens' <<<"$out" || fail "no FLOP formula in: $out"
+
+json=$("$loom" bench "${small[@]}" --precision fp32 --recompute full --recompute-mode reentrant --json --no-header)
+python3 - "$json" <<'PY' || fail "bad JSON: $json"
+import json, sys
+r = json.loads(sys.argv[1])
+for k in ("tok_s", "step_ms", "gflops", "mfu", "peak_act_MiB", "rss_MiB", "mallocs_per_step"):
+    assert k in r, k
+assert r["precision"] == "fp32" and r["recompute"] == "full" and r["recompute_mode"] == "reentrant"
+assert r["tok_s"] > 0 and r["rss_MiB"] > 0 and r["mallocs_per_step"] == 0
+PY
+
+inter=$("$loom" bench "${small[@]}" --precision bf16 --recompute none,selective,full --no-header)
+[ "$(grep -c '^bench preset=' <<<"$inter")" -eq 3 ] || fail "interleaved: $inter"
+grep -q 'recompute=selective.*rss_MiB=n/a' <<<"$inter" || fail "interleaved rss: $inter"
+
+matrix=$("$loom" bench --preset tiny --batch 1 --seq 16 --steps 1 --warmup 0 --gemm-peak 100,100)
+[ "$(grep -c '^bench preset=' <<<"$matrix")" -eq 6 ] || fail "matrix: $matrix"
+for p in fp32 bf16; do for r in none selective full; do
+  grep -q "precision=$p master_grad=on recompute=$r " <<<"$matrix" || fail "matrix lacks $p $r: $matrix"
+done; done
+
+if "$loom" bench --preset huge >/dev/null 2>&1; then fail "unknown preset accepted"; fi
+if "$loom" bench --recompute sometimes >/dev/null 2>&1; then fail "unknown recompute mode accepted"; fi
+if "$loom" bench --precision bf16 --recompute none,full --profile >/dev/null 2>&1; then
+  fail "--profile with several modes accepted"
+fi
+
+peer=$src/../shared/peers/torch_llama.py
+if [ -f "$peer" ] && /usr/bin/python3 -c 'import torch' 2>/dev/null; then
+  cmp=$(LOOM=$loom "$src/bench/compare_peer.sh" --preset tiny --batch 1 --seq 16 --steps 1 --peer-steps 1 bf16:none:none)
+  grep -q '^bf16 loom:none peer:none .*x ' <<<"$cmp" || fail "compare_peer: $cmp"
+else
+  echo "skip compare_peer: no peer or torch"
+fi
+echo "test_bench: ok"

@@ -1,0 +1,463 @@
+/*
+ * cmd_bench.c — `loom bench`: full training steps (forward, backward,
+ * clipping, AdamW) of a preset on random tokens, timed after a warm-up, with
+ * throughput, model FLOPs, MFU against a GEMM peak measured in the same run,
+ * peak activation bytes and peak RSS.
+ *
+ * With neither --precision nor --recompute it runs the standard matrix
+ * {fp32, bf16 master-grad} x {none, selective, full}, each configuration in a
+ * fresh process (this binary re-executed), so that rss_MiB is per
+ * configuration: RSS is a per-process high-water mark.
+ *
+ * Model FLOPs per step (stated in the output):
+ *   6 * N * tokens + 6 * L * T * dim * tokens
+ * N = parameters that take part in a matmul (q, k, v, o, gate, up, down of
+ * every layer, and lm_head; not the embedding lookup or the norms). The
+ * second term is causal attention: QK^T and PV cost 2 * T * dim per token
+ * per layer in forward on average (half of the T x T scores), backward twice
+ * that. Recomputation is not counted (model FLOPs, not hardware FLOPs).
+ */
+#include "cli.h"
+
+#include <math.h>
+#include <spawn.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+
+extern char **environ;
+
+typedef struct bench_opts {
+    const char *preset, *precision, *master_grad, *recompute, *recompute_mode, *gemm_peak;
+    int threads, steps, warmup, batch, seq, json, profile;
+} bench_opts;
+
+typedef struct gemm_peak {
+    double f32, bf16; /* GFLOP/s */
+} gemm_peak;
+
+typedef struct bench_result {
+    double step_ms, tok_s, gflop_per_step, gflops, mfu, peak_act_mib, rss_mib, mallocs_per_step, loss;
+} bench_result;
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* ------------------------------------------------------------ GEMM peak */
+
+#define PEAK_SIZE 1024 /* M = N = K: the size of the largest GEMMs of a step */
+#define PEAK_REPS 10
+
+/* Best GFLOP/s of C = A · B^T (the forward layout of the fused linear) for
+ * square matrices of dtype dt with fp32 accumulation, C in dt. */
+static loom_status measure_gemm(loom_dtype dt, double *gflops) {
+    int n = PEAK_SIZE;
+    size_t elems = (size_t)n * n;
+    float *src = malloc(elems * sizeof *src);
+    void *a = loom_alloc(elems * loom_dtype_size(dt), LOOM_MEM_WORKSPACE);
+    void *b = loom_alloc(elems * loom_dtype_size(dt), LOOM_MEM_WORKSPACE);
+    void *c = loom_alloc(elems * loom_dtype_size(dt), LOOM_MEM_WORKSPACE);
+    loom_status st = src && a && b && c ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "bench: out of memory");
+    if (st == LOOM_OK) {
+        loom_rng_uniform(src, elems, 1, 0);
+        loom_convert(a, dt, src, LOOM_F32, elems);
+        loom_rng_uniform(src, elems, 2, 0);
+        loom_convert(b, dt, src, LOOM_F32, elems);
+    }
+    double best = 0.0;
+    for (int r = 0; r <= PEAK_REPS && st == LOOM_OK; r++) {
+        double t0 = cli_now();
+        st = loom_gemm(0, 1, n, n, n, 1.0f, a, n, b, n, dt, 0.0f, c, n, dt, NULL, LOOM_F32);
+        double g = 2.0 * n * n * (double)n / (cli_now() - t0) * 1e-9;
+        if (r > 0 && g > best) best = g; /* rep 0 warms caches and primitives */
+    }
+    free(src);
+    loom_free(a);
+    loom_free(b);
+    loom_free(c);
+    *gflops = best;
+    return st;
+}
+
+static loom_status measure_peak(gemm_peak *p) {
+    LOOM_TRY(measure_gemm(LOOM_F32, &p->f32));
+    return measure_gemm(LOOM_BF16, &p->bf16);
+}
+
+/* "F32,BF16" in GFLOP/s. */
+static int parse_peak(const char *s, gemm_peak *p) {
+    char *end;
+    p->f32 = strtod(s, &end);
+    if (*end != ',') return -1;
+    p->bf16 = strtod(end + 1, &end);
+    return *end || !(p->f32 > 0.0) || !(p->bf16 > 0.0) ? -1 : 0;
+}
+
+/* -------------------------------------------------------------- model FLOPs */
+
+/* q, o (dim x dim), k, v (kv x dim), gate, up, down (ffn x dim) per layer,
+ * and lm_head (vocab x dim). */
+static double matmul_params(const loom_llama_config *c) {
+    double HS = (double)c->dim / c->n_heads, kv = c->n_kv_heads * HS;
+    double per_layer = 2.0 * c->dim * c->dim + 2.0 * kv * c->dim + 3.0 * c->dim * c->ffn_dim;
+    return per_layer * c->n_layers + (double)c->vocab_size * c->dim;
+}
+
+static double model_flops_per_token(const loom_llama_config *c, int T) {
+    return 6.0 * matmul_params(c) + 6.0 * c->n_layers * (double)T * c->dim;
+}
+
+/* ------------------------------------------------------------ one config */
+
+enum { PHASE_FORWARD, PHASE_BACKWARD, PHASE_OPTIMIZER, N_PHASES };
+static const char *const phase_names[N_PHASES] = {"forward", "backward", "zero_grad+norm+adamw"};
+
+typedef struct bench_run {
+    loom_llama *m;
+    loom_adamw *opt;
+    loom_loss_scaler scaler;
+    int32_t *tokens, *targets;
+    int B, T;
+    double phase[N_PHASES]; /* seconds summed over the timed steps */
+} bench_run;
+
+static loom_status train_step(bench_run *r, double *loss) {
+    double t0 = cli_now();
+    loom_llama_zero_grad(r->m);
+    double t1 = cli_now();
+    loom_tensor *l = NULL;
+    LOOM_TRY(loom_llama_forward(r->m, r->tokens, r->targets, r->B, r->T, &l, NULL));
+    *loss = loom_tensor_get(l, 0);
+    double t2 = cli_now();
+    loom_status st = loom_backward(l, r->scaler.scale);
+    loom_tensor_release(l);
+    LOOM_TRY(st);
+    double t3 = cli_now();
+    loom_step_info info;
+    loom_amp_prepare_step(r->m->params, r->m->n_params, &r->scaler, 1.0f, &info);
+    if (!info.found_inf) LOOM_TRY(loom_adamw_step(r->opt, 1e-4f, info.grad_multiplier));
+    loom_loss_scaler_update(&r->scaler, info.found_inf);
+    double t4 = cli_now();
+    r->phase[PHASE_FORWARD] += t2 - t1;
+    r->phase[PHASE_BACKWARD] += t3 - t2;
+    r->phase[PHASE_OPTIMIZER] += (t1 - t0) + (t4 - t3);
+    return LOOM_OK;
+}
+
+/* Where the timed steps went: phases, then the functions' self time. */
+static void print_profile(const bench_run *r, int steps, double total) {
+    loom_profile_entry e[64];
+    int n = loom_profile_get(e, 64);
+    if (n > 64) n = 64;
+    double step = total / steps, inside = 0.0;
+    printf("profile: %.1f ms per step (mean of %d)\n", step * 1e3, steps);
+    for (int p = 0; p < N_PHASES; p++)
+        printf("  phase %-28s %8.1f ms %5.1f%%\n", phase_names[p], r->phase[p] / steps * 1e3,
+               100.0 * r->phase[p] / total);
+    for (int i = 0; i < n; i++) {
+        char label[96];
+        snprintf(label, sizeof label, "%s %s", e[i].name, e[i].backward ? "bwd" : "fwd");
+        printf("  fn    %-28s %8.1f ms %5.1f%%  (%ld calls)\n", label, e[i].seconds / steps * 1e3,
+               100.0 * e[i].seconds / total, e[i].calls / steps);
+        inside += e[i].seconds;
+    }
+    printf("  %-34s %8.1f ms %5.1f%%\n", "outside functions", (total - inside) / steps * 1e3,
+           100.0 * (total - inside) / total);
+    loom_mem_stats ms;
+    loom_mem_get_stats(&ms);
+    for (int c = 0; c < LOOM_MEM_N_CATEGORIES; c++)
+        printf("  mem   %-28s %8.1f MiB peak (%.1f MiB now)\n", loom_mem_category_name((loom_mem_category)c),
+               ms.peak[c] / 1048576.0, ms.current[c] / 1048576.0);
+    printf("  mem   %-28s %8.1f MiB peak, %.1f MiB cached free blocks\n", "total", ms.peak_total / 1048576.0,
+           ms.cached / 1048576.0);
+    fflush(stdout);
+}
+
+/* Steps of one model under n recompute modes. With n > 1 the modes take
+ * turns step by step (the same weights, data and machine state for each), so
+ * their ratios hold up on a machine shared with other work; rss is then the
+ * process's, not any one mode's (res[i].rss_mib < 0). */
+static loom_status run_config(const bench_opts *o, const loom_llama_config *cfg, loom_precision prec,
+                              const loom_recompute_mode *modes, int n_modes, bench_result *res) {
+    bench_run r;
+    memset(&r, 0, sizeof r);
+    r.B = o->batch;
+    r.T = o->seq;
+    size_t n = (size_t)r.B * r.T;
+    loom_status st = loom_llama_new(cfg, prec, &r.m);
+    loom_adamw_config ac = loom_adamw_defaults();
+    if (st == LOOM_OK) {
+        loom_llama_init_weights(r.m, 1337);
+        st = loom_adamw_new(&ac, r.m->params, r.m->n_params, &r.opt);
+    }
+    loom_loss_scaler_init(&r.scaler, prec.compute == LOOM_F16);
+    r.tokens = malloc(n * sizeof *r.tokens);
+    r.targets = malloc(n * sizeof *r.targets);
+    float *u = malloc(2 * n * sizeof *u);
+    double *times = malloc((size_t)o->steps * n_modes * sizeof *times); /* (n_modes, steps) */
+    size_t *peak_act = calloc((size_t)n_modes, sizeof *peak_act);
+    uint64_t *mallocs = calloc((size_t)n_modes, sizeof *mallocs);
+    if (st == LOOM_OK && (!r.tokens || !r.targets || !u || !times || !peak_act || !mallocs))
+        st = loom_error(LOOM_ERR_NOMEM, "bench: out of memory");
+    if (st == LOOM_OK) {
+        loom_rng_uniform(u, 2 * n, 7, 0);
+        for (size_t i = 0; i < n; i++) {
+            r.tokens[i] = (int32_t)(u[i] * cfg->vocab_size) % cfg->vocab_size;
+            r.targets[i] = (int32_t)(u[n + i] * cfg->vocab_size) % cfg->vocab_size;
+        }
+    }
+    double loss = 0.0;
+    for (int s = 0; s < o->warmup && st == LOOM_OK; s++)
+        for (int m = 0; m < n_modes && st == LOOM_OK; m++) {
+            r.m->recompute.mode = modes[m];
+            st = train_step(&r, &loss);
+        }
+    memset(r.phase, 0, sizeof r.phase);
+    loom_profile_reset();
+    loom_profile_enable(o->profile);
+    double total = 0.0;
+    for (int s = 0; s < o->steps && st == LOOM_OK; s++)
+        for (int m = 0; m < n_modes && st == LOOM_OK; m++) {
+            loom_mem_stats before, after;
+            r.m->recompute.mode = modes[m];
+            loom_mem_reset_peak();
+            loom_mem_get_stats(&before);
+            double t0 = cli_now();
+            st = train_step(&r, &loss);
+            times[(size_t)m * o->steps + s] = cli_now() - t0;
+            total += times[(size_t)m * o->steps + s];
+            loom_mem_get_stats(&after);
+            if (after.peak[LOOM_MEM_ACTIVATIONS] > peak_act[m]) peak_act[m] = after.peak[LOOM_MEM_ACTIVATIONS];
+            mallocs[m] += after.n_malloc - before.n_malloc;
+        }
+    loom_profile_enable(0);
+    if (st == LOOM_OK && o->profile) print_profile(&r, o->steps, total);
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    for (int m = 0; m < n_modes && st == LOOM_OK; m++) {
+        bench_result *x = &res[m];
+        x->step_ms = median(times + (size_t)m * o->steps, o->steps) * 1e3;
+        x->tok_s = (double)n / (x->step_ms * 1e-3);
+        x->gflop_per_step = model_flops_per_token(cfg, r.T) * (double)n * 1e-9;
+        x->gflops = x->gflop_per_step / (x->step_ms * 1e-3);
+        x->peak_act_mib = (double)peak_act[m] / (1024.0 * 1024.0);
+        x->rss_mib = n_modes == 1 ? (double)ru.ru_maxrss / 1024.0 : -1.0;
+        x->mallocs_per_step = (double)mallocs[m] / o->steps;
+        x->loss = loss;
+    }
+    free(u);
+    free(times);
+    free(peak_act);
+    free(mallocs);
+    free(r.tokens);
+    free(r.targets);
+    loom_adamw_free(r.opt);
+    loom_llama_free(r.m);
+    return st;
+}
+
+static const char *recompute_label(loom_recompute_mode m) {
+    switch (m) {
+    case LOOM_RECOMPUTE_NONE: return "none";
+    case LOOM_RECOMPUTE_SELECTIVE: return "selective";
+    default: return "full";
+    }
+}
+
+static void print_result(const bench_opts *o, loom_precision prec, loom_recompute_mode mode, const bench_result *r) {
+    const char *mg = prec.master_grad ? "on" : "off";
+    const char *rm = mode == LOOM_RECOMPUTE_REENTRANT ? "reentrant" : "nonreentrant";
+    char rss[32]; /* "null" (JSON) when several modes shared the process */
+    if (r->rss_mib < 0) snprintf(rss, sizeof rss, "null");
+    else snprintf(rss, sizeof rss, "%.1f", r->rss_mib);
+    if (o->json) {
+        printf("{\"preset\":\"%s\",\"precision\":\"%s\",\"master_grad\":\"%s\",\"recompute\":\"%s\","
+               "\"recompute_mode\":\"%s\",\"batch\":%d,\"seq\":%d,\"threads\":%d,\"steps\":%d,"
+               "\"tok_s\":%.1f,\"step_ms\":%.2f,\"gflop_per_step\":%.3f,\"gflops\":%.2f,\"mfu\":%.4f,"
+               "\"peak_act_MiB\":%.1f,\"rss_MiB\":%s,\"mallocs_per_step\":%.1f,\"loss\":%.5f}\n",
+               o->preset, loom_dtype_name(prec.compute), mg, recompute_label(mode), rm, o->batch, o->seq,
+               loom_get_threads(), o->steps, r->tok_s, r->step_ms, r->gflop_per_step, r->gflops, r->mfu,
+               r->peak_act_mib, rss, r->mallocs_per_step, r->loss);
+    } else {
+        printf("bench preset=%s precision=%s master_grad=%s recompute=%s tok/s=%.0f step_ms=%.1f gflops=%.1f "
+               "mfu=%.3f peak_act_MiB=%.1f rss_MiB=%s recompute_mode=%s batch=%d seq=%d threads=%d "
+               "mallocs/step=%.1f loss=%.4f\n",
+               o->preset, loom_dtype_name(prec.compute), mg, recompute_label(mode), r->tok_s, r->step_ms, r->gflops,
+               r->mfu, r->peak_act_mib, r->rss_mib < 0 ? "n/a" : rss, rm, o->batch, o->seq, loom_get_threads(),
+               r->mallocs_per_step,
+               r->loss);
+    }
+    fflush(stdout);
+}
+
+static void print_header(const bench_opts *o, const loom_llama_config *c, const gemm_peak *p) {
+    double n = matmul_params(c), per_tok = model_flops_per_token(c, o->seq);
+    if (o->json) {
+        printf("{\"gemm_peak_gflops\":{\"f32\":%.2f,\"bf16\":%.2f},\"gemm_peak_shape\":[%d,%d,%d],"
+               "\"matmul_params\":%.0f,\"flops_per_token\":%.0f,"
+               "\"flops_formula\":\"6*N*tokens + 6*L*T*dim*tokens\"}\n",
+               p->f32, p->bf16, PEAK_SIZE, PEAK_SIZE, PEAK_SIZE, n, per_tok);
+    } else {
+        printf("bench gemm_peak f32=%.1f bf16=%.1f GFLOP/s (loom gemm, C = A·B^T, M=N=K=%d, %d threads)\n",
+               p->f32, p->bf16, PEAK_SIZE, loom_get_threads());
+        printf("bench flops: 6*N*tokens + 6*L*T*dim*tokens, N = %.0f matmul params, L = %d, T = %d, dim = %d "
+               "-> %.1f MFLOP/token; mfu = gflops / gemm_peak of the precision\n",
+               n, c->n_layers, o->seq, c->dim, per_tok * 1e-6);
+    }
+    fflush(stdout);
+}
+
+/* ------------------------------------------------------------ the matrix */
+
+/* Re-execute this binary as `loom bench <user flags> <config flags>` for
+ * one configuration; its line goes to stdout. */
+static int spawn_config(char **argv0_args, int argc0, const char *precision, const char *recompute,
+                        const char *peak) {
+    const char *extra[] = {"--precision", precision, "--master-grad", "on", "--recompute", recompute,
+                           "--gemm-peak", peak, "--no-header"};
+    int n_extra = (int)(sizeof extra / sizeof extra[0]);
+    char **args = calloc((size_t)(argc0 + n_extra + 3), sizeof *args);
+    if (!args) return -1;
+    int k = 0;
+    args[k++] = "loom";
+    args[k++] = "bench";
+    for (int i = 0; i < argc0; i++) args[k++] = argv0_args[i];
+    for (int i = 0; i < n_extra; i++) args[k++] = (char *)(uintptr_t)extra[i];
+    args[k] = NULL;
+    fflush(stdout);
+    pid_t pid;
+    int rc = posix_spawn(&pid, "/proc/self/exe", NULL, NULL, args, environ);
+    free(args);
+    if (rc != 0) return -1;
+    int status;
+    if (waitpid(pid, &status, 0) < 0) return -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+/* ------------------------------------------------------------------ run */
+
+/* One recompute mode by name (full takes --recompute-mode). */
+static int parse_mode(const char *name, int reentrant, loom_recompute_mode *mode) {
+    if (!strcmp(name, "none")) *mode = LOOM_RECOMPUTE_NONE;
+    else if (!strcmp(name, "full")) *mode = reentrant ? LOOM_RECOMPUTE_REENTRANT : LOOM_RECOMPUTE_NONREENTRANT;
+    else if (!strcmp(name, "selective")) *mode = LOOM_RECOMPUTE_SELECTIVE;
+    else return cli_usage_error("bench", "--recompute expects none, selective or full (or a comma list), got '%s'", name);
+    return 0;
+}
+
+/* --recompute MODE[,MODE...] into modes (at most 3). */
+static int parse_modes(const bench_opts *o, loom_recompute_mode *modes, int *n) {
+    int reentrant;
+    if (!strcmp(o->recompute_mode, "reentrant")) reentrant = 1;
+    else if (!strcmp(o->recompute_mode, "nonreentrant") || !strcmp(o->recompute_mode, "non-reentrant")) reentrant = 0;
+    else return cli_usage_error("bench", "--recompute-mode expects reentrant or nonreentrant, got '%s'", o->recompute_mode);
+    char buf[128];
+    snprintf(buf, sizeof buf, "%s", o->recompute);
+    *n = 0;
+    for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        if (*n == 3) return cli_usage_error("bench", "--recompute takes at most three modes");
+        int rc = parse_mode(t, reentrant, &modes[(*n)++]);
+        if (rc) return rc;
+    }
+    if (*n == 0) return cli_usage_error("bench", "--recompute needs a mode");
+    return 0;
+}
+
+static int run(int argc, char **argv) {
+    bench_opts o = {.preset = "tiny", .master_grad = "on", .recompute_mode = "nonreentrant",
+                    .steps = 5, .warmup = 2, .batch = 8};
+    int no_header = 0;
+    const flag flags[] = {
+        {"preset", FLAG_STRING, &o.preset, "NAME", "tiny (dim 288, 6 layers, seq 256) or small (512, 8, 512)"},
+        {"precision", FLAG_STRING, &o.precision, "P", "fp32, bf16 or fp16 (default: the standard matrix)"},
+        {"master-grad", FLAG_STRING, &o.master_grad, "on|off", "fp32 main_grad for every weight (default on)"},
+        {"recompute", FLAG_STRING, &o.recompute, "MODE", "none, selective or full; a comma list takes turns step by step"},
+        {"recompute-mode", FLAG_STRING, &o.recompute_mode, "M", "full recompute: reentrant or nonreentrant (default)"},
+        {"threads", FLAG_INT, &o.threads, "N", "OpenMP threads (default: all cores)"},
+        {"steps", FLAG_INT, &o.steps, "N", "timed steps; the median is reported (default 5)"},
+        {"warmup", FLAG_INT, &o.warmup, "N", "untimed steps first (default 2)"},
+        {"batch", FLAG_INT, &o.batch, "B", "sequences per step (default 8)"},
+        {"seq", FLAG_INT, &o.seq, "T", "sequence length (default: the preset's context)"},
+        {"json", FLAG_BOOL, &o.json, NULL, "one JSON object per line instead of text"},
+        {"gemm-peak", FLAG_STRING, &o.gemm_peak, "F32,BF16", "GEMM peaks in GFLOP/s to use instead of measuring"},
+        {"profile", FLAG_BOOL, &o.profile, NULL, "also print where the timed steps went (phases, functions)"},
+        {"no-header", FLAG_BOOL, &no_header, NULL, "print only the configuration lines"},
+    };
+    int rc = cli_parse(&cmd_bench, flags, (int)(sizeof flags / sizeof flags[0]), argc, argv);
+    if (rc) return rc > 0 ? 0 : 2;
+    loom_llama_config cfg;
+    if (loom_llama_preset(o.preset, &cfg) != LOOM_OK) return cli_usage_error("bench", "--preset: %s", loom_last_error());
+    if (o.seq == 0) o.seq = cfg.max_seq;
+    if (o.seq < 0 || o.seq > cfg.max_seq || o.batch <= 0 || o.steps <= 0 || o.warmup < 0)
+        return cli_usage_error("bench", "--batch and --steps must be positive, --warmup >= 0, --seq in 1..%d",
+                               cfg.max_seq);
+    gemm_peak peak = {0, 0};
+    if (o.gemm_peak && parse_peak(o.gemm_peak, &peak))
+        return cli_usage_error("bench", "--gemm-peak expects two positive numbers F32,BF16, got '%s'", o.gemm_peak);
+    if (o.threads > 0) loom_set_threads(o.threads);
+
+    if (!o.precision && !o.recompute) { /* the standard matrix, one process each */
+        if (!o.gemm_peak) {
+            loom_status st = measure_peak(&peak);
+            if (st != LOOM_OK) return cli_fail("bench", st);
+        }
+        if (!no_header) print_header(&o, &cfg, &peak);
+        char peak_s[64];
+        snprintf(peak_s, sizeof peak_s, "%.3f,%.3f", peak.f32, peak.bf16);
+        const char *precs[] = {"fp32", "bf16"}, *modes[] = {"none", "selective", "full"};
+        int failed = 0;
+        for (int p = 0; p < 2; p++)
+            for (int m = 0; m < 3; m++)
+                failed |= spawn_config(argv + 1, argc - 1, precs[p], modes[m], peak_s) != 0;
+        return failed ? 1 : 0;
+    }
+
+    loom_precision prec = {LOOM_BF16, 1};
+    if (!o.precision) o.precision = "bf16";
+    if (!o.recompute) o.recompute = "none";
+    if (loom_dtype_parse(o.precision, &prec.compute) != LOOM_OK)
+        return cli_usage_error("bench", "--precision: %s", loom_last_error());
+    if (cli_parse_on_off("bench", "master-grad", o.master_grad, &prec.master_grad)) return 2;
+    loom_recompute_mode modes[3];
+    int n_modes = 0;
+    if ((rc = parse_modes(&o, modes, &n_modes))) return rc;
+    if (o.profile && n_modes > 1) return cli_usage_error("bench", "--profile takes a single recompute mode");
+    bench_result res[3];
+    memset(res, 0, sizeof res);
+    loom_status st = run_config(&o, &cfg, prec, modes, n_modes, res);
+    /* Measured after the run, so its buffers do not count in rss_MiB. */
+    if (st == LOOM_OK && !o.gemm_peak) st = measure_peak(&peak);
+    if (st != LOOM_OK) return cli_fail("bench", st);
+    if (!no_header) print_header(&o, &cfg, &peak);
+    double p = prec.compute == LOOM_F32 ? peak.f32 : peak.bf16;
+    for (int m = 0; m < n_modes; m++) {
+        res[m].mfu = res[m].gflops / p;
+        print_result(&o, prec, modes[m], &res[m]);
+    }
+    return 0;
+}
+
+const command cmd_bench = {
+    "bench",
+    "time full training steps of a preset on random tokens",
+    "bench [--preset tiny|small] [--precision P] [--recompute MODE] [flags]",
+    "Each line: tok/s and step_ms (median of --steps after --warmup), gflops (model FLOPs\n"
+    "6*N*tokens + 6*L*T*dim*tokens per step, N = matmul parameters, causal attention),\n"
+    "mfu (gflops / the GEMM peak of the precision, measured in the same run through\n"
+    "loom's gemm: f32 for fp32, bf16 otherwise), peak_act_MiB (peak bytes of\n"
+    "activations during the timed steps), rss_MiB (the process's peak RSS) and\n"
+    "mallocs/step (calls that reached the system allocator; 0 in steady state).\n"
+    "With neither --precision nor --recompute it runs {fp32, bf16 master-grad} x\n"
+    "{none, selective, full}, each in a fresh process so that rss_MiB is per line.\n"
+    "--recompute none,selective,full runs the modes in turns, step by step, on one\n"
+    "model: their ratios then hold up on a busy machine (rss_MiB is n/a there).",
+    run,
+};
