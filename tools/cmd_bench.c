@@ -454,7 +454,7 @@ const command cmd_bench = {
     "mfu (gflops / the GEMM peak of the precision, measured in the same run through\n"
     "loom's gemm: f32 for fp32, bf16 otherwise), peak_act_MiB (peak bytes of\n"
     "activations during the timed steps), rss_MiB (the process's peak RSS) and\n"
-    "mallocs/step (calls that reached the system allocator; 0 in steady state).\n"
+    "mallocs/step (calls that reached the system allocator; 0 once two steps have run).\n"
     "With neither --precision nor --recompute it runs {fp32, bf16 master-grad} x\n"
     "{none, selective, full}, each in a fresh process so that rss_MiB is per line.\n"
     "--recompute none,selective,full runs the modes in turns, step by step, on one\n"

@@ -7,8 +7,8 @@
  *
  * C is done in tiles of up to mch rows x nch columns, all of K each: op(B)'s
  * column panel is converted once per column chunk and op(A)'s rows once per
- * tile, so each scratch buffer stays within WIDEN_FLOATS whatever the sizes
- * (conversions cost O(1/nch) of the products). When C is fp32 (e.g. dW
+ * tile, so the scratch stays within WIDEN_B_FLOATS + 2 WIDEN_FLOATS whatever
+ * the sizes (conversions cost O(1/nch) of the products). When C is fp32 (e.g. dW
  * accumulating into main_grad with beta = 1) oneDNN writes C directly;
  * otherwise it writes an fp32 tile that is finished here (alpha, beta * C,
  * bias, one rounding to C's dtype). A tile oneDNN refuses (it should not) is
@@ -22,8 +22,9 @@
 
 #include <omp.h>
 
-#define WIDEN_FLOATS (1 << 19) /* 2 MiB: the most of each scratch buffer */
-#define CHUNK_ALIGN 64         /* rows / columns per chunk: a multiple of this */
+#define WIDEN_B_FLOATS (1 << 20) /* 4 MiB: the most of op(B)'s converted panel */
+#define WIDEN_FLOATS (1 << 19)   /* 2 MiB: the most of op(A)'s rows and of a C tile */
+#define CHUNK_ALIGN 16           /* rows / columns per chunk: a multiple of this */
 
 /* dst (rows, cols) dense fp32 = src's rows x cols window at (r0, c0), row
  * stride ld, converted from dt. */
@@ -85,12 +86,15 @@ static int direct_ok(const gemm_args *g) {
     return g->c_dt == LOOM_F32 && (!g->bias || (g->alpha == 1.0f && g->bias_dt == LOOM_F32));
 }
 
-/* Chunk length along a dimension of size n whose other factor is `other`:
- * n when it fits the budget, else a multiple of CHUNK_ALIGN that does. */
-static int chunk_len(int n, int other) {
-    int c = WIDEN_FLOATS / (other > 0 ? other : 1) / CHUNK_ALIGN * CHUNK_ALIGN;
-    if (c < CHUNK_ALIGN) c = CHUNK_ALIGN;
-    return c < n ? c : n;
+/* Chunk length along a dimension of size n whose other factor is `other`,
+ * within `budget` floats: n when it fits, else the fewest equal chunks that
+ * do (rounded up to CHUNK_ALIGN). */
+static int chunk_len(int n, int other, int budget) {
+    int most = budget / (other > 0 ? other : 1) / CHUNK_ALIGN * CHUNK_ALIGN;
+    if (most < CHUNK_ALIGN) most = CHUNK_ALIGN;
+    if (n <= most) return n;
+    int chunks = (n + most - 1) / most;
+    return ((n + chunks - 1) / chunks + CHUNK_ALIGN - 1) / CHUNK_ALIGN * CHUNK_ALIGN;
 }
 
 loom_status gemm_widen(const gemm_args *g, int *handled) {
@@ -99,8 +103,8 @@ loom_status gemm_widen(const gemm_args *g, int *handled) {
     *handled = 1;
     GEMM_COUNT(widened_calls);
     int M = g->M, N = g->N, K = g->K, direct = direct_ok(g);
-    int nch = chunk_len(N, K);                      /* op(B) panel: (K, nch) */
-    int mch = chunk_len(M, K > nch ? K : nch);      /* op(A) rows (mch, K), C tile (mch, nch) */
+    int nch = chunk_len(N, K, WIDEN_B_FLOATS);                /* op(B) panel: (K, nch) */
+    int mch = chunk_len(M, K > nch ? K : nch, WIDEN_FLOATS);  /* op(A) rows (mch, K), C tile (mch, nch) */
     float *b32 = loom_alloc((size_t)K * nch * sizeof(float), LOOM_MEM_WORKSPACE);
     float *a32 = loom_alloc((size_t)mch * K * sizeof(float), LOOM_MEM_WORKSPACE);
     float *c32 = direct ? NULL : loom_alloc((size_t)mch * nch * sizeof(float), LOOM_MEM_WORKSPACE);
