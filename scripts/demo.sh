@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The main job: build loom, tokenize the default corpus (Debian's fortunes),
 # train the `tiny` LLaMA for a few minutes, then generate text from it.
-# Environment: STEPS (default 300), OUT (default out/demo).
+# Environment: STEPS (default 200), OUT (default out/demo).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STEPS=${STEPS:-300}
+STEPS=${STEPS:-200}
 OUT=${OUT:-out/demo}
 bash scripts/build.sh >/dev/null
 corpus=()

@@ -366,7 +366,7 @@ static loom_status train_loop(trainer *t) {
         }
         double dt = cli_now() - t0;
         if (t->leader) train_report_step(&t->report, t->metrics, t->state.step, o->steps, r.loss, r.lr, r.info.grad_norm,
-                          (double)o->grad_accum * o->batch * o->seq / dt, dt, t->scaler.scale, r.skipped,
+                          (double)o->grad_accum * o->batch * o->seq * t->dist.dp_size / dt, dt, t->scaler.scale, r.skipped,
                           (cli_now() - t_start) / (t->state.step - first_step) * (o->steps - t->state.step));
         if (t->val && o->eval_every > 0 && (t->state.step % o->eval_every == 0 || t->state.step == o->steps)) {
             double vl;
