@@ -267,6 +267,21 @@ static void attn_rowdot(float *D, const void *dout, const void *out, const attn_
     loom_free(tmp);
 }
 
+/* ds[j] = p[j] * (ds[j] - d) for j < n */
+static void attn_ds_c(float *ds, const float *p, float d, int lo, int n) {
+    for (int j = lo; j < n; j++) ds[j] = p[j] * (ds[j] - d);
+}
+
+#if LOOM_HAVE_X86_SIMD
+SIMD_AVX2 static void attn_ds_avx2(float *ds, const float *p, float d, int n) {
+    __m256 vd = _mm256_set1_ps(d);
+    int j = 0;
+    for (; j + 8 <= n; j += 8)
+        _mm256_storeu_ps(ds + j, _mm256_mul_ps(_mm256_loadu_ps(p + j), _mm256_sub_ps(_mm256_loadu_ps(ds + j), vd)));
+    attn_ds_c(ds, p, d, j, n);
+}
+#endif
+
 /* P = exp(S - lse) for the block (zero where masked), then dS = P (dP - D).
  * w->p holds S on entry and P on exit; w->ds holds dP on entry. */
 static void attn_bwd_probs(attn_bwd_scratch *w, const float *lse, const float *D, int q0, int nq,
@@ -276,7 +291,13 @@ static void attn_bwd_probs(attn_bwd_scratch *w, const float *lse, const float *D
         int n = attn_visible(s, q0 + i, k0, nk);
         row_exp_sum(p, n, lse[i]);
         for (int j = n; j < nk; j++) p[j] = 0.0f;
-        for (int j = 0; j < nk; j++) ds[j] = p[j] * (ds[j] - D[i]);
+#if LOOM_HAVE_X86_SIMD
+        if (simd_avx2()) {
+            attn_ds_avx2(ds, p, D[i], nk);
+            continue;
+        }
+#endif
+        attn_ds_c(ds, p, D[i], 0, nk);
     }
 }
 

@@ -58,12 +58,18 @@ SIMD_AVX2 static void mm_tile_4x16(int rows, int cols, int k, const float *A, si
     __m256i m0 = lane_mask(cols), m1 = lane_mask(cols - 8);
     __m256 c00, c01, c10, c11, c20, c21, c30, c31;
     c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = _mm256_setzero_ps();
-    if (accumulate) {
-#define LOADC(r) do { if (r < rows) { c##r##0 = _mm256_maskload_ps(C + (size_t)r * ldc, m0); \
-        c##r##1 = _mm256_maskload_ps(C + (size_t)r * ldc + 8, m1); } } while (0)
-        LOADC(0); LOADC(1); LOADC(2); LOADC(3);
-#undef LOADC
+    /* Full-width rows use plain loads and stores: masked stores are slow on
+     * some CPUs (AMD). */
+#define LOADU(p, mask) _mm256_loadu_ps(p)
+#define LOADC(r, LOAD) do { if (r < rows) { c##r##0 = LOAD(C + (size_t)r * ldc, m0); \
+        c##r##1 = LOAD(C + (size_t)r * ldc + 8, m1); } } while (0)
+    if (accumulate && cols == 16) {
+        LOADC(0, LOADU); LOADC(1, LOADU); LOADC(2, LOADU); LOADC(3, LOADU);
+    } else if (accumulate) {
+        LOADC(0, _mm256_maskload_ps); LOADC(1, _mm256_maskload_ps);
+        LOADC(2, _mm256_maskload_ps); LOADC(3, _mm256_maskload_ps);
     }
+#undef LOADC
 #define STEP(LOAD) do { \
         __m256 b0 = LOAD(B + (size_t)d * ldb, m0), b1 = LOAD(B + (size_t)d * ldb + 8, m1); \
         size_t o = (size_t)d * ds; \
@@ -74,16 +80,22 @@ SIMD_AVX2 static void mm_tile_4x16(int rows, int cols, int k, const float *A, si
         c20 = _mm256_fmadd_ps(x2, b0, c20); c21 = _mm256_fmadd_ps(x2, b1, c21); \
         c30 = _mm256_fmadd_ps(x3, b0, c30); c31 = _mm256_fmadd_ps(x3, b1, c31); \
     } while (0)
-#define LOADU(p, mask) _mm256_loadu_ps(p)
     if (cols == 16)
         for (int d = 0; d < k; d++) STEP(LOADU);
     else
         for (int d = 0; d < k; d++) STEP(_mm256_maskload_ps);
 #undef LOADU
 #undef STEP
-#define STOREC(r) do { if (r < rows) { _mm256_maskstore_ps(C + (size_t)r * ldc, m0, c##r##0); \
-        _mm256_maskstore_ps(C + (size_t)r * ldc + 8, m1, c##r##1); } } while (0)
-    STOREC(0); STOREC(1); STOREC(2); STOREC(3);
+#define STOREU(p, mask, v) _mm256_storeu_ps(p, v)
+#define STOREC(r, STORE) do { if (r < rows) { STORE(C + (size_t)r * ldc, m0, c##r##0); \
+        STORE(C + (size_t)r * ldc + 8, m1, c##r##1); } } while (0)
+    if (cols == 16) {
+        STOREC(0, STOREU); STOREC(1, STOREU); STOREC(2, STOREU); STOREC(3, STOREU);
+    } else {
+        STOREC(0, _mm256_maskstore_ps); STOREC(1, _mm256_maskstore_ps);
+        STOREC(2, _mm256_maskstore_ps); STOREC(3, _mm256_maskstore_ps);
+    }
+#undef STOREU
 #undef STOREC
 }
 
