@@ -9,13 +9,17 @@
 # fp32:none:none, bf16:full:reentrant (the default list is those three).
 # loom runs `--master-grad on`; the peer's bf16 is torch.autocast(bfloat16).
 # Each side runs in its own process, so peak RSS (getrusage maxrss) is per
-# configuration. Environment: LOOM (default build/loom), PEER (default
-# ../shared/peers/torch_llama.py), PYTHON (default /usr/bin/python3).
+# configuration. Both run with OMP_WAIT_POLICY=passive (loom's own default;
+# spinning OpenMP threads collapse on a machine shared with other work)
+# unless the environment sets it. Environment: LOOM (default build/loom),
+# PEER (default ../shared/peers/torch_llama.py), PYTHON (default
+# /usr/bin/python3).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 loom=${LOOM:-$root/build/loom}
 peer=${PEER:-$root/../shared/peers/torch_llama.py}
 python=${PYTHON:-/usr/bin/python3}
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 preset=tiny threads=2 batch=8 steps=5 peer_steps=3 seq=
 configs=()
 while [ $# -gt 0 ]; do
@@ -26,7 +30,7 @@ while [ $# -gt 0 ]; do
     --seq) seq=$2; shift 2 ;;
     --steps) steps=$2; shift 2 ;;
     --peer-steps) peer_steps=$2; shift 2 ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     -*) echo "compare_peer: unknown flag $1" >&2; exit 2 ;;
     *) configs+=("$1"); shift ;;
   esac

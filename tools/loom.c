@@ -3,7 +3,9 @@
  */
 #include "cli.h"
 
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static const command *const commands[] = {&cmd_tokenize, &cmd_train, &cmd_generate, &cmd_export, &cmd_bench};
 #define N_COMMANDS ((int)(sizeof commands / sizeof commands[0]))
@@ -17,7 +19,21 @@ static void usage(FILE *f) {
     fprintf(f, "\nRun 'loom COMMAND --help' for a command's flags.\n");
 }
 
+/* OpenMP threads that spin while they wait (libgomp's default) hold a core
+ * for milliseconds after every parallel loop. On a machine shared with other
+ * work that is ruinous: a thread spins at a barrier while its partner sits
+ * descheduled, and a step can take several times as long. loom's commands
+ * therefore wait passively unless the environment chooses (OMP_WAIT_POLICY
+ * or GOMP_SPINCOUNT set). The runtime reads this when it starts, before
+ * main, so the process re-executes itself once with the setting. */
+static void prefer_passive_waits(char **argv) {
+    if (getenv("OMP_WAIT_POLICY") || getenv("GOMP_SPINCOUNT")) return;
+    if (setenv("OMP_WAIT_POLICY", "passive", 1) != 0) return;
+    execv("/proc/self/exe", argv); /* returns only on failure: carry on as we are */
+}
+
 int main(int argc, char **argv) {
+    prefer_passive_waits(argv);
     if (argc < 2) {
         usage(stderr);
         return 2;
