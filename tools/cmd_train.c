@@ -21,7 +21,8 @@ typedef struct train_opts {
     const char *data, *out, *preset, *config, *init, *resume, *dump_grads, *dump_logits, *tokenizer;
     const char *precision, *master_grad, *recompute, *recompute_mode;
     int batch, seq, grad_accum, steps, warmup, seed, threads, eval_every, eval_batches, ckpt_every, keep;
-    int log_every, check_grads, tie, tp, zero;
+    int log_every, check_grads, tie, tp, zero, overlap, bucket_size;
+    const char *overlap_flag;
     float lr, min_lr, weight_decay, clip;
 } train_opts;
 
@@ -104,7 +105,7 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
     }
     loom_adamw_config ac = loom_adamw_defaults();
     ac.weight_decay = o->weight_decay;
-    return loom_dist_optim_new(&ac, t->m->params, t->m->n_params, &t->dist, o->zero, &t->opt);
+    return loom_dist_optim_new(&ac, t->m->params, t->m->n_params, &t->dist, o->zero, (size_t)o->bucket_size, &t->opt);
 }
 
 static loom_status open_data(trainer *t) {
@@ -166,6 +167,8 @@ static loom_status forward_backward(trainer *t, double *loss_sum) {
             loom_tensor_release(logits);
             if (st != LOOM_OK) { loom_tensor_release(loss); return st; }
         }
+        /* The last backward starts gradient all-reduces as it goes. */
+        if (k == o->grad_accum - 1 && o->overlap && !o->dump_grads) loom_dist_optim_watch_backward(t->opt);
         loom_status st = loom_backward(loss, seed);
         loom_tensor_release(loss);
         LOOM_TRY(st);
@@ -287,6 +290,7 @@ static loom_status save_checkpoint(trainer *t) {
     loom_llama *m = t->m;
     float **mm = calloc((size_t)m->n_params, sizeof *mm), **vv = calloc((size_t)m->n_params, sizeof *vv);
     loom_status st = mm && vv ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
+    if (st == LOOM_OK) st = loom_dist_optim_unshard_masters(t->opt); /* ZeRO-1: whole masters for the file */
     for (int i = 0; i < m->n_params && st == LOOM_OK; i++) {
         size_t n = (size_t)loom_param_numel(m->params[i]);
         mm[i] = malloc(n * sizeof(float) + 1);
@@ -297,6 +301,7 @@ static loom_status save_checkpoint(trainer *t) {
     if (st == LOOM_OK && t->dist.dp_rank == 0)
         st = loom_checkpoint_save(dir, m, mm, vv, loom_dist_optim_steps(t->opt), &t->state,
                                   t->has_tokenizer ? t->tokenizer_path : NULL);
+    if (st == LOOM_OK) st = loom_dist_optim_reshard_masters(t->opt);
     for (int i = 0; i < m->n_params; i++) { if (mm) free(mm[i]); if (vv) free(vv[i]); }
     free(mm);
     free(vv);
@@ -319,7 +324,9 @@ static loom_status restore(trainer *t, const char *dir) {
         if (!mm[i] || !vv[i]) st = loom_error(LOOM_ERR_NOMEM, "resume: out of memory");
     }
     int adam_steps = 0;
+    if (st == LOOM_OK) st = loom_dist_optim_unshard_masters(t->opt);
     if (st == LOOM_OK) st = loom_checkpoint_load(dir, m, mm, vv, &adam_steps, &t->state);
+    if (st == LOOM_OK) st = loom_dist_optim_reshard_masters(t->opt);
     for (int i = 0; i < m->n_params && st == LOOM_OK; i++) loom_dist_optim_set_moments(t->opt, i, mm[i], vv[i]);
     loom_dist_optim_set_steps(t->opt, adam_steps);
     for (int i = 0; i < m->n_params; i++) { if (mm) free(mm[i]); if (vv) free(vv[i]); }
@@ -365,6 +372,9 @@ static loom_status train_loop(trainer *t) {
             return LOOM_OK;
         }
         double dt = cli_now() - t0;
+        int early, nb = loom_dist_optim_buckets(t->opt, &early);
+        if (t->leader && t->state.step == first_step + 1 && nb > 0 && t->dist.dp_size > 1)
+            fprintf(stderr, "train: gradients in %d bucket%s, %d started during backward\n", nb, nb == 1 ? "" : "s", early);
         if (t->leader) train_report_step(&t->report, t->metrics, t->state.step, o->steps, r.loss, r.lr, r.info.grad_norm,
                           (double)o->grad_accum * o->batch * o->seq * t->dist.dp_size / dt, dt, t->scaler.scale, r.skipped,
                           (cli_now() - t_start) / (t->state.step - first_step) * (o->steps - t->state.step));
@@ -391,6 +401,7 @@ static loom_status train_loop(trainer *t) {
     LOOM_TRY(save_checkpoint(t));
     char model_dir[4200];
     snprintf(model_dir, sizeof model_dir, "%s/model", o->out);
+    LOOM_TRY(loom_dist_optim_unshard_masters(t->opt));
     if (t->dist.dp_rank == 0)
         LOOM_TRY(loom_model_dir_save(t->m, LOOM_F32, t->has_tokenizer ? t->tokenizer_path : NULL, model_dir));
     if (t->leader) fprintf(stderr, "train: done; model in %s\n", model_dir);
@@ -401,7 +412,7 @@ static int run(int argc, char **argv) {
     trainer t;
     memset(&t, 0, sizeof t);
     train_opts *o = &t.o;
-    *o = (train_opts){.out = "out", .preset = "tiny", .precision = "bf16", .master_grad = "on",
+    *o = (train_opts){.out = "out", .preset = "tiny", .precision = "bf16", .master_grad = "on", .overlap_flag = "on",
                       .recompute = "none", .recompute_mode = "nonreentrant", .batch = 8, .seq = 0,
                       .grad_accum = 1, .tp = 1, .steps = 100, .warmup = 10, .seed = 1337, .threads = 0, .eval_every = 50,
                       .eval_batches = 4, .ckpt_every = 0, .keep = 2, .log_every = 1, .lr = 1e-3f, .min_lr = -1.0f,
@@ -435,7 +446,9 @@ static int run(int argc, char **argv) {
         {"keep", FLAG_INT, &o->keep, "K", "checkpoints to keep (default 2)"},
         {"log-every", FLAG_INT, &o->log_every, "N", "plain progress line every N steps when not a terminal (default 1)"},
         {"tp", FLAG_INT, &o->tp, "T", "tensor-parallel ranks per data-parallel group (mpirun; default 1)"},
-        {"zero", FLAG_INT, &o->zero, "0|1", "1: shard AdamW moments across data-parallel ranks (ZeRO-1; default 0)"},
+        {"zero", FLAG_INT, &o->zero, "0|1", "1: shard fp32 masters and AdamW moments across data-parallel ranks (ZeRO-1; default 0)"},
+        {"overlap", FLAG_STRING, &o->overlap_flag, "on|off", "start gradient all-reduces during backward (default on)"},
+        {"bucket-size", FLAG_INT, &o->bucket_size, "N", "gradient all-reduce bucket, in elements (default 1048576)"},
         {"check-grads", FLAG_BOOL, &o->check_grads, NULL, "gradient audit after every backward"},
         {"dump-grads", FLAG_STRING, &o->dump_grads, "FILE", "write the first step's gradients (fp32 safetensors) and exit"},
         {"dump-logits", FLAG_STRING, &o->dump_logits, "FILE", "write the first micro-batch's logits and loss (fp32 safetensors)"},
@@ -450,6 +463,8 @@ static int run(int argc, char **argv) {
     if ((rc = parse_settings(&t, &prec, &mode))) return rc;
     if (o->threads > 0) loom_set_threads(o->threads);
     if (o->zero != 0 && o->zero != 1) return cli_usage_error("train", "--zero expects 0 or 1");
+    if (cli_parse_on_off("train", "overlap", o->overlap_flag, &o->overlap)) return 2;
+    if (o->bucket_size < 0) return cli_usage_error("train", "--bucket-size must be >= 0 (0: the default)");
     loom_rng_init(loom_rng_default(), (uint64_t)o->seed);
     loom_loss_scaler_init(&t.scaler, prec.compute == LOOM_F16);
 
@@ -478,6 +493,14 @@ static int run(int argc, char **argv) {
                     (long long)loom_llama_n_weights(t.m) * t.dist.tp_size, loom_dtype_name(prec.compute),
                     prec.master_grad ? "on" : "off", loom_recompute_mode_name(mode), o->grad_accum, o->batch, o->seq,
                     loom_get_threads(), t.dist.world_size, t.dist.tp_size, t.dist.dp_size, o->zero ? ", ZeRO-1" : "");
+        if (t.leader) {
+            loom_mem_stats ms;
+            loom_mem_get_stats(&ms);
+            const double mib = 1 << 20;
+            fprintf(stderr, "train: memory per rank: weights %.2f MiB (compute copies and fp32 masters), gradients "
+                    "%.2f MiB, optimizer %.2f MiB\n", ms.current[LOOM_MEM_PARAMS] / mib,
+                    ms.current[LOOM_MEM_GRADS] / mib, ms.current[LOOM_MEM_OPTIMIZER] / mib);
+        }
         signal(SIGINT, on_signal);
         signal(SIGTERM, on_signal);
         st = train_loop(&t);
@@ -487,13 +510,14 @@ static int run(int argc, char **argv) {
             if (train_report_plot(&t.report, path) == LOOM_OK) fprintf(stderr, "train: loss plot in %s\n", path);
         }
     }
-    cleanup(&t);
     if (st != LOOM_OK && loom_dist_is_distributed()) {
-        /* One rank's failure ends the whole job, never a hang. */
+        /* One rank's failure ends the whole job, never a hang (and no
+         * cleanup that could wait on a collective). */
         char msg[1200];
         snprintf(msg, sizeof msg, "loom train: %s", loom_last_error());
         loom_dist_abort(msg, 1);
     }
+    cleanup(&t);
     loom_dist_finalize();
     return st == LOOM_OK ? 0 : cli_fail("train", st);
 }

@@ -45,6 +45,8 @@ struct loom_param {
     int grad_written;     /* any contribution since the last zero_grad */
     /* tensor parallel: which dimension is split across ranks (-1: none) */
     int tp_split_dim;
+    int grad_borrowed;    /* grad lives in a buffer someone else owns */
+    int master_sharded;   /* ZeRO-1 holds the master; `master` is NULL */
 };
 
 /* Create a parameter of the given shape, zero-initialised, with compute dtype
@@ -57,6 +59,17 @@ static inline int64_t loom_param_numel(const loom_param *p) { return loom_tensor
 /* The fp32 master values (borrowed): `master`, or the compute copy when the
  * compute dtype is f32. */
 float *loom_param_master(loom_param *p);
+/* ZeRO-1: free the fp32 master (its owner keeps a shard of it elsewhere);
+ * until loom_param_attach_master, loom_param_master must not be called.
+ * No-op when the compute dtype is f32 (the compute copy is the master). */
+void loom_param_drop_master(loom_param *p);
+/* Give a dropped master back, from numel floats. */
+loom_status loom_param_attach_master(loom_param *p, const float *full);
+/* Let the gradient live at buf (numel elements of grad_dtype, borrowed, kept
+ * alive by the caller): the current gradient is copied there. buf = NULL
+ * moves it back into memory the parameter owns. Data parallelism uses it to
+ * lay every main_grad out in one buffer that is communicated in place. */
+loom_status loom_param_set_grad_buffer(loom_param *p, void *buf);
 /* Set master and compute copy from n floats (n must equal numel). */
 loom_status loom_param_set_f32(loom_param *p, const float *src, int64_t n);
 /* Refresh the compute copy from the master (after an optimizer step). */
@@ -150,6 +163,15 @@ loom_status loom_backward(loom_tensor *loss, float seed);
 /* Backpropagate from several tensors with the given gradients (each
  * grads[i] has tensors[i]'s shape; NULL entries are skipped). */
 loom_status loom_backward_multi(loom_tensor *const *tensors, loom_tensor *const *grads, int n);
+
+/* A function called on the calling thread after every node's backward
+ * (including those of a reentrant replay), once the node's gradients have
+ * reached their destinations: a parameter whose `contributions` now equal
+ * its recorded `uses` has its gradient complete for this backward. The data
+ * parallel optimizer uses it to start gradient all-reduces while backward
+ * goes on. An error it returns stops the backward. NULL removes it. */
+typedef loom_status (*loom_backward_hook)(void *user);
+void loom_set_backward_hook(loom_backward_hook fn, void *user);
 
 /* Whether t needs a gradient: it has a live producer node, is a trainable
  * parameter's tensor, or is a leaf marked with loom_tensor_set_requires_grad. */

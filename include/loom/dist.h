@@ -44,6 +44,27 @@ loom_status loom_comm_allreduce_max_int(loom_comm *c, int *buf, size_t n);
 loom_status loom_comm_reduce_scatter_f32(loom_comm *c, const float *send, float *recv, size_t n);
 /* recv (size * n floats) = every rank's send (n floats), in rank order. */
 loom_status loom_comm_allgather_f32(loom_comm *c, const float *send, float *recv, size_t n);
+/* Nonblocking collectives: start one, then test or wait on its request.
+ * Every rank must start the same collectives in the same order; the buffers
+ * stay untouched until the request completes. The single-process backend
+ * completes them at once. A request is caller storage (no allocation). */
+typedef struct loom_comm_request {
+    _Alignas(8) unsigned char impl[16]; /* the backend's handle */
+    int active;
+} loom_comm_request;
+/* In-place sum over all ranks; n must fit an int. */
+loom_status loom_comm_iallreduce_sum_f32(loom_comm *c, float *buf, size_t n, loom_comm_request *req);
+/* recv (counts[rank] floats) = the sum over ranks of this rank's part of
+ * send, where send is split into consecutive parts of counts[0], counts[1],
+ * ... floats (one per rank, in rank order). send == recv works in place:
+ * the result then lands at the start of the buffer. */
+loom_status loom_comm_ireduce_scatter_f32(loom_comm *c, const float *send, float *recv, const int *counts,
+                                          loom_comm_request *req);
+/* *done = 1 when the request has completed (then it is inactive). Drives
+ * the backend's progress: call it now and then while computing. */
+loom_status loom_comm_test(loom_comm_request *req, int *done);
+/* Block until the request completes; an inactive request returns at once. */
+loom_status loom_comm_wait(loom_comm_request *req);
 loom_status loom_comm_broadcast(loom_comm *c, void *buf, size_t bytes, int root);
 loom_status loom_comm_barrier(loom_comm *c);
 

@@ -42,25 +42,47 @@ void loom_adamw_set_steps(loom_adamw *opt, int steps);
 
 /* The optimizer of a (possibly) distributed job:
  *  - one process: AdamW as above;
- *  - data parallel: gradients all-reduced (sum, fp32, in buckets) across
- *    the DP group, then every rank takes the same step;
- *  - zero = 1: fp32 moments sharded across the DP ranks: gradients are
- *    reduce-scattered, each rank updates its shard of the masters, and the
- *    updated masters are all-gathered.
+ *  - data parallel: every fp32 main_grad moves into one flat buffer (the
+ *    optimizer owns it; gradients in bf16/f16 are converted into it), which
+ *    is all-reduced (sum, fp32) in place in buckets of about bucket_floats
+ *    (0: 1M floats, 4 MiB), last parameters first. With loom_dist_optim_watch_backward a bucket starts
+ *    as soon as backward has completed its gradients, overlapping the
+ *    communication with the rest of backward; every rank takes the same step;
+ *  - zero = 1 (ZeRO-1): the fp32 masters and both AdamW moments are sharded
+ *    across the DP ranks: buckets are reduce-scattered, each rank updates its
+ *    shard, and the updated masters are all-gathered into every compute copy.
+ *    Between steps a rank holds 1/dp_size of the masters (when the compute
+ *    dtype is f32 the compute copy is the master and stays whole).
  * With tensor parallelism the global gradient norm sums split parameters
  * over the TP group and counts replicated ones once. The loss scale must
  * already fold in 1/(dp_size) so that summed gradients are averages. */
 typedef struct loom_dist_optim loom_dist_optim;
 
 loom_status loom_dist_optim_new(const loom_adamw_config *cfg, loom_param *const *params, int n, const loom_dist *dist,
-                                int zero, loom_dist_optim **out);
+                                int zero, size_t bucket_floats, loom_dist_optim **out);
 void loom_dist_optim_free(loom_dist_optim *o);
 /* After the last backward of a step: make gradients global, check for
  * NaN/Inf and compute the norm and multiplier (as loom_amp_prepare_step). */
 loom_status loom_dist_optim_prepare(loom_dist_optim *o, const loom_loss_scaler *scaler, float max_norm,
                                     loom_step_info *info);
+/* Call before the backward of a step's last micro-batch: gradient buckets
+ * start during that backward (see loom_set_backward_hook); prepare finishes
+ * them. A parameter used again after its uses seemed complete makes
+ * prepare fail with a message (then do not watch). */
+void loom_dist_optim_watch_backward(loom_dist_optim *o);
+/* Update: with ZeRO-1 the flat gradient buffer is reused for the gather and
+ * the gradients are zero afterwards. */
 loom_status loom_dist_optim_step(loom_dist_optim *o, float lr, float grad_multiplier);
+/* ZeRO-1: give every parameter its whole fp32 master again (collective over
+ * the DP group; between steps, e.g. to save or load a checkpoint; zeroes
+ * the gradients), and take them back (keep this rank's shard, free the
+ * rest). No-ops without sharded masters. */
+loom_status loom_dist_optim_unshard_masters(loom_dist_optim *o);
+loom_status loom_dist_optim_reshard_masters(loom_dist_optim *o);
 int loom_dist_optim_steps(const loom_dist_optim *o);
+/* Gradient buckets (0 in a single process); *early: how many of them the
+ * last step started during backward. */
+int loom_dist_optim_buckets(const loom_dist_optim *o, int *early);
 void loom_dist_optim_set_steps(loom_dist_optim *o, int steps);
 /* Parameter i's moments (this rank's TP shard, numel floats each): read
  * (collective over the DP group with ZeRO) and write. */

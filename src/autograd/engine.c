@@ -274,6 +274,14 @@ static loom_status run_node_backward(loom_node *n) {
     return st;
 }
 
+static _Thread_local loom_backward_hook node_hook;
+static _Thread_local void *node_hook_user;
+
+void loom_set_backward_hook(loom_backward_hook fn, void *user) {
+    node_hook = fn;
+    node_hook_user = user;
+}
+
 loom_status loom_backward_multi(loom_tensor *const *tensors, loom_tensor *const *grads, int n) {
     tape *tp = current_tape();
     int any = 0;
@@ -311,6 +319,7 @@ loom_status loom_backward_multi(loom_tensor *const *tensors, loom_tensor *const 
         for (int k = 0; k < nd->n_outputs; k++) has_grad |= nd->grad_out[k] != NULL;
         if (has_grad) st = run_node_backward(nd);
         node_release(nd);
+        if (has_grad && st == LOOM_OK && node_hook) st = node_hook(node_hook_user);
     }
     loom_tape_clear();
     return st;

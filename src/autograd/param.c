@@ -44,12 +44,42 @@ void loom_param_free(loom_param *p) {
         loom_tensor_release(p->tensor);
     }
     loom_free(p->master);
-    loom_free(p->grad);
+    if (!p->grad_borrowed) loom_free(p->grad);
     free(p);
 }
 
 float *loom_param_master(loom_param *p) {
+    LOOM_ASSERT(!p->master_sharded); /* ZeRO-1 holds it: attach it first */
     return p->master ? p->master : (float *)loom_tensor_data(p->tensor);
+}
+
+void loom_param_drop_master(loom_param *p) {
+    if (!p->master) return;
+    loom_free(p->master);
+    p->master = NULL;
+    p->master_sharded = 1;
+}
+
+loom_status loom_param_attach_master(loom_param *p, const float *full) {
+    if (!p->master_sharded) return LOOM_OK;
+    size_t n = (size_t)loom_param_numel(p);
+    p->master = loom_alloc(n * sizeof(float), LOOM_MEM_PARAMS);
+    if (!p->master) return loom_error(LOOM_ERR_NOMEM, "parameter '%s': out of memory for its master", p->name);
+    memcpy(p->master, full, n * sizeof(float));
+    p->master_sharded = 0;
+    return LOOM_OK;
+}
+
+loom_status loom_param_set_grad_buffer(loom_param *p, void *buf) {
+    size_t bytes = (size_t)loom_param_numel(p) * loom_dtype_size(p->grad_dtype);
+    if (buf && buf == p->grad) return LOOM_OK;
+    void *dst = buf ? buf : loom_alloc(bytes, LOOM_MEM_GRADS);
+    if (!dst) return loom_error(LOOM_ERR_NOMEM, "parameter '%s': out of memory for its gradient", p->name);
+    if (dst != p->grad) memcpy(dst, p->grad, bytes);
+    if (!p->grad_borrowed) loom_free(p->grad);
+    p->grad = dst;
+    p->grad_borrowed = buf != NULL;
+    return LOOM_OK;
 }
 
 loom_status loom_param_set_f32(loom_param *p, const float *src, int64_t n) {

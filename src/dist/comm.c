@@ -174,6 +174,64 @@ loom_status loom_comm_allgather_f32(loom_comm *c, const float *send, float *recv
     return LOOM_OK;
 }
 
+#if LOOM_HAVE_MPI
+_Static_assert(sizeof(MPI_Request) <= sizeof(((loom_comm_request *)0)->impl), "MPI_Request does not fit");
+static MPI_Request *mpi_request(loom_comm_request *req) { return (MPI_Request *)(void *)req->impl; }
+#endif
+
+loom_status loom_comm_iallreduce_sum_f32(loom_comm *c, float *buf, size_t n, loom_comm_request *req) {
+    req->active = 0;
+#if LOOM_HAVE_MPI
+    if (c->size > 1) {
+        if (n > (size_t)INT_MAX) return loom_error(LOOM_ERR_DIST, "iallreduce: %zu elements is too many", n);
+        LOOM_TRY(mpi_check(MPI_Iallreduce(MPI_IN_PLACE, buf, (int)n, MPI_FLOAT, MPI_SUM, c->mpi, mpi_request(req)),
+                           "MPI_Iallreduce"));
+        req->active = 1;
+    }
+#endif
+    (void)c; (void)buf; (void)n;
+    return LOOM_OK;
+}
+
+loom_status loom_comm_ireduce_scatter_f32(loom_comm *c, const float *send, float *recv, const int *counts,
+                                          loom_comm_request *req) {
+    req->active = 0;
+#if LOOM_HAVE_MPI
+    if (c->size > 1) {
+        LOOM_TRY(mpi_check(MPI_Ireduce_scatter(send == recv ? MPI_IN_PLACE : send, recv, counts, MPI_FLOAT, MPI_SUM,
+                                               c->mpi, mpi_request(req)), "MPI_Ireduce_scatter"));
+        req->active = 1;
+        return LOOM_OK;
+    }
+#endif
+    if (recv != send) memmove(recv, send, (size_t)counts[0] * sizeof *recv);
+    return LOOM_OK;
+}
+
+loom_status loom_comm_test(loom_comm_request *req, int *done) {
+    *done = 1;
+#if LOOM_HAVE_MPI
+    if (req->active) {
+        int flag = 0;
+        LOOM_TRY(mpi_check(MPI_Test(mpi_request(req), &flag, MPI_STATUS_IGNORE), "MPI_Test"));
+        *done = flag != 0;
+        if (flag) req->active = 0;
+    }
+#endif
+    return LOOM_OK;
+}
+
+loom_status loom_comm_wait(loom_comm_request *req) {
+#if LOOM_HAVE_MPI
+    if (req->active) {
+        req->active = 0;
+        return mpi_check(MPI_Wait(mpi_request(req), MPI_STATUS_IGNORE), "MPI_Wait");
+    }
+#endif
+    (void)req;
+    return LOOM_OK;
+}
+
 loom_status loom_comm_broadcast(loom_comm *c, void *buf, size_t bytes, int root) {
 #if LOOM_HAVE_MPI
     if (c->size > 1) {

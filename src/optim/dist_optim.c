@@ -1,15 +1,31 @@
 /*
  * dist_optim.c — AdamW for data-parallel jobs, with optional ZeRO-1.
- * Owns: the flat fp32 view of gradients used for communication, the
- * sharded moments (ZeRO-1), the cross-rank gradient norm and found-inf.
+ * Owns: the flat fp32 gradient buffer (every fp32 main_grad lives in it, so
+ * it is communicated in place), its buckets and their all-reduces started
+ * during backward, the sharded masters and moments (ZeRO-1), the
+ * cross-rank gradient norm and found-inf.
  * Must never: let ranks diverge (every rank applies the same update to the
- * same masters), or count a TP-replicated gradient more than once.
+ * same masters), start collectives in a different order on different
+ * ranks, touch a bucket while its collective is in flight, or count a
+ * TP-replicated gradient more than once.
  */
 #include "loom/optim.h"
 #include "kernels/kernels.h"
 
 #include <math.h>
 #include <stdlib.h>
+
+/* Gradients are communicated in buckets of about this many floats by
+ * default, last parameters first (the order backward completes them). */
+#define BUCKET_FLOATS ((size_t)1 << 20)
+
+typedef struct bucket {
+    int first, last;       /* parameters first..last (ascending) */
+    size_t lo, hi;         /* its range of the flat buffer */
+    int *counts;           /* ZeRO: floats of [lo, hi) each rank receives */
+    loom_comm_request req;
+    long contributions;    /* its parameters' contributions when started */
+} bucket;
 
 struct loom_dist_optim {
     loom_adamw_config cfg;
@@ -18,33 +34,99 @@ struct loom_dist_optim {
     loom_dist dist;       /* copy of the layout (borrowed communicators) */
     int distributed, zero;
     size_t *offset;       /* flat offset of each parameter */
-    size_t total, padded, shard, own_begin;
-    float *flat;          /* (padded) gradients, then masters for the gather */
-    float *own_grad;      /* (shard) ZeRO: this rank's reduced gradients */
+    size_t total, padded, shard, own_begin, bucket_floats;
+    float *flat;          /* (padded) gradients; after a ZeRO step, scratch for the gather */
+    bucket *buckets;      /* nb buckets, bucket 0 holds the last parameters */
+    int nb, started;      /* buckets started this step */
+    int early;            /* of those, started during the watched backward */
+    int watching;         /* the backward hook is installed */
+    int *base;            /* contributions of each parameter when watching began */
+    float *own_grad;      /* ZeRO: this rank's reduced gradients (flat + own_begin) */
+    float *own_master;    /* (shard) ZeRO: fp32 masters of this rank's range */
     loom_adamw *plain;    /* without ZeRO: full moments */
     float *m, *v;         /* ZeRO: (shard) moments */
     int steps;
 };
 
+/* Is parameter i's master held (sharded) by the optimizer? ZeRO-1 with a
+ * compute dtype other than f32; with f32 the compute copy is the master and
+ * every rank needs all of it for forward. */
+static int master_sharded(const loom_dist_optim *o, int i) {
+    return o->zero && o->params[i]->tensor->dtype != LOOM_F32;
+}
+
+/* Does this rank own part of parameter i? [s, t) is that part (flat). */
+static int own_part(const loom_dist_optim *o, int i, size_t *s, size_t *t) {
+    size_t b = o->own_begin, e = b + o->shard;
+    size_t lo = o->offset[i], hi = lo + (size_t)loom_param_numel(o->params[i]);
+    if (hi <= b || lo >= e) return 0;
+    *s = lo > b ? lo : b;
+    *t = hi < e ? hi : e;
+    return 1;
+}
+
+static int grad_in_flat(const loom_dist_optim *o, int i) {
+    return o->flat && (float *)o->params[i]->grad == o->flat + o->offset[i];
+}
+
 void loom_dist_optim_free(loom_dist_optim *o) {
     if (!o) return;
+    if (o->watching) loom_set_backward_hook(NULL, NULL);
+    for (int k = 0; k < o->nb; k++) {
+        loom_comm_wait(&o->buckets[k].req);
+        free(o->buckets[k].counts);
+    }
+    free(o->buckets);
+    free(o->base);
+    /* Parameters outlive the optimizer: their gradients move back into
+     * their own memory (a local copy; sharded masters stay dropped: that
+     * would take a collective, see loom_dist_optim_unshard_masters). */
+    for (int i = 0; i < o->n; i++)
+        if (grad_in_flat(o, i)) LOOM_ASSERT(loom_param_set_grad_buffer(o->params[i], NULL) == LOOM_OK);
     loom_adamw_free(o->plain);
     free(o->params);
     free(o->offset);
     loom_free(o->flat);
-    loom_free(o->own_grad);
+    loom_free(o->own_master);
     loom_free(o->m);
     loom_free(o->v);
     free(o);
 }
 
+static loom_status make_buckets(loom_dist_optim *o) {
+    o->buckets = calloc((size_t)(o->n ? o->n : 1), sizeof *o->buckets);
+    if (!o->buckets) return LOOM_ERR_NOMEM;
+    int D = o->dist.dp_size;
+    for (int i = o->n - 1; i >= 0;) {
+        bucket *bk = &o->buckets[o->nb++];
+        bk->last = i;
+        size_t size = 0;
+        while (i >= 0 && (size == 0 || size + (size_t)loom_param_numel(o->params[i]) <= o->bucket_floats))
+            size += (size_t)loom_param_numel(o->params[i--]);
+        bk->first = i + 1;
+        bk->lo = o->offset[bk->first];
+        bk->hi = bk->last == o->n - 1 ? o->padded : o->offset[bk->last + 1];
+        if (o->zero) {
+            bk->counts = calloc((size_t)D, sizeof *bk->counts);
+            if (!bk->counts) return LOOM_ERR_NOMEM;
+            for (int r = 0; r < D; r++) {
+                size_t b = (size_t)r * o->shard, e = b + o->shard;
+                size_t s = bk->lo > b ? bk->lo : b, t = bk->hi < e ? bk->hi : e;
+                bk->counts[r] = t > s ? (int)(t - s) : 0;
+            }
+        }
+    }
+    return LOOM_OK;
+}
+
 loom_status loom_dist_optim_new(const loom_adamw_config *cfg, loom_param *const *params, int n, const loom_dist *dist,
-                                int zero, loom_dist_optim **out) {
+                                int zero, size_t bucket_floats, loom_dist_optim **out) {
     *out = NULL;
     loom_dist_optim *o = calloc(1, sizeof *o);
     if (!o) return loom_error(LOOM_ERR_NOMEM, "optimizer: out of memory");
     o->cfg = *cfg;
     o->n = n;
+    o->bucket_floats = bucket_floats ? bucket_floats : BUCKET_FLOATS;
     if (dist) o->dist = *dist;
     else { o->dist.dp_size = o->dist.tp_size = o->dist.world_size = 1; }
     o->distributed = dist && dist->world_size > 1;
@@ -63,14 +145,20 @@ loom_status loom_dist_optim_new(const loom_adamw_config *cfg, loom_param *const 
     o->own_begin = o->zero ? (size_t)o->dist.dp_rank * o->shard : 0;
     loom_status st = LOOM_OK;
     if (o->distributed) {
-        o->flat = loom_alloc_zeroed(o->padded * sizeof(float), LOOM_MEM_WORKSPACE);
-        if (!o->flat) st = LOOM_ERR_NOMEM;
+        o->flat = loom_alloc_zeroed(o->padded * sizeof(float), LOOM_MEM_GRADS);
+        o->base = calloc((size_t)(n ? n : 1), sizeof *o->base);
+        st = o->flat && o->base ? make_buckets(o) : LOOM_ERR_NOMEM;
+        /* fp32 gradients move into the flat buffer: communicated in place. */
+        for (int i = 0; i < n && st == LOOM_OK; i++)
+            if (params[i]->grad_dtype == LOOM_F32) st = loom_param_set_grad_buffer(params[i], o->flat + o->offset[i]);
     }
     if (st == LOOM_OK && o->zero) {
-        o->own_grad = loom_alloc_zeroed(o->shard * sizeof(float), LOOM_MEM_OPTIMIZER);
+        o->own_grad = o->flat + o->own_begin;
         o->m = loom_alloc_zeroed(o->shard * sizeof(float), LOOM_MEM_OPTIMIZER);
         o->v = loom_alloc_zeroed(o->shard * sizeof(float), LOOM_MEM_OPTIMIZER);
-        if (!o->own_grad || !o->m || !o->v) st = LOOM_ERR_NOMEM;
+        o->own_master = loom_alloc_zeroed(o->shard * sizeof(float), LOOM_MEM_PARAMS);
+        if (!o->m || !o->v || !o->own_master) st = LOOM_ERR_NOMEM;
+        if (st == LOOM_OK) st = loom_dist_optim_reshard_masters(o);
     } else if (st == LOOM_OK) {
         st = loom_adamw_new(cfg, params, n, &o->plain);
     }
@@ -79,20 +167,94 @@ loom_status loom_dist_optim_new(const loom_adamw_config *cfg, loom_param *const 
     return LOOM_OK;
 }
 
-/* Gradients into / out of the flat fp32 buffer. */
-static void grads_to_flat(loom_dist_optim *o) {
-    for (int i = 0; i < o->n; i++) {
-        loom_param *p = o->params[i];
-        loom_convert(o->flat + o->offset[i], LOOM_F32, p->grad, p->grad_dtype, (size_t)loom_param_numel(p));
-    }
-    memset(o->flat + o->total, 0, (o->padded - o->total) * sizeof(float));
+/* ------------------------------------------------- gradient communication */
+
+/* Parameter i's gradient is complete for this backward: it received a
+ * contribution since watching began and now has one per recorded use
+ * (uses recorded during the backward itself, by a reentrant replay, are
+ * counted before that replay's backward runs). */
+static int param_done(const loom_dist_optim *o, int i) {
+    const loom_param *p = o->params[i];
+    return !p->trainable || (p->contributions > o->base[i] && p->contributions == p->uses);
 }
 
-static void flat_to_grads(loom_dist_optim *o) {
-    for (int i = 0; i < o->n; i++) {
+static long bucket_contributions(const loom_dist_optim *o, const bucket *bk) {
+    long c = 0;
+    for (int i = bk->first; i <= bk->last; i++) c += o->params[i]->contributions;
+    return c;
+}
+
+/* Start bucket k's reduction (the next in order: ranks agree on it). */
+static loom_status start_bucket(loom_dist_optim *o, int k) {
+    bucket *bk = &o->buckets[k];
+    for (int i = bk->first; i <= bk->last; i++) {
         loom_param *p = o->params[i];
-        loom_convert(p->grad, p->grad_dtype, o->flat + o->offset[i], LOOM_F32, (size_t)loom_param_numel(p));
+        if (!grad_in_flat(o, i))
+            loom_convert(o->flat + o->offset[i], LOOM_F32, p->grad, p->grad_dtype, (size_t)loom_param_numel(p));
     }
+    if (bk->hi > o->total && bk->lo <= o->total) memset(o->flat + o->total, 0, (o->padded - o->total) * sizeof(float));
+    bk->contributions = bucket_contributions(o, bk);
+    o->started = k + 1;
+    if (o->zero) /* in place: this rank's part lands at lo (moved home afterwards) */
+        return loom_comm_ireduce_scatter_f32(o->dist.dp, o->flat + bk->lo, o->flat + bk->lo, bk->counts, &bk->req);
+    if (o->dist.dp_size > 1) return loom_comm_iallreduce_sum_f32(o->dist.dp, o->flat + bk->lo, bk->hi - bk->lo, &bk->req);
+    return LOOM_OK;
+}
+
+/* After each node of the watched backward: start every bucket whose
+ * gradients are complete, in order, and let the ones in flight progress. */
+static loom_status on_backward_node(void *user) {
+    loom_dist_optim *o = user;
+    while (o->started < o->nb) {
+        const bucket *bk = &o->buckets[o->started];
+        int ready = 1;
+        for (int i = bk->first; i <= bk->last && ready; i++) ready = param_done(o, i);
+        if (!ready) break;
+        LOOM_TRY(start_bucket(o, o->started));
+        o->early++;
+    }
+    for (int k = 0; k < o->started; k++) {
+        int done;
+        LOOM_TRY(loom_comm_test(&o->buckets[k].req, &done));
+    }
+    return LOOM_OK;
+}
+
+void loom_dist_optim_watch_backward(loom_dist_optim *o) {
+    if (!o->distributed || o->dist.dp_size < 2) return;
+    for (int i = 0; i < o->n; i++) o->base[i] = o->params[i]->contributions;
+    o->started = o->early = 0;
+    o->watching = 1;
+    loom_set_backward_hook(on_backward_node, o);
+}
+
+/* Start what backward did not, wait for everything, and check that no
+ * gradient arrived after its bucket left. */
+static loom_status finish_buckets(loom_dist_optim *o) {
+    if (o->watching) loom_set_backward_hook(NULL, NULL);
+    int watched = o->watching;
+    o->watching = 0;
+    if (!watched) o->started = o->early = 0;
+    loom_status st = LOOM_OK;
+    while (st == LOOM_OK && o->started < o->nb) st = start_bucket(o, o->started);
+    for (int k = 0; k < o->nb; k++) {
+        loom_status w = loom_comm_wait(&o->buckets[k].req);
+        if (st == LOOM_OK) st = w;
+    }
+    o->started = 0;
+    LOOM_TRY(st);
+    for (int k = 0; k < o->nb; k++) {
+        const bucket *bk = &o->buckets[k];
+        if (o->zero && bk->counts[o->dist.dp_rank] > 0) {
+            size_t s = bk->lo > o->own_begin ? bk->lo : o->own_begin;
+            memmove(o->flat + s, o->flat + bk->lo, (size_t)bk->counts[o->dist.dp_rank] * sizeof(float));
+        }
+        if (bucket_contributions(o, bk) != bk->contributions)
+            return loom_error(LOOM_ERR_STATE, "a gradient of parameters %s..%s arrived after their all-reduce had "
+                              "started (a parameter used again after its uses seemed complete); turn the "
+                              "overlap off (--overlap off)", o->params[bk->first]->name, o->params[bk->last]->name);
+    }
+    return LOOM_OK;
 }
 
 /* Does this rank count parameter i in the global norm? Split parameters
@@ -100,8 +262,6 @@ static void flat_to_grads(loom_dist_optim *o) {
 static int counts(const loom_dist_optim *o, int i) {
     return o->params[i]->trainable && (o->params[i]->tp_split_dim >= 0 || o->dist.tp_rank == 0);
 }
-
-#define BUCKET_FLOATS ((size_t)4 << 20) /* 16 MiB buckets */
 
 loom_status loom_dist_optim_prepare(loom_dist_optim *o, const loom_loss_scaler *scaler, float max_norm,
                                     loom_step_info *info) {
@@ -111,27 +271,21 @@ loom_status loom_dist_optim_prepare(loom_dist_optim *o, const loom_loss_scaler *
         loom_amp_prepare_step(o->params, o->n, scaler, max_norm, info);
         return LOOM_OK;
     }
-    grads_to_flat(o);
+    LOOM_TRY(finish_buckets(o));
     if (o->zero) {
-        LOOM_TRY(loom_comm_reduce_scatter_f32(o->dist.dp, o->flat, o->own_grad, o->shard));
-        size_t b = o->own_begin, e = b + o->shard;
         for (int i = 0; i < o->n; i++) {
-            size_t lo = o->offset[i], hi = lo + (size_t)loom_param_numel(o->params[i]);
-            if (hi <= b || lo >= e || !counts(o, i)) continue;
-            size_t s = lo > b ? lo : b, t = hi < e ? hi : e;
-            ss += sumsq(o->own_grad + (s - b), t - s, LOOM_F32);
-            bad |= has_nonfinite(o->own_grad + (s - b), t - s, LOOM_F32);
+            size_t s, t;
+            if (!counts(o, i) || !own_part(o, i, &s, &t)) continue;
+            ss += sumsq(o->own_grad + (s - o->own_begin), t - s, LOOM_F32);
+            bad |= has_nonfinite(o->own_grad + (s - o->own_begin), t - s, LOOM_F32);
         }
         LOOM_TRY(loom_comm_allreduce_sum_f64(o->dist.world, &ss, 1));
     } else {
-        if (o->dist.dp_size > 1)
-            for (size_t off = 0; off < o->total; off += BUCKET_FLOATS)
-                LOOM_TRY(loom_comm_allreduce_sum_f32(o->dist.dp, o->flat + off,
-                                                     o->total - off < BUCKET_FLOATS ? o->total - off : BUCKET_FLOATS));
-        flat_to_grads(o);
         for (int i = 0; i < o->n; i++) {
+            loom_param *p = o->params[i];
+            size_t k = (size_t)loom_param_numel(p);
+            if (!grad_in_flat(o, i)) loom_convert(p->grad, p->grad_dtype, o->flat + o->offset[i], LOOM_F32, k);
             if (!counts(o, i)) continue;
-            size_t k = (size_t)loom_param_numel(o->params[i]);
             ss += sumsq(o->flat + o->offset[i], k, LOOM_F32);
             bad |= has_nonfinite(o->flat + o->offset[i], k, LOOM_F32);
         }
@@ -148,39 +302,86 @@ loom_status loom_dist_optim_prepare(loom_dist_optim *o, const loom_loss_scaler *
     return LOOM_OK;
 }
 
+/* --------------------------------------------------------------- update */
+
+/* This rank's range of the fp32 masters into flat[own range]. */
+static void own_masters_to_flat(loom_dist_optim *o) {
+    for (int i = 0; i < o->n; i++) {
+        size_t s, t;
+        if (!own_part(o, i, &s, &t)) continue;
+        const float *src = master_sharded(o, i) ? o->own_master + (s - o->own_begin)
+                                                : loom_param_master(o->params[i]) + (s - o->offset[i]);
+        memcpy(o->flat + s, src, (t - s) * sizeof(float));
+    }
+}
+
 loom_status loom_dist_optim_step(loom_dist_optim *o, float lr, float mult) {
     o->steps++;
     if (!o->zero) {
         loom_adamw_set_steps(o->plain, o->steps - 1);
         return loom_adamw_step(o->plain, lr, mult);
     }
-    size_t b = o->own_begin, e = b + o->shard;
+    size_t b = o->own_begin;
     for (int i = 0; i < o->n; i++) {
         loom_param *p = o->params[i];
-        size_t lo = o->offset[i], hi = lo + (size_t)loom_param_numel(p);
-        if (hi <= b || lo >= e || !p->trainable) continue;
-        size_t s = lo > b ? lo : b, t = hi < e ? hi : e;
+        size_t s, t;
+        if (!p->trainable || !own_part(o, i, &s, &t)) continue;
+        float *master = master_sharded(o, i) ? o->own_master + (s - b) : loom_param_master(p) + (s - o->offset[i]);
         float wd = p->no_weight_decay ? 0.0f : o->cfg.weight_decay;
-        adamw_step(loom_param_master(p) + (s - lo), o->m + (s - b), o->v + (s - b), o->own_grad + (s - b), t - s, lr,
-                   o->cfg.beta1, o->cfg.beta2, o->cfg.eps, wd, o->steps, mult);
+        adamw_step(master, o->m + (s - b), o->v + (s - b), o->own_grad + (s - b), t - s, lr, o->cfg.beta1,
+                   o->cfg.beta2, o->cfg.eps, wd, o->steps, mult);
     }
-    /* All-gather the updated masters: each rank contributes its shard. */
-    for (int i = 0; i < o->n; i++)
-        memcpy(o->flat + o->offset[i], loom_param_master(o->params[i]), (size_t)loom_param_numel(o->params[i]) * sizeof(float));
+    /* All-gather the updated masters through the gradient buffer (the
+     * gradients are spent), refresh every compute copy, zero the buffer. */
+    own_masters_to_flat(o);
     LOOM_TRY(loom_comm_allgather_f32(o->dist.dp, o->flat + b, o->flat, o->shard));
     for (int i = 0; i < o->n; i++) {
         loom_param *p = o->params[i];
-        memcpy(loom_param_master(p), o->flat + o->offset[i], (size_t)loom_param_numel(p) * sizeof(float));
-        loom_param_sync_from_master(p);
+        loom_convert(loom_tensor_data(p->tensor), p->tensor->dtype, o->flat + o->offset[i], LOOM_F32,
+                     (size_t)loom_param_numel(p));
     }
+    memset(o->flat, 0, o->padded * sizeof(float));
     return LOOM_OK;
 }
 
 int loom_dist_optim_steps(const loom_dist_optim *o) { return o->steps; }
 
+int loom_dist_optim_buckets(const loom_dist_optim *o, int *early) {
+    *early = o->early;
+    return o->distributed ? o->nb : 0;
+}
+
 void loom_dist_optim_set_steps(loom_dist_optim *o, int steps) {
     o->steps = steps;
     if (o->plain) loom_adamw_set_steps(o->plain, steps);
+}
+
+/* ---------------------------------------------------- masters and moments */
+
+loom_status loom_dist_optim_unshard_masters(loom_dist_optim *o) {
+    if (!o->own_master) return LOOM_OK;
+    int any = 0;
+    for (int i = 0; i < o->n; i++) any |= o->params[i]->master_sharded;
+    if (!any) return LOOM_OK;
+    own_masters_to_flat(o);
+    LOOM_TRY(loom_comm_allgather_f32(o->dist.dp, o->flat + o->own_begin, o->flat, o->shard));
+    loom_status st = LOOM_OK;
+    for (int i = 0; i < o->n && st == LOOM_OK; i++) st = loom_param_attach_master(o->params[i], o->flat + o->offset[i]);
+    memset(o->flat, 0, o->padded * sizeof(float));
+    return st;
+}
+
+loom_status loom_dist_optim_reshard_masters(loom_dist_optim *o) {
+    if (!o->own_master) return LOOM_OK;
+    for (int i = 0; i < o->n; i++) {
+        size_t s, t;
+        if (!master_sharded(o, i) || o->params[i]->master_sharded) continue;
+        if (own_part(o, i, &s, &t))
+            memcpy(o->own_master + (s - o->own_begin), loom_param_master(o->params[i]) + (s - o->offset[i]),
+                   (t - s) * sizeof(float));
+        loom_param_drop_master(o->params[i]);
+    }
+    return LOOM_OK;
 }
 
 /* ZeRO: moment array `src` (shard) -> full parameter i via the flat buffer. */
@@ -188,6 +389,7 @@ static loom_status gather_moment(loom_dist_optim *o, int i, const float *src, fl
     memcpy(o->flat + o->own_begin, src, o->shard * sizeof(float));
     LOOM_TRY(loom_comm_allgather_f32(o->dist.dp, o->flat + o->own_begin, o->flat, o->shard));
     memcpy(out, o->flat + o->offset[i], (size_t)loom_param_numel(o->params[i]) * sizeof(float));
+    memset(o->flat, 0, o->padded * sizeof(float));
     return LOOM_OK;
 }
 
@@ -209,9 +411,8 @@ void loom_dist_optim_set_moments(loom_dist_optim *o, int i, const float *m, cons
         memcpy(loom_adamw_v(o->plain, i), v, k * sizeof(float));
         return;
     }
-    size_t b = o->own_begin, e = b + o->shard, lo = o->offset[i], hi = lo + k;
-    if (hi <= b || lo >= e) return;
-    size_t s = lo > b ? lo : b, t = hi < e ? hi : e;
-    memcpy(o->m + (s - b), m + (s - lo), (t - s) * sizeof(float));
-    memcpy(o->v + (s - b), v + (s - lo), (t - s) * sizeof(float));
+    size_t s, t, lo = o->offset[i];
+    if (!own_part(o, i, &s, &t)) return;
+    memcpy(o->m + (s - o->own_begin), m + (s - lo), (t - s) * sizeof(float));
+    memcpy(o->v + (s - o->own_begin), v + (s - lo), (t - s) * sizeof(float));
 }

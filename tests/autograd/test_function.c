@@ -295,6 +295,97 @@ static void test_memory_returns_to_zero(void **state) {
     loom_param_free(w);
 }
 
+/* The backward hook: called after every node; a parameter's gradient is
+ * complete once its contributions equal its uses. In y = (x W1^T) W2^T the
+ * second weight completes first; each is complete exactly when the node
+ * that uses it has run. */
+typedef struct hook_log {
+    loom_param *w1, *w2;
+    int calls, w1_done_at, w2_done_at;
+} hook_log;
+
+static loom_status record_completion(void *user) {
+    hook_log *h = user;
+    h->calls++;
+    if (!h->w1_done_at && h->w1->uses > 0 && h->w1->contributions == h->w1->uses) h->w1_done_at = h->calls;
+    if (!h->w2_done_at && h->w2->uses > 0 && h->w2->contributions == h->w2->uses) h->w2_done_at = h->calls;
+    return LOOM_OK;
+}
+
+static loom_status failing_hook(void *user) {
+    (void)user;
+    return loom_error(LOOM_ERR_DIST, "the hook failed");
+}
+
+static void test_backward_hook(void **state) {
+    (void)state;
+    loom_param *w1 = make_param("w1", 6, 4, 11), *w2 = make_param("w2", 3, 6, 12);
+    loom_tensor *x = loom_tensor_new_2d(LOOM_F32, 5, 4, LOOM_MEM_ACTIVATIONS);
+    tu_fill_uniform(loom_tensor_data(x), 20, -1.0f, 1.0f, 13);
+    for (int pass = 0; pass < 2; pass++) {
+        loom_tensor *h = NULL, *y = NULL, *loss = NULL;
+        assert_int_equal(loom_matmul(x, w1->tensor, &h), LOOM_OK);
+        assert_int_equal(loom_matmul(h, w2->tensor, &y), LOOM_OK);
+        assert_int_equal(loom_sum(y, &loss), LOOM_OK);
+        hook_log log = {w1, w2, 0, 0, 0};
+        loom_set_backward_hook(pass == 0 ? record_completion : failing_hook, &log);
+        loom_status st = loom_backward(loss, 1.0f);
+        loom_set_backward_hook(NULL, NULL);
+        if (pass == 0) {
+            assert_int_equal(st, LOOM_OK);
+            assert_int_equal(log.calls, 3); /* sum, second matmul, first matmul */
+            assert_int_equal(log.w2_done_at, 2);
+            assert_int_equal(log.w1_done_at, 3);
+        } else {
+            assert_int_equal(st, LOOM_ERR_DIST); /* the hook's error stops backward */
+        }
+        loom_tensor_release(h);
+        loom_tensor_release(y);
+        loom_tensor_release(loss);
+        loom_param_zero_grad(w1);
+        loom_param_zero_grad(w2);
+    }
+    loom_tensor_release(x);
+    loom_param_free(w1);
+    loom_param_free(w2);
+}
+
+/* A gradient moved into a borrowed buffer keeps its values and keeps
+ * accumulating there; moved back, the parameter owns it again. A dropped
+ * master (ZeRO-1) comes back from the values given. */
+static void test_grad_buffer_and_master(void **state) {
+    (void)state;
+    int64_t shape[2] = {4, 8};
+    loom_param *p;
+    assert_int_equal(loom_param_new("w", LOOM_BF16, 2, shape, 1, &p), LOOM_OK);
+    float v[32], g[32], back[32];
+    tu_fill_uniform(v, 32, -1.0f, 1.0f, 21);
+    assert_int_equal(loom_param_set_f32(p, v, 32), LOOM_OK);
+    loom_tensor *ones = loom_tensor_zeros(LOOM_F32, 2, shape, LOOM_MEM_ACTIVATIONS);
+    for (int i = 0; i < 32; i++) ((float *)loom_tensor_data(ones))[i] = 1.0f;
+    assert_int_equal(loom_param_accumulate(p, ones), LOOM_OK);
+    float buf[40] = {0};
+    assert_int_equal(loom_param_set_grad_buffer(p, buf + 4), LOOM_OK);
+    assert_true(p->grad == buf + 4 && p->grad_borrowed);
+    assert_int_equal(loom_param_accumulate(p, ones), LOOM_OK);
+    for (int i = 0; i < 32; i++) assert_true(buf[4 + i] == 2.0f);
+    assert_true(buf[0] == 0.0f && buf[36] == 0.0f);
+    assert_int_equal(loom_param_set_grad_buffer(p, NULL), LOOM_OK);
+    assert_false(p->grad_borrowed);
+    assert_true(p->grad != buf + 4);
+    loom_param_read_grad(p, g);
+    for (int i = 0; i < 32; i++) assert_true(g[i] == 2.0f);
+
+    loom_param_drop_master(p);
+    assert_true(p->master == NULL && p->master_sharded);
+    assert_int_equal(loom_param_attach_master(p, v), LOOM_OK);
+    assert_false(p->master_sharded);
+    memcpy(back, loom_param_master(p), sizeof back);
+    assert_memory_equal(back, v, sizeof back);
+    loom_tensor_release(ones);
+    loom_param_free(p);
+}
+
 int main(void) {
     loom_set_threads(2);
     const struct CMUnitTest tests[] = {
@@ -304,6 +395,8 @@ int main(void) {
         cmocka_unit_test(test_no_grad_and_misuse),
         cmocka_unit_test(test_bad_gradient_shape),
         cmocka_unit_test(test_memory_returns_to_zero),
+        cmocka_unit_test(test_backward_hook),
+        cmocka_unit_test(test_grad_buffer_and_master),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

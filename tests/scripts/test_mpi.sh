@@ -29,6 +29,31 @@ close <(losses "$WORK/dp1") <(losses "$WORK/dp2") 1e-5 || fail "DP=2 differs fro
 timeout 300 $MPI "$LOOM" train "${D[@]}" --batch 2 --steps 5 --precision fp32 --zero 1 --out "$WORK/z1" 2>/dev/null
 close <(losses "$WORK/dp2") <(losses "$WORK/z1") 1e-6 || fail "ZeRO-1 differs from plain DP"
 
+# ZeRO-1 with bf16 compute copies shards the fp32 masters too: each rank holds
+# half of the masters and moments, and the run equals plain DP bit for bit.
+# Gradient buckets started during backward (the overlap) change nothing, also
+# with gradient accumulation and under each recompute mode.
+weights_opt() { sed -n 's/.*weights \([0-9.]*\) MiB.*optimizer \([0-9.]*\) MiB.*/\1 \2/p' "$1"; }
+Z=("${D[@]}" --batch 2 --steps 4 --precision bf16 --grad-accum 2 --bucket-size 5000)
+for rc in "none nonreentrant" "full reentrant" "selective nonreentrant"; do
+  set -- $rc
+  R=(--recompute $1 --recompute-mode $2)
+  timeout 300 $MPI "$LOOM" train "${Z[@]}" "${R[@]}" --overlap off --out "$WORK/p0" 2>"$WORK/p0.log"
+  timeout 300 $MPI "$LOOM" train "${Z[@]}" "${R[@]}" --out "$WORK/p1" 2>"$WORK/p1.log"
+  timeout 300 $MPI "$LOOM" train "${Z[@]}" "${R[@]}" --zero 1 --out "$WORK/z" 2>"$WORK/z.log"
+  diff <(losses "$WORK/p0") <(losses "$WORK/p1") >/dev/null || fail "overlapped all-reduce changes the losses ($rc)"
+  diff <(losses "$WORK/p0") <(losses "$WORK/z") >/dev/null || fail "ZeRO-1 (bf16) differs from plain DP ($rc)"
+  grep -Eq "gradients in ([0-9]+) buckets, 0 started during backward" "$WORK/p0.log" || fail "--overlap off overlapped"
+  nb=$(sed -n 's/.*gradients in \([0-9]*\) buckets, \([0-9]*\) started.*/\1 \2/p' "$WORK/p1.log")
+  set -- $nb
+  [ "${1:-0}" -gt 2 ] && [ "$2" -eq "$1" ] || fail "buckets did not start during backward ($rc): ${nb:-none}"
+  rm -rf "$WORK/p0" "$WORK/p1" "$WORK/z"
+done
+read -r pw po <<<"$(weights_opt "$WORK/p0.log")"
+read -r zw zo <<<"$(weights_opt "$WORK/z.log")"
+awk -v pw="$pw" -v po="$po" -v zw="$zw" -v zo="$zo" 'BEGIN { exit !(zw + zo <= 0.6 * (pw + po)) }' ||
+  fail "ZeRO-1 does not divide the masters and moments: weights+optimizer $zw+$zo MiB vs $pw+$po MiB"
+
 # TP=2 equals TP=1: logits, loss and every gradient, per precision and mode.
 for prec in "fp32 on 1e-4" "bf16 on 3e-2" "bf16 off 3e-2"; do
   set -- $prec
@@ -44,7 +69,7 @@ for prec in "fp32 on 1e-4" "bf16 on 3e-2" "bf16 off 3e-2"; do
 done
 
 # Checkpoint and resume with 2 ranks (DP, TP and ZeRO) equal the uninterrupted run.
-for layout in "--tp 1" "--tp 2" "--zero 1"; do
+for layout in "--tp 1" "--tp 2" "--zero 1" "--zero 1 --precision bf16"; do
   C=("${D[@]}" --batch 2 --steps 8 --precision fp32 $layout)
   timeout 300 $MPI "$LOOM" train "${C[@]}" --out "$WORK/full" 2>/dev/null
   timeout 300 $MPI "$LOOM" train "${C[@]}" --out "$WORK/part" --ckpt-every 4 --keep 3 2>/dev/null
