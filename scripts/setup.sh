@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Installs the Debian packages loom's build, tests and default data need,
 # when they are missing. Safe to run again. Needs root (or sudo).
+# libopenblas0-pthread gives the PyTorch peer (bench/compare_peer.sh) and the
+# cross-check a real BLAS: with Debian's default reference BLAS the peer's
+# fp32 runs 12x slower, which would flatter loom's side-by-side figures.
 set -euo pipefail
 pkgs=(build-essential cmake ninja-build pkg-config libdnnl-dev libopenmpi-dev openmpi-bin
-      libjansson-dev libcmocka-dev python3 python3-torch python3-numpy fortunes)
+      libjansson-dev libcmocka-dev python3 python3-torch python3-numpy libopenblas0-pthread fortunes)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

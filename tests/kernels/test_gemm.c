@@ -271,6 +271,7 @@ static void test_widen_shapes(void **state) {
     assert_int_equal(gemm_get_backend(), GEMM_BACKEND_WIDEN);
     gemm_counters before, after;
     gemm_get_counters(&before);
+    gemm_widen_set_budgets((size_t)1 << 20, (size_t)1 << 19); /* small enough to chunk the cases below */
     sweep_shapes("widen");
     sweep_options("widen");
     sweep_large("widen");
@@ -289,6 +290,7 @@ static void test_widen_shapes(void **state) {
     }
     gemm_get_counters(&after);
     assert_true(after.widened_calls > before.widened_calls);
+    gemm_widen_set_budgets(0, 0);
     gemm_set_backend(GEMM_BACKEND_AUTO);
 }
 
