@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command: builds loom with -Wall -Wextra -Werror and runs the ctest
 # suite, then builds with AddressSanitizer + UndefinedBehaviorSanitizer and
-# runs the suite again. Exits non-zero on any failure.
+# runs the suite again, and checks that a build without MPI still trains in
+# one process. Exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
@@ -14,3 +15,7 @@ cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_WERRO
 ninja -C build-asan -j "$jobs"
 (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
    ctest --output-on-failure -j 1 -E 'scripts/test_bench')   # timing a sanitized build measures nothing
+echo "== build without MPI (one process)"
+cmake -S . -B build-nompi -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_WERROR=ON -DLOOM_WITH_MPI=OFF >/dev/null
+ninja -C build-nompi -j "$jobs"
+(cd build-nompi && ctest --output-on-failure -j 1 -R 'scripts/test_cli_train|autograd/')

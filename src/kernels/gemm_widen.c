@@ -7,7 +7,7 @@
  *
  * C is done in tiles of up to mch rows x nch columns, all of K each: op(B)'s
  * column panel is converted once per column chunk and op(A)'s rows once per
- * tile, so the scratch stays within budget_b + 2 budget_a floats whatever
+ * tile, so the scratch stays within budget_b + budget_a + budget_c floats whatever
  * the sizes (conversions cost O(1/nch) of the products). When C is fp32 (e.g. dW
  * accumulating into main_grad with beta = 1) oneDNN writes C directly;
  * otherwise it writes an fp32 tile that is finished here (alpha, beta * C,
@@ -22,18 +22,22 @@
 
 #include <omp.h>
 
-/* Default budgets, 16 MiB each: the model's GEMMs (up to 2048 tokens x a
- * few thousand features) then run as one oneDNN call each; tiles of a
- * quarter of this made bf16 steps of the `small` preset 15-20% slower. */
-#define WIDEN_B_FLOATS (1 << 22) /* the most of op(B)'s converted panel */
-#define WIDEN_FLOATS (1 << 22)   /* the most of op(A)'s rows and of a C tile */
+/* Default budgets: 16 MiB for op(B)'s panel and op(A)'s rows, so the
+ * model's GEMMs (up to 2048 tokens x a few thousand features) take one or
+ * two oneDNN calls each (tiles of a quarter of this made bf16 steps of the
+ * `small` preset 15-20% slower), and 4 MiB for a C tile that loom finishes
+ * (it only bounds the rows per call when N is large, as for lm_head). */
+#define WIDEN_B_FLOATS (1 << 21) /* the most of op(B)'s converted panel */
+#define WIDEN_FLOATS (1 << 21)   /* the most of op(A)'s rows */
+#define WIDEN_C_FLOATS (1 << 21) /* the most of an fp32 C tile */
 #define CHUNK_ALIGN 16           /* rows / columns per chunk: a multiple of this */
 
-static int budget_b = WIDEN_B_FLOATS, budget_a = WIDEN_FLOATS;
+static int budget_b = WIDEN_B_FLOATS, budget_a = WIDEN_FLOATS, budget_c = WIDEN_C_FLOATS;
 
 void gemm_widen_set_budgets(size_t b_floats, size_t floats) {
     budget_b = b_floats ? (int)b_floats : WIDEN_B_FLOATS;
     budget_a = floats ? (int)floats : WIDEN_FLOATS;
+    budget_c = floats ? (int)floats : WIDEN_C_FLOATS;
 }
 
 /* dst (rows, cols) dense fp32 = src's rows x cols window at (r0, c0), row
@@ -114,7 +118,11 @@ loom_status gemm_widen(const gemm_args *g, int *handled) {
     GEMM_COUNT(widened_calls);
     int M = g->M, N = g->N, K = g->K, direct = direct_ok(g);
     int nch = chunk_len(N, K, budget_b);                /* op(B) panel: (K, nch) */
-    int mch = chunk_len(M, K > nch ? K : nch, budget_a);  /* op(A) rows (mch, K), C tile (mch, nch) */
+    int mch = chunk_len(M, K, budget_a);                /* op(A) rows: (mch, K) */
+    if (!direct) {                                      /* C tile: (mch, nch) */
+        int mc = chunk_len(M, nch, budget_c);
+        mch = mc < mch ? mc : mch;
+    }
     float *b32 = loom_alloc((size_t)K * nch * sizeof(float), LOOM_MEM_WORKSPACE);
     float *a32 = loom_alloc((size_t)mch * K * sizeof(float), LOOM_MEM_WORKSPACE);
     float *c32 = direct ? NULL : loom_alloc((size_t)mch * nch * sizeof(float), LOOM_MEM_WORKSPACE);

@@ -42,8 +42,8 @@ void gemm_ref(int trans_a, int trans_b, int M, int N, int K, float alpha,
               const void *bias, loom_dtype bias_dt);
 void gemm_set_backend(gemm_backend b);
 /* Scratch budgets of the widening path, in floats: op(B)'s converted panel
- * and op(A)'s rows / a C tile (0, 0: the defaults, 4M floats each). Tests
- * shrink them to exercise the chunking with small matrices. */
+ * and op(A)'s rows and C tiles (0, 0: the defaults). Tests shrink them to
+ * exercise the chunking with small matrices. */
 void gemm_widen_set_budgets(size_t b_floats, size_t floats);
 gemm_backend gemm_get_backend(void);   /* the backend actually in use */
 int gemm_have_onednn(void);
