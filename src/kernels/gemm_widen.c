@@ -22,11 +22,10 @@
 
 #include <omp.h>
 
-/* Default budgets: 16 MiB for op(B)'s panel and op(A)'s rows, so the
- * model's GEMMs (up to 2048 tokens x a few thousand features) take one or
- * two oneDNN calls each (tiles of a quarter of this made bf16 steps of the
- * `small` preset 15-20% slower), and 4 MiB for a C tile that loom finishes
- * (it only bounds the rows per call when N is large, as for lm_head). */
+/* Default budgets, 8 MiB each: the model's GEMMs (up to 2048 tokens x a
+ * few thousand features) take one to four oneDNN calls each. Budgets a
+ * quarter of this made bf16 steps of the `small` preset 15-20% slower;
+ * twice this was no faster and raised peak RSS (scratch stays cached). */
 #define WIDEN_B_FLOATS (1 << 21) /* the most of op(B)'s converted panel */
 #define WIDEN_FLOATS (1 << 21)   /* the most of op(A)'s rows */
 #define WIDEN_C_FLOATS (1 << 21) /* the most of an fp32 C tile */
