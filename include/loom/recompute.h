@@ -77,6 +77,7 @@ typedef struct loom_recompute_stats {
     long replays;        /* region replays run by backward (every recomputing mode) */
     long placeholders;   /* activations dropped for recompute */
     long kept_outputs;   /* selective: op outputs kept */
+    long skipped_ops;    /* replayed ops not run: nothing live needed their outputs */
 } loom_recompute_stats;
 void loom_recompute_get_stats(loom_recompute_stats *out);
 void loom_recompute_reset_stats(void);

@@ -37,6 +37,17 @@ typedef struct op_record {
      * refilled from the replay's inputs: ph_input[i] is which input. */
     int ph_first, ph_count;
     int *ph_input;
+    /* Dead-op skipping (full recompute): an op the replay need not run,
+     * because everything it saves is one of its inputs and nothing live
+     * consumes its outputs, gets its placeholders refilled from its inputs
+     * and uninitialised outputs of the recorded shapes. */
+    int *in_producer;     /* per input: the region op that made it, or -1 */
+    const loom_tensor **outs; /* its outputs in the forward (identity only) */
+    saved_meta *out_meta;
+    int n_outs;
+    int own_saves;        /* saved something that is not one of its inputs */
+    int rng_used;         /* drew random numbers (skipping would shift later draws) */
+    int live, skip;
 } op_record;
 
 typedef struct region {
@@ -55,6 +66,7 @@ typedef struct region {
     int n_ops, cap_ops;
     int replayed_once;     /* 1 after a replay (successful or not) */
     int cur_kept;          /* first forward: index of the kept op running, or -1 */
+    uint64_t cur_rng;      /* first forward: RNG offset when the current op began */
     loom_tensor *const *cur_inputs;
     loom_status replay_status;
     char replay_error[768];
@@ -78,6 +90,9 @@ static void region_release(region *r) {
         free(r->ops[j].kept);
         free(r->ops[j].needs_grad);
         free(r->ops[j].ph_input);
+        free(r->ops[j].in_producer);
+        free(r->ops[j].outs);
+        free(r->ops[j].out_meta);
     }
     free(r->inputs);
     free(r->meta);
@@ -117,15 +132,23 @@ static int fw_before(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor *co
     op->needs_grad = malloc((size_t)(ctx->n_inputs > 0 ? ctx->n_inputs : 1));
     LOOM_ASSERT(op->needs_grad != NULL);
     memcpy(op->needs_grad, ctx->needs_grad, (size_t)ctx->n_inputs);
+    op->ph_first = r->n_saved;
+    op->ph_input = malloc((size_t)(ctx->n_inputs > 0 ? ctx->n_inputs : 1) * 4 * sizeof *op->ph_input);
+    op->in_producer = malloc((size_t)(ctx->n_inputs > 0 ? ctx->n_inputs : 1) * sizeof *op->in_producer);
+    LOOM_ASSERT(op->ph_input != NULL && op->in_producer != NULL);
+    for (int i = 0; i < ctx->n_inputs; i++) {
+        op->in_producer[i] = -1;
+        for (int j = r->n_ops - 2; j >= 0 && op->in_producer[i] < 0 && inputs[i]; j--)
+            for (int k = 0; k < r->ops[j].n_outs; k++)
+                if (r->ops[j].outs[k] == inputs[i]) op->in_producer[i] = j;
+    }
+    r->cur_inputs = inputs;
+    r->cur_rng = loom_rng_default()->offset;
     /* A kept op is not re-run by the replay: what it saves is stored as is,
      * except its inputs, which the replay recomputes anyway (fw_pack). */
     if (recorded && r->has_policy && r->policy.keep(r->policy.user, ctx->fn)) {
         op->n_kept = -1; /* marked; outputs arrive in fw_after */
-        op->ph_first = r->n_saved;
-        op->ph_input = malloc((size_t)(ctx->n_inputs > 0 ? ctx->n_inputs : 1) * 4 * sizeof *op->ph_input);
-        LOOM_ASSERT(op->ph_input != NULL);
         r->cur_kept = r->n_ops - 1;
-        r->cur_inputs = inputs;
     }
     return 0;
 }
@@ -133,9 +156,20 @@ static int fw_before(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor *co
 static void fw_after(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor **outputs, int n_outputs) {
     region *r = self;
     op_record *op = &r->ops[r->n_ops - 1];
-    if (op->n_kept != -1) return;
     (void)recorded; (void)ctx;
     op->ph_count = r->n_saved - op->ph_first;
+    op->rng_used = loom_rng_default()->offset != r->cur_rng;
+    op->outs = calloc((size_t)(n_outputs ? n_outputs : 1), sizeof *op->outs);
+    op->out_meta = calloc((size_t)(n_outputs ? n_outputs : 1), sizeof *op->out_meta);
+    LOOM_ASSERT(op->outs != NULL && op->out_meta != NULL);
+    for (int k = 0; k < n_outputs; k++) {
+        op->outs[k] = outputs[k];
+        op->out_meta[k].ndim = outputs[k]->ndim;
+        memcpy(op->out_meta[k].shape, outputs[k]->shape, sizeof op->out_meta[k].shape);
+        op->out_meta[k].dtype = outputs[k]->dtype;
+    }
+    op->n_outs = n_outputs;
+    if (op->n_kept != -1) return;
     r->cur_kept = -1;
     op->kept = calloc((size_t)(n_outputs ? n_outputs : 1), sizeof *op->kept);
     LOOM_ASSERT(op->kept != NULL);
@@ -149,14 +183,16 @@ static void *fw_pack(void *self, loom_fn_ctx *ctx, loom_tensor *t) {
     region *r = self;
     if (is_stored(r, t)) return NULL;
     int refill = -1;
+    op_record *op = &r->ops[r->n_ops - 1];
+    for (int j = 0; j < op->n_inputs && refill < 0; j++)
+        if (r->cur_inputs[j] == t) refill = j;
+    int room = r->n_saved - op->ph_first < 4 * (op->n_inputs > 0 ? op->n_inputs : 1);
     if (r->cur_kept >= 0) {
-        op_record *op = &r->ops[r->cur_kept];
-        for (int j = 0; j < op->n_inputs && refill < 0; j++)
-            if (r->cur_inputs[j] == t) refill = j;
         /* Anything else a kept op saves cannot be rebuilt: store it. */
-        if (refill < 0 || r->n_saved - op->ph_first >= 4 * (op->n_inputs > 0 ? op->n_inputs : 1)) return NULL;
-        op->ph_input[r->n_saved - op->ph_first] = refill;
+        if (refill < 0 || !room) return NULL;
     }
+    if (refill >= 0 && room) op->ph_input[r->n_saved - op->ph_first] = refill;
+    else op->own_saves = 1;
     if (r->n_saved == r->cap_saved) {
         int cap = r->cap_saved ? 2 * r->cap_saved : 32;
         saved_meta *m = realloc(r->meta, (size_t)cap * sizeof *m);
@@ -200,31 +236,62 @@ static int rp_before(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor *co
     op_record *op = &r->ops[j];
     memcpy(ctx->needs_grad, op->needs_grad, (size_t)ctx->n_inputs);
     if (!op->recorded) ctx->discard = 1;
-    if (!op->kept) return 0;
-    if (op->n_kept != n_outputs) {
-        mismatch(r, "a kept op returned a different number of outputs");
+    if (!op->kept && !op->skip) return 0;
+    if ((op->kept ? op->n_kept : op->n_outs) != n_outputs) {
+        mismatch(r, "a kept or skipped op returned a different number of outputs");
         return 0;
     }
-    /* Fill the kept op's placeholders from this replay's inputs. */
+    /* Fill the op's placeholders from this replay's inputs. */
     if (r->replay_save != op->ph_first) {
-        mismatch(r, "a kept op's saved tensors are out of order in the replay");
+        mismatch(r, "a kept or skipped op's saved tensors are out of order in the replay");
         return 0;
     }
     for (int i = 0; i < op->ph_count; i++) {
-        int k = op->ph_first + i;
         const loom_tensor *t = inputs[op->ph_input[i]];
-        const saved_meta *m = &r->meta[k];
+        const saved_meta *m = &r->meta[op->ph_first + i];
         int same = t && m->ndim == t->ndim && m->dtype == t->dtype;
         for (int d = 0; same && d < m->ndim; d++) same = m->shape[d] == t->shape[d];
         if (!same) {
-            mismatch(r, "a kept op's input differs in shape or dtype in the replay");
+            mismatch(r, "a kept or skipped op's input differs in shape or dtype in the replay");
             return 0;
         }
-        r->replayed[k] = loom_tensor_retain((loom_tensor *)t);
     }
+    if (op->skip) { /* outputs nothing live reads: allocated, not computed */
+        for (int k = 0; k < n_outputs; k++) {
+            const saved_meta *m = &op->out_meta[k];
+            outputs[k] = loom_tensor_new(m->dtype, m->ndim, m->shape, LOOM_MEM_ACTIVATIONS);
+            if (!outputs[k]) { /* out of memory: run the op after all */
+                for (int i = 0; i < k; i++) { loom_tensor_release(outputs[i]); outputs[i] = NULL; }
+                return 0;
+            }
+        }
+        stats.skipped_ops++;
+    } else {
+        for (int k = 0; k < n_outputs; k++) outputs[k] = loom_tensor_retain(op->kept[k]);
+    }
+    for (int i = 0; i < op->ph_count; i++)
+        r->replayed[op->ph_first + i] = loom_tensor_retain((loom_tensor *)inputs[op->ph_input[i]]);
     r->replay_save += op->ph_count;
-    for (int k = 0; k < n_outputs; k++) outputs[k] = loom_tensor_retain(op->kept[k]);
     return 1;
+}
+
+/* Which ops the replay of a full (non-selective) region may skip: walking
+ * back from the end, an op is live when it saved something other than its
+ * inputs, drew random numbers, or a live op reads one of its outputs; a
+ * skipped op still needs the inputs it refills its placeholders from, so
+ * their producers are live too. The region's own outputs are discarded by
+ * the replay. */
+static void mark_skippable(region *r) {
+    for (int j = r->n_ops - 1; j >= 0; j--) {
+        op_record *op = &r->ops[j];
+        op->live |= op->own_saves || op->rng_used || op->kept || !op->outs;
+        op->skip = !op->live;
+        for (int i = 0; i < op->n_inputs; i++) {
+            int p = op->in_producer[i], needed = op->live;
+            for (int q = 0; q < op->ph_count && !needed; q++) needed = op->ph_input[q] == i;
+            if (p >= 0 && needed) r->ops[p].live = 1;
+        }
+    }
 }
 
 static void rp_after(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor **outputs, int n_outputs) {
@@ -269,6 +336,7 @@ static loom_status region_replay(region *r) {
     }
     r->replay_op = r->replay_save = 0;
     r->mismatch = 0;
+    if (!r->has_policy) mark_skippable(r);
     loom_rng *rng = loom_rng_default(), saved_rng = *rng;
     *rng = r->rng_start;
     /* Backward runs under no-grad; the replay must see grad mode as the
