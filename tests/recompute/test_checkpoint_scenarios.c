@@ -327,6 +327,56 @@ static void run_dropout(loom_recompute_mode mode, uint64_t seed, grad_set *gs, u
     loom_param_free(w2);
 }
 
+/* A dead op that draws random numbers: a = dropout(h) is never read, but a
+ * replay that skipped it would start the second dropout at another RNG
+ * offset, so its mask (and the gradients) would change. The replay's
+ * dead-op rule keeps ops that draw numbers. */
+static loom_status dead_dropout_region(void *user, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
+    (void)n_in; (void)n_out;
+    dropout_block *b = user;
+    loom_tensor *h = NULL, *a = NULL, *d = NULL;
+    loom_status st = loom_fused_linear(in[0], b->w->tensor, NULL, &h);
+    if (st == LOOM_OK) st = loom_dropout(h, 0.3f, &a); /* dead */
+    if (st == LOOM_OK) st = loom_dropout(h, b->p, &d);
+    if (st == LOOM_OK) st = loom_mul(d, d, &out[0]);
+    loom_tensor_release(h);
+    loom_tensor_release(a);
+    loom_tensor_release(d);
+    return st;
+}
+
+static void run_dead_dropout(loom_recompute_mode mode, grad_set *gs) {
+    loom_param *w = make_param("w", DIM, DIM, 22);
+    dropout_block b = {w, 0.5f};
+    loom_tensor *x = make_leaf(ROWS, DIM, 4, 1), *y = NULL;
+    loom_rng_init(loom_rng_default(), 77);
+    assert_int_equal(loom_checkpoint(mode, dead_dropout_region, &b, &x, 1, &y, 1), LOOM_OK);
+    loom_tensor *loss = weighted_sum(y, 52);
+    backward_ok(loss);
+    gs_param(gs, w);
+    gs_leaf(gs, "x", x);
+    loom_tensor_release(loss);
+    loom_tensor_release(y);
+    loom_tensor_release(x);
+    loom_param_free(w);
+}
+
+static void test_dead_op_drawing_random_numbers(void **state) {
+    (void)state;
+    grad_set ref = {0}, got = {0};
+    run_dead_dropout(LOOM_RECOMPUTE_NONE, &ref);
+    gs_expect_nonzero(&ref);
+    loom_recompute_reset_stats();
+    run_dead_dropout(LOOM_RECOMPUTE_NONREENTRANT, &got);
+    gs_expect_equal(&ref, &got, "dead dropout, nonreentrant");
+    loom_recompute_stats rs;
+    loom_recompute_get_stats(&rs);
+    assert_int_equal(rs.replays, 1);
+    assert_true(rs.skipped_ops >= 1); /* the mul is skipped (its saves are its inputs); the dropouts run */
+    gs_free(&got);
+    gs_free(&ref);
+}
+
 static void test_dropout_rng_replay(void **state) {
     (void)state;
     grad_set ref = {0}, other = {0};
@@ -885,6 +935,7 @@ int main(void) {
         cmocka_unit_test(test_forward_once_replay_once),
         cmocka_unit_test(test_nothing_to_recompute),
         cmocka_unit_test(test_dropout_rng_replay),
+        cmocka_unit_test(test_dead_op_drawing_random_numbers),
         cmocka_unit_test(test_null_and_non_tensor_arguments),
         cmocka_unit_test(test_partial_gradients),
         cmocka_unit_test(test_outputs_need_no_gradient),
