@@ -327,6 +327,16 @@ static void run_dropout(loom_recompute_mode mode, uint64_t seed, grad_set *gs, u
     loom_param_free(w2);
 }
 
+/* Collect w's and x's gradients into gs, then free the run's tensors. */
+static void collect_and_free(grad_set *gs, loom_param *w, loom_tensor *x, loom_tensor *y, loom_tensor *loss) {
+    gs_param(gs, w);
+    gs_leaf(gs, "x", x);
+    loom_tensor_release(loss);
+    loom_tensor_release(y);
+    loom_tensor_release(x);
+    loom_param_free(w);
+}
+
 /* A dead op that draws random numbers: a = dropout(h) is never read, but a
  * replay that skipped it would start the second dropout at another RNG
  * offset, so its mask (and the gradients) would change. The replay's
@@ -353,12 +363,7 @@ static void run_dead_dropout(loom_recompute_mode mode, grad_set *gs) {
     assert_int_equal(loom_checkpoint(mode, dead_dropout_region, &b, &x, 1, &y, 1), LOOM_OK);
     loom_tensor *loss = weighted_sum(y, 52);
     backward_ok(loss);
-    gs_param(gs, w);
-    gs_leaf(gs, "x", x);
-    loom_tensor_release(loss);
-    loom_tensor_release(y);
-    loom_tensor_release(x);
-    loom_param_free(w);
+    collect_and_free(gs, w, x, y, loss);
 }
 
 static void test_dead_op_drawing_random_numbers(void **state) {
@@ -736,12 +741,7 @@ static void run_param_input(loom_recompute_mode mode, grad_set *gs) {
     assert_int_equal(w->uses, 1);
     assert_int_equal(w->contributions, 1);
     assert_int_equal(loom_grad_audit(&w, 1, NULL, 0), LOOM_OK);
-    gs_param(gs, w);
-    gs_leaf(gs, "x", x);
-    loom_tensor_release(loss);
-    loom_tensor_release(y);
-    loom_tensor_release(x);
-    loom_param_free(w);
+    collect_and_free(gs, w, x, y, loss);
 }
 
 static void test_parameter_as_region_input(void **state) {
