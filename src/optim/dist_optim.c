@@ -192,7 +192,7 @@ static loom_status start_bucket(loom_dist_optim *o, int k) {
         if (!grad_in_flat(o, i))
             loom_convert(o->flat + o->offset[i], LOOM_F32, p->grad, p->grad_dtype, (size_t)loom_param_numel(p));
     }
-    if (bk->hi > o->total && bk->lo <= o->total) memset(o->flat + o->total, 0, (o->padded - o->total) * sizeof(float));
+    if (bk->hi == o->padded) memset(o->flat + o->total, 0, (o->padded - o->total) * sizeof(float)); /* the padding */
     bk->contributions = bucket_contributions(o, bk);
     o->started = k + 1;
     if (o->zero) /* in place: this rank's part lands at lo (moved home afterwards) */

@@ -237,7 +237,7 @@ static int rp_before(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor *co
     memcpy(ctx->needs_grad, op->needs_grad, (size_t)ctx->n_inputs);
     if (!op->recorded) ctx->discard = 1;
     if (!op->kept && !op->skip) return 0;
-    if ((op->kept ? op->n_kept : op->n_outs) != n_outputs) {
+    if (op->n_outs != n_outputs) {
         mismatch(r, "a kept or skipped op returned a different number of outputs");
         return 0;
     }
@@ -284,7 +284,7 @@ static int rp_before(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor *co
 static void mark_skippable(region *r) {
     for (int j = r->n_ops - 1; j >= 0; j--) {
         op_record *op = &r->ops[j];
-        op->live |= op->own_saves || op->rng_used || op->kept || !op->outs;
+        op->live |= op->own_saves || op->rng_used;
         op->skip = !op->live;
         for (int i = 0; i < op->n_inputs; i++) {
             int p = op->in_producer[i], needed = op->live;
