@@ -48,8 +48,14 @@ fi
 
 peer=$src/../shared/peers/torch_llama.py
 if [ -f "$peer" ] && /usr/bin/python3 -c 'import torch' 2>/dev/null; then
-  cmp=$(LOOM=$loom "$src/bench/compare_peer.sh" --preset tiny --batch 1 --seq 16 --steps 1 --peer-steps 1 bf16:none:none)
-  grep -q '^bf16 loom:none peer:none .*x ' <<<"$cmp" || fail "compare_peer: $cmp"
+  cmp=$(LOOM=$loom "$src/bench/compare_peer.sh" --preset tiny --batch 1 --seq 16 --steps 1 --peer-steps 1 --repeat 2 \
+        bf16:none:none)
+  [ "$(grep -cE '^bf16 loom:none peer:none +[0-9]+ +[0-9]+ +[0-9.]+x ' <<<"$cmp")" = 2 ] || fail "compare_peer: not two pairs: $cmp"
+  grep -q '^bf16 loom:none peer:none .*median speedup [0-9.]*x over 2 pairs (range ' <<<"$cmp" ||
+    fail "compare_peer: no median line: $cmp"
+  if LOOM=$loom "$src/bench/compare_peer.sh" --repeat 0 bf16:none:none >/dev/null 2>&1; then
+    fail "compare_peer accepted --repeat 0"
+  fi
 else
   echo "skip compare_peer: no peer or torch"
 fi
