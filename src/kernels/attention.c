@@ -6,17 +6,20 @@
  * scores. Query t sits at absolute position q_pos0 + t and sees keys
  * 0 .. q_pos0 + t.
  *
- * Both directions convert their rows to fp32 once per task and work on
- * blocks of ATTN_BQ queries x ATTN_BK keys, with the products as small
- * matrix multiplies (mm_f32: AVX2/FMA or portable C) and vectorized exps.
- * Forward: one task per (b, kv head g); for each query head of the group and
+ * Both directions work in fp32 on blocks of ATTN_BQ queries x ATTN_BK keys,
+ * with the products as small matrix multiplies (mm_f32: AVX2/FMA or
+ * portable C) and vectorized exps.
+ * Forward: one task per (b, kv head g); fp32 keys and values are read in
+ * place, other dtypes converted once per task; each query block is loaded
+ * scaled and transposed in one pass. For each query head of the group and
  * each query block, key blocks are folded in with an online softmax (running
  * max m, running sum l, unnormalised output acc) on the transposed scores
  * St = k (scale q)^T, so each query is a column and the softmax runs down
  * the columns, eight queries at a time: P = exp(St - m),
  * acc = acc * exp(m_old - m) + P^T v. No Tq x Tk matrix exists.
  * lse = m + log(l).
- * Backward (FlashAttention-2): one task per (b, kv head g). For each query
+ * Backward (FlashAttention-2): one task per (b, kv head g), its rows
+ * converted to fp32 once (reading fp32 in place measured no faster). For each query
  * head, key block and query block it recomputes S = (scale q) k^T — the
  * same products as the forward, so P = exp(S - lse) is consistent — then with
  * D_i = rowsum(dout_i * out_i): dP = dout v^T, dS = P (dP - D),
@@ -87,23 +90,28 @@ static void load_q_scaled(float *qs, const void *q, int b, int h, const attn_sha
 /* ---------------------------------------------------------------- forward */
 
 typedef struct attn_fwd_scratch {
-    float *k, *v;          // (Tk, HS) the kv head's rows
-    float *qs;             // (Tq, HS) one query head, scaled
-    float *qt;             // (HS, ATTN_BQ) a query block, transposed
+    const float *k, *v;    // the kv head's rows, row stride ldkv: the input itself
+                           // (fp32) or kbuf, vbuf (converted)
+    int ldkv;
+    float *kbuf, *vbuf;    // (Tk, HS) converted rows when the input is not fp32
+    float *row;            // (HS) one query row, converted
+    float *qt;             // (HS, ATTN_BQ) a query block, scaled and transposed
     float *acc;            // (ATTN_BQ, HS)
     float *st;             // (ATTN_BK, ATTN_BQ) transposed scores, then P^T
     float *m, *l, *corr;   // (ATTN_BQ)
 } attn_fwd_scratch;
 
 static size_t attn_fwd_scratch_floats(const attn_shape *s) {
-    return (size_t)(2 * s->Tk + s->Tq + 2 * ATTN_BQ) * s->HS + (size_t)ATTN_BK * ATTN_BQ + 3 * ATTN_BQ;
+    return (size_t)(2 * s->Tk + 1 + 2 * ATTN_BQ) * s->HS + (size_t)ATTN_BK * ATTN_BQ + 3 * ATTN_BQ;
 }
 
 static attn_fwd_scratch attn_fwd_scratch_at(float *p, const attn_shape *s) {
     attn_fwd_scratch w;
-    w.k = p;    p += (size_t)s->Tk * s->HS;
-    w.v = p;    p += (size_t)s->Tk * s->HS;
-    w.qs = p;   p += (size_t)s->Tq * s->HS;
+    w.k = w.v = NULL;
+    w.ldkv = s->HS;
+    w.kbuf = p; p += (size_t)s->Tk * s->HS;
+    w.vbuf = p; p += (size_t)s->Tk * s->HS;
+    w.row = p;  p += s->HS;
     w.qt = p;   p += (size_t)ATTN_BQ * s->HS;
     w.acc = p;  p += (size_t)ATTN_BQ * s->HS;
     w.st = p;   p += (size_t)ATTN_BK * ATTN_BQ;
@@ -111,6 +119,18 @@ static attn_fwd_scratch attn_fwd_scratch_at(float *p, const attn_shape *s) {
     w.l = p;    p += ATTN_BQ;
     w.corr = p;
     return w;
+}
+
+/* qt (HS, ATTN_BQ) = columns q0 .. q0 + nq of head h, times scale: the same
+ * fp32 products the backward's load_q_scaled forms. */
+static void load_qt_scaled(float *qt, float *row, const void *q, int b, int h, int q0, int nq,
+                           const attn_shape *s) {
+    for (int j = 0; j < nq; j++) {
+        const float *r = row;
+        if (s->dt == LOOM_F32) r = (const float *)q + q_off(s, b, q0 + j, h);
+        else row_load(row, q, q_off(s, b, q0 + j, h), s->HS, s->dt);
+        for (int d = 0; d < s->HS; d++) qt[(size_t)d * ATTN_BQ + j] = r[d] * s->scale;
+    }
 }
 
 /* Column j of st (nk, ATTN_BQ) is query q0 + j; set the keys it does not
@@ -168,17 +188,17 @@ SIMD_AVX2 static void attn_fwd_softmax_avx2(float *st, float *m, float *l, float
 }
 #endif
 
-/* Queries [q0, q0 + nq) of head h (qs holds the head): out rows and lse. */
-static void attn_fwd_block(void *out, float *lse, int b, int h, int q0, int nq, const attn_shape *s,
+/* Queries [q0, q0 + nq) of head h: out rows and lse. */
+static void attn_fwd_block(void *out, float *lse, const void *q, int b, int h, int q0, int nq, const attn_shape *s,
                            attn_fwd_scratch *w) {
-    int HS = s->HS, nqp = (nq + 7) / 8 * 8;
+    int HS = s->HS, nqp = (nq + 7) / 8 * 8, ld = w->ldkv;
     int kv_end = s->q_pos0 + q0 + nq; // keys the last query of the block sees
-    transpose_f32(w->qt, ATTN_BQ, w->qs + (size_t)q0 * HS, HS, nq, HS);
+    load_qt_scaled(w->qt, w->row, q, b, h, q0, nq, s);
     memset(w->acc, 0, (size_t)nq * HS * sizeof(float));
     for (int j = 0; j < nqp; j++) { w->m[j] = -INFINITY; w->l[j] = 0.0f; }
     for (int k0 = 0; k0 < kv_end; k0 += ATTN_BK) {
         int nk = min_i(kv_end - k0, ATTN_BK);
-        mm_f32(nk, nq, HS, w->k + (size_t)k0 * HS, HS, 0, w->qt, ATTN_BQ, w->st, ATTN_BQ, 0); // St = k qs^T
+        mm_f32(nk, nq, HS, w->k + (size_t)k0 * ld, ld, 0, w->qt, ATTN_BQ, w->st, ATTN_BQ, 0); // St = k qs^T
         attn_fwd_mask(w->st, q0, nq, nqp, k0, nk, s);
 #if LOOM_HAVE_X86_SIMD
         if (simd_avx2()) attn_fwd_softmax_avx2(w->st, w->m, w->l, w->corr, nqp, nk);
@@ -186,7 +206,7 @@ static void attn_fwd_block(void *out, float *lse, int b, int h, int q0, int nq, 
 #endif
             attn_fwd_softmax_c(w->st, w->m, w->l, w->corr, nq, nk);
         for (int j = 0; j < nq; j++) row_scale(w->acc + (size_t)j * HS, w->corr[j], HS);
-        mm_f32(nq, HS, nk, w->st, ATTN_BQ, 1, w->v + (size_t)k0 * HS, HS, w->acc, HS, 1); // acc += P v
+        mm_f32(nq, HS, nk, w->st, ATTN_BQ, 1, w->v + (size_t)k0 * ld, ld, w->acc, HS, 1); // acc += P v
     }
     for (int j = 0; j < nq; j++) {
         float *acc = w->acc + (size_t)j * HS;
@@ -196,17 +216,25 @@ static void attn_fwd_block(void *out, float *lse, int b, int h, int q0, int nq, 
     }
 }
 
-/* Task (b, g): every query of the heads that share kv head g. */
+/* Task (b, g): every query of the heads that share kv head g. fp32 keys and
+ * values are read where they lie; other dtypes are converted once. */
 static void attn_fwd_task(void *out, float *lse, const void *q, const void *k, const void *v, int b, int g,
                           const attn_shape *s, attn_fwd_scratch *w) {
     int kv_end = s->q_pos0 + s->Tq; // keys any query sees
-    load_rows(w->k, k, s->Tk, s->NKV, b, 0, g, kv_end, s);
-    load_rows(w->v, v, s->Tk, s->NKV, b, 0, g, kv_end, s);
-    for (int h = g * s->G; h < (g + 1) * s->G; h++) {
-        load_q_scaled(w->qs, q, b, h, s);
-        for (int q0 = 0; q0 < s->Tq; q0 += ATTN_BQ)
-            attn_fwd_block(out, lse, b, h, q0, min_i(s->Tq - q0, ATTN_BQ), s, w);
+    if (s->dt == LOOM_F32) {
+        w->k = (const float *)k + kv_off(s, b, 0, g);
+        w->v = (const float *)v + kv_off(s, b, 0, g);
+        w->ldkv = s->NKV * s->HS;
+    } else {
+        load_rows(w->kbuf, k, s->Tk, s->NKV, b, 0, g, kv_end, s);
+        load_rows(w->vbuf, v, s->Tk, s->NKV, b, 0, g, kv_end, s);
+        w->k = w->kbuf;
+        w->v = w->vbuf;
+        w->ldkv = s->HS;
     }
+    for (int h = g * s->G; h < (g + 1) * s->G; h++)
+        for (int q0 = 0; q0 < s->Tq; q0 += ATTN_BQ)
+            attn_fwd_block(out, lse, q, b, h, q0, min_i(s->Tq - q0, ATTN_BQ), s, w);
 }
 
 void attention_fwd(void *out, float *lse, const void *q, const void *k, const void *v,
