@@ -30,7 +30,7 @@ extern char **environ;
 
 typedef struct bench_opts {
     const char *preset, *precision, *master_grad, *recompute, *recompute_mode, *gemm_peak;
-    int threads, steps, warmup, batch, seq, json, profile;
+    int threads, steps, warmup, batch, seq, json, profile, gemms;
 } bench_opts;
 
 typedef struct gemm_peak {
@@ -315,6 +315,100 @@ static void print_header(const bench_opts *o, const loom_llama_config *c, const 
     fflush(stdout);
 }
 
+/* ------------------------------------------------------------ GEMM floor */
+
+/* The step's GEMMs one at a time: for each linear shape (out x in weight,
+ * applied to batch * seq rows, count of them per step) its forward
+ * y = x W^T, its dX = dy W and its dW += dy^T x (into fp32 main_grad with
+ * master-grad, as the fused linear does), each the best of --steps timed
+ * calls after --warmup. Their sum over a step is the time the step cannot go
+ * below with these GEMMs; the rest of a step (attention, norms, optimizer...)
+ * is what `loom bench` measures beyond it. */
+typedef struct linear_shape {
+    const char *name;
+    int out, in, count;
+} linear_shape;
+
+static loom_status best_gemm(const bench_opts *o, int trans_a, int trans_b, int M, int N, int K, const void *A,
+                             int lda, const void *B, int ldb, loom_dtype dt, float beta, void *C, int ldc,
+                             loom_dtype c_dt, double *best_ms) {
+    *best_ms = INFINITY;
+    for (int r = 0; r < o->warmup + o->steps; r++) {
+        double t0 = cli_now();
+        LOOM_TRY(loom_gemm(trans_a, trans_b, M, N, K, 1.0f, A, lda, B, ldb, dt, beta, C, ldc, c_dt, NULL, LOOM_F32));
+        double ms = (cli_now() - t0) * 1e3;
+        if (r >= o->warmup && ms < *best_ms) *best_ms = ms;
+    }
+    return LOOM_OK;
+}
+
+static loom_status run_gemms(const bench_opts *o, const loom_llama_config *c, loom_precision prec) {
+    int kv = c->dim / c->n_heads * c->n_kv_heads, L = c->n_layers, T = o->batch * o->seq;
+    const linear_shape shapes[] = {
+        {"q", c->dim, c->dim, L},      {"k", kv, c->dim, L},         {"v", kv, c->dim, L},
+        {"o", c->dim, c->dim, L},      {"gate", c->ffn_dim, c->dim, L}, {"up", c->ffn_dim, c->dim, L},
+        {"down", c->dim, c->ffn_dim, L}, {"lm_head", c->vocab_size, c->dim, 1},
+    };
+    int n_shapes = (int)(sizeof shapes / sizeof shapes[0]);
+    int max_dim = c->vocab_size > c->ffn_dim ? c->vocab_size : c->ffn_dim;
+    loom_dtype dt = prec.compute, g_dt = prec.master_grad ? LOOM_F32 : dt;
+    size_t act = (size_t)T * (size_t)max_dim, wgt = (size_t)max_dim * (size_t)max_dim;
+    float *src = malloc((act > wgt ? act : wgt) * sizeof *src);
+    void *x = loom_alloc(act * loom_dtype_size(dt), LOOM_MEM_WORKSPACE);  /* (T, in) */
+    void *dx = loom_alloc(act * loom_dtype_size(dt), LOOM_MEM_WORKSPACE); /* (T, in) */
+    void *y = loom_alloc(act * loom_dtype_size(dt), LOOM_MEM_WORKSPACE);  /* (T, out): y, then dy */
+    void *w = loom_alloc(wgt * loom_dtype_size(dt), LOOM_MEM_WORKSPACE);  /* (out, in) */
+    void *g = loom_alloc(wgt * loom_dtype_size(g_dt), LOOM_MEM_WORKSPACE); /* (out, in) */
+    loom_status st = src && x && dx && y && w && g ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "bench: out of memory");
+    if (st == LOOM_OK) {
+        loom_rng_uniform(src, act, 3, 0);
+        loom_convert(x, dt, src, LOOM_F32, act);
+        loom_convert(y, dt, src, LOOM_F32, act);
+        loom_rng_uniform(src, wgt, 4, 0);
+        loom_convert(w, dt, src, LOOM_F32, wgt);
+        memset(g, 0, wgt * loom_dtype_size(g_dt));
+    }
+    double total = 0.0, flops = 0.0;
+    for (int i = 0; i < n_shapes && st == LOOM_OK; i++) {
+        const linear_shape *l = &shapes[i];
+        double f = 0.0, d = 0.0, u = 0.0;
+        st = best_gemm(o, 0, 1, T, l->out, l->in, x, l->in, w, l->in, dt, 0.0f, y, l->out, dt, &f);
+        if (st == LOOM_OK) st = best_gemm(o, 0, 0, T, l->in, l->out, y, l->out, w, l->in, dt, 0.0f, dx, l->in, dt, &d);
+        if (st == LOOM_OK) st = best_gemm(o, 1, 0, l->out, l->in, T, y, l->out, x, l->in, dt, 1.0f, g, l->in, g_dt, &u);
+        if (st != LOOM_OK) break;
+        double gf = 6.0 * T * (double)l->out * l->in * 1e-9;
+        total += l->count * (f + d + u);
+        flops += l->count * gf;
+        if (o->json)
+            printf("{\"gemm\":\"%s\",\"rows\":%d,\"out\":%d,\"in\":%d,\"count\":%d,\"fwd_ms\":%.3f,"
+                   "\"dx_ms\":%.3f,\"dw_ms\":%.3f,\"gflops\":%.1f}\n",
+                   l->name, T, l->out, l->in, l->count, f, d, u, gf / ((f + d + u) * 1e-3));
+        else
+            printf("bench gemm %-7s rows=%d out=%d in=%d count=%d fwd_ms=%.3f dx_ms=%.3f dw_ms=%.3f gflops=%.1f\n",
+                   l->name, T, l->out, l->in, l->count, f, d, u, gf / ((f + d + u) * 1e-3));
+    }
+    if (st == LOOM_OK) {
+        if (o->json)
+            printf("{\"preset\":\"%s\",\"precision\":\"%s\",\"master_grad\":%s,\"step_gemm_ms\":%.1f,"
+                   "\"gemm_gflops\":%.1f,\"threads\":%d}\n",
+                   o->preset, loom_dtype_name(dt), prec.master_grad ? "true" : "false", total, flops / (total * 1e-3),
+                   loom_get_threads());
+        else
+            printf("bench gemms preset=%s precision=%s master_grad=%s step_gemm_ms=%.1f gemm_gflops=%.1f threads=%d "
+                   "(every GEMM of a step, each the best of %d calls, summed)\n",
+                   o->preset, loom_dtype_name(dt), prec.master_grad ? "on" : "off", total, flops / (total * 1e-3),
+                   loom_get_threads(), o->steps);
+    }
+    fflush(stdout);
+    free(src);
+    loom_free(x);
+    loom_free(dx);
+    loom_free(y);
+    loom_free(w);
+    loom_free(g);
+    return st;
+}
+
 /* ------------------------------------------------------------ the matrix */
 
 /* Re-execute this binary as `loom bench <user flags> <config flags>` for
@@ -389,6 +483,7 @@ static int run(int argc, char **argv) {
         {"json", FLAG_BOOL, &o.json, NULL, "one JSON object per line instead of text"},
         {"gemm-peak", FLAG_STRING, &o.gemm_peak, "F32,BF16", "GEMM peaks in GFLOP/s to use instead of measuring"},
         {"profile", FLAG_BOOL, &o.profile, NULL, "also print where the timed steps went (phases, functions)"},
+        {"gemms", FLAG_BOOL, &o.gemms, NULL, "time the step's GEMMs one by one instead (forward, dX, dW per shape)"},
         {"no-header", FLAG_BOOL, &no_header, NULL, "print only the configuration lines"},
     };
     int rc = cli_parse(&cmd_bench, flags, (int)(sizeof flags / sizeof flags[0]), argc, argv);
@@ -404,7 +499,7 @@ static int run(int argc, char **argv) {
         return cli_usage_error("bench", "--gemm-peak expects two positive numbers F32,BF16, got '%s'", o.gemm_peak);
     if (o.threads > 0) loom_set_threads(o.threads);
 
-    if (!o.precision && !o.recompute) { /* the standard matrix, one process each */
+    if (!o.precision && !o.recompute && !o.gemms) { /* the standard matrix, one process each */
         if (!o.gemm_peak) {
             loom_status st = measure_peak(&peak);
             if (st != LOOM_OK) return cli_fail("bench", st);
@@ -421,6 +516,14 @@ static int run(int argc, char **argv) {
     }
 
     loom_precision prec = {LOOM_BF16, 1};
+    if (o.gemms) {
+        if (o.recompute || o.profile) return cli_usage_error("bench", "--gemms takes neither --recompute nor --profile");
+        if (loom_dtype_parse(o.precision ? o.precision : "bf16", &prec.compute) != LOOM_OK)
+            return cli_usage_error("bench", "--precision: %s", loom_last_error());
+        if (cli_parse_on_off("bench", "master-grad", o.master_grad, &prec.master_grad)) return 2;
+        loom_status st = run_gemms(&o, &cfg, prec);
+        return st == LOOM_OK ? 0 : cli_fail("bench", st);
+    }
     if (!o.precision) o.precision = "bf16";
     if (!o.recompute) o.recompute = "none";
     if (loom_dtype_parse(o.precision, &prec.compute) != LOOM_OK)
@@ -458,6 +561,10 @@ const command cmd_bench = {
     "With neither --precision nor --recompute it runs {fp32, bf16 master-grad} x\n"
     "{none, selective, full}, each in a fresh process so that rss_MiB is per line.\n"
     "--recompute none,selective,full runs the modes in turns, step by step, on one\n"
-    "model: their ratios then hold up on a busy machine (rss_MiB is n/a there).",
+    "model: their ratios then hold up on a busy machine (rss_MiB is n/a there).\n"
+    "--gemms times the step's GEMMs alone instead: per linear shape its forward, dX\n"
+    "and dW (into fp32 main_grad with master-grad), each the best of --steps calls\n"
+    "after --warmup, and their sum over a step (step_gemm_ms), the floor a step of\n"
+    "these shapes stands on; bench/peer_gemms.py times the same GEMMs in PyTorch.",
     run,
 };

@@ -2,9 +2,9 @@
 # test_bench.sh — `loom bench` end to end on small shapes: one configuration
 # (text and JSON, every field present, no malloc once two steps have warmed
 # the allocator's cache), the interleaved comparison of recompute modes, the
-# standard matrix (six lines, one process each), bad flags; and
-# bench/compare_peer.sh against the PyTorch peer when it and torch are
-# present. No timing is asserted.
+# standard matrix (six lines, one process each), the GEMM floor (--gemms),
+# bad flags; and bench/compare_peer.sh and bench/peer_gemms.py against the
+# PyTorch peer when it and torch are present. No timing is asserted.
 set -euo pipefail
 src=${LOOM_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}
 bin=${LOOM_BINARY_DIR:-$src/build}
@@ -40,6 +40,21 @@ for p in fp32 bf16; do for r in none selective full; do
   grep -q "precision=$p master_grad=on recompute=$r " <<<"$matrix" || fail "matrix lacks $p $r: $matrix"
 done; done
 
+# --gemms: every linear shape of the step (fwd, dX, dW), then their sum.
+g=$("$loom" bench --gemms --preset tiny --batch 1 --seq 16 --steps 1 --warmup 0 --precision bf16)
+for l in q k v o gate up down lm_head; do
+  grep -qE "^bench gemm $l +rows=16 .* fwd_ms=[0-9.]+ dx_ms=[0-9.]+ dw_ms=[0-9.]+ gflops=" <<<"$g" ||
+    fail "--gemms lacks $l: $g"
+done
+grep -qE '^bench gemm lm_head +rows=16 out=4096 in=288 count=1 ' <<<"$g" || fail "--gemms lm_head shape: $g"
+grep -qE '^bench gemm down +rows=16 out=288 in=768 count=6 ' <<<"$g" || fail "--gemms down shape: $g"
+grep -qE '^bench gemms preset=tiny precision=bf16 master_grad=on step_gemm_ms=[0-9.]*[1-9]' <<<"$g" ||
+  fail "--gemms sum: $g"
+gj=$("$loom" bench --gemms --json --preset tiny --batch 1 --seq 16 --steps 1 --warmup 0 --precision fp32)
+[ "$(grep -c '"gemm":' <<<"$gj")" = 8 ] || fail "--gemms --json: $gj"
+grep -q '"step_gemm_ms":' <<<"$gj" || fail "--gemms --json sum: $gj"
+if "$loom" bench --gemms --recompute full >/dev/null 2>&1; then fail "--gemms with --recompute accepted"; fi
+
 if "$loom" bench --preset huge >/dev/null 2>&1; then fail "unknown preset accepted"; fi
 if "$loom" bench --recompute sometimes >/dev/null 2>&1; then fail "unknown recompute mode accepted"; fi
 if "$loom" bench --precision bf16 --recompute none,full --profile >/dev/null 2>&1; then
@@ -53,6 +68,9 @@ if [ -f "$peer" ] && /usr/bin/python3 -c 'import torch' 2>/dev/null; then
   [ "$(grep -cE '^bf16 loom:none peer:none +[0-9]+ +[0-9]+ +[0-9.]+x ' <<<"$cmp")" = 2 ] || fail "compare_peer: not two pairs: $cmp"
   grep -q '^bf16 loom:none peer:none .*median speedup [0-9.]*x over 2 pairs (range ' <<<"$cmp" ||
     fail "compare_peer: no median line: $cmp"
+  pg=$(/usr/bin/python3 "$src/bench/peer_gemms.py" --batch 1 --seq 16 --steps 1 --warmup 0)
+  [ "$(grep -c '^peer gemm ' <<<"$pg")" = 8 ] || fail "peer_gemms: $pg"
+  grep -qE '^peer gemms .*step_gemm_ms=[0-9.]*[1-9]' <<<"$pg" || fail "peer_gemms sum: $pg"
   if LOOM=$loom "$src/bench/compare_peer.sh" --repeat 0 bf16:none:none >/dev/null 2>&1; then
     fail "compare_peer accepted --repeat 0"
   fi
