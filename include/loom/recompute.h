@@ -65,6 +65,23 @@ extern const loom_recompute_policy loom_recompute_policy_default;
 loom_status loom_checkpoint(loom_recompute_mode mode, loom_region_fn fn, void *user,
                             loom_tensor *const *inputs, int n_inputs, loom_tensor **outputs,
                             int n_outputs);
+/* Flags of loom_checkpoint_flags. */
+enum {
+    /* The caller vouches that the region's intermediate tensors pass only
+     * through loom functions: host code neither reads them nor copies them
+     * (loom_tensor_to, loom_tensor_contiguous...). A NONREENTRANT replay may
+     * then skip ops whose outputs nothing it needs reads (each LLaMA block's
+     * down projection and last residual add), with the same gradients. Views
+     * of an op's output count as the output; a region that runs an op under
+     * an explicit no-grad scope skips nothing. Other modes ignore it. */
+    LOOM_REGION_OPS_ONLY = 1u << 0,
+};
+
+/* loom_checkpoint with flags (LOOM_REGION_OPS_ONLY); unknown flags are
+ * LOOM_ERR_INVALID. loom_checkpoint is this with flags 0. */
+loom_status loom_checkpoint_flags(loom_recompute_mode mode, unsigned flags, loom_region_fn fn, void *user,
+                                  loom_tensor *const *inputs, int n_inputs, loom_tensor **outputs,
+                                  int n_outputs);
 /* Non-reentrant region with an explicit selective policy (NULL policy:
  * recompute everything). */
 loom_status loom_checkpoint_policy(const loom_recompute_policy *policy, loom_region_fn fn, void *user,

@@ -153,12 +153,17 @@ static void release_outputs(loom_tensor **outputs, int n) {
     }
 }
 
+/* Depth of forwards running on this thread (ops called inside an op's forward). */
+static _Thread_local int forward_depth;
+
 static loom_status run_forward(const loom_function *fn, loom_fn_ctx *ctx, loom_tensor *const *inputs,
                                int n_inputs, loom_tensor **outputs, int n_outputs) {
     /* Ops called inside a forward are part of this op, not recorded. */
     loom_no_grad_enter();
     profile_enter();
+    forward_depth++;
     loom_status st = fn->forward(ctx, inputs, n_inputs, outputs, n_outputs);
+    forward_depth--;
     profile_leave(fn, 0);
     loom_no_grad_exit();
     if (st != LOOM_OK) {
@@ -211,6 +216,7 @@ loom_status loom_function_apply(const loom_function *fn, loom_tensor *const *inp
     int recorded = grad_on && !replaying && (any || (fn->flags & LOOM_FN_PASS_THROUGH_PARAMS));
 
     if (!grad_on || (!recorded && !replaying && !hooks)) {
+        if (!grad_on && hooks && hooks->untracked_op && forward_depth == 0) hooks->untracked_op(hooks->self);
         ctx->discard = 1;
         loom_status st = run_forward(fn, ctx, inputs, n_inputs, outputs, n_outputs);
         ctx_free(ctx);

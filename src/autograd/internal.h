@@ -66,6 +66,10 @@ struct saved_hooks {
     void *(*pack)(void *self, loom_fn_ctx *ctx, loom_tensor *t);
     loom_status (*unpack)(void *handle, loom_tensor **out); /* borrowed result */
     void (*drop)(void *handle);
+    /* May be NULL. An op ran under an explicit no-grad scope in the code
+     * these hooks watch (not inside another op's forward): no hook saw it,
+     * so what it read and made is invisible to them. */
+    void (*untracked_op)(void *self);
 };
 
 /* Enable recording regardless of no-grad scopes; returns what to restore. */

@@ -290,7 +290,8 @@ loom_status loom_llama_forward(loom_llama *m, const int32_t *tokens, const int32
         struct llama_block_args *a = &m->block_args[l];
         a->m = m; a->layer = l; a->B = B; a->T = T;
         loom_tensor *next = NULL;
-        st = loom_checkpoint(m->recompute.mode, block_region, a, &x, 1, &next, 1);
+        /* block_region passes its intermediates only through ops. */
+        st = loom_checkpoint_flags(m->recompute.mode, LOOM_REGION_OPS_ONLY, block_region, a, &x, 1, &next, 1);
         loom_tensor_release(x);
         x = next;
     }

@@ -139,13 +139,21 @@ static const loom_function reentrant_fn = {
 loom_status loom_checkpoint(loom_recompute_mode mode, loom_region_fn fn, void *user,
                             loom_tensor *const *inputs, int n_inputs, loom_tensor **outputs,
                             int n_outputs) {
+    return loom_checkpoint_flags(mode, 0, fn, user, inputs, n_inputs, outputs, n_outputs);
+}
+
+loom_status loom_checkpoint_flags(loom_recompute_mode mode, unsigned flags, loom_region_fn fn, void *user,
+                                  loom_tensor *const *inputs, int n_inputs, loom_tensor **outputs,
+                                  int n_outputs) {
     if (!fn) return loom_error(LOOM_ERR_INVALID, "checkpoint: region function is NULL");
+    if (flags & ~(unsigned)LOOM_REGION_OPS_ONLY)
+        return loom_error(LOOM_ERR_INVALID, "checkpoint: unknown flags 0x%x", flags & ~(unsigned)LOOM_REGION_OPS_ONLY);
     switch (mode) {
     case LOOM_RECOMPUTE_NONE:
         for (int i = 0; i < n_outputs; i++) outputs[i] = NULL;
         return fn(user, inputs, n_inputs, outputs, n_outputs);
     case LOOM_RECOMPUTE_NONREENTRANT:
-        return loom_checkpoint_policy(NULL, fn, user, inputs, n_inputs, outputs, n_outputs);
+        return recompute_region_run(NULL, flags, fn, user, inputs, n_inputs, outputs, n_outputs);
     case LOOM_RECOMPUTE_SELECTIVE:
         return loom_checkpoint_policy(&loom_recompute_policy_default, fn, user, inputs, n_inputs, outputs,
                                       n_outputs);
@@ -154,7 +162,7 @@ loom_status loom_checkpoint(loom_recompute_mode mode, loom_region_fn fn, void *u
             for (int i = 0; i < n_outputs; i++) outputs[i] = NULL;
             return fn(user, inputs, n_inputs, outputs, n_outputs);
         }
-        unsigned char null_local[16];
+        unsigned char null_local[16] = {0};
         unsigned char *null_outputs = n_outputs <= 16 ? null_local : calloc((size_t)n_outputs, 1);
         if (!null_outputs) return loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
         recompute_count_region();

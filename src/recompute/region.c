@@ -9,6 +9,7 @@
  */
 #include "recompute/internal.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -41,8 +42,8 @@ typedef struct op_record {
      * because everything it saves is one of its inputs and nothing live
      * consumes its outputs, gets its placeholders refilled from its inputs
      * and uninitialised outputs of the recorded shapes. */
-    int *in_producer;     /* per input: the region op that made it, or -1 */
-    const loom_tensor **outs; /* its outputs in the forward (identity only) */
+    int *in_producer;     /* per input: the region op whose output shares its storage, or -1 */
+    const loom_storage **out_storage; /* its outputs' storage in the forward (identity only) */
     saved_meta *out_meta;
     int n_outs;
     int own_saves;        /* saved something that is not one of its inputs */
@@ -59,6 +60,8 @@ typedef struct region {
     loom_rng rng_start;
     loom_recompute_policy policy;
     int has_policy;
+    int ops_only;          /* the caller vouched that intermediates flow only through ops */
+    int untracked;         /* an op ran under no-grad in the region's code: skip nothing */
     saved_meta *meta;
     loom_tensor **replayed;
     int n_saved, cap_saved;
@@ -91,7 +94,7 @@ static void region_release(region *r) {
         free(r->ops[j].needs_grad);
         free(r->ops[j].ph_input);
         free(r->ops[j].in_producer);
-        free(r->ops[j].outs);
+        free(r->ops[j].out_storage);
         free(r->ops[j].out_meta);
     }
     free(r->inputs);
@@ -136,11 +139,12 @@ static int fw_before(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor *co
     op->ph_input = malloc((size_t)(ctx->n_inputs > 0 ? ctx->n_inputs : 1) * 4 * sizeof *op->ph_input);
     op->in_producer = malloc((size_t)(ctx->n_inputs > 0 ? ctx->n_inputs : 1) * sizeof *op->in_producer);
     LOOM_ASSERT(op->ph_input != NULL && op->in_producer != NULL);
+    /* By storage, so that a view of an op's output counts as that output. */
     for (int i = 0; i < ctx->n_inputs; i++) {
         op->in_producer[i] = -1;
         for (int j = r->n_ops - 2; j >= 0 && op->in_producer[i] < 0 && inputs[i]; j--)
             for (int k = 0; k < r->ops[j].n_outs; k++)
-                if (r->ops[j].outs[k] == inputs[i]) op->in_producer[i] = j;
+                if (r->ops[j].out_storage[k] == inputs[i]->storage) op->in_producer[i] = j;
     }
     r->cur_inputs = inputs;
     r->cur_rng = loom_rng_default()->offset;
@@ -159,11 +163,11 @@ static void fw_after(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor **o
     (void)recorded; (void)ctx;
     op->ph_count = r->n_saved - op->ph_first;
     op->rng_used = loom_rng_default()->offset != r->cur_rng;
-    op->outs = calloc((size_t)(n_outputs ? n_outputs : 1), sizeof *op->outs);
+    op->out_storage = calloc((size_t)(n_outputs ? n_outputs : 1), sizeof *op->out_storage);
     op->out_meta = calloc((size_t)(n_outputs ? n_outputs : 1), sizeof *op->out_meta);
-    LOOM_ASSERT(op->outs != NULL && op->out_meta != NULL);
+    LOOM_ASSERT(op->out_storage != NULL && op->out_meta != NULL);
     for (int k = 0; k < n_outputs; k++) {
-        op->outs[k] = outputs[k];
+        op->out_storage[k] = outputs[k]->storage;
         op->out_meta[k].ndim = outputs[k]->ndim;
         memcpy(op->out_meta[k].shape, outputs[k]->shape, sizeof op->out_meta[k].shape);
         op->out_meta[k].dtype = outputs[k]->dtype;
@@ -177,6 +181,8 @@ static void fw_after(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor **o
     op->n_kept = n_outputs;
     stats.kept_outputs += n_outputs;
 }
+
+static void fw_untracked(void *self) { ((region *)self)->untracked = 1; }
 
 static void *fw_pack(void *self, loom_fn_ctx *ctx, loom_tensor *t) {
     (void)ctx;
@@ -218,6 +224,24 @@ static void *fw_pack(void *self, loom_fn_ctx *ctx, loom_tensor *t) {
 static void mismatch(region *r, const char *msg) {
     if (!r->mismatch) snprintf(r->mismatch_msg, sizeof r->mismatch_msg, "%s", msg);
     r->mismatch = 1;
+}
+
+/* A skipped op's output is filled with NaN (all-ones bytes for other
+ * dtypes), not left with whatever the allocator's cache held: if anything
+ * did read it after all, the gradients say so loudly instead of being
+ * silently computed from a stale copy of the value. */
+static void poison(loom_tensor *t) {
+    size_t n = (size_t)loom_tensor_numel(t);
+    void *d = loom_tensor_data(t);
+    if (t->dtype == LOOM_F32) {
+        float nan = NAN;
+        for (size_t i = 0; i < n; i++) ((float *)d)[i] = nan;
+    } else if (t->dtype == LOOM_BF16 || t->dtype == LOOM_F16) {
+        uint16_t nan = t->dtype == LOOM_BF16 ? 0x7fc0 : 0x7e00;
+        for (size_t i = 0; i < n; i++) ((uint16_t *)d)[i] = nan;
+    } else {
+        memset(d, 0xff, n * loom_dtype_size(t->dtype));
+    }
 }
 
 static int rp_before(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor *const *inputs, loom_tensor **outputs,
@@ -264,6 +288,7 @@ static int rp_before(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor *co
                 for (int i = 0; i < k; i++) { loom_tensor_release(outputs[i]); outputs[i] = NULL; }
                 return 0;
             }
+            poison(outputs[k]);
         }
         stats.skipped_ops++;
     } else {
@@ -275,16 +300,20 @@ static int rp_before(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor *co
     return 1;
 }
 
-/* Which ops the replay of a full (non-selective) region may skip: walking
- * back from the end, an op is live when it saved something other than its
- * inputs, drew random numbers, or a live op reads one of its outputs; a
- * skipped op still needs the inputs it refills its placeholders from, so
- * their producers are live too. The region's own outputs are discarded by
- * the replay. */
+/* Which ops the replay of a full (non-selective) region may skip, when its
+ * caller vouched that the region's intermediates flow only through ops
+ * (LOOM_REGION_OPS_ONLY) and no op ran under no-grad in it: walking back
+ * from the end, an op is live when it saved something other than its
+ * inputs, drew random numbers, passes parameters through (a nested
+ * reentrant region: it does more than produce outputs), or a live op reads
+ * one of its outputs or a view of one; a skipped op still needs the inputs
+ * it refills its placeholders from, so their producers are live too. The
+ * region's own outputs are discarded by the replay. */
 static void mark_skippable(region *r) {
+    if (!r->ops_only || r->untracked) return;
     for (int j = r->n_ops - 1; j >= 0; j--) {
         op_record *op = &r->ops[j];
-        op->live |= op->own_saves || op->rng_used;
+        op->live |= op->own_saves || op->rng_used || (op->fn->flags & LOOM_FN_PASS_THROUGH_PARAMS);
         op->skip = !op->live;
         for (int i = 0; i < op->n_inputs; i++) {
             int p = op->in_producer[i], needed = op->live;
@@ -402,9 +431,9 @@ int recompute_in_region(void) {
     return h && (h->before_forward == fw_before || h->before_forward == rp_before);
 }
 
-loom_status loom_checkpoint_policy(const loom_recompute_policy *policy, loom_region_fn fn, void *user,
-                                   loom_tensor *const *inputs, int n_inputs, loom_tensor **outputs,
-                                   int n_outputs) {
+loom_status recompute_region_run(const loom_recompute_policy *policy, unsigned flags, loom_region_fn fn,
+                                 void *user, loom_tensor *const *inputs, int n_inputs, loom_tensor **outputs,
+                                 int n_outputs) {
     for (int i = 0; i < n_outputs; i++) outputs[i] = NULL;
     /* Without grad nothing is saved; inside another region (first forward
      * or replay) the outer region already covers this one. */
@@ -428,8 +457,9 @@ loom_status loom_checkpoint_policy(const loom_recompute_policy *policy, loom_reg
         r->policy = *policy;
         r->has_policy = 1;
     }
-    r->fw_hooks = (saved_hooks){r, 0, fw_before, fw_after, fw_pack, ph_unpack, ph_drop};
-    r->rp_hooks = (saved_hooks){r, 1, rp_before, rp_after, rp_pack, ph_unpack, ph_drop};
+    r->ops_only = (flags & LOOM_REGION_OPS_ONLY) != 0;
+    r->fw_hooks = (saved_hooks){r, 0, fw_before, fw_after, fw_pack, ph_unpack, ph_drop, fw_untracked};
+    r->rp_hooks = (saved_hooks){r, 1, rp_before, rp_after, rp_pack, ph_unpack, ph_drop, NULL};
     autograd_hooks_push(&r->fw_hooks);
     loom_status st = fn(user, inputs, n_inputs, outputs, n_outputs);
     autograd_hooks_pop();
@@ -437,4 +467,10 @@ loom_status loom_checkpoint_policy(const loom_recompute_policy *policy, loom_reg
         for (int i = 0; i < n_outputs; i++) { loom_tensor_release(outputs[i]); outputs[i] = NULL; }
     region_release(r);
     return st;
+}
+
+loom_status loom_checkpoint_policy(const loom_recompute_policy *policy, loom_region_fn fn, void *user,
+                                   loom_tensor *const *inputs, int n_inputs, loom_tensor **outputs,
+                                   int n_outputs) {
+    return recompute_region_run(policy, 0, fn, user, inputs, n_inputs, outputs, n_outputs);
 }

@@ -360,7 +360,8 @@ static void run_dead_dropout(loom_recompute_mode mode, grad_set *gs) {
     dropout_block b = {w, 0.5f};
     loom_tensor *x = make_leaf(ROWS, DIM, 4, 1), *y = NULL;
     loom_rng_init(loom_rng_default(), 77);
-    assert_int_equal(loom_checkpoint(mode, dead_dropout_region, &b, &x, 1, &y, 1), LOOM_OK);
+    assert_int_equal(loom_checkpoint_flags(mode, LOOM_REGION_OPS_ONLY, dead_dropout_region, &b, &x, 1, &y, 1),
+                     LOOM_OK);
     loom_tensor *loss = weighted_sum(y, 52);
     backward_ok(loss);
     collect_and_free(gs, w, x, y, loss);
@@ -380,6 +381,128 @@ static void test_dead_op_drawing_random_numbers(void **state) {
     assert_true(rs.skipped_ops >= 1); /* the mul is skipped (its saves are its inputs); the dropouts run */
     gs_free(&got);
     gs_free(&ref);
+}
+
+/* ------------------------------ 2b. what keeps the dead-op rule honest */
+
+/* Dead-op skipping is for regions whose caller vouches that intermediates
+ * flow only through ops (LOOM_REGION_OPS_ONLY); within those, a view of an
+ * op's output is that output, an op under explicit no-grad turns skipping
+ * off, and a nested reentrant region always runs. Each scenario would give
+ * NaN gradients (skipped outputs are NaN-filled) if its rule were missing. */
+typedef struct skip_block {
+    loom_param *w1, *w2;
+    int kind; /* SKIP_* */
+} skip_block;
+
+enum { SKIP_PLAIN, SKIP_VIEW, SKIP_NO_GRAD, SKIP_NESTED };
+
+/* y = silu(h W2^T), the inner region of SKIP_NESTED. */
+static loom_status skip_inner(void *user, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
+    (void)n_in; (void)n_out;
+    skip_block *b = user;
+    loom_tensor *t = NULL;
+    loom_status st = loom_fused_linear(in[0], b->w2->tensor, NULL, &t);
+    if (st == LOOM_OK) st = loom_silu(t, &out[0]);
+    loom_tensor_release(t);
+    return st;
+}
+
+/* h = x W1^T, then per kind:
+ *   PLAIN:   y = (h * h) + h              the mul and the add are dead
+ *   VIEW:    y = v * (x W2^T), v a raw view of h (a constant to autograd):
+ *            the mul is dead, and it reads h only through v
+ *   NO_GRAD: m = h * h under no-grad; y = m * (x W2^T)
+ *   NESTED:  y = reentrant(silu(h W2^T)) + h   the region is read only by a dead add */
+static loom_status skip_region(void *user, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
+    (void)n_in; (void)n_out;
+    skip_block *b = user;
+    loom_tensor *h = NULL, *a = NULL, *z = NULL;
+    loom_status st = loom_fused_linear(in[0], b->w1->tensor, NULL, &h);
+    if (st != LOOM_OK) return st;
+    switch (b->kind) {
+    case SKIP_PLAIN:
+        st = loom_mul(h, h, &a);
+        if (st == LOOM_OK) st = loom_add(a, h, &out[0]);
+        break;
+    case SKIP_VIEW:
+        a = loom_tensor_view(h, 2, h->shape); /* a raw view: a constant to autograd */
+        st = a ? loom_fused_linear(in[0], b->w2->tensor, NULL, &z) : LOOM_ERR_NOMEM;
+        if (st == LOOM_OK) st = loom_mul(a, z, &out[0]);
+        break;
+    case SKIP_NO_GRAD:
+        loom_no_grad_enter();
+        st = loom_mul(h, h, &a);
+        loom_no_grad_exit();
+        if (st == LOOM_OK) st = loom_fused_linear(in[0], b->w2->tensor, NULL, &z);
+        if (st == LOOM_OK) st = loom_mul(a, z, &out[0]);
+        break;
+    default:
+        st = loom_checkpoint(LOOM_RECOMPUTE_REENTRANT, skip_inner, b, &h, 1, &a, 1);
+        if (st == LOOM_OK) st = loom_add(a, h, &out[0]);
+    }
+    loom_tensor_release(h);
+    loom_tensor_release(a);
+    loom_tensor_release(z);
+    return st;
+}
+
+static void run_skip(int kind, loom_recompute_mode mode, unsigned flags, grad_set *gs, long *skipped) {
+    loom_param *w1 = make_param("w1", DIM, DIM, 80), *w2 = make_param("w2", DIM, DIM, 81);
+    skip_block b = {w1, w2, kind};
+    loom_tensor *x = make_leaf(ROWS, DIM, 12, 1), *y = NULL;
+    loom_recompute_reset_stats();
+    assert_int_equal(loom_checkpoint_flags(mode, flags, skip_region, &b, &x, 1, &y, 1), LOOM_OK);
+    loom_tensor *loss = weighted_sum(y, 57);
+    backward_ok(loss);
+    loom_recompute_stats rs;
+    loom_recompute_get_stats(&rs);
+    *skipped = rs.skipped_ops;
+    /* Through a raw view or a no-grad op, h carries no gradient to w1. */
+    if (kind == SKIP_PLAIN || kind == SKIP_NESTED) gs_param(gs, w1);
+    if (kind != SKIP_PLAIN) gs_param(gs, w2);
+    gs_leaf(gs, "x", x);
+    loom_tensor_release(loss);
+    loom_tensor_release(y);
+    loom_tensor_release(x);
+    loom_param_free(w1);
+    loom_param_free(w2);
+}
+
+static void test_dead_op_rule_guards(void **state) {
+    (void)state;
+    /* kind, ops replay skips with LOOM_REGION_OPS_ONLY */
+    static const struct { int kind; long skipped; const char *what; } cases[] = {
+        {SKIP_PLAIN, 2, "plain: the mul and the add"},
+        {SKIP_VIEW, 1, "the mul is skipped, but a view of h keeps h's producer"},
+        {SKIP_NO_GRAD, 0, "a no-grad op turns skipping off"},
+        {SKIP_NESTED, 1, "the nested reentrant region runs; the add is skipped"},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        grad_set ref = {0}, got = {0}, plain = {0};
+        long skipped = -1;
+        run_skip(cases[c].kind, LOOM_RECOMPUTE_NONE, 0, &ref, &skipped);
+        gs_expect_nonzero(&ref);
+        run_skip(cases[c].kind, LOOM_RECOMPUTE_NONREENTRANT, LOOM_REGION_OPS_ONLY, &got, &skipped);
+        gs_expect_equal(&ref, &got, cases[c].what);
+        if (skipped != cases[c].skipped) {
+            fprintf(stderr, "%s: %ld ops skipped, expected %ld\n", cases[c].what, skipped, cases[c].skipped);
+            fail();
+        }
+        /* Without the flag the replay runs every op. */
+        run_skip(cases[c].kind, LOOM_RECOMPUTE_NONREENTRANT, 0, &plain, &skipped);
+        gs_expect_equal(&ref, &plain, cases[c].what);
+        assert_int_equal(skipped, 0);
+        gs_free(&ref);
+        gs_free(&got);
+        gs_free(&plain);
+    }
+    loom_tensor *x = make_leaf(ROWS, DIM, 12, 1), *y = NULL;
+    skip_block b = {NULL, NULL, SKIP_PLAIN};
+    assert_int_equal(loom_checkpoint_flags(LOOM_RECOMPUTE_NONREENTRANT, 1u << 7, skip_region, &b, &x, 1, &y, 1),
+                     LOOM_ERR_INVALID);
+    assert_null(y);
+    loom_tensor_release(x);
 }
 
 static void test_dropout_rng_replay(void **state) {
@@ -936,6 +1059,7 @@ int main(void) {
         cmocka_unit_test(test_nothing_to_recompute),
         cmocka_unit_test(test_dropout_rng_replay),
         cmocka_unit_test(test_dead_op_drawing_random_numbers),
+        cmocka_unit_test(test_dead_op_rule_guards),
         cmocka_unit_test(test_null_and_non_tensor_arguments),
         cmocka_unit_test(test_partial_gradients),
         cmocka_unit_test(test_outputs_need_no_gradient),
