@@ -296,8 +296,8 @@ static loom_status save_checkpoint(trainer *t) {
         mm[i] = malloc(n * sizeof(float) + 1);
         vv[i] = malloc(n * sizeof(float) + 1);
         if (!mm[i] || !vv[i]) st = loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
-        else st = loom_dist_optim_get_moments(t->opt, i, mm[i], vv[i]);
     }
+    if (st == LOOM_OK) st = loom_dist_optim_get_moments(t->opt, mm, vv);
     if (st == LOOM_OK && t->dist.dp_rank == 0)
         st = loom_checkpoint_save(dir, m, mm, vv, loom_dist_optim_steps(t->opt), &t->state,
                                   t->has_tokenizer ? t->tokenizer_path : NULL);
@@ -327,7 +327,7 @@ static loom_status restore(trainer *t, const char *dir) {
     if (st == LOOM_OK) st = loom_dist_optim_unshard_masters(t->opt);
     if (st == LOOM_OK) st = loom_checkpoint_load(dir, m, mm, vv, &adam_steps, &t->state);
     if (st == LOOM_OK) st = loom_dist_optim_reshard_masters(t->opt);
-    for (int i = 0; i < m->n_params && st == LOOM_OK; i++) loom_dist_optim_set_moments(t->opt, i, mm[i], vv[i]);
+    if (st == LOOM_OK) loom_dist_optim_set_moments(t->opt, (const float *const *)mm, (const float *const *)vv);
     loom_dist_optim_set_steps(t->opt, adam_steps);
     for (int i = 0; i < m->n_params; i++) { if (mm) free(mm[i]); if (vv) free(vv[i]); }
     free(mm);

@@ -84,10 +84,11 @@ int loom_dist_optim_steps(const loom_dist_optim *o);
  * last step started during backward. */
 int loom_dist_optim_buckets(const loom_dist_optim *o, int *early);
 void loom_dist_optim_set_steps(loom_dist_optim *o, int steps);
-/* Parameter i's moments (this rank's TP shard, numel floats each): read
- * (collective over the DP group with ZeRO) and write. */
-loom_status loom_dist_optim_get_moments(loom_dist_optim *o, int i, float *m, float *v);
-void loom_dist_optim_set_moments(loom_dist_optim *o, int i, const float *m, const float *v);
+/* Every parameter's moments, m[i] and v[i] for parameter i (this rank's TP
+ * shard, numel floats each): read (collective over the DP group with ZeRO:
+ * two all-gathers in all) and write. */
+loom_status loom_dist_optim_get_moments(loom_dist_optim *o, float *const *m, float *const *v);
+void loom_dist_optim_set_moments(loom_dist_optim *o, const float *const *m, const float *const *v);
 
 /* Linear warmup over `warmup` steps to max_lr, then cosine decay to min_lr
  * at `total` steps. step counts from 0. */

@@ -53,6 +53,10 @@ loom_status loom_dist_init(int *argc, char ***argv, loom_comm **world) {
     int provided;
     LOOM_TRY(mpi_check(MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided), "MPI_Init"));
     mpi_active = 1;
+    if (provided < MPI_THREAD_FUNNELED) /* loom's OpenMP threads run beside MPI calls of the main thread */
+        return loom_error(LOOM_ERR_DIST, "MPI_Init: this MPI library offers thread level %d; loom needs "
+                          "MPI_THREAD_FUNNELED (%d): use an MPI built with thread support", provided,
+                          MPI_THREAD_FUNNELED);
     world_comm.mpi = MPI_COMM_WORLD;
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
     MPI_Comm_rank(MPI_COMM_WORLD, &world_comm.rank);

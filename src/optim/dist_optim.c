@@ -12,6 +12,7 @@
 #include "loom/optim.h"
 #include "kernels/kernels.h"
 
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 
@@ -112,6 +113,9 @@ static loom_status make_buckets(loom_dist_optim *o) {
             for (int r = 0; r < D; r++) {
                 size_t b = (size_t)r * o->shard, e = b + o->shard;
                 size_t s = bk->lo > b ? bk->lo : b, t = bk->hi < e ? bk->hi : e;
+                if (t > s && t - s > (size_t)INT_MAX)
+                    return loom_error(LOOM_ERR_DIST, "ZeRO: a bucket's shard of %zu floats is more than MPI can "
+                                      "count in one call; lower --bucket-size", t - s);
                 bk->counts[r] = t > s ? (int)(t - s) : 0;
             }
         }
@@ -122,6 +126,11 @@ static loom_status make_buckets(loom_dist_optim *o) {
 loom_status loom_dist_optim_new(const loom_adamw_config *cfg, loom_param *const *params, int n, const loom_dist *dist,
                                 int zero, size_t bucket_floats, loom_dist_optim **out) {
     *out = NULL;
+    for (int i = 0; i < n; i++)
+        if (params[i]->master_sharded)
+            return loom_error(LOOM_ERR_STATE, "optimizer: parameter %s has no master weights (an earlier ZeRO "
+                              "optimizer holds them sharded); call loom_dist_optim_unshard_masters before freeing "
+                              "that optimizer", params[i]->name);
     loom_dist_optim *o = calloc(1, sizeof *o);
     if (!o) return loom_error(LOOM_ERR_NOMEM, "optimizer: out of memory");
     o->cfg = *cfg;
@@ -194,11 +203,13 @@ static loom_status start_bucket(loom_dist_optim *o, int k) {
     }
     if (bk->hi == o->padded) memset(o->flat + o->total, 0, (o->padded - o->total) * sizeof(float)); /* the padding */
     bk->contributions = bucket_contributions(o, bk);
-    o->started = k + 1;
+    loom_status st = LOOM_OK;
     if (o->zero) /* in place: this rank's part lands at lo (moved home afterwards) */
-        return loom_comm_ireduce_scatter_f32(o->dist.dp, o->flat + bk->lo, o->flat + bk->lo, bk->counts, &bk->req);
-    if (o->dist.dp_size > 1) return loom_comm_iallreduce_sum_f32(o->dist.dp, o->flat + bk->lo, bk->hi - bk->lo, &bk->req);
-    return LOOM_OK;
+        st = loom_comm_ireduce_scatter_f32(o->dist.dp, o->flat + bk->lo, o->flat + bk->lo, bk->counts, &bk->req);
+    else if (o->dist.dp_size > 1)
+        st = loom_comm_iallreduce_sum_f32(o->dist.dp, o->flat + bk->lo, bk->hi - bk->lo, &bk->req);
+    if (st == LOOM_OK) o->started = k + 1; /* a bucket that failed to start never counts as reduced */
+    return st;
 }
 
 /* After each node of the watched backward: start every bucket whose
@@ -222,6 +233,9 @@ static loom_status on_backward_node(void *user) {
 
 void loom_dist_optim_watch_backward(loom_dist_optim *o) {
     if (!o->distributed || o->dist.dp_size < 2) return;
+    /* A failed step may have left reductions in flight: finish them before
+     * their requests are reused (ranks stay in step). */
+    for (int k = 0; k < o->nb; k++) (void)loom_comm_wait(&o->buckets[k].req);
     for (int i = 0; i < o->n; i++) o->base[i] = o->params[i]->contributions;
     o->started = o->early = 0;
     o->watching = 1;
@@ -384,35 +398,39 @@ loom_status loom_dist_optim_reshard_masters(loom_dist_optim *o) {
     return LOOM_OK;
 }
 
-/* ZeRO: moment array `src` (shard) -> full parameter i via the flat buffer. */
-static loom_status gather_moment(loom_dist_optim *o, int i, const float *src, float *out) {
+/* ZeRO: moment array `src` (shard) -> every parameter's out[i], through the
+ * flat buffer: one all-gather. */
+static loom_status gather_moment(loom_dist_optim *o, const float *src, float *const *out) {
     memcpy(o->flat + o->own_begin, src, o->shard * sizeof(float));
     LOOM_TRY(loom_comm_allgather_f32(o->dist.dp, o->flat + o->own_begin, o->flat, o->shard));
-    memcpy(out, o->flat + o->offset[i], (size_t)loom_param_numel(o->params[i]) * sizeof(float));
+    for (int i = 0; i < o->n; i++)
+        memcpy(out[i], o->flat + o->offset[i], (size_t)loom_param_numel(o->params[i]) * sizeof(float));
     memset(o->flat, 0, o->padded * sizeof(float));
     return LOOM_OK;
 }
 
-loom_status loom_dist_optim_get_moments(loom_dist_optim *o, int i, float *m, float *v) {
-    size_t k = (size_t)loom_param_numel(o->params[i]);
-    if (!o->zero) {
-        memcpy(m, loom_adamw_m(o->plain, i), k * sizeof(float));
-        memcpy(v, loom_adamw_v(o->plain, i), k * sizeof(float));
-        return LOOM_OK;
+loom_status loom_dist_optim_get_moments(loom_dist_optim *o, float *const *m, float *const *v) {
+    if (o->zero) {
+        LOOM_TRY(gather_moment(o, o->m, m));
+        return gather_moment(o, o->v, v);
     }
-    LOOM_TRY(gather_moment(o, i, o->m, m));
-    return gather_moment(o, i, o->v, v);
+    for (int i = 0; i < o->n; i++) {
+        size_t k = (size_t)loom_param_numel(o->params[i]);
+        memcpy(m[i], loom_adamw_m(o->plain, i), k * sizeof(float));
+        memcpy(v[i], loom_adamw_v(o->plain, i), k * sizeof(float));
+    }
+    return LOOM_OK;
 }
 
-void loom_dist_optim_set_moments(loom_dist_optim *o, int i, const float *m, const float *v) {
-    size_t k = (size_t)loom_param_numel(o->params[i]);
-    if (!o->zero) {
-        memcpy(loom_adamw_m(o->plain, i), m, k * sizeof(float));
-        memcpy(loom_adamw_v(o->plain, i), v, k * sizeof(float));
-        return;
+void loom_dist_optim_set_moments(loom_dist_optim *o, const float *const *m, const float *const *v) {
+    for (int i = 0; i < o->n; i++) {
+        size_t k = (size_t)loom_param_numel(o->params[i]), s, t, lo = o->offset[i];
+        if (!o->zero) {
+            memcpy(loom_adamw_m(o->plain, i), m[i], k * sizeof(float));
+            memcpy(loom_adamw_v(o->plain, i), v[i], k * sizeof(float));
+        } else if (own_part(o, i, &s, &t)) {
+            memcpy(o->m + (s - o->own_begin), m[i] + (s - lo), (t - s) * sizeof(float));
+            memcpy(o->v + (s - o->own_begin), v[i] + (s - lo), (t - s) * sizeof(float));
+        }
     }
-    size_t s, t, lo = o->offset[i];
-    if (!own_part(o, i, &s, &t)) return;
-    memcpy(o->m + (s - o->own_begin), m + (s - lo), (t - s) * sizeof(float));
-    memcpy(o->v + (s - o->own_begin), v + (s - lo), (t - s) * sizeof(float));
 }

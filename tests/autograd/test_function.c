@@ -378,10 +378,19 @@ static void test_grad_buffer_and_master(void **state) {
 
     loom_param_drop_master(p);
     assert_true(p->master == NULL && p->master_sharded);
+    /* An optimizer over a parameter whose master is held elsewhere would
+     * update zeros: it is refused. */
+    loom_dist_optim *opt = NULL;
+    loom_adamw_config ac = loom_adamw_defaults();
+    assert_int_equal(loom_dist_optim_new(&ac, &p, 1, NULL, 0, 0, &opt), LOOM_ERR_STATE);
+    assert_null(opt);
+    assert_non_null(strstr(loom_last_error(), "unshard"));
     assert_int_equal(loom_param_attach_master(p, v), LOOM_OK);
     assert_false(p->master_sharded);
     memcpy(back, loom_param_master(p), sizeof back);
     assert_memory_equal(back, v, sizeof back);
+    assert_int_equal(loom_dist_optim_new(&ac, &p, 1, NULL, 0, 0, &opt), LOOM_OK);
+    loom_dist_optim_free(opt);
     loom_tensor_release(ones);
     loom_param_free(p);
 }
