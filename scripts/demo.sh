@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job: build loom, tokenize the default corpus (Debian's fortunes),
 # train the `tiny` LLaMA for a few minutes, then generate text from it.
-# Environment: STEPS (default 200), OUT (default out/demo).
+# Environment: STEPS (default 200), OUT (default out/demo, recreated).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${STEPS:-200}
@@ -17,6 +17,7 @@ if [ ${#corpus[@]} -eq 0 ]; then
   exit 1
 fi
 build/loom tokenize --train "${corpus[@]}" --vocab 4096 --in "${corpus[@]}" --doc-sep % --out data/fortunes
+rm -rf "$OUT" # the demo's own output: a rerun starts afresh (train refuses another run's checkpoints)
 build/loom train --data data/fortunes --preset tiny --out "$OUT" --steps "$STEPS" --batch 8 --seq 256 \
   --lr 2e-3 --warmup 20 --eval-every 50 --precision bf16 --master-grad on
 echo

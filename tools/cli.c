@@ -1,6 +1,9 @@
 /* cli.c — flag parsing and help for the loom subcommands; see cli.h. */
 #include "cli.h"
 
+#include <errno.h>
+#include <float.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -10,6 +13,7 @@ static int parse_value(const char *cmd, const flag *f, const char *v) {
     char *end;
     switch (f->kind) {
     case FLAG_STRING:
+        if (!*v) return cli_usage_error(cmd, "--%s expects a value (%s), got an empty string", f->name, f->metavar), -1;
         *(const char **)f->target = v;
         return 0;
     case FLAG_INT: {
@@ -20,12 +24,15 @@ static int parse_value(const char *cmd, const flag *f, const char *v) {
         return 0;
     }
     case FLAG_FLOAT: {
+        errno = 0;
         double x = strtod(v, &end);
-        if (*v == '\0' || *end) return cli_usage_error(cmd, "--%s expects a number, got '%s'", f->name, v), -1;
+        if (*v == '\0' || *end || errno == ERANGE || !isfinite(x) || fabs(x) > FLT_MAX)
+            return cli_usage_error(cmd, "--%s expects a finite number, got '%s'", f->name, v), -1;
         *(float *)f->target = (float)x;
         return 0;
     }
     case FLAG_LIST: {
+        if (!*v) return cli_usage_error(cmd, "--%s expects %s, got an empty string", f->name, f->metavar), -1;
         string_list *l = f->target;
         const char **items = realloc(l->items, (size_t)(l->n + 1) * sizeof *items);
         if (!items) return cli_usage_error(cmd, "out of memory"), -1;
@@ -67,8 +74,8 @@ int cli_parse(const command *cmd, const flag *flags, int n_flags, int argc, char
             v = argv[++i];
         }
         if (parse_value(cmd->name, f, v) != 0) return -1;
-        /* A list takes every following non-flag argument too. */
-        while (f->kind == FLAG_LIST && i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0)
+        /* A list takes every following argument that is not a flag (-x, --x) too. */
+        while (f->kind == FLAG_LIST && i + 1 < argc && !(argv[i + 1][0] == '-' && argv[i + 1][1]))
             if (parse_value(cmd->name, f, argv[++i]) != 0) return -1;
     }
     return 0;

@@ -61,7 +61,7 @@ static int run(int argc, char **argv) {
     }
     int n_out = 0;
     if (st == LOOM_OK) {
-        loom_sampler sp = {temperature, top_p, (uint64_t)seed};
+        loom_sampler sp = {temperature, top_p, (uint64_t)seed, loom_tokenizer_vocab_size(tok)};
         st = loom_llama_generate(m, ids, (int)n_ids, n_tokens, &sp, loom_tokenizer_eot(tok), out, &n_out);
     }
     if (st == LOOM_OK && n_out > 0 && out[n_out - 1] == loom_tokenizer_eot(tok)) n_out--;

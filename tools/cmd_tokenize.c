@@ -4,9 +4,13 @@
  */
 #include "cli.h"
 
+#include <dirent.h>
+#include <errno.h>
+#include <fnmatch.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define SHARD_TOKENS 100000000
 
@@ -63,6 +67,27 @@ static loom_status append_doc(loom_tokenizer *tok, tok_buf *b, const doc *d) {
     return LOOM_OK;
 }
 
+/* Shards an earlier run wrote here (train_NNNNNN.bin, val_NNNNNN.bin): the
+ * data loader reads every *train*.bin of a directory, so shards this run
+ * does not rewrite would silently join the new data. */
+static loom_status remove_old_shards(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return LOOM_OK; /* nothing there yet */
+    int removed = 0;
+    loom_status st = LOOM_OK;
+    char path[4096];
+    for (struct dirent *e; st == LOOM_OK && (e = readdir(d));) {
+        if (fnmatch("train_[0-9]*.bin", e->d_name, 0) && fnmatch("val_[0-9]*.bin", e->d_name, 0)) continue;
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        if (unlink(path) != 0) st = loom_error(LOOM_ERR_IO, "cannot remove the old shard %s: %s", path, strerror(errno));
+        else removed++;
+    }
+    closedir(d);
+    if (removed) fprintf(stderr, "tokenize: removed %d shard%s of an earlier run from %s\n", removed,
+                         removed == 1 ? "" : "s", dir);
+    return st;
+}
+
 static loom_status write_shards(const char *dir, const char *split, const tok_buf *b, int vocab) {
     char path[4096];
     for (size_t off = 0, k = 0; off < b->n || k == 0; off += SHARD_TOKENS, k++) {
@@ -115,6 +140,13 @@ static int run(int argc, char **argv) {
     char tok_out[4096];
     void **texts = calloc((size_t)(train.n + in.n + 1), sizeof *texts);
     size_t *lens = calloc((size_t)(train.n + in.n + 1), sizeof *lens);
+    if (!texts || !lens) {
+        free(texts);
+        free(lens);
+        free(train.items);
+        free(in.items);
+        return cli_fail("tokenize", loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory"));
+    }
     if (train.n) {
         double t0 = cli_now();
         for (int i = 0; i < train.n && st == LOOM_OK; i++) st = loom_read_file(train.items[i], &texts[i], &lens[i]);
@@ -166,6 +198,7 @@ static int run(int argc, char **argv) {
             if (!va.ids) st = loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory");
             else { memcpy(va.ids, tr.ids + tr.n - n_val, n_val * sizeof *va.ids); va.n = n_val; tr.n -= n_val; }
         }
+        if (st == LOOM_OK) st = remove_old_shards(out);
         if (st == LOOM_OK) st = write_shards(out, "train", &tr, loom_tokenizer_vocab_size(tok));
         if (st == LOOM_OK && val_fraction > 0.0f) st = write_shards(out, "val", &va, loom_tokenizer_vocab_size(tok));
         if (st == LOOM_OK)

@@ -42,6 +42,8 @@ typedef struct trainer {
     FILE *metrics;
     train_report report;
     double first_loss;  /* loss of the first micro-batch, for the dumps */
+    int last_saved;     /* step of the checkpoint this run last wrote or resumed from, -1 */
+    int interrupted;    /* the signal that stopped training early (checkpoint saved), or 0 */
 } trainer;
 
 /* ----------------------------------------------------------------- setup */
@@ -112,11 +114,26 @@ static loom_status open_data(trainer *t) {
     const train_opts *o = &t->o;
     loom_dataloader_options dl = {o->batch, o->seq, t->dist.dp_rank, t->dist.dp_size, t->m->cfg.vocab_size, "train"};
     LOOM_TRY(loom_dataloader_open(o->data, &dl, &t->train));
+    struct stat sb;
+    int is_dir = stat(o->data, &sb) == 0 && S_ISDIR(sb.st_mode);
     dl.split = "val";
-    if (o->eval_every > 0 && loom_dataloader_open(o->data, &dl, &t->val) != LOOM_OK) {
+    if (o->eval_every > 0 && !is_dir) {
+        /* A file or a glob names training shards only: validating on them
+         * would report the loss of data the model trains on. */
+        if (t->leader) fprintf(stderr, "train: --data is not a directory, so it has no val_*.bin split; validation is off\n");
+    } else if (o->eval_every > 0 && loom_dataloader_open(o->data, &dl, &t->val) != LOOM_OK) {
         if (t->leader) fprintf(stderr, "train: no validation data (%s); validation is off\n", loom_last_error());
         t->val = NULL;
     }
+    /* tokenizer.json beside the shards goes into checkpoints and the model. */
+    const char *first = loom_dataloader_shard_path(t->train, 0), *slash = first ? strrchr(first, '/') : NULL;
+    if (is_dir) snprintf(t->tokenizer_path, sizeof t->tokenizer_path, "%s/tokenizer.json", o->data);
+    else if (slash) snprintf(t->tokenizer_path, sizeof t->tokenizer_path, "%.*s/tokenizer.json", (int)(slash - first), first);
+    else snprintf(t->tokenizer_path, sizeof t->tokenizer_path, "tokenizer.json");
+    t->has_tokenizer = access(t->tokenizer_path, R_OK) == 0;
+    if (!t->has_tokenizer && t->leader)
+        fprintf(stderr, "train: no %s; the model will carry no tokenizer (loom generate needs one: copy it into "
+                "the model directory)\n", t->tokenizer_path);
     t->inputs = malloc((size_t)o->batch * (size_t)o->seq * sizeof *t->inputs);
     t->targets = malloc((size_t)o->batch * (size_t)o->seq * sizeof *t->targets);
     if (!t->inputs || !t->targets) return loom_error(LOOM_ERR_NOMEM, "train: out of memory for batches");
@@ -158,7 +175,7 @@ static loom_status forward_backward(trainer *t, double *loss_sum) {
     for (int k = 0; k < o->grad_accum; k++) {
         LOOM_TRY(loom_dataloader_next(t->train, t->inputs, t->targets));
         loom_tensor *loss = NULL, *logits = NULL;
-        int dump = k == 0 && t->state.step == 0 && o->dump_logits;
+        int dump = k == 0 && t->state.step == 0 && o->dump_logits && t->leader; /* one writer */
         LOOM_TRY(loom_llama_forward(t->m, t->inputs, t->targets, o->batch, o->seq, &loss, dump ? &logits : NULL));
         float l = loom_tensor_get(loss, 0);
         if (k == 0) t->first_loss = l;
@@ -275,6 +292,7 @@ static void capture_state(trainer *t) {
     t->state.loss_scale = t->scaler.scale;
     t->state.scaler_good_steps = t->scaler.good_steps;
     t->state.scaler_skipped = t->scaler.skipped_steps;
+    t->state.loss_scaling = t->scaler.enabled;
 }
 
 /* Every rank takes part (moments are gathered over DP with ZeRO, tensors
@@ -282,10 +300,13 @@ static void capture_state(trainer *t) {
 static loom_status save_checkpoint(trainer *t) {
     char dir[4200];
     snprintf(dir, sizeof dir, "%s/ckpt-%08d", t->o.out, t->state.step);
+    if (t->state.step == t->last_saved) return LOOM_OK; /* saved (or resumed from) already */
     struct stat sb;
     int exists = t->leader && stat(dir, &sb) == 0;
     LOOM_TRY(loom_comm_allreduce_max_int(t->world, &exists, 1));
-    if (exists) return LOOM_OK; /* this step is saved already */
+    if (exists)
+        return loom_error(LOOM_ERR_STATE, "checkpoint %s exists but this run did not write it; use a new --out or "
+                          "remove that checkpoint", dir);
     capture_state(t);
     loom_llama *m = t->m;
     float **mm = calloc((size_t)m->n_params, sizeof *mm), **vv = calloc((size_t)m->n_params, sizeof *vv);
@@ -306,6 +327,7 @@ static loom_status save_checkpoint(trainer *t) {
     free(mm);
     free(vv);
     LOOM_TRY(st);
+    t->last_saved = t->state.step;
     if (t->leader) {
         LOOM_TRY(loom_checkpoint_prune(t->o.out, t->o.keep));
         fprintf(stderr, "train: checkpoint %s\n", dir);
@@ -337,9 +359,15 @@ static loom_status restore(trainer *t, const char *dir) {
     rng->seed = t->state.rng_seed;
     rng->offset = t->state.rng_offset;
     LOOM_TRY(loom_dataloader_set_position(t->train, &t->state.data));
-    t->scaler.scale = t->state.loss_scale;
-    t->scaler.good_steps = t->state.scaler_good_steps;
-    t->scaler.skipped_steps = t->state.scaler_skipped;
+    if (t->state.loss_scaling < 0 || t->state.loss_scaling == t->scaler.enabled) {
+        t->scaler.scale = t->state.loss_scale;
+        t->scaler.good_steps = t->state.scaler_good_steps;
+        t->scaler.skipped_steps = t->state.scaler_skipped;
+    } else if (t->leader) {
+        fprintf(stderr, "train: the checkpoint was trained %s fp16 loss scaling; the loss scaler starts afresh\n",
+                t->state.loss_scaling ? "with" : "without");
+    }
+    t->last_saved = t->state.step;
     if (t->leader) fprintf(stderr, "train: resumed from %s at step %d\n", dir, t->state.step);
     return LOOM_OK;
 }
@@ -394,6 +422,7 @@ static loom_status train_loop(trainer *t) {
                         stop == SIGINT ? "SIGINT" : "SIGTERM", t->state.step);
             LOOM_TRY(save_checkpoint(t));
             if (t->leader) fprintf(stderr, "train: resume with: loom train ... --resume %s\n", o->out);
+            t->interrupted = stop;
             return LOOM_OK;
         }
     }
@@ -411,6 +440,7 @@ static loom_status train_loop(trainer *t) {
 static int run(int argc, char **argv) {
     trainer t;
     memset(&t, 0, sizeof t);
+    t.last_saved = -1;
     train_opts *o = &t.o;
     *o = (train_opts){.out = "out", .preset = "tiny", .precision = "bf16", .master_grad = "on", .overlap_flag = "on",
                       .recompute = "none", .recompute_mode = "nonreentrant", .batch = 8, .seq = 0,
@@ -476,6 +506,18 @@ static int run(int argc, char **argv) {
     if (st == LOOM_OK) st = build_model(&t, prec, mode, *resume_dir ? resume_dir : NULL);
     if (st == LOOM_OK) st = open_data(&t);
     if (st == LOOM_OK && *resume_dir) st = restore(&t, resume_dir);
+    if (st == LOOM_OK) {
+        /* --out's checkpoints must be this run's past: never skip a save
+         * because another run left a checkpoint of that step. */
+        int newest = loom_checkpoint_newest_step(o->out);
+        if (!*resume_dir && newest >= 0)
+            st = loom_error(LOOM_ERR_STATE, "%s holds checkpoints of an earlier run (newest ckpt-%08d): continue it "
+                            "with --resume %s, or use a new --out", o->out, newest, o->out);
+        else if (*resume_dir && newest > t.state.step)
+            st = loom_error(LOOM_ERR_STATE, "%s holds checkpoints after step %d (newest ckpt-%08d), from the "
+                            "run being resumed going further: remove them or use a new --out", o->out,
+                            t.state.step, newest);
+    }
     if (st == LOOM_OK) st = loom_mkdir_p(o->out);
     if (st == LOOM_OK && t.leader) {
         char path[4200];
@@ -484,8 +526,6 @@ static int run(int argc, char **argv) {
         if (!t.metrics) st = loom_error(LOOM_ERR_IO, "cannot write %s (is the output directory writable?)", path);
     }
     if (st == LOOM_OK) {
-        snprintf(t.tokenizer_path, sizeof t.tokenizer_path, "%s/tokenizer.json", o->data);
-        t.has_tokenizer = access(t.tokenizer_path, R_OK) == 0;
         train_report_init(&t.report, o->log_every);
         if (t.leader)
             fprintf(stderr, "train: %lld parameters, %s master_grad=%s recompute=%s, %d x %d sequences of %d tokens "
@@ -517,8 +557,10 @@ static int run(int argc, char **argv) {
         snprintf(msg, sizeof msg, "loom train: %s", loom_last_error());
         loom_dist_abort(msg, 1);
     }
+    int interrupted = t.interrupted;
     cleanup(&t);
     loom_dist_finalize();
+    if (st == LOOM_OK && interrupted) return 128 + interrupted; /* 130 SIGINT, 143 SIGTERM: checkpoint saved */
     return st == LOOM_OK ? 0 : cli_fail("train", st);
 }
 
@@ -528,7 +570,7 @@ const command cmd_train = {
     "train --data DIR [--preset tiny|small | --config FILE] [flags]",
     "Progress goes to stderr (a live line on a terminal, plain lines otherwise);\n"
     "metrics.jsonl, loss.svg, checkpoints (ckpt-NNNNNNNN/) and the final model (model/)\n"
-    "go to --out. SIGINT or SIGTERM saves a checkpoint and stops; --resume continues\n"
+    "go to --out. SIGINT or SIGTERM saves a checkpoint and stops (exit 130 or 143); --resume continues\n"
     "bit-for-bit. --recompute selective always uses the non-reentrant machinery.",
     run,
 };

@@ -62,6 +62,7 @@ typedef struct loom_train_state {
     int scaler_good_steps;
     long scaler_skipped;
     uint64_t tokens_seen;
+    int loss_scaling;                 /* 1: the run scaled its loss (fp16); -1 on load: not recorded */
 } loom_train_state;
 
 /* Write checkpoint `dir` (which must not exist yet; it is created through a
@@ -80,6 +81,9 @@ loom_status loom_checkpoint_load(const char *dir, loom_llama *m, float *const *a
 /* Checkpoints in `out_dir` are named ckpt-NNNNNNNN (the step, zero-padded).
  * Remove all but the newest `keep`. */
 loom_status loom_checkpoint_prune(const char *out_dir, int keep);
+/* The highest step among out_dir's checkpoints (ckpt-NNNNNNNN), -1 when it
+ * has none or cannot be read. */
+int loom_checkpoint_newest_step(const char *out_dir);
 /* The newest checkpoint directory in out_dir, into path (n bytes).
  * Errors: LOOM_ERR_IO when there is none. */
 loom_status loom_checkpoint_latest(const char *out_dir, char *path, size_t n);

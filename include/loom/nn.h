@@ -107,6 +107,7 @@ typedef struct loom_sampler {
     float temperature;  /* 0: greedy (argmax) */
     float top_p;        /* nucleus sampling threshold in (0, 1]; 1 disables */
     uint64_t seed;      /* Philox seed for sampling */
+    int vocab_limit;    /* > 0: only ids below it are sampled (a tokenizer smaller than the model's vocab) */
 } loom_sampler;
 
 /* Autoregressive generation with a KV cache (no autograd). The prompt's

@@ -12,7 +12,11 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <float.h>
 #include <inttypes.h>
+#include <limits.h>
+#include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -96,7 +100,7 @@ static loom_status write_state(const char *path, loom_llama *m, float *const *ad
     meta_kv meta[] = {
         {"loom_checkpoint_version", ""}, {"step", ""}, {"adam_steps", ""}, {"rng_seed", ""}, {"rng_offset", ""},
         {"data_epoch", ""}, {"data_shard", ""}, {"data_offset", ""}, {"loss_scale", ""},
-        {"scaler_good_steps", ""}, {"scaler_skipped", ""}, {"tokens_seen", ""},
+        {"scaler_good_steps", ""}, {"scaler_skipped", ""}, {"tokens_seen", ""}, {"loss_scaling", ""},
     };
     snprintf(meta[0].value, 64, "1");
     snprintf(meta[1].value, 64, "%d", st->step);
@@ -110,6 +114,7 @@ static loom_status write_state(const char *path, loom_llama *m, float *const *ad
     snprintf(meta[9].value, 64, "%d", st->scaler_good_steps);
     snprintf(meta[10].value, 64, "%ld", st->scaler_skipped);
     snprintf(meta[11].value, 64, "%" PRIu64, st->tokens_seen);
+    snprintf(meta[12].value, 64, "%d", st->loss_scaling > 0);
     for (size_t k = 0; k < sizeof meta / sizeof meta[0] && s == LOOM_OK; k++)
         s = loom_safetensors_writer_set_metadata(w, meta[k].key, meta[k].value);
     if (s == LOOM_OK && m->tp_rank == 0) s = loom_safetensors_writer_write(w, path);
@@ -149,13 +154,17 @@ loom_status loom_checkpoint_save(const char *dir, loom_llama *m, float *const *a
     return LOOM_OK;
 }
 
-static loom_status meta_u64(const loom_safetensors *sf, const char *path, const char *key, uint64_t *out) {
+/* An unsigned decimal counter no larger than max. */
+static loom_status meta_u64(const loom_safetensors *sf, const char *path, const char *key, uint64_t max,
+                            uint64_t *out) {
     const char *v = loom_safetensors_metadata(sf, key);
     char *end;
     if (!v || !*v) return loom_error(LOOM_ERR_FORMAT, "%s: metadata \"%s\" is missing", path, key);
     errno = 0;
     unsigned long long x = strtoull(v, &end, 10);
-    if (*end || errno) return loom_error(LOOM_ERR_FORMAT, "%s: metadata \"%s\" = \"%s\" is not a number", path, key, v);
+    if (*end || errno || *v < '0' || *v > '9' || x > max)
+        return loom_error(LOOM_ERR_FORMAT, "%s: metadata \"%s\" = \"%s\" is not a count in 0..%llu; the "
+                          "checkpoint is damaged: resume from another one", path, key, v, (unsigned long long)max);
     *out = x;
     return LOOM_OK;
 }
@@ -200,9 +209,26 @@ loom_status loom_checkpoint_load(const char *dir, loom_llama *m, float *const *a
     uint64_t v[10] = {0};
     const char *keys[] = {"step", "adam_steps", "rng_seed", "rng_offset", "data_epoch", "data_shard",
                           "data_offset", "scaler_good_steps", "scaler_skipped", "tokens_seen"};
-    for (int k = 0; k < 10 && s == LOOM_OK; k++) s = meta_u64(sf, path, keys[k], &v[k]);
+    const uint64_t most[] = {INT_MAX, INT_MAX, UINT64_MAX, UINT64_MAX, UINT64_MAX, UINT64_MAX,
+                             UINT64_MAX, INT_MAX, LONG_MAX, UINT64_MAX};
+    const char *version = loom_safetensors_metadata(sf, "loom_checkpoint_version");
+    if (s == LOOM_OK && (!version || strcmp(version, "1")))
+        s = loom_error(LOOM_ERR_FORMAT, "%s: checkpoint format version \"%s\" is not one this loom reads (1)", path,
+                       version ? version : "(missing)");
+    for (int k = 0; k < 10 && s == LOOM_OK; k++) s = meta_u64(sf, path, keys[k], most[k], &v[k]);
     const char *scale = loom_safetensors_metadata(sf, "loss_scale");
+    const char *scaling = loom_safetensors_metadata(sf, "loss_scaling");
+    double scale_v = 0.0;
     if (s == LOOM_OK && !scale) s = loom_error(LOOM_ERR_FORMAT, "%s: metadata \"loss_scale\" is missing", path);
+    if (s == LOOM_OK) {
+        char *end;
+        scale_v = strtod(scale, &end);
+        if (end == scale || *end || !isfinite(scale_v) || !(scale_v > 0.0) || scale_v > FLT_MAX)
+            s = loom_error(LOOM_ERR_FORMAT, "%s: metadata \"loss_scale\" = \"%s\" is not a positive finite "
+                           "number; the checkpoint is damaged: resume from another one", path, scale);
+    }
+    if (s == LOOM_OK && scaling && strcmp(scaling, "0") && strcmp(scaling, "1"))
+        s = loom_error(LOOM_ERR_FORMAT, "%s: metadata \"loss_scaling\" = \"%s\" is not 0 or 1", path, scaling);
     if (s == LOOM_OK) {
         memset(st, 0, sizeof *st);
         st->step = (int)v[0];
@@ -215,13 +241,30 @@ loom_status loom_checkpoint_load(const char *dir, loom_llama *m, float *const *a
         st->scaler_good_steps = (int)v[7];
         st->scaler_skipped = (long)v[8];
         st->tokens_seen = v[9];
-        st->loss_scale = (float)strtod(scale, NULL);
+        st->loss_scale = (float)scale_v;
+        st->loss_scaling = scaling ? scaling[0] == '1' : -1;
     }
     loom_safetensors_close(sf);
     return s;
 }
 
-/* Names of the checkpoints in out_dir, sorted (oldest first); caller frees. */
+/* The step of a checkpoint's name, ckpt- and at least 8 digits; -1 for any
+ * other name (a user's ckpt-best, a temporary ckpt-N.tmp.PID). */
+static long checkpoint_step(const char *name) {
+    if (strncmp(name, "ckpt-", 5)) return -1;
+    const char *d = name + 5;
+    size_t n = strspn(d, "0123456789");
+    if (n < 8 || n > 10 || d[n]) return -1;
+    long step = strtol(d, NULL, 10);
+    return step <= INT_MAX ? step : -1;
+}
+
+static int by_step(const void *a, const void *b) {
+    long x = checkpoint_step(a), y = checkpoint_step(b);
+    return (x > y) - (x < y);
+}
+
+/* Names of the checkpoints in out_dir, oldest (lowest step) first; caller frees. */
 static int list_checkpoints(const char *out_dir, char (**names)[64]) {
     DIR *d = opendir(out_dir);
     *names = NULL;
@@ -229,7 +272,7 @@ static int list_checkpoints(const char *out_dir, char (**names)[64]) {
     int n = 0, cap = 0;
     struct dirent *e;
     while ((e = readdir(d))) {
-        if (strncmp(e->d_name, "ckpt-", 5) || strchr(e->d_name, '.') || strlen(e->d_name) >= 64) continue;
+        if (checkpoint_step(e->d_name) < 0 || strlen(e->d_name) >= 64) continue;
         if (n == cap) {
             cap = cap ? 2 * cap : 16;
             char(*nn)[64] = realloc(*names, (size_t)cap * sizeof **names);
@@ -239,11 +282,37 @@ static int list_checkpoints(const char *out_dir, char (**names)[64]) {
         snprintf((*names)[n++], 64, "%s", e->d_name);
     }
     closedir(d);
-    if (n) qsort(*names, (size_t)n, 64, (int (*)(const void *, const void *))strcmp);
+    if (n) qsort(*names, (size_t)n, 64, by_step);
     return n;
 }
 
+/* Temporaries of checkpoints whose writer died (ckpt-N.tmp.PID, PID gone). */
+static void remove_stale_temporaries(const char *out_dir) {
+    DIR *d = opendir(out_dir);
+    if (!d) return;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        const char *t = strstr(e->d_name, ".tmp.");
+        if (strncmp(e->d_name, "ckpt-", 5) || !t) continue;
+        char *end;
+        long pid = strtol(t + 5, &end, 10);
+        if (*end || pid <= 0 || pid == (long)getpid() || kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;
+        char dir[4200];
+        if (snprintf(dir, sizeof dir, "%s/%s", out_dir, e->d_name) < (int)sizeof dir) remove_tree(dir);
+    }
+    closedir(d);
+}
+
+int loom_checkpoint_newest_step(const char *out_dir) {
+    char(*names)[64];
+    int n = list_checkpoints(out_dir, &names);
+    long step = n > 0 ? checkpoint_step(names[n - 1]) : -1;
+    free(names);
+    return (int)step;
+}
+
 loom_status loom_checkpoint_prune(const char *out_dir, int keep) {
+    remove_stale_temporaries(out_dir);
     char(*names)[64];
     int n = list_checkpoints(out_dir, &names);
     for (int i = 0; i < n - keep; i++) {

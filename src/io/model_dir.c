@@ -14,6 +14,7 @@
 
 loom_status loom_mkdir_p(const char *dir) {
     char buf[4096];
+    if (!dir || !*dir) return loom_error(LOOM_ERR_INVALID, "cannot create a directory with an empty name");
     if (snprintf(buf, sizeof buf, "%s", dir) >= (int)sizeof buf)
         return loom_error(LOOM_ERR_INVALID, "path too long: %s", dir);
     for (char *p = buf + 1; *p; p++) {

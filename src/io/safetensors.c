@@ -160,11 +160,14 @@ static loom_status parse_tensor(loom_safetensors *st, const char *name, json_t *
     return LOOM_OK;
 }
 
-typedef struct span { uint64_t begin; size_t index; } span;
+typedef struct span { uint64_t begin, end; size_t index; } span;
 
+/* By (begin, end): an empty tensor sits before a non-empty one that starts
+ * at the same offset, as in the reference implementation. */
 static int cmp_span(const void *x, const void *y) {
     const span *a = x, *b = y;
     if (a->begin != b->begin) return a->begin < b->begin ? -1 : 1;
+    if (a->end != b->end) return a->end < b->end ? -1 : 1;
     return a->index < b->index ? -1 : a->index > b->index;
 }
 
@@ -208,6 +211,7 @@ static loom_status parse(loom_safetensors *st) {
         else {
             s = parse_tensor(st, key, v, buffer_bytes, &st->tensors[st->n], &spans[st->n].begin);
             spans[st->n].index = st->n;
+            spans[st->n].end = spans[st->n].begin + st->tensors[st->n].n_bytes;
             st->n++;
         }
         if (s != LOOM_OK) break;

@@ -105,6 +105,7 @@ static loom_status state_init(loom_llama *m, int T, kv_cache *c, scratch *s) {
 
 /* Sample from logits: greedy, or temperature + nucleus (top-p). */
 static int32_t sample(float *logits, int V, const loom_sampler *sp, uint64_t counter) {
+    if (sp->vocab_limit > 0 && sp->vocab_limit < V) V = sp->vocab_limit; /* ids past it cannot be decoded */
     int best = 0;
     for (int i = 1; i < V; i++) if (logits[i] > logits[best]) best = i;
     if (sp->temperature <= 0.0f) return best;

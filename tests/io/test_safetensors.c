@@ -227,6 +227,12 @@ static void test_corrupt_headers(void **state) {
     EXPECT_CORRUPT("{\"__metadata__\":{\"k\":3}}", 0, "__metadata__");
     EXPECT_CORRUPT("{\"__metadata__\":[\"k\"]}", 0, "__metadata__");
     assert_int_equal(open_crafted("null-meta.safetensors", "{\"__metadata__\":null}", 0), LOOM_OK);
+    /* An empty tensor listed after a non-empty one at the same offset: valid
+     * (the reference implementation orders spans by begin, then end). */
+    assert_int_equal(open_crafted("empty-tie.safetensors",
+                                  "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+                                  "\"e\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[0,0]}}", 8),
+                     LOOM_OK);
 
     /* Header length fields that do not fit the file. */
     unsigned char small[16] = {0};

@@ -66,7 +66,7 @@ static void test_greedy_matches_argmax(void **state) {
     int32_t seq[24] = {5, 17, 2};
     int n_prompt = 3, n_out = 0;
     int32_t out[16];
-    loom_sampler greedy = {0.0f, 1.0f, 1};
+    loom_sampler greedy = {0.0f, 1.0f, 1, 0};
     assert_int_equal(loom_llama_generate(m, seq, n_prompt, 12, &greedy, -1, out, &n_out), LOOM_OK);
     assert_int_equal(n_out, 12);
     float logits[50];
@@ -78,7 +78,7 @@ static void test_greedy_matches_argmax(void **state) {
         seq[n_prompt + i] = out[i];
     }
     /* Sampling is reproducible from the seed and stays in the vocabulary. */
-    loom_sampler hot = {1.0f, 0.9f, 42};
+    loom_sampler hot = {1.0f, 0.9f, 42, 0};
     int32_t s1[10], s2[10];
     int n1, n2;
     assert_int_equal(loom_llama_generate(m, seq, 3, 10, &hot, -1, s1, &n1), LOOM_OK);
@@ -86,6 +86,17 @@ static void test_greedy_matches_argmax(void **state) {
     assert_int_equal(n1, n2);
     assert_memory_equal(s1, s2, sizeof s1);
     for (int i = 0; i < n1; i++) assert_true(s1[i] >= 0 && s1[i] < 50);
+    /* A vocab limit (a tokenizer smaller than the model) keeps every id below
+     * it, greedy and sampled; unlimited runs go past it, so this can fail. */
+    int above = 0;
+    for (int i = 0; i < n1; i++) above |= s1[i] >= 20;
+    for (int i = 0; i < 12; i++) above |= out[i] >= 20;
+    assert_true(above);
+    loom_sampler hot20 = {1.0f, 0.9f, 42, 20}, greedy20 = {0.0f, 1.0f, 1, 20};
+    assert_int_equal(loom_llama_generate(m, seq, 3, 10, &hot20, -1, s1, &n1), LOOM_OK);
+    for (int i = 0; i < n1; i++) assert_true(s1[i] >= 0 && s1[i] < 20);
+    assert_int_equal(loom_llama_generate(m, seq, 3, 10, &greedy20, -1, s1, &n1), LOOM_OK);
+    for (int i = 0; i < n1; i++) assert_true(s1[i] >= 0 && s1[i] < 20);
     /* Generation stops at the context length. */
     assert_int_equal(loom_llama_generate(m, seq, 20, 10, &greedy, -1, out, &n_out), LOOM_OK);
     assert_int_equal(n_out, 5); /* 20 + 4 more fill the 24 context; the 5th is sampled from position 23 */

@@ -51,6 +51,60 @@ expect_error "model.safetensors" "$LOOM" train "${D[@]}" --init "$WORK/m2" --out
 printf 'not json' > "$WORK/m2/model.safetensors"
 expect_error "model.safetensors" "$LOOM" export --model "$WORK/m2" --out "$WORK/x"
 
+# Values that are not values
+expect_error "finite number" "$LOOM" train "${D[@]}" --lr nan
+expect_error "finite number" "$LOOM" train "${D[@]}" --weight-decay 1e999
+expect_error "empty string" "$LOOM" train "${D[@]}" --out ""
+
+# --data as a glob names training shards only: no validation on them.
+"$LOOM" train --data "$WORK/data/train_*.bin" --config "$WORK/cfg.json" --batch 2 --seq 16 --eval-every 1 \
+    --steps 1 --out "$WORK/g" 2>"$WORK/g.log" || { cat "$WORK/g.log"; fail "training from a glob"; }
+grep -q "not a directory, so it has no val_\*.bin split" "$WORK/g.log" || { cat "$WORK/g.log"; fail "no note on validation"; }
+grep -q val_loss "$WORK/g/metrics.jsonl" && fail "validated on training shards"
+[ -f "$WORK/g/model/tokenizer.json" ] || fail "the tokenizer beside the shards was not found for a glob"
+
+# Shards of an earlier tokenize run in the output directory are removed.
+mkdir -p "$WORK/t3" && cp "$WORK/data/train_000000.bin" "$WORK/t3/train_000007.bin"
+"$LOOM" tokenize --tokenizer "$WORK/data/tokenizer.json" --in "$SRC/README.md" --out "$WORK/t3" 2>"$WORK/t3.log"
+[ -e "$WORK/t3/train_000007.bin" ] && fail "tokenize left a shard of an earlier run"
+grep -q "removed 1 shard of an earlier run" "$WORK/t3.log" || fail "tokenize did not say it removed old shards"
+
+# --out holding another run's checkpoints: never mixed into this run.
+expect_error "holds checkpoints of an earlier run.*--resume" "$LOOM" train "${D[@]}" --steps 1 --out "$WORK/r"
+"$LOOM" train "${D[@]}" --steps 3 --ckpt-every 1 --keep 5 --out "$WORK/h" 2>/dev/null
+expect_error "after step 1" "$LOOM" train "${D[@]}" --steps 3 --out "$WORK/h" --resume "$WORK/h/ckpt-00000001"
+# A dead writer's temporary and a user's ckpt-best are not checkpoints; the
+# temporary is cleaned up, ckpt-best is left alone.
+mkdir -p "$WORK/h/ckpt-00000009.tmp.999999999" "$WORK/h/ckpt-best"
+"$LOOM" train "${D[@]}" --steps 4 --ckpt-every 1 --keep 5 --out "$WORK/h" --resume "$WORK/h" 2>"$WORK/h.log" ||
+  { cat "$WORK/h.log"; fail "resuming the latest checkpoint"; }
+grep -q "resumed from $WORK/h/ckpt-00000003 " "$WORK/h.log" || { cat "$WORK/h.log"; fail "did not resume ckpt-00000003"; }
+[ -d "$WORK/h/ckpt-00000009.tmp.999999999" ] && fail "a dead writer's temporary checkpoint was left"
+[ -d "$WORK/h/ckpt-best" ] || fail "ckpt-best was removed"
+
+# Damaged checkpoint metadata: a clear error, not NaN weights.
+damage() { # $1 checkpoint dir, $2 metadata key, $3 value
+  /usr/bin/python3 - "$1/state.safetensors" "$2" "$3" <<'PY'
+import json, struct, sys
+path, key, value = sys.argv[1:]
+b = open(path, 'rb').read()
+n = struct.unpack('<Q', b[:8])[0]
+h = json.loads(b[8:8 + n])
+h['__metadata__'][key] = value
+t = json.dumps(h).encode()
+t += b' ' * (-len(t) % 8)
+open(path, 'wb').write(struct.pack('<Q', len(t)) + t + b[8 + n:])
+PY
+}
+for kv in "loss_scale nan" "loss_scale 0" "step -1" "adam_steps 99999999999" "loom_checkpoint_version 2"; do
+  set -- $kv
+  rm -rf "$WORK/dmg" "$WORK/dmg-out" && cp -r "$WORK/h/ckpt-00000004" "$WORK/dmg"
+  damage "$WORK/dmg" "$1" "$2"
+  want="\"$1\" = \"$2\" .*damaged"
+  [ "$1" = loom_checkpoint_version ] && want="format version \"2\" is not one this loom reads"
+  expect_error "$want" "$LOOM" train "${D[@]}" --steps 6 --out "$WORK/dmg-out" --resume "$WORK/dmg"
+done
+
 # Outputs that cannot be written
 touch "$WORK/a-file"
 expect_error "not a directory|cannot" "$LOOM" train "${D[@]}" --steps 1 --out "$WORK/a-file"
@@ -60,7 +114,7 @@ expect_error "/proc" "$LOOM" export --model "$WORK/r/model" --out /proc/loom-exp
 expect_error "NaN|Inf" "$LOOM" train "${D[@]}" --precision fp32 --lr 1e9 --clip 0 --warmup 0 --steps 20 --out "$WORK/nan"
 
 # A full disk while checkpointing: the new checkpoint fails, the old one is intact.
-"$LOOM" train "${D[@]}" --steps 2 --ckpt-every 1 --keep 5 --out "$WORK/full" 2>/dev/null
+"$LOOM" train "${D[@]}" --steps 1 --ckpt-every 1 --keep 5 --out "$WORK/full" 2>/dev/null
 before=$(cd "$WORK/full/ckpt-00000001" && md5sum *)
 set +e
 ( ulimit -f 200; trap '' XFSZ; "$LOOM" train "${D[@]}" --steps 4 --ckpt-every 1 --keep 5 --out "$WORK/full" \
