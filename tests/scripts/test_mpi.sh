@@ -19,6 +19,11 @@ close() { # $1 $2 files of numbers, $3 relative tolerance
   paste "$1" "$2" | awk -v r="$3" '{ d = $1 - $2; if (d < 0) d = -d; if (d > r * ($2 < 0 ? -$2 : $2)) { print "loss " NR ": " $1 " vs " $2; bad = 1 } } END { exit bad }'
 }
 
+# The optimizer's found-inf rule with the gradients of 2 ranks summed
+# (tests/dist/test_dist_optim.c: an fp16 sum that overflows is a skipped step).
+timeout 120 $MPI "$LOOM_BINARY_DIR/tests/test_dist_optim" >"$WORK/dopt.log" 2>&1 ||
+  { cat "$WORK/dopt.log"; fail "test_dist_optim under 2 ranks"; }
+
 # DP=2 equals DP=1 at the same global batch (5 fp32 steps, 1e-5 relative).
 "$LOOM" train "${D[@]}" --batch 4 --steps 5 --precision fp32 --out "$WORK/dp1" 2>/dev/null
 timeout 300 $MPI "$LOOM" train "${D[@]}" --batch 2 --steps 5 --precision fp32 --out "$WORK/dp2" 2>/dev/null
