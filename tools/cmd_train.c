@@ -84,8 +84,20 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
     loom_llama_config cfg;
     char path[4200];
     if (resume_dir) {
+        /* The model is the checkpoint's; a --config given too must agree. */
         snprintf(path, sizeof path, "%s/config.json", resume_dir);
         LOOM_TRY(loom_llama_config_load(path, &cfg));
+        loom_llama_config want;
+        if (o->config) {
+            LOOM_TRY(loom_llama_config_load(o->config, &want));
+            if (want.dim != cfg.dim || want.n_layers != cfg.n_layers || want.n_heads != cfg.n_heads ||
+                want.n_kv_heads != cfg.n_kv_heads || want.ffn_dim != cfg.ffn_dim || want.vocab_size != cfg.vocab_size ||
+                want.max_seq != cfg.max_seq || want.tie_embeddings != cfg.tie_embeddings)
+                return loom_error(LOOM_ERR_INVALID, "--config %s describes another model than the checkpoint %s; "
+                                  "drop --config when resuming", o->config, resume_dir);
+        }
+        if (o->init && t->leader)
+            fprintf(stderr, "train: --init is ignored when resuming: the weights come from the checkpoint\n");
     } else if (o->init) {
         snprintf(path, sizeof path, "%s/config.json", o->init);
         LOOM_TRY(loom_llama_config_load(path, &cfg));
@@ -374,6 +386,35 @@ static loom_status restore(trainer *t, const char *dir) {
 
 /* ------------------------------------------------------------------ run */
 
+/* Resuming at `step`: metrics.jsonl keeps the lines of steps up to it, so
+ * the steps a crashed run logged after its checkpoint are not there twice. */
+static loom_status trim_metrics(const char *path, int step) {
+    void *data = NULL;
+    size_t n = 0;
+    if (access(path, F_OK) != 0) return LOOM_OK;
+    LOOM_TRY(loom_read_file(path, &data, &n));
+    char *text = data, *keep = malloc(n + 1);
+    size_t k = 0;
+    if (!keep) { free(data); return loom_error(LOOM_ERR_NOMEM, "train: out of memory"); }
+    for (size_t i = 0; i < n;) {
+        size_t e = i;
+        while (e < n && text[e] != '\n') e++;
+        if (e < n) e++; /* with its newline */
+        const char *st = NULL;
+        for (size_t j = i; j + 7 <= e && !st; j++)
+            if (!memcmp(text + j, "\"step\":", 7)) st = text + j;
+        if (!st || atol(st + 7) <= step) {
+            memcpy(keep + k, text + i, e - i);
+            k += e - i;
+        }
+        i = e;
+    }
+    loom_status s = k == n ? LOOM_OK : loom_file_write_atomic(path, keep, k);
+    free(keep);
+    free(data);
+    return s;
+}
+
 static void cleanup(trainer *t) {
     loom_dist_optim_free(t->opt);
     loom_dist_layout_free(&t->dist);
@@ -522,8 +563,10 @@ static int run(int argc, char **argv) {
     if (st == LOOM_OK && t.leader) {
         char path[4200];
         snprintf(path, sizeof path, "%s/metrics.jsonl", o->out);
-        t.metrics = fopen(path, *resume_dir ? "a" : "w");
-        if (!t.metrics) st = loom_error(LOOM_ERR_IO, "cannot write %s (is the output directory writable?)", path);
+        if (*resume_dir) st = trim_metrics(path, t.state.step);
+        t.metrics = st == LOOM_OK ? fopen(path, *resume_dir ? "a" : "w") : NULL;
+        if (st == LOOM_OK && !t.metrics)
+            st = loom_error(LOOM_ERR_IO, "cannot write %s (is the output directory writable?)", path);
     }
     if (st == LOOM_OK) {
         train_report_init(&t.report, o->log_every);

@@ -82,6 +82,11 @@ grep -q "resumed from $WORK/h/ckpt-00000003 " "$WORK/h.log" || { cat "$WORK/h.lo
 [ -d "$WORK/h/ckpt-00000009.tmp.999999999" ] && fail "a dead writer's temporary checkpoint was left"
 [ -d "$WORK/h/ckpt-best" ] || fail "ckpt-best was removed"
 
+# Resuming with a --config of another model is refused.
+small_config "$WORK/cfg-256.json" 256
+expect_error "describes another model" "$LOOM" train "${D[@]}" --steps 5 --out "$WORK/cm" --resume "$WORK/h/ckpt-00000004" \
+    --config "$WORK/cfg-256.json"
+
 # Damaged checkpoint metadata: a clear error, not NaN weights.
 damage() { # $1 checkpoint dir, $2 metadata key, $3 value
   /usr/bin/python3 - "$1/state.safetensors" "$2" "$3" <<'PY'

@@ -15,6 +15,12 @@ for prec in fp32 fp16; do
   diff <(losses "$WORK/a-$prec" | tail -2) <(losses "$WORK/c-$prec") || fail "$prec: resumed losses differ"
   [ "$(losses "$WORK/c-$prec" | head -1 | cut -d, -f1)" = '"step":11' ] || fail "$prec: resume did not start at step 11"
 done
+# A crash after steps 11-12 were logged but before their checkpoint:
+# resuming at step 10 drops those lines, so metrics.jsonl reads like the
+# uninterrupted run's.
+mkdir -p "$WORK/d" && cp -r "$WORK/b-fp32/ckpt-00000010" "$WORK/d/" && cp "$WORK/b-fp32/metrics.jsonl" "$WORK/d/"
+"$LOOM" train "${common[@]}" --precision fp32 --out "$WORK/d" --resume "$WORK/d" 2>/dev/null
+diff <(losses "$WORK/a-fp32") <(losses "$WORK/d") || fail "resume after a crash: metrics.jsonl differs from the uninterrupted run's"
 # A checkpoint of an fp16 run resumed in fp32: the loss scaler starts afresh
 # (disabled), it does not carry the fp16 scale over.
 "$LOOM" train "${common[@]}" --precision fp32 --out "$WORK/p" --resume "$WORK/b-fp16/ckpt-00000010" 2>"$WORK/p.log"
