@@ -305,6 +305,10 @@ static void capture_state(trainer *t) {
     t->state.scaler_good_steps = t->scaler.good_steps;
     t->state.scaler_skipped = t->scaler.skipped_steps;
     t->state.loss_scaling = t->scaler.enabled;
+    t->state.batch = t->o.batch;
+    t->state.seq = t->o.seq;
+    t->state.grad_accum = t->o.grad_accum;
+    t->state.dp_size = t->dist.dp_size;
 }
 
 /* Every rank takes part (moments are gathered over DP with ZeRO, tensors
@@ -380,6 +384,13 @@ static loom_status restore(trainer *t, const char *dir) {
                 t->state.loss_scaling ? "with" : "without");
     }
     t->last_saved = t->state.step;
+    const loom_train_state *c = &t->state;
+    if (t->leader && c->batch > 0 &&
+        (c->batch != t->o.batch || c->seq != t->o.seq || c->grad_accum != t->o.grad_accum || c->dp_size != t->dist.dp_size))
+        fprintf(stderr, "train: note: the checkpoint's run used --batch %d --seq %d --grad-accum %d on %d data-parallel "
+                "rank(s), this one --batch %d --seq %d --grad-accum %d on %d: it continues, but not as the first run "
+                "would have\n", c->batch, c->seq, c->grad_accum, c->dp_size, t->o.batch, t->o.seq, t->o.grad_accum,
+                t->dist.dp_size);
     if (t->leader) fprintf(stderr, "train: resumed from %s at step %d\n", dir, t->state.step);
     return LOOM_OK;
 }

@@ -63,6 +63,7 @@ typedef struct loom_train_state {
     long scaler_skipped;
     uint64_t tokens_seen;
     int loss_scaling;                 /* 1: the run scaled its loss (fp16); -1 on load: not recorded */
+    int batch, seq, grad_accum, dp_size; /* the data layout of the run; 0 on load: not recorded */
 } loom_train_state;
 
 /* Write checkpoint `dir` (which must not exist yet; it is created through a

@@ -101,6 +101,7 @@ static loom_status write_state(const char *path, loom_llama *m, float *const *ad
         {"loom_checkpoint_version", ""}, {"step", ""}, {"adam_steps", ""}, {"rng_seed", ""}, {"rng_offset", ""},
         {"data_epoch", ""}, {"data_shard", ""}, {"data_offset", ""}, {"loss_scale", ""},
         {"scaler_good_steps", ""}, {"scaler_skipped", ""}, {"tokens_seen", ""}, {"loss_scaling", ""},
+        {"batch", ""}, {"seq", ""}, {"grad_accum", ""}, {"dp_size", ""},
     };
     snprintf(meta[0].value, 64, "1");
     snprintf(meta[1].value, 64, "%d", st->step);
@@ -115,6 +116,10 @@ static loom_status write_state(const char *path, loom_llama *m, float *const *ad
     snprintf(meta[10].value, 64, "%ld", st->scaler_skipped);
     snprintf(meta[11].value, 64, "%" PRIu64, st->tokens_seen);
     snprintf(meta[12].value, 64, "%d", st->loss_scaling > 0);
+    snprintf(meta[13].value, 64, "%d", st->batch);
+    snprintf(meta[14].value, 64, "%d", st->seq);
+    snprintf(meta[15].value, 64, "%d", st->grad_accum);
+    snprintf(meta[16].value, 64, "%d", st->dp_size);
     for (size_t k = 0; k < sizeof meta / sizeof meta[0] && s == LOOM_OK; k++)
         s = loom_safetensors_writer_set_metadata(w, meta[k].key, meta[k].value);
     if (s == LOOM_OK && m->tp_rank == 0) s = loom_safetensors_writer_write(w, path);
@@ -227,6 +232,11 @@ loom_status loom_checkpoint_load(const char *dir, loom_llama *m, float *const *a
             s = loom_error(LOOM_ERR_FORMAT, "%s: metadata \"loss_scale\" = \"%s\" is not a positive finite "
                            "number; the checkpoint is damaged: resume from another one", path, scale);
     }
+    /* The data layout: optional (older checkpoints lack it). */
+    uint64_t layout[4] = {0};
+    const char *layout_keys[4] = {"batch", "seq", "grad_accum", "dp_size"};
+    for (int k = 0; k < 4 && s == LOOM_OK; k++)
+        if (loom_safetensors_metadata(sf, layout_keys[k])) s = meta_u64(sf, path, layout_keys[k], INT_MAX, &layout[k]);
     if (s == LOOM_OK && scaling && strcmp(scaling, "0") && strcmp(scaling, "1"))
         s = loom_error(LOOM_ERR_FORMAT, "%s: metadata \"loss_scaling\" = \"%s\" is not 0 or 1", path, scaling);
     if (s == LOOM_OK) {
@@ -243,6 +253,10 @@ loom_status loom_checkpoint_load(const char *dir, loom_llama *m, float *const *a
         st->tokens_seen = v[9];
         st->loss_scale = (float)scale_v;
         st->loss_scaling = scaling ? scaling[0] == '1' : -1;
+        st->batch = (int)layout[0];
+        st->seq = (int)layout[1];
+        st->grad_accum = (int)layout[2];
+        st->dp_size = (int)layout[3];
     }
     loom_safetensors_close(sf);
     return s;

@@ -21,6 +21,10 @@ done
 mkdir -p "$WORK/d" && cp -r "$WORK/b-fp32/ckpt-00000010" "$WORK/d/" && cp "$WORK/b-fp32/metrics.jsonl" "$WORK/d/"
 "$LOOM" train "${common[@]}" --precision fp32 --out "$WORK/d" --resume "$WORK/d" 2>/dev/null
 diff <(losses "$WORK/a-fp32") <(losses "$WORK/d") || fail "resume after a crash: metrics.jsonl differs from the uninterrupted run's"
+# Another batch size than the checkpoint's run: it continues, and says so.
+"$LOOM" train "${common[@]}" --precision fp32 --batch 2 --out "$WORK/bs" --resume "$WORK/b-fp32/ckpt-00000010" 2>"$WORK/bs.log"
+grep -q "the checkpoint's run used --batch 4 --seq 32 --grad-accum 1 on 1 data-parallel rank(s), this one --batch 2" \
+  "$WORK/bs.log" || { cat "$WORK/bs.log"; fail "changed batch: no note"; }
 # A checkpoint of an fp16 run resumed in fp32: the loss scaler starts afresh
 # (disabled), it does not carry the fp16 scale over.
 "$LOOM" train "${common[@]}" --precision fp32 --out "$WORK/p" --resume "$WORK/b-fp16/ckpt-00000010" 2>"$WORK/p.log"
