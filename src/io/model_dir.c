@@ -10,7 +10,9 @@
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 loom_status loom_mkdir_p(const char *dir) {
     char buf[4096];
@@ -211,6 +213,12 @@ loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokeni
         loom_status st = loom_file_write_atomic(path, data, len);
         free(data);
         LOOM_TRY(st);
+    } else {
+        /* No tokenizer for this model: one left in dir by an earlier model
+         * would not match it. */
+        LOOM_TRY(join(path, sizeof path, dir, "tokenizer.json"));
+        if (unlink(path) != 0 && errno != ENOENT)
+            return loom_error(LOOM_ERR_IO, "cannot remove the stale %s: %s", path, strerror(errno));
     }
     return LOOM_OK;
 }

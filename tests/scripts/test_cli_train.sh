@@ -27,5 +27,12 @@ text=$("$LOOM" generate --model "$WORK/run/model" --prompt "loom" --tokens 20 --
 [ "$text" = "$("$LOOM" generate --model "$WORK/run/model" --prompt "loom" --tokens 20 --temperature 0)" ] || fail "greedy differs"
 "$LOOM" export --model "$WORK/run/model" --out "$WORK/hf" --dtype bf16 2>/dev/null
 "$LOOM" generate --model "$WORK/hf" --prompt "the" --tokens 5 --seed 3 >/dev/null || fail "exported model does not load"
+# Exporting a model that has no tokenizer over that directory removes the
+# tokenizer that belonged to the earlier model.
+"$LOOM" export --model "$WORK/run/model" --out "$WORK/hf2" 2>/dev/null
+[ -f "$WORK/hf2/tokenizer.json" ] || fail "export did not copy the tokenizer"
+mkdir -p "$WORK/notok" && cp "$WORK/run/model/config.json" "$WORK/run/model/model.safetensors" "$WORK/notok/"
+"$LOOM" export --model "$WORK/notok" --out "$WORK/hf2" 2>/dev/null
+[ -e "$WORK/hf2/tokenizer.json" ] && fail "export left another model's tokenizer.json"
 grep -q '"torch_dtype": "bfloat16"' "$WORK/hf/config.json" || fail "export dtype not in config"
 echo "1 passed, 0 failed"
