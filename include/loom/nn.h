@@ -117,6 +117,11 @@ typedef struct loom_sampler {
  * n_new); *n_out how many. */
 loom_status loom_llama_generate(loom_llama *m, const int32_t *prompt, int n_prompt, int n_new,
                                 const loom_sampler *sampler, int stop_token, int32_t *out, int *n_out);
+/* A token id drawn from logits (V floats, overwritten): the argmax when the
+ * temperature is 0, else from softmax(logits / temperature) cut to the top-p
+ * nucleus, ids below vocab_limit only (when > 0), with the Philox draw of
+ * (seed, counter). */
+int32_t loom_sample(float *logits, int V, const loom_sampler *sampler, uint64_t counter);
 /* Logits (V floats) of the next token after `tokens`, by the KV-cache path;
  * for tests. */
 loom_status loom_llama_next_logits(loom_llama *m, const int32_t *tokens, int n, float *logits);

@@ -52,11 +52,11 @@ int loom_tape_size(void) { return current_tape()->n; }
 
 static void node_destroy(loom_object *o) {
     loom_node *n = (loom_node *)o;
-    for (int i = 0; i < n->n_inputs; i++) {
+    for (int i = 0; n->inputs && i < n->n_inputs; i++) {
         if (n->inputs[i].node) loom_object_release(&n->inputs[i].node->obj);
         loom_tensor_release(n->inputs[i].leaf);
     }
-    for (int i = 0; i < n->n_outputs; i++) loom_tensor_release(n->grad_out[i]);
+    for (int i = 0; n->grad_out && i < n->n_outputs; i++) loom_tensor_release(n->grad_out[i]);
     ctx_free(n->ctx);
     free(n->inputs);
     free(n->grad_out);
@@ -173,21 +173,38 @@ loom_status engine_record(const loom_function *fn, loom_fn_ctx *ctx, loom_tensor
 
 /* -------------------------------------------------------------- backward */
 
+/* Whether t's memory may be seen through another tensor (a view, another
+ * gradient slot handed the same tensor): then it is never written in place. */
+static int shared(const loom_tensor *t) {
+    return t->refcount > 1 || (t->storage && t->storage->refcount > 1);
+}
+
+/* Add g into *slot; takes the reference to g. A slot holds a contiguous
+ * gradient (ops read them as dense arrays, whatever a custom backward
+ * returned), and accumulation never writes memory another slot can see. */
 static loom_status add_into(loom_tensor **slot, loom_tensor *g) {
     if (!*slot) {
-        *slot = g; /* takes the reference */
-        return LOOM_OK;
+        if (loom_tensor_is_contiguous(g)) {
+            *slot = g; /* takes the reference */
+            return LOOM_OK;
+        }
+        *slot = loom_tensor_contiguous(g, LOOM_MEM_ACTIVATIONS);
+        loom_tensor_release(g);
+        return *slot ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "backward: out of memory for a gradient");
     }
     loom_tensor *a = *slot;
-    if (!loom_tensor_is_contiguous(a) || a->refcount > 1) {
+    if (!loom_tensor_is_contiguous(a) || shared(a)) {
         loom_tensor *c = loom_tensor_to(a, a->dtype, LOOM_MEM_ACTIVATIONS);
-        if (!c) return LOOM_ERR_NOMEM;
+        if (!c) {
+            loom_tensor_release(g);
+            return loom_error(LOOM_ERR_NOMEM, "backward: out of memory for a gradient");
+        }
         loom_tensor_release(a);
         *slot = a = c;
     }
     loom_tensor *gc = loom_tensor_contiguous(g, LOOM_MEM_ACTIVATIONS);
     loom_tensor_release(g);
-    if (!gc) return LOOM_ERR_NOMEM;
+    if (!gc) return loom_error(LOOM_ERR_NOMEM, "backward: out of memory for a gradient");
     accumulate(loom_tensor_data(a), a->dtype, loom_tensor_data(gc), gc->dtype, 1.0f,
                (size_t)loom_tensor_numel(a));
     loom_tensor_release(gc);

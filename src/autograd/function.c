@@ -108,7 +108,12 @@ loom_status loom_ctx_save(loom_fn_ctx *ctx, loom_tensor *const *tensors, int n) 
         } else if (ctx->replay) {
             continue;
         }
-        LOOM_TRY(add_slot(ctx, s));
+        loom_status st = add_slot(ctx, s);
+        if (st != LOOM_OK) { /* the slot never made it into ctx: release what it held */
+            if (s.kind == SLOT_PACKED) s.hooks->drop(s.handle);
+            loom_tensor_release(s.t);
+            return st;
+        }
     }
     return LOOM_OK;
 }

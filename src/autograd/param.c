@@ -132,8 +132,8 @@ void loom_param_read_grad(const loom_param *p, float *dst) {
 
 loom_status loom_grad_audit(loom_param *const *params, int n, char *report, size_t report_size) {
     char local[4096];
-    char *buf = report ? report : local;
-    size_t cap = report ? report_size : sizeof local, k = 0;
+    char *buf = report && report_size ? report : local;
+    size_t cap = report && report_size ? report_size : sizeof local, k = 0;
     int bad = 0;
     if (cap) buf[0] = '\0';
     for (int i = 0; i < n; i++) {

@@ -66,9 +66,9 @@ static loom_status forward_tokens(loom_llama *m, kv_cache *c, scratch *s, const 
 }
 
 static void state_free(loom_llama *m, kv_cache *c, scratch *s) {
-    for (int l = 0; c->k && l < m->cfg.n_layers; l++) {
-        loom_free(c->k[l]);
-        loom_free(c->v[l]);
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        if (c->k) loom_free(c->k[l]);
+        if (c->v) loom_free(c->v[l]);
     }
     free(c->k);
     free(c->v);
@@ -104,14 +104,15 @@ static loom_status state_init(loom_llama *m, int T, kv_cache *c, scratch *s) {
 }
 
 /* Sample from logits: greedy, or temperature + nucleus (top-p). */
-static int32_t sample(float *logits, int V, const loom_sampler *sp, uint64_t counter) {
+int32_t loom_sample(float *logits, int V, const loom_sampler *sp, uint64_t counter) {
     if (sp->vocab_limit > 0 && sp->vocab_limit < V) V = sp->vocab_limit; /* ids past it cannot be decoded */
     int best = 0;
     for (int i = 1; i < V; i++) if (logits[i] > logits[best]) best = i;
     if (sp->temperature <= 0.0f) return best;
+    const float mx = logits[best]; /* read once: the loop overwrites logits[best] */
     double sum = 0.0;
     for (int i = 0; i < V; i++) {
-        logits[i] = expf((logits[i] - logits[best]) / sp->temperature);
+        logits[i] = expf((logits[i] - mx) / sp->temperature);
         sum += logits[i];
     }
     uint32_t r[4];
@@ -146,6 +147,9 @@ static int32_t sample(float *logits, int V, const loom_sampler *sp, uint64_t cou
 }
 
 static loom_status check_tokens(const loom_llama *m, const int32_t *t, int n) {
+    if (m->tp_size > 1) /* the KV-cache path works on whole weights */
+        return loom_error(LOOM_ERR_INVALID, "generate: the model is one of %d tensor-parallel shards; generate from "
+                          "the saved model directory instead", m->tp_size);
     if (n <= 0) return loom_error(LOOM_ERR_INVALID, "generate: the prompt is empty");
     if (n > m->cfg.max_seq)
         return loom_error(LOOM_ERR_INVALID, "generate: the prompt has %d tokens, the model's context is %d", n,
@@ -176,7 +180,7 @@ loom_status loom_llama_generate(loom_llama *m, const int32_t *prompt, int n_prom
     LOOM_TRY(state_init(m, n_prompt, &c, &s));
     loom_status st = forward_tokens(m, &c, &s, prompt, n_prompt);
     for (int i = 0; i < n_new && st == LOOM_OK; i++) {
-        int32_t next = sample(s.logits, m->cfg.vocab_size, sampler, (uint64_t)i);
+        int32_t next = loom_sample(s.logits, m->cfg.vocab_size, sampler, (uint64_t)i);
         out[(*n_out)++] = next;
         if (next == stop_token || c.len >= m->cfg.max_seq) break;
         st = forward_tokens(m, &c, &s, &next, 1);

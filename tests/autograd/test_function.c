@@ -395,6 +395,94 @@ static void test_grad_buffer_and_master(void **state) {
     loom_param_free(p);
 }
 
+/* ----------------------------- gradients that share memory, or are views */
+
+static float silu_grad(float x) {
+    float s = 1.0f / (1.0f + expf(-x));
+    return s * (1.0f + x * (1.0f - s));
+}
+
+/* a = silu(x), c = silu(x), d = 3c, r = reshape(c); loss = sum(a + r) + sum(d).
+ * add hands one gradient tensor to both a's and r's slots, reshape passes a
+ * view of it on to c; accumulating d's gradient into c must not write into
+ * a's. dL/dx = silu'(x) (1 + 1 + 3). */
+static void test_shared_gradient_memory(void **state) {
+    (void)state;
+    float v[24];
+    tu_fill_uniform(v, 24, -2.0f, 2.0f, 41);
+    int64_t shape[2] = {4, 6};
+    loom_tensor *x = loom_tensor_from_f32(v, LOOM_F32, 2, shape, LOOM_MEM_ACTIVATIONS);
+    assert_int_equal(loom_tensor_set_requires_grad(x, 1), LOOM_OK);
+    loom_tensor *a, *c, *d, *r, *y, *sy, *sd, *loss;
+    assert_int_equal(loom_silu(x, &a), LOOM_OK);
+    assert_int_equal(loom_silu(x, &c), LOOM_OK);
+    assert_int_equal(loom_scale(c, 3.0f, &d), LOOM_OK);
+    assert_int_equal(loom_reshape(c, 2, shape, &r), LOOM_OK);
+    assert_int_equal(loom_add(a, r, &y), LOOM_OK);
+    assert_int_equal(loom_sum(y, &sy), LOOM_OK);
+    assert_int_equal(loom_sum(d, &sd), LOOM_OK);
+    assert_int_equal(loom_add(sy, sd, &loss), LOOM_OK);
+    assert_int_equal(loom_backward(loss, 1.0f), LOOM_OK);
+    float g[24];
+    loom_tensor_read_f32(x->grad, g);
+    for (int i = 0; i < 24; i++) {
+        float want = 5.0f * silu_grad(v[i]);
+        if (fabsf(g[i] - want) > 1e-5f * (1.0f + fabsf(want))) {
+            fprintf(stderr, "dx[%d] = %g, want %g\n", i, g[i], want);
+            fail();
+        }
+    }
+    loom_tensor *all[] = {x, a, c, d, r, y, sy, sd, loss};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) loom_tensor_release(all[i]);
+}
+
+/* A custom transpose whose backward returns a strided view of its incoming
+ * gradient: the ops upstream read gradients as dense arrays, so the engine
+ * must hand them a contiguous one. */
+static loom_status tr_forward(loom_fn_ctx *ctx, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
+    (void)ctx; (void)n_in; (void)n_out;
+    loom_tensor *t = loom_tensor_transpose(in[0], 0, 1);
+    out[0] = t ? loom_tensor_contiguous(t, LOOM_MEM_ACTIVATIONS) : NULL;
+    loom_tensor_release(t);
+    return out[0] ? LOOM_OK : LOOM_ERR_NOMEM;
+}
+
+static loom_status tr_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, int n_out, loom_tensor **gin, int n_in) {
+    (void)ctx; (void)n_out; (void)n_in;
+    gin[0] = loom_tensor_transpose(gout[0], 0, 1); /* a view, not contiguous */
+    return gin[0] ? LOOM_OK : LOOM_ERR_NOMEM;
+}
+
+static const loom_function view_transpose = {"view_transpose", 1, 1, 0, tr_forward, tr_backward};
+
+static void test_strided_gradient_from_custom_op(void **state) {
+    (void)state;
+    float v[15], w[15];
+    tu_fill_uniform(v, 15, -2.0f, 2.0f, 42);
+    tu_fill_uniform(w, 15, -1.0f, 1.0f, 43);
+    loom_tensor *x = loom_tensor_from_f32(v, LOOM_F32, 2, (const int64_t[]){3, 5}, LOOM_MEM_ACTIVATIONS);
+    loom_tensor *R = loom_tensor_from_f32(w, LOOM_F32, 2, (const int64_t[]){5, 3}, LOOM_MEM_ACTIVATIONS);
+    assert_int_equal(loom_tensor_set_requires_grad(x, 1), LOOM_OK);
+    loom_tensor *a, *t, *p, *loss;
+    assert_int_equal(loom_silu(x, &a), LOOM_OK);
+    assert_int_equal(loom_function_apply(&view_transpose, &a, 1, &t, 1, NULL, 0), LOOM_OK);
+    assert_int_equal(loom_mul(t, R, &p), LOOM_OK);
+    assert_int_equal(loom_sum(p, &loss), LOOM_OK);
+    assert_int_equal(loom_backward(loss, 1.0f), LOOM_OK);
+    float g[15];
+    loom_tensor_read_f32(x->grad, g);
+    for (int i = 0; i < 3; i++)
+        for (int j = 0; j < 5; j++) {
+            float want = silu_grad(v[i * 5 + j]) * w[j * 3 + i]; /* dL/da = R^T */
+            if (fabsf(g[i * 5 + j] - want) > 1e-5f * (1.0f + fabsf(want))) {
+                fprintf(stderr, "dx[%d][%d] = %g, want %g\n", i, j, g[i * 5 + j], want);
+                fail();
+            }
+        }
+    loom_tensor *all[] = {x, R, a, t, p, loss};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) loom_tensor_release(all[i]);
+}
+
 int main(void) {
     loom_set_threads(2);
     const struct CMUnitTest tests[] = {
@@ -406,6 +494,8 @@ int main(void) {
         cmocka_unit_test(test_memory_returns_to_zero),
         cmocka_unit_test(test_backward_hook),
         cmocka_unit_test(test_grad_buffer_and_master),
+        cmocka_unit_test(test_shared_gradient_memory),
+        cmocka_unit_test(test_strided_gradient_from_custom_op),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

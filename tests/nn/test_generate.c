@@ -107,6 +107,39 @@ static void test_greedy_matches_argmax(void **state) {
     loom_llama_free(m);
 }
 
+/* The sampler draws from softmax(logits / T): with logits {0, 5, 4} the
+ * frequencies over many draws match exp(l / T) / sum (a sampler that
+ * rescaled against a wrong maximum would favour id 2 here). */
+static void test_sampling_distribution(void **state) {
+    (void)state;
+    const float temps[2] = {1.0f, 0.5f};
+    for (int k = 0; k < 2; k++) {
+        float T = temps[k];
+        double e[3] = {exp(0.0 / T), exp(5.0 / T), exp(4.0 / T)}, z = e[0] + e[1] + e[2];
+        loom_sampler sp = {T, 1.0f, 99, 0};
+        int count[3] = {0, 0, 0}, n = 20000;
+        for (int i = 0; i < n; i++) {
+            float logits[3] = {0.0f, 5.0f, 4.0f};
+            int32_t id = loom_sample(logits, 3, &sp, (uint64_t)i);
+            assert_true(id >= 0 && id < 3);
+            count[id]++;
+        }
+        for (int v = 0; v < 3; v++) {
+            double p = e[v] / z, f = (double)count[v] / n, tol = 4.0 * sqrt(p * (1.0 - p) / n) + 1e-3;
+            if (fabs(f - p) > tol) {
+                fprintf(stderr, "T %g: id %d drawn %.4f of the time, expected %.4f\n", T, v, f, p);
+                fail();
+            }
+        }
+    }
+    /* top-p 0.8 at T = 1: the nucleus is {1} (mass 0.73) plus {2}; id 0 is cut. */
+    loom_sampler nucleus = {1.0f, 0.8f, 7, 0};
+    for (int i = 0; i < 2000; i++) {
+        float logits[3] = {0.0f, 5.0f, 4.0f};
+        assert_true(loom_sample(logits, 3, &nucleus, (uint64_t)i) != 0);
+    }
+}
+
 static void test_bf16_cache(void **state) {
     (void)state;
     loom_llama *m = small_model(LOOM_BF16, 0);
@@ -129,6 +162,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_cache_matches_forward),
         cmocka_unit_test(test_greedy_matches_argmax),
+        cmocka_unit_test(test_sampling_distribution),
         cmocka_unit_test(test_bf16_cache),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
