@@ -41,7 +41,7 @@ typedef struct op_record {
     /* Dead-op skipping (full recompute): an op the replay need not run,
      * because everything it saves is one of its inputs and nothing live
      * consumes its outputs, gets its placeholders refilled from its inputs
-     * and uninitialised outputs of the recorded shapes. */
+     * and NaN-filled outputs of the recorded shapes. */
     int *in_producer;     /* per input: the region op whose output shares its storage, or -1 */
     const loom_storage **out_storage; /* its outputs' storage in the forward (identity only) */
     saved_meta *out_meta;
