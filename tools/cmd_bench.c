@@ -56,6 +56,21 @@ static double median(double *v, int n) {
 #define PEAK_SIZE 1024 /* M = N = K: the size of the largest GEMMs of a step */
 #define PEAK_REPS 40 /* best of: the peak is what the machine gives when it is not shared */
 
+/* The fastest of `reps` calls of one GEMM (C in c_dt, no bias), after
+ * `warmup` untimed ones (caches, primitives), in ms. */
+static loom_status best_gemm(int warmup, int reps, int trans_a, int trans_b, int M, int N, int K, const void *A,
+                             int lda, const void *B, int ldb, loom_dtype dt, float beta, void *C, int ldc,
+                             loom_dtype c_dt, double *best_ms) {
+    *best_ms = INFINITY;
+    for (int r = 0; r < warmup + reps; r++) {
+        double t0 = cli_now();
+        LOOM_TRY(loom_gemm(trans_a, trans_b, M, N, K, 1.0f, A, lda, B, ldb, dt, beta, C, ldc, c_dt, NULL, LOOM_F32));
+        double ms = (cli_now() - t0) * 1e3;
+        if (r >= warmup && ms < *best_ms) *best_ms = ms;
+    }
+    return LOOM_OK;
+}
+
 /* Best GFLOP/s of C = A · B^T (the forward layout of the fused linear) for
  * square matrices of dtype dt with fp32 accumulation, C in dt. */
 static loom_status measure_gemm(loom_dtype dt, double *gflops) {
@@ -72,18 +87,13 @@ static loom_status measure_gemm(loom_dtype dt, double *gflops) {
         loom_rng_uniform(src, elems, 2, 0);
         loom_convert(b, dt, src, LOOM_F32, elems);
     }
-    double best = 0.0;
-    for (int r = 0; r <= PEAK_REPS && st == LOOM_OK; r++) {
-        double t0 = cli_now();
-        st = loom_gemm(0, 1, n, n, n, 1.0f, a, n, b, n, dt, 0.0f, c, n, dt, NULL, LOOM_F32);
-        double g = 2.0 * n * n * (double)n / (cli_now() - t0) * 1e-9;
-        if (r > 0 && g > best) best = g; /* rep 0 warms caches and primitives */
-    }
+    double ms = INFINITY;
+    if (st == LOOM_OK) st = best_gemm(1, PEAK_REPS, 0, 1, n, n, n, a, n, b, n, dt, 0.0f, c, n, dt, &ms);
     free(src);
     loom_free(a);
     loom_free(b);
     loom_free(c);
-    *gflops = best;
+    *gflops = st == LOOM_OK ? 2.0 * n * n * (double)n / (ms * 1e-3) * 1e-9 : 0.0;
     return st;
 }
 
@@ -329,19 +339,6 @@ typedef struct linear_shape {
     int out, in, count;
 } linear_shape;
 
-static loom_status best_gemm(const bench_opts *o, int trans_a, int trans_b, int M, int N, int K, const void *A,
-                             int lda, const void *B, int ldb, loom_dtype dt, float beta, void *C, int ldc,
-                             loom_dtype c_dt, double *best_ms) {
-    *best_ms = INFINITY;
-    for (int r = 0; r < o->warmup + o->steps; r++) {
-        double t0 = cli_now();
-        LOOM_TRY(loom_gemm(trans_a, trans_b, M, N, K, 1.0f, A, lda, B, ldb, dt, beta, C, ldc, c_dt, NULL, LOOM_F32));
-        double ms = (cli_now() - t0) * 1e3;
-        if (r >= o->warmup && ms < *best_ms) *best_ms = ms;
-    }
-    return LOOM_OK;
-}
-
 static loom_status run_gemms(const bench_opts *o, const loom_llama_config *c, loom_precision prec) {
     int kv = c->dim / c->n_heads * c->n_kv_heads, L = c->n_layers, T = o->batch * o->seq;
     const linear_shape shapes[] = {
@@ -372,9 +369,12 @@ static loom_status run_gemms(const bench_opts *o, const loom_llama_config *c, lo
     for (int i = 0; i < n_shapes && st == LOOM_OK; i++) {
         const linear_shape *l = &shapes[i];
         double f = 0.0, d = 0.0, u = 0.0;
-        st = best_gemm(o, 0, 1, T, l->out, l->in, x, l->in, w, l->in, dt, 0.0f, y, l->out, dt, &f);
-        if (st == LOOM_OK) st = best_gemm(o, 0, 0, T, l->in, l->out, y, l->out, w, l->in, dt, 0.0f, dx, l->in, dt, &d);
-        if (st == LOOM_OK) st = best_gemm(o, 1, 0, l->out, l->in, T, y, l->out, x, l->in, dt, 1.0f, g, l->in, g_dt, &u);
+        int w0 = o->warmup, n = o->steps;
+        st = best_gemm(w0, n, 0, 1, T, l->out, l->in, x, l->in, w, l->in, dt, 0.0f, y, l->out, dt, &f); /* y */
+        if (st == LOOM_OK) /* dX = dy W */
+            st = best_gemm(w0, n, 0, 0, T, l->in, l->out, y, l->out, w, l->in, dt, 0.0f, dx, l->in, dt, &d);
+        if (st == LOOM_OK) /* dW += dy^T x */
+            st = best_gemm(w0, n, 1, 0, l->out, l->in, T, y, l->out, x, l->in, dt, 1.0f, g, l->in, g_dt, &u);
         if (st != LOOM_OK) break;
         double gf = 6.0 * T * (double)l->out * l->in * 1e-9;
         total += l->count * (f + d + u);

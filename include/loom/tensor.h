@@ -91,6 +91,10 @@ static inline void *loom_tensor_data(const loom_tensor *t) {
     return (char *)t->storage->data + t->offset * loom_dtype_size(t->dtype);
 }
 int loom_tensor_is_contiguous(const loom_tensor *t);
+/* Whether t's memory may be overwritten in place: t holds the only
+ * reference to its storage and is its only holder, is contiguous and is not
+ * a parameter's tensor (no other tensor, view or gradient slot sees it). */
+int loom_tensor_writable_in_place(const loom_tensor *t);
 int loom_tensor_same_shape(const loom_tensor *a, const loom_tensor *b);
 /* "(2, 3, 4) bf16" into buf; returns buf. */
 const char *loom_tensor_describe(const loom_tensor *t, char *buf, size_t n);

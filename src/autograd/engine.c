@@ -173,12 +173,6 @@ loom_status engine_record(const loom_function *fn, loom_fn_ctx *ctx, loom_tensor
 
 /* -------------------------------------------------------------- backward */
 
-/* Whether t's memory may be seen through another tensor (a view, another
- * gradient slot handed the same tensor): then it is never written in place. */
-static int shared(const loom_tensor *t) {
-    return t->refcount > 1 || (t->storage && t->storage->refcount > 1);
-}
-
 /* Add g into *slot; takes the reference to g. A slot holds a contiguous
  * gradient (ops read them as dense arrays, whatever a custom backward
  * returned), and accumulation never writes memory another slot can see. */
@@ -193,7 +187,7 @@ static loom_status add_into(loom_tensor **slot, loom_tensor *g) {
         return *slot ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "backward: out of memory for a gradient");
     }
     loom_tensor *a = *slot;
-    if (!loom_tensor_is_contiguous(a) || shared(a)) {
+    if (!loom_tensor_writable_in_place(a)) { /* another slot or a view may see it */
         loom_tensor *c = loom_tensor_to(a, a->dtype, LOOM_MEM_ACTIVATIONS);
         if (!c) {
             loom_tensor_release(g);

@@ -108,6 +108,10 @@ void loom_tensor_release(loom_tensor *t) {
     free(t);
 }
 
+int loom_tensor_writable_in_place(const loom_tensor *t) {
+    return t->refcount == 1 && t->storage->refcount == 1 && !t->param && loom_tensor_is_contiguous(t);
+}
+
 int loom_tensor_is_contiguous(const loom_tensor *t) {
     int64_t s = 1;
     for (int i = t->ndim - 1; i >= 0; i--) {

@@ -20,8 +20,7 @@ static inline loom_tensor *op_new_like(const loom_tensor *t, loom_dtype dt) {
  * new tensor. For kernels that read each element, or row, before writing it:
  * one activation-sized buffer fewer at the peak of backward. */
 static inline loom_tensor *op_grad_in_place(loom_tensor *g) {
-    if (g->refcount == 1 && g->storage->refcount == 1 && !g->param && loom_tensor_is_contiguous(g))
-        return loom_tensor_detach(g);
+    if (loom_tensor_writable_in_place(g)) return loom_tensor_detach(g);
     return loom_tensor_new(g->dtype, g->ndim, g->shape, LOOM_MEM_ACTIVATIONS);
 }
 static inline int64_t op_last_dim(const loom_tensor *t) { return t->ndim ? t->shape[t->ndim - 1] : 1; }

@@ -298,15 +298,12 @@ loom_status loom_dist_optim_prepare(loom_dist_optim *o, const loom_loss_scaler *
         for (int i = 0; i < o->n; i++) {
             loom_param *p = o->params[i];
             size_t k = (size_t)loom_param_numel(p);
-            if (!grad_in_flat(o, i)) {
-                /* The optimizer reads p->grad: an fp16 gradient can overflow
-                 * here although every rank's part and the fp32 sum are finite. */
-                loom_convert(p->grad, p->grad_dtype, o->flat + o->offset[i], LOOM_F32, k);
-                if (p->trainable) bad |= has_nonfinite(p->grad, k, p->grad_dtype);
-            }
-            if (!counts(o, i)) continue;
-            ss += sumsq(o->flat + o->offset[i], k, LOOM_F32);
-            bad |= has_nonfinite(o->flat + o->offset[i], k, LOOM_F32);
+            /* The optimizer reads p->grad, so that is what is checked: an
+             * fp16 gradient can overflow when the fp32 sum is rounded back
+             * although every rank's part and the sum are finite. */
+            if (!grad_in_flat(o, i)) loom_convert(p->grad, p->grad_dtype, o->flat + o->offset[i], LOOM_F32, k);
+            if (p->trainable) bad |= has_nonfinite(p->grad, k, p->grad_dtype);
+            if (counts(o, i)) ss += sumsq(o->flat + o->offset[i], k, LOOM_F32);
         }
         LOOM_TRY(loom_comm_allreduce_sum_f64(o->dist.tp, &ss, 1));
     }
