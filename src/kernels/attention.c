@@ -37,6 +37,7 @@
 
 #define ATTN_BQ 64 /* queries per block (a multiple of 8) */
 #define ATTN_BK 64 /* keys per block */
+#define ATTN_STRIP 16 /* rows per product on a block the causal mask cuts */
 
 typedef struct attn_shape {
     int B, Tq, Tk, NH, NKV, HS, q_pos0;
@@ -94,7 +95,6 @@ typedef struct attn_fwd_scratch {
                            // (fp32) or kbuf, vbuf (converted)
     int ldkv;
     float *kbuf, *vbuf;    // (Tk, HS) converted rows when the input is not fp32
-    float *row;            // (HS) one query row, converted
     float *qt;             // (HS, ATTN_BQ) a query block, scaled and transposed
     float *acc;            // (ATTN_BQ, HS)
     float *st;             // (ATTN_BK, ATTN_BQ) transposed scores, then P^T
@@ -102,7 +102,7 @@ typedef struct attn_fwd_scratch {
 } attn_fwd_scratch;
 
 static size_t attn_fwd_scratch_floats(const attn_shape *s) {
-    return (size_t)(2 * s->Tk + 1 + 2 * ATTN_BQ) * s->HS + (size_t)ATTN_BK * ATTN_BQ + 3 * ATTN_BQ;
+    return (size_t)(2 * s->Tk + 2 * ATTN_BQ) * s->HS + (size_t)ATTN_BK * ATTN_BQ + 3 * ATTN_BQ;
 }
 
 static attn_fwd_scratch attn_fwd_scratch_at(float *p, const attn_shape *s) {
@@ -111,7 +111,6 @@ static attn_fwd_scratch attn_fwd_scratch_at(float *p, const attn_shape *s) {
     w.ldkv = s->HS;
     w.kbuf = p; p += (size_t)s->Tk * s->HS;
     w.vbuf = p; p += (size_t)s->Tk * s->HS;
-    w.row = p;  p += s->HS;
     w.qt = p;   p += (size_t)ATTN_BQ * s->HS;
     w.acc = p;  p += (size_t)ATTN_BQ * s->HS;
     w.st = p;   p += (size_t)ATTN_BK * ATTN_BQ;
@@ -122,15 +121,21 @@ static attn_fwd_scratch attn_fwd_scratch_at(float *p, const attn_shape *s) {
 }
 
 /* qt (HS, ATTN_BQ) = columns q0 .. q0 + nq of head h, times scale: the same
- * fp32 products the backward's load_q_scaled forms. */
-static void load_qt_scaled(float *qt, float *row, const void *q, int b, int h, int q0, int nq,
+ * fp32 products the backward's load_q_scaled forms. fp32 rows are
+ * transposed where they lie; other dtypes are converted into tmp (nq, HS)
+ * first. */
+static void load_qt_scaled(float *qt, float *tmp, const void *q, int b, int h, int q0, int nq,
                            const attn_shape *s) {
-    for (int j = 0; j < nq; j++) {
-        const float *r = row;
-        if (s->dt == LOOM_F32) r = (const float *)q + q_off(s, b, q0 + j, h);
-        else row_load(row, q, q_off(s, b, q0 + j, h), s->HS, s->dt);
-        for (int d = 0; d < s->HS; d++) qt[(size_t)d * ATTN_BQ + j] = r[d] * s->scale;
+    const float *rows = tmp;
+    int ld = s->HS;
+    if (s->dt == LOOM_F32) {
+        rows = (const float *)q + q_off(s, b, q0, h);
+        ld = s->NH * s->HS;
+    } else {
+        load_rows(tmp, q, s->Tq, s->NH, b, q0, h, nq, s);
     }
+    transpose_f32(qt, ATTN_BQ, rows, ld, nq, s->HS);
+    for (int d = 0; d < s->HS; d++) row_scale(qt + (size_t)d * ATTN_BQ, s->scale, nq);
 }
 
 /* Column j of st (nk, ATTN_BQ) is query q0 + j; set the keys it does not
@@ -188,17 +193,43 @@ SIMD_AVX2 static void attn_fwd_softmax_avx2(float *st, float *m, float *l, float
 }
 #endif
 
+/* St (nk, ATTN_BQ) = k qs^T for keys [k0, k0 + nk) and queries [q0, q0 + nq),
+ * in strips of ATTN_STRIP keys: a strip starts at the first column (rounded
+ * down to a whole tile) that sees one of its keys; what it skips is masked. */
+static void attn_fwd_scores(const attn_fwd_scratch *w, int q0, int nq, int k0, int nk, const attn_shape *s) {
+    int ld = w->ldkv;
+    for (int r0 = 0; r0 < nk; r0 += ATTN_STRIP) {
+        int c0 = k0 + r0 - s->q_pos0 - q0; // first column that sees key k0 + r0
+        c0 = c0 <= 0 ? 0 : c0 / ATTN_STRIP * ATTN_STRIP;
+        if (c0 >= nq) continue;
+        mm_f32(min_i(nk - r0, ATTN_STRIP), nq - c0, s->HS, w->k + (size_t)(k0 + r0) * ld, ld, 0, w->qt + c0,
+               ATTN_BQ, w->st + (size_t)r0 * ATTN_BQ + c0, ATTN_BQ, 0);
+    }
+}
+
+/* acc += P v, P = st^T (nq, nk), in strips of ATTN_STRIP queries, each over
+ * the keys its last query sees: the products left out are exact zeros at
+ * the end of each sum. */
+static void attn_fwd_pv(const attn_fwd_scratch *w, int q0, int nq, int k0, int nk, const attn_shape *s) {
+    int ld = w->ldkv, HS = s->HS;
+    for (int j0 = 0; j0 < nq; j0 += ATTN_STRIP) {
+        int nj = min_i(nq - j0, ATTN_STRIP);
+        int kn = attn_visible(s, q0 + j0 + nj - 1, k0, nk);
+        mm_f32(nj, HS, kn, w->st + j0, ATTN_BQ, 1, w->v + (size_t)k0 * ld, ld, w->acc + (size_t)j0 * HS, HS, 1);
+    }
+}
+
 /* Queries [q0, q0 + nq) of head h: out rows and lse. */
 static void attn_fwd_block(void *out, float *lse, const void *q, int b, int h, int q0, int nq, const attn_shape *s,
                            attn_fwd_scratch *w) {
-    int HS = s->HS, nqp = (nq + 7) / 8 * 8, ld = w->ldkv;
+    int HS = s->HS, nqp = (nq + 7) / 8 * 8;
     int kv_end = s->q_pos0 + q0 + nq; // keys the last query of the block sees
-    load_qt_scaled(w->qt, w->row, q, b, h, q0, nq, s);
+    load_qt_scaled(w->qt, w->acc, q, b, h, q0, nq, s);
     memset(w->acc, 0, (size_t)nq * HS * sizeof(float));
     for (int j = 0; j < nqp; j++) { w->m[j] = -INFINITY; w->l[j] = 0.0f; }
     for (int k0 = 0; k0 < kv_end; k0 += ATTN_BK) {
         int nk = min_i(kv_end - k0, ATTN_BK);
-        mm_f32(nk, nq, HS, w->k + (size_t)k0 * ld, ld, 0, w->qt, ATTN_BQ, w->st, ATTN_BQ, 0); // St = k qs^T
+        attn_fwd_scores(w, q0, nq, k0, nk, s);
         attn_fwd_mask(w->st, q0, nq, nqp, k0, nk, s);
 #if LOOM_HAVE_X86_SIMD
         if (simd_avx2()) attn_fwd_softmax_avx2(w->st, w->m, w->l, w->corr, nqp, nk);
@@ -206,7 +237,7 @@ static void attn_fwd_block(void *out, float *lse, const void *q, int b, int h, i
 #endif
             attn_fwd_softmax_c(w->st, w->m, w->l, w->corr, nq, nk);
         for (int j = 0; j < nq; j++) row_scale(w->acc + (size_t)j * HS, w->corr[j], HS);
-        mm_f32(nq, HS, nk, w->st, ATTN_BQ, 1, w->v + (size_t)k0 * ld, ld, w->acc, HS, 1); // acc += P v
+        attn_fwd_pv(w, q0, nq, k0, nk, s);
     }
     for (int j = 0; j < nq; j++) {
         float *acc = w->acc + (size_t)j * HS;
@@ -253,10 +284,17 @@ void attention_fwd(void *out, float *lse, const void *q, const void *k, const vo
 
 /* --------------------------------------------------------------- backward */
 
+/* Rows of one task, each a pointer and a row stride: fp32 inputs and
+ * outputs where they lie, other dtypes in the scratch buffers. */
 typedef struct attn_bwd_scratch {
-    float *k, *kt, *vt;    // (Tk, HS), (HS, Tk), (HS, Tk) the kv head
-    float *dk, *dv;        // (Tk, HS) fp32 accumulators
-    float *qs, *dout;      // (Tq, HS) one query head (q scaled)
+    const float *k, *dout; // kv head's keys (Tk rows), one query head's dout (Tq rows)
+    int ldk, lddo;
+    float *dk, *dv;        // fp32 accumulators of the kv head (Tk rows, stride lddkv)
+    int lddkv;
+    float *kt, *vt;        // (HS, Tk) the kv head, transposed
+    float *qs;             // (Tq, HS) one query head, times scale
+    float *kbuf, *dobuf;   // (Tk, HS), (Tq, HS) converted rows when not fp32
+    float *dkbuf, *dvbuf;  // (Tk, HS) accumulators when not fp32
     float *p, *ds;         // (ATTN_BQ, ATTN_BK)
 } attn_bwd_scratch;
 
@@ -267,15 +305,18 @@ static size_t attn_bwd_scratch_floats(const attn_shape *s) {
 static attn_bwd_scratch attn_bwd_scratch_at(float *p, const attn_shape *s) {
     attn_bwd_scratch w;
     size_t kb = (size_t)s->Tk * s->HS, qb = (size_t)s->Tq * s->HS;
-    w.k = p;  p += kb;
-    w.kt = p; p += kb;
-    w.vt = p; p += kb;
-    w.dk = p; p += kb;
-    w.dv = p; p += kb;
-    w.qs = p; p += qb;
-    w.dout = p; p += qb;
-    w.p = p;  p += (size_t)ATTN_BQ * ATTN_BK;
+    w.kt = p;    p += kb;
+    w.vt = p;    p += kb;
+    w.kbuf = p;  p += kb;
+    w.dkbuf = p; p += kb;
+    w.dvbuf = p; p += kb;
+    w.qs = p;    p += qb;
+    w.dobuf = p; p += qb;
+    w.p = p;     p += (size_t)ATTN_BQ * ATTN_BK;
     w.ds = p;
+    w.k = w.dout = NULL;
+    w.dk = w.dv = NULL;
+    w.ldk = w.lddo = w.lddkv = s->HS;
     return w;
 }
 
@@ -286,10 +327,15 @@ static void attn_rowdot(float *D, const void *dout, const void *out, const attn_
     float *tmp = workspace_floats((size_t)nt * 2 * HS);
     #pragma omp parallel for schedule(static)
     for (int r = 0; r < rows; r++) {
-        float *a = tmp + (size_t)omp_get_thread_num() * 2 * HS, *o = a + HS;
+        const float *a = (const float *)dout + (size_t)r * HS, *o = (const float *)out + (size_t)r * HS;
         int h = r % s->NH, t = (r / s->NH) % s->Tq, b = r / (s->NH * s->Tq);
-        row_load(a, dout, (size_t)r * HS, HS, s->dt);
-        row_load(o, out, (size_t)r * HS, HS, s->dt);
+        if (s->dt != LOOM_F32) {
+            float *ta = tmp + (size_t)omp_get_thread_num() * 2 * HS, *to = ta + HS;
+            row_load(ta, dout, (size_t)r * HS, HS, s->dt);
+            row_load(to, out, (size_t)r * HS, HS, s->dt);
+            a = ta;
+            o = to;
+        }
         D[lse_off(s, b, h, t)] = row_dot(a, o, HS);
     }
     loom_free(tmp);
@@ -310,22 +356,61 @@ SIMD_AVX2 static void attn_ds_avx2(float *ds, const float *p, float d, int n) {
 }
 #endif
 
-/* P = exp(S - lse) for the block (zero where masked), then dS = P (dP - D).
- * w->p holds S on entry and P on exit; w->ds holds dP on entry. */
+/* P = exp(S - lse) for the block, then dS = P (dP - D); both exactly 0 past
+ * the keys a query sees (where S and dP were not computed). w->p holds S on
+ * entry and P on exit; w->ds holds dP on entry. */
 static void attn_bwd_probs(attn_bwd_scratch *w, const float *lse, const float *D, int q0, int nq,
                            int k0, int nk, const attn_shape *s) {
     for (int i = 0; i < nq; i++) {
         float *p = w->p + (size_t)i * ATTN_BK, *ds = w->ds + (size_t)i * ATTN_BK;
         int n = attn_visible(s, q0 + i, k0, nk);
         row_exp_sum(p, n, lse[i]);
-        for (int j = n; j < nk; j++) p[j] = 0.0f;
 #if LOOM_HAVE_X86_SIMD
-        if (simd_avx2()) {
-            attn_ds_avx2(ds, p, D[i], nk);
-            continue;
-        }
+        if (simd_avx2()) attn_ds_avx2(ds, p, D[i], n);
+        else
 #endif
-        attn_ds_c(ds, p, D[i], 0, nk);
+            attn_ds_c(ds, p, D[i], 0, n);
+        for (int j = n; j < nk; j++) p[j] = ds[j] = 0.0f;
+    }
+}
+
+/* Query block [q0, q0 + nq) of head h (qs, dout in w) against key block
+ * [k0, k0 + nk). Each product runs in strips of ATTN_STRIP rows and stops
+ * where the causal mask makes every further term zero: the scores of a
+ * query strip cover the keys its last query sees (rounded up to a tile),
+ * dV and dK rows of a key strip start at the first query that sees it, dq
+ * of a query strip stops at its last visible key. */
+static void attn_bwd_block(float *dq32, attn_bwd_scratch *w, const float *lse, const float *D, int b, int h,
+                           int q0, int nq, int k0, int nk, const attn_shape *s) {
+    int HS = s->HS, ldq = s->NH * HS, Tk = s->Tk;
+    size_t l0 = lse_off(s, b, h, q0);
+    const float *qs = w->qs + (size_t)q0 * HS, *dout = w->dout + (size_t)q0 * w->lddo;
+    for (int i0 = 0; i0 < nq; i0 += ATTN_STRIP) {
+        int ni = min_i(nq - i0, ATTN_STRIP);
+        int kn = attn_visible(s, q0 + i0 + ni - 1, k0, nk);
+        kn = min_i(nk, (kn + ATTN_STRIP - 1) / ATTN_STRIP * ATTN_STRIP);
+        mm_f32(ni, kn, HS, qs + (size_t)i0 * HS, HS, 0, w->kt + k0, Tk, w->p + (size_t)i0 * ATTN_BK, ATTN_BK,
+               0);                                                                            // S = qs k^T
+        mm_f32(ni, kn, HS, dout + (size_t)i0 * w->lddo, w->lddo, 0, w->vt + k0, Tk, w->ds + (size_t)i0 * ATTN_BK,
+               ATTN_BK, 0);                                                                   // dP = dout v^T
+    }
+    attn_bwd_probs(w, lse + l0, D + l0, q0, nq, k0, nk, s);
+    for (int r0 = 0; r0 < nk; r0 += ATTN_STRIP) {
+        int nr = min_i(nk - r0, ATTN_STRIP);
+        int i0 = k0 + r0 - s->q_pos0 - q0; // first query that sees key k0 + r0
+        i0 = i0 < 0 ? 0 : i0;
+        if (i0 >= nq) continue;
+        size_t o = (size_t)(k0 + r0) * w->lddkv;
+        mm_f32(nr, HS, nq - i0, w->p + (size_t)i0 * ATTN_BK + r0, ATTN_BK, 1, dout + (size_t)i0 * w->lddo, w->lddo,
+               w->dv + o, w->lddkv, 1);                                                       // dV += P^T dout
+        mm_f32(nr, HS, nq - i0, w->ds + (size_t)i0 * ATTN_BK + r0, ATTN_BK, 1, qs + (size_t)i0 * HS, HS, w->dk + o,
+               w->lddkv, 1);                                                                  // dK += dS^T qs
+    }
+    for (int i0 = 0; i0 < nq; i0 += ATTN_STRIP) {
+        int ni = min_i(nq - i0, ATTN_STRIP);
+        int kn = attn_visible(s, q0 + i0 + ni - 1, k0, nk);
+        mm_f32(ni, HS, kn, w->ds + (size_t)i0 * ATTN_BK, ATTN_BK, 0, w->k + (size_t)k0 * w->ldk, w->ldk,
+               dq32 + q_off(s, b, q0 + i0, h), ldq, 1);                                       // dq += dS k
     }
 }
 
@@ -333,40 +418,52 @@ static void attn_bwd_probs(attn_bwd_scratch *w, const float *lse, const float *D
  * dk, dv accumulate; dq32 rows of head h (stride NH * HS) are written. */
 static void attn_bwd_head(float *dq32, attn_bwd_scratch *w, const float *lse, const float *D, int b, int h,
                           const attn_shape *s) {
-    int HS = s->HS, ldq = s->NH * HS, Tk = s->Tk;
-    for (int k0 = 0; k0 < s->q_pos0 + s->Tq && k0 < Tk; k0 += ATTN_BK) {
-        int nk = min_i(Tk - k0, ATTN_BK);
+    for (int k0 = 0; k0 < s->q_pos0 + s->Tq && k0 < s->Tk; k0 += ATTN_BK) {
         int t_first = k0 - s->q_pos0 > 0 ? k0 - s->q_pos0 : 0; // first query seeing k0
-        for (int q0 = t_first; q0 < s->Tq; q0 += ATTN_BQ) {
-            int nq = min_i(s->Tq - q0, ATTN_BQ);
-            size_t l0 = lse_off(s, b, h, q0);
-            const float *qs = w->qs + (size_t)q0 * HS, *dout = w->dout + (size_t)q0 * HS;
-            mm_f32(nq, nk, HS, qs, HS, 0, w->kt + k0, Tk, w->p, ATTN_BK, 0);     // S = qs k^T
-            mm_f32(nq, nk, HS, dout, HS, 0, w->vt + k0, Tk, w->ds, ATTN_BK, 0);  // dP = dout v^T
-            attn_bwd_probs(w, lse + l0, D + l0, q0, nq, k0, nk, s);
-            mm_f32(nk, HS, nq, w->p, ATTN_BK, 1, dout, HS, w->dv + (size_t)k0 * HS, HS, 1);  // dV += P^T dout
-            mm_f32(nk, HS, nq, w->ds, ATTN_BK, 1, qs, HS, w->dk + (size_t)k0 * HS, HS, 1);   // dK += dS^T qs
-            mm_f32(nq, HS, nk, w->ds, ATTN_BK, 0, w->k + (size_t)k0 * HS, HS, dq32 + q_off(s, b, q0, h), ldq,
-                   1);                                                                        // dq += dS k
-        }
+        for (int q0 = t_first; q0 < s->Tq; q0 += ATTN_BQ)
+            attn_bwd_block(dq32, w, lse, D, b, h, q0, min_i(s->Tq - q0, ATTN_BQ), k0, min_i(s->Tk - k0, ATTN_BK),
+                           s);
     }
 }
 
-/* Task (b, g): dk, dv rows of kv head g and dq rows of its query heads. */
+/* Task (b, g): dk, dv rows of kv head g and dq rows of its query heads.
+ * fp32 keys, values, dout, dk and dv are used where they lie (dk, dv are
+ * accumulated in place); other dtypes go through the scratch rows. */
 static void attn_bwd_task(void *dq, void *dk, void *dv, float *dq32, const void *dout,
                           const void *q, const void *k, const void *v, const float *lse,
                           const float *D, int b, int g, const attn_shape *s,
                           attn_bwd_scratch *w) {
-    int HS = s->HS, Tk = s->Tk;
-    load_rows(w->k, k, Tk, s->NKV, b, 0, g, Tk, s);
-    transpose_f32(w->kt, Tk, w->k, HS, Tk, HS);
-    load_rows(w->dv, v, Tk, s->NKV, b, 0, g, Tk, s); // v rows, borrowing dv
-    transpose_f32(w->vt, Tk, w->dv, HS, Tk, HS);
-    memset(w->dk, 0, (size_t)Tk * HS * sizeof(float));
-    memset(w->dv, 0, (size_t)Tk * HS * sizeof(float));
+    int HS = s->HS, Tk = s->Tk, f32 = s->dt == LOOM_F32;
+    const float *vrows = w->dvbuf; // v rows, borrowing the dv accumulator until it is cleared
+    if (f32) {
+        w->k = (const float *)k + kv_off(s, b, 0, g);
+        vrows = (const float *)v + kv_off(s, b, 0, g);
+        w->ldk = s->NKV * HS;
+        w->dk = (float *)dk + kv_off(s, b, 0, g);
+        w->dv = (float *)dv + kv_off(s, b, 0, g);
+        w->lddkv = s->NKV * HS;
+    } else {
+        load_rows(w->kbuf, k, Tk, s->NKV, b, 0, g, Tk, s);
+        load_rows(w->dvbuf, v, Tk, s->NKV, b, 0, g, Tk, s);
+        w->k = w->kbuf;
+        w->dk = w->dkbuf;
+        w->dv = w->dvbuf;
+    }
+    transpose_f32(w->kt, Tk, w->k, w->ldk, Tk, HS);
+    transpose_f32(w->vt, Tk, vrows, w->ldk, Tk, HS);
+    for (int t = 0; t < Tk; t++) {
+        memset(w->dk + (size_t)t * w->lddkv, 0, (size_t)HS * sizeof(float));
+        memset(w->dv + (size_t)t * w->lddkv, 0, (size_t)HS * sizeof(float));
+    }
     for (int h = g * s->G; h < (g + 1) * s->G; h++) {
         load_q_scaled(w->qs, q, b, h, s);
-        load_rows(w->dout, dout, s->Tq, s->NH, b, 0, h, s->Tq, s);
+        if (f32) {
+            w->dout = (const float *)dout + q_off(s, b, 0, h);
+            w->lddo = s->NH * HS;
+        } else {
+            load_rows(w->dobuf, dout, s->Tq, s->NH, b, 0, h, s->Tq, s);
+            w->dout = w->dobuf;
+        }
         for (int t = 0; t < s->Tq; t++) memset(dq32 + q_off(s, b, t, h), 0, (size_t)HS * sizeof(float));
         attn_bwd_head(dq32, w, lse, D, b, h, s);
         for (int t = 0; t < s->Tq; t++) {
@@ -375,10 +472,11 @@ static void attn_bwd_task(void *dq, void *dk, void *dv, float *dq32, const void 
             if ((void *)dq32 != dq) row_store(dq, q_off(s, b, t, h), r, HS, s->dt);
         }
     }
-    for (int t = 0; t < Tk; t++) {
-        row_store(dk, kv_off(s, b, t, g), w->dk + (size_t)t * HS, HS, s->dt);
-        row_store(dv, kv_off(s, b, t, g), w->dv + (size_t)t * HS, HS, s->dt);
-    }
+    if (!f32)
+        for (int t = 0; t < Tk; t++) {
+            row_store(dk, kv_off(s, b, t, g), w->dk + (size_t)t * HS, HS, s->dt);
+            row_store(dv, kv_off(s, b, t, g), w->dv + (size_t)t * HS, HS, s->dt);
+        }
 }
 
 void attention_bwd(void *dq, void *dk, void *dv, const void *dout,

@@ -151,6 +151,26 @@ SIMD_AVX2 static int scale_avx2(float *x, float s, int n) {
     return i;
 }
 
+/* dst (8, 8) = src (8, 8)^T, both with row strides (in floats). */
+SIMD_AVX2 static void transpose_8x8_avx2(float *dst, size_t ldd, const float *src, size_t lds) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + (size_t)i * lds);
+    for (int i = 0; i < 8; i += 2) { /* pairs of rows, interleaved */
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) { /* quads: 4 x 2-element groups */
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) { /* 128-bit halves of quads i and i + 4 */
+        _mm256_storeu_ps(dst + (size_t)i * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (size_t)(i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
+}
+
 #endif /* LOOM_HAVE_X86_SIMD */
 
 /* ------------------------------------------------------------- dispatch */
@@ -171,10 +191,18 @@ void mm_f32(int m, int n, int k, const float *A, int lda, int trans_a, const flo
 void transpose_f32(float *dst, int ldd, const float *src, int lds, int rows, int cols) {
     enum { TB = 8 }; /* blocks of 8 x 8 keep both sides in cache lines */
     for (int i0 = 0; i0 < rows; i0 += TB)
-        for (int j0 = 0; j0 < cols; j0 += TB)
+        for (int j0 = 0; j0 < cols; j0 += TB) {
+#if LOOM_HAVE_X86_SIMD
+            if (i0 + TB <= rows && j0 + TB <= cols && simd_avx2()) {
+                transpose_8x8_avx2(dst + (size_t)j0 * ldd + i0, (size_t)ldd, src + (size_t)i0 * lds + j0,
+                                   (size_t)lds);
+                continue;
+            }
+#endif
             for (int i = i0; i < rows && i < i0 + TB; i++)
                 for (int j = j0; j < cols && j < j0 + TB; j++)
                     dst[(size_t)j * ldd + i] = src[(size_t)i * lds + j];
+        }
 }
 
 float row_max(const float *x, int n) {

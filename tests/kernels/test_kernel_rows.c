@@ -1,0 +1,72 @@
+/*
+ * test_kernel_rows.c — the fp32 building blocks of the row-wise kernels
+ * against plain loops: the transpose (8 x 8 vector blocks and the edges
+ * around them, padded strides) and the small matrix product (both
+ * orientations of A, overwrite and accumulate, shapes off the 4 x 16 tile),
+ * each on the AVX2 and the portable path.
+ */
+#include "testutil.h"
+#include "kernels/kernel_rows.h"
+
+static void check_transpose(int rows, int cols, int lds, int ldd) {
+    float *src = malloc(sizeof(float) * (size_t)rows * lds), *dst = malloc(sizeof(float) * (size_t)cols * ldd);
+    tu_fill_uniform(src, (size_t)rows * lds, -1.0f, 1.0f, (uint64_t)(rows * 131 + cols));
+    for (size_t i = 0; i < (size_t)cols * ldd; i++) dst[i] = 7.0f; // padding must stay
+    transpose_f32(dst, ldd, src, lds, rows, cols);
+    for (int j = 0; j < cols; j++)
+        for (int i = 0; i < ldd; i++) {
+            float want = i < rows ? src[(size_t)i * lds + j] : 7.0f;
+            if (dst[(size_t)j * ldd + i] != want) fail_msg("transpose %dx%d: (%d, %d)", rows, cols, j, i);
+        }
+    free(src);
+    free(dst);
+}
+
+static void test_transpose(void **state) {
+    (void)state;
+    const int shapes[][2] = {{8, 8}, {16, 48}, {256, 48}, {37, 13}, {3, 8}, {8, 5}, {64, 17}, {1, 1}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        int r = shapes[s][0], c = shapes[s][1];
+        check_transpose(r, c, c, r);
+        check_transpose(r, c, c + 11, r + 5);
+    }
+}
+
+/* C (m, n) = op(A) B (+ C), each element summed in k order in double: the
+ * kernel's fp32 sums must agree to fp32 accumulation error. */
+static void check_mm(int m, int n, int k, int trans_a, int accumulate) {
+    int lda = (trans_a ? m : k) + 3, ldb = n + 2, ldc = n + 5;
+    size_t na = (size_t)(trans_a ? k : m) * lda, nb = (size_t)k * ldb, nc = (size_t)m * ldc;
+    float *A = malloc(sizeof(float) * na), *B = malloc(sizeof(float) * nb), *C = malloc(sizeof(float) * nc);
+    float *want = malloc(sizeof(float) * nc);
+    tu_fill_uniform(A, na, -1.0f, 1.0f, 11);
+    tu_fill_uniform(B, nb, -1.0f, 1.0f, 12);
+    tu_fill_uniform(C, nc, -1.0f, 1.0f, 13);
+    memcpy(want, C, sizeof(float) * nc);
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < n; j++) {
+            double acc = accumulate ? C[(size_t)i * ldc + j] : 0.0;
+            for (int d = 0; d < k; d++)
+                acc += (double)(trans_a ? A[(size_t)d * lda + i] : A[(size_t)i * lda + d]) * B[(size_t)d * ldb + j];
+            want[(size_t)i * ldc + j] = (float)acc;
+        }
+    mm_f32(m, n, k, A, lda, trans_a, B, ldb, C, ldc, accumulate);
+    TU_ASSERT_CLOSE(C, want, nc, 1e-5, 1e-5); // also: the padding of each C row is untouched
+    free(A); free(B); free(C); free(want);
+}
+
+static void test_mm(void **state) {
+    (void)state;
+    const int shapes[][3] = {{4, 16, 8}, {64, 64, 48}, {16, 48, 64}, {5, 17, 3}, {1, 1, 1}, {37, 30, 19}, {3, 9, 0}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (int t = 0; t < 2; t++)
+            for (int acc = 0; acc < 2; acc++) check_mm(shapes[s][0], shapes[s][1], shapes[s][2], t, acc);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_transpose),
+        cmocka_unit_test(test_mm),
+    };
+    return TU_RUN_SIMD_AND_PORTABLE(tests);
+}
