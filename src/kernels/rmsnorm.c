@@ -20,14 +20,15 @@ static float row_rstd(const float *x, int C, float eps) {
     return 1.0f / sqrtf(row_dot(x, x, C) / (float)C + eps);
 }
 
-/* x[j] = x[j] * r * w[j] */
-static void row_normalize_c(float *x, const float *w, float r, int C) {
-    for (int j = 0; j < C; j++) x[j] = x[j] * r * w[j];
+/* y[j] = x[j] * r * w[j] (y may be x) */
+static void row_normalize_c(float *y, const float *x, const float *w, float r, int C) {
+    for (int j = 0; j < C; j++) y[j] = x[j] * r * w[j];
 }
 
-/* One row: g (dout row, C) becomes dx; dw_part += dout * x * r.
- * dx = r * dout * w - r^3 / C * x * sum(dout * w * x). */
-static void rmsnorm_bwd_row_c(float *g, float *dw_part, const float *xr,
+/* One row: dx from g (the dout row); dw_part += dout * x * r.
+ * dx = r * dout * w - r^3 / C * x * sum(dout * w * x). dx may be g or xr:
+ * every element is read before that element is written. */
+static void rmsnorm_bwd_row_c(float *dx, const float *g, float *dw_part, const float *xr,
                               const float *wf, float r, int C) {
     float dot = 0.0f;
     for (int j = 0; j < C; j++) {
@@ -35,20 +36,20 @@ static void rmsnorm_bwd_row_c(float *g, float *dw_part, const float *xr,
         dot += g[j] * wf[j] * xr[j];
     }
     float c = dot * r * r * r / (float)C;
-    for (int j = 0; j < C; j++) g[j] = r * g[j] * wf[j] - c * xr[j];
+    for (int j = 0; j < C; j++) dx[j] = r * g[j] * wf[j] - c * xr[j];
 }
 
 #if LOOM_HAVE_X86_SIMD
-SIMD_AVX2 static void row_normalize_avx2(float *x, const float *w, float r, int C) {
+SIMD_AVX2 static void row_normalize_avx2(float *y, const float *x, const float *w, float r, int C) {
     __m256 vr = _mm256_set1_ps(r);
     int j = 0;
     for (; j + 8 <= C; j += 8)
-        _mm256_storeu_ps(x + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), vr), _mm256_loadu_ps(w + j)));
-    row_normalize_c(x + j, w + j, r, C - j);
+        _mm256_storeu_ps(y + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), vr), _mm256_loadu_ps(w + j)));
+    row_normalize_c(y + j, x + j, w + j, r, C - j);
 }
 
 /* The same terms; the dot product sums eight lanes, then the tail. */
-SIMD_AVX2 static void rmsnorm_bwd_row_avx2(float *g, float *dw_part, const float *xr,
+SIMD_AVX2 static void rmsnorm_bwd_row_avx2(float *dx, const float *g, float *dw_part, const float *xr,
                                            const float *wf, float r, int C) {
     __m256 vr = _mm256_set1_ps(r), acc = _mm256_setzero_ps();
     int j = 0;
@@ -67,31 +68,32 @@ SIMD_AVX2 static void rmsnorm_bwd_row_avx2(float *g, float *dw_part, const float
     __m256 vc = _mm256_set1_ps(c);
     for (j = 0; j + 8 <= C; j += 8) {
         __m256 gj = _mm256_loadu_ps(g + j);
-        _mm256_storeu_ps(g + j, _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(vr, gj), _mm256_loadu_ps(wf + j)),
-                                              _mm256_mul_ps(vc, _mm256_loadu_ps(xr + j))));
+        _mm256_storeu_ps(dx + j, _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(vr, gj), _mm256_loadu_ps(wf + j)),
+                                               _mm256_mul_ps(vc, _mm256_loadu_ps(xr + j))));
     }
-    for (; j < C; j++) g[j] = r * g[j] * wf[j] - c * xr[j];
+    for (; j < C; j++) dx[j] = r * g[j] * wf[j] - c * xr[j];
 }
 #endif
 
-static void row_normalize(float *x, const float *w, float r, int C) {
+static void row_normalize(float *y, const float *x, const float *w, float r, int C) {
 #if LOOM_HAVE_X86_SIMD
     if (simd_avx2()) {
-        row_normalize_avx2(x, w, r, C);
+        row_normalize_avx2(y, x, w, r, C);
         return;
     }
 #endif
-    row_normalize_c(x, w, r, C);
+    row_normalize_c(y, x, w, r, C);
 }
 
-static void rmsnorm_bwd_row(float *g, float *dw_part, const float *xr, const float *wf, float r, int C) {
+static void rmsnorm_bwd_row(float *dx, const float *g, float *dw_part, const float *xr, const float *wf, float r,
+                            int C) {
 #if LOOM_HAVE_X86_SIMD
     if (simd_avx2()) {
-        rmsnorm_bwd_row_avx2(g, dw_part, xr, wf, r, C);
+        rmsnorm_bwd_row_avx2(dx, g, dw_part, xr, wf, r, C);
         return;
     }
 #endif
-    rmsnorm_bwd_row_c(g, dw_part, xr, wf, r, C);
+    rmsnorm_bwd_row_c(dx, g, dw_part, xr, wf, r, C);
 }
 
 void rmsnorm_fwd(void *out, float *rstd, const void *x, const void *w,
@@ -102,10 +104,17 @@ void rmsnorm_fwd(void *out, float *rstd, const void *x, const void *w,
     row_load(wf, w, 0, C, dt);
     #pragma omp parallel for schedule(static)
     for (int i = 0; i < N; i++) {
+        if (dt == LOOM_F32) { // rows where they lie
+            const float *xr = (const float *)x + (size_t)i * C;
+            float r = row_rstd(xr, C, eps);
+            row_normalize((float *)out + (size_t)i * C, xr, wf, r, C);
+            if (rstd) rstd[i] = r;
+            continue;
+        }
         float *xr = ws + (size_t)omp_get_thread_num() * C; // (C)
         row_load(xr, x, (size_t)i * C, C, dt);
         float r = row_rstd(xr, C, eps);
-        row_normalize(xr, wf, r, C);
+        row_normalize(xr, xr, wf, r, C);
         row_store(out, (size_t)i * C, xr, C, dt);
         if (rstd) rstd[i] = r;
     }
@@ -118,10 +127,15 @@ static void rmsnorm_bwd_chunk(void *dx, float *dw_part, float *xr, float *g,
                               const float *rstd, int i0, int i1, int C, loom_dtype dt) {
     memset(dw_part, 0, (size_t)C * sizeof(float));
     for (int i = i0; i < i1; i++) {
-        row_load(xr, x, (size_t)i * C, C, dt);
-        row_load(g, dout, (size_t)i * C, C, dt);
-        rmsnorm_bwd_row(g, dw_part, xr, wf, rstd[i], C);
-        row_store(dx, (size_t)i * C, g, C, dt);
+        size_t o = (size_t)i * C;
+        if (dt == LOOM_F32) { // rows where they lie
+            rmsnorm_bwd_row((float *)dx + o, (const float *)dout + o, dw_part, (const float *)x + o, wf, rstd[i], C);
+            continue;
+        }
+        row_load(xr, x, o, C, dt);
+        row_load(g, dout, o, C, dt);
+        rmsnorm_bwd_row(g, g, dw_part, xr, wf, rstd[i], C);
+        row_store(dx, o, g, C, dt);
     }
 }
 

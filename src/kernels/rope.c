@@ -15,6 +15,8 @@
 
 #include <math.h>
 #include <omp.h>
+#include <pthread.h>
+#include <stdlib.h>
 
 static float rope_inv_freq(int i, int HS, float theta) {
     return 1.0f / powf(theta, (float)(2 * i) / (float)HS);
@@ -24,25 +26,79 @@ static float rope_angle(int pos, int i, int HS, float theta) {
     return (float)pos * rope_inv_freq(i, HS, theta);
 }
 
-/* cs, sn: (T, HS/2) cos and sin of the angles of positions pos0 .. pos0+T-1. */
-static void rope_table(float *cs, float *sn, int T, int HS, int pos0, float theta) {
+/* cs, sn: (npos, HS/2) cos and sin of the angles of positions 0 .. npos-1. */
+static void rope_fill(float *cs, float *sn, int npos, int HS, float theta) {
     int H2 = HS / 2;
-    #pragma omp parallel for schedule(static) if (T * H2 > 4096)
-    for (int t = 0; t < T; t++) {
+    #pragma omp parallel for schedule(static) if (npos * H2 > 4096)
+    for (int t = 0; t < npos; t++) {
         for (int i = 0; i < H2; i++) {
-            double a = rope_angle(pos0 + t, i, HS, theta);
+            double a = rope_angle(t, i, HS, theta);
             cs[(size_t)t * H2 + i] = (float)cos(a);
             sn[(size_t)t * H2 + i] = (float)sin(a);
         }
     }
 }
 
-/* Rotate pairs [lo, H2) of one head vector in place, y = [x1, x2] (HS
- * floats), by the angles (c, sn): sign = +1 is the forward rotation, -1 its
- * transpose. */
-static void rope_rotate_c(float *y, const float *c, const float *sn, float sign, int lo, int H2) {
+/* The angles depend only on (HS, theta, position), so one table serves
+ * every call: it is built once per shape (and grown when a call reaches
+ * past its last position) instead of taking T x HS/2 double-precision
+ * cos/sin per call. Tables are immutable and reference-counted: a call
+ * holds the one it reads, and a table replaced meanwhile is freed by the
+ * last holder. The cache's own table is released with the process. */
+typedef struct rope_cache_table {
+    int HS, npos, refs;
+    float theta;
+    float *cs, *sn; /* (npos, HS/2) each */
+} rope_cache_table;
+
+static pthread_mutex_t rope_cache_lock = PTHREAD_MUTEX_INITIALIZER;
+static rope_cache_table *rope_cache; /* guarded by rope_cache_lock */
+
+static void rope_table_unref_locked(rope_cache_table *tb) {
+    if (--tb->refs == 0) {
+        free(tb->cs);
+        free(tb);
+    }
+}
+
+/* A table covering positions [0, need) of (HS, theta), held by the caller;
+ * NULL when out of memory. */
+static rope_cache_table *rope_table_get(int HS, float theta, int need) {
+    pthread_mutex_lock(&rope_cache_lock);
+    rope_cache_table *tb = rope_cache;
+    if (!tb || tb->HS != HS || tb->theta != theta || tb->npos < need) {
+        int npos = need;
+        if (tb && tb->HS == HS && tb->theta == theta && need < 2 * tb->npos) npos = 2 * tb->npos;
+        rope_cache_table *nt = malloc(sizeof *nt);
+        float *buf = malloc(sizeof(float) * (size_t)npos * (size_t)HS); /* cs and sn: npos * HS/2 each */
+        if (!nt || !buf) {
+            free(nt);
+            free(buf);
+            pthread_mutex_unlock(&rope_cache_lock);
+            return NULL;
+        }
+        *nt = (rope_cache_table){HS, npos, 1, theta, buf, buf + (size_t)npos * (HS / 2)};
+        rope_fill(nt->cs, nt->sn, npos, HS, theta);
+        if (tb) rope_table_unref_locked(tb);
+        rope_cache = tb = nt;
+    }
+    tb->refs++;
+    pthread_mutex_unlock(&rope_cache_lock);
+    return tb;
+}
+
+static void rope_table_put(rope_cache_table *tb) {
+    pthread_mutex_lock(&rope_cache_lock);
+    rope_table_unref_locked(tb);
+    pthread_mutex_unlock(&rope_cache_lock);
+}
+
+/* Rotate pairs [lo, H2) of one head vector x = [x1, x2] (HS floats) into y
+ * (which may be x) by the angles (c, sn): sign = +1 is the forward
+ * rotation, -1 its transpose. */
+static void rope_rotate_c(float *y, const float *x, const float *c, const float *sn, float sign, int lo, int H2) {
     for (int i = lo; i < H2; i++) {
-        float x1 = y[i], x2 = y[i + H2], si = sign * sn[i];
+        float x1 = x[i], x2 = x[i + H2], si = sign * sn[i];
         y[i] = x1 * c[i] - x2 * si;
         y[i + H2] = x2 * c[i] + x1 * si;
     }
@@ -50,47 +106,58 @@ static void rope_rotate_c(float *y, const float *c, const float *sn, float sign,
 
 #if LOOM_HAVE_X86_SIMD
 /* The same operations eight pairs at a time (same bits as the portable loop). */
-SIMD_AVX2 static void rope_rotate_avx2(float *y, const float *c, const float *sn, float sign, int H2) {
+SIMD_AVX2 static void rope_rotate_avx2(float *y, const float *x, const float *c, const float *sn, float sign,
+                                       int H2) {
     __m256 vsign = _mm256_set1_ps(sign);
     int i = 0;
     for (; i + 8 <= H2; i += 8) {
-        __m256 x1 = _mm256_loadu_ps(y + i), x2 = _mm256_loadu_ps(y + i + H2), ci = _mm256_loadu_ps(c + i);
+        __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + i + H2), ci = _mm256_loadu_ps(c + i);
         __m256 si = _mm256_mul_ps(vsign, _mm256_loadu_ps(sn + i));
         _mm256_storeu_ps(y + i, _mm256_sub_ps(_mm256_mul_ps(x1, ci), _mm256_mul_ps(x2, si)));
         _mm256_storeu_ps(y + i + H2, _mm256_add_ps(_mm256_mul_ps(x2, ci), _mm256_mul_ps(x1, si)));
     }
-    rope_rotate_c(y, c, sn, sign, i, H2);
+    rope_rotate_c(y, x, c, sn, sign, i, H2);
 }
 #endif
 
-/* out, x: (B, T, NH, HS). Each (b, t) row of NH heads is converted to fp32,
- * rotated and stored, so out may be x. */
+/* out, x: (B, T, NH, HS). fp32 rows are rotated from x into out where they
+ * lie; other dtypes are converted to fp32 a (b, t) row of NH heads at a
+ * time, rotated and stored. Either way out may be x. */
 static void rope_apply(void *out, const void *x, int B, int T, int NH, int HS,
                        int pos0, float theta, float sign, loom_dtype dt) {
     int H2 = HS / 2, nt = omp_get_max_threads();
     size_t row = (size_t)NH * HS;
-    float *cs = workspace_floats((size_t)2 * T * H2 + (size_t)nt * row);
-    float *sn = cs + (size_t)T * H2, *rows = sn + (size_t)T * H2;
-    rope_table(cs, sn, T, HS, pos0, theta);
+    rope_cache_table *tb = rope_table_get(HS, theta, pos0 + T);
+    LOOM_ASSERT(tb != NULL); /* kernels have no error channel; a few KiB */
+    const float *cs = tb->cs + (size_t)pos0 * H2, *sn = tb->sn + (size_t)pos0 * H2;
+    float *rows = workspace_floats((size_t)nt * row);
     int avx2 = simd_avx2();
     #pragma omp parallel for schedule(static) if ((size_t)B * T * NH * HS > 16384)
     for (int bt = 0; bt < B * T; bt++) {
         int t = bt % T;
         const float *c = cs + (size_t)t * H2, *s = sn + (size_t)t * H2;
         float *y = rows + (size_t)omp_get_thread_num() * row; // (NH, HS)
-        row_load(y, x, (size_t)bt * row, (int)row, dt);
+        const float *xr = y;
+        if (dt == LOOM_F32) {
+            xr = (const float *)x + (size_t)bt * row;
+            y = (float *)out + (size_t)bt * row;
+        } else {
+            row_load(y, x, (size_t)bt * row, (int)row, dt);
+        }
         for (int h = 0; h < NH; h++) {
+            size_t o = (size_t)h * HS;
 #if LOOM_HAVE_X86_SIMD
             if (avx2) {
-                rope_rotate_avx2(y + (size_t)h * HS, c, s, sign, H2);
+                rope_rotate_avx2(y + o, xr + o, c, s, sign, H2);
                 continue;
             }
 #endif
-            rope_rotate_c(y + (size_t)h * HS, c, s, sign, 0, H2);
+            rope_rotate_c(y + o, xr + o, c, s, sign, 0, H2);
         }
-        row_store(out, (size_t)bt * row, y, (int)row, dt);
+        if (dt != LOOM_F32) row_store(out, (size_t)bt * row, y, (int)row, dt);
     }
-    loom_free(cs);
+    loom_free(rows);
+    rope_table_put(tb);
 }
 
 void rope_fwd(void *out, const void *x, int B, int T, int NH, int HS,
