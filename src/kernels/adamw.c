@@ -64,7 +64,7 @@ void adamw_step(float *param, float *m, float *v, const float *grad, size_t n,
     float bc1 = (float)(1.0 - pow((double)b1, t)); /* 1 - b1^t */
     float bc2 = (float)(1.0 - pow((double)b2, t)); /* 1 - b2^t */
     size_t nch = (n + CHUNK - 1) / CHUNK;
-    #pragma omp parallel for schedule(static) if (n > PARALLEL_MIN)
+    #pragma omp parallel for schedule(dynamic, 1) if (n > PARALLEL_MIN)
     for (size_t c = 0; c < nch; c++) {
         size_t lo = c * CHUNK, hi = lo + CHUNK < n ? lo + CHUNK : n;
 #if LOOM_HAVE_X86_SIMD

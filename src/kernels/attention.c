@@ -274,7 +274,7 @@ void attention_fwd(void *out, float *lse, const void *q, const void *k, const vo
     attn_shape s = attn_shape_make(B, Tq, Tk, NH, NKV, HS, q_pos0, dt);
     size_t per = attn_fwd_scratch_floats(&s);
     float *ws = workspace_floats(per * (size_t)omp_get_max_threads());
-    #pragma omp parallel for schedule(static) if (B * NKV > 1)
+    #pragma omp parallel for schedule(dynamic, 1) if (B * NKV > 1)
     for (int task = 0; task < B * NKV; task++) {
         attn_fwd_scratch w = attn_fwd_scratch_at(ws + per * (size_t)omp_get_thread_num(), &s);
         attn_fwd_task(out, lse, q, k, v, task / NKV, task % NKV, &s, &w);
@@ -489,7 +489,7 @@ void attention_bwd(void *dq, void *dk, void *dv, const void *dout,
     size_t per = attn_bwd_scratch_floats(&s);
     float *ws = workspace_floats(per * (size_t)omp_get_max_threads());
     attn_rowdot(D, dout, out, &s);
-    #pragma omp parallel for schedule(static) if (B * NKV > 1)
+    #pragma omp parallel for schedule(dynamic, 1) if (B * NKV > 1)
     for (int task = 0; task < B * NKV; task++) {
         attn_bwd_scratch w = attn_bwd_scratch_at(ws + per * (size_t)omp_get_thread_num(), &s);
         attn_bwd_task(dq, dk, dv, dq32, dout, q, k, v, lse, D, task / NKV, task % NKV, &s, &w);

@@ -30,7 +30,7 @@ void crossentropy_fwd_bwd(float *losses, void *dlogits, const void *logits,
                           const int32_t *targets, int N, int V, int ignore_index,
                           float grad_scale, loom_dtype dt) {
     float *ws = workspace_floats((size_t)V * omp_get_max_threads()); // (threads, V)
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(dynamic, 8)
     for (int i = 0; i < N; i++) {
         float *x = ws + (size_t)omp_get_thread_num() * V;
         size_t off = (size_t)i * V;

@@ -36,7 +36,7 @@
  * PARALLEL_MIN elements. */
 #define FOR_CHUNKS(n, lo, hi, BODY) do {                                        \
         size_t nch_ = ((n) + CHUNK - 1) / CHUNK;                               \
-        _Pragma("omp parallel for schedule(static) if (n > PARALLEL_MIN)")    \
+        _Pragma("omp parallel for schedule(dynamic, 1) if (n > PARALLEL_MIN)") \
         for (size_t c_ = 0; c_ < nch_; c_++) {                                 \
             size_t lo = c_ * CHUNK, hi = lo + CHUNK < (n) ? lo + CHUNK : (n);  \
             BODY;                                                              \
@@ -171,7 +171,7 @@ double sumsq(const void *x, size_t n, loom_dtype dt) {
     if (chunk < SUMSQ_MIN_CHUNK) chunk = SUMSQ_MIN_CHUNK;
     size_t nchunks = (n + chunk - 1) / chunk;
     double part[SUMSQ_CHUNKS];
-    #pragma omp parallel for schedule(static) if (nchunks > 1)
+    #pragma omp parallel for schedule(dynamic, 1) if (nchunks > 1)
     for (size_t c = 0; c < nchunks; c++) {
         size_t hi = (c + 1) * chunk < n ? (c + 1) * chunk : n;
         part[c] = PICK(sumsq_range_avx2, sumsq_range)(x, c * chunk, hi, dt);

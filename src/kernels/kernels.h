@@ -11,6 +11,12 @@
  * Kernels never allocate from the system in steady state: scratch comes from
  * loom_alloc(…, LOOM_MEM_WORKSPACE). They never abort on caller input: the
  * op layer validates shapes before calling.
+ *
+ * Parallel loops split work into pieces fixed by the problem (rows, chunks,
+ * attention's (batch, kv head) tasks), never by the thread count, so results
+ * do not depend on it; pieces are handed out dynamically, so a core that runs
+ * slower for a while (a shared or virtual machine) takes fewer of them
+ * instead of holding up the loop.
  */
 #ifndef LOOM_KERNELS_H
 #define LOOM_KERNELS_H

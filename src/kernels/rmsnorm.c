@@ -102,7 +102,7 @@ void rmsnorm_fwd(void *out, float *rstd, const void *x, const void *w,
     float *ws = workspace_floats((size_t)(nt + 1) * C);
     float *wf = ws + (size_t)nt * C; // (C) w in fp32
     row_load(wf, w, 0, C, dt);
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(dynamic, 32)
     for (int i = 0; i < N; i++) {
         if (dt == LOOM_F32) { // rows where they lie
             const float *xr = (const float *)x + (size_t)i * C;
@@ -149,7 +149,7 @@ void rmsnorm_bwd(void *dx, float *dw, const void *dout, const void *x,
     float *part = ws + C;                           // (P, C) per-chunk dw
     float *rows = part + (size_t)P * C;             // (nt, 2, C) x and dout rows
     row_load(wf, w, 0, C, dt);
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(dynamic, 1)
     for (int p = 0; p < P; p++) {
         float *xr = rows + (size_t)omp_get_thread_num() * 2 * C;
         int i0 = (int)((long long)N * p / P), i1 = (int)((long long)N * (p + 1) / P);

@@ -132,7 +132,7 @@ static void rope_apply(void *out, const void *x, int B, int T, int NH, int HS,
     const float *cs = tb->cs + (size_t)pos0 * H2, *sn = tb->sn + (size_t)pos0 * H2;
     float *rows = workspace_floats((size_t)nt * row);
     int avx2 = simd_avx2();
-    #pragma omp parallel for schedule(static) if ((size_t)B * T * NH * HS > 16384)
+    #pragma omp parallel for schedule(dynamic, 64) if ((size_t)B * T * NH * HS > 16384)
     for (int bt = 0; bt < B * T; bt++) {
         int t = bt % T;
         const float *c = cs + (size_t)t * H2, *s = sn + (size_t)t * H2;

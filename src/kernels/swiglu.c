@@ -71,7 +71,7 @@ SIMD_AVX2 static void chunk_avx2(int f, const ew_args *a, size_t lo, size_t hi) 
 
 static void run(int f, const ew_args *a, size_t n) {
     size_t nch = (n + CHUNK - 1) / CHUNK;
-    #pragma omp parallel for schedule(static) if (n > SWIGLU_PAR_MIN)
+    #pragma omp parallel for schedule(dynamic, 1) if (n > SWIGLU_PAR_MIN)
     for (size_t c = 0; c < nch; c++) {
         size_t lo = c * CHUNK, hi = lo + CHUNK < n ? lo + CHUNK : n;
 #if LOOM_HAVE_X86_SIMD
