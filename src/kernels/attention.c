@@ -325,7 +325,7 @@ static void attn_rowdot(float *D, const void *dout, const void *out, const attn_
     int rows = s->B * s->Tq * s->NH, HS = s->HS;
     int nt = omp_get_max_threads();
     float *tmp = workspace_floats((size_t)nt * 2 * HS);
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(dynamic, 256)
     for (int r = 0; r < rows; r++) {
         const float *a = (const float *)dout + (size_t)r * HS, *o = (const float *)out + (size_t)r * HS;
         int h = r % s->NH, t = (r / s->NH) % s->Tq, b = r / (s->NH * s->Tq);

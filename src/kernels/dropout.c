@@ -21,7 +21,7 @@ static void dropout_apply(void *out, const void *in, size_t n, float p, uint64_t
     }
     float scale = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f;
     size_t nblocks = (size_t)dropout_blocks(n);
-    #pragma omp parallel for schedule(static) if (nblocks > PARALLEL_MIN_BLOCKS)
+    #pragma omp parallel for schedule(dynamic, 4096) if (nblocks > PARALLEL_MIN_BLOCKS)
     for (size_t b = 0; b < nblocks; b++) {
         uint32_t r[4];
         loom_philox4x32(seed, offset + b, r);

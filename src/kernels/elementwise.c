@@ -186,12 +186,12 @@ int has_nonfinite(const void *x, size_t n, loom_dtype dt) {
     /* An all-ones exponent field means Inf or NaN. */
     if (dt == LOOM_F32) {
         const float *p = x;
-        #pragma omp parallel for schedule(static) reduction(| : bad) if (n > PARALLEL_MIN)
+        #pragma omp parallel for schedule(dynamic, 16384) reduction(| : bad) if (n > PARALLEL_MIN)
         for (size_t i = 0; i < n; i++) bad |= (loom_f32_bits(p[i]) & 0x7f800000u) == 0x7f800000u;
     } else {
         const uint16_t *p = x;
         uint16_t e = dt == LOOM_BF16 ? 0x7f80u : 0x7c00u;
-        #pragma omp parallel for schedule(static) reduction(| : bad) if (n > PARALLEL_MIN)
+        #pragma omp parallel for schedule(dynamic, 16384) reduction(| : bad) if (n > PARALLEL_MIN)
         for (size_t i = 0; i < n; i++) bad |= (p[i] & e) == e;
     }
     return bad;

@@ -16,7 +16,7 @@
 void embedding_fwd(void *out, const int32_t *tokens, const void *table,
                    int N, int C, loom_dtype dt) {
     size_t row = (size_t)C * loom_dtype_size(dt);
-    #pragma omp parallel for schedule(static) if ((size_t)N * C > 65536)
+    #pragma omp parallel for schedule(dynamic, 64) if ((size_t)N * C > 65536)
     for (int i = 0; i < N; i++)
         memcpy((char *)out + (size_t)i * row, (const char *)table + (size_t)tokens[i] * row, row);
 }
@@ -25,7 +25,7 @@ void embedding_bwd(float *dtable, const void *dout, const int32_t *tokens,
                    int N, int C, int V, loom_dtype dt) {
     (void)V; // tokens are validated by the caller
     int nblocks = (C + EMB_COLS - 1) / EMB_COLS;
-    #pragma omp parallel for schedule(static) if ((size_t)N * C > 65536)
+    #pragma omp parallel for schedule(dynamic, 1) if ((size_t)N * C > 65536)
     for (int cb = 0; cb < nblocks; cb++) {
         int c0 = cb * EMB_COLS, c1 = c0 + EMB_COLS < C ? c0 + EMB_COLS : C;
         for (int i = 0; i < N; i++) {

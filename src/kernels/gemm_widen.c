@@ -43,7 +43,7 @@ void gemm_widen_set_budgets(size_t b_floats, size_t floats) {
  * stride ld, converted from dt. */
 static void widen_block(float *dst, const void *src, int ld, int r0, int c0, int rows, int cols,
                         loom_dtype dt) {
-    #pragma omp parallel for schedule(static) if ((size_t)rows * cols > 32768)
+    #pragma omp parallel for schedule(dynamic, 32) if ((size_t)rows * cols > 32768)
     for (int r = 0; r < rows; r++)
         row_load(dst + (size_t)r * cols, src, (size_t)(r0 + r) * ld + c0, cols, dt);
 }
@@ -58,7 +58,7 @@ static void finish_tile(const gemm_args *g, const float *c32, int m0, int m, int
     }
     int nt = omp_get_max_threads();
     float *rows = workspace_floats((size_t)nt * n);
-    #pragma omp parallel for schedule(static) if ((size_t)m * n > 32768)
+    #pragma omp parallel for schedule(dynamic, 32) if ((size_t)m * n > 32768)
     for (int i = 0; i < m; i++) {
         float *row = rows + (size_t)omp_get_thread_num() * n; /* (n) */
         const float *a = c32 + (size_t)i * n;

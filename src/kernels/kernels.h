@@ -14,9 +14,10 @@
  *
  * Parallel loops split work into pieces fixed by the problem (rows, chunks,
  * attention's (batch, kv head) tasks), never by the thread count, so results
- * do not depend on it; pieces are handed out dynamically, so a core that runs
- * slower for a while (a shared or virtual machine) takes fewer of them
- * instead of holding up the loop.
+ * do not depend on it. The kernels' loops hand the pieces out dynamically
+ * (the portable GEMM fallback excepted), so a core that runs slower for a
+ * while (a shared or virtual machine) takes fewer of them instead of holding
+ * up the loop.
  */
 #ifndef LOOM_KERNELS_H
 #define LOOM_KERNELS_H

@@ -157,7 +157,7 @@ void rmsnorm_bwd(void *dx, float *dw, const void *dout, const void *x,
                           i0, i1, C, dt);
     }
     // Fixed reduction order: chunk 0, 1, ..., P-1, then into dw.
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(dynamic, 64)
     for (int j = 0; j < C; j++) {
         float s = 0.0f;
         for (int p = 0; p < P; p++) s += part[(size_t)p * C + j];
