@@ -95,7 +95,9 @@ void rope_fwd_ref(void *out, const void *x, int B, int T, int NH, int HS,
 void attention_fwd(void *out, float *lse, const void *q, const void *k, const void *v,
                    int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
                    loom_dtype dt);
-/* dq: (B,Tq,NH,HS), dk, dv: (B,Tk,NKV,HS), all dt, written (not accumulated). */
+/* dq: (B,Tq,NH,HS), dk, dv: (B,Tk,NKV,HS), all dt, written (not accumulated);
+ * they must not overlap the inputs (fp32 inputs are read where they lie while
+ * dk, dv accumulate). */
 void attention_bwd(void *dq, void *dk, void *dv, const void *dout,
                    const void *q, const void *k, const void *v, const void *out,
                    const float *lse, int B, int Tq, int Tk, int NH, int NKV, int HS,
