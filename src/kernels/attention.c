@@ -10,22 +10,27 @@
  * with the products as small matrix multiplies (mm_f32: AVX2/FMA or
  * portable C) and vectorized exps.
  * Forward: one task per (b, kv head g); fp32 keys and values are read in
- * place, other dtypes converted once per task; each query block is loaded
- * scaled and transposed in one pass. For each query head of the group and
+ * place, other dtypes converted once per task; each query block is
+ * transposed (8 x 8 vector blocks), then scaled. For each query head of the group and
  * each query block, key blocks are folded in with an online softmax (running
  * max m, running sum l, unnormalised output acc) on the transposed scores
  * St = k (scale q)^T, so each query is a column and the softmax runs down
  * the columns, eight queries at a time: P = exp(St - m),
  * acc = acc * exp(m_old - m) + P^T v. No Tq x Tk matrix exists.
  * lse = m + log(l).
- * Backward (FlashAttention-2): one task per (b, kv head g), its rows
- * converted to fp32 once (reading fp32 in place measured no faster). For each query
+ * Backward (FlashAttention-2): one task per (b, kv head g); fp32 keys,
+ * values and dout are read where they lie and dk, dv accumulate in place,
+ * other dtypes are converted once per task. For each query
  * head, key block and query block it recomputes S = (scale q) k^T — the
  * same products as the forward, so P = exp(S - lse) is consistent — then with
  * D_i = rowsum(dout_i * out_i): dP = dout v^T, dS = P (dP - D),
  * dV += P^T dout, dK += dS^T (scale q), dq += dS k (times scale at the end).
  * The task owns dk, dv of its kv head and dq of its query heads, so no two
  * threads write the same row.
+ * On blocks the causal mask cuts (the diagonal), both directions run their
+ * products in strips of ATTN_STRIP rows that stop where every further term
+ * is masked: what is left out is either never read (masked scores) or exact
+ * zeros at the start or end of a sum.
  * Must never: let the thread count or the schedule change a result — every
  * output element is summed by one task in a fixed order.
  */
