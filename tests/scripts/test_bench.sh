@@ -3,7 +3,7 @@
 # (text and JSON, every field present, no malloc once two steps have warmed
 # the allocator's cache), the interleaved comparison of recompute modes, the
 # standard matrix (six lines, one process each), the GEMM floor (--gemms),
-# bad flags; and bench/compare_peer.sh and bench/peer_gemms.py against the
+# bench_kernels, bad flags; and bench/compare_peer.sh and bench/peer_gemms.py against the
 # PyTorch peer when it and torch are present. No timing is asserted.
 set -euo pipefail
 src=${LOOM_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}
@@ -54,6 +54,18 @@ gj=$("$loom" bench --gemms --json --preset tiny --batch 1 --seq 16 --steps 1 --w
 [ "$(grep -c '"gemm":' <<<"$gj")" = 8 ] || fail "--gemms --json: $gj"
 grep -q '"step_gemm_ms":' <<<"$gj" || fail "--gemms --json sum: $gj"
 if "$loom" bench --gemms --recompute full >/dev/null 2>&1; then fail "--gemms with --recompute accepted"; fi
+
+# bench_kernels: each kernel's line with best and mean, for both dtypes; bad flags refused.
+for dt in f32 bf16; do
+  k=$("$bin/bench_kernels" --batch 1 --reps 1 --threads 1 --dtype "$dt")
+  grep -q "^bench_kernels preset=tiny batch=1 dtype=$dt threads=1 reps=1 " <<<"$k" || fail "bench_kernels header: $k"
+  for n in attention rmsnorm rope swiglu; do
+    grep -qE "^$n +fwd=[0-9.]+ bwd=[0-9.]+  mean fwd=[0-9.]+ bwd=[0-9.]+  \(" <<<"$k" || fail "bench_kernels lacks $n: $k"
+  done
+done
+for bad in "--preset huge" "--dtype f64" "--reps 0" "--batch" "--frobnicate 1"; do
+  if "$bin/bench_kernels" $bad >/dev/null 2>&1; then fail "bench_kernels accepted $bad"; fi
+done
 
 if "$loom" bench --preset huge >/dev/null 2>&1; then fail "unknown preset accepted"; fi
 if "$loom" bench --recompute sometimes >/dev/null 2>&1; then fail "unknown recompute mode accepted"; fi
