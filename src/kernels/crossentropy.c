@@ -40,15 +40,11 @@ void crossentropy_fwd_bwd(float *losses, void *dlogits, const void *logits,
                                 (size_t)V * loom_dtype_size(dt));
             continue;
         }
-        if (dt == LOOM_F32 && dlogits) { // the gradient row is worked in place
-            x = (float *)dlogits + off;
-            row_load(x, logits, off, V, dt); // nothing to copy when they alias
-            losses[i] = crossentropy_row(x, V, targets[i], grad_scale, 1);
-            continue;
-        }
-        row_load(x, logits, off, V, dt);
+        int in_place = dt == LOOM_F32 && dlogits != NULL; // fp32: work in the gradient's own row
+        if (in_place) x = (float *)dlogits + off;
+        row_load(x, logits, off, V, dt); // nothing to copy when they alias
         losses[i] = crossentropy_row(x, V, targets[i], grad_scale, dlogits != NULL);
-        if (dlogits) row_store(dlogits, off, x, V, dt);
+        if (dlogits && !in_place) row_store(dlogits, off, x, V, dt);
     }
     loom_free(ws);
 }

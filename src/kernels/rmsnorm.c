@@ -104,18 +104,14 @@ void rmsnorm_fwd(void *out, float *rstd, const void *x, const void *w,
     row_load(wf, w, 0, C, dt);
     #pragma omp parallel for schedule(dynamic, 32)
     for (int i = 0; i < N; i++) {
-        if (dt == LOOM_F32) { // rows where they lie
-            const float *xr = (const float *)x + (size_t)i * C;
-            float r = row_rstd(xr, C, eps);
-            row_normalize((float *)out + (size_t)i * C, xr, wf, r, C);
-            if (rstd) rstd[i] = r;
-            continue;
-        }
-        float *xr = ws + (size_t)omp_get_thread_num() * C; // (C)
-        row_load(xr, x, (size_t)i * C, C, dt);
+        size_t o = (size_t)i * C;
+        // fp32 rows where they lie; other dtypes through this thread's scratch row
+        float *y = dt == LOOM_F32 ? (float *)out + o : ws + (size_t)omp_get_thread_num() * C;
+        const float *xr = dt == LOOM_F32 ? (const float *)x + o : y;
+        if (dt != LOOM_F32) row_load(y, x, o, C, dt);
         float r = row_rstd(xr, C, eps);
-        row_normalize(xr, xr, wf, r, C);
-        row_store(out, (size_t)i * C, xr, C, dt);
+        row_normalize(y, xr, wf, r, C);
+        if (dt != LOOM_F32) row_store(out, o, y, C, dt);
         if (rstd) rstd[i] = r;
     }
     loom_free(ws);
@@ -130,12 +126,12 @@ static void rmsnorm_bwd_chunk(void *dx, float *dw_part, float *xr, float *g,
         size_t o = (size_t)i * C;
         if (dt == LOOM_F32) { // rows where they lie
             rmsnorm_bwd_row((float *)dx + o, (const float *)dout + o, dw_part, (const float *)x + o, wf, rstd[i], C);
-            continue;
+        } else {
+            row_load(xr, x, o, C, dt);
+            row_load(g, dout, o, C, dt);
+            rmsnorm_bwd_row(g, g, dw_part, xr, wf, rstd[i], C);
+            row_store(dx, o, g, C, dt);
         }
-        row_load(xr, x, o, C, dt);
-        row_load(g, dout, o, C, dt);
-        rmsnorm_bwd_row(g, g, dw_part, xr, wf, rstd[i], C);
-        row_store(dx, o, g, C, dt);
     }
 }
 
