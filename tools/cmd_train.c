@@ -90,9 +90,7 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
         loom_llama_config want;
         if (o->config) {
             LOOM_TRY(loom_llama_config_load(o->config, &want));
-            if (want.dim != cfg.dim || want.n_layers != cfg.n_layers || want.n_heads != cfg.n_heads ||
-                want.n_kv_heads != cfg.n_kv_heads || want.ffn_dim != cfg.ffn_dim || want.vocab_size != cfg.vocab_size ||
-                want.max_seq != cfg.max_seq || want.tie_embeddings != cfg.tie_embeddings)
+            if (!loom_llama_config_same_weights(&want, &cfg) || want.max_seq != cfg.max_seq)
                 return loom_error(LOOM_ERR_INVALID, "--config %s describes another model than the checkpoint %s; "
                                   "drop --config when resuming", o->config, resume_dir);
         }

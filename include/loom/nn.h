@@ -40,6 +40,10 @@ typedef struct loom_llama_config {
 loom_status loom_llama_preset(const char *name, loom_llama_config *cfg);
 /* Checks every field (positive sizes, heads divide dim, even head size…). */
 loom_status loom_llama_config_validate(const loom_llama_config *cfg);
+/* 1 when a and b give every weight the same shape (dim, layers, heads, kv
+ * heads, ffn, vocabulary, tying), so weights of one load into the other;
+ * max_seq, rope_theta and norm_eps are not compared. */
+int loom_llama_config_same_weights(const loom_llama_config *a, const loom_llama_config *b);
 
 typedef struct loom_llama_layer {
     loom_param *attn_norm, *wq, *wk, *wv, *wo, *mlp_norm, *w_gate, *w_up, *w_down;

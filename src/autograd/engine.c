@@ -177,28 +177,23 @@ loom_status engine_record(const loom_function *fn, loom_fn_ctx *ctx, loom_tensor
  * gradient (ops read them as dense arrays, whatever a custom backward
  * returned), and accumulation never writes memory another slot can see. */
 static loom_status add_into(loom_tensor **slot, loom_tensor *g) {
+    loom_tensor *gc = loom_tensor_contiguous(g, LOOM_MEM_ACTIVATIONS); /* g itself (retained) when dense */
+    loom_tensor_release(g);
+    if (!gc) return loom_error(LOOM_ERR_NOMEM, "backward: out of memory for a gradient");
     if (!*slot) {
-        if (loom_tensor_is_contiguous(g)) {
-            *slot = g; /* takes the reference */
-            return LOOM_OK;
-        }
-        *slot = loom_tensor_contiguous(g, LOOM_MEM_ACTIVATIONS);
-        loom_tensor_release(g);
-        return *slot ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "backward: out of memory for a gradient");
+        *slot = gc;
+        return LOOM_OK;
     }
     loom_tensor *a = *slot;
     if (!loom_tensor_writable_in_place(a)) { /* another slot or a view may see it */
         loom_tensor *c = loom_tensor_to(a, a->dtype, LOOM_MEM_ACTIVATIONS);
         if (!c) {
-            loom_tensor_release(g);
+            loom_tensor_release(gc);
             return loom_error(LOOM_ERR_NOMEM, "backward: out of memory for a gradient");
         }
         loom_tensor_release(a);
         *slot = a = c;
     }
-    loom_tensor *gc = loom_tensor_contiguous(g, LOOM_MEM_ACTIVATIONS);
-    loom_tensor_release(g);
-    if (!gc) return loom_error(LOOM_ERR_NOMEM, "backward: out of memory for a gradient");
     accumulate(loom_tensor_data(a), a->dtype, loom_tensor_data(gc), gc->dtype, 1.0f,
                (size_t)loom_tensor_numel(a));
     loom_tensor_release(gc);

@@ -192,9 +192,7 @@ loom_status loom_checkpoint_load(const char *dir, loom_llama *m, float *const *a
     loom_llama_config cfg;
     snprintf(path, sizeof path, "%s/config.json", dir);
     LOOM_TRY(loom_llama_config_load(path, &cfg));
-    if (cfg.dim != m->cfg.dim || cfg.n_layers != m->cfg.n_layers || cfg.n_heads != m->cfg.n_heads ||
-        cfg.n_kv_heads != m->cfg.n_kv_heads || cfg.ffn_dim != m->cfg.ffn_dim || cfg.vocab_size != m->cfg.vocab_size ||
-        cfg.tie_embeddings != m->cfg.tie_embeddings)
+    if (!loom_llama_config_same_weights(&cfg, &m->cfg))
         return loom_error(LOOM_ERR_INVALID, "%s: the checkpoint's model configuration differs from this run's", path);
     snprintf(path, sizeof path, "%s/state.safetensors", dir);
     loom_safetensors *sf;

@@ -27,16 +27,14 @@
  * quarter of this made bf16 steps of the `small` preset 15-20% slower;
  * twice this was no faster and raised peak RSS (scratch stays cached). */
 #define WIDEN_B_FLOATS (1 << 21) /* the most of op(B)'s converted panel */
-#define WIDEN_FLOATS (1 << 21)   /* the most of op(A)'s rows */
-#define WIDEN_C_FLOATS (1 << 21) /* the most of an fp32 C tile */
+#define WIDEN_FLOATS (1 << 21)   /* the most of op(A)'s rows, and of an fp32 C tile */
 #define CHUNK_ALIGN 16           /* rows / columns per chunk: a multiple of this */
 
-static int budget_b = WIDEN_B_FLOATS, budget_a = WIDEN_FLOATS, budget_c = WIDEN_C_FLOATS;
+static int budget_b = WIDEN_B_FLOATS, budget_a = WIDEN_FLOATS;
 
 void gemm_widen_set_budgets(size_t b_floats, size_t floats) {
     budget_b = b_floats ? (int)b_floats : WIDEN_B_FLOATS;
     budget_a = floats ? (int)floats : WIDEN_FLOATS;
-    budget_c = floats ? (int)floats : WIDEN_C_FLOATS;
 }
 
 /* dst (rows, cols) dense fp32 = src's rows x cols window at (r0, c0), row
@@ -117,11 +115,9 @@ loom_status gemm_widen(const gemm_args *g, int *handled) {
     GEMM_COUNT(widened_calls);
     int M = g->M, N = g->N, K = g->K, direct = direct_ok(g);
     int nch = chunk_len(N, K, budget_b);                /* op(B) panel: (K, nch) */
-    int mch = chunk_len(M, K, budget_a);                /* op(A) rows: (mch, K) */
-    if (!direct) {                                      /* C tile: (mch, nch) */
-        int mc = chunk_len(M, nch, budget_c);
-        mch = mc < mch ? mc : mch;
-    }
+    /* op(A) rows (mch, K) and, unless C comes direct, the C tile (mch, nch)
+     * within one budget: chunk_len shrinks as its other factor grows. */
+    int mch = chunk_len(M, !direct && nch > K ? nch : K, budget_a);
     float *b32 = loom_alloc((size_t)K * nch * sizeof(float), LOOM_MEM_WORKSPACE);
     float *a32 = loom_alloc((size_t)mch * K * sizeof(float), LOOM_MEM_WORKSPACE);
     float *c32 = direct ? NULL : loom_alloc((size_t)mch * nch * sizeof(float), LOOM_MEM_WORKSPACE);

@@ -33,6 +33,12 @@ loom_status loom_llama_preset(const char *name, loom_llama_config *c) {
     return LOOM_OK;
 }
 
+int loom_llama_config_same_weights(const loom_llama_config *a, const loom_llama_config *b) {
+    return a->dim == b->dim && a->n_layers == b->n_layers && a->n_heads == b->n_heads &&
+           a->n_kv_heads == b->n_kv_heads && a->ffn_dim == b->ffn_dim && a->vocab_size == b->vocab_size &&
+           a->tie_embeddings == b->tie_embeddings;
+}
+
 loom_status loom_llama_config_validate(const loom_llama_config *c) {
     if (c->dim <= 0 || c->n_layers <= 0 || c->n_heads <= 0 || c->n_kv_heads <= 0 || c->ffn_dim <= 0 ||
         c->vocab_size <= 0 || c->max_seq <= 0)

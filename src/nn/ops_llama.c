@@ -282,7 +282,7 @@ static loom_status xent_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, int
     int V = (int)logits->shape[1];
     int valid = count_valid(a);
     float scale = valid ? loom_tensor_get(gout[0], 0) / (float)valid : 0.0f;
-    gin[0] = loom_tensor_writable_in_place(logits) ? loom_tensor_detach(logits) : op_new_like(logits, logits->dtype);
+    gin[0] = op_grad_in_place(logits);
     float *losses = loom_alloc((size_t)(a->n ? a->n : 1) * sizeof(float), LOOM_MEM_WORKSPACE);
     if (!gin[0] || !losses) { loom_free(losses); return LOOM_ERR_NOMEM; }
     crossentropy_fwd_bwd(losses, loom_tensor_data(gin[0]), loom_tensor_data(logits), a->tokens, a->n, V,

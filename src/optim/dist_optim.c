@@ -407,14 +407,15 @@ static loom_status gather_moment(loom_dist_optim *o, const float *src, float *co
     LOOM_TRY(loom_comm_allgather_f32(o->dist.dp, o->flat + o->own_begin, o->flat, o->shard));
     for (int i = 0; i < o->n; i++)
         memcpy(out[i], o->flat + o->offset[i], (size_t)loom_param_numel(o->params[i]) * sizeof(float));
-    memset(o->flat, 0, o->padded * sizeof(float));
     return LOOM_OK;
 }
 
 loom_status loom_dist_optim_get_moments(loom_dist_optim *o, float *const *m, float *const *v) {
     if (o->zero) {
         LOOM_TRY(gather_moment(o, o->m, m));
-        return gather_moment(o, o->v, v);
+        LOOM_TRY(gather_moment(o, o->v, v));
+        memset(o->flat, 0, o->padded * sizeof(float)); /* the gathers borrowed it */
+        return LOOM_OK;
     }
     for (int i = 0; i < o->n; i++) {
         size_t k = (size_t)loom_param_numel(o->params[i]);
