@@ -135,10 +135,10 @@ static loom_status open_data(trainer *t) {
         if (t->leader) fprintf(stderr, "train: no validation data (%s); validation is off\n", loom_last_error());
         t->val = NULL;
     }
-    /* tokenizer.json beside the shards goes into checkpoints and the model. */
+    /* tokenizer.json beside the shards goes into checkpoints and the model
+     * (a directory's shards are named "<dir>/<file>"). */
     const char *first = loom_dataloader_shard_path(t->train, 0), *slash = first ? strrchr(first, '/') : NULL;
-    if (is_dir) snprintf(t->tokenizer_path, sizeof t->tokenizer_path, "%s/tokenizer.json", o->data);
-    else if (slash) snprintf(t->tokenizer_path, sizeof t->tokenizer_path, "%.*s/tokenizer.json", (int)(slash - first), first);
+    if (slash) snprintf(t->tokenizer_path, sizeof t->tokenizer_path, "%.*s/tokenizer.json", (int)(slash - first), first);
     else snprintf(t->tokenizer_path, sizeof t->tokenizer_path, "tokenizer.json");
     t->has_tokenizer = access(t->tokenizer_path, R_OK) == 0;
     if (!t->has_tokenizer && t->leader)

@@ -26,13 +26,24 @@ typedef struct saved_meta {
     loom_dtype dtype;
 } saved_meta;
 
+static void meta_of(saved_meta *m, const loom_tensor *t) {
+    m->ndim = t->ndim;
+    memcpy(m->shape, t->shape, sizeof m->shape);
+    m->dtype = t->dtype;
+}
+
+static int meta_matches(const saved_meta *m, const loom_tensor *t) {
+    int same = m->ndim == t->ndim && m->dtype == t->dtype;
+    for (int d = 0; same && d < m->ndim; d++) same = m->shape[d] == t->shape[d];
+    return same;
+}
+
 typedef struct op_record {
     const loom_function *fn;
     int recorded;
     int n_inputs;
     unsigned char *needs_grad;
-    loom_tensor **kept; /* outputs kept by the policy (NULL: recomputed) */
-    int n_kept;
+    loom_tensor **kept; /* its n_outs outputs, kept by the policy (NULL: recomputed) */
     /* A kept op is not re-run by the replay. The activations it saved that
      * were its own inputs are placeholders [ph_first, ph_first + ph_count),
      * refilled from the replay's inputs: ph_input[i] is which input. */
@@ -89,7 +100,7 @@ static void region_release(region *r) {
     for (int i = 0; i < r->n_inputs; i++) loom_tensor_release(r->inputs[i]);
     for (int i = 0; i < r->n_saved; i++) loom_tensor_release(r->replayed ? r->replayed[i] : NULL);
     for (int j = 0; j < r->n_ops; j++) {
-        for (int k = 0; k < r->ops[j].n_kept; k++) loom_tensor_release(r->ops[j].kept[k]);
+        for (int k = 0; r->ops[j].kept && k < r->ops[j].n_outs; k++) loom_tensor_release(r->ops[j].kept[k]);
         free(r->ops[j].kept);
         free(r->ops[j].needs_grad);
         free(r->ops[j].ph_input);
@@ -109,7 +120,7 @@ static int is_stored(const region *r, const loom_tensor *t) {
     for (int i = 0; i < r->n_inputs; i++)
         if (r->inputs[i] == t) return 1;
     for (int j = 0; j < r->n_ops; j++)
-        for (int k = 0; k < r->ops[j].n_kept; k++)
+        for (int k = 0; r->ops[j].kept && k < r->ops[j].n_outs; k++)
             if (r->ops[j].kept[k] == t) return 1;
     return 0;
 }
@@ -150,10 +161,8 @@ static int fw_before(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor *co
     r->cur_rng = loom_rng_default()->offset;
     /* A kept op is not re-run by the replay: what it saves is stored as is,
      * except its inputs, which the replay recomputes anyway (fw_pack). */
-    if (recorded && r->has_policy && r->policy.keep(r->policy.user, ctx->fn)) {
-        op->n_kept = -1; /* marked; outputs arrive in fw_after */
-        r->cur_kept = r->n_ops - 1;
-    }
+    if (recorded && r->has_policy && r->policy.keep(r->policy.user, ctx->fn))
+        r->cur_kept = r->n_ops - 1; /* its outputs arrive in fw_after */
     return 0;
 }
 
@@ -168,17 +177,14 @@ static void fw_after(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor **o
     LOOM_ASSERT(op->out_storage != NULL && op->out_meta != NULL);
     for (int k = 0; k < n_outputs; k++) {
         op->out_storage[k] = outputs[k]->storage;
-        op->out_meta[k].ndim = outputs[k]->ndim;
-        memcpy(op->out_meta[k].shape, outputs[k]->shape, sizeof op->out_meta[k].shape);
-        op->out_meta[k].dtype = outputs[k]->dtype;
+        meta_of(&op->out_meta[k], outputs[k]);
     }
     op->n_outs = n_outputs;
-    if (op->n_kept != -1) return;
+    if (r->cur_kept != r->n_ops - 1) return;
     r->cur_kept = -1;
     op->kept = calloc((size_t)(n_outputs ? n_outputs : 1), sizeof *op->kept);
     LOOM_ASSERT(op->kept != NULL);
     for (int k = 0; k < n_outputs; k++) op->kept[k] = loom_tensor_retain(outputs[k]);
-    op->n_kept = n_outputs;
     stats.kept_outputs += n_outputs;
 }
 
@@ -206,10 +212,7 @@ static void *fw_pack(void *self, loom_fn_ctx *ctx, loom_tensor *t) {
         r->meta = m;
         r->cap_saved = cap;
     }
-    saved_meta *m = &r->meta[r->n_saved];
-    m->ndim = t->ndim;
-    memcpy(m->shape, t->shape, sizeof m->shape);
-    m->dtype = t->dtype;
+    meta_of(&r->meta[r->n_saved], t);
     placeholder *ph = malloc(sizeof *ph);
     LOOM_ASSERT(ph != NULL);
     ph->r = r;
@@ -272,10 +275,7 @@ static int rp_before(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor *co
     }
     for (int i = 0; i < op->ph_count; i++) {
         const loom_tensor *t = inputs[op->ph_input[i]];
-        const saved_meta *m = &r->meta[op->ph_first + i];
-        int same = t && m->ndim == t->ndim && m->dtype == t->dtype;
-        for (int d = 0; same && d < m->ndim; d++) same = m->shape[d] == t->shape[d];
-        if (!same) {
+        if (!t || !meta_matches(&r->meta[op->ph_first + i], t)) {
             mismatch(r, "a kept or skipped op's input differs in shape or dtype in the replay");
             return 0;
         }
@@ -339,9 +339,7 @@ static void *rp_pack(void *self, loom_fn_ctx *ctx, loom_tensor *t) {
         return NULL;
     }
     const saved_meta *m = &r->meta[k];
-    int same = m->ndim == t->ndim && m->dtype == t->dtype;
-    for (int i = 0; same && i < m->ndim; i++) same = m->shape[i] == t->shape[i];
-    if (!same) {
+    if (!meta_matches(m, t)) {
         char b[96];
         loom_tensor fw = {.dtype = m->dtype, .ndim = m->ndim};
         memcpy(fw.shape, m->shape, sizeof fw.shape);
