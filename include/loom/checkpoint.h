@@ -45,9 +45,10 @@ loom_status loom_llama_load_weights(loom_llama *m, const char *path);
 
 /* Write a model directory: config.json, model.safetensors (dtype dt) and,
  * if tokenizer_path is not NULL, a copy of it as tokenizer.json. The
- * directory is created if needed; files are replaced atomically. With
- * tensor parallelism every TP rank calls it (weights are gathered) and TP
- * rank 0 writes; dir may be NULL on the others. */
+ * directory is created if needed. Every file is written in full beside the
+ * old one before any old one is replaced, so a failure leaves the directory
+ * as it was. With tensor parallelism every TP rank calls it (weights are
+ * gathered) and TP rank 0 writes; dir may be NULL on the others. */
 loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokenizer_path, const char *dir);
 /* Create a model from a directory (config.json + model.safetensors) with
  * the given precision. */

@@ -8,6 +8,7 @@
  * name.
  */
 #include "loom/checkpoint.h"
+#include "io/io_internal.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -35,19 +36,6 @@ static void remove_tree(const char *dir) {
         closedir(d);
     }
     rmdir(dir);
-}
-
-static void fsync_parent(const char *path) {
-    char buf[4096];
-    snprintf(buf, sizeof buf, "%s", path);
-    char *slash = strrchr(buf, '/');
-    if (slash) *slash = '\0';
-    else snprintf(buf, sizeof buf, ".");
-    int fd = open(buf, O_RDONLY | O_DIRECTORY);
-    if (fd >= 0) {
-        fsync(fd);
-        close(fd);
-    }
 }
 
 typedef struct meta_kv {
@@ -155,7 +143,7 @@ loom_status loom_checkpoint_save(const char *dir, loom_llama *m, float *const *a
         remove_tree(tmp);
         return loom_error(s, "checkpoint %s not written (earlier checkpoints are intact): %s", dir, msg);
     }
-    fsync_parent(dir);
+    io_fsync_parent(dir);
     return LOOM_OK;
 }
 

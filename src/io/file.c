@@ -241,8 +241,7 @@ void loom_atomic_file_abort(loom_atomic_file *f) {
     release(f);
 }
 
-/* fsync the directory holding `path` so the rename itself is durable. */
-static int fsync_parent(const char *path) {
+int io_fsync_parent(const char *path) {
     const char *slash = strrchr(path, '/');
     char *dir = slash == path ? strdup("/") : slash ? strndup(path, (size_t)(slash - path)) : strdup(".");
     if (!dir) return ENOMEM;
@@ -273,7 +272,7 @@ loom_status loom_atomic_file_commit(loom_atomic_file *f) {
         loom_atomic_file_abort(f);
         return s;
     }
-    int e = fsync_parent(f->path);
+    int e = io_fsync_parent(f->path);
     if (e != 0)
         s = loom_error(LOOM_ERR_IO, "wrote '%s' but could not sync its directory: %s; %s",
                        f->path, strerror(e), io_write_hint(e));

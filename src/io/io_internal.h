@@ -46,6 +46,10 @@ typedef struct io_mapped {
 loom_status io_map_file(const char *path, const char *what, io_mapped *m);
 void io_unmap_file(io_mapped *m);
 
+/* fsync the directory holding `path`, so a rename in it is durable: 0, or
+ * the errno (file systems that cannot sync a directory count as 0). */
+int io_fsync_parent(const char *path);
+
 /* Format the errno `err` of a failed write of `path` into a message suffix
  * with a hint ("disk full?" for ENOSPC/EDQUOT). */
 const char *io_write_hint(int err);

@@ -2,9 +2,12 @@
  * model_dir.c — model directories in the Hugging Face layout: config.json
  * and model.safetensors with Hugging Face LLaMA names (loom's parameter
  * names are those names). Must never: leave a half-written file (every
- * write is atomic), or load a tensor whose shape differs from the config.
+ * write is atomic) or a directory whose files come from two saves (all are
+ * written before any replaces its old one), or load a tensor whose shape
+ * differs from the config.
  */
 #include "loom/checkpoint.h"
+#include "io/io_internal.h"
 
 #include <errno.h>
 #include <jansson.h>
@@ -197,29 +200,55 @@ static loom_status join(char *buf, size_t n, const char *dir, const char *file) 
     return LOOM_OK;
 }
 
+/* The files of a model directory. Each new one is written (atomically) as
+ * "<file>.new" beside the old one; only when all are complete are they
+ * renamed into place, so a failure (a full disk, a bad tokenizer path)
+ * leaves the old files as they were, never new weights beside an old
+ * config. */
+enum { DIR_CONFIG, DIR_WEIGHTS, DIR_TOKENIZER, DIR_FILES };
+static const char *const dir_files[DIR_FILES] = {"config.json", "model.safetensors", "tokenizer.json"};
+
+static loom_status copy_file(const char *from, const char *to) {
+    void *data;
+    size_t len;
+    LOOM_TRY(loom_read_file(from, &data, &len));
+    loom_status st = loom_file_write_atomic(to, data, len);
+    free(data);
+    return st;
+}
+
 loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokenizer_path, const char *dir) {
-    char path[4096];
+    char path[DIR_FILES][4096] = {{0}}, staged[DIR_FILES][4104] = {{0}};
     if (m->tp_rank != 0 || !dir) return loom_llama_save_weights(m, dt, NULL); /* the gathers only */
-    LOOM_TRY(loom_mkdir_p(dir));
-    LOOM_TRY(join(path, sizeof path, dir, "config.json"));
-    LOOM_TRY(loom_llama_config_save(&m->cfg, dt, path));
-    LOOM_TRY(join(path, sizeof path, dir, "model.safetensors"));
-    LOOM_TRY(loom_llama_save_weights(m, dt, path));
-    if (tokenizer_path) {
-        void *data;
-        size_t len;
-        LOOM_TRY(loom_read_file(tokenizer_path, &data, &len));
-        LOOM_TRY(join(path, sizeof path, dir, "tokenizer.json"));
-        loom_status st = loom_file_write_atomic(path, data, len);
-        free(data);
-        LOOM_TRY(st);
-    } else {
-        /* No tokenizer for this model: one left in dir by an earlier model
-         * would not match it. */
-        LOOM_TRY(join(path, sizeof path, dir, "tokenizer.json"));
-        if (unlink(path) != 0 && errno != ENOENT)
-            return loom_error(LOOM_ERR_IO, "cannot remove the stale %s: %s", path, strerror(errno));
+    loom_status st = loom_mkdir_p(dir);
+    for (int i = 0; i < DIR_FILES && st == LOOM_OK; i++) {
+        st = join(path[i], sizeof path[i], dir, dir_files[i]);
+        if (st == LOOM_OK && snprintf(staged[i], sizeof staged[i], "%s.new", path[i]) >= (int)sizeof staged[i])
+            st = loom_error(LOOM_ERR_INVALID, "path too long: %s", dir);
     }
+    /* The weights first, and always: with tensor parallelism the other
+     * ranks are in the gathers, which rank 0 must join even when it will
+     * not write. */
+    loom_status w = loom_llama_save_weights(m, dt, st == LOOM_OK ? staged[DIR_WEIGHTS] : NULL);
+    if (st == LOOM_OK) st = w;
+    if (st == LOOM_OK) st = loom_llama_config_save(&m->cfg, dt, staged[DIR_CONFIG]);
+    if (st == LOOM_OK && tokenizer_path) st = copy_file(tokenizer_path, staged[DIR_TOKENIZER]);
+    for (int i = 0; i < DIR_FILES && st == LOOM_OK; i++) {
+        if (i == DIR_TOKENIZER && !tokenizer_path) {
+            /* No tokenizer for this model: one left in dir by an earlier
+             * model would not match it. */
+            if (unlink(path[i]) != 0 && errno != ENOENT)
+                st = loom_error(LOOM_ERR_IO, "cannot remove the stale %s: %s", path[i], strerror(errno));
+        } else if (rename(staged[i], path[i]) != 0) {
+            st = loom_error(LOOM_ERR_IO, "cannot rename %s to %s: %s", staged[i], path[i], strerror(errno));
+        }
+    }
+    if (st != LOOM_OK) {
+        for (int i = 0; i < DIR_FILES; i++) unlink(staged[i]); /* what was not renamed yet */
+        return st;
+    }
+    int e = io_fsync_parent(path[DIR_CONFIG]);
+    if (e != 0) return loom_error(LOOM_ERR_IO, "wrote %s but could not sync it: %s", dir, strerror(e));
     return LOOM_OK;
 }
 

@@ -118,17 +118,33 @@ expect_error "/proc" "$LOOM" export --model "$WORK/r/model" --out /proc/loom-exp
 # NaN in training: a clear error, not a silent NaN model
 expect_error "NaN|Inf" "$LOOM" train "${D[@]}" --precision fp32 --lr 1e9 --clip 0 --warmup 0 --steps 20 --out "$WORK/nan"
 
+# expect_full_disk KB MESSAGE DIR CMD...: CMD, allowed files of at most KB
+# KiB, exits 1 with MESSAGE in its error and leaves every file in DIR as it
+# was.
+expect_full_disk() {
+  local kb=$1 want=$2 dir=$3 before after rc
+  shift 3
+  before=$(cd "$dir" && md5sum *)
+  set +e
+  ( ulimit -f "$kb"; trap '' XFSZ; "$@" ) >/dev/null 2>"$WORK/err.log"
+  rc=$?
+  set -e
+  [ $rc -eq 1 ] || { cat "$WORK/err.log"; fail "full disk ($*): exit code $rc"; }
+  grep -q "$want" "$WORK/err.log" || { cat "$WORK/err.log"; fail "full disk ($*): no '$want' in the error"; }
+  after=$(cd "$dir" && md5sum *)
+  [ "$before" = "$after" ] || fail "full disk ($*): $dir changed"
+}
+
 # A full disk while checkpointing: the new checkpoint fails, the old one is intact.
 "$LOOM" train "${D[@]}" --steps 1 --ckpt-every 1 --keep 5 --out "$WORK/full" 2>/dev/null
-before=$(cd "$WORK/full/ckpt-00000001" && md5sum *)
-set +e
-( ulimit -f 200; trap '' XFSZ; "$LOOM" train "${D[@]}" --steps 4 --ckpt-every 1 --keep 5 --out "$WORK/full" \
-    --resume "$WORK/full/ckpt-00000001" ) >/dev/null 2>"$WORK/err.log"
-rc=$?
-set -e
-[ $rc -eq 1 ] || { cat "$WORK/err.log"; fail "full disk: exit code $rc"; }
-grep -q "not written" "$WORK/err.log" || { cat "$WORK/err.log"; fail "full disk: no clear message"; }
-after=$(cd "$WORK/full/ckpt-00000001" && md5sum *)
-[ "$before" = "$after" ] || fail "an existing checkpoint changed"
+expect_full_disk 200 "not written" "$WORK/full/ckpt-00000001" \
+  "$LOOM" train "${D[@]}" --steps 4 --ckpt-every 1 --keep 5 --out "$WORK/full" --resume "$WORK/full/ckpt-00000001"
 ls -d "$WORK"/full/*.tmp.* 2>/dev/null && fail "a temporary checkpoint was left behind"
+
+# A full disk while replacing a model directory: the old model stays whole
+# (no new config.json beside the old weights), nothing staged is left.
+"$LOOM" export --model "$WORK/full/ckpt-00000001" --out "$WORK/fullmodel" --dtype bf16 2>/dev/null
+expect_full_disk 8 "model.safetensors" "$WORK/fullmodel" \
+  "$LOOM" export --model "$WORK/full/ckpt-00000001" --out "$WORK/fullmodel"
+ls "$WORK"/fullmodel/*.new* 2>/dev/null && fail "a failed export left staged files behind"
 echo "1 passed, 0 failed"
