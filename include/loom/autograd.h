@@ -161,7 +161,12 @@ int loom_ctx_is_replay(const loom_fn_ctx *ctx);
  * loss scale for fp16). Walks and then frees the current tape. */
 loom_status loom_backward(loom_tensor *loss, float seed);
 /* Backpropagate from several tensors with the given gradients (each
- * grads[i] has tensors[i]'s shape; NULL entries are skipped). */
+ * grads[i] has tensors[i]'s shape; NULL entries are skipped).
+ * Both refuse bad arguments (a gradient of the wrong shape, a non-scalar
+ * loss, nothing that requires a gradient, a graph already freed) before
+ * anything runs: the tape is left as it was, so the call can be made again
+ * with the right arguments. Every other outcome, failures included, frees
+ * the tape. */
 loom_status loom_backward_multi(loom_tensor *const *tensors, loom_tensor *const *grads, int n);
 
 /* A function called on the calling thread after every node's backward

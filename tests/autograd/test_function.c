@@ -269,6 +269,29 @@ static void test_bad_gradient_shape(void **state) {
     loom_tensor_release(x);
 }
 
+/* A backward refused for its arguments runs nothing and frees nothing: the
+ * same graph can then be backpropagated with the right arguments. */
+static void test_refused_backward_keeps_graph(void **state) {
+    (void)state;
+    float v[3] = {1, 2, 3};
+    loom_tensor *x = loom_tensor_from_f32(v, LOOM_F32, 1, (const int64_t[]){3}, LOOM_MEM_ACTIVATIONS);
+    assert_int_equal(loom_tensor_set_requires_grad(x, 1), LOOM_OK);
+    loom_tensor *y = NULL, *l = NULL;
+    assert_int_equal(loom_mul(x, x, &y), LOOM_OK);
+    assert_int_equal(loom_sum(y, &l), LOOM_OK);
+    loom_tensor *wrong = loom_tensor_new(LOOM_F32, 1, (const int64_t[]){2}, LOOM_MEM_ACTIVATIONS);
+    assert_int_equal(loom_backward_multi(&y, &wrong, 1), LOOM_ERR_INVALID);
+    assert_non_null(strstr(loom_last_error(), "does not match"));
+    assert_int_equal(loom_backward(y, 1.0f), LOOM_ERR_INVALID); /* not a scalar */
+    assert_null(x->grad);
+    assert_int_equal(loom_backward(l, 1.0f), LOOM_OK);
+    for (int i = 0; i < 3; i++) assert_float_equal(loom_tensor_get(x->grad, i), 2 * v[i], 1e-6);
+    loom_tensor_release(wrong);
+    loom_tensor_release(y);
+    loom_tensor_release(l);
+    loom_tensor_release(x);
+}
+
 static void test_memory_returns_to_zero(void **state) {
     (void)state;
     loom_param *w = make_param("w", 16, 8, 7);
@@ -491,6 +514,7 @@ int main(void) {
         cmocka_unit_test(test_accumulation_and_reuse),
         cmocka_unit_test(test_no_grad_and_misuse),
         cmocka_unit_test(test_bad_gradient_shape),
+        cmocka_unit_test(test_refused_backward_keeps_graph),
         cmocka_unit_test(test_memory_returns_to_zero),
         cmocka_unit_test(test_backward_hook),
         cmocka_unit_test(test_grad_buffer_and_master),
