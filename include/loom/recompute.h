@@ -8,7 +8,11 @@
  * Modes:
  *  - NONE: the region runs as ordinary code.
  *  - REENTRANT: the region runs without recording and saves only its inputs;
- *    backward replays it onto a nested tape and runs a nested backward.
+ *    backward replays it onto a nested tape and runs a nested backward. The
+ *    gradient an input already has (from uses after the region) seeds the
+ *    replay's leaf, so the sums run in the same order as without recompute.
+ *    A replay whose outputs need no gradient (frozen weights on inputs that
+ *    need none) adds nothing.
  *  - NONREENTRANT: the region records as usual, but each activation saved
  *    inside it (except the region's inputs) becomes a placeholder; the first
  *    time backward needs one, the region is replayed once and the

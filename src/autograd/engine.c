@@ -243,6 +243,22 @@ static loom_status route_grad(loom_node *n, int i, loom_tensor *g) {
     return LOOM_OK;
 }
 
+/* The node whose backward runs on this thread (nested: a reentrant region's
+ * replay runs nodes inside its own backward). */
+static _Thread_local loom_node *running_node;
+
+loom_tensor *autograd_take_input_grad(int i) {
+    loom_node *n = running_node;
+    if (!n || i < 0 || i >= n->n_inputs) return NULL;
+    edge *e = &n->inputs[i];
+    loom_tensor **slot = e->node && !e->node->released ? &e->node->grad_out[e->index]
+                         : !e->node && !e->param && e->leaf ? &e->leaf->grad : NULL;
+    if (!slot) return NULL;
+    loom_tensor *g = *slot;
+    *slot = NULL;
+    return g;
+}
+
 static loom_status run_node_backward(loom_node *n) {
     loom_tensor *gin_local[8], **gin = n->n_inputs <= 8 ? gin_local : calloc((size_t)n->n_inputs, sizeof *gin);
     if (!gin) return loom_error(LOOM_ERR_NOMEM, "%s: out of memory in backward", n->fn->name);
@@ -260,7 +276,10 @@ static loom_status run_node_backward(loom_node *n) {
          * re-enables recording for its replay). */
         loom_no_grad_enter();
         profile_enter();
+        loom_node *outer = running_node;
+        running_node = n;
         st = n->fn->backward(n->ctx, n->grad_out, n->n_outputs, gin, n->n_inputs);
+        running_node = outer;
         profile_leave(n->fn, 1);
         loom_no_grad_exit();
     }

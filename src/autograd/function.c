@@ -182,9 +182,13 @@ static loom_status run_forward(const loom_function *fn, loom_fn_ctx *ctx, loom_t
             return loom_error(LOOM_ERR_STATE, "%s: forward returned LOOM_OK but left output %d NULL",
                               fn->name, i);
         }
-        if (o->node || o->param || o->requires_grad) {
-            /* forward returned an existing tensor (an input, say): the output
-             * is a new view of it, so the input keeps its own history. */
+        int existing = o->node || o->param || o->requires_grad;
+        for (int j = 0; j < n_inputs && !existing; j++) existing = o == inputs[j];
+        for (int j = 0; j < i && !existing; j++) existing = o == outputs[j];
+        if (existing) {
+            /* forward returned an existing tensor (an input, or one output
+             * twice): the output is a new view of it, so the input keeps its
+             * own history and every output gets its own node slot. */
             outputs[i] = loom_tensor_detach(o);
             loom_tensor_release(o);
             if (!outputs[i]) {

@@ -76,6 +76,14 @@ struct saved_hooks {
 int autograd_grad_mode_enable(void);
 void autograd_grad_mode_restore(int saved);
 
+/* Inside a node's backward: take the gradient accumulated so far for its
+ * input i (the producer's output slot, or a leaf's grad) out of its slot,
+ * leaving the slot empty; NULL when there is none yet. A backward that
+ * takes it must hand back the gradient with the take included (a
+ * reentrant region seeds its replay leaf with it, so the sum runs in the
+ * order of the run without recomputation). */
+loom_tensor *autograd_take_input_grad(int i);
+
 /* Profiling hooks around a function's forward or backward (profile.c). */
 void profile_enter(void);
 void profile_leave(const loom_function *fn, int backward);

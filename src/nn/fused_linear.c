@@ -101,10 +101,10 @@ loom_status loom_fused_linear(loom_tensor *x, loom_tensor *w, loom_tensor *b, lo
     if (!x || !w) return loom_error(LOOM_ERR_INVALID, "fused_linear: x and w are required");
     if (!loom_tensor_is_contiguous(x) || !loom_tensor_is_contiguous(w) || (b && !loom_tensor_is_contiguous(b)))
         return loom_error(LOOM_ERR_INVALID, "fused_linear: x, w and b must be contiguous");
-    if (w->ndim != 2 || x->ndim < 1 || last_dim(x) != w->shape[1] || x->dtype != w->dtype ||
+    if (w->ndim != 2 || x->ndim < 1 || last_dim(x) != w->shape[1] || last_dim(x) == 0 || x->dtype != w->dtype ||
         (b && (b->ndim != 1 || b->shape[0] != w->shape[0] || b->dtype != w->dtype)))
         return loom_error(LOOM_ERR_INVALID, "fused_linear: x %s does not fit w %s (need x (..., K), w (M, K), "
-                          "b (M), one dtype)", loom_tensor_describe(x, d1, sizeof d1),
+                          "b (M), K > 0, one dtype)", loom_tensor_describe(x, d1, sizeof d1),
                           loom_tensor_describe(w, d2, sizeof d2));
     loom_tensor *in[3] = {x, w, b};
     return loom_function_apply(&fused_linear_function, in, 3, out, 1, NULL, 0);

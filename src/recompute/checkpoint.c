@@ -95,8 +95,15 @@ static loom_status reentrant_backward(loom_fn_ctx *ctx, loom_tensor *const *grad
             continue;
         }
         in[i] = loom_tensor_detach(t);
-        if (!in[i]) st = LOOM_ERR_NOMEM;
-        else in[i]->requires_grad = loom_ctx_needs_input_grad(ctx, i);
+        if (!in[i]) {
+            st = LOOM_ERR_NOMEM;
+        } else if ((in[i]->requires_grad = loom_ctx_needs_input_grad(ctx, i))) {
+            /* The gradient the input has from uses after the region seeds
+             * the replay's leaf: the uses inside then add to it one by one,
+             * in the order and with the roundings of the run without
+             * recomputation, and the sum goes back as the input's gradient. */
+            in[i]->grad = autograd_take_input_grad(i);
+        }
     }
     if (st == LOOM_OK) {
         recompute_count_replay();
@@ -107,14 +114,11 @@ static loom_status reentrant_backward(loom_fn_ctx *ctx, loom_tensor *const *grad
         st = a->fn(a->user, in, n_inputs, out, n_outputs);
         *rng = saved_rng;
         if (st == LOOM_OK) {
+            /* Outputs that need no gradient (frozen parameters, inputs that
+             * need none) take none: then the region has nothing to add. */
             int any = 0;
             for (int k = 0; k < n_outputs; k++) any |= out[k] && loom_tensor_requires_grad(out[k]);
-            if (!any)
-                st = loom_error(LOOM_ERR_STATE, "checkpoint (reentrant): none of the region's outputs "
-                                "requires a gradient (no input or parameter used inside needs one); "
-                                "run the region under no-grad instead");
-            else
-                st = loom_backward_multi(out, grad_outputs, n_outputs);
+            if (any) st = loom_backward_multi(out, grad_outputs, n_outputs);
         }
         autograd_grad_mode_restore(grad_mode);
         loom_tape_pop();

@@ -232,6 +232,13 @@ static void test_no_grad_and_misuse(void **state) {
     assert_non_null(strstr(loom_last_error(), "(2, 4)"));
     assert_non_null(strstr(loom_last_error(), "(4, 3)"));
     loom_tensor_release(wt);
+    /* No input features (K = 0): refused, not a division by zero. */
+    loom_tensor *x0 = loom_tensor_zeros(LOOM_F32, 2, (const int64_t[]){2, 0}, LOOM_MEM_ACTIVATIONS);
+    loom_tensor *w0 = loom_tensor_zeros(LOOM_F32, 2, (const int64_t[]){3, 0}, LOOM_MEM_ACTIVATIONS);
+    assert_int_equal(loom_fused_linear(x0, w0, NULL, &y), LOOM_ERR_INVALID);
+    assert_non_null(strstr(loom_last_error(), "K > 0"));
+    loom_tensor_release(x0);
+    loom_tensor_release(w0);
     /* Backward on something that needs no gradient. */
     loom_tensor *s = NULL;
     assert_int_equal(loom_sum(x, &s), LOOM_OK);
@@ -267,6 +274,73 @@ static void test_bad_gradient_shape(void **state) {
     loom_tensor_release(y);
     loom_tensor_release(l);
     loom_tensor_release(x);
+}
+
+/* Forwards that hand back a tensor they did not create: an input (here one
+ * that needs no gradient), or one new tensor as both outputs. */
+static loom_status passthrough_forward(loom_fn_ctx *ctx, loom_tensor *const *in, int n_in, loom_tensor **out,
+                                       int n_out) {
+    (void)ctx; (void)n_in; (void)n_out;
+    out[0] = loom_tensor_retain(in[0]);
+    return LOOM_OK;
+}
+
+static loom_status passthrough_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, int n_out, loom_tensor **gin,
+                                        int n_in) {
+    (void)ctx; (void)n_out; (void)n_in;
+    gin[1] = loom_tensor_retain(gout[0]); /* d out / d in[1] = 1 (same shape) */
+    return LOOM_OK;
+}
+
+static loom_status twice_forward(loom_fn_ctx *ctx, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
+    (void)ctx; (void)n_in; (void)n_out;
+    out[0] = loom_tensor_to(in[0], in[0]->dtype, LOOM_MEM_ACTIVATIONS);
+    if (!out[0]) return LOOM_ERR_NOMEM;
+    out[1] = loom_tensor_retain(out[0]);
+    return LOOM_OK;
+}
+
+static loom_status twice_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, int n_out, loom_tensor **gin,
+                                  int n_in) {
+    (void)ctx; (void)n_out; (void)n_in;
+    return loom_add(gout[0], gout[1], &gin[0]);
+}
+
+static void test_forward_returns_existing_tensor(void **state) {
+    (void)state;
+    static const loom_function passthrough = {"passthrough", 2, 1, 0, passthrough_forward, passthrough_backward};
+    static const loom_function twice = {"twice", 1, 2, 0, twice_forward, twice_backward};
+    float v[3] = {1, 2, 3};
+    const int64_t shape[1] = {3};
+    loom_tensor *c = loom_tensor_from_f32(v, LOOM_F32, 1, shape, LOOM_MEM_ACTIVATIONS); /* a constant */
+    loom_tensor *x = loom_tensor_from_f32(v, LOOM_F32, 1, shape, LOOM_MEM_ACTIVATIONS);
+    assert_int_equal(loom_tensor_set_requires_grad(x, 1), LOOM_OK);
+    loom_tensor *in[2] = {c, x}, *y = NULL, *l = NULL;
+    assert_int_equal(loom_function_apply(&passthrough, in, 2, &y, 1, NULL, 0), LOOM_OK);
+    assert_ptr_not_equal(y, c);   /* a view, recorded; the constant stays a constant */
+    assert_null(c->node);
+    assert_false(loom_tensor_requires_grad(c));
+    assert_true(loom_tensor_requires_grad(y));
+    assert_int_equal(loom_sum(y, &l), LOOM_OK);
+    assert_int_equal(loom_backward(l, 1.0f), LOOM_OK);
+    for (int i = 0; i < 3; i++) assert_float_equal(loom_tensor_get(x->grad, i), 1.0f, 0.0f);
+    loom_tensor_release(y);
+    loom_tensor_release(l);
+
+    /* One tensor as both outputs: two outputs, each with its gradient. */
+    loom_tensor *o[2] = {NULL, NULL}, *l0 = NULL, *l1 = NULL, *t = NULL, *ls = NULL;
+    assert_int_equal(loom_function_apply(&twice, &x, 1, o, 2, NULL, 0), LOOM_OK);
+    assert_ptr_not_equal(o[0], o[1]);
+    assert_int_equal(loom_mul(o[1], o[1], &t), LOOM_OK);   /* loss = sum(o0) + sum(o1^2) */
+    assert_int_equal(loom_sum(o[0], &l0), LOOM_OK);
+    assert_int_equal(loom_sum(t, &l1), LOOM_OK);
+    assert_int_equal(loom_add(l0, l1, &ls), LOOM_OK);
+    loom_tensor_release(x->grad);
+    x->grad = NULL;
+    assert_int_equal(loom_backward(ls, 1.0f), LOOM_OK);
+    for (int i = 0; i < 3; i++) assert_float_equal(loom_tensor_get(x->grad, i), 1.0f + 2.0f * v[i], 1e-6);
+    loom_tensor *all[] = {o[0], o[1], l0, l1, t, ls, c, x};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) loom_tensor_release(all[i]);
 }
 
 /* A backward refused for its arguments runs nothing and frees nothing: the
@@ -515,6 +589,7 @@ int main(void) {
         cmocka_unit_test(test_no_grad_and_misuse),
         cmocka_unit_test(test_bad_gradient_shape),
         cmocka_unit_test(test_refused_backward_keeps_graph),
+        cmocka_unit_test(test_forward_returns_existing_tensor),
         cmocka_unit_test(test_memory_returns_to_zero),
         cmocka_unit_test(test_backward_hook),
         cmocka_unit_test(test_grad_buffer_and_master),
