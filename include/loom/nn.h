@@ -64,7 +64,10 @@ struct loom_llama {
     loom_llama_layer *layers;
     loom_param **params;  /* every parameter, in Hugging Face order */
     int n_params;
-    struct llama_block_args *block_args; /* per layer, valid until backward */
+    /* The blocks' region arguments, one set per (batch, sequence) shape a
+     * forward has used, kept until the model is freed: a replay reads them
+     * long after its forward. */
+    struct llama_arg_set *block_args;
     /* Tensor parallelism (Megatron): q/k/v and gate/up column-parallel,
      * o and down row-parallel, heads split across the tp_size ranks of
      * tp_comm; embeddings, norms and lm_head replicated. */
@@ -100,7 +103,8 @@ int64_t loom_llama_n_weights(const loom_llama *m);  /* total parameter count */
 /* Forward over tokens (B, T) int32. With targets (B, T) (ignore index -1),
  * *loss gets the mean cross-entropy (1-element f32); with logits_out
  * non-NULL it receives the logits (B*T, V) in the compute dtype. Either may
- * be NULL. Records the graph when gradients are enabled. */
+ * be NULL. Records the graph when gradients are enabled; forwards of other
+ * shapes (an evaluation) may run before that graph's backward. */
 loom_status loom_llama_forward(loom_llama *m, const int32_t *tokens, const int32_t *targets, int B, int T,
                                loom_tensor **loss, loom_tensor **logits_out);
 void loom_llama_zero_grad(loom_llama *m);

@@ -17,6 +17,29 @@ struct llama_block_args {
     int B, T;
 };
 
+/* The arguments of every layer for one (B, T). Sets are never moved or
+ * changed once made, so a region recorded by one forward replays with its
+ * own shape even after forwards of other shapes. */
+struct llama_arg_set {
+    struct llama_arg_set *next;
+    int B, T;
+    struct llama_block_args layer[]; /* n_layers */
+};
+
+static struct llama_arg_set *arg_set_for(loom_llama *m, int B, int T) {
+    for (struct llama_arg_set *s = m->block_args; s; s = s->next)
+        if (s->B == B && s->T == T) return s;
+    int L = m->cfg.n_layers;
+    struct llama_arg_set *s = malloc(sizeof *s + (size_t)L * sizeof s->layer[0]);
+    if (!s) return NULL;
+    s->B = B;
+    s->T = T;
+    for (int l = 0; l < L; l++) s->layer[l] = (struct llama_block_args){m, l, B, T};
+    s->next = m->block_args;
+    m->block_args = s;
+    return s;
+}
+
 loom_status loom_llama_preset(const char *name, loom_llama_config *c) {
     memset(c, 0, sizeof *c);
     c->rope_theta = 10000.0f;
@@ -91,8 +114,7 @@ loom_status loom_llama_new_tp(const loom_llama_config *cfg, loom_precision prec,
     int L = cfg->n_layers, C = cfg->dim, HS = cfg->dim / cfg->n_heads, KV = cfg->n_kv_heads * HS;
     m->layers = calloc((size_t)L, sizeof *m->layers);
     m->params = calloc((size_t)(9 * L + 3), sizeof *m->params);
-    m->block_args = calloc((size_t)L, sizeof *m->block_args);
-    if (!m->layers || !m->params || !m->block_args) { loom_llama_free(m); return LOOM_ERR_NOMEM; }
+    if (!m->layers || !m->params) { loom_llama_free(m); return LOOM_ERR_NOMEM; }
     loom_dtype dt = prec.compute;
     char name[160];
     loom_status st = add_param(m, "model.embed_tokens.weight", dt, 2, cfg->vocab_size, C, -1, &m->embed);
@@ -129,7 +151,10 @@ void loom_llama_free(loom_llama *m) {
     for (int i = 0; i < m->n_params; i++) loom_param_free(m->params[i]);
     free(m->params);
     free(m->layers);
-    free(m->block_args);
+    for (struct llama_arg_set *s = m->block_args, *next; s; s = next) {
+        next = s->next;
+        free(s);
+    }
     free(m);
 }
 
@@ -289,15 +314,16 @@ loom_status loom_llama_forward(loom_llama *m, const int32_t *tokens, const int32
         return loom_error(LOOM_ERR_INVALID, "llama forward: batch %d x sequence %d (sequence must be 1..%d)", B, T,
                           c->max_seq);
     int N = B * T;
+    struct llama_arg_set *args = arg_set_for(m, B, T);
+    if (!args) return loom_error(LOOM_ERR_NOMEM, "llama forward: out of memory");
     loom_tensor *x = NULL, *h = NULL, *logits = NULL;
     LOOM_TRY(loom_embedding(m->embed->tensor, tokens, N, &x));
     loom_status st = LOOM_OK;
     for (int l = 0; l < c->n_layers && st == LOOM_OK; l++) {
-        struct llama_block_args *a = &m->block_args[l];
-        a->m = m; a->layer = l; a->B = B; a->T = T;
         loom_tensor *next = NULL;
         /* block_region passes its intermediates only through ops. */
-        st = loom_checkpoint_flags(m->recompute.mode, LOOM_REGION_OPS_ONLY, block_region, a, &x, 1, &next, 1);
+        st = loom_checkpoint_flags(m->recompute.mode, LOOM_REGION_OPS_ONLY, block_region, &args->layer[l], &x, 1,
+                                   &next, 1);
         loom_tensor_release(x);
         x = next;
     }
