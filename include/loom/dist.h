@@ -28,6 +28,8 @@ void loom_dist_finalize(void);
 void loom_dist_abort(const char *message, int code) __attribute__((noreturn));
 /* Whether this process runs under MPI with more than one rank. */
 int loom_dist_is_distributed(void);
+/* Whether this loom was built with MPI (else every job is one process). */
+int loom_dist_built_with_mpi(void);
 
 int loom_comm_rank(const loom_comm *c);
 int loom_comm_size(const loom_comm *c);

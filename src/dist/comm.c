@@ -32,6 +32,8 @@ static int mpi_active;
 
 int loom_dist_is_distributed(void) { return mpi_active && world_comm.size > 1; }
 
+int loom_dist_built_with_mpi(void) { return LOOM_HAVE_MPI; }
+
 #if LOOM_HAVE_MPI
 static loom_status mpi_check(int rc, const char *what) {
     if (rc == MPI_SUCCESS) return LOOM_OK;
@@ -41,8 +43,20 @@ static loom_status mpi_check(int rc, const char *what) {
     return loom_error(LOOM_ERR_DIST, "%s failed on rank %d: %s", what, world_comm.rank, msg);
 }
 
+#endif
+
+/* Started as one of several processes by mpirun or a PMI launcher. */
 static int launched_by_mpirun(void) {
     return getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("PMIX_RANK") || getenv("PMI_RANK");
+}
+
+#if !LOOM_HAVE_MPI
+/* The world size the launcher announced (1 when it says nothing). */
+static long launcher_world_size(void) {
+    const char *v = getenv("OMPI_COMM_WORLD_SIZE");
+    if (!v) v = getenv("PMI_SIZE");
+    long n = v ? strtol(v, NULL, 10) : 1;
+    return n > 1 ? n : 1;
 }
 #endif
 
@@ -63,6 +77,11 @@ loom_status loom_dist_init(int *argc, char ***argv, loom_comm **world) {
     MPI_Comm_size(MPI_COMM_WORLD, &world_comm.size);
 #else
     (void)argc; (void)argv;
+    /* Each of the processes would train alone, on the same data and into
+     * the same output directory. */
+    if (launched_by_mpirun() && launcher_world_size() > 1)
+        return loom_error(LOOM_ERR_DIST, "started as one of %ld processes, but this loom was built without MPI; "
+                          "install Open MPI (libopenmpi-dev) and rebuild, or run one process", launcher_world_size());
 #endif
     return LOOM_OK;
 }

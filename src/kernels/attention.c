@@ -332,9 +332,12 @@ static void attn_rowdot(float *D, const void *dout, const void *out, const attn_
     float *tmp = workspace_floats((size_t)nt * 2 * HS);
     #pragma omp parallel for schedule(dynamic, 256)
     for (int r = 0; r < rows; r++) {
-        const float *a = (const float *)dout + (size_t)r * HS, *o = (const float *)out + (size_t)r * HS;
+        const float *a, *o;
         int h = r % s->NH, t = (r / s->NH) % s->Tq, b = r / (s->NH * s->Tq);
-        if (s->dt != LOOM_F32) {
+        if (s->dt == LOOM_F32) {
+            a = (const float *)dout + (size_t)r * HS;
+            o = (const float *)out + (size_t)r * HS;
+        } else {
             float *ta = tmp + (size_t)omp_get_thread_num() * 2 * HS, *to = ta + HS;
             row_load(ta, dout, (size_t)r * HS, HS, s->dt);
             row_load(to, out, (size_t)r * HS, HS, s->dt);

@@ -35,4 +35,11 @@ mkdir -p "$WORK/notok" && cp "$WORK/run/model/config.json" "$WORK/run/model/mode
 "$LOOM" export --model "$WORK/notok" --out "$WORK/hf2" 2>/dev/null
 [ -e "$WORK/hf2/tokenizer.json" ] && fail "export left another model's tokenizer.json"
 grep -q '"torch_dtype": "bfloat16"' "$WORK/hf/config.json" || fail "export dtype not in config"
+# A build without MPI started as one of several processes refuses, instead of
+# every process training alone into the same --out.
+if "$LOOM" --version | grep -q "MPI: no"; then
+  expect_error "built without MPI" env OMPI_COMM_WORLD_SIZE=2 "$LOOM" train --data "$WORK/data" \
+    --config "$WORK/cfg.json" --steps 1 --out "$WORK/lonely"
+  [ -e "$WORK/lonely" ] && fail "a refused run wrote its output directory"
+fi
 echo "1 passed, 0 failed"
