@@ -14,8 +14,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+/* The first SIGINT/SIGTERM asks for a checkpoint after the current step;
+ * a second one stops at once (the default action). */
 static volatile sig_atomic_t stop_signal;
-static void on_signal(int sig) { stop_signal = sig; }
+static void on_signal(int sig) {
+    stop_signal = sig;
+    signal(SIGINT, SIG_DFL);
+    signal(SIGTERM, SIG_DFL);
+}
 
 typedef struct train_opts {
     const char *data, *out, *preset, *config, *init, *resume, *dump_grads, *dump_logits, *tokenizer;
@@ -258,10 +264,13 @@ static loom_status train_step(trainer *t, step_result *r) {
     r->lr = loom_lr_cosine(t->state.step, o->warmup, o->steps, o->lr, o->min_lr);
     if (r->info.found_inf) {
         r->skipped = 1;
-        if (!t->scaler.enabled)
-            return loom_error(LOOM_ERR_NUMERIC, "step %d: the gradients contain NaN or Inf (loss %g); training "
+        /* With loss scaling an overflow halves the scale and skips the
+         * step; once the scale is at its floor that cannot help. */
+        if (!t->scaler.enabled || t->scaler.scale <= LOOM_LOSS_SCALE_MIN)
+            return loom_error(LOOM_ERR_NUMERIC, "step %d: the gradients contain NaN or Inf (loss %g)%s; training "
                               "diverged: lower --lr, keep --clip on, or resume from an earlier checkpoint",
-                              t->state.step + 1, r->loss);
+                              t->state.step + 1, r->loss,
+                              t->scaler.enabled ? " even at the smallest loss scale (2^-16)" : "");
     } else {
         LOOM_TRY(loom_dist_optim_step(t->opt, r->lr, r->info.grad_multiplier));
     }
@@ -622,7 +631,8 @@ const command cmd_train = {
     "train --data DIR [--preset tiny|small | --config FILE] [flags]",
     "Progress goes to stderr (a live line on a terminal, plain lines otherwise);\n"
     "metrics.jsonl, loss.svg, checkpoints (ckpt-NNNNNNNN/) and the final model (model/)\n"
-    "go to --out. SIGINT or SIGTERM saves a checkpoint and stops (exit 130 or 143); --resume continues\n"
-    "bit-for-bit. --recompute selective always uses the non-reentrant machinery.",
+    "go to --out. SIGINT or SIGTERM saves a checkpoint and stops (exit 130 or 143; a second\n"
+    "one stops at once); --resume continues bit-for-bit. --recompute selective always uses\n"
+    "the non-reentrant machinery.",
     run,
 };

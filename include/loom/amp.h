@@ -36,6 +36,9 @@ typedef struct loom_loss_scaler {
     long skipped_steps;
 } loom_loss_scaler;
 
+/* The scale never backs off below this. */
+#define LOOM_LOSS_SCALE_MIN (1.0f / 65536.0f)
+
 void loom_loss_scaler_init(loom_loss_scaler *s, int enabled);
 /* After a step: found_inf halves the scale (and counts a skip), otherwise
  * count a good step and grow the scale every growth_interval good steps. */

@@ -22,7 +22,7 @@ void loom_loss_scaler_update(loom_loss_scaler *s, int found_inf) {
     if (!s->enabled) return;
     if (found_inf) {
         s->scale *= s->backoff_factor;
-        if (s->scale < 1.0f / 65536.0f) s->scale = 1.0f / 65536.0f;
+        if (s->scale < LOOM_LOSS_SCALE_MIN) s->scale = LOOM_LOSS_SCALE_MIN;
         s->good_steps = 0;
         return;
     }

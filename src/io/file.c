@@ -81,7 +81,9 @@ static loom_status read_fd(int fd, const char *path, size_t hint, unsigned char 
 }
 
 static loom_status open_regular(const char *path, const char *what, int *fd_out, struct stat *st) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* Non-blocking, so a FIFO is refused below instead of waiting forever
+     * for a writer; regular files read the same either way. */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0)
         return loom_error(LOOM_ERR_IO, "cannot open %s '%s': %s", what, path, strerror(errno));
     if (fstat(fd, st) != 0) {

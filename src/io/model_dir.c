@@ -10,6 +10,8 @@
 #include "io/io_internal.h"
 
 #include <errno.h>
+#include <float.h>
+#include <math.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -54,8 +56,9 @@ static loom_status get_int(json_t *root, const char *path, const char *key, int 
 static loom_status get_float(json_t *root, const char *path, const char *key, float *out) {
     json_t *v = json_object_get(root, key);
     if (!v) return LOOM_OK;
-    if (!json_is_number(v) || !(json_number_value(v) > 0))
-        return loom_error(LOOM_ERR_FORMAT, "%s: field \"%s\" must be a positive number", path, key);
+    if (!json_is_number(v) || !(json_number_value(v) > 0) || !(json_number_value(v) <= FLT_MAX))
+        return loom_error(LOOM_ERR_FORMAT, "%s: field \"%s\" must be a positive number no larger than %g", path,
+                          key, (double)FLT_MAX);
     *out = (float)json_number_value(v);
     return LOOM_OK;
 }
@@ -73,7 +76,8 @@ static loom_status check_unsupported(json_t *root, const char *path, const loom_
             return loom_error(LOOM_ERR_UNSUPPORTED, "%s: %s = true is not supported by loom's LLaMA", path, bias[i]);
     }
     v = json_object_get(root, "head_dim");
-    if (v && !json_is_null(v) && (!json_is_integer(v) || json_integer_value(v) * c->n_heads != c->dim))
+    if (v && !json_is_null(v) && (!json_is_integer(v) || json_integer_value(v) != c->dim / c->n_heads ||
+                                  c->dim % c->n_heads))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: head_dim must equal hidden_size / num_attention_heads", path);
     v = json_object_get(root, "hidden_act");
     if (v && (!json_is_string(v) || strcmp(json_string_value(v), "silu") != 0))
@@ -188,7 +192,11 @@ loom_status loom_llama_load_weights(loom_llama *m, const char *path) {
         if (!full) { st = loom_error(LOOM_ERR_NOMEM, "load weights: out of memory"); break; }
         st = loom_safetensors_read(sf, p->name, LOOM_F32, fs, p->tensor->ndim, full);
         if (st != LOOM_OK) st = loom_error(st, "%s (the config and the weights disagree)", loom_last_error());
-        else loom_llama_param_scatter(m, i, full);
+        for (int64_t k = 0; st == LOOM_OK && k < fs[0] * fs[1]; k++)
+            if (!isfinite(full[k]))
+                st = loom_error(LOOM_ERR_FORMAT, "%s: tensor %s holds %g at element %lld; the file is damaged or "
+                                "comes from a run that diverged", path, p->name, (double)full[k], (long long)k);
+        if (st == LOOM_OK) loom_llama_param_scatter(m, i, full);
         free(full);
     }
     loom_safetensors_close(sf);

@@ -115,8 +115,39 @@ touch "$WORK/a-file"
 expect_error "not a directory|cannot" "$LOOM" train "${D[@]}" --steps 1 --out "$WORK/a-file"
 expect_error "/proc" "$LOOM" export --model "$WORK/r/model" --out /proc/loom-export
 
-# NaN in training: a clear error, not a silent NaN model
+# NaN in training: a clear error, not a silent NaN model; with fp16 loss
+# scaling, once the scale is at its floor and the gradients still overflow.
 expect_error "NaN|Inf" "$LOOM" train "${D[@]}" --precision fp32 --lr 1e9 --clip 0 --warmup 0 --steps 20 --out "$WORK/nan"
+expect_error "smallest loss scale" "$LOOM" train "${D[@]}" --precision fp16 --lr 1e9 --clip 0 --warmup 0 --steps 60 \
+  --out "$WORK/nan16"
+[ -e "$WORK/nan16/model" ] && fail "a diverged fp16 run wrote a model"
+
+# Config values a float cannot hold; NaN weights; a FIFO where a file belongs.
+sed 's/"rope_theta": 10000.0/"rope_theta": 1e300/' "$WORK/cfg.json" > "$WORK/cfg-huge.json"
+expect_error "rope_theta" "$LOOM" train --data "$WORK/data" --config "$WORK/cfg-huge.json" --steps 1 --out "$WORK/huge"
+cp -r "$WORK/r/model" "$WORK/nanmodel"
+/usr/bin/python3 - "$WORK/nanmodel/model.safetensors" <<'PY'
+import json, struct, sys
+with open(sys.argv[1], "r+b") as f:
+    n = struct.unpack("<Q", f.read(8))[0]
+    entry = json.loads(f.read(n))["model.norm.weight"]
+    f.seek(8 + n + entry["data_offsets"][0] + 4 * 3)
+    f.write(struct.pack("<f", float("nan")) if entry["dtype"] == "F32" else b"\xc0\x7f")
+PY
+expect_error "model.norm.weight.*element 3" "$LOOM" generate --model "$WORK/nanmodel" --prompt a --tokens 2
+mkfifo "$WORK/fifo"
+expect_error "not a regular file" timeout 20 "$LOOM" generate --model "$WORK/r/model" --tokenizer "$WORK/fifo"
+
+# SIGINT: the first asks for a checkpoint after the step; a second stops at once.
+"$LOOM" train "${D[@]}" --grad-accum 1000000 --steps 2 --out "$WORK/sig2" 2>/dev/null &
+pid=$!
+sleep 3
+kill -INT $pid
+sleep 0.5
+kill -INT $pid
+for _ in $(seq 100); do kill -0 $pid 2>/dev/null || break; sleep 0.1; done
+if kill -0 $pid 2>/dev/null; then kill -9 $pid; fail "a second SIGINT did not stop train"; fi
+wait $pid 2>/dev/null || true
 
 # expect_full_disk KB MESSAGE DIR CMD...: CMD, allowed files of at most KB
 # KiB, exits 1 with MESSAGE in its error and leaves every file in DIR as it
