@@ -952,9 +952,10 @@ static void run_used_outside(loom_recompute_mode mode, int through_node, grad_se
     else h = loom_tensor_retain(x);
     assert_int_equal(loom_checkpoint(mode, two_use_region, &u, &h, 1, &y, 1), LOOM_OK);
     assert_int_equal(loom_mul(h, c, &z), LOOM_OK);
-    backward_ok(add_losses(weighted_sum(y, 25), weighted_sum(z, 26)));
+    loom_tensor *loss = add_losses(weighted_sum(y, 25), weighted_sum(z, 26));
+    backward_ok(loss);
     gs_leaf(gs, "x", x);
-    loom_tensor *all[] = {x, c, u.a, u.b, h, y, z};
+    loom_tensor *all[] = {x, c, u.a, u.b, h, y, z, loss};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) loom_tensor_release(all[i]);
 }
 
@@ -997,11 +998,12 @@ static void run_frozen(loom_recompute_mode mode, grad_set *gs) {
     loom_tensor *x = make_leaf(ROWS, DIM, 32, 0), *v = make_leaf(ROWS, DIM, 33, 1), *y = NULL, *vv = NULL;
     assert_int_equal(loom_checkpoint(mode, frozen_region, &b, &x, 1, &y, 1), LOOM_OK);
     assert_int_equal(loom_mul(v, v, &vv), LOOM_OK);
-    backward_ok(add_losses(weighted_sum(y, 34), weighted_sum(vv, 35)));
+    loom_tensor *loss = add_losses(weighted_sum(y, 34), weighted_sum(vv, 35));
+    backward_ok(loss);
     gs_leaf(gs, "v", v);
     assert_null(x->grad);
     assert_int_equal(b.w->grad_written, 0);
-    loom_tensor *all[] = {x, v, y, vv};
+    loom_tensor *all[] = {x, v, y, vv, loss};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) loom_tensor_release(all[i]);
     loom_param_free(b.w);
 }
