@@ -171,9 +171,7 @@ static int run(int argc, char **argv) {
         if (st == LOOM_OK) st = loom_mkdir_p(out);
         if (st == LOOM_OK) {
             snprintf(tok_out, sizeof tok_out, "%s/tokenizer.json", out);
-            void *data; size_t len;
-            st = loom_read_file(tok_path, &data, &len);
-            if (st == LOOM_OK) { st = loom_file_write_atomic(tok_out, data, len); free(data); }
+            st = loom_file_copy_atomic(tok_path, tok_out);
         }
     }
     if (st == LOOM_OK && in.n) {

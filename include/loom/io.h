@@ -45,6 +45,8 @@ loom_status loom_read_file(const char *path, void **data, size_t *len);
  * device is out of space). Two writers of the same path in one process must
  * not overlap (they would share the temporary name). */
 loom_status loom_file_write_atomic(const char *path, const void *data, size_t n);
+/* Replace `to` with a copy of the file `from`, atomically as above. */
+loom_status loom_file_copy_atomic(const char *from, const char *to);
 
 /* The streaming form of loom_file_write_atomic, for files written in parts
  * (checkpoints). Open creates the temporary file; write appends; commit

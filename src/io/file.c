@@ -292,3 +292,12 @@ loom_status loom_file_write_atomic(const char *path, const void *data, size_t n)
     }
     return loom_atomic_file_commit(f);
 }
+
+loom_status loom_file_copy_atomic(const char *from, const char *to) {
+    void *data;
+    size_t len;
+    LOOM_TRY(loom_read_file(from, &data, &len));
+    loom_status st = loom_file_write_atomic(to, data, len);
+    free(data);
+    return st;
+}

@@ -216,15 +216,6 @@ static loom_status join(char *buf, size_t n, const char *dir, const char *file) 
 enum { DIR_CONFIG, DIR_WEIGHTS, DIR_TOKENIZER, DIR_FILES };
 static const char *const dir_files[DIR_FILES] = {"config.json", "model.safetensors", "tokenizer.json"};
 
-static loom_status copy_file(const char *from, const char *to) {
-    void *data;
-    size_t len;
-    LOOM_TRY(loom_read_file(from, &data, &len));
-    loom_status st = loom_file_write_atomic(to, data, len);
-    free(data);
-    return st;
-}
-
 loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokenizer_path, const char *dir) {
     char path[DIR_FILES][4096] = {{0}}, staged[DIR_FILES][4104] = {{0}};
     if (m->tp_rank != 0 || !dir) return loom_llama_save_weights(m, dt, NULL); /* the gathers only */
@@ -240,7 +231,7 @@ loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokeni
     loom_status w = loom_llama_save_weights(m, dt, st == LOOM_OK ? staged[DIR_WEIGHTS] : NULL);
     if (st == LOOM_OK) st = w;
     if (st == LOOM_OK) st = loom_llama_config_save(&m->cfg, dt, staged[DIR_CONFIG]);
-    if (st == LOOM_OK && tokenizer_path) st = copy_file(tokenizer_path, staged[DIR_TOKENIZER]);
+    if (st == LOOM_OK && tokenizer_path) st = loom_file_copy_atomic(tokenizer_path, staged[DIR_TOKENIZER]);
     for (int i = 0; i < DIR_FILES && st == LOOM_OK; i++) {
         if (i == DIR_TOKENIZER && !tokenizer_path) {
             /* No tokenizer for this model: one left in dir by an earlier

@@ -22,18 +22,15 @@ struct llama_block_args {
  * own shape even after forwards of other shapes. */
 struct llama_arg_set {
     struct llama_arg_set *next;
-    int B, T;
-    struct llama_block_args layer[]; /* n_layers */
+    struct llama_block_args layer[]; /* n_layers (>= 1), all with the set's B, T */
 };
 
 static struct llama_arg_set *arg_set_for(loom_llama *m, int B, int T) {
     for (struct llama_arg_set *s = m->block_args; s; s = s->next)
-        if (s->B == B && s->T == T) return s;
+        if (s->layer[0].B == B && s->layer[0].T == T) return s;
     int L = m->cfg.n_layers;
     struct llama_arg_set *s = malloc(sizeof *s + (size_t)L * sizeof s->layer[0]);
     if (!s) return NULL;
-    s->B = B;
-    s->T = T;
     for (int l = 0; l < L; l++) s->layer[l] = (struct llama_block_args){m, l, B, T};
     s->next = m->block_args;
     m->block_args = s;

@@ -10,6 +10,16 @@
 
 #include "loom/loom.h"
 
+/* (1, 2, 3) as a 1-D fp32 tensor, a leaf that needs a gradient or not. */
+static const float leaf_values[3] = {1, 2, 3};
+
+static loom_tensor *leaf3(int requires_grad) {
+    loom_tensor *t = loom_tensor_from_f32(leaf_values, LOOM_F32, 1, (const int64_t[]){3}, LOOM_MEM_ACTIVATIONS);
+    assert_non_null(t);
+    if (requires_grad) assert_int_equal(loom_tensor_set_requires_grad(t, 1), LOOM_OK);
+    return t;
+}
+
 /* ------------------------------------------------ a user-written linear */
 
 static int saw_param_identity;   /* backward found the very same parameter */
@@ -263,9 +273,7 @@ static const loom_function bad_fn = {"bad_grad", 1, 1, 0, bad_forward, bad_backw
 
 static void test_bad_gradient_shape(void **state) {
     (void)state;
-    float v[3] = {1, 2, 3};
-    loom_tensor *x = loom_tensor_from_f32(v, LOOM_F32, 1, (const int64_t[]){3}, LOOM_MEM_ACTIVATIONS);
-    assert_int_equal(loom_tensor_set_requires_grad(x, 1), LOOM_OK);
+    loom_tensor *x = leaf3(1);
     loom_tensor *y = NULL, *l = NULL;
     assert_int_equal(loom_function_apply(&bad_fn, &x, 1, &y, 1, NULL, 0), LOOM_OK);
     assert_int_equal(loom_sum(y, &l), LOOM_OK);
@@ -310,11 +318,8 @@ static void test_forward_returns_existing_tensor(void **state) {
     (void)state;
     static const loom_function passthrough = {"passthrough", 2, 1, 0, passthrough_forward, passthrough_backward};
     static const loom_function twice = {"twice", 1, 2, 0, twice_forward, twice_backward};
-    float v[3] = {1, 2, 3};
-    const int64_t shape[1] = {3};
-    loom_tensor *c = loom_tensor_from_f32(v, LOOM_F32, 1, shape, LOOM_MEM_ACTIVATIONS); /* a constant */
-    loom_tensor *x = loom_tensor_from_f32(v, LOOM_F32, 1, shape, LOOM_MEM_ACTIVATIONS);
-    assert_int_equal(loom_tensor_set_requires_grad(x, 1), LOOM_OK);
+    const float *v = leaf_values;
+    loom_tensor *c = leaf3(0), *x = leaf3(1); /* c: a constant */
     loom_tensor *in[2] = {c, x}, *y = NULL, *l = NULL;
     assert_int_equal(loom_function_apply(&passthrough, in, 2, &y, 1, NULL, 0), LOOM_OK);
     assert_ptr_not_equal(y, c);   /* a view, recorded; the constant stays a constant */
@@ -347,9 +352,8 @@ static void test_forward_returns_existing_tensor(void **state) {
  * same graph can then be backpropagated with the right arguments. */
 static void test_refused_backward_keeps_graph(void **state) {
     (void)state;
-    float v[3] = {1, 2, 3};
-    loom_tensor *x = loom_tensor_from_f32(v, LOOM_F32, 1, (const int64_t[]){3}, LOOM_MEM_ACTIVATIONS);
-    assert_int_equal(loom_tensor_set_requires_grad(x, 1), LOOM_OK);
+    const float *v = leaf_values;
+    loom_tensor *x = leaf3(1);
     loom_tensor *y = NULL, *l = NULL;
     assert_int_equal(loom_mul(x, x, &y), LOOM_OK);
     assert_int_equal(loom_sum(y, &l), LOOM_OK);
