@@ -108,6 +108,12 @@ int cli_usage_error(const char *cmd, const char *fmt, ...) {
     return 2;
 }
 
+int cli_apply_threads(const char *cmd, int n) {
+    if (n < 0) return cli_usage_error(cmd, "--threads must be >= 0 (0: all cores), got %d", n);
+    if (n > 0) loom_set_threads(n);
+    return 0;
+}
+
 double cli_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);

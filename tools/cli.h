@@ -44,6 +44,9 @@ int cli_fail(const char *cmd, loom_status st);
 int cli_usage_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 double cli_now(void);
 int cli_parse_on_off(const char *cmd, const char *flag_name, const char *value, int *out);
+/* --threads N: 0 keeps the default (all cores), N > 0 sets it; 0 returned,
+ * or 2 after a usage error for N < 0. */
+int cli_apply_threads(const char *cmd, int n);
 
 extern const command cmd_train, cmd_generate, cmd_tokenize, cmd_export, cmd_bench;
 

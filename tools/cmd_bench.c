@@ -108,7 +108,7 @@ static int parse_peak(const char *s, gemm_peak *p) {
     p->f32 = strtod(s, &end);
     if (*end != ',') return -1;
     p->bf16 = strtod(end + 1, &end);
-    return *end || !(p->f32 > 0.0) || !(p->bf16 > 0.0) ? -1 : 0;
+    return *end || !(p->f32 > 0.0 && isfinite(p->f32)) || !(p->bf16 > 0.0 && isfinite(p->bf16)) ? -1 : 0;
 }
 
 /* -------------------------------------------------------------- model FLOPs */
@@ -497,7 +497,7 @@ static int run(int argc, char **argv) {
     gemm_peak peak = {0, 0};
     if (o.gemm_peak && parse_peak(o.gemm_peak, &peak))
         return cli_usage_error("bench", "--gemm-peak expects two positive numbers F32,BF16, got '%s'", o.gemm_peak);
-    if (o.threads > 0) loom_set_threads(o.threads);
+    if ((rc = cli_apply_threads("bench", o.threads))) return rc;
 
     if (!o.precision && !o.recompute && !o.gemms) { /* the standard matrix, one process each */
         if (!o.gemm_peak) {

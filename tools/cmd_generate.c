@@ -30,7 +30,7 @@ static int run(int argc, char **argv) {
         return cli_usage_error("generate", "--temperature must be >= 0 and --top-p in (0, 1]");
     loom_precision prec = {LOOM_F32, 0};
     if (loom_dtype_parse(precision, &prec.compute) != LOOM_OK) return cli_usage_error("generate", "%s", loom_last_error());
-    if (threads > 0) loom_set_threads(threads);
+    if ((rc = cli_apply_threads("generate", threads))) return rc;
 
     char path[4200];
     if (!tok_path) {

@@ -71,6 +71,9 @@ static int parse_settings(trainer *t, loom_precision *prec, loom_recompute_mode 
         return cli_usage_error("train", "--batch, --grad-accum and --steps must be positive");
     if (!(o->lr > 0.0f) || o->min_lr < 0.0f || o->warmup < 0 || o->clip < 0.0f || o->weight_decay < 0.0f)
         return cli_usage_error("train", "--lr must be positive; --min-lr, --warmup, --clip, --weight-decay >= 0");
+    if (o->min_lr > o->lr)
+        return cli_usage_error("train", "--min-lr %g is above --lr %g: the cosine decays from --lr to --min-lr",
+                               (double)o->min_lr, (double)o->lr);
     if (o->keep <= 0 || o->eval_every < 0 || o->ckpt_every < 0 || o->eval_batches <= 0 || o->log_every <= 0)
         return cli_usage_error("train", "--keep, --eval-batches, --log-every must be positive; --eval-every, --ckpt-every >= 0");
     return 0;
@@ -550,7 +553,7 @@ static int run(int argc, char **argv) {
     loom_precision prec = {LOOM_BF16, 1};
     loom_recompute_mode mode = LOOM_RECOMPUTE_NONE;
     if ((rc = parse_settings(&t, &prec, &mode))) return rc;
-    if (o->threads > 0) loom_set_threads(o->threads);
+    if ((rc = cli_apply_threads("train", o->threads))) return rc;
     if (o->zero != 0 && o->zero != 1) return cli_usage_error("train", "--zero expects 0 or 1");
     if (cli_parse_on_off("train", "overlap", o->overlap_flag, &o->overlap)) return 2;
     if (o->bucket_size < 0) return cli_usage_error("train", "--bucket-size must be >= 0 (0: the default)");

@@ -16,6 +16,11 @@ expect_error "--recompute expects" "$LOOM" train "${D[@]}" --recompute most
 expect_error "expects on or off" "$LOOM" train "${D[@]}" --master-grad maybe
 expect_error "unknown preset" "$LOOM" train --data "$WORK/data" --preset huge
 expect_error "longer than the model's context" "$LOOM" train "${D[@]}" --seq 1000
+expect_error "--threads must be >= 0" "$LOOM" train "${D[@]}" --threads -3 --out "$WORK/t3"
+expect_error "--threads must be >= 0" "$LOOM" generate --model "$WORK/nowhere" --threads -1
+expect_error "--threads must be >= 0" "$LOOM" bench --preset tiny --gemm-peak 100,100 --threads -2
+expect_error "--min-lr 5 is above --lr" "$LOOM" train "${D[@]}" --min-lr 5 --out "$WORK/minlr"
+expect_error "--gemm-peak expects two positive numbers" "$LOOM" bench --preset tiny --gemm-peak inf,1
 "$LOOM" train --help | grep -q -- "--recompute-mode" || fail "train --help lacks flags"
 "$LOOM" --help | grep -q "generate" || fail "loom --help lacks commands"
 
