@@ -145,8 +145,7 @@ loom_status loom_dataloader_open(const char *source, const loom_dataloader_optio
     loom_status s = find_shards(dl, source, opt->split);
     if (s == LOOM_OK) {
         dl->counts = calloc(dl->n_shards, sizeof *dl->counts);
-        dl->buf = malloc(dl->span * sizeof *dl->buf);
-        if (!dl->counts || !dl->buf) s = loom_error(LOOM_ERR_NOMEM, "out of memory opening the data loader");
+        if (!dl->counts) s = loom_error(LOOM_ERR_NOMEM, "out of memory opening the data loader");
     }
     size_t longest = 0;
     for (size_t i = 0; s == LOOM_OK && i < dl->n_shards; i++) {
@@ -161,6 +160,10 @@ loom_status loom_dataloader_open(const char *source, const loom_dataloader_optio
         s = loom_error(LOOM_ERR_INVALID, "data loader: one step needs B*T*world_size+1 = %zu tokens but "
                        "the longest of the %zu shards ('%s'...) holds %zu; use a smaller batch or sequence "
                        "length, or more data", dl->step + 1, dl->n_shards, dl->paths[0], longest);
+    /* The batch buffer only after that check: a batch larger than the data
+     * is a usage error, not an out-of-memory one. */
+    if (s == LOOM_OK && !(dl->buf = malloc(dl->span * sizeof *dl->buf)))
+        s = loom_error(LOOM_ERR_NOMEM, "out of memory opening the data loader");
     if (s != LOOM_OK) {
         loom_dataloader_close(dl);
         return s;

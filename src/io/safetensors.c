@@ -149,7 +149,10 @@ static loom_status parse_tensor(loom_safetensors *st, const char *name, json_t *
                        "(truncated file?)", name, (long long)b, (long long)e,
                    (unsigned long long)buffer_bytes);
     size_t esize = dtype_info[t->dtype].size;
-    if (n > UINT64_MAX / esize || n * esize != (uint64_t)(e - b))
+    if (n > UINT64_MAX / esize)
+        return BAD(st, "tensor \"%s\": %s shape with %llu elements is larger than any file can hold", name,
+                   dtype_info[t->dtype].name, (unsigned long long)n);
+    if (n * esize != (uint64_t)(e - b))
         return BAD(st, "tensor \"%s\": %s shape with %llu elements needs %llu bytes but data_offsets "
                        "[%lld, %lld] span %lld", name, dtype_info[t->dtype].name,
                    (unsigned long long)n, (unsigned long long)(n * esize), (long long)b,

@@ -214,6 +214,9 @@ static void test_corrupt_headers(void **state) {
                    "dimensions");
     EXPECT_CORRUPT("{\"a\":{\"dtype\":\"F32\",\"shape\":[4294967296,4294967296,4294967296],"
                    "\"data_offsets\":[0,8]}}", 8, "overflow");
+    /* The element count fits in 64 bits; its byte size does not. */
+    EXPECT_CORRUPT("{\"a\":{\"dtype\":\"F32\",\"shape\":[2305843009213693952,2],"
+                   "\"data_offsets\":[0,0]}}", 0, "larger than any file can hold");
     EXPECT_CORRUPT("{\"a\":{\"dtype\":\"F32\",\"shape\":[2]}}", 8, "data_offsets");
     EXPECT_CORRUPT("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0]}}", 8, "data_offsets");
     EXPECT_CORRUPT("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,0]}}", 8, "end before");

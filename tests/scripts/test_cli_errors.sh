@@ -19,6 +19,7 @@ expect_error "longer than the model's context" "$LOOM" train "${D[@]}" --seq 100
 expect_error "--threads must be >= 0" "$LOOM" train "${D[@]}" --threads -3 --out "$WORK/t3"
 expect_error "--threads must be >= 0" "$LOOM" generate --model "$WORK/nowhere" --threads -1
 expect_error "--threads must be >= 0" "$LOOM" bench --preset tiny --gemm-peak 100,100 --threads -2
+expect_error "one step needs" "$LOOM" train "${D[@]}" --batch 2000000000 --seq 32 --out "$WORK/bigbatch"
 expect_error "--min-lr 5 is above --lr" "$LOOM" train "${D[@]}" --min-lr 5 --out "$WORK/minlr"
 expect_error "--gemm-peak expects two positive numbers" "$LOOM" bench --preset tiny --gemm-peak inf,1
 "$LOOM" train --help | grep -q -- "--recompute-mode" || fail "train --help lacks flags"
