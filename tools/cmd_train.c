@@ -465,13 +465,15 @@ static loom_status train_loop(trainer *t) {
         int early, nb = loom_dist_optim_buckets(t->opt, &early);
         if (t->leader && t->state.step == first_step + 1 && nb > 0 && t->dist.dp_size > 1)
             fprintf(stderr, "train: gradients in %d bucket%s, %d started during backward\n", nb, nb == 1 ? "" : "s", early);
-        if (t->leader) train_report_step(&t->report, t->metrics, t->state.step, o->steps, r.loss, r.lr, r.info.grad_norm,
-                          (double)o->grad_accum * o->batch * o->seq * t->dist.dp_size / dt, dt, t->scaler.scale, r.skipped,
-                          (cli_now() - t_start) / (t->state.step - first_step) * (o->steps - t->state.step));
+        if (t->leader)
+            LOOM_TRY(train_report_step(&t->report, t->metrics, t->state.step, o->steps, r.loss, r.lr, r.info.grad_norm,
+                                       (double)o->grad_accum * o->batch * o->seq * t->dist.dp_size / dt, dt,
+                                       t->scaler.scale, r.skipped,
+                                       (cli_now() - t_start) / (t->state.step - first_step) * (o->steps - t->state.step)));
         if (t->val && o->eval_every > 0 && (t->state.step % o->eval_every == 0 || t->state.step == o->steps)) {
             double vl;
             LOOM_TRY(evaluate(t, &vl));
-            if (t->leader) train_report_val(&t->report, t->metrics, t->state.step, vl);
+            if (t->leader) LOOM_TRY(train_report_val(&t->report, t->metrics, t->state.step, vl));
         }
         if (o->ckpt_every > 0 && t->state.step % o->ckpt_every == 0 && t->state.step < o->steps)
             LOOM_TRY(save_checkpoint(t));

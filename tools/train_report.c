@@ -1,7 +1,9 @@
 /* train_report.c — progress, metrics and the loss plot; see train_report.h. */
 #include "train_report.h"
 
+#include <errno.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -19,10 +21,15 @@ void train_report_free(train_report *r) {
 static void push(double **v, int **s, int *n, int *cap, int step, double x) {
     if (*n == *cap) {
         int c = *cap ? 2 * *cap : 256;
+        /* Each pointer is kept as soon as its realloc succeeds (the old
+         * block may be gone); the capacity grows only when both did. */
         double *nv = realloc(*v, (size_t)c * sizeof *nv);
+        if (!nv) return;
+        *v = nv;
         int *ns = realloc(*s, (size_t)c * sizeof *ns);
-        if (!nv || !ns) { free(nv == *v ? NULL : nv); return; }
-        *v = nv; *s = ns; *cap = c;
+        if (!ns) return;
+        *s = ns;
+        *cap = c;
     }
     (*v)[*n] = x;
     (*s)[(*n)++] = step;
@@ -35,19 +42,30 @@ static void fmt_eta(char *buf, size_t n, double s) {
     else snprintf(buf, n, "%ldm%02lds", t / 60, t % 60);
 }
 
-void train_report_step(train_report *r, FILE *metrics, int step, int total, double loss, float lr, double grad_norm,
+/* One line of metrics.jsonl, flushed; a failed write (a full disk) is an
+ * error, not a silently torn file. */
+static loom_status metrics_line(FILE *f, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static loom_status metrics_line(FILE *f, const char *fmt, ...) {
+    if (!f) return LOOM_OK;
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vfprintf(f, fmt, ap);
+    va_end(ap);
+    if (n < 0 || fflush(f) != 0 || ferror(f))
+        return loom_error(LOOM_ERR_IO, "cannot write metrics.jsonl: %s (disk full?)", strerror(errno));
+    return LOOM_OK;
+}
+
+loom_status train_report_step(train_report *r, FILE *metrics, int step, int total, double loss, float lr, double grad_norm,
                        double tok_per_s, double step_s, float loss_scale, int skipped, double eta_s) {
     push(&r->train_loss, &r->train_step, &r->n_train, &r->cap_train, step, loss);
     loom_mem_stats ms;
     loom_mem_get_stats(&ms);
     double mem_mib = (double)ms.current_total / (1 << 20);
-    if (metrics) {
-        fprintf(metrics, "{\"step\":%d,\"loss\":%.6f,\"lr\":%.6g,\"grad_norm\":%.6g,\"tok_per_s\":%.1f,"
-                         "\"step_ms\":%.2f,\"mem_mib\":%.1f,\"loss_scale\":%g,\"skipped\":%d}\n",
-                step, loss, (double)lr, isfinite(grad_norm) ? grad_norm : -1.0, tok_per_s, 1e3 * step_s, mem_mib,
-                (double)loss_scale, skipped);
-        fflush(metrics);
-    }
+    LOOM_TRY(metrics_line(metrics, "{\"step\":%d,\"loss\":%.6f,\"lr\":%.6g,\"grad_norm\":%.6g,\"tok_per_s\":%.1f,"
+                          "\"step_ms\":%.2f,\"mem_mib\":%.1f,\"loss_scale\":%g,\"skipped\":%d}\n",
+                          step, loss, (double)lr, isfinite(grad_norm) ? grad_norm : -1.0, tok_per_s, 1e3 * step_s,
+                          mem_mib, (double)loss_scale, skipped));
     char eta[32];
     fmt_eta(eta, sizeof eta, eta_s);
     char line[256];
@@ -59,6 +77,7 @@ void train_report_step(train_report *r, FILE *metrics, int step, int total, doub
     } else if (step % r->log_every == 0 || step == total || skipped) {
         fprintf(stderr, "%s\n", line);
     }
+    return LOOM_OK;
 }
 
 void train_report_end_line(train_report *r) {
@@ -66,14 +85,12 @@ void train_report_end_line(train_report *r) {
     r->line_open = 0;
 }
 
-void train_report_val(train_report *r, FILE *metrics, int step, double val_loss) {
+loom_status train_report_val(train_report *r, FILE *metrics, int step, double val_loss) {
     push(&r->val_loss, &r->val_step, &r->n_val, &r->cap_val, step, val_loss);
-    if (metrics) {
-        fprintf(metrics, "{\"step\":%d,\"val_loss\":%.6f}\n", step, val_loss);
-        fflush(metrics);
-    }
+    LOOM_TRY(metrics_line(metrics, "{\"step\":%d,\"val_loss\":%.6f}\n", step, val_loss));
     train_report_end_line(r);
     fprintf(stderr, "step %d: validation loss %.4f\n", step, val_loss);
+    return LOOM_OK;
 }
 
 static void polyline(FILE *f, const double *y, const int *x, int n, double x0, double x1, double y0, double y1,

@@ -20,9 +20,9 @@ typedef struct train_report {
 
 void train_report_init(train_report *r, int log_every);
 void train_report_free(train_report *r);
-void train_report_step(train_report *r, FILE *metrics, int step, int total, double loss, float lr, double grad_norm,
+loom_status train_report_step(train_report *r, FILE *metrics, int step, int total, double loss, float lr, double grad_norm,
                        double tok_per_s, double step_s, float loss_scale, int skipped, double eta_s);
-void train_report_val(train_report *r, FILE *metrics, int step, double val_loss);
+loom_status train_report_val(train_report *r, FILE *metrics, int step, double val_loss);
 void train_report_end_line(train_report *r);
 loom_status train_report_plot(const train_report *r, const char *path);
 

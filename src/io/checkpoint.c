@@ -143,7 +143,10 @@ loom_status loom_checkpoint_save(const char *dir, loom_llama *m, float *const *a
         remove_tree(tmp);
         return loom_error(s, "checkpoint %s not written (earlier checkpoints are intact): %s", dir, msg);
     }
-    io_fsync_parent(dir);
+    int e = io_fsync_parent(dir);
+    if (e != 0)
+        return loom_error(LOOM_ERR_IO, "checkpoint %s was written but its directory could not be synced (%s); a "
+                          "crash now could lose it", dir, strerror(e));
     return LOOM_OK;
 }
 

@@ -172,6 +172,10 @@ expect_full_disk() {
   [ "$before" = "$after" ] || fail "full disk ($*): $dir changed"
 }
 
+# A full disk while logging: metrics.jsonl cannot take the next line.
+expect_error "cannot write metrics.jsonl" bash -c 'ulimit -f 1; trap "" XFSZ; exec "$@"' _ \
+  "$LOOM" train "${D[@]}" --steps 40 --out "$WORK/fullmetrics"
+
 # A full disk while checkpointing: the new checkpoint fails, the old one is intact.
 "$LOOM" train "${D[@]}" --steps 1 --ckpt-every 1 --keep 5 --out "$WORK/full" 2>/dev/null
 expect_full_disk 200 "not written" "$WORK/full/ckpt-00000001" \
