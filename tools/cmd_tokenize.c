@@ -94,10 +94,48 @@ static loom_status write_shards(const char *dir, const char *split, const tok_bu
         size_t n = b->n - off < SHARD_TOKENS ? b->n - off : SHARD_TOKENS;
         snprintf(path, sizeof path, "%s/%s_%06zu.bin", dir, split, k);
         LOOM_TRY(loom_shard_write(path, b->ids + off, n, vocab));
-        fprintf(stderr, "tokenize: wrote %s (%zu tokens)\n", path, n);
         if (n == 0) break;
     }
     return LOOM_OK;
+}
+
+/* The new dataset is written beside the old one (shards in a staging
+ * directory, the tokenizer as tokenizer.json.new) and takes its place only
+ * when all of it is complete: a failure (a full disk) leaves the old
+ * dataset as it was, never a new tokenizer beside old shards. */
+static loom_status publish_dataset(const char *out, const char *staging, const char *staged_tok) {
+    LOOM_TRY(remove_old_shards(out));
+    DIR *d = opendir(staging);
+    if (!d) return loom_error(LOOM_ERR_IO, "cannot read %s: %s", staging, strerror(errno));
+    loom_status st = LOOM_OK;
+    char from[4608], to[4608];
+    for (struct dirent *e; st == LOOM_OK && (e = readdir(d));) {
+        if (e->d_name[0] == '.') continue;
+        snprintf(from, sizeof from, "%s/%s", staging, e->d_name);
+        snprintf(to, sizeof to, "%s/%s", out, e->d_name);
+        if (rename(from, to) != 0) st = loom_error(LOOM_ERR_IO, "cannot move %s to %s: %s", from, to, strerror(errno));
+        else fprintf(stderr, "tokenize: wrote %s\n", to);
+    }
+    closedir(d);
+    snprintf(to, sizeof to, "%s/tokenizer.json", out);
+    if (st == LOOM_OK && rename(staged_tok, to) != 0)
+        st = loom_error(LOOM_ERR_IO, "cannot move %s to %s: %s", staged_tok, to, strerror(errno));
+    return st;
+}
+
+/* Remove the staging directory with whatever is left in it, and a staged
+ * tokenizer that was not moved into place. */
+static void remove_staged(const char *staging, const char *staged_tok) {
+    DIR *d = opendir(staging);
+    char path[4608];
+    for (struct dirent *e; d && (e = readdir(d));) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        snprintf(path, sizeof path, "%s/%s", staging, e->d_name);
+        unlink(path);
+    }
+    if (d) closedir(d);
+    rmdir(staging);
+    unlink(staged_tok);
 }
 
 /* Entropy (nats) of the unigram distribution of the tokens: the loss a
@@ -157,20 +195,20 @@ static int run(int argc, char **argv) {
             /* Training alone: --out is the tokenizer file; with --in, a directory. */
             if (in.n) {
                 st = loom_mkdir_p(out);
-                snprintf(tok_out, sizeof tok_out, "%s/tokenizer.json", out);
+                snprintf(tok_out, sizeof tok_out, "%s/tokenizer.json.new", out);
             } else {
                 snprintf(tok_out, sizeof tok_out, "%s", out);
             }
         }
         if (st == LOOM_OK) st = loom_tokenizer_save(tok, tok_out);
         if (st == LOOM_OK)
-            fprintf(stderr, "tokenize: trained %d tokens on %.1f MB in %.1f s -> %s\n", loom_tokenizer_vocab_size(tok),
-                    (double)total / 1e6, cli_now() - t0, tok_out);
+            fprintf(stderr, "tokenize: trained %d tokens on %.1f MB in %.1f s%s%s\n", loom_tokenizer_vocab_size(tok),
+                    (double)total / 1e6, cli_now() - t0, in.n ? "" : " -> ", in.n ? "" : tok_out);
     } else {
         st = loom_tokenizer_load(tok_path, &tok);
         if (st == LOOM_OK) st = loom_mkdir_p(out);
         if (st == LOOM_OK) {
-            snprintf(tok_out, sizeof tok_out, "%s/tokenizer.json", out);
+            snprintf(tok_out, sizeof tok_out, "%s/tokenizer.json.new", out);
             st = loom_file_copy_atomic(tok_path, tok_out);
         }
     }
@@ -196,9 +234,13 @@ static int run(int argc, char **argv) {
             if (!va.ids) st = loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory");
             else { memcpy(va.ids, tr.ids + tr.n - n_val, n_val * sizeof *va.ids); va.n = n_val; tr.n -= n_val; }
         }
-        if (st == LOOM_OK) st = remove_old_shards(out);
-        if (st == LOOM_OK) st = write_shards(out, "train", &tr, loom_tokenizer_vocab_size(tok));
-        if (st == LOOM_OK && val_fraction > 0.0f) st = write_shards(out, "val", &va, loom_tokenizer_vocab_size(tok));
+        char staging[4200];
+        snprintf(staging, sizeof staging, "%s/.shards.new.%d", out, (int)getpid());
+        if (st == LOOM_OK) st = loom_mkdir_p(staging);
+        if (st == LOOM_OK) st = write_shards(staging, "train", &tr, loom_tokenizer_vocab_size(tok));
+        if (st == LOOM_OK && val_fraction > 0.0f) st = write_shards(staging, "val", &va, loom_tokenizer_vocab_size(tok));
+        if (st == LOOM_OK) st = publish_dataset(out, staging, tok_out);
+        remove_staged(staging, tok_out); /* what failed, or the emptied staging directory */
         if (st == LOOM_OK)
             fprintf(stderr, "tokenize: %zu documents, %zu train tokens, %zu validation tokens; unigram entropy "
                             "%.3f nats/token\n", docs.n, tr.n, va.n, unigram_entropy(&tr, loom_tokenizer_vocab_size(tok)));

@@ -182,6 +182,14 @@ expect_full_disk 200 "not written" "$WORK/full/ckpt-00000001" \
   "$LOOM" train "${D[@]}" --steps 4 --ckpt-every 1 --keep 5 --out "$WORK/full" --resume "$WORK/full/ckpt-00000001"
 ls -d "$WORK"/full/*.tmp.* 2>/dev/null && fail "a temporary checkpoint was left behind"
 
+# A full disk while re-tokenizing into a dataset directory: the old tokenizer
+# and shards stay, nothing staged is left.
+"$LOOM" tokenize --train $(corpus) --vocab 300 --in $(corpus) --out "$WORK/retok" 2>/dev/null
+expect_full_disk 40 "train_000000.bin" "$WORK/retok" \
+  "$LOOM" tokenize --train $(corpus) --vocab 400 --in $(corpus) --out "$WORK/retok"
+[ -z "$(ls -A "$WORK/retok" | grep -v -E '^(tokenizer.json|(train|val)_[0-9]+[.]bin)$')" ] || \
+  fail "a failed tokenize left staged files: $(ls -A "$WORK/retok")"
+
 # A full disk while replacing a model directory: the old model stays whole
 # (no new config.json beside the old weights), nothing staged is left.
 "$LOOM" export --model "$WORK/full/ckpt-00000001" --out "$WORK/fullmodel" --dtype bf16 2>/dev/null
