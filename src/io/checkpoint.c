@@ -166,12 +166,14 @@ static loom_status meta_u64(const loom_safetensors *sf, const char *path, const 
 }
 
 /* Read a full tensor and keep this rank's shard. */
-static loom_status read_shard(loom_safetensors *sf, loom_llama *m, int i, const char *name, float *local) {
+static loom_status read_shard(loom_safetensors *sf, const char *path, loom_llama *m, int i, const char *name,
+                              float *local) {
     int64_t fs[2];
     loom_llama_param_full_shape(m, i, fs);
     float *full = malloc((size_t)(fs[0] * fs[1]) * sizeof(float) + 1);
     if (!full) return loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
     loom_status s = loom_safetensors_read(sf, name, LOOM_F32, fs, m->params[i]->tensor->ndim, full);
+    if (s == LOOM_OK) s = io_check_finite(full, (size_t)(fs[0] * fs[1]), path, name);
     if (s == LOOM_OK) loom_llama_tp_shard(m, i, full, local);
     free(full);
     return s;
@@ -193,11 +195,11 @@ loom_status loom_checkpoint_load(const char *dir, loom_llama *m, float *const *a
     for (int i = 0; i < m->n_params && s == LOOM_OK; i++) {
         loom_param *p = m->params[i];
         snprintf(name, sizeof name, "master.%s", p->name);
-        s = read_shard(sf, m, i, name, loom_param_master(p));
+        s = read_shard(sf, path, m, i, name, loom_param_master(p));
         snprintf(name, sizeof name, "adam_m.%s", p->name);
-        if (s == LOOM_OK) s = read_shard(sf, m, i, name, adam_m[i]);
+        if (s == LOOM_OK) s = read_shard(sf, path, m, i, name, adam_m[i]);
         snprintf(name, sizeof name, "adam_v.%s", p->name);
-        if (s == LOOM_OK) s = read_shard(sf, m, i, name, adam_v[i]);
+        if (s == LOOM_OK) s = read_shard(sf, path, m, i, name, adam_v[i]);
         if (s == LOOM_OK) loom_param_sync_from_master(p);
     }
     uint64_t v[10] = {0};

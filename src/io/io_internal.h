@@ -50,6 +50,10 @@ void io_unmap_file(io_mapped *m);
  * the errno (file systems that cannot sync a directory count as 0). */
 int io_fsync_parent(const char *path);
 
+/* LOOM_ERR_FORMAT naming the file, the tensor and the first element that is
+ * NaN or Inf among v[0 .. n); LOOM_OK when all are finite. */
+loom_status io_check_finite(const float *v, size_t n, const char *path, const char *name);
+
 /* Format the errno `err` of a failed write of `path` into a message suffix
  * with a hint ("disk full?" for ENOSPC/EDQUOT). */
 const char *io_write_hint(int err);

@@ -192,15 +192,20 @@ loom_status loom_llama_load_weights(loom_llama *m, const char *path) {
         if (!full) { st = loom_error(LOOM_ERR_NOMEM, "load weights: out of memory"); break; }
         st = loom_safetensors_read(sf, p->name, LOOM_F32, fs, p->tensor->ndim, full);
         if (st != LOOM_OK) st = loom_error(st, "%s (the config and the weights disagree)", loom_last_error());
-        for (int64_t k = 0; st == LOOM_OK && k < fs[0] * fs[1]; k++)
-            if (!isfinite(full[k]))
-                st = loom_error(LOOM_ERR_FORMAT, "%s: tensor %s holds %g at element %lld; the file is damaged or "
-                                "comes from a run that diverged", path, p->name, (double)full[k], (long long)k);
+        if (st == LOOM_OK) st = io_check_finite(full, (size_t)(fs[0] * fs[1]), path, p->name);
         if (st == LOOM_OK) loom_llama_param_scatter(m, i, full);
         free(full);
     }
     loom_safetensors_close(sf);
     return st;
+}
+
+loom_status io_check_finite(const float *v, size_t n, const char *path, const char *name) {
+    for (size_t k = 0; k < n; k++)
+        if (!isfinite(v[k]))
+            return loom_error(LOOM_ERR_FORMAT, "%s: tensor %s holds %g at element %zu; the file is damaged or "
+                              "comes from a run that diverged", path, name, (double)v[k], k);
+    return LOOM_OK;
 }
 
 static loom_status join(char *buf, size_t n, const char *dir, const char *file) {

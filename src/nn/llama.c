@@ -110,7 +110,7 @@ loom_status loom_llama_new_tp(const loom_llama_config *cfg, loom_precision prec,
     m->tp_rank = tp_comm ? loom_comm_rank(tp_comm) : 0;
     int L = cfg->n_layers, C = cfg->dim, HS = cfg->dim / cfg->n_heads, KV = cfg->n_kv_heads * HS;
     m->layers = calloc((size_t)L, sizeof *m->layers);
-    m->params = calloc((size_t)(9 * L + 3), sizeof *m->params);
+    m->params = calloc(9 * (size_t)L + 3, sizeof *m->params);
     if (!m->layers || !m->params) { loom_llama_free(m); return LOOM_ERR_NOMEM; }
     loom_dtype dt = prec.compute;
     char name[160];

@@ -107,6 +107,22 @@ t += b' ' * (-len(t) % 8)
 open(path, 'wb').write(struct.pack('<Q', len(t)) + t + b[8 + n:])
 PY
 }
+# poison FILE TENSOR: element 3 of an fp32 tensor of a safetensors file becomes NaN.
+poison() {
+  /usr/bin/python3 - "$1" "$2" <<'PY'
+import json, struct, sys
+with open(sys.argv[1], "r+b") as f:
+    n = struct.unpack("<Q", f.read(8))[0]
+    entry = json.loads(f.read(n))[sys.argv[2]]
+    assert entry["dtype"] == "F32"
+    f.seek(8 + n + entry["data_offsets"][0] + 4 * 3)
+    f.write(struct.pack("<f", float("nan")))
+PY
+}
+rm -rf "$WORK/dmg" "$WORK/dmg-out" && cp -r "$WORK/h/ckpt-00000004" "$WORK/dmg"
+poison "$WORK/dmg/state.safetensors" adam_v.model.norm.weight
+expect_error "adam_v.model.norm.weight holds nan at element 3" "$LOOM" train "${D[@]}" --steps 6 --out "$WORK/dmg-out" \
+  --resume "$WORK/dmg"
 for kv in "loss_scale nan" "loss_scale 0" "step -1" "adam_steps 99999999999" "loom_checkpoint_version 2"; do
   set -- $kv
   rm -rf "$WORK/dmg" "$WORK/dmg-out" && cp -r "$WORK/h/ckpt-00000004" "$WORK/dmg"
@@ -132,14 +148,7 @@ expect_error "smallest loss scale" "$LOOM" train "${D[@]}" --precision fp16 --lr
 sed 's/"rope_theta": 10000.0/"rope_theta": 1e300/' "$WORK/cfg.json" > "$WORK/cfg-huge.json"
 expect_error "rope_theta" "$LOOM" train --data "$WORK/data" --config "$WORK/cfg-huge.json" --steps 1 --out "$WORK/huge"
 cp -r "$WORK/r/model" "$WORK/nanmodel"
-/usr/bin/python3 - "$WORK/nanmodel/model.safetensors" <<'PY'
-import json, struct, sys
-with open(sys.argv[1], "r+b") as f:
-    n = struct.unpack("<Q", f.read(8))[0]
-    entry = json.loads(f.read(n))["model.norm.weight"]
-    f.seek(8 + n + entry["data_offsets"][0] + 4 * 3)
-    f.write(struct.pack("<f", float("nan")) if entry["dtype"] == "F32" else b"\xc0\x7f")
-PY
+poison "$WORK/nanmodel/model.safetensors" model.norm.weight
 expect_error "model.norm.weight.*element 3" "$LOOM" generate --model "$WORK/nanmodel" --prompt a --tokens 2
 mkfifo "$WORK/fifo"
 expect_error "not a regular file" timeout 20 "$LOOM" generate --model "$WORK/r/model" --tokenizer "$WORK/fifo"
