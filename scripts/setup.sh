@@ -4,9 +4,11 @@
 # libopenblas0-pthread gives the PyTorch peer (bench/compare_peer.sh) and the
 # cross-check a real BLAS: with Debian's default reference BLAS the peer's
 # fp32 runs 12x slower, which would flatter loom's side-by-side figures.
+# libsimde-dev (headers) writes the AVX-512 tiles portably, so the tests run
+# them emulated on CPUs without AVX-512.
 set -euo pipefail
 pkgs=(build-essential cmake ninja-build pkg-config libdnnl-dev libopenmpi-dev openmpi-bin
-      libjansson-dev libcmocka-dev python3 python3-torch python3-numpy libopenblas0-pthread fortunes)
+      libjansson-dev libcmocka-dev libsimde-dev python3 python3-torch python3-numpy libopenblas0-pthread fortunes)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

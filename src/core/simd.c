@@ -2,14 +2,16 @@
  * simd.c — which instruction-set paths the kernels take, and the bulk
  * dtype conversions (8 at a time with AVX2/F16C, else element by element).
  *
- * Owns: the process-wide AVX2 switch (detected once; loom_set_simd(0)
- * forces the portable paths, e.g. to test them on an AVX2 machine).
+ * Owns: the process-wide AVX2 and AVX-512 switches (detected once;
+ * loom_set_simd(0) forces the portable paths, e.g. to test them on an AVX2
+ * machine).
  * Must never: give a conversion result that differs from the scalar
  * loom_f32_to_bf16 / loom_f32_to_f16 / loom_*_to_f32 in any bit.
  */
 #include "core/simd.h"
 
 int simd_avx2_state_ = -1;
+int simd_avx512_state_;
 
 static int cpu_has_avx2(void) {
 #if LOOM_HAVE_X86_SIMD
@@ -20,8 +22,20 @@ static int cpu_has_avx2(void) {
 #endif
 }
 
+/* AVX-512F with the OS saving its registers (libgcc checks XCR0). */
+static int cpu_has_avx512(void) {
+#if LOOM_HAVE_X86_SIMD && LOOM_HAVE_AVX512
+    return __builtin_cpu_supports("avx512f");
+#else
+    return 0;
+#endif
+}
+
 void loom_set_simd(int on) {
-    __atomic_store_n(&simd_avx2_state_, on && cpu_has_avx2(), __ATOMIC_RELAXED);
+    int avx2 = on && cpu_has_avx2();
+    /* AVX-512 first: whoever sees the AVX2 state set sees this one too. */
+    __atomic_store_n(&simd_avx512_state_, avx2 && cpu_has_avx512(), __ATOMIC_RELAXED);
+    __atomic_store_n(&simd_avx2_state_, avx2, __ATOMIC_RELAXED);
 }
 
 int loom_simd_enabled(void) { return simd_avx2(); }

@@ -36,6 +36,13 @@ static inline int simd_avx2(void) {
     return s;
 }
 
+/* 1 when the AVX-512F tiles are to be taken (CPU and OS support, a build
+ * with them, and loom_set_simd); implies simd_avx2(). */
+static inline int simd_avx512(void) {
+    extern int simd_avx512_state_;
+    return simd_avx2() && __atomic_load_n(&simd_avx512_state_, __ATOMIC_RELAXED);
+}
+
 /* Bulk conversions on the calling thread (no OpenMP): n elements. */
 void convert_to_f32(float *dst, const void *src, loom_dtype dt, size_t n);
 void convert_from_f32(void *dst, loom_dtype dt, const float *src, size_t n);

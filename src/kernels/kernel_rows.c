@@ -175,13 +175,22 @@ SIMD_AVX2 static void transpose_8x8_avx2(float *dst, size_t ldd, const float *sr
 
 /* ------------------------------------------------------------- dispatch */
 
+static mm_tiles_fn tiles_override;
+
+void mm_f32_set_tiles(mm_tiles_fn tiles) { __atomic_store_n(&tiles_override, tiles, __ATOMIC_RELAXED); }
+
 void mm_f32(int m, int n, int k, const float *A, int lda, int trans_a, const float *B, int ldb, float *C,
             int ldc, int accumulate) {
     if (m <= 0 || n <= 0) return;
     size_t rs = trans_a ? 1 : (size_t)lda, ds = trans_a ? (size_t)lda : 1;
 #if LOOM_HAVE_X86_SIMD
     if (simd_avx2()) {
-        mm_avx2(m, n, k, A, rs, ds, B, ldb, C, ldc, accumulate);
+        mm_tiles_fn tiles = __atomic_load_n(&tiles_override, __ATOMIC_RELAXED);
+#if LOOM_HAVE_AVX512
+        if (!tiles && simd_avx512()) tiles = mm_avx512;
+#endif
+        int j = tiles ? tiles(m, n, k, A, rs, ds, B, ldb, C, ldc, accumulate) : 0;
+        if (j < n) mm_avx2(m, n - j, k, A, rs, ds, B + j, ldb, C + j, ldc, accumulate);
         return;
     }
 #endif

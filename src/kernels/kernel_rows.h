@@ -33,6 +33,19 @@ static inline void row_store(void *dst, size_t off, const float *src, int n, loo
  * of attention, not for large GEMMs. */
 void mm_f32(int m, int n, int k, const float *A, int lda, int trans_a, const float *B, int ldb, float *C,
             int ldc, int accumulate);
+/* mm_f32's AVX-512F tiles (mm_avx512.c), for its callers and tests only:
+ * C (m, n16) for n16 = n rounded down to 16 columns (returned); element
+ * (r, d) of op(A) is A[r * rs + d * ds]. mm_avx512 needs AVX-512F;
+ * mm_avx512_emulated (the tests' build of the same code) runs anywhere. */
+typedef int (*mm_tiles_fn)(int m, int n, int k, const float *A, size_t rs, size_t ds, const float *B, int ldb,
+                           float *C, int ldc, int accumulate);
+int mm_avx512(int m, int n, int k, const float *A, size_t rs, size_t ds, const float *B, int ldb, float *C, int ldc,
+              int accumulate);
+int mm_avx512_emulated(int m, int n, int k, const float *A, size_t rs, size_t ds, const float *B, int ldb, float *C,
+                       int ldc, int accumulate);
+/* Tests only: make mm_f32's AVX2 path start with these tiles, as it does
+ * with mm_avx512 on AVX-512 CPUs (NULL: the CPU decides again). */
+void mm_f32_set_tiles(mm_tiles_fn tiles);
 /* dst (cols, rows) = src (rows, cols)^T; row strides ldd, lds. */
 void transpose_f32(float *dst, int ldd, const float *src, int lds, int rows, int cols);
 /* max of x[0 .. n) (-inf for n = 0). */

@@ -7,6 +7,7 @@
  */
 #include "testutil.h"
 #include "kernels/kernels.h"
+#include "kernels/kernel_rows.h"
 
 #include <math.h>
 
@@ -319,6 +320,20 @@ static void test_bwd_finite_differences(void **state) {
 
 /* Every output element is summed by one task in a fixed order: 1 and 2
  * threads give the same bits, forward and backward. */
+/* The flash kernels as an AVX-512 CPU runs them: every small product
+ * through the AVX-512F tiles (SIMDe-emulated here), against the references. */
+static void test_avx512_tiles(void **state) {
+#if LOOM_HAVE_AVX512
+    mm_f32_set_tiles(mm_avx512_emulated);
+    test_fwd_vs_ref(state);
+    test_bwd_vs_ref(state);
+    mm_f32_set_tiles(NULL);
+#else
+    (void)state;
+    skip(); /* built without SIMDe or -mavx512f: there are no AVX-512 tiles */
+#endif
+}
+
 static void test_thread_count_invariant(void **state) {
     (void)state;
     attn_data d = data_make(&CASES[5], LOOM_BF16, 800);
@@ -345,6 +360,7 @@ int main(void) {
         cmocka_unit_test(test_bwd_vs_ref),
         cmocka_unit_test(test_bwd_finite_differences),
         cmocka_unit_test(test_thread_count_invariant),
+        cmocka_unit_test(test_avx512_tiles),
     };
     return TU_RUN_SIMD_AND_PORTABLE(tests);
 }

@@ -33,8 +33,10 @@ static void test_transpose(void **state) {
 }
 
 /* C (m, n) = op(A) B (+ C), each element summed in k order in double: the
- * kernel's fp32 sums must agree to fp32 accumulation error. */
-static void check_mm(int m, int n, int k, int trans_a, int accumulate) {
+ * kernel's fp32 sums must agree to fp32 accumulation error. With `tiles`,
+ * that kernel alone (the AVX-512 tiles): it does the first n rounded down
+ * to 16 columns and must leave the others as they were. */
+static void check_mm_with(int m, int n, int k, int trans_a, int accumulate, mm_tiles_fn tiles) {
     int lda = (trans_a ? m : k) + 3, ldb = n + 2, ldc = n + 5;
     size_t na = (size_t)(trans_a ? k : m) * lda, nb = (size_t)k * ldb, nc = (size_t)m * ldc;
     float *A = malloc(sizeof(float) * na), *B = malloc(sizeof(float) * nb), *C = malloc(sizeof(float) * nc);
@@ -50,9 +52,27 @@ static void check_mm(int m, int n, int k, int trans_a, int accumulate) {
                 acc += (double)(trans_a ? A[(size_t)d * lda + i] : A[(size_t)i * lda + d]) * B[(size_t)d * ldb + j];
             want[(size_t)i * ldc + j] = (float)acc;
         }
-    mm_f32(m, n, k, A, lda, trans_a, B, ldb, C, ldc, accumulate);
+    if (tiles) {
+        int n16 = n / 16 * 16;
+        size_t rs = trans_a ? 1 : (size_t)lda, ds = trans_a ? (size_t)lda : 1;
+        assert_int_equal(tiles(m, n, k, A, rs, ds, B, ldb, C, ldc, accumulate), n16);
+        for (int i = 0; i < m; i++) /* what the tiles do not cover keeps its old value */
+            for (int j = n16; j < n; j++) want[(size_t)i * ldc + j] = C[(size_t)i * ldc + j];
+        float *before = malloc(sizeof(float) * nc);
+        tu_fill_uniform(before, nc, -1.0f, 1.0f, 13);
+        for (int i = 0; i < m; i++)
+            for (int j = n16; j < n; j++)
+                if (C[(size_t)i * ldc + j] != before[(size_t)i * ldc + j]) fail_msg("column %d was written", j);
+        free(before);
+    } else {
+        mm_f32(m, n, k, A, lda, trans_a, B, ldb, C, ldc, accumulate);
+    }
     TU_ASSERT_CLOSE(C, want, nc, 1e-5, 1e-5); // also: the padding of each C row is untouched
     free(A); free(B); free(C); free(want);
+}
+
+static void check_mm(int m, int n, int k, int trans_a, int accumulate) {
+    check_mm_with(m, n, k, trans_a, accumulate, NULL);
 }
 
 static void test_mm(void **state) {
@@ -63,10 +83,34 @@ static void test_mm(void **state) {
             for (int acc = 0; acc < 2; acc++) check_mm(shapes[s][0], shapes[s][1], shapes[s][2], t, acc);
 }
 
+/* The AVX-512F tiles, built with SIMDe emulating each instruction: the same
+ * code the library runs on AVX-512 CPUs, on this one. Shapes around the
+ * 8-row and 16/32-column tiles, both orientations of A. */
+static void test_mm_avx512_tiles(void **state) {
+    (void)state;
+#if LOOM_HAVE_AVX512
+    const int shapes[][3] = {{8, 32, 8}, {16, 64, 48}, {16, 48, 64}, {5, 17, 3}, {9, 47, 7},
+                             {1, 16, 1}, {3, 15, 4}, {37, 80, 19}, {3, 32, 0}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (int t = 0; t < 2; t++)
+            for (int acc = 0; acc < 2; acc++) {
+                check_mm_with(shapes[s][0], shapes[s][1], shapes[s][2], t, acc, mm_avx512_emulated);
+                /* and mm_f32 as an AVX-512 CPU runs it: the tiles, then
+                 * the AVX2 tile for the columns they leave */
+                mm_f32_set_tiles(mm_avx512_emulated);
+                check_mm(shapes[s][0], shapes[s][1], shapes[s][2], t, acc);
+                mm_f32_set_tiles(NULL);
+            }
+#else
+    skip(); /* built without SIMDe or -mavx512f: there are no AVX-512 tiles */
+#endif
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_transpose),
         cmocka_unit_test(test_mm),
+        cmocka_unit_test(test_mm_avx512_tiles),
     };
     return TU_RUN_SIMD_AND_PORTABLE(tests);
 }
