@@ -180,6 +180,14 @@ loom_status loom_llama_generate(loom_llama *m, const int32_t *prompt, int n_prom
     LOOM_TRY(state_init(m, n_prompt, &c, &s));
     loom_status st = forward_tokens(m, &c, &s, prompt, n_prompt);
     for (int i = 0; i < n_new && st == LOOM_OK; i++) {
+        for (int v = 0; v < m->cfg.vocab_size; v++)
+            if (!isfinite(s.logits[v])) {
+                st = loom_error(LOOM_ERR_NUMERIC, "generate: the logits for token %d hold %g (at id %d): the model "
+                                "overflows in this precision (with fp16, try fp32 or bf16) or its weights are broken",
+                                i + 1, (double)s.logits[v], v);
+                break;
+            }
+        if (st != LOOM_OK) break;
         int32_t next = loom_sample(s.logits, m->cfg.vocab_size, sampler, (uint64_t)i);
         out[(*n_out)++] = next;
         if (next == stop_token || c.len >= m->cfg.max_seq) break;

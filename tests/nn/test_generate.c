@@ -140,6 +140,24 @@ static void test_sampling_distribution(void **state) {
     }
 }
 
+/* Logits that are not finite (an overflow, broken weights) end generation
+ * with an error instead of sampling from NaN. */
+static void test_nonfinite_logits(void **state) {
+    (void)state;
+    loom_llama *m = small_model(LOOM_F32, 0);
+    loom_param *norm = m->final_norm;
+    float *w = loom_param_master(norm);
+    for (int64_t i = 0; i < loom_param_numel(norm); i++) w[i] = INFINITY;
+    loom_param_sync_from_master(norm);
+    int32_t prompt[3] = {5, 17, 2}, out[4];
+    int n_out = -1;
+    loom_sampler greedy = {0.0f, 1.0f, 1, 0};
+    assert_int_equal(loom_llama_generate(m, prompt, 3, 4, &greedy, -1, out, &n_out), LOOM_ERR_NUMERIC);
+    assert_non_null(strstr(loom_last_error(), "logits for token 1"));
+    assert_int_equal(n_out, 0);
+    loom_llama_free(m);
+}
+
 static void test_bf16_cache(void **state) {
     (void)state;
     loom_llama *m = small_model(LOOM_BF16, 0);
@@ -164,6 +182,7 @@ int main(void) {
         cmocka_unit_test(test_greedy_matches_argmax),
         cmocka_unit_test(test_sampling_distribution),
         cmocka_unit_test(test_bf16_cache),
+        cmocka_unit_test(test_nonfinite_logits),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
