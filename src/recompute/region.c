@@ -24,6 +24,7 @@ typedef struct saved_meta {
     int ndim;
     int64_t shape[LOOM_MAX_DIMS];
     loom_dtype dtype;
+    int dropped; /* saved tensors: the placeholder went before the replay */
 } saved_meta;
 
 static void meta_of(saved_meta *m, const loom_tensor *t) {
@@ -213,6 +214,7 @@ static void *fw_pack(void *self, loom_fn_ctx *ctx, loom_tensor *t) {
         r->cap_saved = cap;
     }
     meta_of(&r->meta[r->n_saved], t);
+    r->meta[r->n_saved].dropped = 0;
     placeholder *ph = malloc(sizeof *ph);
     LOOM_ASSERT(ph != NULL);
     ph->r = r;
@@ -348,7 +350,8 @@ static void *rp_pack(void *self, loom_fn_ctx *ctx, loom_tensor *t) {
         mismatch(r, msg);
         return NULL;
     }
-    r->replayed[k] = loom_tensor_retain(t);
+    /* What no placeholder will ask for is not kept. */
+    if (!m->dropped) r->replayed[k] = loom_tensor_retain(t);
     return NULL;
 }
 
@@ -417,6 +420,8 @@ static void ph_drop(void *handle) {
     if (r->replayed) {
         loom_tensor_release(r->replayed[ph->index]);
         r->replayed[ph->index] = NULL;
+    } else {
+        r->meta[ph->index].dropped = 1;
     }
     free(ph);
     region_release(r);

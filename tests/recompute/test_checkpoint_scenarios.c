@@ -1022,6 +1022,70 @@ static void test_frozen_block(void **state) {
     gs_free(&ref);
 }
 
+/* ------------- 12. a branch the loss does not use is not kept by the replay */
+
+/* u = silu(x), w = silu(u), out0 = silu(w); with a branch also
+ * v = silu(x), out1 = silu(v). After the replay (at out0's backward) the
+ * placeholder of u is still waiting, so the region lives on. */
+static loom_status branch_region(void *user, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
+    (void)user; (void)n_in;
+    loom_tensor *u = NULL, *w = NULL, *v = NULL;
+    loom_status st = loom_silu(in[0], &u);
+    if (st == LOOM_OK) st = loom_silu(u, &w);
+    if (st == LOOM_OK) st = loom_silu(w, &out[0]);
+    if (st == LOOM_OK && n_out > 1) st = loom_silu(in[0], &v);
+    if (st == LOOM_OK && n_out > 1) st = loom_silu(v, &out[1]);
+    loom_tensor_release(u);
+    loom_tensor_release(w);
+    loom_tensor_release(v);
+    return st;
+}
+
+#define HOOK_MAX 16
+typedef struct act_trace {
+    size_t bytes[HOOK_MAX];
+    int n;
+} act_trace;
+
+static loom_status trace_hook(void *user) {
+    act_trace *t = user;
+    if (t->n < HOOK_MAX) t->bytes[t->n++] = act_bytes();
+    return LOOM_OK;
+}
+
+/* Activation bytes after each node's backward, the loss on out0 only. */
+static act_trace run_branch(loom_recompute_mode mode, int with_branch) {
+    loom_tensor *x = make_leaf(WIDE, DIM, 41, 1), *out[2] = {NULL, NULL};
+    assert_int_equal(loom_checkpoint(mode, branch_region, NULL, &x, 1, out, with_branch ? 2 : 1), LOOM_OK);
+    loom_tensor_release(out[1]); /* the branch's output: nobody needs it */
+    loom_tensor *loss = weighted_sum(out[0], 42);
+    act_trace t = {{0}, 0};
+    loom_set_backward_hook(trace_hook, &t);
+    backward_ok(loss);
+    loom_set_backward_hook(NULL, NULL);
+    loom_tensor_release(loss);
+    loom_tensor_release(out[0]);
+    loom_tensor_release(x);
+    return t;
+}
+
+/* The branch's node gets no gradient and goes (with its placeholder) before
+ * the replay; the replay must not keep its saved tensor until the region
+ * ends: after every node, the activations equal the run without the branch. */
+static void test_unused_branch_not_kept(void **state) {
+    (void)state;
+    size_t act0 = act_bytes();
+    for (int k = 1; k < 3; k++) {
+        act_trace plain = run_branch(recompute_modes[k], 0), branch = run_branch(recompute_modes[k], 1);
+        assert_int_equal(plain.n, branch.n);
+        for (int i = 0; i < plain.n; i++)
+            if (plain.bytes[i] != branch.bytes[i])
+                fail_msg("%s: after node %d, %zu activation bytes with the unused branch, %zu without",
+                         loom_recompute_mode_name(recompute_modes[k]), i, branch.bytes[i], plain.bytes[i]);
+    }
+    mem_check_clean(act0);
+}
+
 /* ------------------- 10. several outputs, inputs that need no gradient */
 
 typedef struct multi_block {
@@ -1173,6 +1237,7 @@ int main(void) {
         cmocka_unit_test(test_several_outputs_and_constant_inputs),
         cmocka_unit_test(test_input_used_inside_and_outside),
         cmocka_unit_test(test_frozen_block),
+        cmocka_unit_test(test_unused_branch_not_kept),
         cmocka_unit_test(test_determinism_check),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
