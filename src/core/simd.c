@@ -12,6 +12,7 @@
 
 int simd_avx2_state_ = -1;
 int simd_avx512_state_;
+int simd_avx512bf16_state_;
 
 static int cpu_has_avx2(void) {
 #if LOOM_HAVE_X86_SIMD
@@ -31,10 +32,19 @@ static int cpu_has_avx512(void) {
 #endif
 }
 
+static int cpu_has_avx512bf16(void) {
+#if LOOM_HAVE_X86_SIMD && LOOM_HAVE_AVX512
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+#else
+    return 0;
+#endif
+}
+
 void loom_set_simd(int on) {
     int avx2 = on && cpu_has_avx2();
     /* AVX-512 first: whoever sees the AVX2 state set sees this one too. */
     __atomic_store_n(&simd_avx512_state_, avx2 && cpu_has_avx512(), __ATOMIC_RELAXED);
+    __atomic_store_n(&simd_avx512bf16_state_, avx2 && cpu_has_avx512bf16(), __ATOMIC_RELAXED);
     __atomic_store_n(&simd_avx2_state_, avx2, __ATOMIC_RELAXED);
 }
 

@@ -43,6 +43,12 @@ static inline int simd_avx512(void) {
     return simd_avx2() && __atomic_load_n(&simd_avx512_state_, __ATOMIC_RELAXED);
 }
 
+/* 1 when the AVX-512 BF16 dot products may be used (as simd_avx512). */
+static inline int simd_avx512bf16(void) {
+    extern int simd_avx512bf16_state_;
+    return simd_avx2() && __atomic_load_n(&simd_avx512bf16_state_, __ATOMIC_RELAXED);
+}
+
 /* Bulk conversions on the calling thread (no OpenMP): n elements. */
 void convert_to_f32(float *dst, const void *src, loom_dtype dt, size_t n);
 void convert_from_f32(void *dst, loom_dtype dt, const float *src, size_t n);

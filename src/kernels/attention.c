@@ -7,8 +7,12 @@
  * 0 .. q_pos0 + t.
  *
  * Both directions work in fp32 on blocks of ATTN_BQ queries x ATTN_BK keys,
- * with the products as small matrix multiplies (mm_f32: AVX2/FMA or
- * portable C) and vectorized exps.
+ * with the products as small matrix multiplies (mm_f32: AVX-512F, AVX2/FMA
+ * or portable C) and vectorized exps. With bf16 inputs on a CPU with
+ * AVX-512 BF16 (mm_bf16_tiles()), the products of two inputs — the scores
+ * S = (q k^T) scale in both directions and dP = dout v^T — are bf16 dot
+ * products with fp32 sums on the inputs' own pairs (packed transposed per
+ * block or kv head); the others, whose factors are computed, stay fp32.
  * Forward: one task per (b, kv head g); fp32 keys and values are read in
  * place, other dtypes converted once per task; each query block is
  * transposed (8 x 8 vector blocks), then scaled. For each query head of the group and
@@ -49,12 +53,32 @@ typedef struct attn_shape {
     int G; /* query heads per kv head */
     float scale;
     loom_dtype dt;
+    mm_bf16_fn dot2; /* bf16 inputs on a CPU with bf16 dot products: the scores and dP from them */
 } attn_shape;
 
 static attn_shape attn_shape_make(int B, int Tq, int Tk, int NH, int NKV, int HS,
                                   int q_pos0, loom_dtype dt) {
-    attn_shape s = {B, Tq, Tk, NH, NKV, HS, q_pos0, NH / NKV, 1.0f / sqrtf((float)HS), dt};
+    attn_shape s = {B, Tq, Tk, NH, NKV, HS, q_pos0, NH / NKV, 1.0f / sqrtf((float)HS), dt,
+                    dt == LOOM_BF16 ? mm_bf16_tiles() : NULL};
     return s;
+}
+
+static int round16(int n) { return (n + 15) / 16 * 16; }
+
+/* The bf16 rows of a (B, T, H, HS) buffer as pairs: row t, head `head`
+ * starts at the returned pointer; rows are NH * HS / 2 pairs apart. */
+static const uint32_t *pair_rows(const void *src, size_t off) {
+    return (const uint32_t *)((const uint16_t *)src + off);
+}
+
+/* dst (HS / 2, ldd) uint32: column j < n is the pairs of row j of src (row
+ * stride lds pairs), columns [n, n_pad) are zero pairs. */
+static void pack_pairs_t(uint32_t *dst, int ldd, const uint32_t *src, size_t lds, int n, int n_pad, int HS) {
+    for (int p = 0; p < HS / 2; p++) {
+        uint32_t *d = dst + (size_t)p * ldd;
+        for (int j = 0; j < n; j++) d[j] = src[(size_t)j * lds + p];
+        for (int j = n; j < n_pad; j++) d[j] = 0;
+    }
 }
 
 /* Element offsets of rows in q/out/dq (B, Tq, NH, HS), k/v (B, Tk, NKV, HS)
@@ -99,6 +123,8 @@ typedef struct attn_fwd_scratch {
     const float *k, *v;    // the kv head's rows, row stride ldkv: the input itself
                            // (fp32) or kbuf, vbuf (converted)
     int ldkv;
+    const uint32_t *k2;    // with dot2: the kv head's bf16 key rows as pairs, ldk2 pairs apart
+    size_t ldk2;
     float *kbuf, *vbuf;    // (Tk, HS) converted rows when the input is not fp32
     float *qt;             // (HS, ATTN_BQ) a query block, scaled and transposed
     float *acc;            // (ATTN_BQ, HS)
@@ -114,6 +140,8 @@ static attn_fwd_scratch attn_fwd_scratch_at(float *p, const attn_shape *s) {
     attn_fwd_scratch w;
     w.k = w.v = NULL;
     w.ldkv = s->HS;
+    w.k2 = NULL;
+    w.ldk2 = 0;
     w.kbuf = p; p += (size_t)s->Tk * s->HS;
     w.vbuf = p; p += (size_t)s->Tk * s->HS;
     w.qt = p;   p += (size_t)ATTN_BQ * s->HS;
@@ -207,8 +235,15 @@ static void attn_fwd_scores(const attn_fwd_scratch *w, int q0, int nq, int k0, i
         int c0 = k0 + r0 - s->q_pos0 - q0; // first column that sees key k0 + r0
         c0 = c0 <= 0 ? 0 : c0 / ATTN_STRIP * ATTN_STRIP;
         if (c0 >= nq) continue;
-        mm_f32(min_i(nk - r0, ATTN_STRIP), nq - c0, s->HS, w->k + (size_t)(k0 + r0) * ld, ld, 0, w->qt + c0,
-               ATTN_BQ, w->st + (size_t)r0 * ATTN_BQ + c0, ATTN_BQ, 0);
+        int nr = min_i(nk - r0, ATTN_STRIP);
+        float *st = w->st + (size_t)r0 * ATTN_BQ + c0;
+        if (s->dot2) { /* (k q^T) * scale from the bf16 pairs; qt holds the packed queries */
+            s->dot2(nr, round16(nq - c0), s->HS / 2, w->k2 + (size_t)(k0 + r0) * w->ldk2, w->ldk2,
+                    (const uint32_t *)w->qt + c0, ATTN_BQ, st, ATTN_BQ);
+            for (int r = 0; r < nr; r++) row_scale(st + (size_t)r * ATTN_BQ, s->scale, nq - c0);
+            continue;
+        }
+        mm_f32(nr, nq - c0, s->HS, w->k + (size_t)(k0 + r0) * ld, ld, 0, w->qt + c0, ATTN_BQ, st, ATTN_BQ, 0);
     }
 }
 
@@ -229,7 +264,11 @@ static void attn_fwd_block(void *out, float *lse, const void *q, int b, int h, i
                            attn_fwd_scratch *w) {
     int HS = s->HS, nqp = (nq + 7) / 8 * 8;
     int kv_end = s->q_pos0 + q0 + nq; // keys the last query of the block sees
-    load_qt_scaled(w->qt, w->acc, q, b, h, q0, nq, s);
+    if (s->dot2) /* the block's bf16 pairs, transposed, zero past nq */
+        pack_pairs_t((uint32_t *)w->qt, ATTN_BQ, pair_rows(q, q_off(s, b, q0, h)), (size_t)s->NH * HS / 2, nq,
+                     round16(nq), HS);
+    else
+        load_qt_scaled(w->qt, w->acc, q, b, h, q0, nq, s);
     memset(w->acc, 0, (size_t)nq * HS * sizeof(float));
     for (int j = 0; j < nqp; j++) { w->m[j] = -INFINITY; w->l[j] = 0.0f; }
     for (int k0 = 0; k0 < kv_end; k0 += ATTN_BK) {
@@ -262,7 +301,12 @@ static void attn_fwd_task(void *out, float *lse, const void *q, const void *k, c
         w->v = (const float *)v + kv_off(s, b, 0, g);
         w->ldkv = s->NKV * s->HS;
     } else {
-        load_rows(w->kbuf, k, s->Tk, s->NKV, b, 0, g, kv_end, s);
+        if (s->dot2) {
+            w->k2 = pair_rows(k, kv_off(s, b, 0, g));
+            w->ldk2 = (size_t)s->NKV * s->HS / 2;
+        } else {
+            load_rows(w->kbuf, k, s->Tk, s->NKV, b, 0, g, kv_end, s);
+        }
         load_rows(w->vbuf, v, s->Tk, s->NKV, b, 0, g, kv_end, s);
         w->k = w->kbuf;
         w->v = w->vbuf;
@@ -296,7 +340,10 @@ typedef struct attn_bwd_scratch {
     int ldk, lddo;
     float *dk, *dv;        // fp32 accumulators of the kv head (Tk rows, stride lddkv)
     int lddkv;
-    float *kt, *vt;        // (HS, Tk) the kv head, transposed
+    float *kt, *vt;        // (HS, Tk) the kv head, transposed; with dot2 (HS / 2, Tkp) bf16 pairs
+    int ldkt;              // Tk, or Tkp = Tk rounded up to 16 with dot2
+    const uint32_t *q2, *do2; // with dot2: one query head's bf16 q and dout rows as pairs, ldq2 apart
+    size_t ldq2;
     float *qs;             // (Tq, HS) one query head, times scale
     float *kbuf, *dobuf;   // (Tk, HS), (Tq, HS) converted rows when not fp32
     float *dkbuf, *dvbuf;  // (Tk, HS) accumulators when not fp32
@@ -304,14 +351,17 @@ typedef struct attn_bwd_scratch {
 } attn_bwd_scratch;
 
 static size_t attn_bwd_scratch_floats(const attn_shape *s) {
-    return (size_t)(5 * s->Tk + 2 * s->Tq) * s->HS + 2 * (size_t)ATTN_BQ * ATTN_BK;
+    return (size_t)(2 * (s->Tk + 16) + 3 * s->Tk + 2 * s->Tq) * s->HS + 2 * (size_t)ATTN_BQ * ATTN_BK;
 }
 
 static attn_bwd_scratch attn_bwd_scratch_at(float *p, const attn_shape *s) {
     attn_bwd_scratch w;
-    size_t kb = (size_t)s->Tk * s->HS, qb = (size_t)s->Tq * s->HS;
-    w.kt = p;    p += kb;
-    w.vt = p;    p += kb;
+    size_t kb = (size_t)s->Tk * s->HS, qb = (size_t)s->Tq * s->HS, tb = (size_t)(s->Tk + 16) * s->HS;
+    w.kt = p;    p += tb;
+    w.vt = p;    p += tb;
+    w.ldkt = s->dot2 ? round16(s->Tk) : s->Tk;
+    w.q2 = w.do2 = NULL;
+    w.ldq2 = (size_t)s->NH * s->HS / 2;
     w.kbuf = p;  p += kb;
     w.dkbuf = p; p += kb;
     w.dvbuf = p; p += kb;
@@ -390,17 +440,24 @@ static void attn_bwd_probs(attn_bwd_scratch *w, const float *lse, const float *D
  * of a query strip stops at its last visible key. */
 static void attn_bwd_block(float *dq32, attn_bwd_scratch *w, const float *lse, const float *D, int b, int h,
                            int q0, int nq, int k0, int nk, const attn_shape *s) {
-    int HS = s->HS, ldq = s->NH * HS, Tk = s->Tk;
+    int HS = s->HS, ldq = s->NH * HS, Tk = w->ldkt;
     size_t l0 = lse_off(s, b, h, q0);
     const float *qs = w->qs + (size_t)q0 * HS, *dout = w->dout + (size_t)q0 * w->lddo;
     for (int i0 = 0; i0 < nq; i0 += ATTN_STRIP) {
         int ni = min_i(nq - i0, ATTN_STRIP);
         int kn = attn_visible(s, q0 + i0 + ni - 1, k0, nk);
         kn = min_i(nk, (kn + ATTN_STRIP - 1) / ATTN_STRIP * ATTN_STRIP);
-        mm_f32(ni, kn, HS, qs + (size_t)i0 * HS, HS, 0, w->kt + k0, Tk, w->p + (size_t)i0 * ATTN_BK, ATTN_BK,
-               0);                                                                            // S = qs k^T
-        mm_f32(ni, kn, HS, dout + (size_t)i0 * w->lddo, w->lddo, 0, w->vt + k0, Tk, w->ds + (size_t)i0 * ATTN_BK,
-               ATTN_BK, 0);                                                                   // dP = dout v^T
+        float *sp = w->p + (size_t)i0 * ATTN_BK, *dp = w->ds + (size_t)i0 * ATTN_BK;
+        if (s->dot2) { /* from the bf16 pairs, as the forward's scores */
+            size_t r = (size_t)(q0 + i0) * w->ldq2;
+            s->dot2(ni, round16(kn), HS / 2, w->q2 + r, w->ldq2, (const uint32_t *)w->kt + k0, Tk, sp, ATTN_BK);
+            for (int i = 0; i < ni; i++) row_scale(sp + (size_t)i * ATTN_BK, s->scale, kn); // S = (q k^T) scale
+            s->dot2(ni, round16(kn), HS / 2, w->do2 + r, w->ldq2, (const uint32_t *)w->vt + k0, Tk, dp,
+                    ATTN_BK);                                                                 // dP = dout v^T
+            continue;
+        }
+        mm_f32(ni, kn, HS, qs + (size_t)i0 * HS, HS, 0, w->kt + k0, Tk, sp, ATTN_BK, 0);      // S = qs k^T
+        mm_f32(ni, kn, HS, dout + (size_t)i0 * w->lddo, w->lddo, 0, w->vt + k0, Tk, dp, ATTN_BK, 0); // dP = dout v^T
     }
     attn_bwd_probs(w, lse + l0, D + l0, q0, nq, k0, nk, s);
     for (int r0 = 0; r0 < nk; r0 += ATTN_STRIP) {
@@ -452,19 +509,29 @@ static void attn_bwd_task(void *dq, void *dk, void *dv, float *dq32, const void 
         w->lddkv = s->NKV * HS;
     } else {
         load_rows(w->kbuf, k, Tk, s->NKV, b, 0, g, Tk, s);
-        load_rows(w->dvbuf, v, Tk, s->NKV, b, 0, g, Tk, s);
+        if (!s->dot2) load_rows(w->dvbuf, v, Tk, s->NKV, b, 0, g, Tk, s);
         w->k = w->kbuf;
         w->dk = w->dkbuf;
         w->dv = w->dvbuf;
     }
-    transpose_f32(w->kt, Tk, w->k, w->ldk, Tk, HS);
-    transpose_f32(w->vt, Tk, vrows, w->ldk, Tk, HS);
+    if (s->dot2) { /* keys and values as transposed bf16 pairs for S and dP */
+        size_t ld2 = (size_t)s->NKV * HS / 2;
+        pack_pairs_t((uint32_t *)w->kt, w->ldkt, pair_rows(k, kv_off(s, b, 0, g)), ld2, Tk, w->ldkt, HS);
+        pack_pairs_t((uint32_t *)w->vt, w->ldkt, pair_rows(v, kv_off(s, b, 0, g)), ld2, Tk, w->ldkt, HS);
+    } else {
+        transpose_f32(w->kt, Tk, w->k, w->ldk, Tk, HS);
+        transpose_f32(w->vt, Tk, vrows, w->ldk, Tk, HS);
+    }
     for (int t = 0; t < Tk; t++) {
         memset(w->dk + (size_t)t * w->lddkv, 0, (size_t)HS * sizeof(float));
         memset(w->dv + (size_t)t * w->lddkv, 0, (size_t)HS * sizeof(float));
     }
     for (int h = g * s->G; h < (g + 1) * s->G; h++) {
         load_q_scaled(w->qs, q, b, h, s);
+        if (s->dot2) {
+            w->q2 = pair_rows(q, q_off(s, b, 0, h));
+            w->do2 = pair_rows(dout, q_off(s, b, 0, h));
+        }
         if (f32) {
             w->dout = (const float *)dout + q_off(s, b, 0, h);
             w->lddo = s->NH * HS;

@@ -176,8 +176,20 @@ SIMD_AVX2 static void transpose_8x8_avx2(float *dst, size_t ldd, const float *sr
 /* ------------------------------------------------------------- dispatch */
 
 static mm_tiles_fn tiles_override;
+static mm_bf16_fn bf16_override;
 
 void mm_f32_set_tiles(mm_tiles_fn tiles) { __atomic_store_n(&tiles_override, tiles, __ATOMIC_RELAXED); }
+
+void mm_bf16_set_tiles(mm_bf16_fn tiles) { __atomic_store_n(&bf16_override, tiles, __ATOMIC_RELAXED); }
+
+mm_bf16_fn mm_bf16_tiles(void) {
+    if (!simd_avx2()) return NULL;
+    mm_bf16_fn f = __atomic_load_n(&bf16_override, __ATOMIC_RELAXED);
+#if LOOM_HAVE_AVX512
+    if (!f && simd_avx512bf16()) f = mm_bf16_avx512;
+#endif
+    return f;
+}
 
 void mm_f32(int m, int n, int k, const float *A, int lda, int trans_a, const float *B, int ldb, float *C,
             int ldc, int accumulate) {

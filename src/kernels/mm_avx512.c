@@ -1,12 +1,15 @@
 /*
  * mm_avx512.c — mm_f32's AVX-512F tiles: 8 rows x 32 or 16 columns of C in
  * zmm accumulators, each element adding its k products in order with fused
- * multiply-adds (the sums of the AVX2 tile, twice as wide).
+ * multiply-adds (the sums of the AVX2 tile, twice as wide); and the same
+ * tiles over bf16 pairs with AVX-512 BF16 dot products (vdpbf16ps), for the
+ * attention's products of bf16 inputs.
  *
  * Written with SIMDe's names for the intrinsics. The library compiles this
- * file with -mavx512f, where SIMDe maps each name to its instruction, and
- * calls it only when the CPU and the OS have AVX-512F (simd_avx512()). The
- * tests compile it a second time without, as mm_avx512_emulated, where
+ * file with -mavx512f -mavx512bf16, where SIMDe maps each name to its
+ * instruction, and calls the tiles only when the CPU and the OS have them
+ * (simd_avx512(), simd_avx512bf16()). The tests compile it a second time
+ * without, as mm_avx512_emulated and mm_bf16_avx512_emulated, where
  * SIMDe computes the same lanes in portable C: the tile logic is tested on
  * machines without AVX-512.
  *
@@ -19,12 +22,17 @@
 #include <simde/x86/avx512.h>
 #include <stddef.h>
 
+#include <stdint.h>
+
 #ifndef MM_AVX512_NAME
 #define MM_AVX512_NAME mm_avx512
+#define MM_BF16_NAME mm_bf16_avx512
 #endif
 
 int MM_AVX512_NAME(int m, int n, int k, const float *A, size_t rs, size_t ds, const float *B, int ldb, float *C,
                    int ldc, int accumulate);
+void MM_BF16_NAME(int m, int n16, int kp, const uint32_t *A, size_t lda, const uint32_t *B, int ldb, float *C,
+                  int ldc);
 
 #define ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
 #define DECL(r) simde__m512 c##r##0 = simde_mm512_setzero_ps(), c##r##1 = c##r##0;
@@ -79,6 +87,55 @@ int MM_AVX512_NAME(int m, int n, int k, const float *A, size_t rs, size_t ds, co
         if (j < n16) tile_8x1(rows, k, a, rs, ds, B + j, ldb, c + j, ldc, accumulate);
     }
     return n16;
+}
+
+/* ------------------------------------------------------------ bf16 pairs */
+
+static simde__m512bh as_bh(simde__m512i v) {
+    simde__m512bh r;
+    simde_memcpy(&r, &v, sizeof r);
+    return r;
+}
+
+#define BSTEP(r)                                                                                                  \
+    {                                                                                                             \
+        simde__m512bh x = as_bh(simde_mm512_set1_epi32((int32_t)A[(size_t)((r) < rows ? (r) : rows - 1) * lda + p])); \
+        c##r##0 = simde_mm512_dpbf16_ps(c##r##0, x, b0);                                                          \
+        if (w > 1) c##r##1 = simde_mm512_dpbf16_ps(c##r##1, x, b1);                                               \
+    }
+
+/* C rows [0, rows <= 8) x columns [0, 16 W) = the sums over kp pairs. */
+#define BTILE(W)                                                                                                 \
+    static void btile_8x##W(int rows, int kp, const uint32_t *A, size_t lda, const uint32_t *B, int ldb, float *C, \
+                            int ldc) {                                                                            \
+        const int w = W; /* vectors per row */                                                                   \
+        ROWS(DECL)                                                                                                \
+        for (int p = 0; p < kp; p++) {                                                                           \
+            const uint32_t *b = B + (size_t)p * ldb;                                                              \
+            simde__m512bh b0 = as_bh(simde_mm512_loadu_si512(b));                                                 \
+            simde__m512bh b1 = w > 1 ? as_bh(simde_mm512_loadu_si512(b + 16)) : b0;                              \
+            ROWS(BSTEP)                                                                                           \
+        }                                                                                                         \
+        ROWS(STORE)                                                                                               \
+    }
+
+BTILE(1)
+BTILE(2)
+
+/* C (m, n16) = A B over bf16 pairs, n16 a multiple of 16: A row r's pair p
+ * is the 32 bits A[r * lda + p] (two neighbouring bf16 of a row, as
+ * stored), B (kp, ldb) holds at B[p * ldb + j] the pair p of column j. Each
+ * element adds its kp pair products in order, in fp32. */
+void MM_BF16_NAME(int m, int n16, int kp, const uint32_t *A, size_t lda, const uint32_t *B, int ldb, float *C,
+                  int ldc) {
+    for (int i = 0; i < m; i += 8) {
+        int rows = m - i < 8 ? m - i : 8;
+        const uint32_t *a = A + (size_t)i * lda;
+        float *c = C + (size_t)i * ldc;
+        int j = 0;
+        for (; j + 32 <= n16; j += 32) btile_8x2(rows, kp, a, lda, B + j, ldb, c + j, ldc);
+        if (j < n16) btile_8x1(rows, kp, a, lda, B + j, ldb, c + j, ldc);
+    }
 }
 
 #endif /* LOOM_HAVE_AVX512 */

@@ -321,12 +321,20 @@ static void test_bwd_finite_differences(void **state) {
 /* Every output element is summed by one task in a fixed order: 1 and 2
  * threads give the same bits, forward and backward. */
 /* The flash kernels as an AVX-512 CPU runs them: every small product
- * through the AVX-512F tiles (SIMDe-emulated here), against the references. */
+ * through the AVX-512F tiles, then also the bf16 inputs' scores and dP
+ * through the AVX-512 BF16 ones (SIMDe-emulated here), against the
+ * references. */
 static void test_avx512_tiles(void **state) {
 #if LOOM_HAVE_AVX512
     mm_f32_set_tiles(mm_avx512_emulated);
     test_fwd_vs_ref(state);
     test_bwd_vs_ref(state);
+    /* and with bf16 inputs, the scores and dP from AVX-512 BF16 dot products */
+    mm_bf16_set_tiles(mm_bf16_avx512_emulated);
+    test_fwd_vs_ref(state);
+    test_bwd_vs_ref(state);
+    test_kv_cache_unseen_keys(state);
+    mm_bf16_set_tiles(NULL);
     mm_f32_set_tiles(NULL);
 #else
     (void)state;

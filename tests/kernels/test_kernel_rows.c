@@ -106,11 +106,44 @@ static void test_mm_avx512_tiles(void **state) {
 #endif
 }
 
+/* The AVX-512 BF16 tiles (emulated): C = A B over bf16 pairs against the
+ * same sums in double, for rows off the 8-row tile and 16/32-column blocks. */
+static void test_mm_bf16_tiles(void **state) {
+    (void)state;
+#if LOOM_HAVE_AVX512
+    const int shapes[][3] = {{8, 32, 4}, {16, 64, 24}, {5, 16, 3}, {9, 48, 8}, {1, 16, 1}, {37, 80, 17}};
+    for (size_t c = 0; c < sizeof shapes / sizeof shapes[0]; c++) {
+        int m = shapes[c][0], n = shapes[c][1], kp = shapes[c][2], lda = kp + 3, ldb = n + 5, ldc = n + 2;
+        float *af = malloc(sizeof(float) * 2 * (size_t)m * lda), *bf = malloc(sizeof(float) * 2 * (size_t)kp * ldb);
+        tu_fill_uniform(af, 2 * (size_t)m * lda, -2.0f, 2.0f, 21 + c);
+        tu_fill_uniform(bf, 2 * (size_t)kp * ldb, -2.0f, 2.0f, 31 + c);
+        uint16_t *a16 = tu_from_f32(af, 2 * (size_t)m * lda, LOOM_BF16), *b16 = tu_from_f32(bf, 2 * (size_t)kp * ldb,
+                                                                                           LOOM_BF16);
+        float *C = malloc(sizeof(float) * (size_t)m * ldc), *want = malloc(sizeof(float) * (size_t)m * ldc);
+        for (int i = 0; i < m * ldc; i++) C[i] = want[i] = 5.0f; /* the row padding must stay */
+        for (int i = 0; i < m; i++)
+            for (int j = 0; j < n; j++) {
+                double acc = 0.0;
+                for (int q = 0; q < 2 * kp; q++) /* pair p of column j: B elements 2 (p ldb + j) + (q & 1) */
+                    acc += (double)loom_bf16_to_f32(a16[(size_t)i * 2 * lda + q]) *
+                           loom_bf16_to_f32(b16[2 * ((size_t)(q / 2) * ldb + j) + (q & 1)]);
+                want[(size_t)i * ldc + j] = (float)acc;
+            }
+        mm_bf16_avx512_emulated(m, n, kp, (const uint32_t *)a16, (size_t)lda, (const uint32_t *)b16, ldb, C, ldc);
+        TU_ASSERT_CLOSE(C, want, (size_t)m * ldc, 1e-4, 1e-5);
+        free(af); free(bf); free(a16); free(b16); free(C); free(want);
+    }
+#else
+    skip(); /* built without SIMDe or -mavx512bf16: there are no BF16 tiles */
+#endif
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_transpose),
         cmocka_unit_test(test_mm),
         cmocka_unit_test(test_mm_avx512_tiles),
+        cmocka_unit_test(test_mm_bf16_tiles),
     };
     return TU_RUN_SIMD_AND_PORTABLE(tests);
 }
