@@ -43,8 +43,7 @@ int main(int argc, char **argv) {
         return 0;
     }
     if (!strcmp(argv[1], "--version")) {
-        printf("loom 0.1.0 (MPI: %s, AVX2 kernels: %s)\n", loom_dist_built_with_mpi() ? "yes" : "no",
-               loom_simd_enabled() ? "yes" : "no");
+        printf("loom 0.1.0 (MPI: %s, kernels: %s)\n", loom_dist_built_with_mpi() ? "yes" : "no", loom_simd_name());
         return 0;
     }
     for (int i = 0; i < N_COMMANDS; i++)

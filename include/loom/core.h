@@ -217,13 +217,17 @@ loom_rng *loom_rng_default(void);
 
 /* ------------------------------------------------------------------ SIMD */
 
-/* Kernels pick AVX2/FMA/F16C code at run time when the CPU has it, else
- * portable C. loom_set_simd(0) forces the portable paths (to compare them,
+/* Kernels pick AVX2/FMA/F16C code at run time when the CPU has it (and
+ * AVX-512F / AVX-512 BF16 tiles for the attention's products where those
+ * are present and built), else portable C. loom_set_simd(0) forces the portable paths (to compare them,
  * or to rule them out when chasing a numerical difference); loom_set_simd(1)
  * restores detection. Not meant to change while kernels run. Each path is
  * deterministic; the two may differ in the last bits of sums and exps. */
 void loom_set_simd(int on);
 int loom_simd_enabled(void);   /* 1 when the AVX2 paths are in use */
+/* The widest kernel paths in use: "avx512-bf16" (also the attention's bf16
+ * dot products), "avx512f", "avx2" or "portable". */
+const char *loom_simd_name(void);
 
 /* --------------------------------------------------------------- threads */
 

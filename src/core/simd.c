@@ -50,6 +50,10 @@ void loom_set_simd(int on) {
 
 int loom_simd_enabled(void) { return simd_avx2(); }
 
+const char *loom_simd_name(void) {
+    return simd_avx512bf16() ? "avx512-bf16" : simd_avx512() ? "avx512f" : simd_avx2() ? "avx2" : "portable";
+}
+
 #if LOOM_HAVE_X86_SIMD
 SIMD_AVX2 static size_t to_f32_avx2(float *dst, const void *src, loom_dtype dt, size_t n) {
     size_t i = 0;

@@ -138,12 +138,26 @@ static void test_mm_bf16_tiles(void **state) {
 #endif
 }
 
+/* loom_simd_name says which paths run: portable when turned off, else the
+ * widest this CPU and build take. */
+static void test_simd_name(void **state) {
+    (void)state;
+    int on = simd_avx2();
+    loom_set_simd(0);
+    assert_string_equal(loom_simd_name(), "portable");
+    loom_set_simd(1);
+    const char *want = simd_avx512bf16() ? "avx512-bf16" : simd_avx512() ? "avx512f" : simd_avx2() ? "avx2" : "portable";
+    assert_string_equal(loom_simd_name(), want);
+    loom_set_simd(on);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_transpose),
         cmocka_unit_test(test_mm),
         cmocka_unit_test(test_mm_avx512_tiles),
         cmocka_unit_test(test_mm_bf16_tiles),
+        cmocka_unit_test(test_simd_name),
     };
     return TU_RUN_SIMD_AND_PORTABLE(tests);
 }
