@@ -242,9 +242,11 @@ void loom_dist_optim_watch_backward(loom_dist_optim *o) {
     loom_set_backward_hook(on_backward_node, o);
 }
 
-/* Start what backward did not, wait for everything, and check that no
- * gradient arrived after its bucket left. */
-static loom_status finish_buckets(loom_dist_optim *o) {
+/* Start what backward did not and wait for everything. *late becomes 1 +
+ * the first bucket a gradient reached after its reduction had started (0:
+ * none); the caller reports it after combining it over all ranks, so that
+ * every rank stops together. */
+static loom_status finish_buckets(loom_dist_optim *o, int *late) {
     if (o->watching) loom_set_backward_hook(NULL, NULL);
     int watched = o->watching;
     o->watching = 0;
@@ -263,10 +265,7 @@ static loom_status finish_buckets(loom_dist_optim *o) {
             size_t s = bk->lo > o->own_begin ? bk->lo : o->own_begin;
             memmove(o->flat + s, o->flat + bk->lo, (size_t)bk->counts[o->dist.dp_rank] * sizeof(float));
         }
-        if (bucket_contributions(o, bk) != bk->contributions)
-            return loom_error(LOOM_ERR_STATE, "a gradient of parameters %s..%s arrived after their all-reduce had "
-                              "started (a parameter used again after its uses seemed complete); turn the "
-                              "overlap off (--overlap off)", o->params[bk->first]->name, o->params[bk->last]->name);
+        if (!*late && bucket_contributions(o, bk) != bk->contributions) *late = k + 1;
     }
     return LOOM_OK;
 }
@@ -285,7 +284,8 @@ loom_status loom_dist_optim_prepare(loom_dist_optim *o, const loom_loss_scaler *
         loom_amp_prepare_step(o->params, o->n, scaler, max_norm, info);
         return LOOM_OK;
     }
-    LOOM_TRY(finish_buckets(o));
+    int late = 0;
+    LOOM_TRY(finish_buckets(o, &late));
     if (o->zero) {
         for (int i = 0; i < o->n; i++) {
             size_t s, t;
@@ -307,7 +307,16 @@ loom_status loom_dist_optim_prepare(loom_dist_optim *o, const loom_loss_scaler *
         }
         LOOM_TRY(loom_comm_allreduce_sum_f64(o->dist.tp, &ss, 1));
     }
-    LOOM_TRY(loom_comm_allreduce_max_int(o->dist.world, &bad, 1));
+    int flags[2] = {bad, late};
+    LOOM_TRY(loom_comm_allreduce_max_int(o->dist.world, flags, 2));
+    bad = flags[0];
+    if (flags[1]) {
+        const bucket *bk = &o->buckets[flags[1] - 1];
+        return loom_error(LOOM_ERR_STATE, "a gradient of parameters %s..%s arrived after their all-reduce had "
+                          "started%s (a parameter used again after its uses seemed complete); turn the overlap "
+                          "off (--overlap off)", o->params[bk->first]->name, o->params[bk->last]->name,
+                          late ? "" : " on another rank");
+    }
     float inv_scale = 1.0f / scaler->scale;
     info->found_inf = bad || !isfinite(ss);
     info->grad_norm = info->found_inf ? NAN : sqrt(ss) * inv_scale;

@@ -15,6 +15,7 @@
 #include <cmocka.h>
 #include <math.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "loom/loom.h"
 
@@ -64,6 +65,40 @@ static void test_fp16_gradient_sum_zero(void **state) {
     run_case(1);
 }
 
+/* A gradient that reaches a parameter after its bucket's reduction started
+ * during the watched backward — here on rank 0 only — fails prepare on
+ * every rank (not on rank 0 alone, leaving the others in a collective). */
+static void test_late_gradient_stops_every_rank(void **state) {
+    (void)state;
+    if (dist.dp_size < 2) skip(); /* nothing is watched without data parallelism */
+    int64_t shape[2] = {4, 4};
+    loom_param *p = NULL;
+    assert_int_equal(loom_param_new("w", LOOM_F32, 2, shape, 1, &p), LOOM_OK);
+    float w[16];
+    for (int i = 0; i < 16; i++) w[i] = 0.1f * (float)(i % 5);
+    assert_int_equal(loom_param_set_f32(p, w, 16), LOOM_OK);
+    loom_adamw_config ac = loom_adamw_defaults();
+    loom_dist_optim *o = NULL;
+    assert_int_equal(loom_dist_optim_new(&ac, &p, 1, &dist, 0, 0, &o), LOOM_OK);
+    loom_param_zero_grad(p);
+    loom_tensor *x = loom_tensor_from_f32(w, LOOM_F32, 2, shape, LOOM_MEM_ACTIVATIONS), *y = NULL, *l = NULL;
+    assert_int_equal(loom_fused_linear(x, p->tensor, NULL, &y), LOOM_OK);
+    assert_int_equal(loom_sum(y, &l), LOOM_OK);
+    loom_dist_optim_watch_backward(o);
+    assert_int_equal(loom_backward(l, 1.0f), LOOM_OK); /* the bucket starts when w's gradient is complete */
+    if (dist.dp_rank == 0) assert_int_equal(loom_param_accumulate(p, x), LOOM_OK); /* then one more arrives */
+    loom_loss_scaler sc;
+    loom_loss_scaler_init(&sc, 0);
+    loom_step_info info;
+    assert_int_equal(loom_dist_optim_prepare(o, &sc, 0.0f, &info), LOOM_ERR_STATE);
+    assert_non_null(strstr(loom_last_error(), dist.dp_rank == 0 ? "had started (" : "on another rank"));
+    loom_tensor_release(l);
+    loom_tensor_release(y);
+    loom_tensor_release(x);
+    loom_dist_optim_free(o);
+    loom_param_free(p);
+}
+
 int main(int argc, char **argv) {
     loom_comm *world = NULL;
     if (loom_dist_init(&argc, &argv, &world) != LOOM_OK || loom_dist_layout(world, 1, &dist) != LOOM_OK) {
@@ -73,6 +108,7 @@ int main(int argc, char **argv) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_fp16_gradient_sum_overflow),
         cmocka_unit_test(test_fp16_gradient_sum_zero),
+        cmocka_unit_test(test_late_gradient_stops_every_rank),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     loom_dist_layout_free(&dist);
