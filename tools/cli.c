@@ -16,6 +16,9 @@ static int parse_value(const char *cmd, const flag *f, const char *v) {
         if (!*v) return cli_usage_error(cmd, "--%s expects a value (%s), got an empty string", f->name, f->metavar), -1;
         *(const char **)f->target = v;
         return 0;
+    case FLAG_TEXT:
+        *(const char **)f->target = v;
+        return 0;
     case FLAG_INT: {
         long x = strtol(v, &end, 10);
         if (*v == '\0' || *end || x < -2147483647L || x > 2147483647L)

@@ -13,7 +13,7 @@ static int run(int argc, char **argv) {
     float temperature = 0.8f, top_p = 0.95f;
     const flag flags[] = {
         {"model", FLAG_STRING, &model, "DIR", "model directory (config.json, model.safetensors, tokenizer.json)"},
-        {"prompt", FLAG_STRING, &prompt, "TEXT", "text to continue (default: start of a document)"},
+        {"prompt", FLAG_TEXT, &prompt, "TEXT", "text to continue (default: start of a document)"},
         {"tokens", FLAG_INT, &n_tokens, "N", "tokens to generate (default 128)"},
         {"temperature", FLAG_FLOAT, &temperature, "T", "sampling temperature; 0 is greedy (default 0.8)"},
         {"top-p", FLAG_FLOAT, &top_p, "P", "nucleus sampling mass in (0, 1] (default 0.95)"},

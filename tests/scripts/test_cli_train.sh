@@ -25,6 +25,9 @@ text=$("$LOOM" generate --model "$WORK/run/model" --prompt "loom" --tokens 20 --
 [ ${#text} -gt 4 ] || fail "generate printed too little: '$text'"
 # Greedy decoding is deterministic.
 [ "$text" = "$("$LOOM" generate --model "$WORK/run/model" --prompt "loom" --tokens 20 --temperature 0)" ] || fail "greedy differs"
+# An empty prompt is a prompt (the start of a document), the same as none.
+[ "$("$LOOM" generate --model "$WORK/run/model" --prompt "" --tokens 8 --temperature 0)" = \
+  "$("$LOOM" generate --model "$WORK/run/model" --tokens 8 --temperature 0)" ] || fail "--prompt \"\" differs from no prompt"
 "$LOOM" export --model "$WORK/run/model" --out "$WORK/hf" --dtype bf16 2>/dev/null
 "$LOOM" generate --model "$WORK/hf" --prompt "the" --tokens 5 --seed 3 >/dev/null || fail "exported model does not load"
 # Exporting a model that has no tokenizer over that directory removes the
