@@ -44,8 +44,12 @@
 #include <math.h>
 #include <omp.h>
 
-#define ATTN_BQ 64 /* queries per block (a multiple of 8) */
-#define ATTN_BK 64 /* keys per block */
+#ifndef ATTN_BQ
+#define ATTN_BQ 64
+#endif /* queries per block (a multiple of 8) */
+#ifndef ATTN_BK
+#define ATTN_BK 64
+#endif /* keys per block */
 #define ATTN_STRIP 16 /* rows per product on a block the causal mask cuts */
 
 typedef struct attn_shape {

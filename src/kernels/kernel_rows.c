@@ -99,12 +99,45 @@ SIMD_AVX2 static void mm_tile_4x16(int rows, int cols, int k, const float *A, si
 #undef STOREC
 }
 
+/* C rows [0, rows <= 4) x columns [0, 24): twelve accumulators, so each
+ * FMA chain has slack beyond the FMA latency (the 4 x 16 tile has exactly
+ * eight, the minimum that keeps two FMA pipes busy). */
+SIMD_AVX2 static void mm_tile_4x24(int rows, int k, const float *A, size_t rs, size_t ds, const float *B, int ldb,
+                                   float *C, int ldc, int accumulate) {
+    const float *a0 = A, *a1 = A + (rows > 1 ? 1 : 0) * rs, *a2 = A + (rows > 2 ? 2 : rows - 1) * rs;
+    const float *a3 = A + (rows > 3 ? 3 : rows - 1) * rs;
+    __m256 c00, c01, c02, c10, c11, c12, c20, c21, c22, c30, c31, c32;
+    c00 = c01 = c02 = c10 = c11 = c12 = c20 = c21 = c22 = c30 = c31 = c32 = _mm256_setzero_ps();
+#define LOADC(r) do { if (accumulate && r < rows) { const float *c = C + (size_t)r * ldc; \
+        c##r##0 = _mm256_loadu_ps(c); c##r##1 = _mm256_loadu_ps(c + 8); c##r##2 = _mm256_loadu_ps(c + 16); } } while (0)
+    LOADC(0); LOADC(1); LOADC(2); LOADC(3);
+#undef LOADC
+    for (int d = 0; d < k; d++) {
+        const float *b = B + (size_t)d * ldb;
+        __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8), b2 = _mm256_loadu_ps(b + 16);
+        size_t o = (size_t)d * ds;
+#define ROW(r) do { __m256 x = _mm256_broadcast_ss(a##r + o); c##r##0 = _mm256_fmadd_ps(x, b0, c##r##0); \
+        c##r##1 = _mm256_fmadd_ps(x, b1, c##r##1); c##r##2 = _mm256_fmadd_ps(x, b2, c##r##2); } while (0)
+        ROW(0); ROW(1); ROW(2); ROW(3);
+#undef ROW
+    }
+#define STOREC(r) do { if (r < rows) { float *c = C + (size_t)r * ldc; _mm256_storeu_ps(c, c##r##0); \
+        _mm256_storeu_ps(c + 8, c##r##1); _mm256_storeu_ps(c + 16, c##r##2); } } while (0)
+    STOREC(0); STOREC(1); STOREC(2); STOREC(3);
+#undef STOREC
+}
+
 SIMD_AVX2 static void mm_avx2(int m, int n, int k, const float *A, size_t rs, size_t ds, const float *B, int ldb,
                               float *C, int ldc, int accumulate) {
-    for (int i = 0; i < m; i += 4)
-        for (int j = 0; j < n; j += 16)
-            mm_tile_4x16(m - i < 4 ? m - i : 4, n - j < 16 ? n - j : 16, k, A + (size_t)i * rs, rs, ds, B + j,
-                         ldb, C + (size_t)i * ldc + j, ldc, accumulate);
+    int n24 = n / 24 * 24; /* 24-column tiles, then 16-column ones for the rest */
+    for (int i = 0; i < m; i += 4) {
+        int rows = m - i < 4 ? m - i : 4, j = 0;
+        const float *a = A + (size_t)i * rs;
+        float *c = C + (size_t)i * ldc;
+        for (; j < n24; j += 24) mm_tile_4x24(rows, k, a, rs, ds, B + j, ldb, c + j, ldc, accumulate);
+        for (; j < n; j += 16)
+            mm_tile_4x16(rows, n - j < 16 ? n - j : 16, k, a, rs, ds, B + j, ldb, c + j, ldc, accumulate);
+    }
 }
 
 SIMD_AVX2 static float max_avx2(const float *x, int n) {

@@ -77,7 +77,8 @@ static void check_mm(int m, int n, int k, int trans_a, int accumulate) {
 
 static void test_mm(void **state) {
     (void)state;
-    const int shapes[][3] = {{4, 16, 8}, {64, 64, 48}, {16, 48, 64}, {5, 17, 3}, {1, 1, 1}, {37, 30, 19}, {3, 9, 0}};
+    const int shapes[][3] = {{4, 16, 8}, {64, 64, 48}, {16, 48, 64}, {5, 17, 3}, {1, 1, 1}, {37, 30, 19}, {3, 9, 0},
+                             {6, 72, 5}, {2, 50, 7}, {3, 24, 0}, {1, 40, 2}}; /* around the 4 x 24 and 4 x 16 tiles */
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
         for (int t = 0; t < 2; t++)
             for (int acc = 0; acc < 2; acc++) check_mm(shapes[s][0], shapes[s][1], shapes[s][2], t, acc);
