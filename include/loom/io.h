@@ -243,8 +243,10 @@ loom_status loom_dataloader_next(loom_dataloader *dl, int32_t *inputs, int32_t *
 /* The position of the next batch; restoring it (on a loader opened with the
  * same shards and options) makes the following batches identical. */
 void loom_dataloader_get_position(const loom_dataloader *dl, loom_dataloader_position *pos);
-/* Errors: LOOM_ERR_INVALID (shard index or offset out of range for these
- * shards: the message names both). */
+/* A position where this loader's step no longer fits (one saved with a
+ * smaller batch, sequence or world size) moves on to the next place where
+ * one does, as after a step. Errors: LOOM_ERR_INVALID (shard index or
+ * offset out of range for these shards: the message names both). */
 loom_status loom_dataloader_set_position(loom_dataloader *dl, const loom_dataloader_position *pos);
 /* Back to epoch 0, first shard, offset 0. */
 loom_status loom_dataloader_reset(loom_dataloader *dl);

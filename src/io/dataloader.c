@@ -220,12 +220,14 @@ loom_status loom_dataloader_set_position(loom_dataloader *dl, const loom_dataloa
         return loom_error(LOOM_ERR_INVALID, "data position names shard %llu but there are %zu shards; "
                           "resume with the same data", (unsigned long long)pos->shard, dl->n_shards);
     size_t count = dl->counts[pos->shard];
-    if (pos->offset > count || count - pos->offset < dl->step + 1)
-        return loom_error(LOOM_ERR_INVALID, "data position offset %llu does not leave a step of %zu tokens "
-                          "in shard '%s' (%zu tokens); resume with the same data, batch size, sequence "
-                          "length and world size", (unsigned long long)pos->offset, dl->step + 1,
-                          dl->paths[pos->shard], count);
+    if (pos->offset > count)
+        return loom_error(LOOM_ERR_INVALID, "data position offset %llu is past the end of shard '%s' (%zu tokens); "
+                          "resume with the same data", (unsigned long long)pos->offset, dl->paths[pos->shard], count);
+    /* A position saved with a smaller step (batch, sequence or world size)
+     * may not leave a whole step of this one: go on where one fits, as a
+     * step that ran off the shard's end would. */
     dl->pos = *pos;
+    normalise(dl, &dl->pos);
     return LOOM_OK;
 }
 

@@ -25,6 +25,18 @@ diff <(losses "$WORK/a-fp32") <(losses "$WORK/d") || fail "resume after a crash:
 "$LOOM" train "${common[@]}" --precision fp32 --batch 2 --out "$WORK/bs" --resume "$WORK/b-fp32/ckpt-00000010" 2>"$WORK/bs.log"
 grep -q "the checkpoint's run used --batch 4 --seq 32 --grad-accum 1 on 1 data-parallel rank(s), this one --batch 2" \
   "$WORK/bs.log" || { cat "$WORK/bs.log"; fail "changed batch: no note"; }
+# A larger batch than the checkpoint's, resumed near a shard's end where the
+# saved position leaves less than the new step: it goes on where a step fits
+# (here the next epoch), as a step that ran off the end would.
+"$LOOM" tokenize --train "$SRC/README.md" --vocab 512 --in "$SRC/README.md" --out "$WORK/one" --val-fraction 0.1 2>/dev/null
+tokens=$(( ($(stat -c %s "$WORK/one/train_000000.bin") - 1024) / 2 ))
+k=$(( (tokens - 1) / 128 - 1 )) # the last step of 128 tokens before the end; fewer than 257 are left after it
+one=(--data "$WORK/one" --config "$WORK/cfg.json" --seq 32 --eval-every 0 --lr 2e-3)
+"$LOOM" train "${one[@]}" --batch 4 --steps $k --out "$WORK/e" 2>/dev/null
+"$LOOM" train "${one[@]}" --batch 8 --steps $((k + 2)) --out "$WORK/e8" --resume "$WORK/e" 2>"$WORK/e8.log" ||
+  { cat "$WORK/e8.log"; fail "larger batch near a shard's end: the resume was refused"; }
+[ "$(losses "$WORK/e8" | cut -d, -f1 | tr '\n' ' ')" = "\"step\":$((k + 1)) \"step\":$((k + 2)) " ] ||
+  fail "larger batch near a shard's end: not steps $((k + 1)) and $((k + 2))"
 # A checkpoint of an fp16 run resumed in fp32: the loss scaler starts afresh
 # (disabled), it does not carry the fp16 scale over.
 "$LOOM" train "${common[@]}" --precision fp32 --out "$WORK/p" --resume "$WORK/b-fp16/ckpt-00000010" 2>"$WORK/p.log"
