@@ -99,7 +99,8 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
         loom_llama_config want;
         if (o->config) {
             LOOM_TRY(loom_llama_config_load(o->config, &want));
-            if (!loom_llama_config_same_weights(&want, &cfg) || want.max_seq != cfg.max_seq)
+            if (!loom_llama_config_same_weights(&want, &cfg) || want.max_seq != cfg.max_seq ||
+                want.rope_theta != cfg.rope_theta || want.norm_eps != cfg.norm_eps)
                 return loom_error(LOOM_ERR_INVALID, "--config %s describes another model than the checkpoint %s; "
                                   "drop --config when resuming", o->config, resume_dir);
         }
@@ -408,7 +409,8 @@ static loom_status restore(trainer *t, const char *dir) {
 /* ------------------------------------------------------------------ run */
 
 /* Resuming at `step`: metrics.jsonl keeps the lines of steps up to it, so
- * the steps a crashed run logged after its checkpoint are not there twice. */
+ * the steps a crashed run logged after its checkpoint are not there twice,
+ * and drops a last line the crash left without its newline. */
 static loom_status trim_metrics(const char *path, int step) {
     void *data = NULL;
     size_t n = 0;
@@ -420,7 +422,8 @@ static loom_status trim_metrics(const char *path, int step) {
     for (size_t i = 0; i < n;) {
         size_t e = i;
         while (e < n && text[e] != '\n') e++;
-        if (e < n) e++; /* with its newline */
+        if (e == n) break; /* a torn last line (no newline): the next record must not be glued to it */
+        e++; /* with its newline */
         const char *st = NULL;
         for (size_t j = i; j + 7 <= e && !st; j++)
             if (!memcmp(text + j, "\"step\":", 7)) st = text + j;

@@ -92,6 +92,14 @@ grep -q "resumed from $WORK/h/ckpt-00000003 " "$WORK/h.log" || { cat "$WORK/h.lo
 small_config "$WORK/cfg-256.json" 256
 expect_error "describes another model" "$LOOM" train "${D[@]}" --steps 5 --out "$WORK/cm" --resume "$WORK/h/ckpt-00000004" \
     --config "$WORK/cfg-256.json"
+# So is one whose sizes match but whose RoPE base or norm epsilon does not:
+# the checkpoint's values would be used without a word.
+for kv in 's/"rope_theta": [0-9.e+]*/"rope_theta": 500000.0/' 's/"rms_norm_eps": [0-9.e+-]*/"rms_norm_eps": 1e-3/'; do
+  sed "$kv" "$WORK/cfg.json" > "$WORK/cfg-other.json"
+  cmp -s "$WORK/cfg.json" "$WORK/cfg-other.json" && fail "sed '$kv' changed nothing in the config"
+  expect_error "describes another model" "$LOOM" train "${D[@]}" --steps 5 --out "$WORK/cm" \
+      --resume "$WORK/h/ckpt-00000004" --config "$WORK/cfg-other.json"
+done
 
 # Damaged checkpoint metadata: a clear error, not NaN weights.
 damage() { # $1 checkpoint dir, $2 metadata key, $3 value

@@ -21,6 +21,14 @@ done
 mkdir -p "$WORK/d" && cp -r "$WORK/b-fp32/ckpt-00000010" "$WORK/d/" && cp "$WORK/b-fp32/metrics.jsonl" "$WORK/d/"
 "$LOOM" train "${common[@]}" --precision fp32 --out "$WORK/d" --resume "$WORK/d" 2>/dev/null
 diff <(losses "$WORK/a-fp32") <(losses "$WORK/d") || fail "resume after a crash: metrics.jsonl differs from the uninterrupted run's"
+# A crash that tore the last line (no newline): the line is dropped, and
+# every line of the resumed file is whole JSON.
+mkdir -p "$WORK/t" && cp -r "$WORK/b-fp32/ckpt-00000010" "$WORK/t/" && head -10 "$WORK/b-fp32/metrics.jsonl" > "$WORK/t/metrics.jsonl"
+printf '{"st' >> "$WORK/t/metrics.jsonl"
+"$LOOM" train "${common[@]}" --precision fp32 --out "$WORK/t" --resume "$WORK/t" 2>/dev/null
+/usr/bin/python3 -c 'import json,sys; [json.loads(l) for l in open(sys.argv[1])]' "$WORK/t/metrics.jsonl" ||
+  fail "resume after a torn line: metrics.jsonl is not one JSON record per line"
+diff <(losses "$WORK/a-fp32") <(losses "$WORK/t") || fail "resume after a torn line: metrics.jsonl differs from the uninterrupted run's"
 # Another batch size than the checkpoint's run: it continues, and says so.
 "$LOOM" train "${common[@]}" --precision fp32 --batch 2 --out "$WORK/bs" --resume "$WORK/b-fp32/ckpt-00000010" 2>"$WORK/bs.log"
 grep -q "the checkpoint's run used --batch 4 --seq 32 --grad-accum 1 on 1 data-parallel rank(s), this one --batch 2" \
