@@ -60,6 +60,7 @@ typedef struct op_record {
     int n_outs;
     int own_saves;        /* saved something that is not one of its inputs */
     int rng_used;         /* drew random numbers (skipping would shift later draws) */
+    loom_rng rng_after;   /* the default RNG when it returned in the first forward */
     int live, skip;
 } op_record;
 
@@ -173,6 +174,7 @@ static void fw_after(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor **o
     (void)recorded; (void)ctx;
     op->ph_count = r->n_saved - op->ph_first;
     op->rng_used = loom_rng_default()->offset != r->cur_rng;
+    op->rng_after = *loom_rng_default();
     op->out_storage = calloc((size_t)(n_outputs ? n_outputs : 1), sizeof *op->out_storage);
     op->out_meta = calloc((size_t)(n_outputs ? n_outputs : 1), sizeof *op->out_meta);
     LOOM_ASSERT(op->out_storage != NULL && op->out_meta != NULL);
@@ -299,6 +301,10 @@ static int rp_before(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor *co
     for (int i = 0; i < op->ph_count; i++)
         r->replayed[op->ph_first + i] = loom_tensor_retain((loom_tensor *)inputs[op->ph_input[i]]);
     r->replay_save += op->ph_count;
+    /* The op does not run, so it draws nothing: move the RNG to where it
+     * left it in the forward, so later ops of the replay draw the numbers
+     * they drew then (a kept dropout before a recomputed one). */
+    if (op->rng_used) *loom_rng_default() = op->rng_after;
     return 1;
 }
 

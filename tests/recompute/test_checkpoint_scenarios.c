@@ -383,6 +383,60 @@ static void test_dead_op_drawing_random_numbers(void **state) {
     gs_free(&ref);
 }
 
+/* A kept op that draws random numbers, then one the replay recomputes: the
+ * replay does not run the kept op, yet the next dropout must draw where it
+ * drew in the forward, or its mask (and the gradients) change silently.
+ * The policy keeps the first dropout it is asked about; h = x W^T,
+ * a = dropout(h) (kept), d = dropout(a) (recomputed), y = d * d. */
+static int keep_first_dropout(void *user, const loom_function *fn) {
+    int *seen = user;
+    return !strcmp(fn->name, "dropout") && (*seen)++ == 0;
+}
+
+static loom_status kept_dropout_region(void *user, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
+    (void)n_in; (void)n_out;
+    dropout_block *b = user;
+    loom_tensor *h = NULL, *a = NULL, *d = NULL;
+    loom_status st = loom_fused_linear(in[0], b->w->tensor, NULL, &h);
+    if (st == LOOM_OK) st = loom_dropout(h, 0.3f, &a);
+    if (st == LOOM_OK) st = loom_dropout(a, b->p, &d);
+    if (st == LOOM_OK) st = loom_mul(d, d, &out[0]);
+    loom_tensor_release(h);
+    loom_tensor_release(a);
+    loom_tensor_release(d);
+    return st;
+}
+
+static void run_kept_dropout(int with_policy, grad_set *gs) {
+    loom_param *w = make_param("w", DIM, DIM, 23);
+    dropout_block b = {w, 0.5f};
+    int seen = 0;
+    loom_recompute_policy policy = {keep_first_dropout, &seen};
+    loom_tensor *x = make_leaf(ROWS, DIM, 5, 1), *y = NULL;
+    loom_rng_init(loom_rng_default(), 78);
+    if (with_policy)
+        assert_int_equal(loom_checkpoint_policy(&policy, kept_dropout_region, &b, &x, 1, &y, 1), LOOM_OK);
+    else
+        assert_int_equal(loom_checkpoint(LOOM_RECOMPUTE_NONE, kept_dropout_region, &b, &x, 1, &y, 1), LOOM_OK);
+    uint64_t after_forward = loom_rng_default()->offset;
+    loom_tensor *loss = weighted_sum(y, 53);
+    backward_ok(loss);
+    assert_true(loom_rng_default()->offset == after_forward);
+    assert_int_equal(seen, with_policy ? 2 : 0); /* asked about both dropouts */
+    collect_and_free(gs, w, x, y, loss);
+}
+
+static void test_kept_op_drawing_random_numbers(void **state) {
+    (void)state;
+    grad_set ref = {0}, got = {0};
+    run_kept_dropout(0, &ref);
+    gs_expect_nonzero(&ref);
+    run_kept_dropout(1, &got);
+    gs_expect_equal(&ref, &got, "kept dropout, then a recomputed one");
+    gs_free(&got);
+    gs_free(&ref);
+}
+
 /* ------------------------------ 2b. what keeps the dead-op rule honest */
 
 /* Dead-op skipping is for regions whose caller vouches that intermediates
@@ -1226,6 +1280,7 @@ int main(void) {
         cmocka_unit_test(test_nothing_to_recompute),
         cmocka_unit_test(test_dropout_rng_replay),
         cmocka_unit_test(test_dead_op_drawing_random_numbers),
+        cmocka_unit_test(test_kept_op_drawing_random_numbers),
         cmocka_unit_test(test_dead_op_rule_guards),
         cmocka_unit_test(test_null_and_non_tensor_arguments),
         cmocka_unit_test(test_partial_gradients),
