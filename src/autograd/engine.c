@@ -19,6 +19,13 @@ static _Thread_local int no_grad_depth;
 void loom_no_grad_enter(void) { no_grad_depth++; }
 void loom_no_grad_exit(void) { if (no_grad_depth > 0) no_grad_depth--; }
 int loom_grad_enabled(void) { return no_grad_depth == 0; }
+int autograd_no_grad_depth(void) { return no_grad_depth; }
+
+/* > 0 inside a reentrant replay: its forward already counted these uses. */
+static _Thread_local int uses_counted;
+void autograd_uses_counted_enter(void) { uses_counted++; }
+void autograd_uses_counted_exit(void) { if (uses_counted > 0) uses_counted--; }
+int autograd_uses_counted(void) { return uses_counted > 0; }
 int autograd_grad_mode_enable(void) { int d = no_grad_depth; no_grad_depth = 0; return d; }
 void autograd_grad_mode_restore(int saved) { no_grad_depth = saved; }
 
@@ -144,7 +151,7 @@ loom_status engine_record(const loom_function *fn, loom_fn_ctx *ctx, loom_tensor
             if (t->param->trainable) {
                 if (!(fn->flags & LOOM_FN_PASS_THROUGH_PARAMS)) {
                     e->param = t->param;
-                    t->param->uses++;
+                    if (!uses_counted) t->param->uses++;
                 }
             }
         } else if (t->node && !t->node->released) {

@@ -161,6 +161,32 @@ static void release_outputs(loom_tensor **outputs, int n) {
 /* Depth of forwards running on this thread (ops called inside an op's forward). */
 static _Thread_local int forward_depth;
 
+/* autograd_count_uses_begin: the no-grad and forward depths (+ 1, so 0 is
+ * off) at which a reentrant region's code calls its ops. */
+static _Thread_local int count_no_grad, count_forward;
+
+int autograd_count_uses_begin(void) {
+    int saved = count_no_grad << 16 | count_forward;
+    count_no_grad = autograd_no_grad_depth() + 1;
+    count_forward = forward_depth + 1;
+    return saved;
+}
+
+void autograd_count_uses_end(int saved) {
+    count_no_grad = saved >> 16;
+    count_forward = saved & 0xffff;
+}
+
+/* An unrecorded call: count its trainable parameter inputs as
+ * engine_record would, when a reentrant region's code made it. */
+static void count_param_uses(const loom_function *fn, loom_tensor *const *inputs, int n_inputs) {
+    if (!count_no_grad || count_no_grad != autograd_no_grad_depth() + 1 || count_forward != forward_depth + 1 ||
+        (fn->flags & LOOM_FN_PASS_THROUGH_PARAMS))
+        return;
+    for (int i = 0; i < n_inputs; i++)
+        if (inputs[i] && inputs[i]->param && inputs[i]->param->trainable) inputs[i]->param->uses++;
+}
+
 static loom_status run_forward(const loom_function *fn, loom_fn_ctx *ctx, loom_tensor *const *inputs,
                                int n_inputs, loom_tensor **outputs, int n_outputs) {
     /* Ops called inside a forward are part of this op, not recorded. */
@@ -226,6 +252,7 @@ loom_status loom_function_apply(const loom_function *fn, loom_tensor *const *inp
 
     if (!grad_on || (!recorded && !replaying && !hooks)) {
         if (!grad_on && hooks && hooks->untracked_op && forward_depth == 0) hooks->untracked_op(hooks->self);
+        if (!grad_on) count_param_uses(fn, inputs, n_inputs);
         ctx->discard = 1;
         loom_status st = run_forward(fn, ctx, inputs, n_inputs, outputs, n_outputs);
         ctx_free(ctx);

@@ -76,6 +76,23 @@ struct saved_hooks {
 int autograd_grad_mode_enable(void);
 void autograd_grad_mode_restore(int saved);
 
+/* Parameter uses of a reentrant region, counted once and before backward.
+ * Its forward runs without recording, so the engine sees its uses only when
+ * the replay records them, in backward; the overlapped all-reduce would
+ * then take a parameter also used after the region for complete once that
+ * later use's gradient arrived. autograd_count_uses_begin (in the region's
+ * forward, inside its no-grad scope) makes every op the region's code calls
+ * directly (not inside another op's forward, not under a deeper no-grad
+ * scope) count its trainable parameter inputs as recording would;
+ * autograd_uses_counted_enter (around the replay and its backward) stops
+ * the engine from counting them again. Each returns what its end restores. */
+int autograd_count_uses_begin(void);
+void autograd_count_uses_end(int saved);
+void autograd_uses_counted_enter(void);
+void autograd_uses_counted_exit(void);
+int autograd_uses_counted(void); /* inside a replay whose uses are counted */
+int autograd_no_grad_depth(void);
+
 /* Inside a node's backward: take the gradient accumulated so far for its
  * input i (the producer's output slot, or a leaf's grad) out of its slot,
  * leaving the slot empty; NULL when there is none yet. A backward that

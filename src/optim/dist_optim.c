@@ -180,8 +180,8 @@ loom_status loom_dist_optim_new(const loom_adamw_config *cfg, loom_param *const 
 
 /* Parameter i's gradient is complete for this backward: it received a
  * contribution since watching began and now has one per recorded use
- * (uses recorded during the backward itself, by a reentrant replay, are
- * counted before that replay's backward runs). */
+ * (every use is counted in the forward, those inside reentrant regions
+ * too: autograd_count_uses_begin). */
 static int param_done(const loom_dist_optim *o, int i) {
     const loom_param *p = o->params[i];
     return !p->trainable || (p->contributions > o->base[i] && p->contributions == p->uses);

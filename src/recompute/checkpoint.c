@@ -61,7 +61,14 @@ static loom_status reentrant_forward(loom_fn_ctx *ctx, loom_tensor *const *input
     reentrant_state *s = loom_ctx_state(ctx, sizeof *s);
     s->rng_start = *loom_rng_default();
     loom_no_grad_enter();
+    /* Recorded, and not inside an enclosing region's replay (whose first
+     * forward counted these uses already): count the region's parameter
+     * uses now, so they are all known before the backward; the replay
+     * records them without counting again. */
+    int counting = !ctx->replay && !ctx->discard && !autograd_uses_counted();
+    int saved = counting ? autograd_count_uses_begin() : 0;
     loom_status st = a->fn(a->user, inputs, n_inputs, outputs, n_outputs);
+    if (counting) autograd_count_uses_end(saved);
     loom_no_grad_exit();
     if (st != LOOM_OK) return st;
     /* An output the region left NULL becomes an empty stand-in (a node's
@@ -108,6 +115,7 @@ static loom_status reentrant_backward(loom_fn_ctx *ctx, loom_tensor *const *grad
     if (st == LOOM_OK) {
         recompute_count_replay();
         loom_tape_push();
+        autograd_uses_counted_enter(); /* the forward counted them */
         int grad_mode = autograd_grad_mode_enable();
         loom_rng *rng = loom_rng_default(), saved_rng = *rng;
         *rng = s->rng_start;
@@ -121,6 +129,7 @@ static loom_status reentrant_backward(loom_fn_ctx *ctx, loom_tensor *const *grad
             if (any) st = loom_backward_multi(out, grad_outputs, n_outputs);
         }
         autograd_grad_mode_restore(grad_mode);
+        autograd_uses_counted_exit();
         loom_tape_pop();
     }
     for (int i = 0; i < n_inputs; i++) {

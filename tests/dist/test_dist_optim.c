@@ -99,6 +99,67 @@ static void test_late_gradient_stops_every_rank(void **state) {
     loom_param_free(p);
 }
 
+/* A parameter used inside a reentrant region and again after it: the use
+ * after the region is backpropagated first, and the region's replay adds
+ * the other. Its uses must be known before the backward, or its bucket
+ * starts at the first contribution and the replay's is late. With the
+ * overlap on, every mode prepares, and to the same gradient. */
+static loom_param *shared_w;
+
+static loom_status shared_region(void *user, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
+    (void)user; (void)n_in; (void)n_out;
+    loom_tensor *h = NULL;
+    loom_status st = loom_fused_linear(in[0], shared_w->tensor, NULL, &h);
+    if (st == LOOM_OK) st = loom_silu(h, &out[0]);
+    loom_tensor_release(h);
+    return st;
+}
+
+static void run_shared(loom_recompute_mode mode, float *grad) {
+    int64_t shape[2] = {4, 4};
+    assert_int_equal(loom_param_new("w", LOOM_F32, 2, shape, 1, &shared_w), LOOM_OK);
+    float w[16];
+    for (int i = 0; i < 16; i++) w[i] = 0.1f * (float)(i % 5) - 0.2f;
+    assert_int_equal(loom_param_set_f32(shared_w, w, 16), LOOM_OK);
+    loom_adamw_config ac = loom_adamw_defaults();
+    loom_dist_optim *o = NULL;
+    assert_int_equal(loom_dist_optim_new(&ac, &shared_w, 1, &dist, 0, 0, &o), LOOM_OK);
+    loom_param_zero_grad(shared_w);
+    for (int i = 0; i < 16; i++) w[i] = 0.05f * (float)(i + dist.dp_rank);
+    loom_tensor *x = loom_tensor_from_f32(w, LOOM_F32, 2, shape, LOOM_MEM_ACTIVATIONS), *y = NULL, *z = NULL,
+                *l = NULL;
+    assert_int_equal(loom_checkpoint(mode, shared_region, NULL, &x, 1, &y, 1), LOOM_OK);
+    assert_int_equal(loom_fused_linear(y, shared_w->tensor, NULL, &z), LOOM_OK); /* and after the region */
+    assert_int_equal(loom_sum(z, &l), LOOM_OK);
+    loom_dist_optim_watch_backward(o);
+    assert_int_equal(loom_backward(l, 1.0f), LOOM_OK);
+    loom_loss_scaler sc;
+    loom_loss_scaler_init(&sc, 0);
+    loom_step_info info;
+    loom_status st = loom_dist_optim_prepare(o, &sc, 0.0f, &info);
+    if (st != LOOM_OK) fprintf(stderr, "%s: %s\n", loom_recompute_mode_name(mode), loom_last_error());
+    assert_int_equal(st, LOOM_OK);
+    memcpy(grad, shared_w->grad, 16 * sizeof(float));
+    loom_tensor_release(l);
+    loom_tensor_release(z);
+    loom_tensor_release(y);
+    loom_tensor_release(x);
+    loom_dist_optim_free(o);
+    loom_param_free(shared_w);
+}
+
+static void test_parameter_inside_reentrant_and_after(void **state) {
+    (void)state;
+    float ref[16], got[16];
+    run_shared(LOOM_RECOMPUTE_NONE, ref);
+    const loom_recompute_mode modes[] = {LOOM_RECOMPUTE_REENTRANT, LOOM_RECOMPUTE_NONREENTRANT,
+                                         LOOM_RECOMPUTE_SELECTIVE};
+    for (int k = 0; k < 3; k++) {
+        run_shared(modes[k], got);
+        assert_memory_equal(got, ref, sizeof ref);
+    }
+}
+
 int main(int argc, char **argv) {
     loom_comm *world = NULL;
     if (loom_dist_init(&argc, &argv, &world) != LOOM_OK || loom_dist_layout(world, 1, &dist) != LOOM_OK) {
@@ -109,6 +170,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_fp16_gradient_sum_overflow),
         cmocka_unit_test(test_fp16_gradient_sum_zero),
         cmocka_unit_test(test_late_gradient_stops_every_rank),
+        cmocka_unit_test(test_parameter_inside_reentrant_and_after),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     loom_dist_layout_free(&dist);

@@ -945,6 +945,11 @@ static void run_shared_param(loom_recompute_mode mode, grad_set *gs) {
     loom_tensor *x = make_leaf(ROWS, DIM, 12, 1), *y = NULL, *z = NULL;
     assert_int_equal(loom_checkpoint(mode, counting_region, &b, &x, 1, &y, 1), LOOM_OK);
     assert_int_equal(loom_fused_linear(y, w->tensor, NULL, &z), LOOM_OK); /* outside the region */
+    /* Both uses are known before the backward begins, in every mode: the
+     * overlapped data-parallel all-reduce starts w's bucket when its
+     * contributions reach its uses, and the use after the region is
+     * backpropagated first. */
+    assert_int_equal(w->uses, 2);
     loom_tensor *loss = weighted_sum(z, 58);
     backward_ok(loss);
     assert_int_equal(w->uses, 2);
