@@ -74,6 +74,9 @@ static int parse_settings(trainer *t, loom_precision *prec, loom_recompute_mode 
     if (o->min_lr > o->lr)
         return cli_usage_error("train", "--min-lr %g is above --lr %g: the cosine decays from --lr to --min-lr",
                                (double)o->min_lr, (double)o->lr);
+    if (o->dump_logits && o->resume)
+        return cli_usage_error("train", "--dump-logits writes the logits of a run's first step, which a resumed run "
+                               "does not take: drop --resume (or --dump-logits)");
     if (o->keep <= 0 || o->eval_every < 0 || o->ckpt_every < 0 || o->eval_batches <= 0 || o->log_every <= 0)
         return cli_usage_error("train", "--keep, --eval-batches, --log-every must be positive; --eval-every, --ckpt-every >= 0");
     return 0;
@@ -573,6 +576,12 @@ static int run(int argc, char **argv) {
     if (st == LOOM_OK) st = build_model(&t, prec, mode, *resume_dir ? resume_dir : NULL);
     if (st == LOOM_OK) st = open_data(&t);
     if (st == LOOM_OK && *resume_dir) st = restore(&t, resume_dir);
+    if (st == LOOM_OK && *resume_dir && t.state.step > o->steps)
+        st = loom_error(LOOM_ERR_INVALID, "%s is at step %d, past --steps %d: give --steps above %d to train further",
+                        resume_dir, t.state.step, o->steps, t.state.step);
+    else if (st == LOOM_OK && *resume_dir && t.state.step == o->steps && t.leader)
+        fprintf(stderr, "train: the checkpoint is at --steps %d already: no step to take, the model is written as is\n",
+                o->steps);
     if (st == LOOM_OK) {
         /* --out's checkpoints must be this run's past: never skip a save
          * because another run left a checkpoint of that step. */
@@ -586,16 +595,17 @@ static int run(int argc, char **argv) {
                             t.state.step, newest);
     }
     if (st == LOOM_OK) st = loom_mkdir_p(o->out);
+    train_report_init(&t.report, o->log_every);
     if (st == LOOM_OK && t.leader) {
         char path[4200];
         snprintf(path, sizeof path, "%s/metrics.jsonl", o->out);
         if (*resume_dir) st = trim_metrics(path, t.state.step);
+        if (st == LOOM_OK && *resume_dir) st = train_report_load(&t.report, path); /* the plot covers the whole run */
         t.metrics = st == LOOM_OK ? fopen(path, *resume_dir ? "a" : "w") : NULL;
         if (st == LOOM_OK && !t.metrics)
             st = loom_error(LOOM_ERR_IO, "cannot write %s (is the output directory writable?)", path);
     }
     if (st == LOOM_OK) {
-        train_report_init(&t.report, o->log_every);
         if (t.leader)
             fprintf(stderr, "train: %lld parameters, %s master_grad=%s recompute=%s, %d x %d sequences of %d tokens "
                     "per step and rank, %d threads, %d ranks (tp %d x dp %d%s)\n",

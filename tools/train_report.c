@@ -2,6 +2,7 @@
 #include "train_report.h"
 
 #include <errno.h>
+#include <jansson.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdlib.h>
@@ -33,6 +34,31 @@ static void push(double **v, int **s, int *n, int *cap, int step, double x) {
     }
     (*v)[*n] = x;
     (*s)[(*n)++] = step;
+}
+
+loom_status train_report_load(train_report *r, const char *metrics_path) {
+    if (access(metrics_path, F_OK) != 0) return LOOM_OK;
+    void *data = NULL;
+    size_t n = 0;
+    LOOM_TRY(loom_read_file(metrics_path, &data, &n));
+    const char *text = data;
+    for (size_t i = 0; i < n;) {
+        size_t e = i;
+        while (e < n && text[e] != '\n') e++;
+        json_t *line = json_loadb(text + i, e - i, 0, NULL);
+        json_t *step = json_object_get(line, "step"), *loss = json_object_get(line, "loss");
+        json_t *val = json_object_get(line, "val_loss");
+        if (json_is_integer(step) && json_is_number(loss))
+            push(&r->train_loss, &r->train_step, &r->n_train, &r->cap_train, (int)json_integer_value(step),
+                 json_number_value(loss));
+        else if (json_is_integer(step) && json_is_number(val))
+            push(&r->val_loss, &r->val_step, &r->n_val, &r->cap_val, (int)json_integer_value(step),
+                 json_number_value(val));
+        json_decref(line);
+        i = e + 1;
+    }
+    free(data);
+    return LOOM_OK;
 }
 
 static void fmt_eta(char *buf, size_t n, double s) {

@@ -21,6 +21,19 @@ done
 mkdir -p "$WORK/d" && cp -r "$WORK/b-fp32/ckpt-00000010" "$WORK/d/" && cp "$WORK/b-fp32/metrics.jsonl" "$WORK/d/"
 "$LOOM" train "${common[@]}" --precision fp32 --out "$WORK/d" --resume "$WORK/d" 2>/dev/null
 diff <(losses "$WORK/a-fp32") <(losses "$WORK/d") || fail "resume after a crash: metrics.jsonl differs from the uninterrupted run's"
+# Its loss plot covers the whole run, not only the steps after the resume.
+points=$(grep -o '<polyline[^>]*points="[^"]*"' "$WORK/d/loss.svg" | head -1 | sed 's/.*points="//; s/"$//' | wc -w)
+[ "$points" -eq 12 ] || fail "the resumed run's loss plot has $points training points, not 12"
+# Resuming the final checkpoint: nothing to train, said so, the model and plot written.
+"$LOOM" train "${common[@]}" --precision fp32 --out "$WORK/d" --resume "$WORK/d" 2>"$WORK/d2.log" ||
+  { cat "$WORK/d2.log"; fail "resuming the final checkpoint failed"; }
+grep -q "no step to take" "$WORK/d2.log" || { cat "$WORK/d2.log"; fail "resuming the final checkpoint: no note"; }
+[ -s "$WORK/d/loss.svg" ] && [ -s "$WORK/d/model/model.safetensors" ] || fail "resuming the final checkpoint: no plot or model"
+# --steps below the checkpoint's step, and --dump-logits (a first step's) with --resume: refused.
+expect_error "at step 10, past --steps 5: give --steps above 10" "$LOOM" train "${common[@]}" --steps 5 \
+  --out "$WORK/f" --resume "$WORK/b-fp32/ckpt-00000010"
+expect_error "dump-logits.*drop --resume" "$LOOM" train "${common[@]}" --out "$WORK/f" \
+  --resume "$WORK/b-fp32/ckpt-00000010" --dump-logits "$WORK/f.safetensors"
 # A crash that tore the last line (no newline): the line is dropped, and
 # every line of the resumed file is whole JSON.
 mkdir -p "$WORK/t" && cp -r "$WORK/b-fp32/ckpt-00000010" "$WORK/t/" && head -10 "$WORK/b-fp32/metrics.jsonl" > "$WORK/t/metrics.jsonl"
