@@ -104,6 +104,15 @@ static loom_status write_shards(const char *dir, const char *split, const tok_bu
  * when all of it is complete: a failure (a full disk) leaves the old
  * dataset as it was, never a new tokenizer beside old shards. */
 static loom_status publish_dataset(const char *out, const char *staging, const char *staged_tok) {
+    /* The marker makes the swap all-or-nothing to readers: until it is
+     * gone, data loaders refuse the directory, so a crash midway leaves an
+     * error, never old and new shards mixed. Its removal also syncs the
+     * directory, making the renames durable. */
+    char marker[4608];
+    snprintf(marker, sizeof marker, "%s/%s", out, LOOM_SHARDS_INCOMPLETE);
+    static const char note[] = "loom tokenize is replacing the shards in this directory; if it is not running, "
+                               "it crashed: run it again\n";
+    LOOM_TRY(loom_file_write_atomic(marker, note, sizeof note - 1));
     LOOM_TRY(remove_old_shards(out));
     DIR *d = opendir(staging);
     if (!d) return loom_error(LOOM_ERR_IO, "cannot read %s: %s", staging, strerror(errno));
@@ -120,6 +129,7 @@ static loom_status publish_dataset(const char *out, const char *staging, const c
     snprintf(to, sizeof to, "%s/tokenizer.json", out);
     if (st == LOOM_OK && rename(staged_tok, to) != 0)
         st = loom_error(LOOM_ERR_IO, "cannot move %s to %s: %s", staged_tok, to, strerror(errno));
+    if (st == LOOM_OK) st = loom_file_remove_durable(marker);
     return st;
 }
 

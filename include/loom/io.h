@@ -48,6 +48,16 @@ loom_status loom_file_write_atomic(const char *path, const void *data, size_t n)
 /* Replace `to` with a copy of the file `from`, atomically as above. */
 loom_status loom_file_copy_atomic(const char *from, const char *to);
 
+/* Remove `path` (a missing one is fine), then fsync its directory so the
+ * removal, and every rename made in that directory before it, is durable.
+ * Errors: LOOM_ERR_IO, naming the file. */
+loom_status loom_file_remove_durable(const char *path);
+
+/* A shard directory holding this file is being written by `loom tokenize`
+ * (or was, by one that crashed): its shards and tokenizer may be a mix of
+ * two runs, so data loaders refuse it until a tokenize completes there. */
+#define LOOM_SHARDS_INCOMPLETE ".tokenize-incomplete"
+
 /* The streaming form of loom_file_write_atomic, for files written in parts
  * (checkpoints). Open creates the temporary file; write appends; commit
  * flushes, fsyncs, renames over the target and fsyncs the directory; abort

@@ -97,6 +97,16 @@ static loom_status find_shards(loom_dataloader *dl, const char *source, const ch
         LOOM_TRY(s);
     }
     qsort(dl->paths, dl->n_shards, sizeof *dl->paths, cmp_str);
+    for (size_t i = 0; i < dl->n_shards; i++) { /* a directory a crashed tokenize left half-written */
+        const char *slash = strrchr(dl->paths[i], '/');
+        char marker[4352];
+        snprintf(marker, sizeof marker, "%.*s%s", slash ? (int)(slash - dl->paths[i] + 1) : 0, dl->paths[i],
+                 LOOM_SHARDS_INCOMPLETE);
+        if (stat(marker, &sb) == 0)
+            return loom_error(LOOM_ERR_STATE, "%s exists: a `loom tokenize` into that directory did not finish, "
+                              "so its shards and tokenizer may belong to two runs; run the tokenize again",
+                              marker);
+    }
     return LOOM_OK;
 }
 

@@ -256,6 +256,14 @@ int io_fsync_parent(const char *path) {
     return (r == EINVAL || r == ENOTSUP) ? 0 : r;
 }
 
+loom_status loom_file_remove_durable(const char *path) {
+    if (unlink(path) != 0 && errno != ENOENT)
+        return loom_error(LOOM_ERR_IO, "cannot remove %s: %s", path, strerror(errno));
+    int r = io_fsync_parent(path);
+    if (r) return loom_error(LOOM_ERR_IO, "cannot sync the directory of %s: %s", path, strerror(r));
+    return LOOM_OK;
+}
+
 loom_status loom_atomic_file_commit(loom_atomic_file *f) {
     if (!f) return loom_error(LOOM_ERR_INVALID, "atomic commit: NULL handle");
     loom_status s = f->failed;

@@ -74,6 +74,16 @@ mkdir -p "$WORK/t3" && cp "$WORK/data/train_000000.bin" "$WORK/t3/train_000007.b
 "$LOOM" tokenize --tokenizer "$WORK/data/tokenizer.json" --in "$SRC/README.md" --out "$WORK/t3" 2>"$WORK/t3.log"
 [ -e "$WORK/t3/train_000007.bin" ] && fail "tokenize left a shard of an earlier run"
 grep -q "removed 1 shard of an earlier run" "$WORK/t3.log" || fail "tokenize did not say it removed old shards"
+[ -e "$WORK/t3/.tokenize-incomplete" ] && fail "a finished tokenize left its marker"
+# A directory that a tokenize crashed while replacing (its marker is still
+# there) is refused, since its shards and tokenizer may belong to two runs;
+# a tokenize that finishes there clears it.
+touch "$WORK/t3/.tokenize-incomplete"
+expect_error "tokenize-incomplete exists.*run the tokenize again" "$LOOM" train --data "$WORK/t3" \
+  --config "$WORK/cfg.json" --batch 1 --seq 8 --steps 1 --out "$WORK/t3run"
+"$LOOM" tokenize --tokenizer "$WORK/data/tokenizer.json" --in "$SRC/README.md" --out "$WORK/t3" 2>/dev/null
+"$LOOM" train --data "$WORK/t3" --config "$WORK/cfg.json" --batch 1 --seq 8 --steps 1 --eval-every 0 \
+  --out "$WORK/t3run" 2>/dev/null || fail "training after a finished tokenize"
 
 # --out holding another run's checkpoints: never mixed into this run.
 expect_error "holds checkpoints of an earlier run.*--resume" "$LOOM" train "${D[@]}" --steps 1 --out "$WORK/r"
