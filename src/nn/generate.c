@@ -137,11 +137,13 @@ int32_t loom_sample(float *logits, int V, const loom_sampler *sp, uint64_t count
         kept = 0.0;
         for (int i = 0; i < V; i++) if (logits[i] >= cut) kept += logits[i];
     }
+    /* The first id whose running mass passes u * kept: strictly, so a draw
+     * of u = 0 cannot land on a token whose probability underflowed to 0. */
     double target = u * kept, acc = 0.0;
     for (int i = 0; i < V; i++) {
         if (logits[i] < cut) continue;
         acc += logits[i];
-        if (acc >= target) return i;
+        if (acc > target) return i;
     }
     return best;
 }

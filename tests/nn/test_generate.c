@@ -132,6 +132,15 @@ static void test_sampling_distribution(void **state) {
             }
         }
     }
+    /* A draw of exactly 0 (counter 16902731 under seed 1: the top 24 bits
+     * of its first word are 0) still never picks a token of probability 0
+     * (exp(-1002) is 0 in float) as the first kept id. */
+    uint32_t r[4];
+    loom_philox4x32(1, 16902731, r);
+    assert_true(loom_u32_to_unit(r[0]) == 0.0f);
+    loom_sampler full = {1.0f, 1.0f, 1, 0};
+    float zero_first[4] = {-1000.0f, 2.0f, 1.0f, 0.0f};
+    assert_int_equal(loom_sample(zero_first, 4, &full, 16902731), 1);
     /* top-p 0.8 at T = 1: the nucleus is {1} (mass 0.73) plus {2}; id 0 is cut. */
     loom_sampler nucleus = {1.0f, 0.8f, 7, 0};
     for (int i = 0; i < 2000; i++) {
