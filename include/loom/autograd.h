@@ -155,6 +155,17 @@ int loom_ctx_needs_input_grad(const loom_fn_ctx *ctx, int i);
  * discarded; only what it saves matters). */
 int loom_ctx_is_replay(const loom_fn_ctx *ctx);
 
+/* In a backward: the gradient input i has received so far from its other
+ * uses, handed over so that this backward sums its own contribution into it
+ * (a GEMM with beta = 1, say) instead of returning the contribution for the
+ * engine to add in a pass of its own. It is given only when it is a dense
+ * tensor of the input's shape and of `dtype` that nothing else can see;
+ * the backward must then return it in grad_inputs[i] with its contribution
+ * added. NULL when the input has no gradient yet or it is not such a
+ * tensor: return the contribution alone, as usual. Recompute modes see the
+ * same sums in the same order, so their gradients stay bit-identical. */
+loom_tensor *loom_ctx_take_grad_sum(loom_fn_ctx *ctx, int i, loom_dtype dtype);
+
 /* ------------------------------------------------------------- backward */
 
 /* Backpropagate from a scalar loss with initial gradient `seed` (1, or the

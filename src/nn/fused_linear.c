@@ -64,9 +64,16 @@ static loom_status fused_linear_backward(loom_fn_ctx *ctx, loom_tensor *const *g
     loom_tensor *dy = gout[0]; /* (..., M) */
     int K = (int)last_dim(x), N = (int)rows(x), M = (int)w->shape[0];
     if (loom_ctx_needs_input_grad(ctx, 0)) {
-        gin[0] = loom_tensor_new(x->dtype, x->ndim, x->shape, LOOM_MEM_ACTIVATIONS);
-        if (!gin[0]) return LOOM_ERR_NOMEM;
-        LOOM_TRY(loom_gemm(0, 0, N, K, M, 1.0f, loom_tensor_data(dy), M, loom_tensor_data(w), K, x->dtype, 0.0f,
+        /* dX joins the gradient x has from its other uses in the GEMM (q,
+         * k and v share their input; so do gate and up): beta = 1, no
+         * separate sum pass. */
+        float beta = 1.0f;
+        if (!(gin[0] = loom_ctx_take_grad_sum(ctx, 0, x->dtype))) {
+            beta = 0.0f;
+            gin[0] = loom_tensor_new(x->dtype, x->ndim, x->shape, LOOM_MEM_ACTIVATIONS);
+            if (!gin[0]) return LOOM_ERR_NOMEM;
+        }
+        LOOM_TRY(loom_gemm(0, 0, N, K, M, 1.0f, loom_tensor_data(dy), M, loom_tensor_data(w), K, x->dtype, beta,
                            loom_tensor_data(gin[0]), K, x->dtype, NULL, LOOM_F32));
     }
     if (loom_ctx_needs_input_grad(ctx, 1)) {

@@ -217,6 +217,80 @@ static void test_accumulation_and_reuse(void **state) {
     loom_param_free(w);
 }
 
+/* A backward that sums its input's gradient in place: y_k = x w_k^T for
+ * three weights, each dX GEMM taking the gradient x has so far
+ * (loom_ctx_take_grad_sum) with beta = 1. The first finds none, the other
+ * two find it; asking for another dtype finds nothing and leaves it. */
+static int sums_taken, wrong_dtype_given;
+
+static loom_status sum_linear_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, int n_out, loom_tensor **gin,
+                                       int n_in) {
+    (void)n_out; (void)n_in;
+    loom_tensor *x, *w;
+    LOOM_TRY(loom_ctx_saved(ctx, 0, &x));
+    LOOM_TRY(loom_ctx_saved(ctx, 1, &w));
+    int K = (int)x->shape[1], N = (int)x->shape[0], M = (int)w->shape[0];
+    wrong_dtype_given += loom_ctx_take_grad_sum(ctx, 0, LOOM_BF16) != NULL;
+    float beta = 1.0f;
+    if ((gin[0] = loom_ctx_take_grad_sum(ctx, 0, x->dtype)) != NULL) {
+        sums_taken++;
+    } else {
+        beta = 0.0f;
+        gin[0] = loom_tensor_new_2d(x->dtype, N, K, LOOM_MEM_ACTIVATIONS);
+    }
+    return loom_gemm(0, 0, N, K, M, 1.0f, loom_tensor_data(gout[0]), M, loom_tensor_data(w), K, x->dtype, beta,
+                     loom_tensor_data(gin[0]), K, x->dtype, NULL, LOOM_F32);
+}
+
+static const loom_function sum_linear = {"sum_linear", 3, 1, 0, user_linear_forward, sum_linear_backward};
+
+static void three_linears(const loom_function *fn, loom_param *const *w, loom_tensor *x, float *dx) {
+    loom_tensor_release(x->grad);
+    x->grad = NULL;
+    loom_tensor *total = NULL;
+    for (int k = 0; k < 3; k++) {
+        loom_tensor *in[3] = {x, w[k]->tensor, NULL}, *y = NULL, *s = NULL, *t = NULL;
+        assert_int_equal(loom_function_apply(fn, in, 3, &y, 1, NULL, 0), LOOM_OK);
+        assert_int_equal(loom_mul(y, y, &s), LOOM_OK);
+        assert_int_equal(loom_sum(s, &t), LOOM_OK);
+        if (total) {
+            loom_tensor *u = NULL;
+            assert_int_equal(loom_add(total, t, &u), LOOM_OK);
+            loom_tensor_release(total);
+            loom_tensor_release(t);
+            total = u;
+        } else {
+            total = t;
+        }
+        loom_tensor_release(y);
+        loom_tensor_release(s);
+    }
+    assert_int_equal(loom_backward(total, 1.0f), LOOM_OK);
+    loom_tensor_read_f32(x->grad, dx);
+    loom_tensor_release(total);
+}
+
+static void test_backward_sums_into_input_grad(void **state) {
+    (void)state;
+    enum { N = 6, K = 5, M = 4 };
+    loom_param *w[3] = {make_param("w0", M, K, 21), make_param("w1", M, K, 22), make_param("w2", M, K, 23)};
+    float xv[N * K], want[N * K], got[N * K];
+    tu_fill_uniform(xv, N * K, -1.0f, 1.0f, 24);
+    loom_tensor *x = loom_tensor_from_f32(xv, LOOM_F32, 2, (const int64_t[]){N, K}, LOOM_MEM_ACTIVATIONS);
+    assert_int_equal(loom_tensor_set_requires_grad(x, 1), LOOM_OK);
+    expected_param = w[0]; /* user_linear_backward checks identity against it; only w[0] passes */
+    three_linears(&user_linear, w, x, want);
+    sums_taken = wrong_dtype_given = 0;
+    three_linears(&sum_linear, w, x, got);
+    assert_int_equal(sums_taken, 2);
+    assert_int_equal(wrong_dtype_given, 0);
+    TU_ASSERT_CLOSE(got, want, N * K, 1e-5, 1e-5);
+    /* Outside a backward there is nothing to take. */
+    assert_null(loom_ctx_take_grad_sum(NULL, 0, LOOM_F32));
+    loom_tensor_release(x);
+    for (int k = 0; k < 3; k++) loom_param_free(w[k]);
+}
+
 static void test_no_grad_and_misuse(void **state) {
     (void)state;
     loom_param *w = make_param("w", 3, 4, 5);
@@ -590,6 +664,7 @@ int main(void) {
         cmocka_unit_test(test_custom_linear_matches_builtin),
         cmocka_unit_test(test_saved_slots_any_mix),
         cmocka_unit_test(test_accumulation_and_reuse),
+        cmocka_unit_test(test_backward_sums_into_input_grad),
         cmocka_unit_test(test_no_grad_and_misuse),
         cmocka_unit_test(test_bad_gradient_shape),
         cmocka_unit_test(test_refused_backward_keeps_graph),
