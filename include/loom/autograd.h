@@ -177,7 +177,9 @@ loom_status loom_backward(loom_tensor *loss, float seed);
  * loss, nothing that requires a gradient, a graph already freed) before
  * anything runs: the tape is left as it was, so the call can be made again
  * with the right arguments. Every other outcome, failures included, frees
- * the tape. */
+ * the tape. Called from a node's backward or the backward hook on the tape
+ * being walked, both are LOOM_ERR_STATE (a nested backward pushes a tape of
+ * its own first, as a reentrant region does). */
 loom_status loom_backward_multi(loom_tensor *const *tensors, loom_tensor *const *grads, int n);
 
 /* A function called on the calling thread after every node's backward
@@ -207,7 +209,8 @@ void loom_tape_pop(void);
 /* Nodes recorded on the current tape and not yet freed. */
 int loom_tape_size(void);
 /* Free the current tape's nodes without backward (e.g. after an evaluation
- * forward that recorded a graph). */
+ * forward that recorded a graph). Inside a backward walking the current
+ * tape it does nothing: that backward frees the tape when it ends. */
 void loom_tape_clear(void);
 
 /* -------------------------------------------------------------- profiling */

@@ -41,12 +41,17 @@ static _Thread_local tape tapes[MAX_TAPES];
 static _Thread_local int tape_depth; /* index of the current tape */
 static _Thread_local long node_seq;
 
+/* A backward is walking tape d: a backward (or tape clear) called from a
+ * node's backward or the backward hook must not walk or free it too. */
+static _Thread_local unsigned char walking[MAX_TAPES];
+
 static tape *current_tape(void) { return &tapes[tape_depth]; }
 
 void loom_tape_push(void) {
     LOOM_ASSERT(tape_depth + 1 < MAX_TAPES);
     tape_depth++;
     tapes[tape_depth].n = 0;
+    walking[tape_depth] = 0;
 }
 
 void loom_tape_pop(void) {
@@ -93,6 +98,7 @@ static void node_release(loom_node *n) {
 }
 
 void loom_tape_clear(void) {
+    if (walking[tape_depth]) return; /* the walking backward frees it when it ends */
     tape *tp = current_tape();
     for (int i = tp->n - 1; i >= 0; i--) {
         node_release(tp->nodes[i]);
@@ -330,6 +336,12 @@ void loom_set_backward_hook(loom_backward_hook fn, void *user) {
 
 loom_status loom_backward_multi(loom_tensor *const *tensors, loom_tensor *const *grads, int n) {
     tape *tp = current_tape();
+    if (walking[tape_depth])
+        return loom_error(LOOM_ERR_STATE, "backward called inside a backward (from a node's backward or the "
+                          "backward hook) on the tape being walked; a nested backward needs its own tape: "
+                          "loom_tape_push() before the forward it backpropagates, loom_tape_pop() after");
+    if (n < 0 || (n > 0 && (!tensors || !grads)))
+        return loom_error(LOOM_ERR_INVALID, "backward: %d tensors with %s arrays", n, n < 0 ? "a negative count of" : "NULL");
     int any = 0;
     for (int i = 0; i < n; i++) {
         loom_tensor *t = tensors[i];
@@ -358,6 +370,7 @@ loom_status loom_backward_multi(loom_tensor *const *tensors, loom_tensor *const 
         else if (t->param) { st = loom_param_accumulate(t->param, g); loom_tensor_release(g); }
         else st = add_into(&t->grad, g);
     }
+    walking[tape_depth] = 1;
     for (int i = tp->n - 1; i >= 0 && st == LOOM_OK; i--) {
         loom_node *nd = tp->nodes[i];
         if (nd->released) continue;
@@ -367,6 +380,7 @@ loom_status loom_backward_multi(loom_tensor *const *tensors, loom_tensor *const 
         node_release(nd);
         if (has_grad && st == LOOM_OK && node_hook) st = node_hook(node_hook_user);
     }
+    walking[tape_depth] = 0;
     loom_tape_clear();
     return st;
 }

@@ -85,6 +85,9 @@ static loom_status add_slot(loom_fn_ctx *ctx, saved_slot s) {
 
 loom_status loom_ctx_save(loom_fn_ctx *ctx, loom_tensor *const *tensors, int n) {
     if (!ctx) return loom_error(LOOM_ERR_INVALID, "save: ctx is NULL");
+    if (n < 0 || (n > 0 && !tensors))
+        return loom_error(LOOM_ERR_INVALID, "%s: save of %d tensors from %s", ctx->fn ? ctx->fn->name : "?", n,
+                          n < 0 ? "a negative count" : "a NULL array");
     if (ctx->discard) return LOOM_OK;
     for (int i = 0; i < n; i++) {
         loom_tensor *t = tensors[i];
@@ -119,6 +122,7 @@ loom_status loom_ctx_save(loom_fn_ctx *ctx, loom_tensor *const *tensors, int n) 
 }
 
 loom_status loom_ctx_saved(loom_fn_ctx *ctx, int i, loom_tensor **out) {
+    if (!out) return loom_error(LOOM_ERR_INVALID, "saved: out is NULL");
     *out = NULL;
     const char *name = ctx && ctx->fn ? ctx->fn->name : "?";
     if (!ctx) return loom_error(LOOM_ERR_INVALID, "saved: ctx is NULL");
@@ -232,6 +236,9 @@ loom_status loom_function_apply(const loom_function *fn, loom_tensor *const *inp
     if (!fn || !fn->forward || !fn->backward)
         return loom_error(LOOM_ERR_INVALID, "apply: function %s has no forward or backward",
                           fn && fn->name ? fn->name : "(null)");
+    if (n_inputs < 0 || n_outputs < 0 || (n_inputs > 0 && !inputs) || (n_outputs > 0 && !outputs))
+        return loom_error(LOOM_ERR_INVALID, "%s: called with %d inputs and %d outputs%s", fn->name, n_inputs,
+                          n_outputs, n_inputs < 0 || n_outputs < 0 ? " (a negative count)" : " and a NULL array");
     if ((fn->n_inputs >= 0 && n_inputs != fn->n_inputs) || (fn->n_outputs >= 0 && n_outputs != fn->n_outputs))
         return loom_error(LOOM_ERR_INVALID, "%s: takes %d inputs and %d outputs, called with %d and %d",
                           fn->name, fn->n_inputs, fn->n_outputs, n_inputs, n_outputs);

@@ -224,6 +224,10 @@ static loom_status cast_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, int
 static const loom_function cast_function = {"cast", 1, 1, 0, cast_forward, cast_backward};
 
 loom_status loom_cast(loom_tensor *x, loom_dtype dt, loom_tensor **out) {
+    *out = NULL;
+    if (!x) return loom_error(LOOM_ERR_INVALID, "cast: x is NULL");
+    if (dt != LOOM_F32 && dt != LOOM_BF16 && dt != LOOM_F16)
+        return loom_error(LOOM_ERR_INVALID, "cast: unknown dtype %d (fp32, bf16 or fp16)", (int)dt);
     return apply1(&cast_function, x, NULL, &dt, sizeof dt, out);
 }
 

@@ -291,6 +291,58 @@ static void test_backward_sums_into_input_grad(void **state) {
     for (int k = 0; k < 3; k++) loom_param_free(w[k]);
 }
 
+/* A backward (or a tape clear) called from inside a node's backward on the
+ * tape being walked: refused (or a no-op), never a second walk of the same
+ * nodes or nodes freed under the walk; the outer backward completes. */
+static int nested_mode; /* 0: backward on a saved input, 1: loom_tape_clear */
+static loom_status nested_status;
+
+static loom_status nested_forward(loom_fn_ctx *ctx, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
+    (void)n_in; (void)n_out;
+    out[0] = loom_tensor_to(in[0], LOOM_F32, LOOM_MEM_ACTIVATIONS);
+    return out[0] ? loom_ctx_save(ctx, in, 1) : LOOM_ERR_NOMEM;
+}
+
+static loom_status nested_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, int n_out, loom_tensor **gin,
+                                   int n_in) {
+    (void)n_out; (void)n_in;
+    loom_tensor *x;
+    LOOM_TRY(loom_ctx_saved(ctx, 0, &x));
+    if (nested_mode == 0) {
+        loom_tensor *g = loom_tensor_zeros(LOOM_F32, x->ndim, x->shape, LOOM_MEM_ACTIVATIONS);
+        nested_status = loom_backward_multi(&x, &g, 1);
+        loom_tensor_release(g);
+    } else {
+        loom_tape_clear();
+    }
+    gin[0] = loom_tensor_retain(gout[0]);
+    return LOOM_OK;
+}
+
+static const loom_function nested_fn = {"nested", 1, 1, 0, nested_forward, nested_backward};
+
+static void test_backward_inside_backward(void **state) {
+    (void)state;
+    for (nested_mode = 0; nested_mode < 2; nested_mode++) {
+        loom_tensor *x = leaf3(1), *y = NULL, *z = NULL, *l = NULL;
+        assert_int_equal(loom_scale(x, 2.0f, &y), LOOM_OK); /* x -> y has a node the nested call could walk */
+        assert_int_equal(loom_function_apply(&nested_fn, &y, 1, &z, 1, NULL, 0), LOOM_OK);
+        assert_int_equal(loom_sum(z, &l), LOOM_OK);
+        nested_status = LOOM_OK;
+        assert_int_equal(loom_backward(l, 1.0f), LOOM_OK);
+        if (nested_mode == 0) {
+            assert_int_equal(nested_status, LOOM_ERR_STATE);
+            assert_non_null(strstr(loom_last_error(), "loom_tape_push"));
+        }
+        for (int i = 0; i < 3; i++) assert_float_equal(loom_tensor_get(x->grad, i), 2.0f, 0.0f);
+        assert_int_equal(loom_tape_size(), 0);
+        loom_tensor_release(l);
+        loom_tensor_release(z);
+        loom_tensor_release(y);
+        loom_tensor_release(x);
+    }
+}
+
 static void test_no_grad_and_misuse(void **state) {
     (void)state;
     loom_param *w = make_param("w", 3, 4, 5);
@@ -323,6 +375,20 @@ static void test_no_grad_and_misuse(void **state) {
     assert_non_null(strstr(loom_last_error(), "K > 0"));
     loom_tensor_release(x0);
     loom_tensor_release(w0);
+    /* Negative counts and NULL arrays: refused before the forward runs. */
+    loom_function variadic = user_linear;
+    variadic.n_inputs = variadic.n_outputs = -1;
+    assert_int_equal(loom_function_apply(&variadic, in, -1, &y, 1, NULL, 0), LOOM_ERR_INVALID);
+    assert_non_null(strstr(loom_last_error(), "negative"));
+    assert_int_equal(loom_function_apply(&variadic, in, 2, &y, -1, NULL, 0), LOOM_ERR_INVALID);
+    assert_int_equal(loom_function_apply(&variadic, NULL, 2, &y, 1, NULL, 0), LOOM_ERR_INVALID);
+    assert_non_null(strstr(loom_last_error(), "NULL array"));
+    /* A cast of nothing, or to a dtype that does not exist. */
+    assert_int_equal(loom_cast(NULL, LOOM_BF16, &y), LOOM_ERR_INVALID);
+    assert_null(y);
+    assert_int_equal(loom_cast(x, (loom_dtype)9, &y), LOOM_ERR_INVALID);
+    assert_non_null(strstr(loom_last_error(), "dtype 9"));
+    assert_null(loom_tensor_new((loom_dtype)9, 1, (const int64_t[]){2}, LOOM_MEM_ACTIVATIONS));
     /* Backward on something that needs no gradient. */
     loom_tensor *s = NULL;
     assert_int_equal(loom_sum(x, &s), LOOM_OK);
@@ -666,6 +732,7 @@ int main(void) {
         cmocka_unit_test(test_accumulation_and_reuse),
         cmocka_unit_test(test_backward_sums_into_input_grad),
         cmocka_unit_test(test_no_grad_and_misuse),
+        cmocka_unit_test(test_backward_inside_backward),
         cmocka_unit_test(test_bad_gradient_shape),
         cmocka_unit_test(test_refused_backward_keeps_graph),
         cmocka_unit_test(test_forward_returns_existing_tensor),
