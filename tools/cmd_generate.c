@@ -64,6 +64,10 @@ static int run(int argc, char **argv) {
         loom_sampler sp = {temperature, top_p, (uint64_t)seed, loom_tokenizer_vocab_size(tok)};
         st = loom_llama_generate(m, ids, (int)n_ids, n_tokens, &sp, loom_tokenizer_eot(tok), out, &n_out);
     }
+    int ended = n_out > 0 && out[n_out - 1] == loom_tokenizer_eot(tok);
+    if (st == LOOM_OK && n_out < n_tokens && !ended && (int)n_ids + n_out >= m->cfg.max_seq)
+        fprintf(stderr, "generate: stopped after %d of %d tokens: the model's context (%d tokens) is full\n", n_out,
+                n_tokens, m->cfg.max_seq);
     if (st == LOOM_OK && n_out > 0 && out[n_out - 1] == loom_tokenizer_eot(tok)) n_out--;
     size_t bytes = 0;
     if (st == LOOM_OK) st = loom_tokenizer_decode(tok, out, (size_t)n_out, NULL, 0, &bytes);
