@@ -67,6 +67,17 @@ for bad in "--preset huge" "--dtype f64" "--reps 0" "--batch" "--frobnicate 1"; 
   if "$bin/bench_kernels" $bad >/dev/null 2>&1; then fail "bench_kernels accepted $bad"; fi
 done
 
+# bench/ab_attention.sh: this tree's attention against a revision's, in one
+# process; against HEAD in a clean checkout the results are the same bits.
+if git -C "$src" rev-parse HEAD >/dev/null 2>&1; then
+  ab=$(LOOM_BINARY_DIR=$bin bash "$src/bench/ab_attention.sh" HEAD 2 1)
+  grep -qE "this tree / the other = [0-9.]+ \(summed time\); max difference: output [0-9.e+-]+, gradients" <<<"$ab" ||
+    fail "ab_attention: $ab"
+  if git -C "$src" diff --quiet HEAD -- src/kernels; then
+    grep -q "output 0, gradients 0" <<<"$ab" || fail "ab_attention against HEAD differs: $ab"
+  fi
+fi
+
 if "$loom" bench --preset huge >/dev/null 2>&1; then fail "unknown preset accepted"; fi
 if "$loom" bench --recompute sometimes >/dev/null 2>&1; then fail "unknown recompute mode accepted"; fi
 if "$loom" bench --precision bf16 --recompute none,full --profile >/dev/null 2>&1; then

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# ab_attention.sh — flash attention of this tree against another git
+# revision's, alternated call by call in one process (bench/ab_attention.c).
+#
+# Usage: bench/ab_attention.sh REV [REPS] [THREADS]
+# Builds REV's src/kernels/attention.c and kernel_rows.c with their symbols
+# renamed (attention_fwd_B, ...) and links them beside this tree's
+# build/libloom.a (run scripts/build.sh first; LOOM_BINARY_DIR names another
+# build directory). A ratio below 1 means this
+# tree is faster. `bench/ab_attention.sh HEAD` is the control: it should
+# print about 1.00 (the spread of that number is the instrument's noise).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+rev=${1:?usage: bench/ab_attention.sh REV [REPS] [THREADS]}
+reps=${2:-40}
+threads=${3:-2}
+bin=${LOOM_BINARY_DIR:-$root/build}
+lib=$bin/libloom.a
+[ -f "$lib" ] || { echo "ab_attention: $lib not built (scripts/build.sh)" >&2; exit 1; }
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+mkdir -p "$work/src/kernels"
+for f in attention.c kernel_rows.c kernel_rows.h kernels.h; do
+  git -C "$root" show "$rev:src/kernels/$f" > "$work/src/kernels/$f"
+done
+# What the library's build defines (src/kernels/*.c see the same macros).
+defs=$(awk '/^ *DEFINES = /{sub(/^ *DEFINES = /, ""); print; exit}' "$bin/build.ninja")
+cflags="-O2 -fopenmp -std=gnu11 -ffp-contract=off $defs -I$work/src -I$root/include -I$root/src"
+rename="-Dmm_f32=mm_f32_B -Dattention_fwd=attention_fwd_B -Dattention_bwd=attention_bwd_B
+        -Dattention_fwd_ref=attention_fwd_ref_B -Dattention_bwd_ref=attention_bwd_ref_B"
+# shellcheck disable=SC2086
+cc $cflags $rename -c "$work/src/kernels/kernel_rows.c" -o "$work/rows_B.o"
+objcopy -w --keep-global-symbol=mm_f32_B "$work/rows_B.o" # the rest of its symbols stay private
+# shellcheck disable=SC2086
+cc $cflags $rename -c "$work/src/kernels/attention.c" -o "$work/attention_B.o"
+objcopy -w --keep-global-symbol=attention_fwd_B --keep-global-symbol=attention_bwd_B \
+  --keep-global-symbol=attention_fwd_ref_B --keep-global-symbol=attention_bwd_ref_B "$work/attention_B.o"
+# The library's link line (the loom executable's, minus its own objects).
+libs=$(awk '/^build loom:/{f = 1} f && /^ *LINK_LIBRARIES = /{sub(/^ *LINK_LIBRARIES = /, ""); print; exit}' \
+  "$bin/build.ninja")
+# shellcheck disable=SC2086
+(cd "$bin" && cc -O2 -fopenmp -std=gnu11 $defs -I"$root/include" -I"$root/src" "$root/bench/ab_attention.c" \
+  "$work/attention_B.o" "$work/rows_B.o" -o "$work/ab_attention" $libs -lm)
+echo "# $(date -u +%Y-%m-%dT%H:%MZ) this tree ($(git -C "$root" rev-parse --short HEAD)$(git -C "$root" diff --quiet || echo +changes)) against $rev"
+"$work/ab_attention" "$reps" "$threads"
