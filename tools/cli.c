@@ -2,12 +2,15 @@
 #include "cli.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <float.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <time.h>
+#include <unistd.h>
 
 static int parse_value(const char *cmd, const flag *f, const char *v) {
     char *end;
@@ -128,4 +131,27 @@ int cli_parse_on_off(const char *cmd, const char *flag_name, const char *value, 
     else if (!strcmp(value, "off") || !strcmp(value, "false") || !strcmp(value, "0")) *out = 0;
     else return cli_usage_error(cmd, "--%s expects on or off, got '%s'", flag_name, value);
     return 0;
+}
+
+loom_status cli_lock_dir(const char *dir) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/.loom.lock", dir);
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644); /* kept open: the lock lives until exit */
+    if (fd < 0) return loom_error(LOOM_ERR_IO, "%s: cannot create %s", strerror(errno), path);
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        int err = errno;
+        char holder[32] = "";
+        ssize_t n = pread(fd, holder, sizeof holder - 1, 0);
+        holder[n > 0 ? n : 0] = '\0';
+        holder[strcspn(holder, "\n")] = '\0';
+        close(fd);
+        if (err == EWOULDBLOCK)
+            return loom_error(LOOM_ERR_STATE, "%s is in use by another loom process (pid %s, %s): wait for it to "
+                              "finish, or use another output directory", dir, *holder ? holder : "unknown", path);
+        return loom_error(LOOM_ERR_IO, "%s: cannot lock %s", strerror(err), path);
+    }
+    char pid[32];
+    int len = snprintf(pid, sizeof pid, "%ld\n", (long)getpid());
+    if (ftruncate(fd, 0) != 0 || pwrite(fd, pid, (size_t)len, 0) != len) { /* the holder's pid is only a hint */ }
+    return LOOM_OK;
 }

@@ -50,6 +50,11 @@ int cli_parse_on_off(const char *cmd, const char *flag_name, const char *value, 
  * or 2 after a usage error for N < 0. */
 int cli_apply_threads(const char *cmd, int n);
 
+/* Hold an exclusive lock on DIR/.loom.lock (flock, with this pid written in
+ * it) until the process exits, so two loom processes never write one output
+ * directory at once. LOOM_ERR_STATE, naming the holder, when another has it. */
+loom_status cli_lock_dir(const char *dir);
+
 extern const command cmd_train, cmd_generate, cmd_tokenize, cmd_export, cmd_bench;
 
 #endif

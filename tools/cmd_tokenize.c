@@ -10,6 +10,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #define SHARD_TOKENS 100000000
@@ -145,7 +146,36 @@ static void remove_staged(const char *staging, const char *staged_tok) {
     }
     if (d) closedir(d);
     rmdir(staging);
-    unlink(staged_tok);
+    if (staged_tok) unlink(staged_tok);
+}
+
+/* The dataset directory, locked for this run. What a killed tokenize left
+ * there (its staging directory, a staged tokenizer) is removed: holding the
+ * lock, no other tokenize is writing them. Shards of another tool (names
+ * the loader reads, *train*.bin or *val*.bin, that this command would not
+ * replace) are refused: they would join the new data silently. */
+static loom_status prepare_out(const char *out) {
+    LOOM_TRY(loom_mkdir_p(out));
+    LOOM_TRY(cli_lock_dir(out));
+    DIR *d = opendir(out);
+    if (!d) return loom_error(LOOM_ERR_IO, "%s: cannot read %s", strerror(errno), out);
+    loom_status st = LOOM_OK;
+    char path[4608];
+    for (struct dirent *e; st == LOOM_OK && (e = readdir(d));) {
+        snprintf(path, sizeof path, "%s/%s", out, e->d_name);
+        if (!strncmp(e->d_name, ".shards.new.", 12)) {
+            remove_staged(path, NULL);
+            fprintf(stderr, "tokenize: removed %s, left by a tokenize that did not finish\n", path);
+        } else if (!strcmp(e->d_name, "tokenizer.json.new")) {
+            unlink(path);
+        } else if ((!fnmatch("*train*.bin", e->d_name, 0) || !fnmatch("*val*.bin", e->d_name, 0)) &&
+                   fnmatch("train_[0-9]*.bin", e->d_name, 0) && fnmatch("val_[0-9]*.bin", e->d_name, 0)) {
+            st = loom_error(LOOM_ERR_STATE, "%s holds %s, shards this command did not write, which training "
+                            "would read with the new ones: move them away, or use another --out", out, e->d_name);
+        }
+    }
+    closedir(d);
+    return st;
 }
 
 /* Entropy (nats) of the unigram distribution of the tokens: the loss a
@@ -183,7 +213,13 @@ static int run(int argc, char **argv) {
     else if (!(val_fraction >= 0.0f && val_fraction < 1.0f)) rc = cli_usage_error("tokenize", "--val-fraction must be in [0, 1)");
     if (rc) { free(train.items); free(in.items); return rc; }
 
-    loom_status st = LOOM_OK;
+    struct stat sb;
+    if (!in.n && stat(out, &sb) == 0 && S_ISDIR(sb.st_mode))
+        return free(train.items), free(in.items),
+               cli_usage_error("tokenize", "--out %s is a directory: with --train alone, --out is the tokenizer file "
+                               "(e.g. %s/tokenizer.json); add --in FILE... to make shards there", out, out);
+
+    loom_status st = in.n ? prepare_out(out) : LOOM_OK;
     loom_tokenizer *tok = NULL;
     char tok_out[4096];
     void **texts = calloc((size_t)(train.n + in.n + 1), sizeof *texts);
@@ -214,7 +250,10 @@ static int run(int argc, char **argv) {
         if (st == LOOM_OK)
             fprintf(stderr, "tokenize: trained %d tokens on %.1f MB in %.1f s%s%s\n", loom_tokenizer_vocab_size(tok),
                     (double)total / 1e6, cli_now() - t0, in.n ? "" : " -> ", in.n ? "" : tok_out);
-    } else {
+        if (st == LOOM_OK && loom_tokenizer_vocab_size(tok) < vocab)
+            fprintf(stderr, "tokenize: note: --vocab %d asked for more tokens than the text has pairs to merge; "
+                    "the vocabulary has %d\n", vocab, loom_tokenizer_vocab_size(tok));
+    } else if (st == LOOM_OK) {
         st = loom_tokenizer_load(tok_path, &tok);
         if (st == LOOM_OK) st = loom_mkdir_p(out);
         if (st == LOOM_OK) {

@@ -582,6 +582,8 @@ static int run(int argc, char **argv) {
     else if (st == LOOM_OK && *resume_dir && t.state.step == o->steps && t.leader)
         fprintf(stderr, "train: the checkpoint is at --steps %d already: no step to take, the model is written as is\n",
                 o->steps);
+    if (st == LOOM_OK) st = loom_mkdir_p(o->out);
+    if (st == LOOM_OK && t.leader) st = cli_lock_dir(o->out); /* no other run writes there meanwhile */
     if (st == LOOM_OK) {
         /* --out's checkpoints must be this run's past: never skip a save
          * because another run left a checkpoint of that step. */
@@ -594,7 +596,6 @@ static int run(int argc, char **argv) {
                             "run being resumed going further: remove them or use a new --out", o->out,
                             t.state.step, newest);
     }
-    if (st == LOOM_OK) st = loom_mkdir_p(o->out);
     train_report_init(&t.report, o->log_every);
     if (st == LOOM_OK && t.leader) {
         char path[4200];

@@ -10,7 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-static _Thread_local char last_error[1024];
+/* Room for a message that names three full paths and still ends with why. */
+static _Thread_local char last_error[16384];
 
 const char *loom_last_error(void) { return last_error; }
 

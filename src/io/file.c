@@ -152,16 +152,17 @@ struct loom_atomic_file {
     char *path, *tmp;
     int fd;
     loom_status failed;  /* first error, sticky */
-    char message[512];   /* its message, repeated by commit */
+    char message[3 * 4096 + 512]; /* its message, repeated by commit */
     size_t nbuf;
     unsigned char buf[WBUF_BYTES];
 };
 
 static loom_status fail(loom_atomic_file *f, loom_status st, const char *doing, int err) {
     if (f->failed == LOOM_OK) {
+        /* The reason first: a long path must not push it out of the message. */
         snprintf(f->message, sizeof f->message,
-                 "cannot write '%s' (%s temporary '%s'): %s; %s; '%s' was left unchanged",
-                 f->path, doing, f->tmp, strerror(err), io_write_hint(err), f->path);
+                 "%s: %s; cannot write '%s' (%s temporary '%s'); '%s' was left unchanged",
+                 strerror(err), io_write_hint(err), f->path, doing, f->tmp, f->path);
         f->failed = st;
     }
     return loom_error(f->failed, "%s", f->message);

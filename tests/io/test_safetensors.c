@@ -4,6 +4,7 @@
  * the file, never a crash), and the atomic writer's failure paths.
  */
 #include "io_test.h"
+#include "loom/checkpoint.h"
 
 #include <errno.h>
 #include <sys/stat.h>
@@ -386,6 +387,22 @@ static void test_atomic_failures_keep_old_file(void **state) {
         free(after);
         assert_int_equal(io_count_files(".tmp."), 0);
     }
+    /* A long path (three 250-character directories) still leaves room for
+     * why: the reason comes before the paths, and nothing is cut. */
+    char deep[1200];
+    snprintf(deep, sizeof deep, "%s", io_path(""));
+    for (int level = 0; level < 3; level++) {
+        size_t n = strlen(deep);
+        snprintf(deep + n, sizeof deep - n, "/%0250d", level);
+        assert_int_equal(loom_mkdir_p(deep), LOOM_OK);
+    }
+    char deep_file[1300];
+    snprintf(deep_file, sizeof deep_file, "%s/keep.safetensors", deep);
+    io_test_inject_failure(IO_FAIL_WRITE, 0, ENOSPC);
+    assert_int_equal(write_st(deep_file, newv, 300), LOOM_ERR_IO);
+    IO_ASSERT_MSG("disk full?");
+    IO_ASSERT_MSG(deep_file);
+    IO_ASSERT_MSG("was left unchanged");
     io_test_inject_failure(IO_FAIL_NONE, 0, 0);
     /* Then a write that succeeds replaces it. */
     assert_int_equal(write_st(path, newv, 300), LOOM_OK);

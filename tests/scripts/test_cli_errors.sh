@@ -85,6 +85,30 @@ expect_error "tokenize-incomplete exists.*run the tokenize again" "$LOOM" train 
 "$LOOM" train --data "$WORK/t3" --config "$WORK/cfg.json" --batch 1 --seq 8 --steps 1 --eval-every 0 \
   --out "$WORK/t3run" 2>/dev/null || fail "training after a finished tokenize"
 
+# Two runs into one --out: the second is refused while the first holds the
+# directory's lock, naming it (they used to both "succeed", mixing
+# checkpoints, model and metrics).
+"$LOOM" train "${D[@]}" --steps 100000 --out "$WORK/busy" 2>/dev/null &
+busy=$!
+for i in $(seq 1 500); do [ -s "$WORK/busy/metrics.jsonl" ] && break; sleep 0.02; done
+expect_error "busy is in use by another loom process \(pid $busy" "$LOOM" train "${D[@]}" --steps 3 --out "$WORK/busy"
+expect_error "in use by another loom process" "$LOOM" tokenize --tokenizer "$WORK/data/tokenizer.json" \
+  --in "$SRC/README.md" --out "$WORK/busy"
+kill -TERM $busy
+wait $busy || true
+flock -n "$WORK/busy/.loom.lock" true || fail "the lock outlived its run"
+
+# Tokenize: what a killed tokenize left in the directory is removed; shards
+# of another tool there are refused; --train alone into a directory is refused.
+mkdir -p "$WORK/t4/.shards.new.999999999" && touch "$WORK/t4/.shards.new.999999999/train_000000.bin.tmp.1" "$WORK/t4/tokenizer.json.new"
+"$LOOM" tokenize --tokenizer "$WORK/data/tokenizer.json" --in "$SRC/README.md" --out "$WORK/t4" 2>/dev/null
+[ -e "$WORK/t4/.shards.new.999999999" ] || [ -e "$WORK/t4/tokenizer.json.new" ] && fail "a killed tokenize's leftovers stayed"
+cp "$WORK/data/train_000000.bin" "$WORK/t4/fineweb_train_000001.bin"
+expect_error "holds fineweb_train_000001.bin, shards this command did not write" "$LOOM" tokenize \
+  --tokenizer "$WORK/data/tokenizer.json" --in "$SRC/README.md" --out "$WORK/t4"
+expect_error "is a directory: with --train alone, --out is the tokenizer file" "$LOOM" tokenize --train "$SRC/README.md" \
+  --vocab 300 --out "$WORK/t4"
+
 # --out holding another run's checkpoints: never mixed into this run.
 expect_error "holds checkpoints of an earlier run.*--resume" "$LOOM" train "${D[@]}" --steps 1 --out "$WORK/r"
 "$LOOM" train "${D[@]}" --steps 3 --ckpt-every 1 --keep 5 --out "$WORK/h" 2>/dev/null
@@ -214,7 +238,7 @@ ls -d "$WORK"/full/*.tmp.* 2>/dev/null && fail "a temporary checkpoint was left 
 "$LOOM" tokenize --train $(corpus) --vocab 300 --in $(corpus) --out "$WORK/retok" 2>/dev/null
 expect_full_disk 40 "train_000000.bin" "$WORK/retok" \
   "$LOOM" tokenize --train $(corpus) --vocab 400 --in $(corpus) --out "$WORK/retok"
-[ -z "$(ls -A "$WORK/retok" | grep -v -E '^(tokenizer.json|(train|val)_[0-9]+[.]bin)$')" ] || \
+[ -z "$(ls -A "$WORK/retok" | grep -v -E '^(tokenizer.json|(train|val)_[0-9]+[.]bin|[.]loom[.]lock)$')" ] || \
   fail "a failed tokenize left staged files: $(ls -A "$WORK/retok")"
 
 # A full disk while replacing a model directory: the old model stays whole
