@@ -584,6 +584,7 @@ static int run(int argc, char **argv) {
                 o->steps);
     if (st == LOOM_OK) st = loom_mkdir_p(o->out);
     if (st == LOOM_OK && t.leader) st = cli_lock_dir(o->out); /* no other run writes there meanwhile */
+    if (st == LOOM_OK && t.leader) loom_checkpoint_remove_stale(o->out); /* a killed writer's, taking space */
     if (st == LOOM_OK) {
         /* --out's checkpoints must be this run's past: never skip a save
          * because another run left a checkpoint of that step. */

@@ -23,7 +23,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+/* Remove a checkpoint directory and its files; a symlink in its place is
+ * removed itself, never followed (its target lies outside the run). */
 static void remove_tree(const char *dir) {
+    struct stat sb;
+    if (lstat(dir, &sb) == 0 && S_ISLNK(sb.st_mode)) {
+        unlink(dir);
+        return;
+    }
     DIR *d = opendir(dir);
     if (d) {
         struct dirent *e;
@@ -315,6 +322,8 @@ int loom_checkpoint_newest_step(const char *out_dir) {
     free(names);
     return (int)step;
 }
+
+void loom_checkpoint_remove_stale(const char *out_dir) { remove_stale_temporaries(out_dir); }
 
 loom_status loom_checkpoint_prune(const char *out_dir, int keep) {
     remove_stale_temporaries(out_dir);

@@ -121,6 +121,19 @@ mkdir -p "$WORK/h/ckpt-00000009.tmp.999999999" "$WORK/h/ckpt-best"
 grep -q "resumed from $WORK/h/ckpt-00000003 " "$WORK/h.log" || { cat "$WORK/h.log"; fail "did not resume ckpt-00000003"; }
 [ -d "$WORK/h/ckpt-00000009.tmp.999999999" ] && fail "a dead writer's temporary checkpoint was left"
 [ -d "$WORK/h/ckpt-best" ] || fail "ckpt-best was removed"
+# A dead writer's temporary goes when a run starts, before its first save
+# (here a run that saves nothing): on a tight disk it would leave no room.
+mkdir -p "$WORK/h/ckpt-00000009.tmp.999999999"
+"$LOOM" train "${D[@]}" --steps 9 --out "$WORK/h" --resume "$WORK/h" --dump-grads "$WORK/h-grads.safetensors" 2>/dev/null
+[ -d "$WORK/h/ckpt-00000009.tmp.999999999" ] && fail "a dead writer's temporary stayed until a save"
+# A checkpoint that is a symlink to a directory outside the run: pruning
+# removes the link, never the files it points to.
+"$LOOM" train "${D[@]}" --steps 2 --ckpt-every 1 --keep 5 --out "$WORK/sym" 2>/dev/null
+mkdir -p "$WORK/archive" && mv "$WORK/sym/ckpt-00000001" "$WORK/archive/"
+ln -s "$WORK/archive/ckpt-00000001" "$WORK/sym/ckpt-00000001"
+"$LOOM" train "${D[@]}" --steps 4 --ckpt-every 1 --keep 2 --out "$WORK/sym" --resume "$WORK/sym" 2>/dev/null
+[ -L "$WORK/sym/ckpt-00000001" ] && fail "the pruned symlink is still there"
+[ -s "$WORK/archive/ckpt-00000001/state.safetensors" ] || fail "pruning deleted the files behind a symlinked checkpoint"
 
 # Resuming with a --config of another model is refused.
 small_config "$WORK/cfg-256.json" 256
