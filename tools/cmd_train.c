@@ -512,14 +512,15 @@ static int run(int argc, char **argv) {
     memset(&t, 0, sizeof t);
     t.last_saved = -1;
     train_opts *o = &t.o;
-    *o = (train_opts){.out = "out", .preset = "tiny", .precision = "bf16", .master_grad = "on", .overlap_flag = "on",
+    *o = (train_opts){.out = NULL, .preset = "tiny", .precision = "bf16", .master_grad = "on", .overlap_flag = "on",
                       .recompute = "none", .recompute_mode = "nonreentrant", .batch = 8, .seq = 0,
                       .grad_accum = 1, .tp = 1, .steps = 100, .warmup = 10, .seed = 1337, .threads = 0, .eval_every = 50,
                       .eval_batches = 4, .ckpt_every = 0, .keep = 2, .log_every = 1, .lr = 1e-3f, .min_lr = -1.0f,
                       .weight_decay = 0.1f, .clip = 1.0f};
     const flag flags[] = {
         {"data", FLAG_STRING, &o->data, "DIR", "token shards (train_*.bin, val_*.bin) and tokenizer.json (required)"},
-        {"out", FLAG_STRING, &o->out, "DIR", "output: checkpoints, metrics, plot, final model (default out)"},
+        {"out", FLAG_STRING, &o->out, "DIR", "output: checkpoints, metrics, plot, final model (default out; with "
+                                             "--resume, the resumed run's directory)"},
         {"preset", FLAG_STRING, &o->preset, "NAME", "model preset: tiny or small (default tiny)"},
         {"config", FLAG_STRING, &o->config, "FILE", "model from a Hugging Face config.json instead of a preset"},
         {"tie-embeddings", FLAG_BOOL, &o->tie, NULL, "share the embedding and lm_head weights (presets)"},
@@ -573,6 +574,15 @@ static int run(int argc, char **argv) {
     if (st == LOOM_OK) st = loom_dist_layout(t.world, o->tp, &t.dist);
     t.leader = loom_comm_rank(t.world) == 0;
     if (st == LOOM_OK && o->resume) st = resolve_resume(o->resume, resume_dir, sizeof resume_dir);
+    static char run_dir[4096];
+    if (st == LOOM_OK && !o->out && *resume_dir) { /* the run goes on where it was */
+        const char *slash = strrchr(resume_dir, '/');
+        snprintf(run_dir, sizeof run_dir, "%.*s", slash ? (int)(slash - resume_dir) : 1, slash ? resume_dir : ".");
+        o->out = run_dir;
+        if (t.leader) fprintf(stderr, "train: no --out: continuing in %s, the resumed run's directory\n", o->out);
+    } else if (!o->out) {
+        o->out = "out";
+    }
     if (st == LOOM_OK) st = build_model(&t, prec, mode, *resume_dir ? resume_dir : NULL);
     if (st == LOOM_OK) st = open_data(&t);
     if (st == LOOM_OK && *resume_dir) st = restore(&t, resume_dir);
