@@ -157,6 +157,19 @@ static loom_status open_data(trainer *t) {
     if (!t->has_tokenizer && t->leader)
         fprintf(stderr, "train: no %s; the model will carry no tokenizer (loom generate needs one: copy it into "
                 "the model directory)\n", t->tokenizer_path);
+    if (t->has_tokenizer) { /* its ids must fit the model's embedding, before any step runs */
+        loom_tokenizer *tok = NULL;
+        LOOM_TRY(loom_tokenizer_load(t->tokenizer_path, &tok));
+        int nv = loom_tokenizer_vocab_size(tok), mv = t->m->cfg.vocab_size;
+        loom_tokenizer_free(tok);
+        if (nv > mv)
+            return loom_error(LOOM_ERR_INVALID, "%s has %d tokens but the model's vocabulary has %d: use a model "
+                              "with vocab_size >= %d (--preset small, or --config), or tokenize with --vocab %d",
+                              t->tokenizer_path, nv, mv, nv, mv);
+        if (nv < mv && t->leader)
+            fprintf(stderr, "train: note: the tokenizer has %d tokens, the model's vocabulary %d; the other %d rows "
+                    "of the embedding and lm_head are never used\n", nv, mv, mv - nv);
+    }
     t->inputs = malloc((size_t)o->batch * (size_t)o->seq * sizeof *t->inputs);
     t->targets = malloc((size_t)o->batch * (size_t)o->seq * sizeof *t->targets);
     if (!t->inputs || !t->targets) return loom_error(LOOM_ERR_NOMEM, "train: out of memory for batches");

@@ -210,9 +210,10 @@ loom_status loom_dataloader_next(loom_dataloader *dl, int32_t *inputs, int32_t *
     LOOM_TRY(loom_shard_read(dl->current, start, dl->span, dl->buf));
     for (size_t i = 0; i < dl->span; i++) {
         if (dl->buf[i] >= dl->opt.vocab_size)
-            return loom_error(LOOM_ERR_FORMAT, "token shard '%s': the token at position %zu is %d, not below vocab_size %d; "
-                              "the data was tokenized with a different tokenizer", dl->paths[dl->pos.shard],
-                              start + i, (int)dl->buf[i], dl->opt.vocab_size);
+            return loom_error(LOOM_ERR_FORMAT, "token shard '%s': the token at position %zu is %d, not below the "
+                              "model's vocab_size %d: the model is too small for the tokenizer the data was made "
+                              "with (or the data mixes tokenizers)", dl->paths[dl->pos.shard], start + i,
+                              (int)dl->buf[i], dl->opt.vocab_size);
     }
     memcpy(inputs, dl->buf, bt * sizeof *inputs);
     memcpy(targets, dl->buf + 1, bt * sizeof *targets);

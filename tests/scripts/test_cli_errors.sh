@@ -137,6 +137,11 @@ ln -s "$WORK/archive/ckpt-00000001" "$WORK/sym/ckpt-00000001"
 
 # Resuming with a --config of another model is refused.
 small_config "$WORK/cfg-256.json" 256
+# A model whose vocabulary is smaller than the data's tokenizer: refused
+# before any step, naming both sizes (it used to fail at the first batch,
+# blaming the data).
+expect_error "tokenizer.json has 512 tokens but the model's vocabulary has 256" "$LOOM" train --data "$WORK/data" \
+  --config "$WORK/cfg-256.json" --batch 2 --seq 16 --steps 1 --out "$WORK/v256"
 expect_error "describes another model" "$LOOM" train "${D[@]}" --steps 5 --out "$WORK/cm" --resume "$WORK/h/ckpt-00000004" \
     --config "$WORK/cfg-256.json"
 # So is one whose sizes match but whose RoPE base or norm epsilon does not:
