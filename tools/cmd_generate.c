@@ -4,6 +4,8 @@
  */
 #include "cli.h"
 
+#include <sys/stat.h>
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -32,10 +34,26 @@ static int run(int argc, char **argv) {
     if (loom_dtype_parse(precision, &prec.compute) != LOOM_OK) return cli_usage_error("generate", "%s", loom_last_error());
     if ((rc = cli_apply_threads("generate", threads))) return rc;
 
-    char path[4200];
-    if (!tok_path) {
+    /* The model first: a wrong --model is named as such, not as a missing
+     * tokenizer. A training run's --out holds its model in DIR/model. */
+    char path[4200], probe[4200];
+    struct stat sb;
+    snprintf(probe, sizeof probe, "%s/config.json", model);
+    if (stat(probe, &sb) != 0) {
+        snprintf(path, sizeof path, "%s/model/config.json", model);
+        if (stat(path, &sb) == 0)
+            return cli_usage_error("generate", "%s has no config.json: it looks like a training run's output; the "
+                                   "model is --model %s/model", model, model);
+        return cli_usage_error("generate", "%s is not a model directory (no config.json; loom train writes one in "
+                               "--out/model, loom export in its --out)", model);
+    }
+    int default_tok = !tok_path;
+    if (default_tok) {
         snprintf(path, sizeof path, "%s/tokenizer.json", model);
         tok_path = path;
+        if (stat(path, &sb) != 0)
+            return cli_usage_error("generate", "%s has no tokenizer.json (a model trained without one beside its "
+                                   "data): give the data's with --tokenizer FILE", model);
     }
     loom_tokenizer *tok = NULL;
     loom_llama *m = NULL;

@@ -634,7 +634,7 @@ static int run(int argc, char **argv) {
         if (t.leader)
             fprintf(stderr, "train: %lld parameters, %s master_grad=%s recompute=%s, %d x %d sequences of %d tokens "
                     "per step and rank, %d threads, %d ranks (tp %d x dp %d%s)\n",
-                    (long long)loom_llama_n_weights(t.m) * t.dist.tp_size, loom_dtype_name(prec.compute),
+                    (long long)loom_llama_n_weights_full(t.m), loom_dtype_name(prec.compute),
                     prec.master_grad ? "on" : "off", loom_recompute_mode_name(mode), o->grad_accum, o->batch, o->seq,
                     loom_get_threads(), t.dist.world_size, t.dist.tp_size, t.dist.dp_size, o->zero ? ", ZeRO-1" : "");
         if (t.leader) {

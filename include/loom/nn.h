@@ -98,7 +98,10 @@ void loom_llama_free(loom_llama *m);
  * by 1/sqrt(2 L), norms 1; reproducible from the seed alone. */
 void loom_llama_init_weights(loom_llama *m, uint64_t seed);
 loom_param *loom_llama_find_param(const loom_llama *m, const char *name);
-int64_t loom_llama_n_weights(const loom_llama *m);  /* total parameter count */
+int64_t loom_llama_n_weights(const loom_llama *m);  /* parameter count of this rank's tensors */
+/* Parameter count of the whole model: a tensor-parallel rank's split
+ * weights counted at their full size, replicated ones once. */
+int64_t loom_llama_n_weights_full(const loom_llama *m);
 
 /* Forward over tokens (B, T) int32. With targets (B, T) (ignore index -1),
  * *loss gets the mean cross-entropy (1-element f32); with logits_out

@@ -79,7 +79,7 @@ static loom_status find_shards(loom_dataloader *dl, const char *source, const ch
         LOOM_TRY(s);
         if (dl->n_shards == 0)
             return loom_error(LOOM_ERR_INVALID, "no shards matching '%s' in data directory '%s'; "
-                              "check the path and the split name", pattern, source);
+                              "token shards are made from text with `loom tokenize --in FILE... --out DIR`", pattern, source);
     } else if (stat(source, &sb) == 0) {
         LOOM_TRY(add_path(dl, source, &cap));
     } else {

@@ -62,8 +62,8 @@ loom_status loom_shard_write(const char *path, const int32_t *tokens, size_t n, 
 }
 
 static loom_status bad(const char *path, const char *what) {
-    return loom_error(LOOM_ERR_FORMAT, "token shard '%s' is corrupt: %s; re-create it with the data "
-                      "preparation script", path, what);
+    return loom_error(LOOM_ERR_FORMAT, "token shard '%s' is not a valid shard: %s; token shards are made "
+                      "from text with `loom tokenize --in FILE... --out DIR` (or llm.c's data scripts)", path, what);
 }
 
 static loom_status validate(loom_shard *s) {

@@ -291,6 +291,10 @@ static loom_status parse_tokenizer(const char *path, json_t *root, int32_t **mer
     json_t *type = json_object_get(root, "type"), *version = json_object_get(root, "version");
     json_t *vocab = json_object_get(root, "vocab_size"), *merges = json_object_get(root, "merges");
     json_t *special = json_object_get(root, "special");
+    if (!json_is_string(type) && json_is_object(json_object_get(root, "model")))
+        return loom_error(LOOM_ERR_FORMAT, "tokenizer file '%s' is a Hugging Face tokenizer, which loom does not "
+                          "read (its models carry a loom tokenizer, \"type\": \"loom-bpe\"): give one with "
+                          "--tokenizer FILE, or make one with loom tokenize --train", path);
     if (!json_is_string(type) || strcmp(json_string_value(type), "loom-bpe"))
         return load_bad(path, "\"type\" is not \"loom-bpe\"");
     if (!json_is_integer(version) || json_integer_value(version) != 1)

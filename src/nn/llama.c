@@ -167,6 +167,15 @@ int64_t loom_llama_n_weights(const loom_llama *m) {
     return n;
 }
 
+int64_t loom_llama_n_weights_full(const loom_llama *m) {
+    int64_t n = 0, shape[2];
+    for (int i = 0; i < m->n_params; i++) {
+        loom_llama_param_full_shape(m, i, shape);
+        n += shape[0] * shape[1];
+    }
+    return n;
+}
+
 void loom_llama_param_full_shape(const loom_llama *m, int i, int64_t shape[2]) {
     tp_full_shape(m->params[i], m->tp_size, shape);
 }

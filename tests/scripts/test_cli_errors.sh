@@ -18,6 +18,8 @@ expect_error "unknown preset" "$LOOM" train --data "$WORK/data" --preset huge
 expect_error "longer than the model's context" "$LOOM" train "${D[@]}" --seq 1000
 expect_error "--threads must be >= 0" "$LOOM" train "${D[@]}" --threads -3 --out "$WORK/t3"
 expect_error "--threads must be >= 0" "$LOOM" generate --model "$WORK/nowhere" --threads -1
+# --model that is not a model directory: said so (it used to name a missing tokenizer.json).
+expect_error "nowhere is not a model directory \(no config.json" "$LOOM" generate --model "$WORK/nowhere"
 expect_error "--threads must be >= 0" "$LOOM" bench --preset tiny --gemm-peak 100,100 --threads -2
 expect_error "one step needs" "$LOOM" train "${D[@]}" --batch 2000000000 --seq 32 --out "$WORK/bigbatch"
 expect_error "--min-lr 5 is above --lr" "$LOOM" train "${D[@]}" --min-lr 5 --out "$WORK/minlr"

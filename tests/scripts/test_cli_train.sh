@@ -25,6 +25,10 @@ text=$("$LOOM" generate --model "$WORK/run/model" --prompt "loom" --tokens 20 --
 [ ${#text} -gt 4 ] || fail "generate printed too little: '$text'"
 # Greedy decoding is deterministic.
 [ "$text" = "$("$LOOM" generate --model "$WORK/run/model" --prompt "loom" --tokens 20 --temperature 0)" ] || fail "greedy differs"
+# The run's directory given as --model: pointed to its model directory.
+if "$LOOM" generate --model "$WORK/run" 2>"$WORK/gm.log"; then fail "generate took a run directory as a model"; fi
+grep -q "looks like a training run's output; the model is --model $WORK/run/model" "$WORK/gm.log" ||
+  { cat "$WORK/gm.log"; fail "no hint for a run directory given as --model"; }
 # An empty prompt is a prompt (the start of a document), the same as none.
 [ "$("$LOOM" generate --model "$WORK/run/model" --prompt "" --tokens 8 --temperature 0)" = \
   "$("$LOOM" generate --model "$WORK/run/model" --tokens 8 --temperature 0)" ] || fail "--prompt \"\" differs from no prompt"

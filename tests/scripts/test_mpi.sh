@@ -65,9 +65,12 @@ for prec in "fp32 on 1e-4" "bf16 on 3e-2" "bf16 off 3e-2"; do
   for rc in "none nonreentrant" "full nonreentrant" "full reentrant" "selective nonreentrant"; do
     set -- $prec $rc
     A=(--batch 2 --precision $1 --master-grad $2 --recompute $4 --recompute-mode $5)
-    "$LOOM" train "${D[@]}" "${A[@]}" --out "$WORK/t1" --dump-grads "$WORK/g1.st" --dump-logits "$WORK/l1.st" 2>/dev/null
+    "$LOOM" train "${D[@]}" "${A[@]}" --out "$WORK/t1" --dump-grads "$WORK/g1.st" --dump-logits "$WORK/l1.st" \
+      2>"$WORK/t1.log"
     timeout 300 $MPI "$LOOM" train "${D[@]}" "${A[@]}" --tp 2 --out "$WORK/t2" \
-      --dump-grads "$WORK/g2.st" --dump-logits "$WORK/l2.st" 2>/dev/null
+      --dump-grads "$WORK/g2.st" --dump-logits "$WORK/l2.st" 2>"$WORK/t2.log"
+    n1=$(grep -o 'train: [0-9]* parameters' "$WORK/t1.log") n2=$(grep -o 'train: [0-9]* parameters' "$WORK/t2.log")
+    [ -n "$n1" ] && [ "$n1" = "$n2" ] || fail "TP=2 reports '$n2', one process '$n1'"
     $CMP "$WORK/g2.st" "$WORK/g1.st" --rtol $3 >/dev/null || fail "TP=2 gradients differ ($*)"
     $CMP "$WORK/l2.st" "$WORK/l1.st" --rtol $3 >/dev/null || fail "TP=2 logits differ ($*)"
   done
