@@ -316,8 +316,12 @@ static void print_header(const bench_opts *o, const loom_llama_config *c, const 
                "\"flops_formula\":\"6*N*tokens + 6*L*T*dim*tokens\"}\n",
                p->f32, p->bf16, PEAK_SIZE, PEAK_SIZE, PEAK_SIZE, n, per_tok);
     } else {
-        printf("bench gemm_peak f32=%.1f bf16=%.1f GFLOP/s (loom gemm, C = A·B^T, M=N=K=%d, %d threads)\n",
-               p->f32, p->bf16, PEAK_SIZE, loom_get_threads());
+        if (o->gemm_peak)
+            printf("bench gemm_peak f32=%.1f bf16=%.1f GFLOP/s (given with --gemm-peak, not measured)\n", p->f32,
+                   p->bf16);
+        else
+            printf("bench gemm_peak f32=%.1f bf16=%.1f GFLOP/s (loom gemm, C = A·B^T, M=N=K=%d, %d threads)\n",
+                   p->f32, p->bf16, PEAK_SIZE, loom_get_threads());
         printf("bench flops: 6*N*tokens + 6*L*T*dim*tokens, N = %.0f matmul params, L = %d, T = %d, dim = %d "
                "-> %.1f MFLOP/token; mfu = gflops / gemm_peak of the precision\n",
                n, c->n_layers, o->seq, c->dim, per_tok * 1e-6);

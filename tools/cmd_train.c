@@ -7,6 +7,7 @@
 #include "cli.h"
 #include "train_report.h"
 
+#include <glob.h>
 #include <math.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -144,9 +145,16 @@ static loom_status open_data(trainer *t) {
         /* A file or a glob names training shards only: validating on them
          * would report the loss of data the model trains on. */
         if (t->leader) fprintf(stderr, "train: --data is not a directory, so it has no val_*.bin split; validation is off\n");
-    } else if (o->eval_every > 0 && loom_dataloader_open(o->data, &dl, &t->val) != LOOM_OK) {
-        if (t->leader) fprintf(stderr, "train: no validation data (%s); validation is off\n", loom_last_error());
-        t->val = NULL;
+    } else if (o->eval_every > 0) {
+        /* No val_*.bin is a note; val shards that are there but bad are an
+         * error, as bad training shards are. */
+        char pattern[4200];
+        glob_t g;
+        snprintf(pattern, sizeof pattern, "%s/*val*.bin", o->data);
+        int found = glob(pattern, 0, NULL, &g) == 0, has_val = found && g.gl_pathc > 0;
+        if (found) globfree(&g);
+        if (has_val) LOOM_TRY(loom_dataloader_open(o->data, &dl, &t->val));
+        else if (t->leader) fprintf(stderr, "train: no validation shards (val_*.bin) in %s; validation is off\n", o->data);
     }
     /* tokenizer.json beside the shards goes into checkpoints and the model
      * (a directory's shards are named "<dir>/<file>"). */
@@ -525,8 +533,8 @@ static int run(int argc, char **argv) {
     memset(&t, 0, sizeof t);
     t.last_saved = -1;
     train_opts *o = &t.o;
-    *o = (train_opts){.out = NULL, .preset = "tiny", .precision = "bf16", .master_grad = "on", .overlap_flag = "on",
-                      .recompute = "none", .recompute_mode = "nonreentrant", .batch = 8, .seq = 0,
+    *o = (train_opts){.out = NULL, .preset = NULL, .precision = "bf16", .master_grad = "on", .overlap_flag = "on",
+                      .recompute = "none", .recompute_mode = NULL, .batch = 8, .seq = 0,
                       .grad_accum = 1, .tp = 1, .steps = 100, .warmup = 10, .seed = 1337, .threads = 0, .eval_every = 50,
                       .eval_batches = 4, .ckpt_every = 0, .keep = 2, .log_every = 1, .lr = 1e-3f, .min_lr = -1.0f,
                       .weight_decay = 0.1f, .clip = 1.0f};
@@ -571,6 +579,19 @@ static int run(int argc, char **argv) {
     int rc = cli_parse(&cmd_train, flags, n_flags, argc, argv);
     if (rc) return rc > 0 ? 0 : 2;
     if (!o->data) return cli_usage_error("train", "--data DIR is required (make shards with loom tokenize)");
+    /* Flags that would be ignored are refused (or noted, when resuming). */
+    if ((o->preset || o->tie) && (o->config || o->init))
+        return cli_usage_error("train", "--%s applies to presets; the model comes from --%s (set "
+                               "tie_word_embeddings in a config.json)", o->preset ? "preset" : "tie-embeddings",
+                               o->config ? "config" : "init");
+    if ((o->preset || o->tie) && o->resume)
+        fprintf(stderr, "train: note: --%s is ignored when resuming: the model is the checkpoint's\n",
+                o->preset ? "preset" : "tie-embeddings");
+    if (o->recompute_mode && strcmp(o->recompute, "full"))
+        fprintf(stderr, "train: note: --recompute-mode applies to --recompute full; with %s it changes nothing\n",
+                o->recompute);
+    if (!o->preset) o->preset = "tiny";
+    if (!o->recompute_mode) o->recompute_mode = "nonreentrant";
     if (o->min_lr < 0.0f) o->min_lr = o->lr / 10.0f;
     loom_precision prec = {LOOM_BF16, 1};
     loom_recompute_mode mode = LOOM_RECOMPUTE_NONE;
@@ -607,6 +628,8 @@ static int run(int argc, char **argv) {
                 o->steps);
     if (st == LOOM_OK) st = loom_mkdir_p(o->out);
     if (st == LOOM_OK && t.leader) st = cli_lock_dir(o->out); /* no other run writes there meanwhile */
+    if (st == LOOM_OK && t.leader && o->zero && t.dist.dp_size == 1)
+        fprintf(stderr, "train: note: --zero 1 shards across data-parallel ranks; with one, nothing is sharded\n");
     if (st == LOOM_OK && t.leader) loom_checkpoint_remove_stale(o->out); /* a killed writer's, taking space */
     if (st == LOOM_OK) {
         /* --out's checkpoints must be this run's past: never skip a save
@@ -633,10 +656,11 @@ static int run(int argc, char **argv) {
     if (st == LOOM_OK) {
         if (t.leader)
             fprintf(stderr, "train: %lld parameters, %s master_grad=%s recompute=%s, %d x %d sequences of %d tokens "
-                    "per step and rank, %d threads, %d ranks (tp %d x dp %d%s)\n",
+                    "per step and rank, %d threads, %d rank%s (tp %d x dp %d%s)\n",
                     (long long)loom_llama_n_weights_full(t.m), loom_dtype_name(prec.compute),
                     prec.master_grad ? "on" : "off", loom_recompute_mode_name(mode), o->grad_accum, o->batch, o->seq,
-                    loom_get_threads(), t.dist.world_size, t.dist.tp_size, t.dist.dp_size, o->zero ? ", ZeRO-1" : "");
+                    loom_get_threads(), t.dist.world_size, t.dist.world_size == 1 ? "" : "s", t.dist.tp_size,
+                    t.dist.dp_size, o->zero ? ", ZeRO-1" : "");
         if (t.leader) {
             loom_mem_stats ms;
             loom_mem_get_stats(&ms);
@@ -652,6 +676,7 @@ static int run(int argc, char **argv) {
             char path[4200];
             snprintf(path, sizeof path, "%s/loss.svg", o->out);
             if (train_report_plot(&t.report, path) == LOOM_OK) fprintf(stderr, "train: loss plot in %s\n", path);
+            else fprintf(stderr, "train: note: no loss plot: %s\n", loom_last_error());
         }
     }
     if (st != LOOM_OK && loom_dist_is_distributed()) {

@@ -139,10 +139,11 @@ loom_status train_report_plot(const train_report *r, const char *path) {
     for (int i = 0; i < r->n_val; i++) { y0 = fmin(y0, r->val_loss[i]); y1 = fmax(y1, r->val_loss[i]); }
     if (!isfinite(y0)) return loom_error(LOOM_ERR_NUMERIC, "plot: no finite loss");
     double x0 = r->train_step[0], x1 = r->train_step[r->n_train - 1];
-    char tmp[4200];
-    snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    FILE *f = fopen(tmp, "w");
-    if (!f) return loom_error(LOOM_ERR_IO, "cannot write %s", tmp);
+    /* Drawn in memory, then written atomically (temporary, fsync, rename). */
+    char *svg = NULL;
+    size_t svg_len = 0;
+    FILE *f = open_memstream(&svg, &svg_len);
+    if (!f) return loom_error(LOOM_ERR_NOMEM, "plot: out of memory");
     fprintf(f, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"640\" height=\"370\" font-family=\"sans-serif\" "
                "font-size=\"12\">\n<rect width=\"640\" height=\"370\" fill=\"white\"/>\n"
                "<rect x=\"60\" y=\"20\" width=\"560\" height=\"300\" fill=\"none\" stroke=\"#999\"/>\n");
@@ -158,6 +159,7 @@ loom_status train_report_plot(const train_report *r, const char *path) {
                "<text x=\"460\" y=\"360\" fill=\"#d62728\">validation loss</text>\n</svg>\n");
     int bad = ferror(f);
     bad |= fclose(f) != 0;
-    if (bad || rename(tmp, path) != 0) { remove(tmp); return loom_error(LOOM_ERR_IO, "cannot write %s", path); }
-    return LOOM_OK;
+    loom_status st = bad ? loom_error(LOOM_ERR_NOMEM, "plot: out of memory") : loom_file_write_atomic(path, svg, svg_len);
+    free(svg);
+    return st;
 }

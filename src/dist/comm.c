@@ -283,7 +283,8 @@ loom_status loom_dist_layout(loom_comm *world, int tp, loom_dist *d) {
     memset(d, 0, sizeof *d);
     int n = loom_comm_size(world), r = loom_comm_rank(world);
     if (tp < 1 || n % tp)
-        return loom_error(LOOM_ERR_INVALID, "--tp %d must divide the number of ranks (%d)", tp, n);
+        return loom_error(LOOM_ERR_INVALID, "--tp %d must divide the number of ranks (%d)%s", tp, n,
+                          n == 1 ? ": start tensor parallelism with mpirun -np N (N a multiple of --tp)" : "");
     d->world = world;
     d->rank = r;
     d->world_size = n;

@@ -87,6 +87,28 @@ expect_error "tokenize-incomplete exists.*run the tokenize again" "$LOOM" train 
 "$LOOM" train --data "$WORK/t3" --config "$WORK/cfg.json" --batch 1 --seq 8 --steps 1 --eval-every 0 \
   --out "$WORK/t3run" 2>/dev/null || fail "training after a finished tokenize"
 
+# Validation shards that are there but damaged are an error, as damaged
+# training shards are (it used to turn validation off with a note); no
+# validation shards at all is a note.
+mkdir -p "$WORK/badval" && cp "$WORK/data/train_000000.bin" "$WORK/data/tokenizer.json" "$WORK/badval/"
+head -c 600 "$WORK/data/val_000000.bin" > "$WORK/badval/val_000000.bin"
+expect_error "val_000000.bin" "$LOOM" train --data "$WORK/badval" --config "$WORK/cfg.json" --batch 2 --seq 16 \
+  --steps 1 --eval-every 1 --out "$WORK/badval-run"
+rm "$WORK/badval/val_000000.bin"
+"$LOOM" train --data "$WORK/badval" --config "$WORK/cfg.json" --batch 2 --seq 16 --steps 1 --eval-every 1 \
+  --out "$WORK/noval-run" 2>"$WORK/noval.log" || { cat "$WORK/noval.log"; fail "training without validation shards"; }
+grep -q "no validation shards (val_\*.bin)" "$WORK/noval.log" || { cat "$WORK/noval.log"; fail "no note on missing validation"; }
+# Flags that would be ignored: refused, or noted.
+expect_error "--preset applies to presets; the model comes from --config" "$LOOM" train "${D[@]}" --preset small \
+  --steps 1 --out "$WORK/ign"
+expect_error "--tie-embeddings applies to presets" "$LOOM" train "${D[@]}" --tie-embeddings --steps 1 --out "$WORK/ign"
+"$LOOM" train "${D[@]}" --steps 1 --recompute selective --recompute-mode reentrant --zero 1 --out "$WORK/ign" \
+  2>"$WORK/ign.log" || { cat "$WORK/ign.log"; fail "a run with noted flags failed"; }
+grep -q "recompute-mode applies to --recompute full" "$WORK/ign.log" || fail "no note on --recompute-mode"
+grep -q "with one, nothing is sharded" "$WORK/ign.log" || fail "no note on --zero 1 in one process"
+# --tp in a single process: says how to start it.
+expect_error "start tensor parallelism with mpirun" "$LOOM" train "${D[@]}" --steps 1 --tp 2 --out "$WORK/tp1"
+
 # Two runs into one --out: the second is refused while the first holds the
 # directory's lock, naming it (they used to both "succeed", mixing
 # checkpoints, model and metrics).
