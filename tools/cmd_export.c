@@ -20,6 +20,13 @@ static int run(int argc, char **argv) {
     if (!model || !out) return cli_usage_error("export", "--model DIR and --out DIR are required");
     loom_dtype dt;
     if (loom_dtype_parse(dtype, &dt) != LOOM_OK) return cli_usage_error("export", "%s", loom_last_error());
+    /* A dataset directory would get this model's tokenizer over the one its
+     * shards were made with. */
+    char probe[4200];
+    snprintf(probe, sizeof probe, "%s/train_000000.bin", out);
+    if (access(probe, F_OK) == 0)
+        return cli_usage_error("export", "%s holds token shards (train_000000.bin): exporting there would replace "
+                               "the tokenizer they were made with; use another --out", out);
     loom_precision prec = {LOOM_F32, 0};
     loom_llama *m = NULL;
     loom_status st = loom_model_dir_load(model, prec, &m);

@@ -522,8 +522,13 @@ static loom_status train_loop(trainer *t) {
     char model_dir[4200];
     snprintf(model_dir, sizeof model_dir, "%s/model", o->out);
     LOOM_TRY(loom_dist_optim_unshard_masters(t->opt));
-    if (t->dist.dp_rank == 0)
-        LOOM_TRY(loom_model_dir_save(t->m, LOOM_F32, t->has_tokenizer ? t->tokenizer_path : NULL, model_dir));
+    if (t->dist.dp_rank == 0) {
+        loom_status st = loom_model_dir_save(t->m, LOOM_F32, t->has_tokenizer ? t->tokenizer_path : NULL, model_dir);
+        if (st != LOOM_OK) /* the training is not lost: the final checkpoint holds it */
+            return loom_error(st, "%s; the final checkpoint is saved: once that is fixed, `loom train ... --resume "
+                              "%s` writes the model without training further, or `loom export --model %s/ckpt-%08d "
+                              "--out DIR` writes it elsewhere", loom_last_error(), o->out, o->out, t->state.step);
+    }
     if (t->leader) fprintf(stderr, "train: done; model in %s\n", model_dir);
     return LOOM_OK;
 }

@@ -106,6 +106,8 @@ expect_error "--tie-embeddings applies to presets" "$LOOM" train "${D[@]}" --tie
   2>"$WORK/ign.log" || { cat "$WORK/ign.log"; fail "a run with noted flags failed"; }
 grep -q "recompute-mode applies to --recompute full" "$WORK/ign.log" || fail "no note on --recompute-mode"
 grep -q "with one, nothing is sharded" "$WORK/ign.log" || fail "no note on --zero 1 in one process"
+# Exporting into a dataset directory would replace its tokenizer: refused.
+expect_error "holds token shards" "$LOOM" export --model "$WORK/r/model" --out "$WORK/data"
 # --tp in a single process: says how to start it.
 expect_error "start tensor parallelism with mpirun" "$LOOM" train "${D[@]}" --steps 1 --tp 2 --out "$WORK/tp1"
 
