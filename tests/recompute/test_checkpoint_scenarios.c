@@ -284,6 +284,7 @@ static void test_nothing_to_recompute(void **state) {
 typedef struct dropout_block {
     loom_param *w;
     float p;
+    int chained; /* two_dropouts_region: the second dropout reads the first's output */
 } dropout_block;
 
 /* d = dropout(x W^T); y = d * d (the mul saves d, which a replay must
@@ -303,7 +304,7 @@ static loom_status dropout_region(void *user, loom_tensor *const *in, int n_in, 
 /* Two dropout regions with a dropout between them, from a fresh RNG. */
 static void run_dropout(loom_recompute_mode mode, uint64_t seed, grad_set *gs, uint64_t *rng_after) {
     loom_param *w1 = make_param("w1", DIM, DIM, 20), *w2 = make_param("w2", DIM, DIM, 21);
-    dropout_block b1 = {w1, 0.3f}, b2 = {w2, 0.5f};
+    dropout_block b1 = {w1, 0.3f, 0}, b2 = {w2, 0.5f, 0};
     loom_tensor *x = make_leaf(ROWS, DIM, 3, 1), *y1 = NULL, *y1d = NULL, *y2 = NULL;
     loom_rng_init(loom_rng_default(), seed);
     assert_int_equal(loom_checkpoint(mode, dropout_region, &b1, &x, 1, &y1, 1), LOOM_OK);
@@ -337,17 +338,18 @@ static void collect_and_free(grad_set *gs, loom_param *w, loom_tensor *x, loom_t
     loom_param_free(w);
 }
 
-/* A dead op that draws random numbers: a = dropout(h) is never read, but a
+/* h = x W^T, a = dropout(h), d = dropout(chained ? a : h), y = d * d.
+ * Unchained, a is a dead op that draws random numbers: never read, but a
  * replay that skipped it would start the second dropout at another RNG
  * offset, so its mask (and the gradients) would change. The replay's
  * dead-op rule keeps ops that draw numbers. */
-static loom_status dead_dropout_region(void *user, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
+static loom_status two_dropouts_region(void *user, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
     (void)n_in; (void)n_out;
     dropout_block *b = user;
     loom_tensor *h = NULL, *a = NULL, *d = NULL;
     loom_status st = loom_fused_linear(in[0], b->w->tensor, NULL, &h);
-    if (st == LOOM_OK) st = loom_dropout(h, 0.3f, &a); /* dead */
-    if (st == LOOM_OK) st = loom_dropout(h, b->p, &d);
+    if (st == LOOM_OK) st = loom_dropout(h, 0.3f, &a); /* dead unless chained */
+    if (st == LOOM_OK) st = loom_dropout(b->chained ? a : h, b->p, &d);
     if (st == LOOM_OK) st = loom_mul(d, d, &out[0]);
     loom_tensor_release(h);
     loom_tensor_release(a);
@@ -357,10 +359,10 @@ static loom_status dead_dropout_region(void *user, loom_tensor *const *in, int n
 
 static void run_dead_dropout(loom_recompute_mode mode, grad_set *gs) {
     loom_param *w = make_param("w", DIM, DIM, 22);
-    dropout_block b = {w, 0.5f};
+    dropout_block b = {w, 0.5f, 0};
     loom_tensor *x = make_leaf(ROWS, DIM, 4, 1), *y = NULL;
     loom_rng_init(loom_rng_default(), 77);
-    assert_int_equal(loom_checkpoint_flags(mode, LOOM_REGION_OPS_ONLY, dead_dropout_region, &b, &x, 1, &y, 1),
+    assert_int_equal(loom_checkpoint_flags(mode, LOOM_REGION_OPS_ONLY, two_dropouts_region, &b, &x, 1, &y, 1),
                      LOOM_OK);
     loom_tensor *loss = weighted_sum(y, 52);
     backward_ok(loss);
@@ -386,38 +388,24 @@ static void test_dead_op_drawing_random_numbers(void **state) {
 /* A kept op that draws random numbers, then one the replay recomputes: the
  * replay does not run the kept op, yet the next dropout must draw where it
  * drew in the forward, or its mask (and the gradients) change silently.
- * The policy keeps the first dropout it is asked about; h = x W^T,
- * a = dropout(h) (kept), d = dropout(a) (recomputed), y = d * d. */
+ * The policy keeps the first dropout it is asked about: in the chained
+ * two_dropouts_region, a (kept), then d = dropout(a) (recomputed). */
 static int keep_first_dropout(void *user, const loom_function *fn) {
     int *seen = user;
     return !strcmp(fn->name, "dropout") && (*seen)++ == 0;
 }
 
-static loom_status kept_dropout_region(void *user, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
-    (void)n_in; (void)n_out;
-    dropout_block *b = user;
-    loom_tensor *h = NULL, *a = NULL, *d = NULL;
-    loom_status st = loom_fused_linear(in[0], b->w->tensor, NULL, &h);
-    if (st == LOOM_OK) st = loom_dropout(h, 0.3f, &a);
-    if (st == LOOM_OK) st = loom_dropout(a, b->p, &d);
-    if (st == LOOM_OK) st = loom_mul(d, d, &out[0]);
-    loom_tensor_release(h);
-    loom_tensor_release(a);
-    loom_tensor_release(d);
-    return st;
-}
-
 static void run_kept_dropout(int with_policy, grad_set *gs) {
     loom_param *w = make_param("w", DIM, DIM, 23);
-    dropout_block b = {w, 0.5f};
+    dropout_block b = {w, 0.5f, 1};
     int seen = 0;
     loom_recompute_policy policy = {keep_first_dropout, &seen};
     loom_tensor *x = make_leaf(ROWS, DIM, 5, 1), *y = NULL;
     loom_rng_init(loom_rng_default(), 78);
     if (with_policy)
-        assert_int_equal(loom_checkpoint_policy(&policy, kept_dropout_region, &b, &x, 1, &y, 1), LOOM_OK);
+        assert_int_equal(loom_checkpoint_policy(&policy, two_dropouts_region, &b, &x, 1, &y, 1), LOOM_OK);
     else
-        assert_int_equal(loom_checkpoint(LOOM_RECOMPUTE_NONE, kept_dropout_region, &b, &x, 1, &y, 1), LOOM_OK);
+        assert_int_equal(loom_checkpoint(LOOM_RECOMPUTE_NONE, two_dropouts_region, &b, &x, 1, &y, 1), LOOM_OK);
     uint64_t after_forward = loom_rng_default()->offset;
     loom_tensor *loss = weighted_sum(y, 53);
     backward_ok(loss);
