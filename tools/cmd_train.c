@@ -7,7 +7,8 @@
 #include "cli.h"
 #include "train_report.h"
 
-#include <glob.h>
+#include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -146,15 +147,16 @@ static loom_status open_data(trainer *t) {
          * would report the loss of data the model trains on. */
         if (t->leader) fprintf(stderr, "train: --data is not a directory, so it has no val_*.bin split; validation is off\n");
     } else if (o->eval_every > 0) {
-        /* No val_*.bin is a note; val shards that are there but bad are an
-         * error, as bad training shards are. */
-        char pattern[4200];
-        glob_t g;
-        snprintf(pattern, sizeof pattern, "%s/*val*.bin", o->data);
-        int found = glob(pattern, 0, NULL, &g) == 0, has_val = found && g.gl_pathc > 0;
-        if (found) globfree(&g);
-        if (has_val) LOOM_TRY(loom_dataloader_open(o->data, &dl, &t->val));
-        else if (t->leader) fprintf(stderr, "train: no validation shards (val_*.bin) in %s; validation is off\n", o->data);
+        /* No val_*.bin, or too little of it for one step, is a note; val
+         * shards that are there but damaged are an error, as damaged
+         * training shards are. */
+        loom_status vs = loom_dataloader_open(o->data, &dl, &t->val);
+        if (vs == LOOM_ERR_INVALID) {
+            if (t->leader) fprintf(stderr, "train: validation is off: %s\n", loom_last_error());
+            t->val = NULL;
+        } else {
+            LOOM_TRY(vs);
+        }
     }
     /* tokenizer.json beside the shards goes into checkpoints and the model
      * (a directory's shards are named "<dir>/<file>"). */
@@ -613,12 +615,16 @@ static int run(int argc, char **argv) {
     if (st == LOOM_OK) st = loom_dist_layout(t.world, o->tp, &t.dist);
     t.leader = loom_comm_rank(t.world) == 0;
     if (st == LOOM_OK && o->resume) st = resolve_resume(o->resume, resume_dir, sizeof resume_dir);
-    static char run_dir[4096];
-    if (st == LOOM_OK && !o->out && *resume_dir) { /* the run goes on where it was */
-        const char *slash = strrchr(resume_dir, '/');
-        snprintf(run_dir, sizeof run_dir, "%.*s", slash ? (int)(slash - resume_dir) : 1, slash ? resume_dir : ".");
-        o->out = run_dir;
-        if (t.leader) fprintf(stderr, "train: no --out: continuing in %s, the resumed run's directory\n", o->out);
+    static char run_dir[PATH_MAX];
+    if (st == LOOM_OK && !o->out && *resume_dir) { /* the run goes on where it was: the checkpoint's parent */
+        if (realpath(resume_dir, run_dir)) { /* canonical: no trailing slash, no "." */
+            char *slash = strrchr(run_dir, '/');
+            if (slash) slash[slash == run_dir ? 1 : 0] = '\0';
+            o->out = run_dir;
+            if (t.leader) fprintf(stderr, "train: no --out: continuing in %s, the resumed run's directory\n", o->out);
+        } else {
+            st = loom_error(LOOM_ERR_IO, "%s: cannot resolve %s", strerror(errno), resume_dir);
+        }
     } else if (!o->out) {
         o->out = "out";
     }

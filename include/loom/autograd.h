@@ -163,7 +163,9 @@ int loom_ctx_is_replay(const loom_fn_ctx *ctx);
  * the backward must then return it in grad_inputs[i] with its contribution
  * added. NULL when the input has no gradient yet or it is not such a
  * tensor: return the contribution alone, as usual. Recompute modes see the
- * same sums in the same order, so their gradients stay bit-identical. */
+ * same sums in the same order, so their gradients stay bit-identical. If the
+ * backward then fails, the gradient it took is gone with it (see
+ * loom_backward_multi). */
 loom_tensor *loom_ctx_take_grad_sum(loom_fn_ctx *ctx, int i, loom_dtype dtype);
 
 /* ------------------------------------------------------------- backward */
@@ -179,7 +181,10 @@ loom_status loom_backward(loom_tensor *loss, float seed);
  * with the right arguments. Every other outcome, failures included, frees
  * the tape. Called from a node's backward or the backward hook on the tape
  * being walked, both are LOOM_ERR_STATE (a nested backward pushes a tape of
- * its own first, as a reentrant region does). */
+ * its own first, as a reentrant region does). A backward that fails midway
+ * leaves the gradients it was summing, leaves' t->grad included, partly
+ * summed or cleared: discard them (zero the parameters' gradients, release
+ * the leaves' grad) before the next step. */
 loom_status loom_backward_multi(loom_tensor *const *tensors, loom_tensor *const *grads, int n);
 
 /* A function called on the calling thread after every node's backward

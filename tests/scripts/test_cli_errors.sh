@@ -97,7 +97,14 @@ expect_error "val_000000.bin" "$LOOM" train --data "$WORK/badval" --config "$WOR
 rm "$WORK/badval/val_000000.bin"
 "$LOOM" train --data "$WORK/badval" --config "$WORK/cfg.json" --batch 2 --seq 16 --steps 1 --eval-every 1 \
   --out "$WORK/noval-run" 2>"$WORK/noval.log" || { cat "$WORK/noval.log"; fail "training without validation shards"; }
-grep -q "no validation shards (val_\*.bin)" "$WORK/noval.log" || { cat "$WORK/noval.log"; fail "no note on missing validation"; }
+grep -q "validation is off: no shards matching '\*val\*.bin'" "$WORK/noval.log" ||
+  { cat "$WORK/noval.log"; fail "no note on missing validation"; }
+# Validation shards too short for one step: a note too, not an error that
+# stops training (the step grows with the batch and the ranks).
+"$LOOM" tokenize --tokenizer "$WORK/data/tokenizer.json" --in "$SRC/README.md" --val-fraction 0.005 --out "$WORK/shortval" 2>/dev/null
+"$LOOM" train --data "$WORK/shortval" --config "$WORK/cfg.json" --batch 2 --seq 32 --steps 1 --eval-every 1 \
+  --out "$WORK/shortval-run" 2>"$WORK/shortval.log" || { cat "$WORK/shortval.log"; fail "a short validation split stopped training"; }
+grep -q "validation is off: data loader: one step needs" "$WORK/shortval.log" || { cat "$WORK/shortval.log"; fail "no note on a short validation split"; }
 # Flags that would be ignored: refused, or noted.
 expect_error "--preset applies to presets; the model comes from --config" "$LOOM" train "${D[@]}" --preset small \
   --steps 1 --out "$WORK/ign"

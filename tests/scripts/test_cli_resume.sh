@@ -60,10 +60,11 @@ one=(--data "$WORK/one" --config "$WORK/cfg.json" --seq 32 --eval-every 0 --lr 2
   fail "larger batch near a shard's end: not steps $((k + 1)) and $((k + 2))"
 # --resume without --out continues in the resumed run's directory (not ./out).
 mkdir -p "$WORK/noout" "$WORK/cwd" && cp -r "$WORK/b-fp32/ckpt-00000010" "$WORK/noout/"
-(cd "$WORK/cwd" && "$LOOM" train "${common[@]}" --precision fp32 --resume "$WORK/noout/ckpt-00000010" 2>"$WORK/noout.log") ||
+(cd "$WORK/cwd" && "$LOOM" train "${common[@]}" --precision fp32 --resume "$WORK/noout/ckpt-00000010/" 2>"$WORK/noout.log") ||
   { cat "$WORK/noout.log"; fail "resume without --out"; }
 [ -d "$WORK/noout/ckpt-00000012" ] && [ -s "$WORK/noout/model/model.safetensors" ] || fail "resume without --out: not in the run's directory"
 [ -e "$WORK/cwd/out" ] && fail "resume without --out wrote ./out"
+[ -e "$WORK/noout/ckpt-00000010/model" ] && fail "resume without --out (a trailing slash) wrote into the checkpoint"
 # A checkpoint of an fp16 run resumed in fp32: the loss scaler starts afresh
 # (disabled), it does not carry the fp16 scale over.
 "$LOOM" train "${common[@]}" --precision fp32 --out "$WORK/p" --resume "$WORK/b-fp16/ckpt-00000010" 2>"$WORK/p.log"
