@@ -535,6 +535,73 @@ static loom_status train_loop(trainer *t) {
     return LOOM_OK;
 }
 
+/* --out, when not given: the resumed run's directory (the checkpoint's
+ * parent), else "out". */
+static loom_status choose_out(trainer *t, const char *resume_dir) {
+    static char run_dir[PATH_MAX];
+    train_opts *o = &t->o;
+    if (o->out) return LOOM_OK;
+    if (!*resume_dir) {
+        o->out = "out";
+        return LOOM_OK;
+    }
+    if (!realpath(resume_dir, run_dir)) /* canonical: no trailing slash, no "." */
+        return loom_error(LOOM_ERR_IO, "%s: cannot resolve %s", strerror(errno), resume_dir);
+    char *slash = strrchr(run_dir, '/');
+    if (slash) slash[slash == run_dir ? 1 : 0] = '\0';
+    o->out = run_dir;
+    if (t->leader) fprintf(stderr, "train: no --out: continuing in %s, the resumed run's directory\n", o->out);
+    return LOOM_OK;
+}
+
+/* The output directory, created and locked for this run (the leader writes
+ * it), checked to hold no other run's checkpoints, with metrics.jsonl
+ * opened (trimmed to the resumed step, its losses loaded for the plot). */
+static loom_status open_outputs(trainer *t, const char *resume_dir) {
+    const train_opts *o = &t->o;
+    LOOM_TRY(loom_mkdir_p(o->out));
+    if (!t->leader) return LOOM_OK;
+    LOOM_TRY(cli_lock_dir(o->out)); /* no other run writes there meanwhile */
+    if (o->zero && t->dist.dp_size == 1)
+        fprintf(stderr, "train: note: --zero 1 shards across data-parallel ranks; with one, nothing is sharded\n");
+    loom_checkpoint_remove_stale(o->out); /* a killed writer's, taking space */
+    /* --out's checkpoints must be this run's past: never skip a save
+     * because another run left a checkpoint of that step. */
+    int newest = loom_checkpoint_newest_step(o->out);
+    if (!*resume_dir && newest >= 0)
+        return loom_error(LOOM_ERR_STATE, "%s holds checkpoints of an earlier run (newest ckpt-%08d): continue it "
+                          "with --resume %s, or use a new --out", o->out, newest, o->out);
+    if (*resume_dir && newest > t->state.step)
+        return loom_error(LOOM_ERR_STATE, "%s holds checkpoints after step %d (newest ckpt-%08d), from the "
+                          "run being resumed going further: remove them or use a new --out", o->out,
+                          t->state.step, newest);
+    char path[4200];
+    snprintf(path, sizeof path, "%s/metrics.jsonl", o->out);
+    if (*resume_dir) {
+        LOOM_TRY(trim_metrics(path, t->state.step));
+        LOOM_TRY(train_report_load(&t->report, path)); /* the plot covers the whole run */
+    }
+    if (!(t->metrics = fopen(path, *resume_dir ? "a" : "w")))
+        return loom_error(LOOM_ERR_IO, "cannot write %s (is the output directory writable?)", path);
+    return LOOM_OK;
+}
+
+static void print_summary(const trainer *t, loom_precision prec, loom_recompute_mode mode) {
+    const train_opts *o = &t->o;
+    fprintf(stderr, "train: %lld parameters, %s master_grad=%s recompute=%s, %d x %d sequences of %d tokens "
+            "per step and rank, %d threads, %d rank%s (tp %d x dp %d%s)\n",
+            (long long)loom_llama_n_weights_full(t->m), loom_dtype_name(prec.compute),
+            prec.master_grad ? "on" : "off", loom_recompute_mode_name(mode), o->grad_accum, o->batch, o->seq,
+            loom_get_threads(), t->dist.world_size, t->dist.world_size == 1 ? "" : "s", t->dist.tp_size,
+            t->dist.dp_size, o->zero ? ", ZeRO-1" : "");
+    loom_mem_stats ms;
+    loom_mem_get_stats(&ms);
+    const double mib = 1 << 20;
+    fprintf(stderr, "train: memory per rank: weights %.2f MiB (compute copies and fp32 masters), gradients "
+            "%.2f MiB, optimizer %.2f MiB\n", ms.current[LOOM_MEM_PARAMS] / mib,
+            ms.current[LOOM_MEM_GRADS] / mib, ms.current[LOOM_MEM_OPTIMIZER] / mib);
+}
+
 static int run(int argc, char **argv) {
     trainer t;
     memset(&t, 0, sizeof t);
@@ -615,19 +682,7 @@ static int run(int argc, char **argv) {
     if (st == LOOM_OK) st = loom_dist_layout(t.world, o->tp, &t.dist);
     t.leader = loom_comm_rank(t.world) == 0;
     if (st == LOOM_OK && o->resume) st = resolve_resume(o->resume, resume_dir, sizeof resume_dir);
-    static char run_dir[PATH_MAX];
-    if (st == LOOM_OK && !o->out && *resume_dir) { /* the run goes on where it was: the checkpoint's parent */
-        if (realpath(resume_dir, run_dir)) { /* canonical: no trailing slash, no "." */
-            char *slash = strrchr(run_dir, '/');
-            if (slash) slash[slash == run_dir ? 1 : 0] = '\0';
-            o->out = run_dir;
-            if (t.leader) fprintf(stderr, "train: no --out: continuing in %s, the resumed run's directory\n", o->out);
-        } else {
-            st = loom_error(LOOM_ERR_IO, "%s: cannot resolve %s", strerror(errno), resume_dir);
-        }
-    } else if (!o->out) {
-        o->out = "out";
-    }
+    if (st == LOOM_OK) st = choose_out(&t, resume_dir);
     if (st == LOOM_OK) st = build_model(&t, prec, mode, *resume_dir ? resume_dir : NULL);
     if (st == LOOM_OK) st = open_data(&t);
     if (st == LOOM_OK && *resume_dir) st = restore(&t, resume_dir);
@@ -637,49 +692,10 @@ static int run(int argc, char **argv) {
     else if (st == LOOM_OK && *resume_dir && t.state.step == o->steps && t.leader)
         fprintf(stderr, "train: the checkpoint is at --steps %d already: no step to take, the model is written as is\n",
                 o->steps);
-    if (st == LOOM_OK) st = loom_mkdir_p(o->out);
-    if (st == LOOM_OK && t.leader) st = cli_lock_dir(o->out); /* no other run writes there meanwhile */
-    if (st == LOOM_OK && t.leader && o->zero && t.dist.dp_size == 1)
-        fprintf(stderr, "train: note: --zero 1 shards across data-parallel ranks; with one, nothing is sharded\n");
-    if (st == LOOM_OK && t.leader) loom_checkpoint_remove_stale(o->out); /* a killed writer's, taking space */
-    if (st == LOOM_OK) {
-        /* --out's checkpoints must be this run's past: never skip a save
-         * because another run left a checkpoint of that step. */
-        int newest = loom_checkpoint_newest_step(o->out);
-        if (!*resume_dir && newest >= 0)
-            st = loom_error(LOOM_ERR_STATE, "%s holds checkpoints of an earlier run (newest ckpt-%08d): continue it "
-                            "with --resume %s, or use a new --out", o->out, newest, o->out);
-        else if (*resume_dir && newest > t.state.step)
-            st = loom_error(LOOM_ERR_STATE, "%s holds checkpoints after step %d (newest ckpt-%08d), from the "
-                            "run being resumed going further: remove them or use a new --out", o->out,
-                            t.state.step, newest);
-    }
     train_report_init(&t.report, o->log_every);
-    if (st == LOOM_OK && t.leader) {
-        char path[4200];
-        snprintf(path, sizeof path, "%s/metrics.jsonl", o->out);
-        if (*resume_dir) st = trim_metrics(path, t.state.step);
-        if (st == LOOM_OK && *resume_dir) st = train_report_load(&t.report, path); /* the plot covers the whole run */
-        t.metrics = st == LOOM_OK ? fopen(path, *resume_dir ? "a" : "w") : NULL;
-        if (st == LOOM_OK && !t.metrics)
-            st = loom_error(LOOM_ERR_IO, "cannot write %s (is the output directory writable?)", path);
-    }
+    if (st == LOOM_OK) st = open_outputs(&t, resume_dir);
     if (st == LOOM_OK) {
-        if (t.leader)
-            fprintf(stderr, "train: %lld parameters, %s master_grad=%s recompute=%s, %d x %d sequences of %d tokens "
-                    "per step and rank, %d threads, %d rank%s (tp %d x dp %d%s)\n",
-                    (long long)loom_llama_n_weights_full(t.m), loom_dtype_name(prec.compute),
-                    prec.master_grad ? "on" : "off", loom_recompute_mode_name(mode), o->grad_accum, o->batch, o->seq,
-                    loom_get_threads(), t.dist.world_size, t.dist.world_size == 1 ? "" : "s", t.dist.tp_size,
-                    t.dist.dp_size, o->zero ? ", ZeRO-1" : "");
-        if (t.leader) {
-            loom_mem_stats ms;
-            loom_mem_get_stats(&ms);
-            const double mib = 1 << 20;
-            fprintf(stderr, "train: memory per rank: weights %.2f MiB (compute copies and fp32 masters), gradients "
-                    "%.2f MiB, optimizer %.2f MiB\n", ms.current[LOOM_MEM_PARAMS] / mib,
-                    ms.current[LOOM_MEM_GRADS] / mib, ms.current[LOOM_MEM_OPTIMIZER] / mib);
-        }
+        if (t.leader) print_summary(&t, prec, mode);
         signal(SIGINT, on_signal);
         signal(SIGTERM, on_signal);
         st = train_loop(&t);
