@@ -106,7 +106,8 @@ int main(int argc, char **argv) {
     const char *name[4] = {"forward, this tree", "forward, the other", "backward, this tree", "backward, the other"};
     for (int i = 0; i < 4; i++) {
         qsort(t[i], (size_t)reps, sizeof(double), cmp_double);
-        printf("ab_attention %-20s best %.3f ms, median %.3f ms\n", name[i], t[i][0] * 1e3, t[i][reps / 2] * 1e3);
+        double med = reps % 2 ? t[i][reps / 2] : 0.5 * (t[i][reps / 2 - 1] + t[i][reps / 2]);
+        printf("ab_attention %-20s best %.3f ms, median %.3f ms\n", name[i], t[i][0] * 1e3, med * 1e3);
     }
     printf("ab_attention B=%d T=%d heads=%d head_size=%d fp32, %d threads, %d alternating calls each: "
            "this tree / the other = %.3f (summed time); max difference: output %.3g, gradients %.3g\n",

@@ -3,8 +3,8 @@
 # revision's, alternated call by call in one process (bench/ab_attention.c).
 #
 # Usage: bench/ab_attention.sh REV [REPS] [THREADS]
-# Builds REV's src/kernels/attention.c and kernel_rows.c with their symbols
-# renamed (attention_fwd_B, ...) and links them beside this tree's
+# Builds REV's src/kernels/attention.c and kernel_rows.c with every global
+# they define renamed (attention_fwd_B, mm_f32_B, ...) and links them beside this tree's
 # build/libloom.a (run scripts/build.sh first; LOOM_BINARY_DIR names another
 # build directory). A ratio below 1 means this
 # tree is faster. `bench/ab_attention.sh HEAD` is the control: it should
@@ -26,15 +26,16 @@ done
 # What the library's build defines (src/kernels/*.c see the same macros).
 defs=$(awk '/^ *DEFINES = /{sub(/^ *DEFINES = /, ""); print; exit}' "$bin/build.ninja")
 cflags="-O2 -fopenmp -std=gnu11 -ffp-contract=off $defs -I$work/src -I$root/include -I$root/src"
-rename="-Dmm_f32=mm_f32_B -Dattention_fwd=attention_fwd_B -Dattention_bwd=attention_bwd_B
-        -Dattention_fwd_ref=attention_fwd_ref_B -Dattention_bwd_ref=attention_bwd_ref_B"
 # shellcheck disable=SC2086
-cc $cflags $rename -c "$work/src/kernels/kernel_rows.c" -o "$work/rows_B.o"
-objcopy -w --keep-global-symbol=mm_f32_B "$work/rows_B.o" # the rest of its symbols stay private
+cc $cflags -c "$work/src/kernels/kernel_rows.c" -o "$work/rows_B.o"
 # shellcheck disable=SC2086
-cc $cflags $rename -c "$work/src/kernels/attention.c" -o "$work/attention_B.o"
-objcopy -w --keep-global-symbol=attention_fwd_B --keep-global-symbol=attention_bwd_B \
-  --keep-global-symbol=attention_fwd_ref_B --keep-global-symbol=attention_bwd_ref_B "$work/attention_B.o"
+cc $cflags -c "$work/src/kernels/attention.c" -o "$work/attention_B.o"
+# Every global the two files define gets a _B suffix, in both objects (their
+# calls to each other included): REV's attention runs on REV's row kernels;
+# the rest (allocator, conversions) is this tree's.
+nm -g --defined-only "$work/rows_B.o" "$work/attention_B.o" | awk 'NF == 3 { print $3 " " $3 "_B" }' | sort -u > "$work/syms"
+objcopy --redefine-syms="$work/syms" "$work/rows_B.o"
+objcopy --redefine-syms="$work/syms" "$work/attention_B.o"
 # The library's link line (the loom executable's, minus its own objects).
 libs=$(awk '/^build loom:/{f = 1} f && /^ *LINK_LIBRARIES = /{sub(/^ *LINK_LIBRARIES = /, ""); print; exit}' \
   "$bin/build.ninja")

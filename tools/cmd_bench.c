@@ -38,7 +38,7 @@ typedef struct gemm_peak {
 } gemm_peak;
 
 typedef struct bench_result {
-    double step_ms, tok_s, gflop_per_step, gflops, mfu, peak_act_mib, rss_mib, mallocs_per_step, loss;
+    double step_ms, tok_s, gflop_per_step, gflops, mfu, peak_act_mib, rss_mib, buffer_allocs_per_step, loss;
 } bench_result;
 
 static int cmp_double(const void *a, const void *b) {
@@ -179,8 +179,9 @@ static void print_profile(const bench_run *r, int steps, double total) {
                100.0 * e[i].seconds / total, e[i].calls / steps);
         inside += e[i].seconds;
     }
-    printf("  %-34s %8.1f ms %5.1f%%\n", "outside functions", (total - inside) / steps * 1e3,
-           100.0 * (total - inside) / total);
+    /* The optimizer phase is no autograd function: count it apart. */
+    double other = total - inside - r->phase[PHASE_OPTIMIZER];
+    printf("  %-34s %8.1f ms %5.1f%%\n", "outside functions and optimizer", other / steps * 1e3, 100.0 * other / total);
     loom_mem_stats ms;
     loom_mem_get_stats(&ms);
     for (int c = 0; c < LOOM_MEM_N_CATEGORIES; c++)
@@ -214,8 +215,9 @@ static loom_status run_config(const bench_opts *o, const loom_llama_config *cfg,
     float *u = malloc(2 * n * sizeof *u);
     double *times = malloc((size_t)o->steps * n_modes * sizeof *times); /* (n_modes, steps) */
     size_t *peak_act = calloc((size_t)n_modes, sizeof *peak_act);
-    uint64_t *mallocs = calloc((size_t)n_modes, sizeof *mallocs);
-    if (st == LOOM_OK && (!r.tokens || !r.targets || !u || !times || !peak_act || !mallocs))
+    uint64_t *allocs = calloc((size_t)n_modes, sizeof *allocs);
+    double *losses = calloc((size_t)n_modes, sizeof *losses); /* each mode's last loss */
+    if (st == LOOM_OK && (!r.tokens || !r.targets || !u || !times || !peak_act || !allocs || !losses))
         st = loom_error(LOOM_ERR_NOMEM, "bench: out of memory");
     if (st == LOOM_OK) {
         loom_rng_uniform(u, 2 * n, 7, 0);
@@ -241,12 +243,12 @@ static loom_status run_config(const bench_opts *o, const loom_llama_config *cfg,
             loom_mem_reset_peak();
             loom_mem_get_stats(&before);
             double t0 = cli_now();
-            st = train_step(&r, &loss);
+            st = train_step(&r, &losses[m]);
             times[(size_t)m * o->steps + s] = cli_now() - t0;
             total += times[(size_t)m * o->steps + s];
             loom_mem_get_stats(&after);
             if (after.peak[LOOM_MEM_ACTIVATIONS] > peak_act[m]) peak_act[m] = after.peak[LOOM_MEM_ACTIVATIONS];
-            mallocs[m] += after.n_malloc - before.n_malloc;
+            allocs[m] += after.n_malloc - before.n_malloc;
         }
     loom_profile_enable(0);
     if (st == LOOM_OK && o->profile) print_profile(&r, o->steps, total);
@@ -260,13 +262,14 @@ static loom_status run_config(const bench_opts *o, const loom_llama_config *cfg,
         x->gflops = x->gflop_per_step / (x->step_ms * 1e-3);
         x->peak_act_mib = (double)peak_act[m] / (1024.0 * 1024.0);
         x->rss_mib = n_modes == 1 ? (double)ru.ru_maxrss / 1024.0 : -1.0;
-        x->mallocs_per_step = (double)mallocs[m] / o->steps;
-        x->loss = loss;
+        x->buffer_allocs_per_step = (double)allocs[m] / o->steps;
+        x->loss = losses[m];
     }
     free(u);
     free(times);
     free(peak_act);
-    free(mallocs);
+    free(allocs);
+    free(losses);
     free(r.tokens);
     free(r.targets);
     loom_adamw_free(r.opt);
@@ -292,17 +295,18 @@ static void print_result(const bench_opts *o, loom_precision prec, loom_recomput
         printf("{\"preset\":\"%s\",\"precision\":\"%s\",\"master_grad\":\"%s\",\"recompute\":\"%s\","
                "\"recompute_mode\":\"%s\",\"batch\":%d,\"seq\":%d,\"threads\":%d,\"steps\":%d,"
                "\"tok_s\":%.1f,\"step_ms\":%.2f,\"gflop_per_step\":%.3f,\"gflops\":%.2f,\"mfu\":%.4f,"
-               "\"peak_act_MiB\":%.1f,\"rss_MiB\":%s,\"mallocs_per_step\":%.1f,\"loss\":%.5f}\n",
+               "\"peak_act_MiB\":%.1f,\"rss_MiB\":%s,\"buffer_allocs_per_step\":%.1f,\"loss\":%.5f,"
+               "\"warmup\":%d,\"gemm_peak\":\"%s\"}\n",
                o->preset, loom_dtype_name(prec.compute), mg, recompute_label(mode), rm, o->batch, o->seq,
                loom_get_threads(), o->steps, r->tok_s, r->step_ms, r->gflop_per_step, r->gflops, r->mfu,
-               r->peak_act_mib, rss, r->mallocs_per_step, r->loss);
+               r->peak_act_mib, rss, r->buffer_allocs_per_step, r->loss, o->warmup, o->gemm_peak ? "given" : "measured");
     } else {
         printf("bench preset=%s precision=%s master_grad=%s recompute=%s tok/s=%.0f step_ms=%.1f gflops=%.1f "
                "mfu=%.3f peak_act_MiB=%.1f rss_MiB=%s recompute_mode=%s batch=%d seq=%d threads=%d "
-               "mallocs/step=%.1f loss=%.4f\n",
+               "buffer_allocs/step=%.1f loss=%.4f\n",
                o->preset, loom_dtype_name(prec.compute), mg, recompute_label(mode), r->tok_s, r->step_ms, r->gflops,
                r->mfu, r->peak_act_mib, r->rss_mib < 0 ? "n/a" : rss, rm, o->batch, o->seq, loom_get_threads(),
-               r->mallocs_per_step,
+               r->buffer_allocs_per_step,
                r->loss);
     }
     fflush(stdout);
@@ -341,14 +345,16 @@ static void print_header(const bench_opts *o, const loom_llama_config *c, const 
 typedef struct linear_shape {
     const char *name;
     int out, in, count;
+    int dx_sums; /* its dX joins a gradient the input has from another use (beta = 1), as in a step */
 } linear_shape;
 
 static loom_status run_gemms(const bench_opts *o, const loom_llama_config *c, loom_precision prec) {
     int kv = c->dim / c->n_heads * c->n_kv_heads, L = c->n_layers, T = o->batch * o->seq;
     const linear_shape shapes[] = {
-        {"q", c->dim, c->dim, L},      {"k", kv, c->dim, L},         {"v", kv, c->dim, L},
-        {"o", c->dim, c->dim, L},      {"gate", c->ffn_dim, c->dim, L}, {"up", c->ffn_dim, c->dim, L},
-        {"down", c->dim, c->ffn_dim, L}, {"lm_head", c->vocab_size, c->dim, 1},
+        /* Backward runs v, k, q and up, gate: v's and up's dX come first, the others sum into them. */
+        {"q", c->dim, c->dim, L, 1},      {"k", kv, c->dim, L, 1},            {"v", kv, c->dim, L, 0},
+        {"o", c->dim, c->dim, L, 0},      {"gate", c->ffn_dim, c->dim, L, 1}, {"up", c->ffn_dim, c->dim, L, 0},
+        {"down", c->dim, c->ffn_dim, L, 0}, {"lm_head", c->vocab_size, c->dim, 1, 0},
     };
     int n_shapes = (int)(sizeof shapes / sizeof shapes[0]);
     int max_dim = c->vocab_size > c->ffn_dim ? c->vocab_size : c->ffn_dim;
@@ -364,6 +370,7 @@ static loom_status run_gemms(const bench_opts *o, const loom_llama_config *c, lo
     if (st == LOOM_OK) {
         loom_rng_uniform(src, act, 3, 0);
         loom_convert(x, dt, src, LOOM_F32, act);
+        loom_convert(dx, dt, src, LOOM_F32, act); /* the gradient a summing dX joins */
         loom_convert(y, dt, src, LOOM_F32, act);
         loom_rng_uniform(src, wgt, 4, 0);
         loom_convert(w, dt, src, LOOM_F32, wgt);
@@ -376,7 +383,8 @@ static loom_status run_gemms(const bench_opts *o, const loom_llama_config *c, lo
         int w0 = o->warmup, n = o->steps;
         st = best_gemm(w0, n, 0, 1, T, l->out, l->in, x, l->in, w, l->in, dt, 0.0f, y, l->out, dt, &f); /* y */
         if (st == LOOM_OK) /* dX = dy W */
-            st = best_gemm(w0, n, 0, 0, T, l->in, l->out, y, l->out, w, l->in, dt, 0.0f, dx, l->in, dt, &d);
+            st = best_gemm(w0, n, 0, 0, T, l->in, l->out, y, l->out, w, l->in, dt, l->dx_sums ? 1.0f : 0.0f, dx, l->in,
+                           dt, &d);
         if (st == LOOM_OK) /* dW += dy^T x */
             st = best_gemm(w0, n, 1, 0, l->out, l->in, T, y, l->out, x, l->in, dt, 1.0f, g, l->in, g_dt, &u);
         if (st != LOOM_OK) break;
@@ -560,8 +568,12 @@ const command cmd_bench = {
     "6*N*tokens + 6*L*T*dim*tokens per step, N = matmul parameters, causal attention),\n"
     "mfu (gflops / the GEMM peak of the precision, measured in the same run through\n"
     "loom's gemm: f32 for fp32, bf16 otherwise), peak_act_MiB (peak bytes of\n"
-    "activations during the timed steps), rss_MiB (the process's peak RSS) and\n"
-    "mallocs/step (calls that reached the system allocator; 0 once two steps have run).\n"
+    "activations during the timed steps, as requested: not the workspace or the\n"
+    "allocator's rounding), rss_MiB (the process's peak RSS) and buffer_allocs/step\n"
+    "(tensor buffers that missed loom's allocator cache and reached the system\n"
+    "allocator; 0 once two steps have run; the small headers of tensors and autograd\n"
+    "nodes are allocated per op). mfu is against loom's own GEMM peak, not the CPU's\n"
+    "nominal FLOP rate.\n"
     "With neither --precision nor --recompute it runs {fp32, bf16 master-grad} x\n"
     "{none, selective, full}, each in a fresh process so that rss_MiB is per line.\n"
     "--recompute none,selective,full runs the modes in turns, step by step, on one\n"
