@@ -31,14 +31,16 @@ static int push_doc(doc_list *l, const char *text, size_t len) {
     return 0;
 }
 
-/* Split text into documents at lines equal to sep (if sep is set). */
+/* Split text into documents at lines equal to sep (if sep is set); a line
+ * ends at \n, and a \r before it is not part of it (CRLF files). */
 static int split_docs(doc_list *l, const char *text, size_t len, const char *sep) {
     if (!sep || !*sep) return push_doc(l, text, len);
     size_t sl = strlen(sep), start = 0, i = 0;
     while (i <= len) {
         size_t eol = i;
         while (eol < len && text[eol] != '\n') eol++;
-        int is_sep = eol - i == sl && !memcmp(text + i, sep, sl);
+        size_t line = eol - i - (eol > i && text[eol - 1] == '\r');
+        int is_sep = line == sl && !memcmp(text + i, sep, sl);
         if (is_sep || eol >= len) {
             size_t end = is_sep ? i : len;
             if (end > start && push_doc(l, text + start, end - start) != 0) return -1;
@@ -269,11 +271,17 @@ static int run(int argc, char **argv) {
             if (st == LOOM_OK && split_docs(&docs, texts[k], lens[k], doc_sep) != 0)
                 st = loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory");
         }
+        if (st == LOOM_OK && docs.n == 0)
+            st = loom_error(LOOM_ERR_INVALID, "tokenize: the --in files hold no text (empty, or only %s lines)",
+                            doc_sep ? doc_sep : "separator");
         tok_buf tr = {0}, va = {0};
         /* Document i goes to validation when floor((i+1) f) > floor(i f):
-         * an even spread, the same every run. */
+         * an even spread, the same every run. Too few documents for one at
+         * that rate: the last one. */
+        int last_to_val = docs.n >= 2 && val_fraction > 0.0f && (long)((double)docs.n * val_fraction) == 0;
         for (size_t i = 0; i < docs.n && st == LOOM_OK; i++) {
-            int is_val = (long)((double)(i + 1) * val_fraction) > (long)((double)i * val_fraction);
+            int is_val = (long)((double)(i + 1) * val_fraction) > (long)((double)i * val_fraction) ||
+                         (last_to_val && i == docs.n - 1);
             st = append_doc(tok, is_val ? &va : &tr, &docs.items[i]);
         }
         if (st == LOOM_OK && docs.n == 1 && val_fraction > 0.0f) {

@@ -131,6 +131,18 @@ kill -TERM $busy
 wait $busy || true
 flock -n "$WORK/busy/.loom.lock" true || fail "the lock outlived its run"
 
+# --doc-sep in a CRLF file: "%\r" is the separator line too (it used to make
+# the whole file one document); three documents, too few for one at 5% to
+# go to validation: the last one does; a file with no text is an error.
+printf 'first doc\r\n%%\r\nsecond doc\r\n%%\r\nthird doc\r\n' > "$WORK/crlf.txt"
+"$LOOM" tokenize --tokenizer "$WORK/data/tokenizer.json" --in "$WORK/crlf.txt" --doc-sep % --out "$WORK/crlf" 2>"$WORK/crlf.log"
+grep -q "3 documents" "$WORK/crlf.log" || { cat "$WORK/crlf.log"; fail "CRLF separator lines were not separators"; }
+grep -q "validation tokens" "$WORK/crlf.log" && ! grep -q " 0 validation tokens" "$WORK/crlf.log" ||
+  { cat "$WORK/crlf.log"; fail "three documents gave no validation document"; }
+printf '%%\n%%\n' > "$WORK/nodocs.txt"
+expect_error "hold no text" "$LOOM" tokenize --tokenizer "$WORK/data/tokenizer.json" --in "$WORK/nodocs.txt" \
+  --doc-sep % --out "$WORK/nodocs"
+
 # Tokenize: what a killed tokenize left in the directory is removed; shards
 # of another tool there are refused; --train alone into a directory is refused.
 mkdir -p "$WORK/t4/.shards.new.999999999" && touch "$WORK/t4/.shards.new.999999999/train_000000.bin.tmp.1" "$WORK/t4/tokenizer.json.new"
