@@ -61,7 +61,14 @@ static void gathered_free(gathered *g) {
     free(g->bufs);
 }
 
+/* Parameter i's full values of `local` (this rank's shard): the shard
+ * itself without tensor parallelism (the writer only borrows it until it
+ * writes: no copy of the training state), else a gathered copy kept in g. */
 static loom_status gather_full(loom_llama *m, int i, const float *local, gathered *g, float **out) {
+    if (m->tp_size == 1) {
+        *out = (float *)(uintptr_t)local;
+        return LOOM_OK;
+    }
     int64_t fs[2];
     loom_llama_param_full_shape(m, i, fs);
     float *full = malloc((size_t)(fs[0] * fs[1]) * sizeof(float) + 1);
