@@ -32,7 +32,8 @@ cc $cflags -c "$work/src/kernels/kernel_rows.c" -o "$work/rows_B.o"
 cc $cflags -c "$work/src/kernels/attention.c" -o "$work/attention_B.o"
 # Every global the two files define gets a _B suffix, in both objects (their
 # calls to each other included): REV's attention runs on REV's row kernels;
-# the rest (allocator, conversions) is this tree's.
+# the rest (allocator, conversions, and the AVX-512 tiles of mm_avx512.c,
+# which only AVX-512 CPUs run) is this tree's.
 nm -g --defined-only "$work/rows_B.o" "$work/attention_B.o" | awk 'NF == 3 { print $3 " " $3 "_B" }' | sort -u > "$work/syms"
 objcopy --redefine-syms="$work/syms" "$work/rows_B.o"
 objcopy --redefine-syms="$work/syms" "$work/attention_B.o"

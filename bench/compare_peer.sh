@@ -41,6 +41,9 @@ while [ $# -gt 0 ]; do
 done
 [ ${#configs[@]} -gt 0 ] || configs=(bf16:none:none fp32:none:none bf16:full:reentrant)
 [[ $repeat =~ ^[1-9][0-9]*$ ]] || { echo "compare_peer: --repeat takes a positive count, not '$repeat'" >&2; exit 2; }
+for v in "$steps" "$peer_steps"; do
+  [[ $v =~ ^[1-9][0-9]*$ ]] || { echo "compare_peer: --steps and --peer-steps take a positive count, not '$v'" >&2; exit 2; }
+done
 # The peer reports times[len // 2] of its steps: with an even count, the slower middle one.
 [ $((peer_steps % 2)) -eq 1 ] || echo "compare_peer: note: --peer-steps $peer_steps is even; the peer's step time is then the slower of its two middle steps (use an odd count)" >&2
 [ -x "$loom" ] || { echo "compare_peer: $loom not built (scripts/build.sh)" >&2; exit 1; }

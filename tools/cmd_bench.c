@@ -31,6 +31,7 @@ extern char **environ;
 typedef struct bench_opts {
     const char *preset, *precision, *master_grad, *recompute, *recompute_mode, *gemm_peak;
     int threads, steps, warmup, batch, seq, json, profile, gemms;
+    int peak_given; /* --gemm-peak came from the user, not from a parent that measured it */
 } bench_opts;
 
 typedef struct gemm_peak {
@@ -102,8 +103,12 @@ static loom_status measure_peak(gemm_peak *p) {
     return measure_gemm(LOOM_BF16, &p->bf16);
 }
 
-/* "F32,BF16" in GFLOP/s. */
-static int parse_peak(const char *s, gemm_peak *p) {
+/* "F32,BF16" in GFLOP/s; "measured:F32,BF16" is what the standard matrix
+ * hands its children (*given = 0). */
+static int parse_peak(const char *s, gemm_peak *p, int *given) {
+    static const char tag[] = "measured:";
+    *given = strncmp(s, tag, sizeof tag - 1) != 0;
+    if (!*given) s += sizeof tag - 1;
     char *end;
     p->f32 = strtod(s, &end);
     if (*end != ',') return -1;
@@ -299,7 +304,7 @@ static void print_result(const bench_opts *o, loom_precision prec, loom_recomput
                "\"warmup\":%d,\"gemm_peak\":\"%s\"}\n",
                o->preset, loom_dtype_name(prec.compute), mg, recompute_label(mode), rm, o->batch, o->seq,
                loom_get_threads(), o->steps, r->tok_s, r->step_ms, r->gflop_per_step, r->gflops, r->mfu,
-               r->peak_act_mib, rss, r->buffer_allocs_per_step, r->loss, o->warmup, o->gemm_peak ? "given" : "measured");
+               r->peak_act_mib, rss, r->buffer_allocs_per_step, r->loss, o->warmup, o->peak_given ? "given" : "measured");
     } else {
         printf("bench preset=%s precision=%s master_grad=%s recompute=%s tok/s=%.0f step_ms=%.1f gflops=%.1f "
                "mfu=%.3f peak_act_MiB=%.1f rss_MiB=%s recompute_mode=%s batch=%d seq=%d threads=%d "
@@ -315,12 +320,12 @@ static void print_result(const bench_opts *o, loom_precision prec, loom_recomput
 static void print_header(const bench_opts *o, const loom_llama_config *c, const gemm_peak *p) {
     double n = matmul_params(c), per_tok = model_flops_per_token(c, o->seq);
     if (o->json) {
-        printf("{\"gemm_peak_gflops\":{\"f32\":%.2f,\"bf16\":%.2f},\"gemm_peak_shape\":[%d,%d,%d],"
-               "\"matmul_params\":%.0f,\"flops_per_token\":%.0f,"
+        printf("{\"gemm_peak_gflops\":{\"f32\":%.2f,\"bf16\":%.2f},\"gemm_peak\":\"%s\","
+               "\"gemm_peak_shape\":[%d,%d,%d],\"matmul_params\":%.0f,\"flops_per_token\":%.0f,"
                "\"flops_formula\":\"6*N*tokens + 6*L*T*dim*tokens\"}\n",
-               p->f32, p->bf16, PEAK_SIZE, PEAK_SIZE, PEAK_SIZE, n, per_tok);
+               p->f32, p->bf16, o->peak_given ? "given" : "measured", PEAK_SIZE, PEAK_SIZE, PEAK_SIZE, n, per_tok);
     } else {
-        if (o->gemm_peak)
+        if (o->peak_given)
             printf("bench gemm_peak f32=%.1f bf16=%.1f GFLOP/s (given with --gemm-peak, not measured)\n", p->f32,
                    p->bf16);
         else
@@ -507,7 +512,7 @@ static int run(int argc, char **argv) {
         return cli_usage_error("bench", "--batch and --steps must be positive, --warmup >= 0, --seq in 1..%d",
                                cfg.max_seq);
     gemm_peak peak = {0, 0};
-    if (o.gemm_peak && parse_peak(o.gemm_peak, &peak))
+    if (o.gemm_peak && parse_peak(o.gemm_peak, &peak, &o.peak_given))
         return cli_usage_error("bench", "--gemm-peak expects two positive numbers F32,BF16, got '%s'", o.gemm_peak);
     if ((rc = cli_apply_threads("bench", o.threads))) return rc;
 
@@ -518,7 +523,7 @@ static int run(int argc, char **argv) {
         }
         if (!no_header) print_header(&o, &cfg, &peak);
         char peak_s[64];
-        snprintf(peak_s, sizeof peak_s, "%.3f,%.3f", peak.f32, peak.bf16);
+        snprintf(peak_s, sizeof peak_s, "%s%.3f,%.3f", o.gemm_peak ? "" : "measured:", peak.f32, peak.bf16);
         const char *precs[] = {"fp32", "bf16"}, *modes[] = {"none", "selective", "full"};
         int failed = 0;
         for (int p = 0; p < 2; p++)

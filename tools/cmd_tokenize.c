@@ -34,7 +34,7 @@ static int push_doc(doc_list *l, const char *text, size_t len) {
 /* Split text into documents at lines equal to sep (if sep is set); a line
  * ends at \n, and a \r before it is not part of it (CRLF files). */
 static int split_docs(doc_list *l, const char *text, size_t len, const char *sep) {
-    if (!sep || !*sep) return push_doc(l, text, len);
+    if (!sep || !*sep) return len ? push_doc(l, text, len) : 0; /* an empty file is no document */
     size_t sl = strlen(sep), start = 0, i = 0;
     while (i <= len) {
         size_t eol = i;
@@ -272,8 +272,8 @@ static int run(int argc, char **argv) {
                 st = loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory");
         }
         if (st == LOOM_OK && docs.n == 0)
-            st = loom_error(LOOM_ERR_INVALID, "tokenize: the --in files hold no text (empty, or only %s lines)",
-                            doc_sep ? doc_sep : "separator");
+            st = loom_error(LOOM_ERR_INVALID, "tokenize: the --in files hold no text%s%s%s", doc_sep ? " (empty, or only "
+                            : " (empty)", doc_sep ? doc_sep : "", doc_sep ? " lines)" : "");
         tok_buf tr = {0}, va = {0};
         /* Document i goes to validation when floor((i+1) f) > floor(i f):
          * an even spread, the same every run. Too few documents for one at

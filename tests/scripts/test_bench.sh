@@ -35,6 +35,10 @@ inter=$("$loom" bench "${small[@]}" --precision bf16 --recompute none,selective,
 grep -q 'recompute=selective.*rss_MiB=n/a' <<<"$inter" || fail "interleaved rss: $inter"
 
 matrix=$("$loom" bench --preset tiny --batch 1 --seq 16 --steps 1 --warmup 0 --gemm-peak 100,100)
+# The matrix measures the peak once and hands it to its children: their lines
+# say measured (given only when --gemm-peak came from the user).
+mj=$("$loom" bench --json --preset tiny --batch 1 --seq 16 --steps 1 --warmup 0 --threads 1)
+[ "$(grep -c '"gemm_peak":"measured"' <<<"$mj")" -eq 7 ] || fail "matrix peak provenance: $mj"
 [ "$(grep -c '^bench preset=' <<<"$matrix")" -eq 6 ] || fail "matrix: $matrix"
 for p in fp32 bf16; do for r in none selective full; do
   grep -q "precision=$p master_grad=on recompute=$r " <<<"$matrix" || fail "matrix lacks $p $r: $matrix"

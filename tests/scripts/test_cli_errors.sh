@@ -142,6 +142,9 @@ grep -q "validation tokens" "$WORK/crlf.log" && ! grep -q " 0 validation tokens"
 printf '%%\n%%\n' > "$WORK/nodocs.txt"
 expect_error "hold no text" "$LOOM" tokenize --tokenizer "$WORK/data/tokenizer.json" --in "$WORK/nodocs.txt" \
   --doc-sep % --out "$WORK/nodocs"
+: > "$WORK/empty.txt"
+expect_error "hold no text \(empty\)" "$LOOM" tokenize --tokenizer "$WORK/data/tokenizer.json" --in "$WORK/empty.txt" \
+  --out "$WORK/nodocs"
 
 # Tokenize: what a killed tokenize left in the directory is removed; shards
 # of another tool there are refused; --train alone into a directory is refused.
