@@ -152,6 +152,11 @@ loom_status cli_lock_dir(const char *dir) {
         if (err == EWOULDBLOCK)
             return loom_error(LOOM_ERR_STATE, "%s is in use by another loom process (pid %s, %s): wait for it to "
                               "finish, or use another output directory", dir, *holder ? holder : "unknown", path);
+        if (err == ENOLCK || err == EOPNOTSUPP || err == ENOSYS) { /* a file system without locks: go on */
+            fprintf(stderr, "loom: note: %s cannot be locked (%s): nothing stops another loom process from writing "
+                    "there at the same time\n", dir, strerror(err));
+            return LOOM_OK;
+        }
         return loom_error(LOOM_ERR_IO, "%s: cannot lock %s", strerror(err), path);
     }
     char pid[32];
