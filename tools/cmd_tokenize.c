@@ -241,8 +241,7 @@ static int run(int argc, char **argv) {
         if (st == LOOM_OK) st = loom_tokenizer_train((const char *const *)texts, lens, (size_t)train.n, vocab, &tok);
         if (st == LOOM_OK) {
             /* Training alone: --out is the tokenizer file; with --in, a directory. */
-            if (in.n) {
-                st = loom_mkdir_p(out);
+            if (in.n) { /* prepare_out made the directory */
                 snprintf(tok_out, sizeof tok_out, "%s/tokenizer.json.new", out);
             } else {
                 snprintf(tok_out, sizeof tok_out, "%s", out);
@@ -257,7 +256,6 @@ static int run(int argc, char **argv) {
                     "the vocabulary has %d\n", vocab, loom_tokenizer_vocab_size(tok));
     } else if (st == LOOM_OK) {
         st = loom_tokenizer_load(tok_path, &tok);
-        if (st == LOOM_OK) st = loom_mkdir_p(out);
         if (st == LOOM_OK) {
             snprintf(tok_out, sizeof tok_out, "%s/tokenizer.json.new", out);
             st = loom_file_copy_atomic(tok_path, tok_out);

@@ -436,8 +436,9 @@ static loom_status restore(trainer *t, const char *dir) {
 
 /* Resuming at `step`: metrics.jsonl keeps the lines of steps up to it, so
  * the steps a crashed run logged after its checkpoint are not there twice,
- * and drops a last line the crash left without its newline. */
-static loom_status trim_metrics(const char *path, int step) {
+ * and drops a last line the crash left without its newline; the lines kept
+ * go into the report (its plot covers the whole run). */
+static loom_status trim_metrics(const char *path, int step, train_report *report) {
     void *data = NULL;
     size_t n = 0;
     if (access(path, F_OK) != 0) return LOOM_OK;
@@ -459,6 +460,7 @@ static loom_status trim_metrics(const char *path, int step) {
         }
         i = e;
     }
+    train_report_load(report, keep, k);
     loom_status s = k == n ? LOOM_OK : loom_file_write_atomic(path, keep, k);
     free(keep);
     free(data);
@@ -577,10 +579,7 @@ static loom_status open_outputs(trainer *t, const char *resume_dir) {
                           t->state.step, newest);
     char path[4200];
     snprintf(path, sizeof path, "%s/metrics.jsonl", o->out);
-    if (*resume_dir) {
-        LOOM_TRY(trim_metrics(path, t->state.step));
-        LOOM_TRY(train_report_load(&t->report, path)); /* the plot covers the whole run */
-    }
+    if (*resume_dir) LOOM_TRY(trim_metrics(path, t->state.step, &t->report));
     if (!(t->metrics = fopen(path, *resume_dir ? "a" : "w")))
         return loom_error(LOOM_ERR_IO, "cannot write %s (is the output directory writable?)", path);
     return LOOM_OK;

@@ -36,12 +36,7 @@ static void push(double **v, int **s, int *n, int *cap, int step, double x) {
     (*s)[(*n)++] = step;
 }
 
-loom_status train_report_load(train_report *r, const char *metrics_path) {
-    if (access(metrics_path, F_OK) != 0) return LOOM_OK;
-    void *data = NULL;
-    size_t n = 0;
-    LOOM_TRY(loom_read_file(metrics_path, &data, &n));
-    const char *text = data;
+void train_report_load(train_report *r, const char *text, size_t n) {
     for (size_t i = 0; i < n;) {
         size_t e = i;
         while (e < n && text[e] != '\n') e++;
@@ -57,8 +52,6 @@ loom_status train_report_load(train_report *r, const char *metrics_path) {
         json_decref(line);
         i = e + 1;
     }
-    free(data);
-    return LOOM_OK;
 }
 
 static void fmt_eta(char *buf, size_t n, double s) {

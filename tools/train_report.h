@@ -23,9 +23,9 @@ void train_report_free(train_report *r);
 loom_status train_report_step(train_report *r, FILE *metrics, int step, int total, double loss, float lr, double grad_norm,
                        double tok_per_s, double step_s, float loss_scale, int skipped, double eta_s);
 loom_status train_report_val(train_report *r, FILE *metrics, int step, double val_loss);
-/* The losses an earlier run logged in metrics.jsonl (a resumed run's plot
- * covers its whole history); a missing file adds nothing. */
-loom_status train_report_load(train_report *r, const char *metrics_path);
+/* The losses an earlier run logged: metrics.jsonl's n bytes of text (a
+ * resumed run's plot covers its whole history). */
+void train_report_load(train_report *r, const char *text, size_t n);
 void train_report_end_line(train_report *r);
 loom_status train_report_plot(const train_report *r, const char *path);
 

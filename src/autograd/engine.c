@@ -260,14 +260,23 @@ static loom_status route_grad(loom_node *n, int i, loom_tensor *g) {
  * replay runs nodes inside its own backward). */
 static _Thread_local loom_node *running_node;
 
-loom_tensor *loom_ctx_take_grad_sum(loom_fn_ctx *ctx, int i, loom_dtype dtype) {
+/* Where the running node's input i collects its gradient: the producer's
+ * output slot or a leaf's grad; NULL for a parameter, a released producer
+ * or an input that takes none. */
+static loom_tensor **input_grad_slot(int i) {
     loom_node *n = running_node;
-    if (!n || n->ctx != ctx || i < 0 || i >= n->n_inputs) return NULL;
+    if (!n || i < 0 || i >= n->n_inputs) return NULL;
     edge *e = &n->inputs[i];
-    loom_tensor **slot = e->node && !e->node->released ? &e->node->grad_out[e->index]
-                         : !e->node && !e->param && e->leaf ? &e->leaf->grad : NULL;
-    loom_tensor *g = slot ? *slot : NULL;
-    if (!g || g->dtype != dtype || !shape_matches(g, e->ndim, e->shape) || !loom_tensor_is_contiguous(g) ||
+    return e->node && !e->node->released ? &e->node->grad_out[e->index]
+           : !e->node && !e->param && e->leaf ? &e->leaf->grad : NULL;
+}
+
+loom_tensor *loom_ctx_take_grad_sum(loom_fn_ctx *ctx, int i, loom_dtype dtype) {
+    if (!running_node || running_node->ctx != ctx) return NULL;
+    loom_tensor **slot = input_grad_slot(i), *g = slot ? *slot : NULL;
+    if (!g) return NULL;
+    const edge *e = &running_node->inputs[i];
+    if (g->dtype != dtype || !shape_matches(g, e->ndim, e->shape) || !loom_tensor_is_contiguous(g) ||
         !loom_tensor_writable_in_place(g))
         return NULL;
     *slot = NULL;
@@ -275,14 +284,8 @@ loom_tensor *loom_ctx_take_grad_sum(loom_fn_ctx *ctx, int i, loom_dtype dtype) {
 }
 
 loom_tensor *autograd_take_input_grad(int i) {
-    loom_node *n = running_node;
-    if (!n || i < 0 || i >= n->n_inputs) return NULL;
-    edge *e = &n->inputs[i];
-    loom_tensor **slot = e->node && !e->node->released ? &e->node->grad_out[e->index]
-                         : !e->node && !e->param && e->leaf ? &e->leaf->grad : NULL;
-    if (!slot) return NULL;
-    loom_tensor *g = *slot;
-    *slot = NULL;
+    loom_tensor **slot = input_grad_slot(i), *g = slot ? *slot : NULL;
+    if (slot) *slot = NULL;
     return g;
 }
 

@@ -168,6 +168,21 @@ static size_t act_bytes(void) {
     return ms.current[LOOM_MEM_ACTIVATIONS];
 }
 
+/* run in every recompute mode gives the gradients of the run without
+ * recompute, bit for bit (and nonzero ones). */
+static void expect_every_mode_matches(void (*run)(loom_recompute_mode, grad_set *)) {
+    grad_set ref = {0};
+    run(LOOM_RECOMPUTE_NONE, &ref);
+    gs_expect_nonzero(&ref);
+    for (int k = 0; k < 3; k++) {
+        grad_set got = {0};
+        run(recompute_modes[k], &got);
+        gs_expect_equal(&ref, &got, loom_recompute_mode_name(recompute_modes[k]));
+        gs_free(&got);
+    }
+    gs_free(&ref);
+}
+
 /* -------------------------------------- 1. forward once, replay once */
 
 typedef struct counting_block {
@@ -239,16 +254,7 @@ static void run_counting(loom_recompute_mode mode, grad_set *gs) {
 static void test_forward_once_replay_once(void **state) {
     (void)state;
     size_t act0 = act_bytes();
-    grad_set ref = {0};
-    run_counting(LOOM_RECOMPUTE_NONE, &ref);
-    gs_expect_nonzero(&ref);
-    for (int k = 0; k < 3; k++) {
-        grad_set got = {0};
-        run_counting(recompute_modes[k], &got);
-        gs_expect_equal(&ref, &got, loom_recompute_mode_name(recompute_modes[k]));
-        gs_free(&got);
-    }
-    gs_free(&ref);
+    expect_every_mode_matches(run_counting);
     mem_check_clean(act0);
 }
 
@@ -912,16 +918,7 @@ static void run_param_input(loom_recompute_mode mode, grad_set *gs) {
 static void test_parameter_as_region_input(void **state) {
     (void)state;
     size_t act0 = act_bytes();
-    grad_set ref = {0};
-    run_param_input(LOOM_RECOMPUTE_NONE, &ref);
-    gs_expect_nonzero(&ref);
-    for (int k = 0; k < 3; k++) {
-        grad_set got = {0};
-        run_param_input(recompute_modes[k], &got);
-        gs_expect_equal(&ref, &got, loom_recompute_mode_name(recompute_modes[k]));
-        gs_free(&got);
-    }
-    gs_free(&ref);
+    expect_every_mode_matches(run_param_input);
     mem_check_clean(act0);
 }
 
@@ -954,16 +951,7 @@ static void run_shared_param(loom_recompute_mode mode, grad_set *gs) {
 
 static void test_parameter_inside_and_outside(void **state) {
     (void)state;
-    grad_set ref = {0};
-    run_shared_param(LOOM_RECOMPUTE_NONE, &ref);
-    gs_expect_nonzero(&ref);
-    for (int k = 0; k < 3; k++) {
-        grad_set got = {0};
-        run_shared_param(recompute_modes[k], &got);
-        gs_expect_equal(&ref, &got, loom_recompute_mode_name(recompute_modes[k]));
-        gs_free(&got);
-    }
-    gs_free(&ref);
+    expect_every_mode_matches(run_shared_param);
 }
 
 /* --------- 11. an activation used inside and outside a region; frozen */
@@ -1057,16 +1045,7 @@ static void run_frozen(loom_recompute_mode mode, grad_set *gs) {
 
 static void test_frozen_block(void **state) {
     (void)state;
-    grad_set ref = {0};
-    run_frozen(LOOM_RECOMPUTE_NONE, &ref);
-    gs_expect_nonzero(&ref);
-    for (int k = 0; k < 3; k++) {
-        grad_set got = {0};
-        run_frozen(recompute_modes[k], &got);
-        gs_expect_equal(&ref, &got, loom_recompute_mode_name(recompute_modes[k]));
-        gs_free(&got);
-    }
-    gs_free(&ref);
+    expect_every_mode_matches(run_frozen);
 }
 
 /* ------------- 12. a branch the loss does not use is not kept by the replay */
@@ -1176,16 +1155,7 @@ static void run_multi(loom_recompute_mode mode, grad_set *gs) {
 static void test_several_outputs_and_constant_inputs(void **state) {
     (void)state;
     size_t act0 = act_bytes();
-    grad_set ref = {0};
-    run_multi(LOOM_RECOMPUTE_NONE, &ref);
-    gs_expect_nonzero(&ref);
-    for (int k = 0; k < 3; k++) {
-        grad_set got = {0};
-        run_multi(recompute_modes[k], &got);
-        gs_expect_equal(&ref, &got, loom_recompute_mode_name(recompute_modes[k]));
-        gs_free(&got);
-    }
-    gs_free(&ref);
+    expect_every_mode_matches(run_multi);
     mem_check_clean(act0);
 }
 
