@@ -30,6 +30,7 @@ typedef struct gemm_counters {
     uint64_t onednn_rejected;   /* shapes/dtypes oneDNN refused (cached too) */
     uint64_t fallback_calls;    /* calls served by the portable loops */
     uint64_t widened_calls;     /* half-precision calls widened to fp32 for oneDNN */
+    uint64_t padded_calls;      /* trans_a calls whose operands were copied (or widened) to padded strides */
 } gemm_counters;
 
 void gemm_get_counters(gemm_counters *out);
@@ -47,6 +48,11 @@ int gemm_onednn_available(void);
  * when oneDNN refuses the half types. *handled = 0 (C untouched) for fp32
  * inputs, K == 0, or without oneDNN. */
 loom_status gemm_widen(const gemm_args *g, int *handled);
+/* Strides of ld elements of dt that oneDNN's transposed-A packing reads
+ * slowly (a multiple of 2 KiB), and the padded stride a copy of rows of
+ * `cols` elements gets instead (gemm.c). */
+int gemm_stride_critical(int ld, loom_dtype dt);
+int gemm_padded_stride(int cols, loom_dtype dt);
 /* Destroy every cached primitive (tests; idle callers only). */
 void gemm_onednn_cache_clear(void);
 

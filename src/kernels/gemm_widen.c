@@ -37,13 +37,19 @@ void gemm_widen_set_budgets(size_t b_floats, size_t floats) {
     budget_a = floats ? (int)floats : WIDEN_FLOATS;
 }
 
-/* dst (rows, cols) dense fp32 = src's rows x cols window at (r0, c0), row
- * stride ld, converted from dt. */
-static void widen_block(float *dst, const void *src, int ld, int r0, int c0, int rows, int cols,
+/* dst (rows, cols) fp32, row stride ldd = src's rows x cols window at
+ * (r0, c0), row stride ld, converted from dt. */
+static void widen_block(float *dst, int ldd, const void *src, int ld, int r0, int c0, int rows, int cols,
                         loom_dtype dt) {
     #pragma omp parallel for schedule(dynamic, 32) if ((size_t)rows * cols > 32768)
     for (int r = 0; r < rows; r++)
-        row_load(dst + (size_t)r * cols, src, (size_t)(r0 + r) * ld + c0, cols, dt);
+        row_load(dst + (size_t)r * ldd, src, (size_t)(r0 + r) * ld + c0, cols, dt);
+}
+
+/* The stride of a widened (K, cols) operand of a trans_a call: padded when
+ * the dense one is critical for oneDNN's transposed-A packing (gemm.c). */
+static int widened_stride(int cols, int trans_a) {
+    return trans_a && gemm_stride_critical(cols, LOOM_F32) ? gemm_padded_stride(cols, LOOM_F32) : cols;
 }
 
 /* Rows [m0, m0 + m) x columns [n0, n0 + n) of C = alpha * c32 + beta * C
@@ -118,23 +124,33 @@ loom_status gemm_widen(const gemm_args *g, int *handled) {
     /* op(A) rows (mch, K) and, unless C comes direct, the C tile (mch, nch)
      * within one budget: chunk_len shrinks as its other factor grows. */
     int mch = chunk_len(M, !direct && nch > K ? nch : K, budget_a);
-    float *b32 = loom_alloc((size_t)K * nch * sizeof(float), LOOM_MEM_WORKSPACE);
-    float *a32 = loom_alloc((size_t)mch * K * sizeof(float), LOOM_MEM_WORKSPACE);
+    /* Stored (K, n) panels of op(B) and (K, m) rows of op(A) of a trans_a
+     * call get padded strides where the dense ones are critical. */
+    int ldb32 = g->trans_b ? K : widened_stride(nch, g->trans_a);
+    int lda32 = g->trans_a ? widened_stride(mch, 1) : K;
+    float *b32 = loom_alloc((size_t)K * (g->trans_b ? nch : ldb32) * sizeof(float), LOOM_MEM_WORKSPACE);
+    float *a32 = loom_alloc((size_t)(g->trans_a ? K * (size_t)lda32 : (size_t)mch * K) * sizeof(float),
+                            LOOM_MEM_WORKSPACE);
+    if ((g->trans_a && lda32 != mch) || (!g->trans_b && ldb32 != nch)) GEMM_COUNT(padded_calls);
     float *c32 = direct ? NULL : loom_alloc((size_t)mch * nch * sizeof(float), LOOM_MEM_WORKSPACE);
     loom_status st = b32 && a32 && (direct || c32) ? LOOM_OK : LOOM_ERR_NOMEM;
     for (int n0 = 0; n0 < N && st == LOOM_OK; n0 += nch) {
         int n = N - n0 < nch ? N - n0 : nch;
-        if (g->trans_b) widen_block(b32, g->B, g->ldb, n0, 0, n, K, g->ab_dt); /* (n, K) */
-        else widen_block(b32, g->B, g->ldb, 0, n0, K, n, g->ab_dt);            /* (K, n) */
+        int ldb = g->trans_b ? K : widened_stride(n, g->trans_a);
+        LOOM_ASSERT(g->trans_b || ldb <= ldb32); /* n <= nch, both multiples of 16 or n the last */
+        if (g->trans_b) widen_block(b32, ldb, g->B, g->ldb, n0, 0, n, K, g->ab_dt); /* (n, K) */
+        else widen_block(b32, ldb, g->B, g->ldb, 0, n0, K, n, g->ab_dt);            /* (K, n) */
         for (int m0 = 0; m0 < M && st == LOOM_OK; m0 += mch) {
             int m = M - m0 < mch ? M - m0 : mch;
             gemm_args w = tile_args(g, m0, m, n0, n);
-            if (g->trans_a) widen_block(a32, g->A, g->lda, 0, m0, K, m, g->ab_dt); /* (K, m) */
-            else widen_block(a32, g->A, g->lda, m0, 0, m, K, g->ab_dt);            /* (m, K) */
+            int lda = g->trans_a ? widened_stride(m, 1) : K;
+            LOOM_ASSERT(!g->trans_a || lda <= lda32);
+            if (g->trans_a) widen_block(a32, lda, g->A, g->lda, 0, m0, K, m, g->ab_dt); /* (K, m) */
+            else widen_block(a32, lda, g->A, g->lda, m0, 0, m, K, g->ab_dt);            /* (m, K) */
             w.A = a32;
-            w.lda = g->trans_a ? m : K;
+            w.lda = lda;
             w.B = b32;
-            w.ldb = g->trans_b ? K : n;
+            w.ldb = ldb;
             w.ab_dt = LOOM_F32;
             if (!direct) { /* c32 = op(A) op(B), finished below */
                 w.C = c32;

@@ -294,6 +294,44 @@ static void test_widen_shapes(void **state) {
     gemm_set_backend(GEMM_BACKEND_AUTO);
 }
 
+/* A transposed A whose stride is a multiple of 2 KiB (512 floats) is copied
+ * to a padded stride first (oneDNN packs it slowly), and so is B of such a
+ * call. fp32 copies the stored window when C is wide enough to repay it;
+ * half types are widened into dense panels anyway, which get a padded
+ * stride when the window's own width is critical. The copies are exact, so
+ * the results hold the usual bound; the counter shows which calls were
+ * padded. */
+static void test_padded_strides(void **state) {
+    (void)state;
+    if (!gemm_have_onednn()) skip();
+    static const struct { int ta, tb, M, N, K, pad, beta, bias, f32_padded, widen_padded; } cases[] = {
+        {1, 0, 512, 512, 40, 0, 0, 1, 1, 1},  /* both operands */
+        {1, 0, 509, 100, 33, 3, 1, 0, 1, 0},  /* A's window 509 of 512 (dense 509 is fine) */
+        {1, 1, 512, 70, 20, 0, 1, 1, 1, 1},   /* A alone (B is transposed) */
+        {1, 0, 100, 509, 24, 3, 0, 0, 0, 0},  /* B's window alone: not worth a copy */
+        {0, 0, 100, 512, 512, 0, 1, 0, 0, 0}, /* NN: as given */
+        {0, 1, 100, 70, 512, 0, 0, 0, 0, 0},  /* NT: as given */
+        {1, 0, 512, 40, 16, 0, 0, 0, 0, 1},   /* N < 64: no fp32 copy; the widening pads for free */
+    };
+    for (int be = 0; be < 2; be++) {
+        gemm_set_backend(be ? GEMM_BACKEND_WIDEN : GEMM_BACKEND_ONEDNN);
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+            gemm_counters before, after;
+            gcase c = { .ta = cases[i].ta, .tb = cases[i].tb, .M = cases[i].M, .N = cases[i].N, .K = cases[i].K,
+                        .pad = cases[i].pad, .alpha = 1.0f, .beta = (float)cases[i].beta,
+                        .has_bias = cases[i].bias, .ab = be ? LOOM_BF16 : LOOM_F32, .c = LOOM_F32,
+                        .bias_dt = LOOM_F32 };
+            uint64_t want = (uint64_t)(be ? cases[i].widen_padded : cases[i].f32_padded);
+            gemm_get_counters(&before);
+            run_case(&c, be ? "widen padded" : "onednn padded");
+            gemm_get_counters(&after);
+            if (after.padded_calls - before.padded_calls != want) describe(&c, "padding");
+            assert_int_equal(after.padded_calls - before.padded_calls, want);
+        }
+    }
+    gemm_set_backend(GEMM_BACKEND_AUTO);
+}
+
 /* ------------------------------------------------------------- edge cases */
 
 /* K = 0: C = beta * C + bias, on both backends. */
@@ -488,6 +526,7 @@ int main(void) {
         cmocka_unit_test(test_fallback_shapes),
         cmocka_unit_test(test_onednn_shapes),
         cmocka_unit_test(test_widen_shapes),
+        cmocka_unit_test(test_padded_strides),
         cmocka_unit_test(test_fallback_portable),
         cmocka_unit_test(test_fallback_thread_invariant),
         cmocka_unit_test(test_k_zero),
