@@ -111,6 +111,15 @@ static void make_key(const gemm_args *g, cache_key *k, uint32_t *hash) {
     const uint32_t *w = (const uint32_t *)k; /* FNV-1a over the words */
     uint32_t h = 2166136261u;
     for (size_t i = 0; i < sizeof *k / 4; i++) h = (h ^ w[i]) * 16777619u;
+    /* The low bits of word-wise FNV depend only on the words' low bits, and
+     * a model's sizes are mostly multiples of 16: without this final mix
+     * (murmur3's) every dX GEMM of a step fell into one set, and a steady
+     * step re-created 31-41 primitives. */
+    h ^= h >> 16;
+    h *= 0x85ebca6bu;
+    h ^= h >> 13;
+    h *= 0xc2b2ae35u;
+    h ^= h >> 16;
     *hash = h;
 }
 

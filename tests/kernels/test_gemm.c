@@ -480,6 +480,41 @@ static void test_cache_reuse(void **state) {
     gemm_set_backend(GEMM_BACKEND_AUTO);
 }
 
+/* The GEMMs of a training step (sizes that are multiples of 16, three
+ * transposes, beta 0 and 1: 18 keys, fewer than the cache holds) are
+ * created once; a second round creates none. */
+static void test_cache_holds_a_step(void **state) {
+    (void)state;
+    if (!gemm_have_onednn()) skip();
+    gemm_set_backend(GEMM_BACKEND_ONEDNN);
+    gemm_onednn_cache_clear();
+    enum { R = 64 };
+    static const int nk[][2] = { { 288, 288 }, { 768, 288 }, { 288, 768 } };
+    float *A = calloc((size_t)R * 768, sizeof(float)), *B = calloc((size_t)768 * 768, sizeof(float));
+    float *C = calloc((size_t)768 * 768, sizeof(float));
+    gemm_counters c[3];
+    gemm_get_counters(&c[0]);
+    for (int round = 0; round < 2; round++) {
+        for (int s = 0; s < 3; s++)
+            for (int beta = 0; beta < 2; beta++) {
+                int N = nk[s][0], K = nk[s][1];
+                /* y = x W^T (R, N); dx = dy W (R, K); dW += dy^T x (N, K) */
+                assert_int_equal(gemm(0, 1, R, N, K, 1.0f, A, K, B, K, LOOM_F32, (float)beta, C, N, LOOM_F32, NULL,
+                                      LOOM_F32), LOOM_OK);
+                assert_int_equal(gemm(0, 0, R, K, N, 1.0f, A, N, B, K, LOOM_F32, (float)beta, C, K, LOOM_F32, NULL,
+                                      LOOM_F32), LOOM_OK);
+                assert_int_equal(gemm(1, 0, N, K, R, 1.0f, A, N, B, K, LOOM_F32, (float)beta, C, K, LOOM_F32, NULL,
+                                      LOOM_F32), LOOM_OK);
+            }
+        gemm_get_counters(&c[round + 1]);
+    }
+    assert_int_equal(c[1].onednn_created - c[0].onednn_created, 18);
+    assert_int_equal(c[2].onednn_created - c[1].onednn_created, 0);
+    assert_int_equal(c[2].onednn_hits - c[1].onednn_hits, 18);
+    free(A); free(B); free(C);
+    gemm_set_backend(GEMM_BACKEND_AUTO);
+}
+
 /* More distinct shapes than the cache holds: eviction keeps results right. */
 static void test_cache_eviction(void **state) {
     (void)state;
@@ -532,6 +567,7 @@ int main(void) {
         cmocka_unit_test(test_k_zero),
         cmocka_unit_test(test_accumulate_twice),
         cmocka_unit_test(test_cache_reuse),
+        cmocka_unit_test(test_cache_holds_a_step),
         cmocka_unit_test(test_cache_eviction),
         cmocka_unit_test(test_concurrent_calls),
     };
