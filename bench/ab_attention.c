@@ -9,13 +9,14 @@
  * of their summed times, and the largest difference between their results
  * (0 when the change keeps every sum's order).
  *
- * Usage (through bench/ab_attention.sh): ab_attention [reps] [threads]
+ * Usage (through bench/ab_attention.sh): ab_attention [reps] [threads] [tiny|small]
  */
 #include "kernels/kernels.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 void attention_fwd_B(void *out, float *lse, const void *q, const void *k, const void *v, int B, int Tq, int Tk,
@@ -24,7 +25,7 @@ void attention_bwd_B(void *dq, void *dk, void *dv, const void *dout, const void 
                      const void *out, const float *lse, int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
                      loom_dtype dt);
 
-enum { B = 8, T = 256, NH = 6, HS = 48 }; /* tiny's attention */
+static int B = 8, T = 256, NH = 6, HS = 48; /* tiny's attention; small's with "small" */
 
 static double now(void) {
     struct timespec t;
@@ -64,10 +65,12 @@ static void run_bwd(int b_side, const side *s, float *const in[4]) {
 
 int main(int argc, char **argv) {
     int reps = argc > 1 ? atoi(argv[1]) : 40, threads = argc > 2 ? atoi(argv[2]) : 2;
-    if (reps < 2 || threads < 1) {
-        fprintf(stderr, "usage: ab_attention [reps >= 2] [threads >= 1]\n");
+    const char *preset = argc > 3 ? argv[3] : "tiny";
+    if (reps < 2 || threads < 1 || (strcmp(preset, "tiny") && strcmp(preset, "small"))) {
+        fprintf(stderr, "usage: ab_attention [reps >= 2] [threads >= 1] [tiny|small]\n");
         return 2;
     }
+    if (!strcmp(preset, "small")) { B = 4; T = 512; NH = 8; HS = 64; }
     loom_set_threads(threads);
     size_t n = (size_t)B * T * NH * HS, nl = (size_t)B * NH * T;
     float *in[4] = {random_floats(n, 1), random_floats(n, 2), random_floats(n, 3), random_floats(n, 4)};

@@ -14,7 +14,8 @@
  * products with fp32 sums on the inputs' own pairs (packed transposed per
  * block or kv head); the others, whose factors are computed, stay fp32.
  * Forward: one task per (b, kv head g); fp32 keys and values are read in
- * place, other dtypes converted once per task; each query block is
+ * place (unless their row stride is a multiple of 2 KiB: stride_ok), other
+ * dtypes converted once per task; each query block is
  * transposed (8 x 8 vector blocks), then scaled. For each query head of the group and
  * each query block, key blocks are folded in with an online softmax (running
  * max m, running sum l, unnormalised output acc) on the transposed scores
@@ -23,8 +24,9 @@
  * acc = acc * exp(m_old - m) + P^T v. No Tq x Tk matrix exists.
  * lse = m + log(l).
  * Backward (FlashAttention-2): one task per (b, kv head g); fp32 keys,
- * values and dout are read where they lie and dk, dv accumulate in place,
- * other dtypes are converted once per task. For each query
+ * values and dout are read where they lie and dk, dv accumulate in place
+ * as dq does (strides allowing); otherwise they go through dense scratch
+ * (other dtypes converted once per task). For each query
  * head, key block and query block it recomputes S = (scale q) k^T — the
  * same products as the forward, so P = exp(S - lse) is consistent — then with
  * D_i = rowsum(dout_i * out_i): dP = dout v^T, dS = P (dP - D),
@@ -57,12 +59,20 @@ typedef struct attn_shape {
     int G; /* query heads per kv head */
     float scale;
     loom_dtype dt;
+    int in_place; /* fp32 rows whose strides allow it are read (and dk, dv summed) where they lie */
     mm_bf16_fn dot2; /* bf16 inputs on a CPU with bf16 dot products: the scores and dP from them */
 } attn_shape;
+
+/* Rows of a (B, T, heads, HS) buffer are heads * HS floats apart. A stride
+ * that is a multiple of 2 KiB (512 floats) puts the rows a block reads into
+ * a few cache sets: with small's 8 heads of 64, copying them to dense
+ * scratch first made the backward 24% faster (bench/ab_attention.sh ... small). */
+static int stride_ok(int floats) { return floats % 512 != 0; }
 
 static attn_shape attn_shape_make(int B, int Tq, int Tk, int NH, int NKV, int HS,
                                   int q_pos0, loom_dtype dt) {
     attn_shape s = {B, Tq, Tk, NH, NKV, HS, q_pos0, NH / NKV, 1.0f / sqrtf((float)HS), dt,
+                    dt == LOOM_F32 && stride_ok(NH * HS) && stride_ok(NKV * HS),
                     dt == LOOM_BF16 ? mm_bf16_tiles() : NULL};
     return s;
 }
@@ -129,7 +139,7 @@ typedef struct attn_fwd_scratch {
     int ldkv;
     const uint32_t *k2;    // with dot2: the kv head's bf16 key rows as pairs, ldk2 pairs apart
     size_t ldk2;
-    float *kbuf, *vbuf;    // (Tk, HS) converted rows when the input is not fp32
+    float *kbuf, *vbuf;    // (Tk, HS) rows copied (converted) when not in place
     float *qt;             // (HS, ATTN_BQ) a query block, scaled and transposed
     float *acc;            // (ATTN_BQ, HS)
     float *st;             // (ATTN_BK, ATTN_BQ) transposed scores, then P^T
@@ -300,7 +310,7 @@ static void attn_fwd_block(void *out, float *lse, const void *q, int b, int h, i
 static void attn_fwd_task(void *out, float *lse, const void *q, const void *k, const void *v, int b, int g,
                           const attn_shape *s, attn_fwd_scratch *w) {
     int kv_end = s->q_pos0 + s->Tq; // keys any query sees
-    if (s->dt == LOOM_F32) {
+    if (s->in_place) {
         w->k = (const float *)k + kv_off(s, b, 0, g);
         w->v = (const float *)v + kv_off(s, b, 0, g);
         w->ldkv = s->NKV * s->HS;
@@ -349,13 +359,16 @@ typedef struct attn_bwd_scratch {
     const uint32_t *q2, *do2; // with dot2: one query head's bf16 q and dout rows as pairs, ldq2 apart
     size_t ldq2;
     float *qs;             // (Tq, HS) one query head, times scale
-    float *kbuf, *dobuf;   // (Tk, HS), (Tq, HS) converted rows when not fp32
-    float *dkbuf, *dvbuf;  // (Tk, HS) accumulators when not fp32
+    float *dq;             // its dq accumulator, rows lddq apart: dq itself (in place) or dqbuf
+    int lddq;
+    float *dqbuf;          // (Tq, HS)
+    float *kbuf, *dobuf;   // (Tk, HS), (Tq, HS) converted rows when not in place
+    float *dkbuf, *dvbuf;  // (Tk, HS) accumulators when not in place
     float *p, *ds;         // (ATTN_BQ, ATTN_BK)
 } attn_bwd_scratch;
 
 static size_t attn_bwd_scratch_floats(const attn_shape *s) {
-    return (size_t)(2 * (s->Tk + 16) + 3 * s->Tk + 2 * s->Tq) * s->HS + 2 * (size_t)ATTN_BQ * ATTN_BK;
+    return (size_t)(2 * (s->Tk + 16) + 3 * s->Tk + 3 * s->Tq) * s->HS + 2 * (size_t)ATTN_BQ * ATTN_BK;
 }
 
 static attn_bwd_scratch attn_bwd_scratch_at(float *p, const attn_shape *s) {
@@ -370,6 +383,9 @@ static attn_bwd_scratch attn_bwd_scratch_at(float *p, const attn_shape *s) {
     w.dkbuf = p; p += kb;
     w.dvbuf = p; p += kb;
     w.qs = p;    p += qb;
+    w.dqbuf = p; p += qb;
+    w.dq = NULL;
+    w.lddq = s->HS;
     w.dobuf = p; p += qb;
     w.p = p;     p += (size_t)ATTN_BQ * ATTN_BK;
     w.ds = p;
@@ -442,9 +458,9 @@ static void attn_bwd_probs(attn_bwd_scratch *w, const float *lse, const float *D
  * query strip cover the keys its last query sees (rounded up to a tile),
  * dV and dK rows of a key strip start at the first query that sees it, dq
  * of a query strip stops at its last visible key. */
-static void attn_bwd_block(float *dq32, attn_bwd_scratch *w, const float *lse, const float *D, int b, int h,
+static void attn_bwd_block(attn_bwd_scratch *w, const float *lse, const float *D, int b, int h,
                            int q0, int nq, int k0, int nk, const attn_shape *s) {
-    int HS = s->HS, ldq = s->NH * HS, Tk = w->ldkt;
+    int HS = s->HS, Tk = w->ldkt;
     size_t l0 = lse_off(s, b, h, q0);
     const float *qs = w->qs + (size_t)q0 * HS, *dout = w->dout + (size_t)q0 * w->lddo;
     for (int i0 = 0; i0 < nq; i0 += ATTN_STRIP) {
@@ -479,30 +495,30 @@ static void attn_bwd_block(float *dq32, attn_bwd_scratch *w, const float *lse, c
         int ni = min_i(nq - i0, ATTN_STRIP);
         int kn = attn_visible(s, q0 + i0 + ni - 1, k0, nk);
         mm_f32(ni, HS, kn, w->ds + (size_t)i0 * ATTN_BK, ATTN_BK, 0, w->k + (size_t)k0 * w->ldk, w->ldk,
-               dq32 + q_off(s, b, q0 + i0, h), ldq, 1);                                       // dq += dS k
+               w->dq + (size_t)(q0 + i0) * w->lddq, w->lddq, 1);                              // dq += dS k
     }
 }
 
 /* Query head h (its qs and dout in w) against every key block it sees:
- * dk, dv accumulate; dq32 rows of head h (stride NH * HS) are written. */
-static void attn_bwd_head(float *dq32, attn_bwd_scratch *w, const float *lse, const float *D, int b, int h,
+ * dk, dv and w->dq accumulate. */
+static void attn_bwd_head(attn_bwd_scratch *w, const float *lse, const float *D, int b, int h,
                           const attn_shape *s) {
     for (int k0 = 0; k0 < s->q_pos0 + s->Tq && k0 < s->Tk; k0 += ATTN_BK) {
         int t_first = k0 - s->q_pos0 > 0 ? k0 - s->q_pos0 : 0; // first query seeing k0
         for (int q0 = t_first; q0 < s->Tq; q0 += ATTN_BQ)
-            attn_bwd_block(dq32, w, lse, D, b, h, q0, min_i(s->Tq - q0, ATTN_BQ), k0, min_i(s->Tk - k0, ATTN_BK),
-                           s);
+            attn_bwd_block(w, lse, D, b, h, q0, min_i(s->Tq - q0, ATTN_BQ), k0, min_i(s->Tk - k0, ATTN_BK), s);
     }
 }
 
 /* Task (b, g): dk, dv rows of kv head g and dq rows of its query heads.
- * fp32 keys, values, dout, dk and dv are used where they lie (dk, dv are
- * accumulated in place); other dtypes go through the scratch rows. */
-static void attn_bwd_task(void *dq, void *dk, void *dv, float *dq32, const void *dout,
+ * With s->in_place, fp32 keys, values, dout, dk and dv are used where they
+ * lie (dk, dv are accumulated in place); otherwise they go through the
+ * scratch rows. */
+static void attn_bwd_task(void *dq, void *dk, void *dv, const void *dout,
                           const void *q, const void *k, const void *v, const float *lse,
                           const float *D, int b, int g, const attn_shape *s,
                           attn_bwd_scratch *w) {
-    int HS = s->HS, Tk = s->Tk, f32 = s->dt == LOOM_F32;
+    int HS = s->HS, Tk = s->Tk, f32 = s->in_place;
     const float *vrows = w->dvbuf; // v rows, borrowing the dv accumulator until it is cleared
     if (f32) {
         w->k = (const float *)k + kv_off(s, b, 0, g);
@@ -543,12 +559,14 @@ static void attn_bwd_task(void *dq, void *dk, void *dv, float *dq32, const void 
             load_rows(w->dobuf, dout, s->Tq, s->NH, b, 0, h, s->Tq, s);
             w->dout = w->dobuf;
         }
-        for (int t = 0; t < s->Tq; t++) memset(dq32 + q_off(s, b, t, h), 0, (size_t)HS * sizeof(float));
-        attn_bwd_head(dq32, w, lse, D, b, h, s);
+        w->dq = f32 ? (float *)dq + q_off(s, b, 0, h) : w->dqbuf;
+        w->lddq = f32 ? s->NH * HS : HS;
+        for (int t = 0; t < s->Tq; t++) memset(w->dq + (size_t)t * w->lddq, 0, (size_t)HS * sizeof(float));
+        attn_bwd_head(w, lse, D, b, h, s);
         for (int t = 0; t < s->Tq; t++) {
-            float *r = dq32 + q_off(s, b, t, h);
+            float *r = w->dq + (size_t)t * w->lddq;
             row_scale(r, s->scale, HS);
-            if ((void *)dq32 != dq) row_store(dq, q_off(s, b, t, h), r, HS, s->dt);
+            if (!f32) row_store(dq, q_off(s, b, t, h), r, HS, s->dt);
         }
     }
     if (!f32)
@@ -564,17 +582,15 @@ void attention_bwd(void *dq, void *dk, void *dv, const void *dout,
                    int q_pos0, loom_dtype dt) {
     attn_shape s = attn_shape_make(B, Tq, Tk, NH, NKV, HS, q_pos0, dt);
     float *D = workspace_floats((size_t)B * NH * Tq);                                  // (B, NH, Tq)
-    float *dq32 = dt == LOOM_F32 ? (float *)dq : workspace_floats((size_t)B * Tq * NH * HS); // (B, Tq, NH, HS)
     size_t per = attn_bwd_scratch_floats(&s);
     float *ws = workspace_floats(per * (size_t)omp_get_max_threads());
     attn_rowdot(D, dout, out, &s);
     #pragma omp parallel for schedule(dynamic, 1) if (B * NKV > 1)
     for (int task = 0; task < B * NKV; task++) {
         attn_bwd_scratch w = attn_bwd_scratch_at(ws + per * (size_t)omp_get_thread_num(), &s);
-        attn_bwd_task(dq, dk, dv, dq32, dout, q, k, v, lse, D, task / NKV, task % NKV, &s, &w);
+        attn_bwd_task(dq, dk, dv, dout, q, k, v, lse, D, task / NKV, task % NKV, &s, &w);
     }
     loom_free(ws);
-    if ((void *)dq32 != dq) loom_free(dq32);
     loom_free(D);
 }
 

@@ -30,6 +30,7 @@ static const attn_case CASES[] = {
     {1, 100, 140, 4, 2, 8, 40}, // q_pos0 > 0 with many blocks of both kinds
     {1, 1, 65, 4, 2, 8, 64},    // a key block only the last query sees
     {1, 130, 130, 2, 2, 48, 0}, // a model's head size, blocks full and partial
+    {2, 70, 70, 16, 8, 64, 0},  // strides of 2 and 4 KiB: fp32 rows go through dense scratch
 };
 #define N_CASES (sizeof CASES / sizeof CASES[0])
 

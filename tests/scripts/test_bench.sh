@@ -74,11 +74,17 @@ done
 # bench/ab_attention.sh: this tree's attention against a revision's, in one
 # process; against HEAD in a clean checkout the results are the same bits.
 if git -C "$src" rev-parse HEAD >/dev/null 2>&1; then
-  ab=$(LOOM_BINARY_DIR=$bin bash "$src/bench/ab_attention.sh" HEAD 2 1)
-  grep -qE "this tree / the other = [0-9.]+ \(summed time\); max difference: output [0-9.e+-]+, gradients" <<<"$ab" ||
-    fail "ab_attention: $ab"
-  if git -C "$src" diff --quiet HEAD -- src/kernels; then
-    grep -q "output 0, gradients 0" <<<"$ab" || fail "ab_attention against HEAD differs: $ab"
+  for preset in tiny small; do
+    ab=$(LOOM_BINARY_DIR=$bin bash "$src/bench/ab_attention.sh" HEAD 2 1 $preset)
+    grep -qE "this tree / the other = [0-9.]+ \(summed time\); max difference: output [0-9.e+-]+, gradients" <<<"$ab" ||
+      fail "ab_attention $preset: $ab"
+    if git -C "$src" diff --quiet HEAD -- src/kernels; then
+      grep -q "output 0, gradients 0" <<<"$ab" || fail "ab_attention $preset against HEAD differs: $ab"
+    fi
+  done
+  grep -q "head_size=64" <<<"$ab" || fail "ab_attention small ran another shape: $ab" # the loop's last
+  if LOOM_BINARY_DIR=$bin bash "$src/bench/ab_attention.sh" HEAD 2 1 huge >/dev/null 2>&1; then
+    fail "ab_attention accepted an unknown preset"
   fi
 fi
 
