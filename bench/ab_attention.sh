@@ -15,6 +15,10 @@ rev=${1:?usage: bench/ab_attention.sh REV [REPS] [THREADS] [tiny|small]}
 reps=${2:-40}
 threads=${3:-2}
 preset=${4:-tiny}
+case $preset in
+  tiny | small) ;;
+  *) echo "ab_attention: unknown preset '$preset': use tiny or small" >&2; exit 2 ;;
+esac
 bin=${LOOM_BINARY_DIR:-$root/build}
 lib=$bin/libloom.a
 [ -f "$lib" ] || { echo "ab_attention: $lib not built (scripts/build.sh)" >&2; exit 1; }

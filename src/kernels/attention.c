@@ -59,20 +59,23 @@ typedef struct attn_shape {
     int G; /* query heads per kv head */
     float scale;
     loom_dtype dt;
-    int in_place; /* fp32 rows whose strides allow it are read (and dk, dv summed) where they lie */
+    int in_place; /* fp32 rows read (and dk, dv, dq summed) where they lie: attn_shape_make */
     mm_bf16_fn dot2; /* bf16 inputs on a CPU with bf16 dot products: the scores and dP from them */
 } attn_shape;
 
 /* Rows of a (B, T, heads, HS) buffer are heads * HS floats apart. A stride
  * that is a multiple of 2 KiB (512 floats) puts the rows a block reads into
  * a few cache sets: with small's 8 heads of 64, copying them to dense
- * scratch first made the backward 24% faster (bench/ab_attention.sh ... small). */
+ * scratch first made the backward 24% faster (bench/ab_attention.sh ... small).
+ * The copy pays only when rows are read many times: with fewer queries
+ * than one block (decoding reads each key row once per query head) fp32
+ * rows are read in place whatever their stride. */
 static int stride_ok(int floats) { return floats % 512 != 0; }
 
 static attn_shape attn_shape_make(int B, int Tq, int Tk, int NH, int NKV, int HS,
                                   int q_pos0, loom_dtype dt) {
     attn_shape s = {B, Tq, Tk, NH, NKV, HS, q_pos0, NH / NKV, 1.0f / sqrtf((float)HS), dt,
-                    dt == LOOM_F32 && stride_ok(NH * HS) && stride_ok(NKV * HS),
+                    dt == LOOM_F32 && (Tq < ATTN_BQ || (stride_ok(NH * HS) && stride_ok(NKV * HS))),
                     dt == LOOM_BF16 ? mm_bf16_tiles() : NULL};
     return s;
 }
@@ -305,8 +308,8 @@ static void attn_fwd_block(void *out, float *lse, const void *q, int b, int h, i
     }
 }
 
-/* Task (b, g): every query of the heads that share kv head g. fp32 keys and
- * values are read where they lie; other dtypes are converted once. */
+/* Task (b, g): every query of the heads that share kv head g. Keys and
+ * values are read where they lie (s->in_place) or copied (converted) once. */
 static void attn_fwd_task(void *out, float *lse, const void *q, const void *k, const void *v, int b, int g,
                           const attn_shape *s, attn_fwd_scratch *w) {
     int kv_end = s->q_pos0 + s->Tq; // keys any query sees
@@ -348,7 +351,7 @@ void attention_fwd(void *out, float *lse, const void *q, const void *k, const vo
 /* --------------------------------------------------------------- backward */
 
 /* Rows of one task, each a pointer and a row stride: fp32 inputs and
- * outputs where they lie, other dtypes in the scratch buffers. */
+ * outputs where they lie (s->in_place), otherwise the scratch buffers. */
 typedef struct attn_bwd_scratch {
     const float *k, *dout; // kv head's keys (Tk rows), one query head's dout (Tq rows)
     int ldk, lddo;

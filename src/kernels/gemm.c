@@ -2,7 +2,8 @@
  * gemm.c — the GEMM entry point: argument checks, backend choice, and the
  * plain reference.
  *
- * Owns: the process-wide backend setting and the path counters.
+ * Owns: the process-wide backend setting, the path counters, and the copies
+ * of fp32 operands whose strides oneDNN packs slowly (gemm_onednn_padded).
  * Must never: abort on a bad argument (it returns LOOM_ERR_INVALID), or let
  * a oneDNN refusal reach the caller (the portable loops take over).
  */
@@ -99,10 +100,7 @@ static float *padded_copy(const float *src, int ld, int rows, int cols, int othe
         return NULL;
     int ldp = gemm_padded_stride(cols, LOOM_F32);
     float *dst = loom_alloc((size_t)rows * ldp * sizeof(float), LOOM_MEM_WORKSPACE);
-    if (!dst) {
-        loom_clear_error();
-        return NULL;
-    }
+    if (!dst) return NULL; /* the call runs unpadded; its status is what counts */
     #pragma omp parallel for schedule(static) if ((size_t)rows * cols > 65536)
     for (int r = 0; r < rows; r++) memcpy(dst + (size_t)r * ldp, src + (size_t)r * ld, (size_t)cols * sizeof(float));
     *ld_out = ldp;
@@ -118,8 +116,8 @@ static loom_status gemm_onednn_padded(const gemm_args *g, int *handled) {
     float *b = !a || g->trans_b ? NULL : padded_copy(g->B, g->ldb, g->K, g->N, g->M, &p.ldb);
     if (a) p.A = a;
     if (b) p.B = b;
-    if (a || b) GEMM_COUNT(padded_calls);
     loom_status st = gemm_onednn(&p, handled);
+    if ((a || b) && *handled) GEMM_COUNT(padded_calls);
     loom_free(a);
     loom_free(b);
     return st;

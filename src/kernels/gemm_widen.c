@@ -7,8 +7,9 @@
  *
  * C is done in tiles of up to mch rows x nch columns, all of K each: op(B)'s
  * column panel is converted once per column chunk and op(A)'s rows once per
- * tile, so the scratch stays within budget_b + budget_a + budget_c floats whatever
- * the sizes (conversions cost O(1/nch) of the products). When C is fp32 (e.g. dW
+ * tile, so the scratch stays within budget_b + budget_a + budget_c floats (plus
+ * up to 32 padding columns per panel: widened_stride) whatever the sizes
+ * (conversions cost O(1/nch) of the products). When C is fp32 (e.g. dW
  * accumulating into main_grad with beta = 1) oneDNN writes C directly;
  * otherwise it writes an fp32 tile that is finished here (alpha, beta * C,
  * bias, one rounding to C's dtype). A tile oneDNN refuses (it should not) is
@@ -47,7 +48,9 @@ static void widen_block(float *dst, int ldd, const void *src, int ld, int r0, in
 }
 
 /* The stride of a widened (K, cols) operand of a trans_a call: padded when
- * the dense one is critical for oneDNN's transposed-A packing (gemm.c). */
+ * the dense one is critical for oneDNN's transposed-A packing (gemm.c).
+ * Unlike gemm.c's fp32 copies, B's panel is padded whether or not A's is:
+ * the widening writes the panel anyway, so its padding costs nothing. */
 static int widened_stride(int cols, int trans_a) {
     return trans_a && gemm_stride_critical(cols, LOOM_F32) ? gemm_padded_stride(cols, LOOM_F32) : cols;
 }
@@ -131,13 +134,14 @@ loom_status gemm_widen(const gemm_args *g, int *handled) {
     float *b32 = loom_alloc((size_t)K * (g->trans_b ? nch : ldb32) * sizeof(float), LOOM_MEM_WORKSPACE);
     float *a32 = loom_alloc((size_t)(g->trans_a ? K * (size_t)lda32 : (size_t)mch * K) * sizeof(float),
                             LOOM_MEM_WORKSPACE);
-    if ((g->trans_a && lda32 != mch) || (!g->trans_b && ldb32 != nch)) GEMM_COUNT(padded_calls);
     float *c32 = direct ? NULL : loom_alloc((size_t)mch * nch * sizeof(float), LOOM_MEM_WORKSPACE);
     loom_status st = b32 && a32 && (direct || c32) ? LOOM_OK : LOOM_ERR_NOMEM;
+    int padded = 0; /* some panel got a padded stride */
     for (int n0 = 0; n0 < N && st == LOOM_OK; n0 += nch) {
         int n = N - n0 < nch ? N - n0 : nch;
         int ldb = g->trans_b ? K : widened_stride(n, g->trans_a);
         LOOM_ASSERT(g->trans_b || ldb <= ldb32); /* n <= nch, both multiples of 16 or n the last */
+        padded |= !g->trans_b && ldb != n;
         if (g->trans_b) widen_block(b32, ldb, g->B, g->ldb, n0, 0, n, K, g->ab_dt); /* (n, K) */
         else widen_block(b32, ldb, g->B, g->ldb, 0, n0, K, n, g->ab_dt);            /* (K, n) */
         for (int m0 = 0; m0 < M && st == LOOM_OK; m0 += mch) {
@@ -145,6 +149,7 @@ loom_status gemm_widen(const gemm_args *g, int *handled) {
             gemm_args w = tile_args(g, m0, m, n0, n);
             int lda = g->trans_a ? widened_stride(m, 1) : K;
             LOOM_ASSERT(!g->trans_a || lda <= lda32);
+            padded |= g->trans_a && lda != m;
             if (g->trans_a) widen_block(a32, lda, g->A, g->lda, 0, m0, K, m, g->ab_dt); /* (K, m) */
             else widen_block(a32, lda, g->A, g->lda, m0, 0, m, K, g->ab_dt);            /* (m, K) */
             w.A = a32;
@@ -170,6 +175,7 @@ loom_status gemm_widen(const gemm_args *g, int *handled) {
             if (st == LOOM_OK && !direct) finish_tile(g, c32, m0, m, n0, n);
         }
     }
+    if (st == LOOM_OK && padded) GEMM_COUNT(padded_calls);
     loom_free(a32);
     loom_free(b32);
     loom_free(c32);

@@ -31,6 +31,9 @@ static const attn_case CASES[] = {
     {1, 1, 65, 4, 2, 8, 64},    // a key block only the last query sees
     {1, 130, 130, 2, 2, 48, 0}, // a model's head size, blocks full and partial
     {2, 70, 70, 16, 8, 64, 0},  // strides of 2 and 4 KiB: fp32 rows go through dense scratch
+    {1, 70, 100, 16, 4, 32, 30}, // GQA, only the query stride 2 KiB, q_pos0 > 0: dense scratch
+    {1, 3, 75, 8, 2, 64, 67},   // KV cache, query stride 2 KiB, unseen keys: few queries, in place
+    {2, 1, 80, 8, 8, 64, 60},   // one new token, both strides 2 KiB: in place
 };
 #define N_CASES (sizeof CASES / sizeof CASES[0])
 

@@ -332,6 +332,29 @@ static void test_padded_strides(void **state) {
     gemm_set_backend(GEMM_BACKEND_AUTO);
 }
 
+/* Widened calls cut into chunks whose last one is 512 wide (a critical
+ * stride when dense) while the full chunks are not: each chunk gets its own
+ * stride within the panel's allocation, C fp32 (direct) and bf16. */
+static void test_widen_padded_chunks(void **state) {
+    (void)state;
+    if (!gemm_have_onednn()) skip();
+    gemm_set_backend(GEMM_BACKEND_WIDEN);
+    for (int t = 0; t < 4; t++) {
+        int direct = t < 2;
+        /* K = 16: chunks of 528 and a last one of 512, in both dimensions */
+        gemm_widen_set_budgets(16 * 600, direct ? 16 * 600 : 528 * 600);
+        gcase c = { .ta = 1, .tb = t & 1, .M = 1040, .N = 1040, .K = 16, .alpha = 1.0f, .beta = (float)(t & 1),
+                    .ab = LOOM_BF16, .c = direct ? LOOM_F32 : LOOM_BF16, .bias_dt = LOOM_F32 };
+        gemm_counters before, after;
+        gemm_get_counters(&before);
+        run_case(&c, "widen padded chunks");
+        gemm_get_counters(&after);
+        assert_int_equal(after.padded_calls - before.padded_calls, 1); /* the last chunks were padded */
+    }
+    gemm_widen_set_budgets(0, 0);
+    gemm_set_backend(GEMM_BACKEND_AUTO);
+}
+
 /* ------------------------------------------------------------- edge cases */
 
 /* K = 0: C = beta * C + bias, on both backends. */
@@ -562,6 +585,7 @@ int main(void) {
         cmocka_unit_test(test_onednn_shapes),
         cmocka_unit_test(test_widen_shapes),
         cmocka_unit_test(test_padded_strides),
+        cmocka_unit_test(test_widen_padded_chunks),
         cmocka_unit_test(test_fallback_portable),
         cmocka_unit_test(test_fallback_thread_invariant),
         cmocka_unit_test(test_k_zero),
