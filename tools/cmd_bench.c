@@ -40,6 +40,7 @@ typedef struct gemm_peak {
 
 typedef struct bench_result {
     double step_ms, tok_s, gflop_per_step, gflops, mfu, peak_act_mib, rss_mib, buffer_allocs_per_step, loss;
+    double primitives_per_step; /* oneDNN primitives created (cache misses) */
 } bench_result;
 
 static int cmp_double(const void *a, const void *b) {
@@ -221,8 +222,9 @@ static loom_status run_config(const bench_opts *o, const loom_llama_config *cfg,
     double *times = malloc((size_t)o->steps * n_modes * sizeof *times); /* (n_modes, steps) */
     size_t *peak_act = calloc((size_t)n_modes, sizeof *peak_act);
     uint64_t *allocs = calloc((size_t)n_modes, sizeof *allocs);
+    uint64_t *prims = calloc((size_t)n_modes, sizeof *prims);
     double *losses = calloc((size_t)n_modes, sizeof *losses); /* each mode's last loss */
-    if (st == LOOM_OK && (!r.tokens || !r.targets || !u || !times || !peak_act || !allocs || !losses))
+    if (st == LOOM_OK && (!r.tokens || !r.targets || !u || !times || !peak_act || !allocs || !prims || !losses))
         st = loom_error(LOOM_ERR_NOMEM, "bench: out of memory");
     if (st == LOOM_OK) {
         loom_rng_uniform(u, 2 * n, 7, 0);
@@ -244,14 +246,18 @@ static loom_status run_config(const bench_opts *o, const loom_llama_config *cfg,
     for (int s = 0; s < o->steps && st == LOOM_OK; s++)
         for (int m = 0; m < n_modes && st == LOOM_OK; m++) {
             loom_mem_stats before, after;
+            loom_gemm_stats g0, g1;
             r.m->recompute.mode = modes[m];
             loom_mem_reset_peak();
             loom_mem_get_stats(&before);
+            loom_gemm_get_stats(&g0);
             double t0 = cli_now();
             st = train_step(&r, &losses[m]);
             times[(size_t)m * o->steps + s] = cli_now() - t0;
             total += times[(size_t)m * o->steps + s];
             loom_mem_get_stats(&after);
+            loom_gemm_get_stats(&g1);
+            prims[m] += g1.primitives_created - g0.primitives_created;
             if (after.peak[LOOM_MEM_ACTIVATIONS] > peak_act[m]) peak_act[m] = after.peak[LOOM_MEM_ACTIVATIONS];
             allocs[m] += after.n_malloc - before.n_malloc;
         }
@@ -268,12 +274,14 @@ static loom_status run_config(const bench_opts *o, const loom_llama_config *cfg,
         x->peak_act_mib = (double)peak_act[m] / (1024.0 * 1024.0);
         x->rss_mib = n_modes == 1 ? (double)ru.ru_maxrss / 1024.0 : -1.0;
         x->buffer_allocs_per_step = (double)allocs[m] / o->steps;
+        x->primitives_per_step = (double)prims[m] / o->steps;
         x->loss = losses[m];
     }
     free(u);
     free(times);
     free(peak_act);
     free(allocs);
+    free(prims);
     free(losses);
     free(r.tokens);
     free(r.targets);
@@ -300,19 +308,19 @@ static void print_result(const bench_opts *o, loom_precision prec, loom_recomput
         printf("{\"preset\":\"%s\",\"precision\":\"%s\",\"master_grad\":\"%s\",\"recompute\":\"%s\","
                "\"recompute_mode\":\"%s\",\"batch\":%d,\"seq\":%d,\"threads\":%d,\"steps\":%d,"
                "\"tok_s\":%.1f,\"step_ms\":%.2f,\"gflop_per_step\":%.3f,\"gflops\":%.2f,\"mfu\":%.4f,"
-               "\"peak_act_MiB\":%.1f,\"rss_MiB\":%s,\"buffer_allocs_per_step\":%.1f,\"loss\":%.5f,"
-               "\"warmup\":%d,\"gemm_peak\":\"%s\"}\n",
+               "\"peak_act_MiB\":%.1f,\"rss_MiB\":%s,\"buffer_allocs_per_step\":%.1f,"
+               "\"gemm_primitives_per_step\":%.1f,\"loss\":%.5f,\"warmup\":%d,\"gemm_peak\":\"%s\"}\n",
                o->preset, loom_dtype_name(prec.compute), mg, recompute_label(mode), rm, o->batch, o->seq,
                loom_get_threads(), o->steps, r->tok_s, r->step_ms, r->gflop_per_step, r->gflops, r->mfu,
-               r->peak_act_mib, rss, r->buffer_allocs_per_step, r->loss, o->warmup, o->peak_given ? "given" : "measured");
+               r->peak_act_mib, rss, r->buffer_allocs_per_step, r->primitives_per_step, r->loss, o->warmup,
+               o->peak_given ? "given" : "measured");
     } else {
         printf("bench preset=%s precision=%s master_grad=%s recompute=%s tok/s=%.0f step_ms=%.1f gflops=%.1f "
                "mfu=%.3f peak_act_MiB=%.1f rss_MiB=%s recompute_mode=%s batch=%d seq=%d threads=%d "
-               "buffer_allocs/step=%.1f loss=%.4f\n",
+               "buffer_allocs/step=%.1f gemm_primitives/step=%.1f loss=%.4f\n",
                o->preset, loom_dtype_name(prec.compute), mg, recompute_label(mode), r->tok_s, r->step_ms, r->gflops,
                r->mfu, r->peak_act_mib, r->rss_mib < 0 ? "n/a" : rss, rm, o->batch, o->seq, loom_get_threads(),
-               r->buffer_allocs_per_step,
-               r->loss);
+               r->buffer_allocs_per_step, r->primitives_per_step, r->loss);
     }
     fflush(stdout);
 }
@@ -577,8 +585,9 @@ const command cmd_bench = {
     "allocator's rounding), rss_MiB (the process's peak RSS) and buffer_allocs/step\n"
     "(tensor buffers that missed loom's allocator cache and reached the system\n"
     "allocator; 0 once two steps have run; the small headers of tensors and autograd\n"
-    "nodes are allocated per op). mfu is against loom's own GEMM peak, not the CPU's\n"
-    "nominal FLOP rate.\n"
+    "nodes are allocated per op) and gemm_primitives/step (oneDNN primitives built\n"
+    "because loom's cache missed; 0 once two steps have run). mfu is against loom's\n"
+    "own GEMM peak, not the CPU's nominal FLOP rate.\n"
     "With neither --precision nor --recompute it runs {fp32, bf16 master-grad} x\n"
     "{none, selective, full}, each in a fresh process so that rss_MiB is per line.\n"
     "--recompute none,selective,full runs the modes in turns, step by step, on one\n"

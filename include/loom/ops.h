@@ -56,6 +56,16 @@ loom_status loom_gemm(int trans_a, int trans_b, int M, int N, int K, float alpha
                       float beta, void *C, int ldc, loom_dtype c_dt,
                       const void *bias, loom_dtype bias_dt);
 
+/* What loom_gemm has done since the process started (counters only grow;
+ * compare two readings). primitives_created counts oneDNN primitives built
+ * on a cache miss: a training step creates none once its shapes are cached.
+ * padded_calls counts calls whose operands were copied to padded strides
+ * first (a transposed A with rows 2 KiB apart). */
+typedef struct loom_gemm_stats {
+    uint64_t onednn_calls, primitives_created, fallback_calls, widened_calls, padded_calls;
+} loom_gemm_stats;
+void loom_gemm_get_stats(loom_gemm_stats *out);
+
 /* ------------------------------------------------------------- LLaMA ops */
 
 /* RMSNorm over the last dimension with weight w (C). */

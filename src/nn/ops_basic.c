@@ -3,6 +3,7 @@
  * bias add as loom_functions. Forward and backward side by side.
  */
 #include "nn/op_util.h"
+#include "kernels/gemm_internal.h"
 
 #include <stdlib.h>
 
@@ -319,6 +320,12 @@ loom_status loom_gemm(int trans_a, int trans_b, int M, int N, int K, float alpha
         return loom_error(LOOM_ERR_INVALID, "gemm: output dtype %s must be fp32 or the input dtype %s",
                           loom_dtype_name(c_dt), loom_dtype_name(ab_dt));
     return gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, ab_dt, beta, C, ldc, c_dt, bias, bias_dt);
+}
+
+void loom_gemm_get_stats(loom_gemm_stats *out) {
+    gemm_counters c;
+    gemm_get_counters(&c);
+    *out = (loom_gemm_stats){c.onednn_calls, c.onednn_created, c.fallback_calls, c.widened_calls, c.padded_calls};
 }
 
 /* ---------------------------------------------------------------- matmul */

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "kernels/gemm_internal.h"
+#include "loom/ops.h"
 
 typedef struct gcase {
     int ta, tb, M, N, K, pad;
@@ -534,6 +535,11 @@ static void test_cache_holds_a_step(void **state) {
     assert_int_equal(c[1].onednn_created - c[0].onednn_created, 18);
     assert_int_equal(c[2].onednn_created - c[1].onednn_created, 0);
     assert_int_equal(c[2].onednn_hits - c[1].onednn_hits, 18);
+    loom_gemm_stats pub; /* the public view of the same counters */
+    loom_gemm_get_stats(&pub);
+    assert_int_equal(pub.primitives_created, c[2].onednn_created);
+    assert_int_equal(pub.onednn_calls, c[2].onednn_calls);
+    assert_int_equal(pub.padded_calls, c[2].padded_calls);
     free(A); free(B); free(C);
     gemm_set_backend(GEMM_BACKEND_AUTO);
 }

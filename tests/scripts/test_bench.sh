@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # test_bench.sh — `loom bench` end to end on small shapes: one configuration
-# (text and JSON, every field present, no malloc once two steps have warmed
-# the allocator's cache), the interleaved comparison of recompute modes, the
+# (text and JSON, every field present, no malloc and no new oneDNN primitive
+# once two steps have warmed the caches), the interleaved comparison of recompute modes, the
 # standard matrix (six lines, one process each), the GEMM floor (--gemms),
 # bench_kernels, bad flags; and bench/compare_peer.sh and bench/peer_gemms.py against the
 # PyTorch peer when it and torch are present. No timing is asserted.
@@ -15,7 +15,7 @@ small=(--preset tiny --batch 1 --seq 32 --steps 2 --warmup 2 --gemm-peak 100,100
 out=$("$loom" bench "${small[@]}" --precision bf16 --recompute none)
 line=$(grep '^bench preset=' <<<"$out") || fail "no result line: $out"
 for f in precision=bf16 master_grad=on recompute=none 'tok/s=' step_ms= gflops= mfu= peak_act_MiB= rss_MiB= \
-         'buffer_allocs/step=0.0'; do
+         'buffer_allocs/step=0.0' 'gemm_primitives/step=0.0'; do
   grep -q "$f" <<<"$line" || fail "missing $f in: $line"
 done
 grep -q '^bench flops: 6\*N\*tokens' <<<"$out" || fail "no FLOP formula in: $out"
@@ -24,10 +24,12 @@ json=$("$loom" bench "${small[@]}" --precision fp32 --recompute full --recompute
 python3 - "$json" <<'PY' || fail "bad JSON: $json"
 import json, sys
 r = json.loads(sys.argv[1])
-for k in ("tok_s", "step_ms", "gflops", "mfu", "peak_act_MiB", "rss_MiB", "buffer_allocs_per_step", "warmup", "gemm_peak"):
+for k in ("tok_s", "step_ms", "gflops", "mfu", "peak_act_MiB", "rss_MiB", "buffer_allocs_per_step",
+          "gemm_primitives_per_step", "warmup", "gemm_peak"):
     assert k in r, k
 assert r["precision"] == "fp32" and r["recompute"] == "full" and r["recompute_mode"] == "reentrant"
 assert r["tok_s"] > 0 and r["rss_MiB"] > 0 and r["buffer_allocs_per_step"] == 0 and r["gemm_peak"] == "given"
+assert r["gemm_primitives_per_step"] == 0
 PY
 
 inter=$("$loom" bench "${small[@]}" --precision bf16 --recompute none,selective,full --no-header)
