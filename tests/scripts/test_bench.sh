@@ -90,6 +90,15 @@ if git -C "$src" rev-parse HEAD >/dev/null 2>&1; then
   fi
 fi
 
+# build/step_mallocs (not in sanitizer builds): every allocator call of a
+# step, per recompute mode; AdamW's step makes none.
+if [ -x "$bin/step_mallocs" ]; then
+  sm=$("$bin/step_mallocs" --preset tiny --steps 2)
+  [ "$(grep -cE '^step_mallocs preset=tiny recompute=.* forward=[1-9][0-9]* backward=[1-9][0-9]* optimizer=0 total=[0-9]+ calloc_free_ms=[0-9.]+' <<<"$sm")" -eq 4 ] ||
+    fail "step_mallocs: $sm"
+  if "$bin/step_mallocs" --steps 1 >/dev/null 2>&1; then fail "step_mallocs accepted --steps 1"; fi
+fi
+
 if "$loom" bench --preset huge >/dev/null 2>&1; then fail "unknown preset accepted"; fi
 if "$loom" bench --recompute sometimes >/dev/null 2>&1; then fail "unknown recompute mode accepted"; fi
 if "$loom" bench --precision bf16 --recompute none,full --profile >/dev/null 2>&1; then
