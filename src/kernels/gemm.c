@@ -73,7 +73,7 @@ static loom_status check_args(const gemm_args *g) {
  * packing of a transposed A reads together into a few cache sets. The dW
  * GEMM of a 512-feature linear (C = dy^T x, both strides 512 floats) ran at
  * 72-79 GFLOP/s, and at 120-135 with both operands first copied to a padded
- * stride, copy included (2048 rows, 2 threads, this repo's CI machine).
+ * stride, copy included (2048 rows, 2 threads, the Zen 3 of BENCHMARKS.md).
  * A padded alone helps too (a 1024 x 1024 dW: 36 to 29 ms), B alone does
  * not, and NN and NT calls with such strides run at full speed: so A of a
  * trans_a call is copied when its stride is critical, and then B as well
