@@ -14,8 +14,8 @@
  * products with fp32 sums on the inputs' own pairs (packed transposed per
  * block or kv head); the others, whose factors are computed, stay fp32.
  * Forward: one task per (b, kv head g); fp32 keys and values are read in
- * place (unless their row stride is a multiple of 2 KiB: stride_ok), other
- * dtypes converted once per task; each query block is
+ * place (unless rows lie 2 KiB apart and a block of queries or more reads
+ * them: attn_shape_make), other dtypes converted once per task; each query block is
  * transposed (8 x 8 vector blocks), then scaled. For each query head of the group and
  * each query block, key blocks are folded in with an online softmax (running
  * max m, running sum l, unnormalised output acc) on the transposed scores
