@@ -86,7 +86,7 @@ static int run(int argc, char **argv) {
     if (st == LOOM_OK && n_out < n_tokens && !ended && (int)n_ids + n_out >= m->cfg.max_seq)
         fprintf(stderr, "generate: stopped after %d of %d tokens: the model's context (%d tokens) is full\n", n_out,
                 n_tokens, m->cfg.max_seq);
-    if (st == LOOM_OK && n_out > 0 && out[n_out - 1] == loom_tokenizer_eot(tok)) n_out--;
+    if (st == LOOM_OK && ended) n_out--;
     size_t bytes = 0;
     if (st == LOOM_OK) st = loom_tokenizer_decode(tok, out, (size_t)n_out, NULL, 0, &bytes);
     if (st == LOOM_OK && !(text = malloc(bytes + 1))) st = loom_error(LOOM_ERR_NOMEM, "generate: out of memory");

@@ -67,6 +67,8 @@ typedef enum loom_dtype {
 } loom_dtype;
 
 static inline size_t loom_dtype_size(loom_dtype dt) { return dt == LOOM_F32 ? 4 : 2; }
+/* dt is one of the dtypes above (a value from outside, checked before use). */
+static inline int loom_dtype_valid(loom_dtype dt) { return dt == LOOM_F32 || dt == LOOM_BF16 || dt == LOOM_F16; }
 const char *loom_dtype_name(loom_dtype dt);
 /* Parses "fp32"/"f32", "bf16", "fp16"/"f16". */
 loom_status loom_dtype_parse(const char *s, loom_dtype *out);

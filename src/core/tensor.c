@@ -48,7 +48,7 @@ static loom_tensor *tensor_header(loom_dtype dt, int ndim, const int64_t *shape)
 }
 
 loom_tensor *loom_tensor_new(loom_dtype dt, int ndim, const int64_t *shape, loom_mem_category cat) {
-    if (dt != LOOM_F32 && dt != LOOM_BF16 && dt != LOOM_F16) {
+    if (!loom_dtype_valid(dt)) {
         loom_error(LOOM_ERR_INVALID, "tensor: unknown dtype %d (fp32, bf16 or fp16)", (int)dt);
         return NULL;
     }

@@ -97,11 +97,16 @@ static loom_status find_shards(loom_dataloader *dl, const char *source, const ch
         LOOM_TRY(s);
     }
     qsort(dl->paths, dl->n_shards, sizeof *dl->paths, cmp_str);
-    for (size_t i = 0; i < dl->n_shards; i++) { /* a directory a crashed tokenize left half-written */
+    /* A directory a crashed tokenize left half-written: each directory once
+     * (sorted paths keep a directory's shards together). */
+    char marker[4352] = "";
+    for (size_t i = 0; i < dl->n_shards; i++) {
         const char *slash = strrchr(dl->paths[i], '/');
-        char marker[4352];
-        snprintf(marker, sizeof marker, "%.*s%s", slash ? (int)(slash - dl->paths[i] + 1) : 0, dl->paths[i],
-                 LOOM_SHARDS_INCOMPLETE);
+        int dir_len = slash ? (int)(slash - dl->paths[i] + 1) : 0;
+        if (i > 0 && !strncmp(marker, dl->paths[i], (size_t)dir_len) &&
+            !strcmp(marker + dir_len, LOOM_SHARDS_INCOMPLETE))
+            continue; /* this directory was checked */
+        snprintf(marker, sizeof marker, "%.*s%s", dir_len, dl->paths[i], LOOM_SHARDS_INCOMPLETE);
         if (stat(marker, &sb) == 0)
             return loom_error(LOOM_ERR_STATE, "%s exists: a `loom tokenize` into that directory did not finish, "
                               "so its shards and tokenizer may belong to two runs; run the tokenize again",

@@ -14,7 +14,7 @@
  * products with fp32 sums on the inputs' own pairs (packed transposed per
  * block or kv head); the others, whose factors are computed, stay fp32.
  * Forward: one task per (b, kv head g); fp32 keys and values are read in
- * place (unless rows lie 2 KiB apart and a block of queries or more reads
+ * place (unless their stride is critical and a block of queries or more reads
  * them: attn_shape_make), other dtypes converted once per task; each query block is
  * transposed (8 x 8 vector blocks), then scaled. For each query head of the group and
  * each query block, key blocks are folded in with an online softmax (running
@@ -63,19 +63,18 @@ typedef struct attn_shape {
     mm_bf16_fn dot2; /* bf16 inputs on a CPU with bf16 dot products: the scores and dP from them */
 } attn_shape;
 
-/* Rows of a (B, T, heads, HS) buffer are heads * HS floats apart. A stride
- * that is a multiple of 2 KiB (512 floats) puts the rows a block reads into
- * a few cache sets: with small's 8 heads of 64, copying them to dense
- * scratch first made the backward 24% faster (bench/ab_attention.sh ... small).
- * The copy pays only when rows are read many times: with fewer queries
- * than one block (decoding reads each key row once per query head) fp32
- * rows are read in place whatever their stride. */
-static int stride_ok(int floats) { return floats % 512 != 0; }
+/* Rows of a (B, T, heads, HS) buffer are heads * HS floats apart. With a
+ * critical stride (stride_critical: small's 8 heads of 64), copying them to
+ * dense scratch first made the backward 24% faster (bench/ab_attention.sh
+ * ... small). The copy pays only when rows are read many times: with fewer
+ * queries than one block (decoding reads each key row once per query head)
+ * fp32 rows are read in place whatever their stride. */
 
 static attn_shape attn_shape_make(int B, int Tq, int Tk, int NH, int NKV, int HS,
                                   int q_pos0, loom_dtype dt) {
     attn_shape s = {B, Tq, Tk, NH, NKV, HS, q_pos0, NH / NKV, 1.0f / sqrtf((float)HS), dt,
-                    dt == LOOM_F32 && (Tq < ATTN_BQ || (stride_ok(NH * HS) && stride_ok(NKV * HS))),
+                    dt == LOOM_F32 && (Tq < ATTN_BQ || !(stride_critical((size_t)NH * HS, dt) ||
+                                                         stride_critical((size_t)NKV * HS, dt))),
                     dt == LOOM_BF16 ? mm_bf16_tiles() : NULL};
     return s;
 }

@@ -35,10 +35,6 @@ void gemm_get_counters(gemm_counters *out) {
     out->padded_calls = __atomic_load_n(&gemm_counters_.padded_calls, __ATOMIC_RELAXED);
 }
 
-static int dtype_ok(loom_dtype dt) {
-    return dt == LOOM_F32 || dt == LOOM_BF16 || dt == LOOM_F16;
-}
-
 static loom_status check_ld(const char *name, int ld, int row_len, int trans) {
     int need = row_len > 1 ? row_len : 1;
     if (ld < need)
@@ -52,7 +48,7 @@ static loom_status check_ld(const char *name, int ld, int row_len, int trans) {
 static loom_status check_args(const gemm_args *g) {
     if (g->M < 0 || g->N < 0 || g->K < 0)
         return loom_error(LOOM_ERR_INVALID, "gemm: negative size M=%d N=%d K=%d", g->M, g->N, g->K);
-    if (!dtype_ok(g->ab_dt) || !dtype_ok(g->c_dt) || (g->bias && !dtype_ok(g->bias_dt)))
+    if (!loom_dtype_valid(g->ab_dt) || !loom_dtype_valid(g->c_dt) || (g->bias && !loom_dtype_valid(g->bias_dt)))
         return loom_error(LOOM_ERR_INVALID, "gemm: unknown dtype (ab %d, c %d, bias %d)",
                           (int)g->ab_dt, (int)g->c_dt, (int)g->bias_dt);
     if (g->c_dt != LOOM_F32 && g->c_dt != g->ab_dt)
@@ -79,24 +75,19 @@ static loom_status check_args(const gemm_args *g) {
  * trans_a call is copied when its stride is critical, and then B as well
  * when its stride is. Only operands up to PAD_MAX_FLOATS: the lm_head's dy
  * (vocab columns) gains no more than its copy costs. */
-#define PAD_STRIDE_BYTES 2048
 #define PAD_MAX_FLOATS ((size_t)1 << 22)
 #define PAD_MIN_OTHER 64 /* the other dimension of C: below this the copy outweighs the GEMM */
 
-int gemm_stride_critical(int ld, loom_dtype dt) {
-    return ((size_t)ld * loom_dtype_size(dt)) % PAD_STRIDE_BYTES == 0;
-}
-
 int gemm_padded_stride(int cols, loom_dtype dt) {
     int ld = cols + 16;
-    return gemm_stride_critical(ld, dt) ? ld + 16 : ld;
+    return stride_critical((size_t)ld, dt) ? ld + 16 : ld;
 }
 
 /* The stored rows x cols window of an operand, copied with a padded
  * stride; NULL when it needs no copy (or no memory: the call then runs as
  * given). */
 static float *padded_copy(const float *src, int ld, int rows, int cols, int other, int *ld_out) {
-    if (!gemm_stride_critical(ld, LOOM_F32) || other < PAD_MIN_OTHER || (size_t)rows * cols > PAD_MAX_FLOATS)
+    if (!stride_critical((size_t)ld, LOOM_F32) || other < PAD_MIN_OTHER || (size_t)rows * cols > PAD_MAX_FLOATS)
         return NULL;
     int ldp = gemm_padded_stride(cols, LOOM_F32);
     float *dst = loom_alloc((size_t)rows * ldp * sizeof(float), LOOM_MEM_WORKSPACE);

@@ -48,10 +48,9 @@ int gemm_onednn_available(void);
  * when oneDNN refuses the half types. *handled = 0 (C untouched) for fp32
  * inputs, K == 0, or without oneDNN. */
 loom_status gemm_widen(const gemm_args *g, int *handled);
-/* Strides of ld elements of dt that oneDNN's transposed-A packing reads
- * slowly (a multiple of 2 KiB), and the padded stride a copy of rows of
- * `cols` elements gets instead (gemm.c). */
-int gemm_stride_critical(int ld, loom_dtype dt);
+/* The stride a copy of rows of `cols` elements of dt gets instead of a
+ * critical one (stride_critical: oneDNN packs a transposed A with such a
+ * stride slowly; gemm.c). */
 int gemm_padded_stride(int cols, loom_dtype dt);
 /* Destroy every cached primitive (tests; idle callers only). */
 void gemm_onednn_cache_clear(void);

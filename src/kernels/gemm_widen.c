@@ -52,7 +52,7 @@ static void widen_block(float *dst, int ldd, const void *src, int ld, int r0, in
  * Unlike gemm.c's fp32 copies, B's panel is padded whether or not A's is:
  * the widening writes the panel anyway, so its padding costs nothing. */
 static int widened_stride(int cols, int trans_a) {
-    return trans_a && gemm_stride_critical(cols, LOOM_F32) ? gemm_padded_stride(cols, LOOM_F32) : cols;
+    return trans_a && stride_critical((size_t)cols, LOOM_F32) ? gemm_padded_stride(cols, LOOM_F32) : cols;
 }
 
 /* Rows [m0, m0 + m) x columns [n0, n0 + n) of C = alpha * c32 + beta * C

@@ -24,6 +24,12 @@
 
 #include "loom/core.h"
 
+/* Rows ld elements of dt apart with a stride that is a multiple of 2 KiB
+ * (512 floats) put the rows a kernel reads together into a few cache sets:
+ * the GEMM (gemm.c) and the attention (attention.c) copy such rows to
+ * another stride first (docs/design-notes.md). */
+static inline int stride_critical(size_t ld, loom_dtype dt) { return ld * loom_dtype_size(dt) % 2048 == 0; }
+
 /* ------------------------------------------------------------------ GEMM */
 
 typedef enum gemm_backend {

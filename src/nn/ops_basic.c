@@ -227,7 +227,7 @@ static const loom_function cast_function = {"cast", 1, 1, 0, cast_forward, cast_
 loom_status loom_cast(loom_tensor *x, loom_dtype dt, loom_tensor **out) {
     *out = NULL;
     if (!x) return loom_error(LOOM_ERR_INVALID, "cast: x is NULL");
-    if (dt != LOOM_F32 && dt != LOOM_BF16 && dt != LOOM_F16)
+    if (!loom_dtype_valid(dt))
         return loom_error(LOOM_ERR_INVALID, "cast: unknown dtype %d (fp32, bf16 or fp16)", (int)dt);
     return apply1(&cast_function, x, NULL, &dt, sizeof dt, out);
 }
