@@ -41,6 +41,7 @@ typedef struct gemm_peak {
 typedef struct bench_result {
     double step_ms, tok_s, gflop_per_step, gflops, mfu, peak_act_mib, rss_mib, buffer_allocs_per_step, loss;
     double primitives_per_step; /* oneDNN primitives created (cache misses) */
+    double replay_ms;           /* median per step: the recompute's replays inside the backward */
 } bench_result;
 
 static int cmp_double(const void *a, const void *b) {
@@ -220,11 +221,12 @@ static loom_status run_config(const bench_opts *o, const loom_llama_config *cfg,
     r.targets = malloc(n * sizeof *r.targets);
     float *u = malloc(2 * n * sizeof *u);
     double *times = malloc((size_t)o->steps * n_modes * sizeof *times); /* (n_modes, steps) */
+    double *replays = malloc((size_t)o->steps * n_modes * sizeof *replays); /* (n_modes, steps) */
     size_t *peak_act = calloc((size_t)n_modes, sizeof *peak_act);
     uint64_t *allocs = calloc((size_t)n_modes, sizeof *allocs);
     uint64_t *prims = calloc((size_t)n_modes, sizeof *prims);
     double *losses = calloc((size_t)n_modes, sizeof *losses); /* each mode's last loss */
-    if (st == LOOM_OK && (!r.tokens || !r.targets || !u || !times || !peak_act || !allocs || !prims || !losses))
+    if (st == LOOM_OK && (!r.tokens || !r.targets || !u || !times || !replays || !peak_act || !allocs || !prims || !losses))
         st = loom_error(LOOM_ERR_NOMEM, "bench: out of memory");
     if (st == LOOM_OK) {
         loom_rng_uniform(u, 2 * n, 7, 0);
@@ -247,13 +249,17 @@ static loom_status run_config(const bench_opts *o, const loom_llama_config *cfg,
         for (int m = 0; m < n_modes && st == LOOM_OK; m++) {
             loom_mem_stats before, after;
             loom_gemm_stats g0, g1;
+            loom_recompute_stats rc0, rc1;
             r.m->recompute.mode = modes[m];
             loom_mem_reset_peak();
             loom_mem_get_stats(&before);
             loom_gemm_get_stats(&g0);
+            loom_recompute_get_stats(&rc0);
             double t0 = cli_now();
             st = train_step(&r, &losses[m]);
             times[(size_t)m * o->steps + s] = cli_now() - t0;
+            loom_recompute_get_stats(&rc1);
+            replays[(size_t)m * o->steps + s] = rc1.replay_seconds - rc0.replay_seconds;
             total += times[(size_t)m * o->steps + s];
             loom_mem_get_stats(&after);
             loom_gemm_get_stats(&g1);
@@ -268,6 +274,7 @@ static loom_status run_config(const bench_opts *o, const loom_llama_config *cfg,
     for (int m = 0; m < n_modes && st == LOOM_OK; m++) {
         bench_result *x = &res[m];
         x->step_ms = median(times + (size_t)m * o->steps, o->steps) * 1e3;
+        x->replay_ms = median(replays + (size_t)m * o->steps, o->steps) * 1e3;
         x->tok_s = (double)n / (x->step_ms * 1e-3);
         x->gflop_per_step = model_flops_per_token(cfg, r.T) * (double)n * 1e-9;
         x->gflops = x->gflop_per_step / (x->step_ms * 1e-3);
@@ -279,6 +286,7 @@ static loom_status run_config(const bench_opts *o, const loom_llama_config *cfg,
     }
     free(u);
     free(times);
+    free(replays);
     free(peak_act);
     free(allocs);
     free(prims);
@@ -309,18 +317,20 @@ static void print_result(const bench_opts *o, loom_precision prec, loom_recomput
                "\"recompute_mode\":\"%s\",\"batch\":%d,\"seq\":%d,\"threads\":%d,\"steps\":%d,"
                "\"tok_s\":%.1f,\"step_ms\":%.2f,\"gflop_per_step\":%.3f,\"gflops\":%.2f,\"mfu\":%.4f,"
                "\"peak_act_MiB\":%.1f,\"rss_MiB\":%s,\"buffer_allocs_per_step\":%.1f,"
-               "\"gemm_primitives_per_step\":%.1f,\"loss\":%.5f,\"warmup\":%d,\"gemm_peak\":\"%s\"}\n",
+               "\"gemm_primitives_per_step\":%.1f,\"replay_ms\":%.2f,\"loss\":%.5f,\"warmup\":%d,"
+               "\"gemm_peak\":\"%s\"}\n",
                o->preset, loom_dtype_name(prec.compute), mg, recompute_label(mode), rm, o->batch, o->seq,
                loom_get_threads(), o->steps, r->tok_s, r->step_ms, r->gflop_per_step, r->gflops, r->mfu,
-               r->peak_act_mib, rss, r->buffer_allocs_per_step, r->primitives_per_step, r->loss, o->warmup,
+               r->peak_act_mib, rss, r->buffer_allocs_per_step, r->primitives_per_step, r->replay_ms, r->loss,
+               o->warmup,
                o->peak_given ? "given" : "measured");
     } else {
         printf("bench preset=%s precision=%s master_grad=%s recompute=%s tok/s=%.0f step_ms=%.1f gflops=%.1f "
                "mfu=%.3f peak_act_MiB=%.1f rss_MiB=%s recompute_mode=%s batch=%d seq=%d threads=%d "
-               "buffer_allocs/step=%.1f gemm_primitives/step=%.1f loss=%.4f\n",
+               "buffer_allocs/step=%.1f gemm_primitives/step=%.1f replay_ms=%.1f loss=%.4f\n",
                o->preset, loom_dtype_name(prec.compute), mg, recompute_label(mode), r->tok_s, r->step_ms, r->gflops,
                r->mfu, r->peak_act_mib, r->rss_mib < 0 ? "n/a" : rss, rm, o->batch, o->seq, loom_get_threads(),
-               r->buffer_allocs_per_step, r->primitives_per_step, r->loss);
+               r->buffer_allocs_per_step, r->primitives_per_step, r->replay_ms, r->loss);
     }
     fflush(stdout);
 }
@@ -586,8 +596,11 @@ const command cmd_bench = {
     "(tensor buffers that missed loom's allocator cache and reached the system\n"
     "allocator; 0 once two steps have run; the small headers of tensors and autograd\n"
     "nodes are allocated per op) and gemm_primitives/step (oneDNN primitives built\n"
-    "because loom's cache missed; 0 once two steps have run). mfu is against loom's\n"
-    "own GEMM peak, not the CPU's nominal FLOP rate.\n"
+    "because loom's cache missed; 0 once two steps have run) and replay_ms (median per\n"
+    "step: the time recompute's replays took inside the backward, 0 without recompute;\n"
+    "measured within each step, it is the recompute's own cost even when the machine's\n"
+    "speed drifts between steps). mfu is against loom's own GEMM peak, not the CPU's\n"
+    "nominal FLOP rate.\n"
     "With neither --precision nor --recompute it runs {fp32, bf16 master-grad} x\n"
     "{none, selective, full}, each in a fresh process so that rss_MiB is per line.\n"
     "--recompute none,selective,full runs the modes in turns, step by step, on one\n"

@@ -99,6 +99,8 @@ typedef struct loom_recompute_stats {
     long placeholders;   /* activations dropped for recompute */
     long kept_outputs;   /* selective: op outputs kept */
     long skipped_ops;    /* replayed ops not run: nothing live needed their outputs */
+    double replay_seconds; /* wall time of the replays' forwards: what recomputing cost, measured
+                            * inside the step (a reentrant region's nested backward not included) */
 } loom_recompute_stats;
 void loom_recompute_get_stats(loom_recompute_stats *out);
 void loom_recompute_reset_stats(void);

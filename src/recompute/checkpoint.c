@@ -113,7 +113,7 @@ static loom_status reentrant_backward(loom_fn_ctx *ctx, loom_tensor *const *grad
         }
     }
     if (st == LOOM_OK) {
-        recompute_count_replay();
+        double started = recompute_replay_begin();
         loom_tape_push();
         autograd_uses_counted_enter(); /* the forward counted them */
         int grad_mode = autograd_grad_mode_enable();
@@ -121,6 +121,7 @@ static loom_status reentrant_backward(loom_fn_ctx *ctx, loom_tensor *const *grad
         *rng = s->rng_start;
         st = a->fn(a->user, in, n_inputs, out, n_outputs);
         *rng = saved_rng;
+        recompute_replay_end(started);
         if (st == LOOM_OK) {
             /* Outputs that need no gradient (frozen parameters, inputs that
              * need none) take none: then the region has nothing to add. */

@@ -13,7 +13,9 @@ void recompute_count_region(void);
 loom_status recompute_region_run(const loom_recompute_policy *policy, unsigned flags, loom_region_fn fn,
                                  void *user, loom_tensor *const *inputs, int n_inputs, loom_tensor **outputs,
                                  int n_outputs);
-/* A reentrant region's backward replayed it (stats.replays). */
-void recompute_count_replay(void);
+/* A replay's forward starts (stats.replays) and returns the clock to hand
+ * to recompute_replay_end, which adds the time since to stats.replay_seconds. */
+double recompute_replay_begin(void);
+void recompute_replay_end(double started);
 
 #endif

@@ -12,13 +12,25 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 
 static _Thread_local loom_recompute_stats stats;
 
 void loom_recompute_get_stats(loom_recompute_stats *out) { *out = stats; }
 void loom_recompute_reset_stats(void) { memset(&stats, 0, sizeof stats); }
 void recompute_count_region(void) { stats.regions++; }
-void recompute_count_replay(void) { stats.replays++; }
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+double recompute_replay_begin(void) {
+    stats.replays++;
+    return now_seconds();
+}
+
+void recompute_replay_end(double started) { stats.replay_seconds += now_seconds() - started; }
 
 typedef struct saved_meta {
     int ndim;
@@ -363,7 +375,7 @@ static void *rp_pack(void *self, loom_fn_ctx *ctx, loom_tensor *t) {
 
 static loom_status region_replay(region *r) {
     r->replayed_once = 1;
-    stats.replays++;
+    double started = recompute_replay_begin();
     r->replayed = calloc((size_t)(r->n_saved ? r->n_saved : 1), sizeof *r->replayed);
     loom_tensor **outs = calloc((size_t)(r->n_outputs ? r->n_outputs : 1), sizeof *outs);
     if (!r->replayed || !outs) {
@@ -383,6 +395,7 @@ static loom_status region_replay(region *r) {
     autograd_hooks_pop();
     autograd_grad_mode_restore(grad_mode);
     *rng = saved_rng;
+    recompute_replay_end(started);
     for (int i = 0; i < r->n_outputs; i++) loom_tensor_release(outs[i]);
     free(outs);
     if (st != LOOM_OK) {

@@ -19,6 +19,7 @@
 
 #include <math.h>
 #include <string.h>
+#include <time.h>
 
 #include "loom/loom.h"
 
@@ -188,6 +189,7 @@ static void expect_every_mode_matches(void (*run)(loom_recompute_mode, grad_set 
 typedef struct counting_block {
     loom_param *w;
     int calls;
+    long sleep_us; /* each call waits this long first (replay timing) */
 } counting_block;
 
 /* y = silu(x W^T)^2: a GEMM (kept by the selective policy), then element-wise
@@ -196,6 +198,7 @@ static loom_status counting_region(void *user, loom_tensor *const *in, int n_in,
     (void)n_in; (void)n_out;
     counting_block *b = user;
     b->calls++;
+    if (b->sleep_us > 0) nanosleep(&(struct timespec){0, b->sleep_us * 1000L}, NULL);
     loom_tensor *h = NULL, *a = NULL;
     loom_status st = loom_fused_linear(in[0], b->w->tensor, NULL, &h);
     if (st == LOOM_OK) st = loom_silu(h, &a);
@@ -213,7 +216,7 @@ static void run_counting(loom_recompute_mode mode, grad_set *gs) {
         char name[32];
         snprintf(name, sizeof name, "w%d", i);
         w[i] = make_param(name, DIM, DIM, 10 + (uint64_t)i);
-        blocks[i] = (counting_block){w[i], 0};
+        blocks[i] = (counting_block){w[i], 0, 0};
     }
     loom_tensor *x = make_leaf(ROWS, DIM, 1, 1);
     int per_backward = mode == LOOM_RECOMPUTE_NONE ? 0 : 1;
@@ -258,6 +261,59 @@ static void test_forward_once_replay_once(void **state) {
     mem_check_clean(act0);
 }
 
+static double seconds_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* stats.replay_seconds is the replays' time and nothing else: none in the
+ * forward (whose regions wait as long as their replays), at least each
+ * replay's wait in the backward, at most the backward's wall time, and none
+ * at all without recompute. */
+static void test_replay_time_is_measured(void **state) {
+    (void)state;
+    enum { BLOCKS = 2 };
+    const long wait_us = 3000;
+    const loom_recompute_mode modes[4] = {LOOM_RECOMPUTE_NONE, LOOM_RECOMPUTE_REENTRANT,
+                                          LOOM_RECOMPUTE_NONREENTRANT, LOOM_RECOMPUTE_SELECTIVE};
+    for (int k = 0; k < 4; k++) {
+        loom_param *w[BLOCKS];
+        counting_block blocks[BLOCKS];
+        for (int i = 0; i < BLOCKS; i++) {
+            w[i] = make_param("w", DIM, DIM, 30 + (uint64_t)i);
+            blocks[i] = (counting_block){w[i], 0, wait_us};
+        }
+        loom_tensor *x = make_leaf(ROWS, DIM, 3, 1), *h = loom_tensor_retain(x);
+        loom_recompute_reset_stats();
+        for (int i = 0; i < BLOCKS; i++) {
+            loom_tensor *next = NULL;
+            assert_int_equal(loom_checkpoint(modes[k], counting_region, &blocks[i], &h, 1, &next, 1), LOOM_OK);
+            loom_tensor_release(h);
+            h = next;
+        }
+        loom_recompute_stats rs;
+        loom_recompute_get_stats(&rs);
+        assert_true(rs.replay_seconds == 0.0);
+        loom_tensor *loss = weighted_sum(h, 5);
+        double t0 = seconds_now();
+        backward_ok(loss);
+        double backward_s = seconds_now() - t0;
+        loom_recompute_get_stats(&rs);
+        if (modes[k] == LOOM_RECOMPUTE_NONE) {
+            assert_true(rs.replay_seconds == 0.0);
+        } else {
+            assert_int_equal(rs.replays, BLOCKS);
+            assert_true(rs.replay_seconds >= BLOCKS * wait_us * 1e-6);
+            assert_true(rs.replay_seconds <= backward_s);
+        }
+        loom_tensor_release(loss);
+        loom_tensor_release(h);
+        loom_tensor_release(x);
+        for (int i = 0; i < BLOCKS; i++) loom_param_free(w[i]);
+    }
+}
+
 /* A region that saves nothing but its inputs has nothing to recompute: the
  * backward does not replay it. */
 static loom_status adding_region(void *user, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
@@ -269,7 +325,7 @@ static loom_status adding_region(void *user, loom_tensor *const *in, int n_in, l
 static void test_nothing_to_recompute(void **state) {
     (void)state;
     for (int k = 1; k < 3; k++) { /* the non-reentrant modes */
-        counting_block b = {NULL, 0};
+        counting_block b = {NULL, 0, 0};
         loom_tensor *x = make_leaf(ROWS, DIM, 2, 1), *y = NULL;
         loom_recompute_reset_stats();
         assert_int_equal(loom_checkpoint(recompute_modes[k], adding_region, &b, &x, 1, &y, 1), LOOM_OK);
@@ -751,7 +807,7 @@ static void test_second_backward_is_an_error(void **state) {
     grad_set ref = {0};
     for (int k = 0; k < 4; k++) {
         loom_param *w = make_param("w", DIM, DIM, 60);
-        counting_block b = {w, 0};
+        counting_block b = {w, 0, 0};
         loom_tensor *x = make_leaf(ROWS, DIM, 8, 1), *y = NULL;
         assert_int_equal(loom_checkpoint(all[k], counting_region, &b, &x, 1, &y, 1), LOOM_OK);
         loom_tensor *la = weighted_sum(y, 54), *lb = weighted_sum(y, 55);
@@ -926,7 +982,7 @@ static void test_parameter_as_region_input(void **state) {
 
 static void run_shared_param(loom_recompute_mode mode, grad_set *gs) {
     loom_param *w = make_param("w", DIM, DIM, 90);
-    counting_block b = {w, 0};
+    counting_block b = {w, 0, 0};
     loom_tensor *x = make_leaf(ROWS, DIM, 12, 1), *y = NULL, *z = NULL;
     assert_int_equal(loom_checkpoint(mode, counting_region, &b, &x, 1, &y, 1), LOOM_OK);
     assert_int_equal(loom_fused_linear(y, w->tensor, NULL, &z), LOOM_OK); /* outside the region */
@@ -1240,6 +1296,7 @@ int main(void) {
     loom_set_threads(2);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_forward_once_replay_once),
+        cmocka_unit_test(test_replay_time_is_measured),
         cmocka_unit_test(test_nothing_to_recompute),
         cmocka_unit_test(test_dropout_rng_replay),
         cmocka_unit_test(test_dead_op_drawing_random_numbers),

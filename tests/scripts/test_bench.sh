@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # test_bench.sh — `loom bench` end to end on small shapes: one configuration
 # (text and JSON, every field present, no malloc and no new oneDNN primitive
-# once two steps have warmed the caches), the interleaved comparison of recompute modes, the
+# once two steps have warmed the caches), the interleaved comparison of recompute modes (with
+# the time their replays took), the
 # standard matrix (six lines, one process each), the GEMM floor (--gemms),
 # bench_kernels, bad flags; and bench/compare_peer.sh and bench/peer_gemms.py against the
 # PyTorch peer when it and torch are present. No timing is asserted.
@@ -15,7 +16,7 @@ small=(--preset tiny --batch 1 --seq 32 --steps 2 --warmup 2 --gemm-peak 100,100
 out=$("$loom" bench "${small[@]}" --precision bf16 --recompute none)
 line=$(grep '^bench preset=' <<<"$out") || fail "no result line: $out"
 for f in precision=bf16 master_grad=on recompute=none 'tok/s=' step_ms= gflops= mfu= peak_act_MiB= rss_MiB= \
-         'buffer_allocs/step=0.0' 'gemm_primitives/step=0.0'; do
+         'buffer_allocs/step=0.0' 'gemm_primitives/step=0.0' 'replay_ms=0.0 '; do
   grep -q "$f" <<<"$line" || fail "missing $f in: $line"
 done
 grep -q '^bench flops: 6\*N\*tokens' <<<"$out" || fail "no FLOP formula in: $out"
@@ -25,16 +26,22 @@ python3 - "$json" <<'PY' || fail "bad JSON: $json"
 import json, sys
 r = json.loads(sys.argv[1])
 for k in ("tok_s", "step_ms", "gflops", "mfu", "peak_act_MiB", "rss_MiB", "buffer_allocs_per_step",
-          "gemm_primitives_per_step", "warmup", "gemm_peak"):
+          "gemm_primitives_per_step", "replay_ms", "warmup", "gemm_peak"):
     assert k in r, k
 assert r["precision"] == "fp32" and r["recompute"] == "full" and r["recompute_mode"] == "reentrant"
 assert r["tok_s"] > 0 and r["rss_MiB"] > 0 and r["buffer_allocs_per_step"] == 0 and r["gemm_peak"] == "given"
 assert r["gemm_primitives_per_step"] == 0
+assert 0 < r["replay_ms"] < r["step_ms"]  # full recompute replays every block inside the step
 PY
 
 inter=$("$loom" bench "${small[@]}" --precision bf16 --recompute none,selective,full --no-header)
 [ "$(grep -c '^bench preset=' <<<"$inter")" -eq 3 ] || fail "interleaved: $inter"
 grep -q 'recompute=selective.*rss_MiB=n/a' <<<"$inter" || fail "interleaved rss: $inter"
+# Only the recomputing modes replay, and each replay is part of its step.
+grep -q 'recompute=none .*replay_ms=0.0 ' <<<"$inter" || fail "replay without recompute: $inter"
+for r in selective full; do
+  grep -qE "recompute=$r .*replay_ms=[0-9]*\.?[0-9]*[1-9]" <<<"$inter" || fail "no replay time for $r: $inter"
+done
 
 matrix=$("$loom" bench --preset tiny --batch 1 --seq 16 --steps 1 --warmup 0 --gemm-peak 100,100)
 # The matrix measures the peak once and hands it to its children: their lines
