@@ -12,7 +12,13 @@
 # Each side runs in its own process, so peak RSS (getrusage maxrss) is per
 # configuration. --repeat R runs each configuration R times (loom, peer,
 # loom, peer, ...) and ends with the median of the R speedups and their range:
-# on a shared machine one pair can be off by 20%. Both run with OMP_WAIT_POLICY=passive (loom's own default;
+# on a shared machine one pair can be off by 20%. The peer takes 9 steps by
+# default (--peer-steps): it drops only its first, and on small its steps 1
+# and 2 are still 20-35% slower than its steady state, so with 3 steps its
+# median was a warm-up step (the peer's bf16 steps take minutes on small,
+# where 1-3 do: its ratios there are far from any target). The steadier
+# comparison of speed is bench/lockstep_peer.py, which alternates single
+# steps of both. Both run with OMP_WAIT_POLICY=passive (loom's own default;
 # spinning OpenMP threads collapse on a machine shared with other work)
 # unless the environment sets it. Environment: LOOM (default build/loom),
 # PEER (default ../shared/peers/torch_llama.py), PYTHON (default
@@ -23,7 +29,7 @@ loom=${LOOM:-$root/build/loom}
 peer=${PEER:-$root/../shared/peers/torch_llama.py}
 python=${PYTHON:-/usr/bin/python3}
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
-preset=tiny threads=2 batch=8 steps=5 peer_steps=3 seq= repeat=1
+preset=tiny threads=2 batch=8 steps=5 peer_steps=9 seq= repeat=1
 configs=()
 while [ $# -gt 0 ]; do
   case $1 in
@@ -34,7 +40,7 @@ while [ $# -gt 0 ]; do
     --steps) steps=$2; shift 2 ;;
     --peer-steps) peer_steps=$2; shift 2 ;;
     --repeat) repeat=$2; shift 2 ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     -*) echo "compare_peer: unknown flag $1" >&2; exit 2 ;;
     *) configs+=("$1"); shift ;;
   esac

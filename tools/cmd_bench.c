@@ -31,6 +31,7 @@ extern char **environ;
 typedef struct bench_opts {
     const char *preset, *precision, *master_grad, *recompute, *recompute_mode, *gemm_peak;
     int threads, steps, warmup, batch, seq, json, profile, gemms;
+    int lockstep; /* each step waits for a line on stdin and reports its time (bench/lockstep_peer.py) */
     int peak_given; /* --gemm-peak came from the user, not from a parent that measured it */
 } bench_opts;
 
@@ -199,6 +200,25 @@ static void print_profile(const bench_run *r, int steps, double total) {
     fflush(stdout);
 }
 
+/* --lockstep: before step k (warm-up steps counted) wait for a line on
+ * standard input, so that a driver can alternate this process's steps with
+ * another program's; after it print the step's time. */
+static loom_status lockstep_wait(const bench_opts *o, int k) {
+    if (!o->lockstep) return LOOM_OK;
+    int c;
+    while ((c = getchar()) != '\n')
+        if (c == EOF)
+            return loom_error(LOOM_ERR_INVALID, "--lockstep: standard input ended before step %d of %d", k + 1,
+                              o->warmup + o->steps);
+    return LOOM_OK;
+}
+
+static void lockstep_report(const bench_opts *o, int k, double seconds) {
+    if (!o->lockstep) return;
+    printf("lockstep step=%d warmup=%d ms=%.2f\n", k + 1, k < o->warmup, seconds * 1e3);
+    fflush(stdout);
+}
+
 /* Steps of one model under n recompute modes. With n > 1 the modes take
  * turns step by step (the same weights, data and machine state for each), so
  * their ratios hold up on a machine shared with other work; rss is then the
@@ -239,7 +259,10 @@ static loom_status run_config(const bench_opts *o, const loom_llama_config *cfg,
     for (int s = 0; s < o->warmup && st == LOOM_OK; s++)
         for (int m = 0; m < n_modes && st == LOOM_OK; m++) {
             r.m->recompute.mode = modes[m];
-            st = train_step(&r, &loss);
+            st = lockstep_wait(o, s);
+            double t0 = cli_now();
+            if (st == LOOM_OK) st = train_step(&r, &loss);
+            if (st == LOOM_OK) lockstep_report(o, s, cli_now() - t0);
         }
     memset(r.phase, 0, sizeof r.phase);
     loom_profile_reset();
@@ -255,9 +278,11 @@ static loom_status run_config(const bench_opts *o, const loom_llama_config *cfg,
             loom_mem_get_stats(&before);
             loom_gemm_get_stats(&g0);
             loom_recompute_get_stats(&rc0);
+            if ((st = lockstep_wait(o, o->warmup + s)) != LOOM_OK) break;
             double t0 = cli_now();
             st = train_step(&r, &losses[m]);
             times[(size_t)m * o->steps + s] = cli_now() - t0;
+            if (st == LOOM_OK) lockstep_report(o, o->warmup + s, times[(size_t)m * o->steps + s]);
             loom_recompute_get_stats(&rc1);
             replays[(size_t)m * o->steps + s] = rc1.replay_seconds - rc0.replay_seconds;
             total += times[(size_t)m * o->steps + s];
@@ -520,6 +545,8 @@ static int run(int argc, char **argv) {
         {"profile", FLAG_BOOL, &o.profile, NULL, "also print where the timed steps went (phases, functions)"},
         {"gemms", FLAG_BOOL, &o.gemms, NULL, "time the step's GEMMs one by one instead (forward, dX, dW per shape)"},
         {"no-header", FLAG_BOOL, &no_header, NULL, "print only the configuration lines"},
+        {"lockstep", FLAG_BOOL, &o.lockstep, NULL,
+         "wait for a line on stdin before each step and print its time (bench/lockstep_peer.py)"},
     };
     int rc = cli_parse(&cmd_bench, flags, (int)(sizeof flags / sizeof flags[0]), argc, argv);
     if (rc) return rc > 0 ? 0 : 2;
@@ -534,6 +561,9 @@ static int run(int argc, char **argv) {
         return cli_usage_error("bench", "--gemm-peak expects two positive numbers F32,BF16, got '%s'", o.gemm_peak);
     if ((rc = cli_apply_threads("bench", o.threads))) return rc;
 
+    if (o.lockstep && (o.gemms || (!o.precision && !o.recompute)))
+        return cli_usage_error("bench", "--lockstep times one configuration: give --precision or --recompute, "
+                               "not --gemms");
     if (!o.precision && !o.recompute && !o.gemms) { /* the standard matrix, one process each */
         if (!o.gemm_peak) {
             loom_status st = measure_peak(&peak);
@@ -568,6 +598,9 @@ static int run(int argc, char **argv) {
     int n_modes = 0;
     if ((rc = parse_modes(&o, modes, &n_modes))) return rc;
     if (o.profile && n_modes > 1) return cli_usage_error("bench", "--profile takes a single recompute mode");
+    if (o.lockstep && (n_modes > 1 || !o.gemm_peak))
+        return cli_usage_error("bench", "--lockstep takes a single recompute mode and --gemm-peak (no GEMM peak "
+                               "measured between the driver's turns)");
     bench_result res[3];
     memset(res, 0, sizeof res);
     loom_status st = run_config(&o, &cfg, prec, modes, n_modes, res);

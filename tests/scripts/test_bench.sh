@@ -4,7 +4,8 @@
 # once two steps have warmed the caches), the interleaved comparison of recompute modes (with
 # the time their replays took), the
 # standard matrix (six lines, one process each), the GEMM floor (--gemms),
-# bench_kernels, bad flags; and bench/compare_peer.sh and bench/peer_gemms.py against the
+# bench_kernels, --lockstep, bad flags; and bench/compare_peer.sh, bench/lockstep_peer.py and
+# bench/peer_gemms.py against the
 # PyTorch peer when it and torch are present. No timing is asserted.
 set -euo pipefail
 src=${LOOM_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}
@@ -106,6 +107,24 @@ if [ -x "$bin/step_mallocs" ]; then
   if "$bin/step_mallocs" --steps 1 >/dev/null 2>&1; then fail "step_mallocs accepted --steps 1"; fi
 fi
 
+# --lockstep: one step per line on stdin, each reported; input that ends early
+# is an error, and so is a configuration that would run the GEMM peak or
+# several modes between the driver's turns.
+ls_flags=(--preset tiny --batch 1 --seq 16 --steps 2 --warmup 1 --precision fp32 --recompute none --gemm-peak 1,1)
+lk=$(printf '\n\n\n' | "$loom" bench "${ls_flags[@]}" --lockstep --no-header)
+[ "$(grep -cE '^lockstep step=[1-3] warmup=[01] ms=[0-9.]+$' <<<"$lk")" -eq 3 ] || fail "lockstep steps: $lk"
+grep -q '^lockstep step=1 warmup=1 ' <<<"$lk" && grep -q '^lockstep step=3 warmup=0 ' <<<"$lk" || fail "lockstep order: $lk"
+grep -q '^bench preset=tiny ' <<<"$lk" || fail "lockstep result line: $lk"
+if err=$(printf '\n' | "$loom" bench "${ls_flags[@]}" --lockstep 2>&1); then fail "lockstep ran past its input: $err"; fi
+grep -q 'standard input ended before step 2 of 3' <<<"$err" || fail "lockstep early end: $err"
+if "$loom" bench --preset tiny --precision fp32 --recompute none,full --gemm-peak 1,1 --lockstep </dev/null >/dev/null 2>&1; then
+  fail "--lockstep took several modes"
+fi
+if "$loom" bench --preset tiny --precision fp32 --recompute none --lockstep </dev/null >/dev/null 2>&1; then
+  fail "--lockstep would measure the GEMM peak"
+fi
+if "$loom" bench --lockstep --gemm-peak 1,1 </dev/null >/dev/null 2>&1; then fail "--lockstep ran the matrix"; fi
+
 if "$loom" bench --preset huge >/dev/null 2>&1; then fail "unknown preset accepted"; fi
 if "$loom" bench --recompute sometimes >/dev/null 2>&1; then fail "unknown recompute mode accepted"; fi
 if "$loom" bench --precision bf16 --recompute none,full --profile >/dev/null 2>&1; then
@@ -122,6 +141,15 @@ if [ -f "$peer" ] && /usr/bin/python3 -c 'import torch' 2>/dev/null; then
   pg=$(/usr/bin/python3 "$src/bench/peer_gemms.py" --batch 1 --seq 16 --steps 1 --warmup 0)
   [ "$(grep -c '^peer gemm ' <<<"$pg")" = 8 ] || fail "peer_gemms: $pg"
   grep -qE '^peer gemms .*step_gemm_ms=[0-9.]*[1-9]' <<<"$pg" || fail "peer_gemms sum: $pg"
+  # lockstep_peer.py: loom and the peer alternate single steps; a line per pair and the median.
+  lp=$(/usr/bin/python3 "$src/bench/lockstep_peer.py" --loom "$loom" --batch 1 --seq 16 --steps 3 --warmup 1)
+  [ "$(grep -cE '^pair [1-3] first=(loom|peer) loom_ms=[0-9.]+ peer_ms=[0-9.]+ speedup=[0-9.]+$' <<<"$lp")" = 3 ] ||
+    fail "lockstep_peer pairs: $lp"
+  grep -qE '^lockstep preset=tiny precision=fp32 loom_step_ms=[0-9.]+ peer_step_ms=[0-9.]+ .*speedup_median=[0-9.]+ range=[0-9.]+-[0-9.]+ pairs=3$' <<<"$lp" ||
+    fail "lockstep_peer summary: $lp"
+  if /usr/bin/python3 "$src/bench/lockstep_peer.py" --loom "$loom" --steps 0 >/dev/null 2>&1; then
+    fail "lockstep_peer accepted --steps 0"
+  fi
   if LOOM=$loom "$src/bench/compare_peer.sh" --repeat 0 bf16:none:none >/dev/null 2>&1; then
     fail "compare_peer accepted --repeat 0"
   fi

@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""lockstep_peer.py: loom and the PyTorch peer taking turns, step by step.
+
+compare_peer.sh runs loom and the peer one after the other, each in its own
+run of several steps; on a machine whose speed drifts over seconds (this
+one's does, by 10-20%), a pair of runs measures the drift as much as the
+two programs. Here both stay resident and alternate single training steps:
+`loom bench --lockstep` waits for a line on its standard input before each
+step and reports the step's time; this driver builds the peer's model in its
+own process (the classes of ../shared/peers/torch_llama.py, the setup of its
+main(): seed 0, AdamW lr 3e-4, random tokens) and runs one peer step between
+two of loom's. Whoever goes first alternates from pair to pair. While one
+side runs, the other waits on a pipe with its OpenMP threads asleep
+(OMP_WAIT_POLICY=passive, as compare_peer.sh), so each has both cores.
+
+Each timed pair gives a speedup, the peer's step time over loom's (tokens/s
+are per step, both sides run the same batch and sequence); the driver prints
+every pair and their median. Peak memory is not measured here: two
+processes are resident at once (compare_peer.sh gives peak RSS per run).
+
+Run with /usr/bin/python3 (Debian's python3-torch).
+"""
+import argparse
+import importlib.util
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # before torch starts its OpenMP pool
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAPES = {  # loom's presets (src/nn/llama.c)
+    "tiny": dict(dim=288, layers=6, heads=6, kv_heads=6, ffn=768, vocab=4096, seq=256),
+    "small": dict(dim=512, layers=8, heads=8, kv_heads=8, ffn=1376, vocab=8192, seq=512),
+}
+LOOM_RECOMPUTE = {"none": ("none", "nonreentrant"), "selective": ("selective", "nonreentrant"),
+                  "full": ("full", "nonreentrant"), "full-reentrant": ("full", "reentrant")}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(SHAPES), default="tiny")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--loom-recompute", choices=sorted(LOOM_RECOMPUTE), default="none")
+    p.add_argument("--peer-recompute", choices=["none", "reentrant", "nonreentrant"], default="none")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=0, help="default: the preset's context")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--steps", type=int, default=9, help="timed pairs (default 9)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed pairs first (default 2)")
+    p.add_argument("--loom", default=os.environ.get("LOOM", os.path.join(ROOT, "build", "loom")))
+    p.add_argument("--peer", default=os.environ.get("PEER", os.path.join(ROOT, "..", "shared", "peers",
+                                                                         "torch_llama.py")))
+    a = p.parse_args()
+    for name in ("batch", "threads", "steps"):
+        if getattr(a, name) <= 0:
+            p.error(f"--{name} must be positive")
+    if a.warmup < 0 or a.seq < 0 or a.seq > SHAPES[a.preset]["seq"]:
+        p.error(f"--warmup must be >= 0 and --seq in 1..{SHAPES[a.preset]['seq']}")
+    if not os.access(a.loom, os.X_OK):
+        p.error(f"{a.loom} is not built (scripts/build.sh) or not executable")
+    if not os.path.isfile(a.peer):
+        p.error(f"peer script {a.peer} not found (--peer or PEER)")
+    return a
+
+
+def load_peer(path):
+    spec = importlib.util.spec_from_file_location("torch_llama", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class Peer:
+    """The peer's model and optimizer as its main() sets them up; step() is
+    the body of its timed loop."""
+
+    def __init__(self, mod, a, shape, seq):
+        import torch
+        self.torch, self.a = torch, a
+        torch.set_num_threads(a.threads)
+        torch.manual_seed(0)
+        self.m = mod.Llama(shape["vocab"], shape["dim"], shape["layers"], shape["heads"], shape["kv_heads"],
+                           shape["ffn"], seq)
+        self.opt = torch.optim.AdamW(self.m.parameters(), lr=3e-4)
+        self.idx = torch.randint(0, shape["vocab"], (a.batch, seq))
+        self.tgt = torch.randint(0, shape["vocab"], (a.batch, seq))
+
+    def step(self):
+        torch, a = self.torch, self.a
+        t = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.precision == "bf16"):
+            loss = self.m(self.idx, self.tgt, a.peer_recompute)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return (time.perf_counter() - t) * 1e3
+
+
+class Loom:
+    """loom bench --lockstep: one step per line written to it."""
+
+    def __init__(self, a, seq):
+        recompute, mode = LOOM_RECOMPUTE[a.loom_recompute]
+        cmd = [a.loom, "bench", "--preset", a.preset, "--batch", str(a.batch), "--seq", str(seq), "--threads",
+               str(a.threads), "--precision", a.precision, "--master-grad", "on", "--recompute", recompute,
+               "--recompute-mode", mode, "--steps", str(a.steps), "--warmup", str(a.warmup),
+               "--gemm-peak", "1,1", "--no-header", "--lockstep"]
+        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def step(self):
+        self.p.stdin.write("\n")
+        self.p.stdin.flush()
+        line = self.p.stdout.readline()
+        if not line.startswith("lockstep step="):
+            self.p.kill()
+            sys.exit(f"lockstep_peer: loom bench stopped instead of reporting a step (got {line!r})")
+        return float(line.split("ms=")[1])
+
+    def finish(self):
+        self.p.stdin.close()
+        rest = self.p.stdout.read()
+        if self.p.wait() != 0:
+            sys.exit(f"lockstep_peer: loom bench failed (exit {self.p.returncode}): {rest}")
+        return rest
+
+
+def main():
+    a = parse_args()
+    shape = SHAPES[a.preset]
+    seq = a.seq or shape["seq"]
+    loom = Loom(a, seq)
+    peer = Peer(load_peer(a.peer), a, shape, seq)
+    import torch
+    print(f"# {time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())} lockstep preset={a.preset} batch={a.batch} "
+          f"seq={seq} threads={a.threads} precision={a.precision} loom_recompute={a.loom_recompute} "
+          f"peer_recompute={a.peer_recompute} pairs={a.steps} warmup={a.warmup} torch={torch.__version__}",
+          flush=True)
+    pairs = []
+    for k in range(a.warmup + a.steps):
+        if k % 2 == 0:
+            lm = loom.step()
+            pm = peer.step()
+        else:
+            pm = peer.step()
+            lm = loom.step()
+        if k >= a.warmup:
+            pairs.append((lm, pm))
+            print(f"pair {k - a.warmup + 1} first={'loom' if k % 2 == 0 else 'peer'} loom_ms={lm:.1f} "
+                  f"peer_ms={pm:.1f} speedup={pm / lm:.3f}", flush=True)
+    loom.finish()
+    speedups = [pm / lm for lm, pm in pairs]
+    tokens = a.batch * seq
+    lm_med = statistics.median(lm for lm, _ in pairs)
+    pm_med = statistics.median(pm for _, pm in pairs)
+    print(f"lockstep preset={a.preset} precision={a.precision} loom_step_ms={lm_med:.1f} peer_step_ms={pm_med:.1f} "
+          f"loom_tok/s={tokens / lm_med * 1e3:.0f} peer_tok/s={tokens / pm_med * 1e3:.0f} "
+          f"speedup_median={statistics.median(speedups):.3f} range={min(speedups):.3f}-{max(speedups):.3f} "
+          f"pairs={len(pairs)}")
+
+
+if __name__ == "__main__":
+    main()
