@@ -12,11 +12,12 @@
 # Each side runs in its own process, so peak RSS (getrusage maxrss) is per
 # configuration. --repeat R runs each configuration R times (loom, peer,
 # loom, peer, ...) and ends with the median of the R speedups and their range:
-# on a shared machine one pair can be off by 20%. The peer takes 9 steps by
-# default (--peer-steps): it drops only its first, and on small its steps 1
-# and 2 are still 20-35% slower than its steady state, so with 3 steps its
-# median was a warm-up step (the peer's bf16 steps take minutes on small,
-# where 1-3 do: its ratios there are far from any target). The steadier
+# on a shared machine one pair can be off by 20%. The peer takes 9 fp32 steps
+# by default (--peer-steps sets it for every configuration): it drops only
+# its first, and on small its steps 1 and 2 are still 20-35% slower than its
+# steady state, so with 3 steps its median was a warm-up step. Its bf16 steps
+# take minutes (no bf16 hardware here) and its bf16 ratios are far from any
+# target, so bf16 configurations default to 3 peer steps. The steadier
 # comparison of speed is bench/lockstep_peer.py, which alternates single
 # steps of both. Both run with OMP_WAIT_POLICY=passive (loom's own default;
 # spinning OpenMP threads collapse on a machine shared with other work)
@@ -29,7 +30,7 @@ loom=${LOOM:-$root/build/loom}
 peer=${PEER:-$root/../shared/peers/torch_llama.py}
 python=${PYTHON:-/usr/bin/python3}
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
-preset=tiny threads=2 batch=8 steps=5 peer_steps=9 seq= repeat=1
+preset=tiny threads=2 batch=8 steps=5 peer_steps='' seq='' repeat=1
 configs=()
 while [ $# -gt 0 ]; do
   case $1 in
@@ -40,18 +41,18 @@ while [ $# -gt 0 ]; do
     --steps) steps=$2; shift 2 ;;
     --peer-steps) peer_steps=$2; shift 2 ;;
     --repeat) repeat=$2; shift 2 ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     -*) echo "compare_peer: unknown flag $1" >&2; exit 2 ;;
     *) configs+=("$1"); shift ;;
   esac
 done
 [ ${#configs[@]} -gt 0 ] || configs=(bf16:none:none fp32:none:none bf16:full:reentrant)
 [[ $repeat =~ ^[1-9][0-9]*$ ]] || { echo "compare_peer: --repeat takes a positive count, not '$repeat'" >&2; exit 2; }
-for v in "$steps" "$peer_steps"; do
+for v in "$steps" ${peer_steps:+"$peer_steps"}; do
   [[ $v =~ ^[1-9][0-9]*$ ]] || { echo "compare_peer: --steps and --peer-steps take a positive count, not '$v'" >&2; exit 2; }
 done
 # The peer reports times[len // 2] of its steps: with an even count, the slower middle one.
-[ $((peer_steps % 2)) -eq 1 ] || echo "compare_peer: note: --peer-steps $peer_steps is even; the peer's step time is then the slower of its two middle steps (use an odd count)" >&2
+[ -z "$peer_steps" ] || [ $((peer_steps % 2)) -eq 1 ] || echo "compare_peer: note: --peer-steps $peer_steps is even; the peer's step time is then the slower of its two middle steps (use an odd count)" >&2
 [ -x "$loom" ] || { echo "compare_peer: $loom not built (scripts/build.sh)" >&2; exit 1; }
 [ -f "$peer" ] || { echo "compare_peer: peer script $peer not found (set PEER)" >&2; exit 1; }
 
@@ -63,18 +64,19 @@ esac
 
 field() { sed -n "s/.*[ ]$1=\([0-9.]*\).*/\1/p" | head -n 1; }
 
-echo "# $(date -u +%Y-%m-%dT%H:%MZ)  preset=$preset batch=$batch seq=$seq threads=$threads loom_steps=$steps peer_steps=$peer_steps"
+echo "# $(date -u +%Y-%m-%dT%H:%MZ)  preset=$preset batch=$batch seq=$seq threads=$threads loom_steps=$steps peer_steps=${peer_steps:-9 (fp32), 3 (bf16)}"
 echo "# $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) CPUs"
 printf '%-22s %10s %10s %7s %11s %11s %9s %9s %9s\n' config loom_tok/s peer_tok/s speedup loom_ms peer_ms loom_rss peer_rss rss_ratio
 summary=()
 for c in "${configs[@]}"; do
   IFS=: read -r prec lrec prec_peer <<<"$c"
+  psteps=${peer_steps:-$([ "$prec" = bf16 ] && echo 3 || echo 9)}
   ratios=()
   for ((r = 0; r < repeat; r++)); do
     out=$("$loom" bench --preset "$preset" --precision "$prec" --master-grad on --recompute "$lrec" \
           --threads "$threads" --batch "$batch" --seq "$seq" --steps "$steps" --warmup 1 --no-header --gemm-peak 1,1)
     ltok=$(field 'tok\/s' <<<"$out"); lms=$(field step_ms <<<"$out"); lrss=$(field rss_MiB <<<"$out")
-    pout=$(OMP_NUM_THREADS=$threads "$python" "$peer" $shape --seq "$seq" --batch "$batch" --steps "$peer_steps" \
+    pout=$(OMP_NUM_THREADS=$threads "$python" "$peer" $shape --seq "$seq" --batch "$batch" --steps "$psteps" \
            --threads "$threads" --precision "$prec" --recompute "$prec_peer")
     ptok=$(sed -n 's/.*tok\/s=\([0-9.]*\).*/\1/p' <<<"$pout")
     pms=$(sed -n 's/.*step_median=\([0-9.]*\)ms.*/\1/p' <<<"$pout")

@@ -9,7 +9,9 @@ two programs. Here both stay resident and alternate single training steps:
 step and reports the step's time; this driver builds the peer's model in its
 own process (the classes of ../shared/peers/torch_llama.py, the setup of its
 main(): seed 0, AdamW lr 3e-4, random tokens) and runs one peer step between
-two of loom's. Whoever goes first alternates from pair to pair. While one
+two of loom's. Whoever goes first alternates from pair to pair, and the first
+3 pairs are not timed (--warmup; the peer's first three steps on small are
+20-40% slower than its steady ones). While one
 side runs, the other waits on a pipe with its OpenMP threads asleep
 (OMP_WAIT_POLICY=passive, as compare_peer.sh), so each has both cores.
 
@@ -49,7 +51,8 @@ def parse_args():
     p.add_argument("--seq", type=int, default=0, help="default: the preset's context")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=9, help="timed pairs (default 9)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed pairs first (default 2)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed pairs first (default 3: the peer's first three steps on small are slow)")
     p.add_argument("--loom", default=os.environ.get("LOOM", os.path.join(ROOT, "build", "loom")))
     p.add_argument("--peer", default=os.environ.get("PEER", os.path.join(ROOT, "..", "shared", "peers",
                                                                          "torch_llama.py")))
@@ -110,9 +113,18 @@ class Loom:
                "--gemm-peak", "1,1", "--no-header", "--lockstep"]
         self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
+    def check_alive(self):
+        if self.p.poll() is not None:
+            sys.exit(f"lockstep_peer: loom bench exited ({self.p.returncode}) before its first step: "
+                     f"{self.p.stdout.read().strip()}")
+
     def step(self):
-        self.p.stdin.write("\n")
-        self.p.stdin.flush()
+        try:
+            self.p.stdin.write("\n")
+            self.p.stdin.flush()
+        except (BrokenPipeError, OSError):
+            self.p.wait()
+            sys.exit(f"lockstep_peer: loom bench exited ({self.p.returncode}) instead of taking a step")
         line = self.p.stdout.readline()
         if not line.startswith("lockstep step="):
             self.p.kill()
@@ -131,8 +143,11 @@ def main():
     a = parse_args()
     shape = SHAPES[a.preset]
     seq = a.seq or shape["seq"]
+    # As compare_peer.sh: the peer's OpenMP (and a threaded BLAS) get the thread count too.
+    os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
     loom = Loom(a, seq)
     peer = Peer(load_peer(a.peer), a, shape, seq)
+    loom.check_alive()
     import torch
     print(f"# {time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())} lockstep preset={a.preset} batch={a.batch} "
           f"seq={seq} threads={a.threads} precision={a.precision} loom_recompute={a.loom_recompute} "

@@ -273,12 +273,12 @@ static loom_status run_config(const bench_opts *o, const loom_llama_config *cfg,
             loom_mem_stats before, after;
             loom_gemm_stats g0, g1;
             loom_recompute_stats rc0, rc1;
+            if ((st = lockstep_wait(o, o->warmup + s)) != LOOM_OK) break;
             r.m->recompute.mode = modes[m];
             loom_mem_reset_peak();
             loom_mem_get_stats(&before);
             loom_gemm_get_stats(&g0);
             loom_recompute_get_stats(&rc0);
-            if ((st = lockstep_wait(o, o->warmup + s)) != LOOM_OK) break;
             double t0 = cli_now();
             st = train_step(&r, &losses[m]);
             times[(size_t)m * o->steps + s] = cli_now() - t0;
@@ -352,7 +352,7 @@ static void print_result(const bench_opts *o, loom_precision prec, loom_recomput
     } else {
         printf("bench preset=%s precision=%s master_grad=%s recompute=%s tok/s=%.0f step_ms=%.1f gflops=%.1f "
                "mfu=%.3f peak_act_MiB=%.1f rss_MiB=%s recompute_mode=%s batch=%d seq=%d threads=%d "
-               "buffer_allocs/step=%.1f gemm_primitives/step=%.1f replay_ms=%.1f loss=%.4f\n",
+               "buffer_allocs/step=%.1f gemm_primitives/step=%.1f replay_ms=%.2f loss=%.4f\n",
                o->preset, loom_dtype_name(prec.compute), mg, recompute_label(mode), r->tok_s, r->step_ms, r->gflops,
                r->mfu, r->peak_act_mib, r->rss_mib < 0 ? "n/a" : rss, rm, o->batch, o->seq, loom_get_threads(),
                r->buffer_allocs_per_step, r->primitives_per_step, r->replay_ms, r->loss);
@@ -630,10 +630,12 @@ const command cmd_bench = {
     "allocator; 0 once two steps have run; the small headers of tensors and autograd\n"
     "nodes are allocated per op) and gemm_primitives/step (oneDNN primitives built\n"
     "because loom's cache missed; 0 once two steps have run) and replay_ms (median per\n"
-    "step: the time recompute's replays took inside the backward, 0 without recompute;\n"
-    "measured within each step, it is the recompute's own cost even when the machine's\n"
-    "speed drifts between steps). mfu is against loom's own GEMM peak, not the CPU's\n"
-    "nominal FLOP rate.\n"
+    "step: the time the recompute's replays, forwards run again inside the backward,\n"
+    "took; 0 without recompute; the placeholders' bookkeeping is not in it). Set\n"
+    "against its own step (step_ms / (step_ms - replay_ms)) it gives the recompute's\n"
+    "cost from the same steps, which holds when the machine's speed drifts between\n"
+    "the modes' steps. mfu is against loom's own GEMM peak, not the CPU's nominal\n"
+    "FLOP rate.\n"
     "With neither --precision nor --recompute it runs {fp32, bf16 master-grad} x\n"
     "{none, selective, full}, each in a fresh process so that rss_MiB is per line.\n"
     "--recompute none,selective,full runs the modes in turns, step by step, on one\n"

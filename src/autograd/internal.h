@@ -102,6 +102,7 @@ int autograd_no_grad_depth(void);
 loom_tensor *autograd_take_input_grad(int i);
 
 /* Profiling hooks around a function's forward or backward (profile.c). */
+double autograd_seconds(void); /* CLOCK_MONOTONIC, for the profile and the recompute's replay time */
 void profile_enter(void);
 void profile_leave(const loom_function *fn, int backward);
 

@@ -26,7 +26,7 @@ static _Thread_local int n_entries;
 static _Thread_local frame stack[MAX_DEPTH];
 static _Thread_local int depth;
 
-static double now(void) {
+double autograd_seconds(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
@@ -50,7 +50,7 @@ int loom_profile_get(loom_profile_entry *out, int max) {
 
 void profile_enter(void) {
     if (!enabled) return;
-    if (depth < MAX_DEPTH) stack[depth] = (frame){now(), 0.0};
+    if (depth < MAX_DEPTH) stack[depth] = (frame){autograd_seconds(), 0.0};
     depth++;
 }
 
@@ -58,7 +58,7 @@ void profile_leave(const loom_function *fn, int backward) {
     if (!enabled || depth == 0) return;
     depth--;
     if (depth >= MAX_DEPTH) return;
-    double total = now() - stack[depth].start;
+    double total = autograd_seconds() - stack[depth].start;
     if (depth > 0 && depth - 1 < MAX_DEPTH) stack[depth - 1].children += total;
     int i = 0;
     while (i < n_entries && !(entries[i].name == fn->name && entries[i].backward == backward)) i++;

@@ -12,25 +12,27 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <time.h>
 
 static _Thread_local loom_recompute_stats stats;
 
 void loom_recompute_get_stats(loom_recompute_stats *out) { *out = stats; }
 void loom_recompute_reset_stats(void) { memset(&stats, 0, sizeof stats); }
 void recompute_count_region(void) { stats.regions++; }
-static double now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
+/* Replays nest in no path today (a region's forward never unpacks a
+ * placeholder; a reentrant replay's nested backward runs after its forward
+ * is timed), but a region that ran a backward itself would: only the
+ * outermost replay adds its time, so none is counted twice. */
+static _Thread_local int replay_depth;
 
 double recompute_replay_begin(void) {
     stats.replays++;
-    return now_seconds();
+    replay_depth++;
+    return autograd_seconds();
 }
 
-void recompute_replay_end(double started) { stats.replay_seconds += now_seconds() - started; }
+void recompute_replay_end(double started) {
+    if (--replay_depth == 0) stats.replay_seconds += autograd_seconds() - started;
+}
 
 typedef struct saved_meta {
     int ndim;
@@ -375,13 +377,13 @@ static void *rp_pack(void *self, loom_fn_ctx *ctx, loom_tensor *t) {
 
 static loom_status region_replay(region *r) {
     r->replayed_once = 1;
-    double started = recompute_replay_begin();
     r->replayed = calloc((size_t)(r->n_saved ? r->n_saved : 1), sizeof *r->replayed);
     loom_tensor **outs = calloc((size_t)(r->n_outputs ? r->n_outputs : 1), sizeof *outs);
     if (!r->replayed || !outs) {
         free(outs);
         return r->replay_status = loom_error(LOOM_ERR_NOMEM, "recompute: out of memory replaying a region");
     }
+    double started = recompute_replay_begin();
     r->replay_op = r->replay_save = 0;
     r->mismatch = 0;
     if (!r->has_policy) mark_skippable(r);
