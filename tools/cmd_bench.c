@@ -246,7 +246,8 @@ static loom_status run_config(const bench_opts *o, const loom_llama_config *cfg,
     uint64_t *allocs = calloc((size_t)n_modes, sizeof *allocs);
     uint64_t *prims = calloc((size_t)n_modes, sizeof *prims);
     double *losses = calloc((size_t)n_modes, sizeof *losses); /* each mode's last loss */
-    if (st == LOOM_OK && (!r.tokens || !r.targets || !u || !times || !replays || !peak_act || !allocs || !prims || !losses))
+    if (st == LOOM_OK &&
+        (!r.tokens || !r.targets || !u || !times || !replays || !peak_act || !allocs || !prims || !losses))
         st = loom_error(LOOM_ERR_NOMEM, "bench: out of memory");
     if (st == LOOM_OK) {
         loom_rng_uniform(u, 2 * n, 7, 0);
