@@ -116,11 +116,13 @@ int cli_usage_error(const char *cmd, const char *fmt, ...) {
 
 int cli_apply_threads(const char *cmd, int n) {
     if (n < 0) return cli_usage_error(cmd, "--threads must be >= 0 (0: all cores), got %d", n);
+    if (n > LOOM_MAX_THREADS)
+        return cli_usage_error(cmd, "--threads %d is more than loom's limit of %d (0: all cores)", n, LOOM_MAX_THREADS);
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
     if (cores > 0 && n > cores)
         fprintf(stderr, "loom %s: note: --threads %d is more than the %ld cores here; threads beyond the cores "
                 "share them and slow every step\n", cmd, n, cores);
-    if (n > 0) loom_set_threads(n);
+    loom_set_threads(n); /* 0: the default, which also clamps an oversized OMP_NUM_THREADS */
     return 0;
 }
 

@@ -234,7 +234,10 @@ const char *loom_simd_name(void);
 /* --------------------------------------------------------------- threads */
 
 /* Number of OpenMP threads loom's kernels use (defaults to the number of
- * cores, or OMP_NUM_THREADS). n <= 0 restores the default. */
+ * cores, or OMP_NUM_THREADS). n <= 0 restores the default. Counts above
+ * LOOM_MAX_THREADS (from either) are clamped to it: the OpenMP runtime
+ * crashes when it cannot create a team that large. */
+#define LOOM_MAX_THREADS 1024
 void loom_set_threads(int n);
 int loom_get_threads(void);
 

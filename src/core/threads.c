@@ -13,6 +13,9 @@ static int default_threads(void) {
     return omp_get_num_procs();
 }
 
-void loom_set_threads(int n) { omp_set_num_threads(n > 0 ? n : default_threads()); }
+void loom_set_threads(int n) {
+    n = n > 0 ? n : default_threads();
+    omp_set_num_threads(n < LOOM_MAX_THREADS ? n : LOOM_MAX_THREADS);
+}
 
 int loom_get_threads(void) { return omp_get_max_threads(); }

@@ -30,8 +30,8 @@ static int teardown(void **state) {
 /* The default as documented, computed here from the environment. */
 static int expected_default(void) {
     const char *e = getenv("OMP_NUM_THREADS");
-    if (e && atoi(e) > 0) return atoi(e);
-    return omp_get_num_procs();
+    int n = e && atoi(e) > 0 ? atoi(e) : omp_get_num_procs();
+    return n < LOOM_MAX_THREADS ? n : LOOM_MAX_THREADS;
 }
 
 static int threads_in_region(void) {
@@ -93,12 +93,27 @@ static void test_default_from_env(void **state) {
     assert_int_equal(loom_get_threads(), omp_get_num_procs());
 }
 
+/* More threads than LOOM_MAX_THREADS, asked for or from the environment,
+ * are clamped: the OpenMP runtime crashes building a team of 99999. */
+static void test_too_many_clamped(void **state) {
+    (void)state;
+    loom_set_threads(99999);
+    assert_int_equal(loom_get_threads(), LOOM_MAX_THREADS);
+    loom_set_threads(LOOM_MAX_THREADS);
+    assert_int_equal(loom_get_threads(), LOOM_MAX_THREADS);
+    setenv("OMP_NUM_THREADS", "99999", 1);
+    loom_set_threads(1);
+    loom_set_threads(0);
+    assert_int_equal(loom_get_threads(), LOOM_MAX_THREADS);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_set_one, setup, teardown),
         cmocka_unit_test_setup_teardown(test_set_several, setup, teardown),
         cmocka_unit_test_setup_teardown(test_zero_restores_default, setup, teardown),
         cmocka_unit_test_setup_teardown(test_default_from_env, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_too_many_clamped, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

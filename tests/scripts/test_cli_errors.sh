@@ -21,6 +21,8 @@ expect_error "--threads must be >= 0" "$LOOM" generate --model "$WORK/nowhere" -
 # --model that is not a model directory: said so (it used to name a missing tokenizer.json).
 expect_error "nowhere is not a model directory \(no config.json" "$LOOM" generate --model "$WORK/nowhere"
 expect_error "--threads must be >= 0" "$LOOM" bench --preset tiny --gemm-peak 100,100 --threads -2
+expect_error "--threads 99999 is more than loom's limit of 1024" "$LOOM" bench --preset tiny --gemm-peak 100,100 --threads 99999
+expect_error "--threads 5000 is more than loom's limit" "$LOOM" train "${D[@]}" --threads 5000 --out "$WORK/t4"
 expect_error "one step needs" "$LOOM" train "${D[@]}" --batch 2000000000 --seq 32 --out "$WORK/bigbatch"
 expect_error "--min-lr 5 is above --lr" "$LOOM" train "${D[@]}" --min-lr 5 --out "$WORK/minlr"
 expect_error "--gemm-peak expects two positive numbers" "$LOOM" bench --preset tiny --gemm-peak inf,1
