@@ -60,6 +60,8 @@ def parse_args():
     for name in ("batch", "threads", "steps"):
         if getattr(a, name) <= 0:
             p.error(f"--{name} must be positive")
+    if a.threads > 1024:
+        p.error("--threads must be at most 1024 (loom's limit)")
     if a.warmup < 0 or a.seq < 0 or a.seq > SHAPES[a.preset]["seq"]:
         p.error(f"--warmup must be >= 0 and --seq in 1..{SHAPES[a.preset]['seq']}")
     if not os.access(a.loom, os.X_OK):
