@@ -200,23 +200,22 @@ static void print_profile(const bench_run *r, int steps, double total) {
     fflush(stdout);
 }
 
-/* --lockstep: before step k (warm-up steps counted) wait for a line on
- * standard input, so that a driver can alternate this process's steps with
- * another program's; after it print the step's time. */
-static loom_status lockstep_wait(const bench_opts *o, int k) {
-    if (!o->lockstep) return LOOM_OK;
-    int c;
-    while ((c = getchar()) != '\n')
+/* Step k (warm-up steps counted) and its time. With --lockstep it first
+ * waits for a line on standard input, so that a driver can alternate this
+ * process's steps with another program's, and then prints the time. */
+static loom_status bench_step(const bench_opts *o, bench_run *r, int k, double *loss, double *seconds) {
+    for (int c; o->lockstep && (c = getchar()) != '\n';)
         if (c == EOF)
             return loom_error(LOOM_ERR_INVALID, "--lockstep: standard input ended before step %d of %d", k + 1,
                               o->warmup + o->steps);
+    double t0 = cli_now();
+    LOOM_TRY(train_step(r, loss));
+    *seconds = cli_now() - t0;
+    if (o->lockstep) {
+        printf("lockstep step=%d warmup=%d ms=%.2f\n", k + 1, k < o->warmup, *seconds * 1e3);
+        fflush(stdout);
+    }
     return LOOM_OK;
-}
-
-static void lockstep_report(const bench_opts *o, int k, double seconds) {
-    if (!o->lockstep) return;
-    printf("lockstep step=%d warmup=%d ms=%.2f\n", k + 1, k < o->warmup, seconds * 1e3);
-    fflush(stdout);
 }
 
 /* Steps of one model under n recompute modes. With n > 1 the modes take
@@ -256,14 +255,11 @@ static loom_status run_config(const bench_opts *o, const loom_llama_config *cfg,
             r.targets[i] = (int32_t)(u[n + i] * cfg->vocab_size) % cfg->vocab_size;
         }
     }
-    double loss = 0.0;
+    double loss = 0.0, seconds;
     for (int s = 0; s < o->warmup && st == LOOM_OK; s++)
         for (int m = 0; m < n_modes && st == LOOM_OK; m++) {
             r.m->recompute.mode = modes[m];
-            st = lockstep_wait(o, s);
-            double t0 = cli_now();
-            if (st == LOOM_OK) st = train_step(&r, &loss);
-            if (st == LOOM_OK) lockstep_report(o, s, cli_now() - t0);
+            st = bench_step(o, &r, s, &loss, &seconds);
         }
     memset(r.phase, 0, sizeof r.phase);
     loom_profile_reset();
@@ -274,19 +270,16 @@ static loom_status run_config(const bench_opts *o, const loom_llama_config *cfg,
             loom_mem_stats before, after;
             loom_gemm_stats g0, g1;
             loom_recompute_stats rc0, rc1;
-            if ((st = lockstep_wait(o, o->warmup + s)) != LOOM_OK) break;
+            size_t i = (size_t)m * o->steps + s;
             r.m->recompute.mode = modes[m];
             loom_mem_reset_peak();
             loom_mem_get_stats(&before);
             loom_gemm_get_stats(&g0);
             loom_recompute_get_stats(&rc0);
-            double t0 = cli_now();
-            st = train_step(&r, &losses[m]);
-            times[(size_t)m * o->steps + s] = cli_now() - t0;
-            if (st == LOOM_OK) lockstep_report(o, o->warmup + s, times[(size_t)m * o->steps + s]);
+            if ((st = bench_step(o, &r, o->warmup + s, &losses[m], &times[i])) != LOOM_OK) break;
             loom_recompute_get_stats(&rc1);
-            replays[(size_t)m * o->steps + s] = rc1.replay_seconds - rc0.replay_seconds;
-            total += times[(size_t)m * o->steps + s];
+            replays[i] = rc1.replay_seconds - rc0.replay_seconds;
+            total += times[i];
             loom_mem_get_stats(&after);
             loom_gemm_get_stats(&g1);
             prims[m] += g1.primitives_created - g0.primitives_created;
