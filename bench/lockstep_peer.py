@@ -20,6 +20,12 @@ are per step, both sides run the same batch and sequence); the driver prints
 every pair and their median. Peak memory is not measured here: two
 processes are resident at once (compare_peer.sh gives peak RSS per run).
 
+--floor R then times the step's GEMMs alone on both sides in the same
+session (`loom bench --gemms` and peer_gemms.py, R rounds in turns, each
+GEMM the best of 10 calls, the lower round sum kept) and prints what is left
+of each side's step beside its GEMMs, and the speedup loom would have if its
+step were its GEMMs alone: the most any work outside the GEMMs can buy.
+
 Run with /usr/bin/python3 (Debian's python3-torch).
 """
 import argparse
@@ -53,6 +59,8 @@ def parse_args():
     p.add_argument("--steps", type=int, default=9, help="timed pairs (default 9)")
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed pairs first (default 3: the peer's first three steps on small are slow)")
+    p.add_argument("--floor", type=int, default=0, metavar="R",
+                   help="then time each side's GEMMs alone, R rounds in turns (default 0: not)")
     p.add_argument("--loom", default=os.environ.get("LOOM", os.path.join(ROOT, "build", "loom")))
     p.add_argument("--peer", default=os.environ.get("PEER", os.path.join(ROOT, "..", "shared", "peers",
                                                                          "torch_llama.py")))
@@ -62,6 +70,8 @@ def parse_args():
             p.error(f"--{name} must be positive")
     if a.threads > 1024:
         p.error("--threads must be at most 1024 (loom's limit)")
+    if a.floor < 0:
+        p.error("--floor must be >= 0")
     if a.warmup < 0 or a.seq < 0 or a.seq > SHAPES[a.preset]["seq"]:
         p.error(f"--warmup must be >= 0 and --seq in 1..{SHAPES[a.preset]['seq']}")
     if not os.access(a.loom, os.X_OK):
@@ -141,6 +151,34 @@ class Loom:
         return rest
 
 
+def loom_gemm_ms(a, seq):
+    """`loom bench --gemms` at the lockstep's settings: its step_gemm_ms."""
+    cmd = [a.loom, "bench", "--gemms", "--preset", a.preset, "--batch", str(a.batch), "--seq", str(seq),
+           "--threads", str(a.threads), "--precision", a.precision, "--master-grad", "on", "--steps", "10",
+           "--warmup", "2"]
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    last = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
+    if r.returncode != 0 or "step_gemm_ms=" not in last:
+        sys.exit(f"lockstep_peer: loom bench --gemms failed (exit {r.returncode}): {r.stdout.strip()}")
+    return float(last.split("step_gemm_ms=")[1].split()[0])
+
+
+def gemm_floors(a, shape, seq):
+    """The step's GEMMs alone, loom's and the peer's, a.floor rounds in
+    turns; the lower round of each side."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import peer_gemms
+    pa = argparse.Namespace(vocab=shape["vocab"], dim=shape["dim"], layers=shape["layers"], heads=shape["heads"],
+                            kv_heads=shape["kv_heads"], ffn=shape["ffn"], seq=seq, batch=a.batch,
+                            threads=a.threads, precision=a.precision, warmup=2, steps=10)
+    lf = pf = float("inf")
+    for r in range(a.floor):
+        l, p = loom_gemm_ms(a, seq), peer_gemms.step_gemm_ms(pa, report=lambda line: None)
+        print(f"floor round {r + 1} loom_gemm_ms={l:.1f} peer_gemm_ms={p:.1f}", flush=True)
+        lf, pf = min(lf, l), min(pf, p)
+    return lf, pf
+
+
 def main():
     a = parse_args()
     shape = SHAPES[a.preset]
@@ -175,7 +213,12 @@ def main():
     print(f"lockstep preset={a.preset} precision={a.precision} loom_step_ms={lm_med:.1f} peer_step_ms={pm_med:.1f} "
           f"loom_tok/s={tokens / lm_med * 1e3:.0f} peer_tok/s={tokens / pm_med * 1e3:.0f} "
           f"speedup_median={statistics.median(speedups):.3f} range={min(speedups):.3f}-{max(speedups):.3f} "
-          f"pairs={len(pairs)}")
+          f"pairs={len(pairs)}", flush=True)
+    if a.floor:
+        lf, pf = gemm_floors(a, shape, seq)
+        print(f"floor preset={a.preset} precision={a.precision} loom_gemm_ms={lf:.1f} peer_gemm_ms={pf:.1f} "
+              f"loom_rest_ms={lm_med - lf:.1f} peer_rest_ms={pm_med - pf:.1f} "
+              f"speedup_if_loom_were_gemms_alone={pm_med / lf:.3f}")
 
 
 if __name__ == "__main__":

@@ -26,23 +26,10 @@ def best_ms(fn, warmup, steps):
     return best * 1e3
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--dim", type=int, default=288)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--kv-heads", type=int, default=6)
-    p.add_argument("--ffn", type=int, default=768)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    a = p.parse_args()
-    if a.steps < 1 or a.warmup < 0:
-        p.error("--steps must be positive and --warmup >= 0")
+def step_gemm_ms(a, report=print):
+    """The summed best-of-a.steps times of a step's GEMMs for the shape in a
+    (vocab, dim, layers, heads, kv_heads, ffn, seq, batch, threads,
+    precision, warmup, steps); report gets one line per shape and the sum."""
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     dt = torch.float32 if a.precision == "fp32" else torch.bfloat16
@@ -66,11 +53,33 @@ def main():
         gf = 6.0 * T * out * inp * 1e-9
         total += count * (f + d + u)
         flops += count * gf
-        print(f"peer gemm {name:<7s} rows={T} out={out} in={inp} count={count} fwd_ms={f:.3f} dx_ms={d:.3f} "
-              f"dw_ms={u:.3f} gflops={gf / ((f + d + u) * 1e-3):.1f}")
-    print(f"peer gemms torch={torch.__version__} precision={a.precision} step_gemm_ms={total:.1f} "
-          f"gemm_gflops={flops / (total * 1e-3):.1f} threads={a.threads} "
-          f"(every GEMM of a step, each the best of {a.steps} calls, summed)")
+        report(f"peer gemm {name:<7s} rows={T} out={out} in={inp} count={count} fwd_ms={f:.3f} dx_ms={d:.3f} "
+               f"dw_ms={u:.3f} gflops={gf / ((f + d + u) * 1e-3):.1f}")
+    report(f"peer gemms torch={torch.__version__} precision={a.precision} step_gemm_ms={total:.1f} "
+           f"gemm_gflops={flops / (total * 1e-3):.1f} threads={a.threads} "
+           f"(every GEMM of a step, each the best of {a.steps} calls, summed)")
+
+    return total
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--dim", type=int, default=288)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--kv-heads", type=int, default=6)
+    p.add_argument("--ffn", type=int, default=768)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    a = p.parse_args()
+    if a.steps < 1 or a.warmup < 0:
+        p.error("--steps must be positive and --warmup >= 0")
+    step_gemm_ms(a)
 
 
 if __name__ == "__main__":

@@ -146,13 +146,33 @@ if [ -f "$peer" ] && /usr/bin/python3 -c 'import torch' 2>/dev/null; then
   [ "$(grep -c '^peer gemm ' <<<"$pg")" = 8 ] || fail "peer_gemms: $pg"
   grep -qE '^peer gemms .*step_gemm_ms=[0-9.]*[1-9]' <<<"$pg" || fail "peer_gemms sum: $pg"
   # lockstep_peer.py: loom and the peer alternate single steps; a line per pair and the median.
-  lp=$(/usr/bin/python3 "$src/bench/lockstep_peer.py" --loom "$loom" --batch 1 --seq 16 --steps 3 --warmup 1)
+  lp=$(/usr/bin/python3 "$src/bench/lockstep_peer.py" --loom "$loom" --batch 1 --seq 16 --steps 3 --warmup 1 \
+       --floor 2)
   [ "$(grep -cE '^pair [1-3] first=(loom|peer) loom_ms=[0-9.]+ peer_ms=[0-9.]+ speedup=[0-9.]+$' <<<"$lp")" = 3 ] ||
     fail "lockstep_peer pairs: $lp"
   grep -qE '^lockstep preset=tiny precision=fp32 loom_step_ms=[0-9.]+ peer_step_ms=[0-9.]+ .*speedup_median=[0-9.]+ range=[0-9.]+-[0-9.]+ pairs=3$' <<<"$lp" ||
     fail "lockstep_peer summary: $lp"
+  # --floor: two rounds of both sides' GEMMs alone, the lower of each kept, and what is left of each step.
+  /usr/bin/python3 - "$lp" <<'PY' || fail "lockstep_peer --floor: $lp"
+import re, sys
+out = sys.argv[1]
+rounds = re.findall(r"^floor round [12] loom_gemm_ms=([0-9.]+) peer_gemm_ms=([0-9.]+)$", out, re.M)
+assert len(rounds) == 2, rounds
+step = dict(re.findall(r"(loom_step_ms|peer_step_ms)=([0-9.]+)", out))
+f = re.search(r"^floor preset=tiny precision=fp32 loom_gemm_ms=([0-9.]+) peer_gemm_ms=([0-9.]+) "
+              r"loom_rest_ms=(-?[0-9.]+) peer_rest_ms=(-?[0-9.]+) speedup_if_loom_were_gemms_alone=([0-9.]+)$",
+              out, re.M)
+lg, pg, lr, pr, bound = map(float, f.groups())
+assert lg == min(float(l) for l, _ in rounds) and pg == min(float(p) for _, p in rounds), (lg, pg, rounds)
+ls, ps = float(step["loom_step_ms"]), float(step["peer_step_ms"])
+assert abs(lr - (ls - lg)) < 0.15 and abs(pr - (ps - pg)) < 0.15, (lr, pr)
+assert abs(bound - ps / lg) < 0.002 * bound + 0.001, bound
+PY
   if /usr/bin/python3 "$src/bench/lockstep_peer.py" --loom "$loom" --steps 0 >/dev/null 2>&1; then
     fail "lockstep_peer accepted --steps 0"
+  fi
+  if /usr/bin/python3 "$src/bench/lockstep_peer.py" --loom "$loom" --floor -1 >/dev/null 2>&1; then
+    fail "lockstep_peer accepted --floor -1"
   fi
   if LOOM=$loom "$src/bench/compare_peer.sh" --repeat 0 bf16:none:none >/dev/null 2>&1; then
     fail "compare_peer accepted --repeat 0"
