@@ -59,6 +59,11 @@ void loom_amp_prepare_step(loom_param *const *params, int n, const loom_loss_sca
 /* Sum of squares of all trainable gradients (fp64), and whether any is
  * non-finite: the pieces data parallelism agrees on across ranks. */
 double loom_grad_sumsq(loom_param *const *params, int n, int *found_inf);
+/* The step's info from those pieces (summed over ranks): found_inf when a
+ * gradient is non-finite, or when the unscaled norm or the multiplier would
+ * be (a loss scale whose inverse overflows). */
+void loom_amp_step_info(double sumsq, int found_inf, const loom_loss_scaler *scaler, float max_norm,
+                        loom_step_info *info);
 
 #ifdef __cplusplus
 }

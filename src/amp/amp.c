@@ -50,13 +50,24 @@ double loom_grad_sumsq(loom_param *const *params, int n, int *found_inf) {
     return total;
 }
 
-void loom_amp_prepare_step(loom_param *const *params, int n, const loom_loss_scaler *scaler, float max_norm,
-                           loom_step_info *info) {
+void loom_amp_step_info(double sumsq, int found_inf, const loom_loss_scaler *scaler, float max_norm,
+                        loom_step_info *info) {
     float inv_scale = 1.0f / scaler->scale;
-    double ss = loom_grad_sumsq(params, n, &info->found_inf);
-    info->grad_norm = info->found_inf ? NAN : sqrt(ss) * inv_scale;
+    double norm = sqrt(sumsq) * inv_scale;
+    /* A scale whose inverse overflows (0, or a denormal from a damaged
+     * checkpoint) would make the multiplier Inf and every update NaN from
+     * finite gradients: that step is as bad as one with a NaN gradient. */
+    info->found_inf = found_inf || !isfinite(sumsq) || !isfinite(inv_scale) || !isfinite(norm);
+    info->grad_norm = info->found_inf ? NAN : norm;
     info->clip_coef = 1.0f;
     if (!info->found_inf && max_norm > 0.0f && info->grad_norm > max_norm)
         info->clip_coef = (float)(max_norm / (info->grad_norm + 1e-6));
     info->grad_multiplier = inv_scale * info->clip_coef;
+}
+
+void loom_amp_prepare_step(loom_param *const *params, int n, const loom_loss_scaler *scaler, float max_norm,
+                           loom_step_info *info) {
+    int bad;
+    double ss = loom_grad_sumsq(params, n, &bad);
+    loom_amp_step_info(ss, bad, scaler, max_norm, info);
 }

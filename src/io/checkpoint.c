@@ -7,6 +7,7 @@
  * write into an existing checkpoint, or leave a partial one under the final
  * name.
  */
+#include "loom/amp.h"
 #include "loom/checkpoint.h"
 #include "io/io_internal.h"
 
@@ -233,9 +234,10 @@ loom_status loom_checkpoint_load(const char *dir, loom_llama *m, float *const *a
     if (s == LOOM_OK) {
         char *end;
         scale_v = strtod(scale, &end);
-        if (end == scale || *end || !isfinite(scale_v) || !(scale_v > 0.0) || scale_v > FLT_MAX)
-            s = loom_error(LOOM_ERR_FORMAT, "%s: metadata \"loss_scale\" = \"%s\" is not a positive finite "
-                           "number; the checkpoint is damaged: resume from another one", path, scale);
+        if (end == scale || *end || !isfinite(scale_v) || !(scale_v >= LOOM_LOSS_SCALE_MIN) || scale_v > FLT_MAX)
+            s = loom_error(LOOM_ERR_FORMAT, "%s: metadata \"loss_scale\" = \"%s\" is not a finite number from "
+                           "2^-16 (the smallest loss scale) up; the checkpoint is damaged: resume from another one",
+                           path, scale);
     }
     /* The data layout: optional (older checkpoints lack it). */
     uint64_t layout[4] = {0};

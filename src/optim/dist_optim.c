@@ -317,13 +317,7 @@ loom_status loom_dist_optim_prepare(loom_dist_optim *o, const loom_loss_scaler *
                           "off (--overlap off)", o->params[bk->first]->name, o->params[bk->last]->name,
                           late ? "" : " on another rank");
     }
-    float inv_scale = 1.0f / scaler->scale;
-    info->found_inf = bad || !isfinite(ss);
-    info->grad_norm = info->found_inf ? NAN : sqrt(ss) * inv_scale;
-    info->clip_coef = 1.0f;
-    if (!info->found_inf && max_norm > 0.0f && info->grad_norm > max_norm)
-        info->clip_coef = (float)(max_norm / (info->grad_norm + 1e-6));
-    info->grad_multiplier = inv_scale * info->clip_coef;
+    loom_amp_step_info(ss, bad, scaler, max_norm, info);
     return LOOM_OK;
 }
 

@@ -403,6 +403,31 @@ static void test_multiplier_unscales(void **state) {
     loom_param_free(b);
 }
 
+/* A scale whose inverse overflows (0, or a denormal from a damaged
+ * checkpoint) with finite gradients: found_inf, so no step multiplies
+ * them by Inf (it used to pass as a good step and write NaN into every
+ * master); with a normal scale the same gradients make a good step. */
+static void test_scale_with_infinite_inverse(void **state) {
+    (void)state;
+    loom_param *a = make_param("a", LOOM_F16, 1, 48, 72);
+    float g[48];
+    tu_fill_uniform(g, 48, -0.5f, 0.5f, 73);
+    loom_loss_scaler s;
+    loom_loss_scaler_init(&s, 1);
+    const float scales[] = {0.0f, 1e-45f, 2.0f};
+    for (int k = 0; k < 3; k++) {
+        s.scale = scales[k];
+        set_grad(a, g);
+        loom_step_info info;
+        loom_amp_prepare_step(&a, 1, &s, 1.0f, &info);
+        assert_int_equal(info.found_inf, k < 2);
+        assert_int_equal(isnan(info.grad_norm), k < 2);
+        loom_amp_step_info(1.0, 0, &s, 0.0f, &info); /* the pieces summed over ranks */
+        assert_int_equal(info.found_inf, k < 2);
+    }
+    loom_param_free(a);
+}
+
 int main(void) {
     loom_set_threads(2);
     const struct CMUnitTest tests[] = {
@@ -413,6 +438,7 @@ int main(void) {
         cmocka_unit_test(test_disabled_scaler),
         cmocka_unit_test(test_grad_norm_and_clipping),
         cmocka_unit_test(test_multiplier_unscales),
+        cmocka_unit_test(test_scale_with_infinite_inverse),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
