@@ -4,6 +4,7 @@
  */
 #include "cli.h"
 
+#include <errno.h>
 #include <sys/stat.h>
 
 #include <stdlib.h>
@@ -95,6 +96,9 @@ static int run(int argc, char **argv) {
         fwrite(prompt, 1, plen, stdout);
         fwrite(text, 1, bytes, stdout);
         fputc('\n', stdout);
+        if (fflush(stdout) != 0 || ferror(stdout)) /* a full disk or a closed pipe: the text is lost */
+            st = loom_error(LOOM_ERR_IO, "cannot write the text to standard output: %s%s", strerror(errno),
+                            errno == ENOSPC ? " (disk full?)" : "");
     }
     free(text);
     free(ids);

@@ -7,6 +7,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fnmatch.h>
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,6 +71,15 @@ static loom_status append_doc(loom_tokenizer *tok, tok_buf *b, const doc *d) {
     return LOOM_OK;
 }
 
+/* Whether name is a shard this command writes: train_ or val_, digits,
+ * .bin (write_shards). train_1_backup.bin is not: it is somebody's file. */
+static int is_our_shard(const char *name) {
+    const char *p = !strncmp(name, "train_", 6) ? name + 6 : !strncmp(name, "val_", 4) ? name + 4 : NULL;
+    if (!p || !(*p >= '0' && *p <= '9')) return 0;
+    while (*p >= '0' && *p <= '9') p++;
+    return !strcmp(p, ".bin");
+}
+
 /* Shards an earlier run wrote here (train_NNNNNN.bin, val_NNNNNN.bin): the
  * data loader reads every *train*.bin of a directory, so shards this run
  * does not rewrite would silently join the new data. */
@@ -80,7 +90,7 @@ static loom_status remove_old_shards(const char *dir) {
     loom_status st = LOOM_OK;
     char path[4096];
     for (struct dirent *e; st == LOOM_OK && (e = readdir(d));) {
-        if (fnmatch("train_[0-9]*.bin", e->d_name, 0) && fnmatch("val_[0-9]*.bin", e->d_name, 0)) continue;
+        if (!is_our_shard(e->d_name)) continue;
         snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
         if (unlink(path) != 0) st = loom_error(LOOM_ERR_IO, "cannot remove the old shard %s: %s", path, strerror(errno));
         else removed++;
@@ -171,7 +181,7 @@ static loom_status prepare_out(const char *out) {
         } else if (!strcmp(e->d_name, "tokenizer.json.new")) {
             unlink(path);
         } else if ((!fnmatch("*train*.bin", e->d_name, 0) || !fnmatch("*val*.bin", e->d_name, 0)) &&
-                   fnmatch("train_[0-9]*.bin", e->d_name, 0) && fnmatch("val_[0-9]*.bin", e->d_name, 0)) {
+                   !is_our_shard(e->d_name)) {
             st = loom_error(LOOM_ERR_STATE, "%s holds %s, shards this command did not write, which training "
                             "would read with the new ones: move them away, or use another --out", out, e->d_name);
         }
@@ -195,8 +205,8 @@ static double unigram_entropy(const tok_buf *b, int vocab) {
 static int run(int argc, char **argv) {
     string_list train = {0}, in = {0};
     const char *out = NULL, *tok_path = NULL, *doc_sep = NULL;
-    int vocab = 4096;
-    float val_fraction = 0.05f;
+    int vocab = INT_MIN;         /* INT_MIN, NAN: not given (then 4096, 0.05) */
+    float val_fraction = NAN;
     const flag flags[] = {
         {"train", FLAG_LIST, &train, "FILE...", "train a BPE tokenizer on these text files"},
         {"vocab", FLAG_INT, &vocab, "N", "vocabulary size when training (default 4096)"},
@@ -209,10 +219,22 @@ static int run(int argc, char **argv) {
     int n_flags = (int)(sizeof flags / sizeof flags[0]);
     int rc = cli_parse(&cmd_tokenize, flags, n_flags, argc, argv);
     if (rc) { free(train.items); free(in.items); return rc > 0 ? 0 : 2; }
+    /* A flag that would change nothing is refused, not ignored. */
     if (!out) rc = cli_usage_error("tokenize", "--out is required");
     else if (!train.n && !in.n) rc = cli_usage_error("tokenize", "give --train FILE... and/or --in FILE...");
+    else if (train.n && tok_path)
+        rc = cli_usage_error("tokenize", "--train makes a new tokenizer and --tokenizer names an existing one: give "
+                             "one of them");
     else if (in.n && !train.n && !tok_path) rc = cli_usage_error("tokenize", "--in needs --tokenizer FILE (or --train)");
-    else if (!(val_fraction >= 0.0f && val_fraction < 1.0f)) rc = cli_usage_error("tokenize", "--val-fraction must be in [0, 1)");
+    else if (!train.n && vocab != INT_MIN) rc = cli_usage_error("tokenize", "--vocab sizes a tokenizer being trained: "
+                                                                "it needs --train FILE...");
+    else if (!in.n && (!isnan(val_fraction) || doc_sep))
+        rc = cli_usage_error("tokenize", "--%s applies to the shards: it needs --in FILE...",
+                             doc_sep ? "doc-sep" : "val-fraction");
+    else if (!isnan(val_fraction) && !(val_fraction >= 0.0f && val_fraction < 1.0f))
+        rc = cli_usage_error("tokenize", "--val-fraction must be in [0, 1)");
+    if (vocab == INT_MIN) vocab = 4096;
+    if (isnan(val_fraction)) val_fraction = 0.05f;
     if (rc) { free(train.items); free(in.items); return rc; }
 
     struct stat sb;

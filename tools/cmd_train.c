@@ -70,7 +70,8 @@ static int parse_settings(trainer *t, loom_precision *prec, loom_recompute_mode 
     else if (!strcmp(o->recompute, "selective")) *mode = LOOM_RECOMPUTE_SELECTIVE;
     else return cli_usage_error("train", "--recompute expects none, selective or full, got '%s'", o->recompute);
     if (o->batch <= 0 || o->grad_accum <= 0 || o->steps <= 0 || o->seq < 0)
-        return cli_usage_error("train", "--batch, --grad-accum and --steps must be positive");
+        return cli_usage_error("train", "--batch, --grad-accum and --steps must be positive, --seq >= 0 (0: the "
+                               "default)");
     if (!(o->lr > 0.0f) || o->min_lr < 0.0f || o->warmup < 0 || o->clip < 0.0f || o->weight_decay < 0.0f)
         return cli_usage_error("train", "--lr must be positive; --min-lr, --warmup, --clip, --weight-decay >= 0");
     if (o->min_lr > o->lr)
@@ -112,6 +113,7 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
         if (o->init && t->leader)
             fprintf(stderr, "train: --init is ignored when resuming: the weights come from the checkpoint\n");
     } else if (o->init) {
+        LOOM_TRY(loom_model_dir_check(o->init));
         snprintf(path, sizeof path, "%s/config.json", o->init);
         LOOM_TRY(loom_llama_config_load(path, &cfg));
     } else if (o->config) {
@@ -348,6 +350,25 @@ static void capture_state(trainer *t) {
     t->state.dp_size = t->dist.dp_size;
 }
 
+/* Weights that are NaN or Inf are never saved: a checkpoint of a diverged
+ * run would prune the good ones it follows. Every rank checks its part. */
+static loom_status check_masters_finite(trainer *t, const char *dir) {
+    int bad = 0; /* 1 + the index of the first weight that is not finite */
+    for (int i = 0; i < t->m->n_params && !bad; i++) {
+        loom_param *p = t->m->params[i];
+        const float *v = loom_param_master(p);
+        size_t n = (size_t)loom_param_numel(p);
+        for (size_t k = 0; k < n; k++)
+            if (!isfinite(v[k])) { bad = i + 1; break; }
+    }
+    LOOM_TRY(loom_comm_allreduce_max_int(t->world, &bad, 1));
+    if (bad)
+        return loom_error(LOOM_ERR_NUMERIC, "step %d: weight %s holds NaN or Inf: training diverged, so checkpoint %s "
+                          "is not written and the earlier ones are kept; resume from one of them with a lower --lr",
+                          t->state.step, t->m->params[bad - 1]->name, dir);
+    return LOOM_OK;
+}
+
 /* Every rank takes part (moments are gathered over DP with ZeRO, tensors
  * over TP); the ranks of data-parallel group 0 write, TP rank 0 of it. */
 static loom_status save_checkpoint(trainer *t) {
@@ -365,6 +386,7 @@ static loom_status save_checkpoint(trainer *t) {
     float **mm = calloc((size_t)m->n_params, sizeof *mm), **vv = calloc((size_t)m->n_params, sizeof *vv);
     loom_status st = mm && vv ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
     if (st == LOOM_OK) st = loom_dist_optim_unshard_masters(t->opt); /* ZeRO-1: whole masters for the file */
+    if (st == LOOM_OK) st = check_masters_finite(t, dir);
     for (int i = 0; i < m->n_params && st == LOOM_OK; i++) {
         size_t n = (size_t)loom_param_numel(m->params[i]);
         mm[i] = malloc(n * sizeof(float) + 1);
@@ -537,6 +559,22 @@ static loom_status train_loop(trainer *t) {
     return LOOM_OK;
 }
 
+/* The directory that holds checkpoint ckpt (its parent), canonical (no
+ * trailing slash, no "."), into run_dir (PATH_MAX); -1 with errno set if
+ * ckpt cannot be resolved. */
+static int run_dir_of(const char *ckpt, char *run_dir) {
+    if (!realpath(ckpt, run_dir)) return -1;
+    char *slash = strrchr(run_dir, '/');
+    if (slash) slash[slash == run_dir ? 1 : 0] = '\0';
+    return 0;
+}
+
+/* Whether dir is the directory that holds checkpoint ckpt. */
+static int is_run_dir_of(const char *dir, const char *ckpt) {
+    char a[PATH_MAX], b[PATH_MAX];
+    return realpath(dir, a) && !run_dir_of(ckpt, b) && !strcmp(a, b);
+}
+
 /* --out, when not given: the resumed run's directory (the checkpoint's
  * parent), else "out". */
 static loom_status choose_out(trainer *t, const char *resume_dir) {
@@ -547,10 +585,8 @@ static loom_status choose_out(trainer *t, const char *resume_dir) {
         o->out = "out";
         return LOOM_OK;
     }
-    if (!realpath(resume_dir, run_dir)) /* canonical: no trailing slash, no "." */
+    if (run_dir_of(resume_dir, run_dir))
         return loom_error(LOOM_ERR_IO, "%s: cannot resolve %s", strerror(errno), resume_dir);
-    char *slash = strrchr(run_dir, '/');
-    if (slash) slash[slash == run_dir ? 1 : 0] = '\0';
     o->out = run_dir;
     if (t->leader) fprintf(stderr, "train: no --out: continuing in %s, the resumed run's directory\n", o->out);
     return LOOM_OK;
@@ -573,6 +609,11 @@ static loom_status open_outputs(trainer *t, const char *resume_dir) {
     if (!*resume_dir && newest >= 0)
         return loom_error(LOOM_ERR_STATE, "%s holds checkpoints of an earlier run (newest ckpt-%08d): continue it "
                           "with --resume %s, or use a new --out", o->out, newest, o->out);
+    if (*resume_dir && newest >= 0 && !is_run_dir_of(o->out, resume_dir))
+        return loom_error(LOOM_ERR_STATE, "%s holds checkpoints of another run (newest ckpt-%08d) than the one being "
+                          "resumed (%s): continuing there would mix the two runs' metrics and prune that run's "
+                          "checkpoints; use a new --out, or leave --out out to continue in the resumed run's "
+                          "directory", o->out, newest, resume_dir);
     if (*resume_dir && newest > t->state.step)
         return loom_error(LOOM_ERR_STATE, "%s holds checkpoints after step %d (newest ckpt-%08d), from the "
                           "run being resumed going further: remove them or use a new --out", o->out,
@@ -609,7 +650,7 @@ static int run(int argc, char **argv) {
     *o = (train_opts){.out = NULL, .preset = NULL, .precision = "bf16", .master_grad = "on", .overlap_flag = "on",
                       .recompute = "none", .recompute_mode = NULL, .batch = 8, .seq = 0,
                       .grad_accum = 1, .tp = 1, .steps = 100, .warmup = 10, .seed = 1337, .threads = 0, .eval_every = 50,
-                      .eval_batches = 4, .ckpt_every = 0, .keep = 2, .log_every = 1, .lr = 1e-3f, .min_lr = -1.0f,
+                      .eval_batches = 4, .ckpt_every = 0, .keep = 2, .log_every = 1, .lr = 1e-3f, .min_lr = NAN,
                       .weight_decay = 0.1f, .clip = 1.0f};
     const flag flags[] = {
         {"data", FLAG_STRING, &o->data, "DIR", "token shards (train_*.bin, val_*.bin) and tokenizer.json (required)"},
@@ -657,6 +698,9 @@ static int run(int argc, char **argv) {
         return cli_usage_error("train", "--%s applies to presets; the model comes from --%s (set "
                                "tie_word_embeddings in a config.json)", o->preset ? "preset" : "tie-embeddings",
                                o->config ? "config" : "init");
+    if (o->config && o->init && !o->resume)
+        return cli_usage_error("train", "--config and --init both give the model: --init's directory has its own "
+                               "config.json; drop --config");
     if ((o->preset || o->tie) && o->resume)
         fprintf(stderr, "train: note: --%s is ignored when resuming: the model is the checkpoint's\n",
                 o->preset ? "preset" : "tie-embeddings");
@@ -665,7 +709,7 @@ static int run(int argc, char **argv) {
                 o->recompute);
     if (!o->preset) o->preset = "tiny";
     if (!o->recompute_mode) o->recompute_mode = "nonreentrant";
-    if (o->min_lr < 0.0f) o->min_lr = o->lr / 10.0f;
+    if (isnan(o->min_lr)) o->min_lr = o->lr / 10.0f; /* not given (the parser takes finite numbers only) */
     loom_precision prec = {LOOM_BF16, 1};
     loom_recompute_mode mode = LOOM_RECOMPUTE_NONE;
     if ((rc = parse_settings(&t, &prec, &mode))) return rc;

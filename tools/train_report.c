@@ -63,6 +63,14 @@ static void fmt_eta(char *buf, size_t n, double s) {
 
 /* One line of metrics.jsonl, flushed; a failed write (a full disk) is an
  * error, not a silently torn file. */
+/* v as JSON: null when it is NaN or Inf (JSON has no such numbers; a
+ * skipped fp16 step's loss and norm are), else %.6f (fixed) or %.6g. */
+static const char *json_num(char *buf, size_t n, double v, int fixed) {
+    if (!isfinite(v)) return "null";
+    snprintf(buf, n, fixed ? "%.6f" : "%.6g", v);
+    return buf;
+}
+
 static loom_status metrics_line(FILE *f, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static loom_status metrics_line(FILE *f, const char *fmt, ...) {
     if (!f) return LOOM_OK;
@@ -81,10 +89,12 @@ loom_status train_report_step(train_report *r, FILE *metrics, int step, int tota
     loom_mem_stats ms;
     loom_mem_get_stats(&ms);
     double mem_mib = (double)ms.current_total / (1 << 20);
-    LOOM_TRY(metrics_line(metrics, "{\"step\":%d,\"loss\":%.6f,\"lr\":%.6g,\"grad_norm\":%.6g,\"tok_per_s\":%.1f,"
+    char loss_s[40], norm_s[40];
+    LOOM_TRY(metrics_line(metrics, "{\"step\":%d,\"loss\":%s,\"lr\":%.6g,\"grad_norm\":%s,\"tok_per_s\":%.1f,"
                           "\"step_ms\":%.2f,\"mem_mib\":%.1f,\"loss_scale\":%g,\"skipped\":%d}\n",
-                          step, loss, (double)lr, isfinite(grad_norm) ? grad_norm : -1.0, tok_per_s, 1e3 * step_s,
-                          mem_mib, (double)loss_scale, skipped));
+                          step, json_num(loss_s, sizeof loss_s, loss, 1), (double)lr,
+                          json_num(norm_s, sizeof norm_s, grad_norm, 0), tok_per_s, 1e3 * step_s, mem_mib,
+                          (double)loss_scale, skipped));
     char eta[32];
     fmt_eta(eta, sizeof eta, eta_s);
     char line[256];
@@ -106,7 +116,9 @@ void train_report_end_line(train_report *r) {
 
 loom_status train_report_val(train_report *r, FILE *metrics, int step, double val_loss) {
     push(&r->val_loss, &r->val_step, &r->n_val, &r->cap_val, step, val_loss);
-    LOOM_TRY(metrics_line(metrics, "{\"step\":%d,\"val_loss\":%.6f}\n", step, val_loss));
+    char loss_s[40];
+    LOOM_TRY(metrics_line(metrics, "{\"step\":%d,\"val_loss\":%s}\n", step,
+                          json_num(loss_s, sizeof loss_s, val_loss, 1)));
     train_report_end_line(r);
     fprintf(stderr, "step %d: validation loss %.4f\n", step, val_loss);
     return LOOM_OK;

@@ -47,11 +47,19 @@ loom_status loom_llama_load_weights(loom_llama *m, const char *path);
  * if tokenizer_path is not NULL, a copy of it as tokenizer.json. The
  * directory is created if needed. Every file is written in full beside the
  * old one before any old one is replaced, so a failure leaves the directory
- * as it was. With tensor parallelism every TP rank calls it (weights are
- * gathered) and TP rank 0 writes; dir may be NULL on the others. */
+ * as it was. The replacing itself (a rename per file) runs while the file
+ * LOOM_MODEL_INCOMPLETE marks the directory, so a crash or a failed rename
+ * there leaves a directory loom_model_dir_check refuses, never one read as
+ * a mix of two saves. With tensor parallelism every TP rank calls it
+ * (weights are gathered) and TP rank 0 writes; dir may be NULL on the
+ * others. */
 loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokenizer_path, const char *dir);
+#define LOOM_MODEL_INCOMPLETE ".save-incomplete"
+/* LOOM_ERR_STATE, naming what to do, when dir's files may be of two saves
+ * (a writer stopped while replacing them). */
+loom_status loom_model_dir_check(const char *dir);
 /* Create a model from a directory (config.json + model.safetensors) with
- * the given precision. */
+ * the given precision (after loom_model_dir_check). */
 loom_status loom_model_dir_load(const char *dir, loom_precision prec, loom_llama **out);
 
 /* Everything besides weights that resuming needs. */

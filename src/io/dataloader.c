@@ -90,7 +90,10 @@ static loom_status find_shards(loom_dataloader *dl, const char *source, const ch
             return loom_error(LOOM_ERR_INVALID, "no token shards match '%s'; check the path (a "
                               "directory, a glob such as DIR/train_*.bin, or a file)", source);
         }
-        if (r != 0) return loom_error(LOOM_ERR_IO, "cannot expand the shard pattern '%s'", source);
+        if (r != 0) {
+            globfree(&g);
+            return loom_error(LOOM_ERR_IO, "cannot expand the shard pattern '%s'", source);
+        }
         loom_status s = LOOM_OK;
         for (size_t i = 0; s == LOOM_OK && i < g.gl_pathc; i++) s = add_path(dl, g.gl_pathv[i], &cap);
         globfree(&g);

@@ -101,12 +101,16 @@ static loom_status open_regular(const char *path, const char *what, int *fd_out,
 }
 
 loom_status loom_read_file(const char *path, void **data, size_t *len) {
+    return io_read_file(path, "file", data, len);
+}
+
+loom_status io_read_file(const char *path, const char *what, void **data, size_t *len) {
     *data = NULL;
     *len = 0;
     if (!path) return loom_error(LOOM_ERR_INVALID, "loom_read_file: path is NULL");
     int fd;
     struct stat st;
-    LOOM_TRY(open_regular(path, "file", &fd, &st));
+    LOOM_TRY(open_regular(path, what, &fd, &st));
     unsigned char *buf;
     loom_status s = read_fd(fd, path, (size_t)st.st_size, &buf, len);
     close(fd);

@@ -52,6 +52,9 @@ int io_fsync_parent(const char *path);
 
 /* LOOM_ERR_FORMAT naming the file, the tensor and the first element that is
  * NaN or Inf among v[0 .. n); LOOM_OK when all are finite. */
+/* loom_read_file, its errors naming the file as `what` ("config"). */
+loom_status io_read_file(const char *path, const char *what, void **data, size_t *len);
+
 loom_status io_check_finite(const float *v, size_t n, const char *path, const char *name);
 
 /* Format the errno `err` of a failed write of `path` into a message suffix

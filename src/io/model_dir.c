@@ -87,13 +87,12 @@ static loom_status check_unsupported(json_t *root, const char *path, const loom_
 
 loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
     json_error_t err;
-    json_t *root = json_load_file(path, 0, &err);
-    if (!root) {
-        FILE *f = fopen(path, "rb");
-        if (!f) return loom_error(LOOM_ERR_IO, "cannot open config %s: %s", path, strerror(errno));
-        fclose(f);
-        return loom_error(LOOM_ERR_FORMAT, "%s: invalid JSON at line %d: %s", path, err.line, err.text);
-    }
+    void *text;
+    size_t len;
+    LOOM_TRY(io_read_file(path, "config", &text, &len)); /* a regular file: a FIFO would block */
+    json_t *root = json_loadb(text, len, 0, &err);
+    free(text);
+    if (!root) return loom_error(LOOM_ERR_FORMAT, "%s: invalid JSON at line %d: %s", path, err.line, err.text);
     loom_status st = LOOM_OK;
     if (!json_is_object(root)) st = loom_error(LOOM_ERR_FORMAT, "%s: expected a JSON object", path);
     memset(c, 0, sizeof *c);
@@ -221,8 +220,9 @@ static loom_status join(char *buf, size_t n, const char *dir, const char *file) 
 /* The files of a model directory. Each new one is written (atomically) as
  * "<file>.new" beside the old one; only when all are complete are they
  * renamed into place, so a failure (a full disk, a bad tokenizer path)
- * leaves the old files as they were, never new weights beside an old
- * config. */
+ * leaves the old files as they were. The renames run under a marker file:
+ * a crash between two of them leaves new weights beside an old config, and
+ * the marker makes readers refuse that directory instead of loading it. */
 enum { DIR_CONFIG, DIR_WEIGHTS, DIR_TOKENIZER, DIR_FILES };
 static const char *const dir_files[DIR_FILES] = {"config.json", "model.safetensors", "tokenizer.json"};
 
@@ -242,6 +242,11 @@ loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokeni
     if (st == LOOM_OK) st = w;
     if (st == LOOM_OK) st = loom_llama_config_save(&m->cfg, dt, staged[DIR_CONFIG]);
     if (st == LOOM_OK && tokenizer_path) st = loom_file_copy_atomic(tokenizer_path, staged[DIR_TOKENIZER]);
+    char marker[4200];
+    if (st == LOOM_OK) st = join(marker, sizeof marker, dir, LOOM_MODEL_INCOMPLETE);
+    static const char note[] = "loom was replacing the files of this model directory and stopped before it had "
+                               "replaced them all; save the model again\n";
+    if (st == LOOM_OK) st = loom_file_write_atomic(marker, note, sizeof note - 1);
     for (int i = 0; i < DIR_FILES && st == LOOM_OK; i++) {
         if (i == DIR_TOKENIZER && !tokenizer_path) {
             /* No tokenizer for this model: one left in dir by an earlier
@@ -256,8 +261,22 @@ loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokeni
         for (int i = 0; i < DIR_FILES; i++) unlink(staged[i]); /* what was not renamed yet */
         return st;
     }
+    /* The renames durable first, then the marker's removal. */
     int e = io_fsync_parent(path[DIR_CONFIG]);
+    if (e == 0 && unlink(marker) != 0) e = errno;
+    if (e == 0) e = io_fsync_parent(marker);
     if (e != 0) return loom_error(LOOM_ERR_IO, "wrote %s but could not sync it: %s", dir, strerror(e));
+    return LOOM_OK;
+}
+
+loom_status loom_model_dir_check(const char *dir) {
+    char marker[4200];
+    struct stat sb;
+    LOOM_TRY(join(marker, sizeof marker, dir, LOOM_MODEL_INCOMPLETE));
+    if (stat(marker, &sb) == 0)
+        return loom_error(LOOM_ERR_STATE, "%s: a save stopped while replacing its files (%s is there), so they may "
+                          "be of two different saves; save the model again (a training run's last checkpoint, "
+                          "RUN/ckpt-N, is a whole model too)", dir, LOOM_MODEL_INCOMPLETE);
     return LOOM_OK;
 }
 
@@ -265,6 +284,7 @@ loom_status loom_model_dir_load(const char *dir, loom_precision prec, loom_llama
     char path[4096];
     loom_llama_config cfg;
     *out = NULL;
+    LOOM_TRY(loom_model_dir_check(dir));
     LOOM_TRY(join(path, sizeof path, dir, "config.json"));
     LOOM_TRY(loom_llama_config_load(path, &cfg));
     loom_llama *m;

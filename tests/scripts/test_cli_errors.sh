@@ -57,7 +57,7 @@ expect_error "mlp.*proj.weight" "$LOOM" generate --model "$WORK/m2" --prompt x
 cp "$WORK/r/model/config.json" "$WORK/m2/config.json"
 head -c 5000 "$WORK/r/model/model.safetensors" > "$WORK/m2/model.safetensors"
 expect_error "model.safetensors" "$LOOM" generate --model "$WORK/m2" --prompt x
-expect_error "model.safetensors" "$LOOM" train "${D[@]}" --init "$WORK/m2" --out "$WORK/r3"
+expect_error "model.safetensors" "$LOOM" train --data "$WORK/data" --batch 2 --seq 16 --init "$WORK/m2" --out "$WORK/r3"
 printf 'not json' > "$WORK/m2/model.safetensors"
 expect_error "model.safetensors" "$LOOM" export --model "$WORK/m2" --out "$WORK/x"
 
@@ -233,7 +233,7 @@ rm -rf "$WORK/dmg" "$WORK/dmg-out" && cp -r "$WORK/h/ckpt-00000004" "$WORK/dmg"
 poison "$WORK/dmg/state.safetensors" adam_v.model.norm.weight
 expect_error "adam_v.model.norm.weight holds nan at element 3" "$LOOM" train "${D[@]}" --steps 6 --out "$WORK/dmg-out" \
   --resume "$WORK/dmg"
-for kv in "loss_scale nan" "loss_scale 0" "step -1" "adam_steps 99999999999" "loom_checkpoint_version 2"; do
+for kv in "loss_scale nan" "loss_scale 0" "loss_scale 1e-50" "step -1" "adam_steps 99999999999" "loom_checkpoint_version 2"; do
   set -- $kv
   rm -rf "$WORK/dmg" "$WORK/dmg-out" && cp -r "$WORK/h/ckpt-00000004" "$WORK/dmg"
   damage "$WORK/dmg" "$1" "$2"
@@ -273,6 +273,66 @@ kill -INT $pid
 for _ in $(seq 100); do kill -0 $pid 2>/dev/null || break; sleep 0.1; done
 if kill -0 $pid 2>/dev/null; then kill -9 $pid; fail "a second SIGINT did not stop train"; fi
 wait $pid 2>/dev/null || true
+
+# Flags that changed nothing: refused (they used to be ignored).
+expect_error "--config and --init both give the model" "$LOOM" train "${D[@]}" --init "$WORK/r/model" --steps 1 \
+  --out "$WORK/ic"
+expect_error "--min-lr, --warmup" "$LOOM" train "${D[@]}" --min-lr -3 --steps 1 --out "$WORK/negmin"
+expect_error "--seq >= 0" "$LOOM" train "${D[@]}" --seq -5 --steps 1 --out "$WORK/negseq"
+expect_error "--train makes a new tokenizer and --tokenizer names an existing one" "$LOOM" tokenize \
+  --train "$SRC/README.md" --tokenizer "$WORK/data/tokenizer.json" --in "$SRC/README.md" --out "$WORK/tk1"
+expect_error "--vocab sizes a tokenizer being trained" "$LOOM" tokenize --tokenizer "$WORK/data/tokenizer.json" \
+  --vocab 300 --in "$SRC/README.md" --out "$WORK/tk1"
+expect_error "--val-fraction applies to the shards" "$LOOM" tokenize --train "$SRC/README.md" --val-fraction 0.2 \
+  --out "$WORK/tk1.json"
+expect_error "--doc-sep applies to the shards" "$LOOM" tokenize --train "$SRC/README.md" --doc-sep % --out "$WORK/tk1.json"
+{ [ -e "$WORK/tk1" ] || [ -e "$WORK/tk1.json" ]; } && fail "a refused tokenize wrote its output"
+# A user's train_1_backup.bin is not one of tokenize's shards: refused, never deleted.
+mkdir -p "$WORK/t5" && echo keep > "$WORK/t5/train_1_backup.bin"
+expect_error "holds train_1_backup.bin, shards this command did not write" "$LOOM" tokenize \
+  --tokenizer "$WORK/data/tokenizer.json" --in "$SRC/README.md" --out "$WORK/t5"
+[ -s "$WORK/t5/train_1_backup.bin" ] || fail "tokenize deleted a user's train_1_backup.bin"
+
+# Resuming one run into the --out of another: refused (it used to prune the
+# other run's checkpoints and mix both runs' metrics).
+"$LOOM" train "${D[@]}" --steps 2 --ckpt-every 1 --keep 5 --out "$WORK/other" 2>/dev/null
+expect_error "holds checkpoints of another run" "$LOOM" train "${D[@]}" --steps 5 --ckpt-every 1 --keep 1 \
+  --resume "$WORK/h/ckpt-00000004" --out "$WORK/other"
+[ -d "$WORK/other/ckpt-00000001" ] && [ -d "$WORK/other/ckpt-00000002" ] || fail "the other run's checkpoints went"
+
+# Weights that turned Inf in a step whose gradients were finite (weight decay
+# x lr overflows): the checkpoint is refused, never written to prune the good.
+expect_error "holds NaN or Inf: training diverged, so checkpoint .*ckpt-00000001 is not written" "$LOOM" train \
+  "${D[@]}" --precision fp32 --lr 3e38 --weight-decay 10 --warmup 0 --clip 0 --steps 3 --ckpt-every 1 --out "$WORK/infw"
+[ -e "$WORK/infw/ckpt-00000001" ] && fail "a checkpoint of Inf weights was written"
+
+# fp16 steps skipped for overflow: metrics.jsonl stays JSON (loss and norm null).
+"$LOOM" train "${D[@]}" --precision fp16 --lr 30 --warmup 0 --clip 0 --steps 40 --out "$WORK/skip16" 2>/dev/null || true
+/usr/bin/python3 - "$WORK/skip16/metrics.jsonl" <<'PY' || fail "metrics.jsonl of skipped fp16 steps is not JSON"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+skipped = [r for r in rows if r.get("skipped")]
+assert skipped, "no step was skipped: the test needs one"
+assert any(r["loss"] is None or r["grad_norm"] is None for r in skipped), skipped[:2]
+PY
+
+# The text that cannot be written: an error, not exit 0 with the text lost.
+expect_error "cannot write the text to standard output.*disk full" bash -c \
+  '"$0" generate --model "$1" --prompt a --tokens 2 > /dev/full' "$LOOM" "$WORK/r/model"
+# A FIFO as the config: refused at once (it used to wait forever for a writer).
+expect_error "config .*fifo.*not a regular file" timeout 20 "$LOOM" train --data "$WORK/data" --config "$WORK/fifo" \
+  --steps 1 --out "$WORK/ff"
+
+# A model directory whose save stopped while replacing its files (the marker
+# is there): refused by every reader; a save that finishes clears it.
+[ -e "$WORK/r/model/.save-incomplete" ] && fail "a finished save left its marker"
+cp -r "$WORK/r/model" "$WORK/half" && touch "$WORK/half/.save-incomplete"
+expect_error "a save stopped while replacing its files" "$LOOM" generate --model "$WORK/half" --prompt a --tokens 2
+expect_error "a save stopped while replacing its files" "$LOOM" export --model "$WORK/half" --out "$WORK/half-x"
+expect_error "a save stopped while replacing its files" "$LOOM" train --data "$WORK/data" --init "$WORK/half" \
+  --batch 2 --seq 16 --steps 1 --out "$WORK/half-t"
+"$LOOM" export --model "$WORK/r/model" --out "$WORK/half" 2>/dev/null
+"$LOOM" generate --model "$WORK/half" --prompt a --tokens 2 >/dev/null 2>&1 || fail "a finished save did not clear the marker"
 
 # expect_full_disk KB MESSAGE DIR CMD...: CMD, allowed files of at most KB
 # KiB, exits 1 with MESSAGE in its error and leaves every file in DIR as it
