@@ -9,7 +9,8 @@
  * Both directions work in fp32 on blocks of ATTN_BQ queries x ATTN_BK keys,
  * with the products as small matrix multiplies (mm_f32: AVX-512F, AVX2/FMA
  * or portable C) and vectorized exps. With bf16 inputs on a CPU with
- * AVX-512 BF16 (mm_bf16_tiles()), the products of two inputs — the scores
+ * AVX-512 BF16 (mm_bf16_tiles()) and an even head size (pairs never
+ * straddle two heads), the products of two inputs — the scores
  * S = (q k^T) scale in both directions and dP = dout v^T — are bf16 dot
  * products with fp32 sums on the inputs' own pairs (packed transposed per
  * block or kv head); the others, whose factors are computed, stay fp32.
@@ -75,7 +76,7 @@ static attn_shape attn_shape_make(int B, int Tq, int Tk, int NH, int NKV, int HS
     attn_shape s = {B, Tq, Tk, NH, NKV, HS, q_pos0, NH / NKV, 1.0f / sqrtf((float)HS), dt,
                     dt == LOOM_F32 && (Tq < ATTN_BQ || !(stride_critical((size_t)NH * HS, dt) ||
                                                          stride_critical((size_t)NKV * HS, dt))),
-                    dt == LOOM_BF16 ? mm_bf16_tiles() : NULL};
+                    dt == LOOM_BF16 && HS % 2 == 0 ? mm_bf16_tiles() : NULL};
     return s;
 }
 
