@@ -5,7 +5,9 @@
  * A primitive is fixed at creation by everything that shapes it (transposes
  * as strides, M, N, K, leading dimensions, dtypes, alpha as an output scale,
  * beta as a sum post-op, bias present or not), so all of those form the
- * cache key. The cache is set-associative (SETS x WAYS) with LRU eviction
+ * cache key, with the OpenMP thread count: oneDNN sizes a primitive's
+ * work split and scratchpad for the threads at creation (its own cache keys
+ * on them too), so loom_set_threads between two calls gets a new one. The cache is set-associative (SETS x WAYS) with LRU eviction
  * inside a set; refusals are cached too, so a combination oneDNN cannot do
  * costs one attempt, not one per call.
  *
@@ -26,6 +28,7 @@
 
 #include <dnnl.h>
 #include <dnnl_debug.h>
+#include <omp.h>
 #include <pthread.h>
 
 #define SETS 16
@@ -42,6 +45,7 @@ typedef struct cache_key {
     uint32_t trans_a, trans_b, M, N, K, lda, ldb, ldc;
     uint32_t ab_dt, c_dt, bias_dt; /* bias_dt = ~0 when there is no bias */
     uint32_t alpha_bits, beta_bits;
+    uint32_t threads;
 } cache_key;
 
 /* A created primitive with one memory object per argument (NULL if unused). */
@@ -107,6 +111,7 @@ static void make_key(const gemm_args *g, cache_key *k, uint32_t *hash) {
         .ab_dt = (uint32_t)g->ab_dt, .c_dt = (uint32_t)g->c_dt,
         .bias_dt = g->bias ? (uint32_t)g->bias_dt : ~0u,
         .alpha_bits = f32_bits(g->alpha), .beta_bits = f32_bits(g->beta),
+        .threads = (uint32_t)omp_get_max_threads(),
     };
     const uint32_t *w = (const uint32_t *)k; /* FNV-1a over the words */
     uint32_t h = 2166136261u;

@@ -504,6 +504,35 @@ static void test_cache_reuse(void **state) {
     gemm_set_backend(GEMM_BACKEND_AUTO);
 }
 
+/* A primitive is made for a thread count: after loom_set_threads the same
+ * call gets a new one, and back at the first count the first is reused. */
+static void test_cache_keys_threads(void **state) {
+    (void)state;
+    if (!gemm_have_onednn()) skip();
+    gemm_set_backend(GEMM_BACKEND_ONEDNN);
+    gemm_onednn_cache_clear();
+    static float C[64 * 64];
+    int threads = loom_get_threads();
+    gemm_counters c0, c1, c2, c3;
+    loom_set_threads(2);
+    gemm_get_counters(&c0);
+    assert_int_equal(small_call(4, 8, LOOM_F32, C), LOOM_OK);
+    loom_set_threads(1);
+    assert_int_equal(small_call(4, 8, LOOM_F32, C), LOOM_OK);
+    gemm_get_counters(&c1);
+    assert_int_equal(c1.onednn_created - c0.onednn_created, 2);
+    loom_set_threads(2);
+    assert_int_equal(small_call(4, 8, LOOM_F32, C), LOOM_OK);
+    gemm_get_counters(&c2);
+    assert_int_equal(c2.onednn_created, c1.onednn_created);
+    loom_set_threads(1);
+    assert_int_equal(small_call(4, 8, LOOM_F32, C), LOOM_OK);
+    gemm_get_counters(&c3);
+    assert_int_equal(c3.onednn_created, c2.onednn_created);
+    loom_set_threads(threads);
+    gemm_set_backend(GEMM_BACKEND_AUTO);
+}
+
 /* The GEMMs of a training step (sizes that are multiples of 16, three
  * transposes, beta 0 and 1: 18 keys, fewer than the cache holds) are
  * created once; a second round creates none. */
@@ -597,6 +626,7 @@ int main(void) {
         cmocka_unit_test(test_k_zero),
         cmocka_unit_test(test_accumulate_twice),
         cmocka_unit_test(test_cache_reuse),
+        cmocka_unit_test(test_cache_keys_threads),
         cmocka_unit_test(test_cache_holds_a_step),
         cmocka_unit_test(test_cache_eviction),
         cmocka_unit_test(test_concurrent_calls),
