@@ -43,13 +43,28 @@ loom_status loom_recompute_mode_parse(const char *s, loom_recompute_mode *out) {
 
 /* ------------------------------------------------------ reentrant region */
 
+/* What forward found in an output slot, recorded for loom_checkpoint. */
+enum { OUT_NEW = -1, OUT_NULL = -2 }; /* >= 0: the input (< n_inputs) or earlier output it is */
+
 typedef struct reentrant_args {
     loom_region_fn fn;
     void *user;
-    /* Where forward marks the outputs the region left NULL (the caller's
-     * array in loom_checkpoint; read there only, never in backward). */
-    unsigned char *null_outputs;
+    /* Where forward marks each output as new, NULL or an existing tensor
+     * (the caller's array in loom_checkpoint; read there only, never in
+     * backward). */
+    int *out_kind;
 } reentrant_args;
+
+/* OUT_NEW, or the input j (j) or earlier output k (n_in + k) that out[i]
+ * is: the region returned an existing tensor, as no recomputation hands
+ * it back. */
+static int alias_of(loom_tensor *const *in, int n_in, loom_tensor *const *out, int i) {
+    for (int j = 0; j < n_in; j++)
+        if (in[j] && out[i] == in[j]) return j;
+    for (int k = 0; k < i; k++)
+        if (out[i] == out[k]) return n_in + k;
+    return OUT_NEW;
+}
 
 typedef struct reentrant_state {
     loom_rng rng_start;
@@ -73,9 +88,12 @@ static loom_status reentrant_forward(loom_fn_ctx *ctx, loom_tensor *const *input
     if (st != LOOM_OK) return st;
     /* An output the region left NULL becomes an empty stand-in (a node's
      * outputs are tensors); loom_checkpoint hands NULL back in its place,
-     * and the replay's NULL there takes no gradient. */
+     * and the replay's NULL there takes no gradient. One that is an input
+     * or an earlier output: loom_checkpoint hands that tensor back itself,
+     * so its gradient gathers there, in the order of the run without
+     * recomputation, and the node's slot for it takes none. */
     for (int i = 0; i < n_outputs; i++) {
-        a->null_outputs[i] = outputs[i] == NULL;
+        a->out_kind[i] = outputs[i] ? alias_of(inputs, n_inputs, outputs, i) : OUT_NULL;
         if (!outputs[i] && !(outputs[i] = loom_tensor_new(LOOM_F32, 1, (const int64_t[]){0}, LOOM_MEM_ACTIVATIONS)))
             return LOOM_ERR_NOMEM;
     }
@@ -92,13 +110,25 @@ static loom_status reentrant_backward(loom_fn_ctx *ctx, loom_tensor *const *grad
     loom_status st = (in && out) ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
     for (int i = 0; i < n_inputs; i++) if (in) in[i] = NULL;
     for (int i = 0; i < n_outputs; i++) if (out) out[i] = NULL;
-    /* Fresh leaves for activations; parameters stay themselves. */
+    /* Fresh leaves for activations; parameters stay themselves; an
+     * activation passed twice is one leaf, as it is one tensor without
+     * recomputation (its gradient goes back once, from the first slot). */
+    loom_tensor *saved_local[16];
+    loom_tensor **saved = n_inputs <= 16 ? saved_local : calloc((size_t)n_inputs, sizeof *saved);
+    if (!saved && st == LOOM_OK) st = loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
     for (int i = 0; i < n_inputs && st == LOOM_OK; i++) {
         loom_tensor *t;
         st = loom_ctx_saved(ctx, i, &t);
+        saved[i] = t;
         if (st != LOOM_OK || !t) continue;
         if (t->param) {
             in[i] = loom_tensor_retain(t);
+            continue;
+        }
+        int first = 0;
+        while (first < i && saved[first] != t) first++;
+        if (first < i) {
+            in[i] = loom_tensor_retain(in[first]);
             continue;
         }
         in[i] = loom_tensor_detach(t);
@@ -124,9 +154,17 @@ static loom_status reentrant_backward(loom_fn_ctx *ctx, loom_tensor *const *grad
         recompute_replay_end(started);
         if (st == LOOM_OK) {
             /* Outputs that need no gradient (frozen parameters, inputs that
-             * need none) take none: then the region has nothing to add. */
+             * need none) take none: then the region has nothing to add.
+             * Neither do outputs that are an input or an earlier output:
+             * loom_checkpoint handed those tensors back themselves. */
             int any = 0;
-            for (int k = 0; k < n_outputs; k++) any |= out[k] && loom_tensor_requires_grad(out[k]);
+            for (int k = 0; k < n_outputs; k++) {
+                if (out[k] && alias_of(in, n_inputs, out, k) != OUT_NEW) {
+                    loom_tensor_release(out[k]);
+                    out[k] = NULL;
+                }
+                any |= out[k] && loom_tensor_requires_grad(out[k]);
+            }
             if (any) st = loom_backward_multi(out, grad_outputs, n_outputs);
         }
         autograd_grad_mode_restore(grad_mode);
@@ -135,9 +173,12 @@ static loom_status reentrant_backward(loom_fn_ctx *ctx, loom_tensor *const *grad
     }
     for (int i = 0; i < n_inputs; i++) {
         if (!in || !in[i]) continue;
-        if (st == LOOM_OK && !in[i]->param && in[i]->grad) grad_inputs[i] = loom_tensor_retain(in[i]->grad);
+        int dup = 0;
+        for (int j = 0; j < i && !dup; j++) dup = in[j] == in[i];
+        if (st == LOOM_OK && !dup && !in[i]->param && in[i]->grad) grad_inputs[i] = loom_tensor_retain(in[i]->grad);
         loom_tensor_release(in[i]);
     }
+    if (saved != saved_local) free(saved);
     for (int k = 0; k < n_outputs; k++) if (out) loom_tensor_release(out[k]);
     if (in != in_local) free(in);
     if (out != out_local) free(out);
@@ -176,18 +217,20 @@ loom_status loom_checkpoint_flags(loom_recompute_mode mode, unsigned flags, loom
             for (int i = 0; i < n_outputs; i++) outputs[i] = NULL;
             return fn(user, inputs, n_inputs, outputs, n_outputs);
         }
-        unsigned char null_local[16] = {0};
-        unsigned char *null_outputs = n_outputs <= 16 ? null_local : calloc((size_t)n_outputs, 1);
-        if (!null_outputs) return loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
+        int kind_local[16];
+        int *out_kind = n_outputs <= 16 ? kind_local : calloc((size_t)n_outputs, sizeof *out_kind);
+        if (!out_kind) return loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
         recompute_count_region();
-        reentrant_args a = {fn, user, null_outputs};
+        reentrant_args a = {fn, user, out_kind};
         loom_status st = loom_function_apply(&reentrant_fn, inputs, n_inputs, outputs, n_outputs, &a, sizeof a);
         for (int i = 0; i < n_outputs && st == LOOM_OK; i++) {
-            if (!null_outputs[i]) continue;
-            loom_tensor_release(outputs[i]);
-            outputs[i] = NULL;
+            if (out_kind[i] == OUT_NEW) continue;
+            loom_tensor_release(outputs[i]); /* the stand-in, or apply's new view of an existing tensor */
+            outputs[i] = out_kind[i] == OUT_NULL ? NULL
+                         : loom_tensor_retain(out_kind[i] < n_inputs ? inputs[out_kind[i]]
+                                                                    : outputs[out_kind[i] - n_inputs]);
         }
-        if (null_outputs != null_local) free(null_outputs);
+        if (out_kind != kind_local) free(out_kind);
         return st;
     }
     }

@@ -1319,6 +1319,77 @@ static void test_determinism_check(void **state) {
     mem_check_clean(act0);
 }
 
+/* ------------- 16. a tensor passed twice, or handed back by the region */
+
+/* The region gets or returns the same tensor in two places, as a region
+ * written for no recomputation may: without recomputation it is one tensor
+ * and its gradient one sum, and every mode must sum the same terms in the
+ * same order (reentrant used to give each slot its own leaf and gradient,
+ * changing the order of the sums in the last bits). */
+enum { ALIAS_INPUT_TWICE, ALIAS_INPUT_RETURNED, ALIAS_OUTPUT_TWICE };
+
+typedef struct alias_block {
+    int kind;
+    loom_param *w1, *w2;
+} alias_block;
+
+static loom_status alias_region(void *user, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
+    (void)n_in; (void)n_out;
+    const alias_block *b = user;
+    loom_tensor *a = NULL, *c = NULL;
+    loom_status st = loom_matmul(in[0], b->w1->tensor, &a);
+    if (st == LOOM_OK) st = loom_matmul(b->kind == ALIAS_INPUT_TWICE ? in[1] : in[0], b->w2->tensor, &c);
+    if (st == LOOM_OK) st = loom_add(a, c, &out[0]);
+    if (st == LOOM_OK && b->kind != ALIAS_INPUT_TWICE)
+        out[1] = loom_tensor_retain(b->kind == ALIAS_INPUT_RETURNED ? in[0] : out[0]);
+    loom_tensor_release(a);
+    loom_tensor_release(c);
+    return st;
+}
+
+static void run_alias(int kind, loom_recompute_mode mode, grad_set *gs) {
+    loom_param *w0 = make_param("w0", DIM, DIM, 90), *w1 = make_param("w1", DIM, DIM, 91),
+               *w2 = make_param("w2", DIM, DIM, 92);
+    alias_block b = {kind, w1, w2};
+    loom_tensor *x = make_leaf(ROWS, DIM, 16, 1), *h = NULL, *u = NULL, *out[2] = {NULL, NULL};
+    assert_int_equal(loom_matmul(x, w0->tensor, &h), LOOM_OK);
+    loom_tensor *in[2] = {h, h};
+    int n_out = kind == ALIAS_INPUT_TWICE ? 1 : 2;
+    assert_int_equal(loom_checkpoint(mode, alias_region, &b, in, kind == ALIAS_INPUT_TWICE ? 2 : 1, out, n_out),
+                     LOOM_OK);
+    if (kind == ALIAS_INPUT_RETURNED) assert_ptr_equal(out[1], h);      /* as without recomputation */
+    if (kind == ALIAS_OUTPUT_TWICE) assert_ptr_equal(out[1], out[0]);
+    assert_int_equal(loom_scale(h, 0.7f, &u), LOOM_OK); /* h used after the region too */
+    loom_tensor *loss = add_losses(weighted_sum(out[0], 63), weighted_sum(u, 64));
+    if (n_out == 2) loss = add_losses(loss, weighted_sum(out[1], 65));
+    backward_ok(loss);
+    gs_param(gs, w0);
+    gs_param(gs, w1);
+    gs_param(gs, w2);
+    gs_leaf(gs, "x", x);
+    loom_tensor_release(loss);
+    for (int i = 0; i < n_out; i++) loom_tensor_release(out[i]);
+    loom_tensor_release(u);
+    loom_tensor_release(h);
+    loom_tensor_release(x);
+    loom_param_free(w0);
+    loom_param_free(w1);
+    loom_param_free(w2);
+}
+
+static void run_input_twice(loom_recompute_mode m, grad_set *gs) { run_alias(ALIAS_INPUT_TWICE, m, gs); }
+static void run_input_returned(loom_recompute_mode m, grad_set *gs) { run_alias(ALIAS_INPUT_RETURNED, m, gs); }
+static void run_output_twice(loom_recompute_mode m, grad_set *gs) { run_alias(ALIAS_OUTPUT_TWICE, m, gs); }
+
+static void test_aliased_inputs_and_outputs(void **state) {
+    (void)state;
+    size_t act0 = act_bytes();
+    expect_every_mode_matches(run_input_twice);
+    expect_every_mode_matches(run_input_returned);
+    expect_every_mode_matches(run_output_twice);
+    mem_check_clean(act0);
+}
+
 int main(void) {
     loom_set_threads(2);
     const struct CMUnitTest tests[] = {
@@ -1341,6 +1412,7 @@ int main(void) {
         cmocka_unit_test(test_frozen_block),
         cmocka_unit_test(test_unused_branch_not_kept),
         cmocka_unit_test(test_determinism_check),
+        cmocka_unit_test(test_aliased_inputs_and_outputs),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
