@@ -395,7 +395,10 @@ loom_status loom_backward(loom_tensor *loss, float seed) {
                           "(use loom_backward_multi for non-scalar outputs)", (long long)loom_tensor_numel(loss));
     int64_t shape[LOOM_MAX_DIMS] = {1, 1, 1, 1};
     loom_tensor *g = loom_tensor_new(LOOM_F32, loss->ndim, shape, LOOM_MEM_ACTIVATIONS);
-    if (!g) return LOOM_ERR_NOMEM;
+    if (!g) { /* as every failed backward: the tape goes */
+        loom_tape_clear();
+        return loom_error(LOOM_ERR_NOMEM, "backward: out of memory for the seed gradient");
+    }
     ((float *)loom_tensor_data(g))[0] = seed;
     loom_status st = loom_backward_multi(&loss, &g, 1);
     loom_tensor_release(g);

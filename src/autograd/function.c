@@ -268,17 +268,23 @@ loom_status loom_function_apply(const loom_function *fn, loom_tensor *const *inp
     ctx->hooks = hooks;
     ctx->replay = replaying;
     ctx->discard = !recorded && !replaying;
-    if (hooks && hooks->before_forward(hooks->self, ctx, recorded, inputs, outputs, n_outputs)) {
-        /* The hook supplied the outputs (a kept op in a selective replay). */
+    int before = hooks ? hooks->before_forward(hooks->self, ctx, recorded, inputs, outputs, n_outputs) : 0;
+    if (before != 0) {
+        /* 1: the hook supplied the outputs (a kept op in a selective
+         * replay); -1: it could not record the call. */
         ctx_free(ctx);
-        return LOOM_OK;
+        return before > 0 ? LOOM_OK : LOOM_ERR_NOMEM;
     }
     loom_status st = run_forward(fn, ctx, inputs, n_inputs, outputs, n_outputs);
     if (st != LOOM_OK) {
         ctx_free(ctx);
         return st;
     }
-    if (hooks) hooks->after_forward(hooks->self, ctx, recorded, outputs, n_outputs);
+    if (hooks && hooks->after_forward(hooks->self, ctx, recorded, outputs, n_outputs) != 0) {
+        release_outputs(outputs, n_outputs);
+        ctx_free(ctx);
+        return LOOM_ERR_NOMEM;
+    }
     if (!recorded) {
         ctx_free(ctx);
         return LOOM_OK;

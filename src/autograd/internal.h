@@ -56,11 +56,14 @@ struct saved_hooks {
     /* Before forward of every call made while grad is enabled. `recorded`
      * says whether the call will be recorded. May fill outputs itself and
      * return 1 to skip forward (a kept op in a selective replay). May set
-     * ctx->keep_saved. */
+     * ctx->keep_saved. Returns -1, with loom_error set, when it cannot
+     * record the call (out of memory): the call fails with that error. */
     int (*before_forward)(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor *const *inputs,
                           loom_tensor **outputs, int n_outputs);
-    /* After forward produced outputs (not called when before_forward skipped it). */
-    void (*after_forward)(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor **outputs, int n_outputs);
+    /* After forward produced outputs (not called when before_forward
+     * skipped it). Returns -1, with loom_error set, when it cannot record
+     * them: the call fails and its outputs are released. */
+    int (*after_forward)(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor **outputs, int n_outputs);
     /* An activation saved in ctx: return a handle (the slot becomes PACKED)
      * or NULL to store the tensor itself. */
     void *(*pack)(void *self, loom_fn_ctx *ctx, loom_tensor *t);

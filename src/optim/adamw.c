@@ -56,25 +56,33 @@ void loom_adamw_free(loom_adamw *o) {
 }
 
 loom_status loom_adamw_step(loom_adamw *o, float lr, float grad_multiplier) {
+    /* Gradients kept in the compute dtype (master-grad off) are widened
+     * into one scratch, taken before any parameter moves: out of memory
+     * leaves the step not taken at all, never half of it. */
+    size_t widest = 0;
+    for (int i = 0; i < o->n; i++) {
+        const loom_param *p = o->params[i];
+        size_t n = (size_t)loom_param_numel(p);
+        if (p->trainable && p->grad_dtype != LOOM_F32 && n > widest) widest = n;
+    }
+    float *tmp = widest ? loom_alloc(widest * sizeof(float), LOOM_MEM_WORKSPACE) : NULL;
+    if (widest && !tmp) return loom_error(LOOM_ERR_NOMEM, "adamw: out of memory (the step was not taken)");
     o->steps++;
     for (int i = 0; i < o->n; i++) {
         loom_param *p = o->params[i];
         if (!p->trainable) continue;
         size_t n = (size_t)loom_param_numel(p);
         const float *g = p->grad;
-        float *tmp = NULL;
         if (p->grad_dtype != LOOM_F32) {
-            tmp = loom_alloc(n * sizeof(float), LOOM_MEM_WORKSPACE);
-            if (!tmp) return LOOM_ERR_NOMEM;
             loom_convert(tmp, LOOM_F32, p->grad, p->grad_dtype, n);
             g = tmp;
         }
         float wd = p->no_weight_decay ? 0.0f : o->cfg.weight_decay;
         adamw_step(loom_param_master(p), o->m[i], o->v[i], g, n, lr, o->cfg.beta1, o->cfg.beta2, o->cfg.eps, wd,
                    o->steps, grad_multiplier);
-        loom_free(tmp);
         loom_param_sync_from_master(p);
     }
+    loom_free(tmp);
     return LOOM_OK;
 }
 

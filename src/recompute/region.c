@@ -89,6 +89,7 @@ typedef struct region {
     int has_policy;
     int ops_only;          /* the caller vouched that intermediates flow only through ops */
     int untracked;         /* an op ran under no-grad in the region's code: skip nothing */
+    int failed;            /* out of memory recording it: every later op, and the region, fail */
     saved_meta *meta;
     loom_tensor **replayed;
     int n_saved, cap_saved;
@@ -143,14 +144,24 @@ static int is_stored(const region *r, const loom_tensor *t) {
 
 /* ---------------------------------------------------------- first forward */
 
+/* Out of memory while recording the region: the region fails (its call
+ * returns LOOM_ERR_NOMEM), and every later op in it fails at once. */
+static int out_of_memory(region *r, const char *what) {
+    r->failed = 1;
+    loom_error(LOOM_ERR_NOMEM, "recompute: out of memory recording %s", what);
+    return -1;
+}
+
 static int fw_before(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor *const *inputs, loom_tensor **outputs,
                      int n_outputs) {
     (void)outputs; (void)n_outputs;
     region *r = self;
+    r->cur_kept = -1; /* a kept op whose forward failed left it set */
+    if (r->failed) return out_of_memory(r, ctx->fn->name);
     if (r->n_ops == r->cap_ops) {
         int cap = r->cap_ops ? 2 * r->cap_ops : 16;
         op_record *n = realloc(r->ops, (size_t)cap * sizeof *n);
-        LOOM_ASSERT(n != NULL);
+        if (!n) return out_of_memory(r, ctx->fn->name);
         r->ops = n;
         r->cap_ops = cap;
     }
@@ -160,12 +171,11 @@ static int fw_before(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor *co
     op->recorded = recorded;
     op->n_inputs = ctx->n_inputs;
     op->needs_grad = malloc((size_t)(ctx->n_inputs > 0 ? ctx->n_inputs : 1));
-    LOOM_ASSERT(op->needs_grad != NULL);
-    memcpy(op->needs_grad, ctx->needs_grad, (size_t)ctx->n_inputs);
-    op->ph_first = r->n_saved;
     op->ph_input = malloc((size_t)(ctx->n_inputs > 0 ? ctx->n_inputs : 1) * 4 * sizeof *op->ph_input);
     op->in_producer = malloc((size_t)(ctx->n_inputs > 0 ? ctx->n_inputs : 1) * sizeof *op->in_producer);
-    LOOM_ASSERT(op->ph_input != NULL && op->in_producer != NULL);
+    if (!op->needs_grad || !op->ph_input || !op->in_producer) return out_of_memory(r, ctx->fn->name);
+    memcpy(op->needs_grad, ctx->needs_grad, (size_t)ctx->n_inputs);
+    op->ph_first = r->n_saved;
     /* By storage, so that a view of an op's output counts as that output. */
     for (int i = 0; i < ctx->n_inputs; i++) {
         op->in_producer[i] = -1;
@@ -182,27 +192,29 @@ static int fw_before(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor *co
     return 0;
 }
 
-static void fw_after(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor **outputs, int n_outputs) {
+static int fw_after(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor **outputs, int n_outputs) {
     region *r = self;
     op_record *op = &r->ops[r->n_ops - 1];
-    (void)recorded; (void)ctx;
+    (void)recorded;
+    int kept = r->cur_kept == r->n_ops - 1;
+    r->cur_kept = -1;
+    if (r->failed) return out_of_memory(r, ctx->fn->name); /* one of its saves could not be packed */
     op->ph_count = r->n_saved - op->ph_first;
     op->rng_used = loom_rng_default()->offset != r->cur_rng;
     op->rng_after = *loom_rng_default();
     op->out_storage = calloc((size_t)(n_outputs ? n_outputs : 1), sizeof *op->out_storage);
     op->out_meta = calloc((size_t)(n_outputs ? n_outputs : 1), sizeof *op->out_meta);
-    LOOM_ASSERT(op->out_storage != NULL && op->out_meta != NULL);
+    if (kept) op->kept = calloc((size_t)(n_outputs ? n_outputs : 1), sizeof *op->kept);
+    if (!op->out_storage || !op->out_meta || (kept && !op->kept)) return out_of_memory(r, ctx->fn->name);
     for (int k = 0; k < n_outputs; k++) {
         op->out_storage[k] = outputs[k]->storage;
         meta_of(&op->out_meta[k], outputs[k]);
     }
     op->n_outs = n_outputs;
-    if (r->cur_kept != r->n_ops - 1) return;
-    r->cur_kept = -1;
-    op->kept = calloc((size_t)(n_outputs ? n_outputs : 1), sizeof *op->kept);
-    LOOM_ASSERT(op->kept != NULL);
+    if (!kept) return 0;
     for (int k = 0; k < n_outputs; k++) op->kept[k] = loom_tensor_retain(outputs[k]);
     stats.kept_outputs += n_outputs;
+    return 0;
 }
 
 static void fw_untracked(void *self) { ((region *)self)->untracked = 1; }
@@ -222,17 +234,19 @@ static void *fw_pack(void *self, loom_fn_ctx *ctx, loom_tensor *t) {
     }
     if (refill >= 0 && room) op->ph_input[r->n_saved - op->ph_first] = refill;
     else op->own_saves = 1;
+    /* Out of memory: the tensor is stored as is for now, and the op and
+     * the region fail (fw_after). */
     if (r->n_saved == r->cap_saved) {
         int cap = r->cap_saved ? 2 * r->cap_saved : 32;
         saved_meta *m = realloc(r->meta, (size_t)cap * sizeof *m);
-        LOOM_ASSERT(m != NULL);
+        if (!m) return r->failed = 1, NULL;
         r->meta = m;
         r->cap_saved = cap;
     }
+    placeholder *ph = malloc(sizeof *ph);
+    if (!ph) return r->failed = 1, NULL;
     meta_of(&r->meta[r->n_saved], t);
     r->meta[r->n_saved].dropped = 0;
-    placeholder *ph = malloc(sizeof *ph);
-    LOOM_ASSERT(ph != NULL);
     ph->r = r;
     ph->index = r->n_saved++;
     r->refcount++;
@@ -345,8 +359,9 @@ static void mark_skippable(region *r) {
     }
 }
 
-static void rp_after(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor **outputs, int n_outputs) {
+static int rp_after(void *self, loom_fn_ctx *ctx, int recorded, loom_tensor **outputs, int n_outputs) {
     (void)self; (void)ctx; (void)recorded; (void)outputs; (void)n_outputs;
+    return 0;
 }
 
 static void *rp_pack(void *self, loom_fn_ctx *ctx, loom_tensor *t) {
@@ -487,6 +502,8 @@ loom_status recompute_region_run(const loom_recompute_policy *policy, unsigned f
     autograd_hooks_push(&r->fw_hooks);
     loom_status st = fn(user, inputs, n_inputs, outputs, n_outputs);
     autograd_hooks_pop();
+    if (st == LOOM_OK && r->failed) /* a region that dropped an op's error */
+        st = loom_error(LOOM_ERR_NOMEM, "recompute: out of memory recording a region");
     if (st != LOOM_OK)
         for (int i = 0; i < n_outputs; i++) { loom_tensor_release(outputs[i]); outputs[i] = NULL; }
     region_release(r);
