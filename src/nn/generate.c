@@ -1,7 +1,11 @@
 /*
  * generate.c — KV-cache inference for the LLaMA model: no autograd, the
  * kernels called directly on raw buffers in the compute dtype.
- * Must never: read past the cache (the context is capped at max_seq).
+ * The cache holds what the call can reach (prompt + new tokens, at most
+ * max_seq positions), not max_seq: a short generation from a model with a
+ * long context takes memory for its own tokens only.
+ * Must never: write or read past the cache (the context is capped at its
+ * capacity).
  */
 #include "loom/loom.h"
 #include "kernels/kernels.h"
@@ -10,8 +14,8 @@
 #include <stdlib.h>
 
 typedef struct kv_cache {
-    void **k, **v; /* per layer: (max_seq, NKV, HS) in dt */
-    int len;
+    void **k, **v; /* per layer: (cap, NKV, HS) in dt */
+    int len, cap;
 } kv_cache;
 
 typedef struct scratch {
@@ -76,7 +80,8 @@ static void state_free(loom_llama *m, kv_cache *c, scratch *s) {
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) loom_free(bufs[i]);
 }
 
-static loom_status state_init(loom_llama *m, int T, kv_cache *c, scratch *s) {
+/* A cache for cap positions, scratch for T tokens at once. */
+static loom_status state_init(loom_llama *m, int T, int cap, kv_cache *c, scratch *s) {
     const loom_llama_config *cfg = &m->cfg;
     loom_dtype dt = m->prec.compute;
     size_t C = (size_t)cfg->dim, KV = (size_t)cfg->n_kv_heads * (C / (size_t)cfg->n_heads), F = (size_t)cfg->ffn_dim;
@@ -84,10 +89,11 @@ static loom_status state_init(loom_llama *m, int T, kv_cache *c, scratch *s) {
     memset(s, 0, sizeof *s);
     c->k = calloc((size_t)cfg->n_layers, sizeof *c->k);
     c->v = calloc((size_t)cfg->n_layers, sizeof *c->v);
+    c->cap = cap;
     int ok = c->k && c->v;
     for (int l = 0; ok && l < cfg->n_layers; l++) {
-        c->k[l] = loom_alloc((size_t)cfg->max_seq * KV * ELT(dt), LOOM_MEM_ACTIVATIONS);
-        c->v[l] = loom_alloc((size_t)cfg->max_seq * KV * ELT(dt), LOOM_MEM_ACTIVATIONS);
+        c->k[l] = loom_alloc((size_t)cap * KV * ELT(dt), LOOM_MEM_ACTIVATIONS);
+        c->v[l] = loom_alloc((size_t)cap * KV * ELT(dt), LOOM_MEM_ACTIVATIONS);
         ok = c->k[l] && c->v[l];
     }
     size_t t = (size_t)T;
@@ -166,7 +172,7 @@ loom_status loom_llama_next_logits(loom_llama *m, const int32_t *tokens, int n, 
     LOOM_TRY(check_tokens(m, tokens, n));
     kv_cache c;
     scratch s;
-    LOOM_TRY(state_init(m, n, &c, &s));
+    LOOM_TRY(state_init(m, n, n, &c, &s));
     loom_status st = forward_tokens(m, &c, &s, tokens, n);
     if (st == LOOM_OK) memcpy(logits, s.logits, (size_t)m->cfg.vocab_size * sizeof(float));
     state_free(m, &c, &s);
@@ -179,7 +185,11 @@ loom_status loom_llama_generate(loom_llama *m, const int32_t *prompt, int n_prom
     LOOM_TRY(check_tokens(m, prompt, n_prompt));
     kv_cache c;
     scratch s;
-    LOOM_TRY(state_init(m, n_prompt, &c, &s));
+    /* The last new token is sampled, never run: n_prompt + n_new - 1
+     * positions are the most the cache can take, and max_seq. */
+    long long reach = (long long)n_prompt + (n_new > 1 ? n_new - 1 : 0);
+    int cap = reach < m->cfg.max_seq ? (int)reach : m->cfg.max_seq;
+    LOOM_TRY(state_init(m, n_prompt, cap, &c, &s));
     loom_status st = forward_tokens(m, &c, &s, prompt, n_prompt);
     for (int i = 0; i < n_new && st == LOOM_OK; i++) {
         for (int v = 0; v < m->cfg.vocab_size; v++)
@@ -192,7 +202,7 @@ loom_status loom_llama_generate(loom_llama *m, const int32_t *prompt, int n_prom
         if (st != LOOM_OK) break;
         int32_t next = loom_sample(s.logits, m->cfg.vocab_size, sampler, (uint64_t)i);
         out[(*n_out)++] = next;
-        if (next == stop_token || c.len >= m->cfg.max_seq) break;
+        if (next == stop_token || i + 1 == n_new || c.len >= c.cap) break;
         st = forward_tokens(m, &c, &s, &next, 1);
     }
     state_free(m, &c, &s);

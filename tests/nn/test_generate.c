@@ -11,11 +11,11 @@
 
 #include "loom/loom.h"
 
-static loom_llama *small_model(loom_dtype dt, int tie) {
+static loom_llama *model_with_context(loom_dtype dt, int tie, int max_seq) {
     loom_llama_config c;
     memset(&c, 0, sizeof c);
     c.dim = 32; c.n_layers = 2; c.n_heads = 4; c.n_kv_heads = 2; c.ffn_dim = 48; c.vocab_size = 50;
-    c.max_seq = 24; c.rope_theta = 10000.0f; c.norm_eps = 1e-5f; c.tie_embeddings = tie;
+    c.max_seq = max_seq; c.rope_theta = 10000.0f; c.norm_eps = 1e-5f; c.tie_embeddings = tie;
     loom_llama *m;
     loom_precision p = {dt, 0};
     assert_int_equal(loom_llama_new(&c, p, &m), LOOM_OK);
@@ -29,6 +29,8 @@ static loom_llama *small_model(loom_dtype dt, int tie) {
     }
     return m;
 }
+
+static loom_llama *small_model(loom_dtype dt, int tie) { return model_with_context(dt, tie, 24); }
 
 /* Logits of the full (training) forward at position n-1. */
 static void full_logits(loom_llama *m, const int32_t *tok, int n, float *out) {
@@ -184,6 +186,36 @@ static void test_bf16_cache(void **state) {
     loom_llama_free(m);
 }
 
+/* The KV cache holds the positions a call reaches, not the model's whole
+ * context: 3 + 5 tokens from a model with a context of 65536 take a few KiB
+ * (the full cache would be 2 layers x 2 x 65536 x 16 floats = 16 MiB), and
+ * give the tokens the same model with a short context gives. */
+static void test_cache_sized_to_the_call(void **state) {
+    (void)state;
+    loom_llama *longctx = model_with_context(LOOM_F32, 0, 65536), *shortctx = small_model(LOOM_F32, 0);
+    int32_t prompt[3] = {5, 17, 2}, a[5], b[5];
+    int na = 0, nb = 0;
+    loom_sampler greedy = {0.0f, 1.0f, 1, 0};
+    loom_mem_reset_peak();
+    loom_mem_stats before, after;
+    loom_mem_get_stats(&before);
+    assert_int_equal(loom_llama_generate(longctx, prompt, 3, 5, &greedy, -1, a, &na), LOOM_OK);
+    loom_mem_get_stats(&after);
+    size_t used = after.peak[LOOM_MEM_ACTIVATIONS] - before.current[LOOM_MEM_ACTIVATIONS];
+    if (used > 64 * 1024) fprintf(stderr, "generate took %zu bytes of activations for 8 positions\n", used);
+    assert_true(used <= 64 * 1024);
+    assert_int_equal(loom_llama_generate(shortctx, prompt, 3, 5, &greedy, -1, b, &nb), LOOM_OK);
+    assert_int_equal(na, 5);
+    assert_int_equal(nb, 5);
+    assert_memory_equal(a, b, sizeof a);
+    float la[50], lb[50];
+    assert_int_equal(loom_llama_next_logits(longctx, prompt, 3, la), LOOM_OK);
+    assert_int_equal(loom_llama_next_logits(shortctx, prompt, 3, lb), LOOM_OK);
+    assert_memory_equal(la, lb, sizeof la);
+    loom_llama_free(longctx);
+    loom_llama_free(shortctx);
+}
+
 int main(void) {
     loom_set_threads(2);
     const struct CMUnitTest tests[] = {
@@ -192,6 +224,7 @@ int main(void) {
         cmocka_unit_test(test_sampling_distribution),
         cmocka_unit_test(test_bf16_cache),
         cmocka_unit_test(test_nonfinite_logits),
+        cmocka_unit_test(test_cache_sized_to_the_call),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
