@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -124,6 +125,19 @@ int cli_apply_threads(const char *cmd, int n) {
                 "share them and slow every step\n", cmd, n, cores);
     loom_set_threads(n); /* 0: the default, which also clamps an oversized OMP_NUM_THREADS */
     return 0;
+}
+
+int cli_check_model_dir(const char *cmd, const char *model) {
+    char probe[4200];
+    struct stat sb;
+    snprintf(probe, sizeof probe, "%s/config.json", model);
+    if (stat(probe, &sb) == 0) return 0;
+    snprintf(probe, sizeof probe, "%s/model/config.json", model);
+    if (stat(probe, &sb) == 0)
+        return cli_usage_error(cmd, "%s has no config.json: it looks like a training run's output; the model is "
+                               "--model %s/model (or a checkpoint, %s/ckpt-N)", model, model, model);
+    return cli_usage_error(cmd, "%s is not a model directory (no config.json; loom train writes one in --out/model "
+                           "and in each checkpoint, loom export in its --out)", model);
 }
 
 double cli_now(void) {

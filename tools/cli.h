@@ -49,6 +49,9 @@ int cli_parse_on_off(const char *cmd, const char *flag_name, const char *value, 
 /* --threads N: 0 keeps the default (all cores), N > 0 sets it; 0 returned,
  * or 2 after a usage error for N < 0. */
 int cli_apply_threads(const char *cmd, int n);
+/* A usage error (2) naming what model is when it has no config.json (and
+ * pointing at model/ when it is a training run's output), else 0. */
+int cli_check_model_dir(const char *cmd, const char *model);
 
 /* Hold an exclusive lock on DIR/.loom.lock (flock, with this pid written in
  * it) until the process exits, so two loom processes never write one output

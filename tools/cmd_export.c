@@ -27,6 +27,7 @@ static int run(int argc, char **argv) {
     if (access(probe, F_OK) == 0)
         return cli_usage_error("export", "%s holds token shards (train_000000.bin): exporting there would replace "
                                "the tokenizer they were made with; use another --out", out);
+    if ((rc = cli_check_model_dir("export", model))) return rc;
     loom_precision prec = {LOOM_F32, 0};
     loom_llama *m = NULL;
     loom_status st = loom_model_dir_load(model, prec, &m);

@@ -37,17 +37,9 @@ static int run(int argc, char **argv) {
 
     /* The model first: a wrong --model is named as such, not as a missing
      * tokenizer. A training run's --out holds its model in DIR/model. */
-    char path[4200], probe[4200];
+    char path[4200];
     struct stat sb;
-    snprintf(probe, sizeof probe, "%s/config.json", model);
-    if (stat(probe, &sb) != 0) {
-        snprintf(path, sizeof path, "%s/model/config.json", model);
-        if (stat(path, &sb) == 0)
-            return cli_usage_error("generate", "%s has no config.json: it looks like a training run's output; the "
-                                   "model is --model %s/model", model, model);
-        return cli_usage_error("generate", "%s is not a model directory (no config.json; loom train writes one in "
-                               "--out/model, loom export in its --out)", model);
-    }
+    if ((rc = cli_check_model_dir("generate", model))) return rc;
     int default_tok = !tok_path;
     if (default_tok) {
         snprintf(path, sizeof path, "%s/tokenizer.json", model);

@@ -73,7 +73,8 @@ static loom_status format_error(const char *path, const char *fmt, ...) {
     vsnprintf(what, sizeof what, fmt, ap);
     va_end(ap);
     return loom_error(LOOM_ERR_FORMAT,
-                      "safetensors file '%s' is corrupt: %s; re-export or re-download it", path, what);
+                      "safetensors file '%s' is corrupt: %s; it was damaged or cut short: write it again, or "
+                      "use another copy (for a checkpoint, resume from an earlier one)", path, what);
 }
 
 static int parse_dtype(const char *s, loom_safetensors_dtype *out) {

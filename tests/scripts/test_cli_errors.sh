@@ -20,6 +20,7 @@ expect_error "--threads must be >= 0" "$LOOM" train "${D[@]}" --threads -3 --out
 expect_error "--threads must be >= 0" "$LOOM" generate --model "$WORK/nowhere" --threads -1
 # --model that is not a model directory: said so (it used to name a missing tokenizer.json).
 expect_error "nowhere is not a model directory \(no config.json" "$LOOM" generate --model "$WORK/nowhere"
+expect_error "nowhere is not a model directory \(no config.json" "$LOOM" export --model "$WORK/nowhere" --out "$WORK/x0"
 expect_error "--threads must be >= 0" "$LOOM" bench --preset tiny --gemm-peak 100,100 --threads -2
 expect_error "--threads 99999 is more than loom's limit of 1024" "$LOOM" bench --preset tiny --gemm-peak 100,100 --threads 99999
 expect_error "--threads 5000 is more than loom's limit" "$LOOM" train "${D[@]}" --threads 5000 --out "$WORK/t4"
@@ -327,6 +328,8 @@ expect_error "config .*fifo.*not a regular file" timeout 20 "$LOOM" train --data
 # is there): refused by every reader; a save that finishes clears it.
 [ -e "$WORK/r/model/.save-incomplete" ] && fail "a finished save left its marker"
 cp -r "$WORK/r/model" "$WORK/half" && touch "$WORK/half/.save-incomplete"
+expect_error "looks like a training run's output; the model is --model .*/r/model" "$LOOM" export --model "$WORK/r" \
+  --out "$WORK/x1"
 expect_error "a save stopped while replacing its files" "$LOOM" generate --model "$WORK/half" --prompt a --tokens 2
 expect_error "a save stopped while replacing its files" "$LOOM" export --model "$WORK/half" --out "$WORK/half-x"
 expect_error "a save stopped while replacing its files" "$LOOM" train --data "$WORK/data" --init "$WORK/half" \
