@@ -91,9 +91,9 @@ loom_status loom_checkpoint_load(const char *dir, loom_llama *m, float *const *a
 /* Checkpoints in `out_dir` are named ckpt-NNNNNNNN (the step, zero-padded).
  * Remove all but the newest `keep`. */
 loom_status loom_checkpoint_prune(const char *out_dir, int keep);
-/* Remove only the temporaries of checkpoints whose writer died (before a
- * run writes its first checkpoint: on a tight disk they would leave no room
- * for it). */
+/* Remove only the temporaries of checkpoints (and of metrics.jsonl and
+ * loss.svg) whose writer died (before a run writes its first checkpoint:
+ * on a tight disk they would leave no room for it). */
 void loom_checkpoint_remove_stale(const char *out_dir);
 /* The highest step among out_dir's checkpoints (ckpt-NNNNNNNN), -1 when it
  * has none or cannot be read. */

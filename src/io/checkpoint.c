@@ -332,7 +332,11 @@ int loom_checkpoint_newest_step(const char *out_dir) {
     return (int)step;
 }
 
-void loom_checkpoint_remove_stale(const char *out_dir) { remove_stale_temporaries(out_dir); }
+void loom_checkpoint_remove_stale(const char *out_dir) {
+    remove_stale_temporaries(out_dir);
+    static const char *const run_files[] = {"metrics.jsonl", "loss.svg"}; /* rewritten whole by train */
+    io_remove_dead_temporaries(out_dir, run_files, 2);
+}
 
 loom_status loom_checkpoint_prune(const char *out_dir, int keep) {
     remove_stale_temporaries(out_dir);

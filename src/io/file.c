@@ -9,7 +9,9 @@
 #define _GNU_SOURCE
 #include "io/io_internal.h"
 
+#include <dirent.h>
 #include <errno.h>
+#include <signal.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -98,6 +100,24 @@ static loom_status open_regular(const char *path, const char *what, int *fd_out,
     }
     *fd_out = fd;
     return LOOM_OK;
+}
+
+void io_remove_dead_temporaries(const char *dir, const char *const *names, int n_names) {
+    DIR *d = opendir(dir);
+    if (!d) return;
+    for (struct dirent *e; (e = readdir(d));) {
+        const char *t = strstr(e->d_name, ".tmp.");
+        if (!t) continue;
+        int ours = 0;
+        for (int i = 0; i < n_names && !ours; i++)
+            ours = strlen(names[i]) == (size_t)(t - e->d_name) && !strncmp(e->d_name, names[i], (size_t)(t - e->d_name));
+        char *end;
+        long pid = strtol(t + 5, &end, 10);
+        if (!ours || *end || pid <= 0 || pid == (long)getpid() || kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;
+        char path[4608];
+        if (snprintf(path, sizeof path, "%s/%s", dir, e->d_name) < (int)sizeof path) unlink(path);
+    }
+    closedir(d);
 }
 
 loom_status loom_read_file(const char *path, void **data, size_t *len) {

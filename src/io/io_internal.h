@@ -52,6 +52,10 @@ int io_fsync_parent(const char *path);
 
 /* LOOM_ERR_FORMAT naming the file, the tensor and the first element that is
  * NaN or Inf among v[0 .. n); LOOM_OK when all are finite. */
+/* Remove dir/<name>.tmp.<pid> for each of names whose writer (pid) is
+ * gone: what loom_file_write_atomic leaves when its process is killed. */
+void io_remove_dead_temporaries(const char *dir, const char *const *names, int n_names);
+
 /* loom_read_file, its errors naming the file as `what` ("config"). */
 loom_status io_read_file(const char *path, const char *what, void **data, size_t *len);
 

@@ -167,8 +167,15 @@ expect_error "after step 1" "$LOOM" train "${D[@]}" --steps 3 --out "$WORK/h" --
 # A dead writer's temporary and a user's ckpt-best are not checkpoints; the
 # temporary is cleaned up, ckpt-best is left alone.
 mkdir -p "$WORK/h/ckpt-00000009.tmp.999999999" "$WORK/h/ckpt-best"
+# So are a killed writer's metrics and staged model files (removed), not a user's notes.tmp.PID (kept).
+touch "$WORK/h/metrics.jsonl.tmp.999999999" "$WORK/h/model/model.safetensors.new.tmp.999999999" \
+  "$WORK/h/notes.tmp.999999999"
 "$LOOM" train "${D[@]}" --steps 4 --ckpt-every 1 --keep 5 --out "$WORK/h" --resume "$WORK/h" 2>"$WORK/h.log" ||
   { cat "$WORK/h.log"; fail "resuming the latest checkpoint"; }
+for f in metrics.jsonl.tmp.999999999 model/model.safetensors.new.tmp.999999999; do
+  [ -e "$WORK/h/$f" ] && fail "a killed writer's $f stayed"
+done
+[ -e "$WORK/h/notes.tmp.999999999" ] || fail "a user's notes.tmp.999999999 was removed"
 grep -q "resumed from $WORK/h/ckpt-00000003 " "$WORK/h.log" || { cat "$WORK/h.log"; fail "did not resume ckpt-00000003"; }
 [ -d "$WORK/h/ckpt-00000009.tmp.999999999" ] && fail "a dead writer's temporary checkpoint was left"
 [ -d "$WORK/h/ckpt-best" ] || fail "ckpt-best was removed"
