@@ -348,6 +348,25 @@ static void capture_state(trainer *t) {
     t->state.seq = t->o.seq;
     t->state.grad_accum = t->o.grad_accum;
     t->state.dp_size = t->dist.dp_size;
+    t->state.data_shards = (int)loom_dataloader_num_shards(t->train);
+    const char *shard = loom_dataloader_shard_path(t->train, (size_t)t->state.data.shard), *slash;
+    if (shard && (slash = strrchr(shard, '/'))) shard = slash + 1;
+    snprintf(t->state.data_shard_name, sizeof t->state.data_shard_name, "%s", shard ? shard : "");
+}
+
+/* A checkpoint's data position is an index into the sorted shards: say so
+ * when the shards are not those it was taken on (more, fewer, renamed). */
+static void note_changed_shards(const trainer *t) {
+    const loom_train_state *c = &t->state;
+    if (!t->leader || c->data_shards <= 0) return; /* not recorded */
+    int now = (int)loom_dataloader_num_shards(t->train);
+    const char *shard = loom_dataloader_shard_path(t->train, (size_t)c->data.shard), *slash;
+    if (shard && (slash = strrchr(shard, '/'))) shard = slash + 1;
+    if (now == c->data_shards && shard && !strcmp(shard, c->data_shard_name)) return;
+    fprintf(stderr, "train: note: the training shards changed since the checkpoint (%d then, %d now; it was reading "
+            "%s, shard %llu now is %s): training continues at that index and offset, not where the first run "
+            "would have read\n", c->data_shards, now, c->data_shard_name[0] ? c->data_shard_name : "?",
+            (unsigned long long)c->data.shard, shard ? shard : "past the last");
 }
 
 /* Weights that are NaN or Inf are never saved: a checkpoint of a diverged
@@ -433,6 +452,7 @@ static loom_status restore(trainer *t, const char *dir) {
     loom_rng *rng = loom_rng_default();
     rng->seed = t->state.rng_seed;
     rng->offset = t->state.rng_offset;
+    note_changed_shards(t);
     LOOM_TRY(loom_dataloader_set_position(t->train, &t->state.data));
     if (t->state.loss_scaling < 0 || t->state.loss_scaling == t->scaler.enabled) {
         t->scaler.scale = t->state.loss_scale;

@@ -73,6 +73,10 @@ typedef struct loom_train_state {
     uint64_t tokens_seen;
     int loss_scaling;                 /* 1: the run scaled its loss (fp16); -1 on load: not recorded */
     int batch, seq, grad_accum, dp_size; /* the data layout of the run; 0 on load: not recorded */
+    /* The training shards then (0 and "" on load: not recorded): data.shard
+     * indexes the sorted list, so a changed list moves the position. */
+    int data_shards;
+    char data_shard_name[256];        /* file name of shard data.shard */
 } loom_train_state;
 
 /* Write checkpoint `dir` (which must not exist yet; it is created through a

@@ -104,7 +104,7 @@ static loom_status write_state(const char *path, loom_llama *m, float *const *ad
         {"loom_checkpoint_version", ""}, {"step", ""}, {"adam_steps", ""}, {"rng_seed", ""}, {"rng_offset", ""},
         {"data_epoch", ""}, {"data_shard", ""}, {"data_offset", ""}, {"loss_scale", ""},
         {"scaler_good_steps", ""}, {"scaler_skipped", ""}, {"tokens_seen", ""}, {"loss_scaling", ""},
-        {"batch", ""}, {"seq", ""}, {"grad_accum", ""}, {"dp_size", ""},
+        {"batch", ""}, {"seq", ""}, {"grad_accum", ""}, {"dp_size", ""}, {"data_shards", ""},
     };
     snprintf(meta[0].value, 64, "1");
     snprintf(meta[1].value, 64, "%d", st->step);
@@ -123,8 +123,11 @@ static loom_status write_state(const char *path, loom_llama *m, float *const *ad
     snprintf(meta[14].value, 64, "%d", st->seq);
     snprintf(meta[15].value, 64, "%d", st->grad_accum);
     snprintf(meta[16].value, 64, "%d", st->dp_size);
+    snprintf(meta[17].value, 64, "%d", st->data_shards);
     for (size_t k = 0; k < sizeof meta / sizeof meta[0] && s == LOOM_OK; k++)
         s = loom_safetensors_writer_set_metadata(w, meta[k].key, meta[k].value);
+    if (s == LOOM_OK && st->data_shard_name[0])
+        s = loom_safetensors_writer_set_metadata(w, "data_shard_name", st->data_shard_name);
     if (s == LOOM_OK && m->tp_rank == 0) s = loom_safetensors_writer_write(w, path);
     loom_safetensors_writer_free(w);
     gathered_free(&g);
@@ -240,9 +243,9 @@ loom_status loom_checkpoint_load(const char *dir, loom_llama *m, float *const *a
                            path, scale);
     }
     /* The data layout: optional (older checkpoints lack it). */
-    uint64_t layout[4] = {0};
-    const char *layout_keys[4] = {"batch", "seq", "grad_accum", "dp_size"};
-    for (int k = 0; k < 4 && s == LOOM_OK; k++)
+    uint64_t layout[5] = {0};
+    const char *layout_keys[5] = {"batch", "seq", "grad_accum", "dp_size", "data_shards"};
+    for (int k = 0; k < 5 && s == LOOM_OK; k++)
         if (loom_safetensors_metadata(sf, layout_keys[k])) s = meta_u64(sf, path, layout_keys[k], INT_MAX, &layout[k]);
     if (s == LOOM_OK && scaling && strcmp(scaling, "0") && strcmp(scaling, "1"))
         s = loom_error(LOOM_ERR_FORMAT, "%s: metadata \"loss_scaling\" = \"%s\" is not 0 or 1", path, scaling);
@@ -264,6 +267,9 @@ loom_status loom_checkpoint_load(const char *dir, loom_llama *m, float *const *a
         st->seq = (int)layout[1];
         st->grad_accum = (int)layout[2];
         st->dp_size = (int)layout[3];
+        st->data_shards = (int)layout[4];
+        const char *shard_name = loom_safetensors_metadata(sf, "data_shard_name");
+        snprintf(st->data_shard_name, sizeof st->data_shard_name, "%s", shard_name ? shard_name : "");
     }
     loom_safetensors_close(sf);
     return s;

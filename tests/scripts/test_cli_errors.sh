@@ -176,6 +176,13 @@ for f in metrics.jsonl.tmp.999999999 model/model.safetensors.new.tmp.999999999; 
   [ -e "$WORK/h/$f" ] && fail "a killed writer's $f stayed"
 done
 [ -e "$WORK/h/notes.tmp.999999999" ] || fail "a user's notes.tmp.999999999 was removed"
+grep -q "training shards changed" "$WORK/h.log" && fail "a note on changed shards when none changed"
+# The data position is an index into the sorted shards: resuming on other shards says so.
+mkdir -p "$WORK/data2" && cp "$WORK"/data/* "$WORK/data2/" && cp "$WORK/data/train_000000.bin" "$WORK/data2/train_000001.bin"
+"$LOOM" train --data "$WORK/data2" --config "$WORK/cfg.json" --batch 2 --seq 16 --eval-every 0 --steps 5 \
+  --out "$WORK/hd" --resume "$WORK/h/ckpt-00000004" 2>"$WORK/hd.log" || { cat "$WORK/hd.log"; fail "resume on more shards"; }
+grep -q "training shards changed since the checkpoint (1 then, 2 now" "$WORK/hd.log" ||
+  { cat "$WORK/hd.log"; fail "no note on changed shards"; }
 grep -q "resumed from $WORK/h/ckpt-00000003 " "$WORK/h.log" || { cat "$WORK/h.log"; fail "did not resume ckpt-00000003"; }
 [ -d "$WORK/h/ckpt-00000009.tmp.999999999" ] && fail "a dead writer's temporary checkpoint was left"
 [ -d "$WORK/h/ckpt-best" ] || fail "ckpt-best was removed"
