@@ -54,6 +54,11 @@ void loom_tape_push(void) {
     walking[tape_depth] = 0;
 }
 
+loom_status autograd_tape_room(void) {
+    if (tape_depth + 1 < MAX_TAPES) return LOOM_OK;
+    return loom_error(LOOM_ERR_UNSUPPORTED, "recompute: reentrant regions nest more than %d deep", MAX_TAPES - 1);
+}
+
 void loom_tape_pop(void) {
     loom_tape_clear();
     LOOM_ASSERT(tape_depth > 0);

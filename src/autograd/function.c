@@ -24,6 +24,11 @@ void autograd_hooks_push(saved_hooks *h) {
     hook_stack[hook_depth++] = h;
 }
 
+loom_status autograd_hooks_room(void) {
+    if (hook_depth < MAX_HOOKS) return LOOM_OK;
+    return loom_error(LOOM_ERR_UNSUPPORTED, "recompute: regions nest more than %d deep", MAX_HOOKS);
+}
+
 void autograd_hooks_pop(void) {
     LOOM_ASSERT(hook_depth > 0);
     hook_depth--;

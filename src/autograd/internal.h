@@ -112,6 +112,11 @@ void profile_leave(const loom_function *fn, int backward);
 void autograd_hooks_push(saved_hooks *h);
 void autograd_hooks_pop(void);
 saved_hooks *autograd_hooks_top(void);
+/* LOOM_OK, or LOOM_ERR_UNSUPPORTED naming the limit, when regions nest so
+ * deep that one more hook level (or one more tape) would not fit: check
+ * before autograd_hooks_push (loom_tape_push), which abort past it. */
+loom_status autograd_hooks_room(void);
+loom_status autograd_tape_room(void);
 
 /* An input edge of a node: where its gradient goes. */
 typedef struct edge {

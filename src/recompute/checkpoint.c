@@ -142,6 +142,7 @@ static loom_status reentrant_backward(loom_fn_ctx *ctx, loom_tensor *const *grad
             in[i]->grad = autograd_take_input_grad(i);
         }
     }
+    if (st == LOOM_OK) st = autograd_tape_room();
     if (st == LOOM_OK) {
         double started = recompute_replay_begin();
         loom_tape_push();

@@ -398,6 +398,12 @@ static loom_status region_replay(region *r) {
         free(outs);
         return r->replay_status = loom_error(LOOM_ERR_NOMEM, "recompute: out of memory replaying a region");
     }
+    loom_status room = autograd_hooks_room();
+    if (room != LOOM_OK) {
+        free(outs);
+        snprintf(r->replay_error, sizeof r->replay_error, "%s", loom_last_error());
+        return r->replay_status = room;
+    }
     double started = recompute_replay_begin();
     r->replay_op = r->replay_save = 0;
     r->mismatch = 0;
@@ -477,6 +483,7 @@ loom_status recompute_region_run(const loom_recompute_policy *policy, unsigned f
     /* Without grad nothing is saved; inside another region (first forward
      * or replay) the outer region already covers this one. */
     if (!loom_grad_enabled() || recompute_in_region()) return fn(user, inputs, n_inputs, outputs, n_outputs);
+    LOOM_TRY(autograd_hooks_room());
     region *r = calloc(1, sizeof *r);
     if (r) r->inputs = calloc((size_t)(n_inputs ? n_inputs : 1), sizeof *r->inputs);
     if (!r || !r->inputs) {

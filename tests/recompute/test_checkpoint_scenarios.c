@@ -1390,6 +1390,65 @@ static void test_aliased_inputs_and_outputs(void **state) {
     mem_check_clean(act0);
 }
 
+/* ---------------------------- 17. reentrant regions nested very deep */
+
+/* A region that runs a reentrant region inside itself, `depth` levels:
+ * each level replays onto its own tape in backward. Past the engine's
+ * tapes the backward fails with an error naming the limit (it used to
+ * abort the process); at a depth that fits, the gradients are those of the
+ * run without recomputation. */
+typedef struct deep_block {
+    loom_param *w;
+    int depth;
+    loom_recompute_mode mode;
+} deep_block;
+
+static loom_status deep_region(void *user, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
+    (void)n_in; (void)n_out;
+    deep_block *b = user;
+    loom_tensor *h = NULL;
+    loom_status st = loom_matmul(in[0], b->w->tensor, &h);
+    if (st != LOOM_OK || b->depth == 0) {
+        if (st == LOOM_OK) st = loom_silu(h, &out[0]);
+        loom_tensor_release(h);
+        return st;
+    }
+    st = loom_checkpoint(b->mode, deep_region, b + 1, &h, 1, out, 1); /* b + 1: one level down */
+    loom_tensor_release(h);
+    return st;
+}
+
+static loom_status run_deep(loom_recompute_mode mode, int depth, grad_set *gs) {
+    loom_param *w = make_param("w", DIM, DIM, 95);
+    deep_block b[64]; /* a replay calls the region again: its user data lives until backward */
+    assert_true(depth < 64);
+    for (int i = 0; i <= depth; i++) b[i] = (deep_block){w, depth - i, mode};
+    loom_tensor *x = make_leaf(ROWS, DIM, 17, 1), *y = NULL;
+    assert_int_equal(loom_checkpoint(mode, deep_region, b, &x, 1, &y, 1), LOOM_OK);
+    loom_tensor *loss = weighted_sum(y, 66);
+    loom_status st = loom_backward(loss, 1.0f);
+    assert_int_equal(loom_tape_size(), 0);
+    collect_and_free(gs, w, x, y, loss);
+    return st;
+}
+
+static void test_deep_nesting(void **state) {
+    (void)state;
+    size_t act0 = act_bytes();
+    grad_set ref = {0}, got = {0};
+    assert_int_equal(run_deep(LOOM_RECOMPUTE_NONE, 12, &ref), LOOM_OK);
+    assert_int_equal(run_deep(LOOM_RECOMPUTE_REENTRANT, 12, &got), LOOM_OK);
+    gs_expect_equal(&ref, &got, "reentrant, 13 levels");
+    gs_free(&got);
+    loom_status st = run_deep(LOOM_RECOMPUTE_REENTRANT, 40, &got);
+    if (st != LOOM_ERR_UNSUPPORTED) fprintf(stderr, "41 levels: %d %s\n", (int)st, loom_last_error());
+    assert_int_equal(st, LOOM_ERR_UNSUPPORTED);
+    assert_non_null(strstr(loom_last_error(), "nest more than"));
+    gs_free(&got);
+    gs_free(&ref);
+    mem_check_clean(act0);
+}
+
 int main(void) {
     loom_set_threads(2);
     const struct CMUnitTest tests[] = {
@@ -1413,6 +1472,7 @@ int main(void) {
         cmocka_unit_test(test_unused_branch_not_kept),
         cmocka_unit_test(test_determinism_check),
         cmocka_unit_test(test_aliased_inputs_and_outputs),
+        cmocka_unit_test(test_deep_nesting),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
