@@ -12,7 +12,9 @@
  *    gradient an input already has (from uses after the region) seeds the
  *    replay's leaf, so the sums run in the same order as without recompute.
  *    A replay whose outputs need no gradient (frozen weights on inputs that
- *    need none) adds nothing.
+ *    need none) adds nothing. A tensor passed as two inputs is one leaf in
+ *    the replay, and an output that is an input (or an earlier output) is
+ *    handed back as that very tensor, as in the other modes.
  *  - NONREENTRANT: the region records as usual, but each activation saved
  *    inside it (except the region's inputs) becomes a placeholder; the first
  *    time backward needs one, the region is replayed once and the
@@ -27,7 +29,10 @@
  * region's RNG offset is recorded and restored on replay, so dropout is
  * identical. A replay that saves a different number, shape or dtype of
  * tensors, or runs different ops, fails with LOOM_ERR_STATE (determinism
- * check). Regions nest. Gradients are bit-for-bit identical across modes.
+ * check). Regions nest (up to 64 levels, 31 of them reentrant: deeper is
+ * LOOM_ERR_UNSUPPORTED). Gradients are bit-for-bit identical across modes.
+ * Out of memory anywhere in a region, forward or replay, is
+ * LOOM_ERR_NOMEM from the call that ran into it.
  */
 #ifndef LOOM_RECOMPUTE_H
 #define LOOM_RECOMPUTE_H
