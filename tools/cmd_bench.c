@@ -524,12 +524,12 @@ static int run(int argc, char **argv) {
                     .steps = 5, .warmup = 2, .batch = 8};
     int no_header = 0;
     const flag flags[] = {
-        {"preset", FLAG_STRING, &o.preset, "NAME", "tiny (dim 288, 6 layers, seq 256) or small (512, 8, 512)"},
+        {"preset", FLAG_STRING, &o.preset, "NAME", "tiny (dim 288, 6 layers, seq 256) or small (512, 8, 512) (default tiny)"},
         {"precision", FLAG_STRING, &o.precision, "P", "fp32, bf16 or fp16 (default: the standard matrix)"},
         {"master-grad", FLAG_STRING, &o.master_grad, "on|off", "fp32 main_grad for every weight (default on)"},
-        {"recompute", FLAG_STRING, &o.recompute, "MODE", "none, selective or full; a comma list takes turns step by step"},
+        {"recompute", FLAG_STRING, &o.recompute, "MODE", "none, selective or full; a comma list takes turns step by step (default: none with --precision, else the standard matrix)"},
         {"recompute-mode", FLAG_STRING, &o.recompute_mode, "M", "full recompute: reentrant or nonreentrant (default)"},
-        {"threads", FLAG_INT, &o.threads, "N", "OpenMP threads (default: all cores)"},
+        {"threads", FLAG_INT, &o.threads, "N", "OpenMP threads (default: OMP_NUM_THREADS, else the cores this process may use)"},
         {"steps", FLAG_INT, &o.steps, "N", "timed steps; the median is reported (default 5)"},
         {"warmup", FLAG_INT, &o.warmup, "N", "untimed steps first (default 2)"},
         {"batch", FLAG_INT, &o.batch, "B", "sequences per step (default 8)"},

@@ -23,7 +23,7 @@ static int run(int argc, char **argv) {
         {"seed", FLAG_INT, &seed, "S", "sampling seed (default 1)"},
         {"precision", FLAG_STRING, &precision, "P", "compute dtype: fp32, bf16 or fp16 (default fp32)"},
         {"tokenizer", FLAG_STRING, &tok_path, "FILE", "tokenizer.json (default: the model directory's)"},
-        {"threads", FLAG_INT, &threads, "N", "OpenMP threads (default: all cores)"},
+        {"threads", FLAG_INT, &threads, "N", "OpenMP threads (default: OMP_NUM_THREADS, else the cores this process may use)"},
     };
     int rc = cli_parse(&cmd_generate, flags, (int)(sizeof flags / sizeof flags[0]), argc, argv);
     if (rc) return rc > 0 ? 0 : 2;

@@ -695,7 +695,7 @@ static int run(int argc, char **argv) {
         {"recompute", FLAG_STRING, &o->recompute, "MODE", "none, selective or full (default none)"},
         {"recompute-mode", FLAG_STRING, &o->recompute_mode, "M", "full recompute: reentrant or nonreentrant (default)"},
         {"seed", FLAG_INT, &o->seed, "N", "seed for initialisation (default 1337)"},
-        {"threads", FLAG_INT, &o->threads, "N", "OpenMP threads (default: all cores)"},
+        {"threads", FLAG_INT, &o->threads, "N", "OpenMP threads (default: OMP_NUM_THREADS, else the cores this process may use)"},
         {"eval-every", FLAG_INT, &o->eval_every, "N", "validation loss every N steps; 0 disables (default 50)"},
         {"eval-batches", FLAG_INT, &o->eval_batches, "N", "validation batches per evaluation (default 4)"},
         {"ckpt-every", FLAG_INT, &o->ckpt_every, "N", "checkpoint every N steps; 0: only at the end (default 0)"},
