@@ -38,6 +38,14 @@ static int parse_value(const char *cmd, const flag *f, const char *v) {
         *(float *)f->target = (float)x;
         return 0;
     }
+    case FLAG_DOUBLE: {
+        errno = 0;
+        double x = strtod(v, &end);
+        if (*v == '\0' || *end || errno == ERANGE || !isfinite(x))
+            return cli_usage_error(cmd, "--%s expects a finite number, got '%s'", f->name, v), -1;
+        *(double *)f->target = x;
+        return 0;
+    }
     case FLAG_LIST: {
         if (!*v) return cli_usage_error(cmd, "--%s expects %s, got an empty string", f->name, f->metavar), -1;
         string_list *l = f->target;

@@ -12,13 +12,16 @@
 #include <stdio.h>
 
 /* FLAG_STRING refuses an empty value (a path or a name); FLAG_TEXT is free
- * text, where "" is a value like any other (a prompt). */
-typedef enum flag_kind { FLAG_STRING, FLAG_TEXT, FLAG_INT, FLAG_FLOAT, FLAG_BOOL, FLAG_LIST } flag_kind;
+ * text, where "" is a value like any other (a prompt). FLAG_DOUBLE keeps a
+ * decimal exactly as strtod reads it, for values whose products are
+ * compared (0.7f is 0.69999998: ten documents at --val-fraction 0.7 gave
+ * six to validation). */
+typedef enum flag_kind { FLAG_STRING, FLAG_TEXT, FLAG_INT, FLAG_FLOAT, FLAG_DOUBLE, FLAG_BOOL, FLAG_LIST } flag_kind;
 
 typedef struct flag {
     const char *name;     /* without the leading "--" */
     flag_kind kind;
-    void *target;         /* const char ** (string, text) / int * / float * / int * (bool) / string_list * */
+    void *target;         /* const char ** (string, text) / int * / float * / double * / int * (bool) / string_list * */
     const char *metavar;  /* e.g. "N", "DIR" (NULL for booleans) */
     const char *help;
 } flag;

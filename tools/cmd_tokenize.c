@@ -71,6 +71,11 @@ static loom_status append_doc(loom_tokenizer *tok, tok_buf *b, const doc *d) {
     return LOOM_OK;
 }
 
+/* floor(n f), for a decimal f given on the command line: the product of
+ * a double that is a hair below the decimal (0.7) and the n that makes the
+ * decimal's product whole lands a hair below that whole number. */
+static size_t share(size_t n, double f) { return (size_t)floor((double)n * f + 1e-9); }
+
 /* Whether name is a shard this command writes: train_ or val_, digits,
  * .bin (write_shards). train_1_backup.bin is not: it is somebody's file. */
 static int is_our_shard(const char *name) {
@@ -206,14 +211,14 @@ static int run(int argc, char **argv) {
     string_list train = {0}, in = {0};
     const char *out = NULL, *tok_path = NULL, *doc_sep = NULL;
     int vocab = INT_MIN;         /* INT_MIN, NAN: not given (then 4096, 0.05) */
-    float val_fraction = NAN;
+    double val_fraction = NAN;
     const flag flags[] = {
         {"train", FLAG_LIST, &train, "FILE...", "train a BPE tokenizer on these text files"},
         {"vocab", FLAG_INT, &vocab, "N", "vocabulary size when training (default 4096)"},
         {"tokenizer", FLAG_STRING, &tok_path, "FILE", "an existing tokenizer.json to encode with"},
         {"in", FLAG_LIST, &in, "FILE...", "text files to encode into shards"},
         {"out", FLAG_STRING, &out, "PATH", "tokenizer file (training only) or shard directory"},
-        {"val-fraction", FLAG_FLOAT, &val_fraction, "F", "share of documents for validation (default 0.05)"},
+        {"val-fraction", FLAG_DOUBLE, &val_fraction, "F", "share of documents for validation (default 0.05)"},
         {"doc-sep", FLAG_STRING, &doc_sep, "LINE", "a line that separates documents, e.g. % (default: one per file)"},
     };
     int n_flags = (int)(sizeof flags / sizeof flags[0]);
@@ -231,10 +236,10 @@ static int run(int argc, char **argv) {
     else if (!in.n && (!isnan(val_fraction) || doc_sep))
         rc = cli_usage_error("tokenize", "--%s applies to the shards: it needs --in FILE...",
                              doc_sep ? "doc-sep" : "val-fraction");
-    else if (!isnan(val_fraction) && !(val_fraction >= 0.0f && val_fraction < 1.0f))
+    else if (!isnan(val_fraction) && !(val_fraction >= 0.0 && val_fraction < 1.0))
         rc = cli_usage_error("tokenize", "--val-fraction must be in [0, 1)");
     if (vocab == INT_MIN) vocab = 4096;
-    if (isnan(val_fraction)) val_fraction = 0.05f;
+    if (isnan(val_fraction)) val_fraction = 0.05;
     if (rc) { free(train.items); free(in.items); return rc; }
 
     struct stat sb;
@@ -296,17 +301,18 @@ static int run(int argc, char **argv) {
                             : " (empty)", doc_sep ? doc_sep : "", doc_sep ? " lines)" : "");
         tok_buf tr = {0}, va = {0};
         /* Document i goes to validation when floor((i+1) f) > floor(i f):
-         * an even spread, the same every run. Too few documents for one at
-         * that rate: the last one. */
-        int last_to_val = docs.n >= 2 && val_fraction > 0.0f && (long)((double)docs.n * val_fraction) == 0;
+         * an even spread, the same every run, floor(n f) in all. Too few
+         * documents for one at that rate: the last one. */
+        int last_to_val = docs.n >= 2 && val_fraction > 0.0 && share(docs.n, val_fraction) == 0;
+        size_t n_val_docs = 0;
         for (size_t i = 0; i < docs.n && st == LOOM_OK; i++) {
-            int is_val = (long)((double)(i + 1) * val_fraction) > (long)((double)i * val_fraction) ||
-                         (last_to_val && i == docs.n - 1);
+            int is_val = share(i + 1, val_fraction) > share(i, val_fraction) || (last_to_val && i == docs.n - 1);
+            n_val_docs += is_val;
             st = append_doc(tok, is_val ? &va : &tr, &docs.items[i]);
         }
-        if (st == LOOM_OK && docs.n == 1 && val_fraction > 0.0f) {
+        if (st == LOOM_OK && docs.n == 1 && val_fraction > 0.0) {
             /* One document: the validation set is its last share of tokens. */
-            size_t n_val = (size_t)((double)tr.n * val_fraction);
+            size_t n_val = (size_t)share(tr.n, val_fraction);
             va.ids = malloc((n_val + 1) * sizeof *va.ids);
             if (!va.ids) st = loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory");
             else { memcpy(va.ids, tr.ids + tr.n - n_val, n_val * sizeof *va.ids); va.n = n_val; tr.n -= n_val; }
@@ -315,12 +321,13 @@ static int run(int argc, char **argv) {
         snprintf(staging, sizeof staging, "%s/.shards.new.%d", out, (int)getpid());
         if (st == LOOM_OK) st = loom_mkdir_p(staging);
         if (st == LOOM_OK) st = write_shards(staging, "train", &tr, loom_tokenizer_vocab_size(tok));
-        if (st == LOOM_OK && val_fraction > 0.0f) st = write_shards(staging, "val", &va, loom_tokenizer_vocab_size(tok));
+        if (st == LOOM_OK && val_fraction > 0.0) st = write_shards(staging, "val", &va, loom_tokenizer_vocab_size(tok));
         if (st == LOOM_OK) st = publish_dataset(out, staging, tok_out);
         remove_staged(staging, tok_out); /* what failed, or the emptied staging directory */
         if (st == LOOM_OK)
-            fprintf(stderr, "tokenize: %zu documents, %zu train tokens, %zu validation tokens; unigram entropy "
-                            "%.3f nats/token\n", docs.n, tr.n, va.n, unigram_entropy(&tr, loom_tokenizer_vocab_size(tok)));
+            fprintf(stderr, "tokenize: %zu documents (%zu for validation), %zu train tokens, %zu validation tokens; "
+                    "unigram entropy %.3f nats/token\n", docs.n, docs.n == 1 ? 0 : n_val_docs, tr.n, va.n,
+                    unigram_entropy(&tr, loom_tokenizer_vocab_size(tok)));
         free(tr.ids);
         free(va.ids);
         free(docs.items);

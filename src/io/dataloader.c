@@ -208,10 +208,14 @@ loom_status loom_dataloader_next(loom_dataloader *dl, int32_t *inputs, int32_t *
         dl->current = NULL;
         LOOM_TRY(loom_shard_open(dl->paths[dl->pos.shard], &dl->current));
         dl->current_index = (size_t)dl->pos.shard;
-        if (loom_shard_count(dl->current) != dl->counts[dl->pos.shard])
-            return loom_error(LOOM_ERR_IO, "token shard '%s' changed while training (%zu tokens, was %zu)",
-                              dl->paths[dl->pos.shard], loom_shard_count(dl->current),
-                              dl->counts[dl->pos.shard]);
+        if (loom_shard_count(dl->current) != dl->counts[dl->pos.shard]) {
+            loom_status st = loom_error(LOOM_ERR_IO, "token shard '%s' changed while training (%zu tokens, was %zu)",
+                                        dl->paths[dl->pos.shard], loom_shard_count(dl->current),
+                                        dl->counts[dl->pos.shard]);
+            loom_shard_close(dl->current); /* not current: the next call checks it again */
+            dl->current = NULL;
+            return st;
+        }
     }
     size_t bt = dl->span - 1;
     size_t start = (size_t)dl->pos.offset + (size_t)dl->opt.rank * bt;

@@ -356,6 +356,22 @@ static void test_loader_errors(void **state) {
     io_write_raw(io_path("data2/train_000001.bin"), "garbage", 7);
     assert_int_equal(loom_dataloader_open(io_path("data2"), &o, &dl), LOOM_ERR_FORMAT);
     IO_ASSERT_MSG("train_000001.bin");
+
+    /* A shard rewritten with another length while the loader walks: an
+     * error at every call, not once and then batches from the new file. */
+    mkdir(io_path("data3"), 0755);
+    assert_int_equal(loom_shard_write(io_path("data3/train_000000.bin"), t, 100, VOCAB), LOOM_OK);
+    assert_int_equal(loom_shard_write(io_path("data3/train_000001.bin"), t, 100, VOCAB), LOOM_OK);
+    assert_int_equal(loom_dataloader_open(io_path("data3"), &o, &dl), LOOM_OK);
+    int32_t many[1000] = {0};
+    assert_int_equal(loom_shard_write(io_path("data3/train_000001.bin"), many, 1000, VOCAB), LOOM_OK);
+    loom_status st = LOOM_OK;
+    for (int k = 0; k < 20 && st == LOOM_OK; k++) st = loom_dataloader_next(dl, in, tg);
+    assert_int_equal(st, LOOM_ERR_IO);
+    IO_ASSERT_MSG("changed while training");
+    assert_int_equal(loom_dataloader_next(dl, in, tg), LOOM_ERR_IO);
+    IO_ASSERT_MSG("changed while training");
+    loom_dataloader_close(dl);
 }
 
 int main(void) {

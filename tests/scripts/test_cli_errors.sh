@@ -142,6 +142,14 @@ printf 'first doc\r\n%%\r\nsecond doc\r\n%%\r\nthird doc\r\n' > "$WORK/crlf.txt"
 grep -q "3 documents" "$WORK/crlf.log" || { cat "$WORK/crlf.log"; fail "CRLF separator lines were not separators"; }
 grep -q "validation tokens" "$WORK/crlf.log" && ! grep -q " 0 validation tokens" "$WORK/crlf.log" ||
   { cat "$WORK/crlf.log"; fail "three documents gave no validation document"; }
+# --val-fraction 0.7 of 10 documents is 7 (0.7 as a float is 0.69999998: it gave 6), 0.35 of 20 is 7.
+for nf in "10 0.7 7" "20 0.35 7" "10 0.3 3" "10 0.9 9"; do
+  set -- $nf
+  for i in $(seq "$1"); do printf 'document %d\n%%\n' "$i"; done > "$WORK/docs$1.txt"
+  "$LOOM" tokenize --tokenizer "$WORK/data/tokenizer.json" --in "$WORK/docs$1.txt" --doc-sep % --val-fraction "$2" \
+    --out "$WORK/split" 2>"$WORK/split.log"
+  grep -q "$1 documents ($3 for validation)" "$WORK/split.log" || { cat "$WORK/split.log"; fail "--val-fraction $2 of $1"; }
+done
 printf '%%\n%%\n' > "$WORK/nodocs.txt"
 expect_error "hold no text" "$LOOM" tokenize --tokenizer "$WORK/data/tokenizer.json" --in "$WORK/nodocs.txt" \
   --doc-sep % --out "$WORK/nodocs"
