@@ -2,7 +2,8 @@
  * rmsnorm.c — RMSNorm forward and backward, with plain references.
  *
  * Owns: out = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps) per row, and its
- * gradient. Statistics and sums are fp32 whatever the dtype.
+ * gradient. Statistics and sums are fp32 whatever the dtype; a row whose
+ * mean square overflows fp32 gives NaN (rstd_of).
  * Must never: let the thread count change a result. dw is reduced over a
  * fixed partition of the rows (RMSNORM_CHUNKS chunks, summed in chunk order),
  * so it is bit-identical run to run and for any number of threads.
@@ -16,9 +17,14 @@
 /* Row chunks of the dw reduction: fixed, so dw does not depend on threads. */
 #define RMSNORM_CHUNKS 64
 
-static float row_rstd(const float *x, int C, float eps) {
-    return 1.0f / sqrtf(row_dot(x, x, C) / (float)C + eps);
+/* 1 / sqrt(ms + eps), NaN when the mean square overflowed fp32 (|x| near
+ * 1e19 and beyond): 1 / sqrt(Inf) would be 0 and the row's output a silent
+ * 0, hiding a diverged run from the loss scaler and the NaN checks. */
+static float rstd_of(float mean_square, float eps) {
+    return isfinite(mean_square) ? 1.0f / sqrtf(mean_square + eps) : NAN;
 }
+
+static float row_rstd(const float *x, int C, float eps) { return rstd_of(row_dot(x, x, C) / (float)C, eps); }
 
 /* y[j] = x[j] * r * w[j] (y may be x) */
 static void row_normalize_c(float *y, const float *x, const float *w, float r, int C) {
@@ -173,7 +179,7 @@ void rmsnorm_fwd_ref(void *out, float *rstd, const void *x, const void *w,
             float v = loom_load(x, row + j, dt);
             ss += v * v;
         }
-        float r = 1.0f / sqrtf(ss / (float)C + eps);
+        float r = rstd_of(ss / (float)C, eps);
         for (int j = 0; j < C; j++)
             loom_store(out, row + j, dt, loom_load(x, row + j, dt) * r * loom_load(w, j, dt));
         if (rstd) rstd[i] = r;

@@ -196,6 +196,29 @@ static void test_bwd_thread_count_invariant(void **state) {
     case_free(&c);
 }
 
+/* A row whose mean square overflows fp32 (3e38 squared) gives NaN out,
+ * rstd and dx, in every path, where 1 / sqrt(Inf) made a silent 0 (and the
+ * AVX2 backward NaN while the portable one gave 0); the other rows are as
+ * the reference makes them. */
+static void test_overflowing_row(void **state) {
+    (void)state;
+    enum { N = 2, C = 20 };
+    float x[N * C], w[C], dout[N * C], out[N * C], rstd[N], dx[N * C], dw[C] = {0};
+    tu_fill_uniform(x, N * C, -1.0f, 1.0f, 41);
+    tu_fill_uniform(w, C, 0.5f, 1.5f, 42);
+    tu_fill_uniform(dout, N * C, -1.0f, 1.0f, 43);
+    for (int j = 0; j < C; j++) x[j] = j % 2 ? 3e38f : -3e38f;
+    float ref_out[N * C], ref_rstd[N];
+    rmsnorm_fwd_ref(ref_out, ref_rstd, x, w, N, C, EPS, LOOM_F32);
+    rmsnorm_fwd(out, rstd, x, w, N, C, EPS, LOOM_F32);
+    assert_true(isnan(rstd[0]) && isnan(ref_rstd[0]));
+    for (int j = 0; j < C; j++) assert_true(isnan(out[j]) && isnan(ref_out[j]));
+    TU_ASSERT_CLOSE(out + C, ref_out + C, C, 1e-6, 1e-6);
+    rmsnorm_bwd(dx, dw, dout, x, w, rstd, N, C, LOOM_F32);
+    for (int j = 0; j < C; j++) assert_true(isnan(dx[j]));
+    for (int j = C; j < N * C; j++) assert_true(isfinite(dx[j]));
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_fwd_vs_ref),
@@ -203,6 +226,7 @@ int main(void) {
         cmocka_unit_test(test_bwd_vs_ref),
         cmocka_unit_test(test_bwd_finite_differences),
         cmocka_unit_test(test_bwd_thread_count_invariant),
+        cmocka_unit_test(test_overflowing_row),
     };
     return TU_RUN_SIMD_AND_PORTABLE(tests);
 }
