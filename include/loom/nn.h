@@ -115,7 +115,7 @@ void loom_llama_zero_grad(loom_llama *m);
 /* ------------------------------------------------------------ generation */
 
 typedef struct loom_sampler {
-    float temperature;  /* 0: greedy (argmax) */
+    float temperature;  /* finite, >= 0; 0: greedy (argmax) */
     float top_p;        /* nucleus sampling threshold in (0, 1]; 1 disables */
     uint64_t seed;      /* Philox seed for sampling */
     int vocab_limit;    /* > 0: only ids below it are sampled (a tokenizer smaller than the model's vocab) */

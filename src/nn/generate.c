@@ -183,6 +183,10 @@ loom_status loom_llama_generate(loom_llama *m, const int32_t *prompt, int n_prom
                                 const loom_sampler *sampler, int stop_token, int32_t *out, int *n_out) {
     *n_out = 0;
     LOOM_TRY(check_tokens(m, prompt, n_prompt));
+    if (!sampler || !(sampler->temperature >= 0.0f) || !isfinite(sampler->temperature) || isnan(sampler->top_p))
+        return loom_error(LOOM_ERR_INVALID, "generate: the sampler's temperature must be a finite number >= 0 (0: "
+                          "greedy) and its top_p a number, got %g and %g", sampler ? (double)sampler->temperature : 0.0,
+                          sampler ? (double)sampler->top_p : 0.0);
     kv_cache c;
     scratch s;
     /* The last new token is sampled, never run: n_prompt + n_new - 1

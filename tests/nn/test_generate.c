@@ -106,6 +106,13 @@ static void test_greedy_matches_argmax(void **state) {
     int32_t bad[2] = {3, 50};
     assert_int_equal(loom_llama_generate(m, bad, 2, 1, &greedy, -1, out, &n_out), LOOM_ERR_INVALID);
     assert_int_equal(loom_llama_generate(m, bad, 0, 1, &greedy, -1, out, &n_out), LOOM_ERR_INVALID);
+    /* So are samplers that are not numbers (a NaN temperature was greedy without a word). */
+    loom_sampler nan_t = {NAN, 0.9f, 1, 0}, neg_t = {-1.0f, 0.9f, 1, 0}, inf_t = {INFINITY, 0.9f, 1, 0},
+                 nan_p = {1.0f, NAN, 1, 0};
+    assert_int_equal(loom_llama_generate(m, seq, 3, 1, &nan_t, -1, out, &n_out), LOOM_ERR_INVALID);
+    assert_int_equal(loom_llama_generate(m, seq, 3, 1, &neg_t, -1, out, &n_out), LOOM_ERR_INVALID);
+    assert_int_equal(loom_llama_generate(m, seq, 3, 1, &inf_t, -1, out, &n_out), LOOM_ERR_INVALID);
+    assert_int_equal(loom_llama_generate(m, seq, 3, 1, &nan_p, -1, out, &n_out), LOOM_ERR_INVALID);
     loom_llama_free(m);
 }
 
