@@ -41,13 +41,15 @@ def main():
         scale = float(np.max(np.abs(b[name]))) if b[name].size else 0.0
         err = float(np.max(np.abs(a[name].astype(np.float64) - b[name]))) if b[name].size else 0.0
         ratio = err / (args.atol + args.rtol * scale) if (args.atol + args.rtol * scale) > 0 else (0.0 if err == 0 else float("inf"))
-        if ratio > worst:
+        if not (np.isfinite(a[name]).all() and np.isfinite(b[name]).all()):
+            ratio = float("inf")  # NaN compares false with everything: it must not pass as "close"
+        if not ratio <= worst:
             worst, worst_name = ratio, f"{name}: max error {err:.3g} (scale {scale:.3g})"
-        if ratio > 1.0:
+        if not ratio <= 1.0:
             bad.append(name)
     if "loss" in ma and "loss" in mb:
         la, lb = float(ma["loss"]), float(mb["loss"])
-        if abs(la - lb) > args.atol + args.rtol * abs(lb):
+        if not abs(la - lb) <= args.atol + args.rtol * abs(lb):
             bad.append(f"loss {la} vs {lb}")
     print(f"{len(a)} tensors, worst {worst_name or 'exact'} (ratio {worst:.3g})")
     if bad:
