@@ -13,6 +13,9 @@ for prec in fp32 fp16; do
   [ -d "$WORK/b-$prec/ckpt-00000010" ] || fail "no step-10 checkpoint"
   "$LOOM" train "${common[@]}" --precision $prec --out "$WORK/c-$prec" --resume "$WORK/b-$prec/ckpt-00000010" 2>/dev/null
   diff <(losses "$WORK/a-$prec" | tail -2) <(losses "$WORK/c-$prec") || fail "$prec: resumed losses differ"
+  # Bit for bit beyond the printed losses: the final weights are the same bytes.
+  cmp -s "$WORK/a-$prec/model/model.safetensors" "$WORK/c-$prec/model/model.safetensors" ||
+    fail "$prec: the resumed run's final weights differ from the uninterrupted run's"
   [ "$(losses "$WORK/c-$prec" | head -1 | cut -d, -f1)" = '"step":11' ] || fail "$prec: resume did not start at step 11"
 done
 # A crash after steps 11-12 were logged but before their checkpoint:

@@ -48,6 +48,11 @@ for rc in "none nonreentrant" "full reentrant" "selective nonreentrant"; do
   timeout 300 $MPI "$LOOM" train "${Z[@]}" "${R[@]}" --zero 1 --out "$WORK/z" 2>"$WORK/z.log"
   diff <(losses "$WORK/p0") <(losses "$WORK/p1") >/dev/null || fail "overlapped all-reduce changes the losses ($rc)"
   diff <(losses "$WORK/p0") <(losses "$WORK/z") >/dev/null || fail "ZeRO-1 (bf16) differs from plain DP ($rc)"
+  # and the final weights are the same bytes, beyond the printed losses
+  cmp -s "$WORK/p0/model/model.safetensors" "$WORK/p1/model/model.safetensors" ||
+    fail "overlapped all-reduce changes the final weights ($rc)"
+  cmp -s "$WORK/p0/model/model.safetensors" "$WORK/z/model/model.safetensors" ||
+    fail "ZeRO-1 (bf16) final weights differ from plain DP's ($rc)"
   grep -Eq "gradients in ([0-9]+) buckets, 0 started during backward" "$WORK/p0.log" || fail "--overlap off overlapped"
   nb=$(sed -n 's/.*gradients in \([0-9]*\) buckets, \([0-9]*\) started.*/\1 \2/p' "$WORK/p1.log")
   set -- $nb
