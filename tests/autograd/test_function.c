@@ -724,6 +724,71 @@ static void test_strided_gradient_from_custom_op(void **state) {
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) loom_tensor_release(all[i]);
 }
 
+/* The fused linear with its weight and bias as parameters: dW and db go
+ * straight into the fp32 main_grads (the bias's branch was exercised only
+ * by checks that compare recompute modes with each other). Against sums in
+ * double of the dt-rounded inputs: dW = R^T x, db = column sums of R, and
+ * dx = R W, for fp32 and for bf16 compute with master-grad. */
+static void test_fused_linear_parameter_grads(void **state) {
+    (void)state;
+    enum { N = 6, K = 5, M = 4 };
+    const loom_dtype dts[2] = {LOOM_F32, LOOM_BF16};
+    for (int d = 0; d < 2; d++) {
+        loom_dtype dt = dts[d];
+        float xv[N * K], wv[M * K], bv[M], rv[N * M];
+        tu_fill_uniform(xv, N * K, -1.0f, 1.0f, 51);
+        tu_fill_uniform(wv, M * K, -1.0f, 1.0f, 52);
+        tu_fill_uniform(bv, M, -1.0f, 1.0f, 53);
+        tu_fill_uniform(rv, N * M, -1.0f, 1.0f, 54);
+        for (int i = 0; i < N * K; i++) xv[i] = loom_round_to(xv[i], dt);
+        for (int i = 0; i < M * K; i++) wv[i] = loom_round_to(wv[i], dt);
+        for (int i = 0; i < N * M; i++) rv[i] = loom_round_to(rv[i], dt);
+        loom_param *w, *b;
+        assert_int_equal(loom_param_new("w", dt, 2, (const int64_t[]){M, K}, 1, &w), LOOM_OK);
+        assert_int_equal(loom_param_new("b", dt, 1, (const int64_t[]){M}, 1, &b), LOOM_OK);
+        assert_int_equal(loom_param_set_f32(w, wv, M * K), LOOM_OK);
+        assert_int_equal(loom_param_set_f32(b, bv, M), LOOM_OK);
+        loom_tensor *x = loom_tensor_from_f32(xv, dt, 2, (const int64_t[]){N, K}, LOOM_MEM_ACTIVATIONS);
+        loom_tensor *r = loom_tensor_from_f32(rv, dt, 2, (const int64_t[]){N, M}, LOOM_MEM_ACTIVATIONS);
+        assert_int_equal(loom_tensor_set_requires_grad(x, 1), LOOM_OK);
+        loom_tensor *y = NULL, *p = NULL, *loss = NULL;
+        assert_int_equal(loom_fused_linear(x, w->tensor, b->tensor, &y), LOOM_OK);
+        assert_int_equal(loom_mul(y, r, &p), LOOM_OK);
+        assert_int_equal(loom_sum(p, &loss), LOOM_OK);
+        assert_int_equal(loom_backward(loss, 1.0f), LOOM_OK);
+        float gw[M * K], gb[M], gx[N * K], want_w[M * K], want_b[M], want_x[N * K];
+        loom_param_read_grad(w, gw);
+        loom_param_read_grad(b, gb);
+        loom_tensor_read_f32(x->grad, gx);
+        for (int m = 0; m < M; m++) {
+            double sb = 0.0;
+            for (int n = 0; n < N; n++) sb += rv[n * M + m];
+            want_b[m] = (float)sb;
+            for (int k = 0; k < K; k++) {
+                double sw = 0.0;
+                for (int n = 0; n < N; n++) sw += (double)rv[n * M + m] * xv[n * K + k];
+                want_w[m * K + k] = (float)sw;
+            }
+        }
+        for (int n = 0; n < N; n++)
+            for (int k = 0; k < K; k++) {
+                double sx = 0.0;
+                for (int m = 0; m < M; m++) sx += (double)rv[n * M + m] * wv[m * K + k];
+                want_x[n * K + k] = (float)sx;
+            }
+        /* main_grads sum exact inputs in fp32; dx is stored in dt */
+        TU_ASSERT_CLOSE(gw, want_w, M * K, 1e-5, 1e-5);
+        TU_ASSERT_CLOSE(gb, want_b, M, 1e-5, 1e-5);
+        TU_ASSERT_CLOSE(gx, want_x, N * K, dt == LOOM_F32 ? 1e-5 : 1e-2, dt == LOOM_F32 ? 1e-5 : 1e-2);
+        assert_int_equal(w->contributions, 1);
+        assert_int_equal(b->contributions, 1);
+        loom_tensor *ts[] = {x, r, y, p, loss};
+        for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) loom_tensor_release(ts[i]);
+        loom_param_free(w);
+        loom_param_free(b);
+    }
+}
+
 int main(void) {
     loom_set_threads(2);
     const struct CMUnitTest tests[] = {
@@ -741,6 +806,7 @@ int main(void) {
         cmocka_unit_test(test_grad_buffer_and_master),
         cmocka_unit_test(test_shared_gradient_memory),
         cmocka_unit_test(test_strided_gradient_from_custom_op),
+        cmocka_unit_test(test_fused_linear_parameter_grads),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
