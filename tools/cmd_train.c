@@ -735,6 +735,7 @@ static int run(int argc, char **argv) {
     if ((rc = parse_settings(&t, &prec, &mode))) return rc;
     if ((rc = cli_apply_threads("train", o->threads))) return rc;
     if (o->zero != 0 && o->zero != 1) return cli_usage_error("train", "--zero expects 0 or 1");
+    if (o->tp <= 0) return cli_usage_error("train", "--tp must be positive (ranks per tensor-parallel group), got %d", o->tp);
     if (cli_parse_on_off("train", "overlap", o->overlap_flag, &o->overlap)) return 2;
     if (o->bucket_size < 0) return cli_usage_error("train", "--bucket-size must be >= 0 (0: the default)");
     loom_rng_init(loom_rng_default(), (uint64_t)o->seed);

@@ -120,6 +120,8 @@ grep -q "with one, nothing is sharded" "$WORK/ign.log" || fail "no note on --zer
 expect_error "holds token shards" "$LOOM" export --model "$WORK/r/model" --out "$WORK/data"
 # --tp in a single process: says how to start it.
 expect_error "start tensor parallelism with mpirun" "$LOOM" train "${D[@]}" --steps 1 --tp 2 --out "$WORK/tp1"
+set +e; "$LOOM" train "${D[@]}" --steps 1 --tp 0 --out "$WORK/tp0" 2>"$WORK/tp0.log"; rc=$?; set -e
+[ $rc -eq 2 ] && grep -q -- "--tp must be positive" "$WORK/tp0.log" || fail "--tp 0: exit $rc, not a usage error"
 
 # Two runs into one --out: the second is refused while the first holds the
 # directory's lock, naming it (they used to both "succeed", mixing
