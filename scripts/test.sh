@@ -2,7 +2,8 @@
 # The test command: builds loom with -Wall -Wextra -Werror and runs the ctest
 # suite, then builds with AddressSanitizer + UndefinedBehaviorSanitizer and
 # runs the suite again, and checks that a build without MPI still trains in
-# one process. Exits non-zero on any failure.
+# one process, and that a build without oneDNN (loom's own GEMM) passes the kernel,
+# autograd and recompute tests and trains. Exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
@@ -19,3 +20,7 @@ echo "== build without MPI (one process)"
 cmake -S . -B build-nompi -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_WERROR=ON -DLOOM_WITH_MPI=OFF >/dev/null
 ninja -C build-nompi -j "$jobs"
 (cd build-nompi && ctest --output-on-failure -j 1 -R 'scripts/test_cli_train|autograd/')
+echo "== build without oneDNN (the portable GEMM)"
+cmake -S . -B build-nodnn -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_WERROR=ON -DLOOM_WITH_ONEDNN=OFF >/dev/null
+ninja -C build-nodnn -j "$jobs"
+(cd build-nodnn && ctest --output-on-failure -j 1 -R 'kernels/|autograd/|recompute/|scripts/test_cli_train')
