@@ -335,6 +335,12 @@ static loom_status evaluate(trainer *t, double *val_loss) {
 
 /* ---------------------------------------------------------- checkpoints */
 
+/* The file name of training shard i (NULL past the last). */
+static const char *shard_name(const loom_dataloader *dl, uint64_t i) {
+    const char *path = loom_dataloader_shard_path(dl, (size_t)i), *slash = path ? strrchr(path, '/') : NULL;
+    return slash ? slash + 1 : path;
+}
+
 static void capture_state(trainer *t) {
     loom_rng *rng = loom_rng_default();
     t->state.rng_seed = rng->seed;
@@ -349,8 +355,7 @@ static void capture_state(trainer *t) {
     t->state.grad_accum = t->o.grad_accum;
     t->state.dp_size = t->dist.dp_size;
     t->state.data_shards = (int)loom_dataloader_num_shards(t->train);
-    const char *shard = loom_dataloader_shard_path(t->train, (size_t)t->state.data.shard), *slash;
-    if (shard && (slash = strrchr(shard, '/'))) shard = slash + 1;
+    const char *shard = shard_name(t->train, t->state.data.shard);
     snprintf(t->state.data_shard_name, sizeof t->state.data_shard_name, "%s", shard ? shard : "");
 }
 
@@ -360,8 +365,7 @@ static void note_changed_shards(const trainer *t) {
     const loom_train_state *c = &t->state;
     if (!t->leader || c->data_shards <= 0) return; /* not recorded */
     int now = (int)loom_dataloader_num_shards(t->train);
-    const char *shard = loom_dataloader_shard_path(t->train, (size_t)c->data.shard), *slash;
-    if (shard && (slash = strrchr(shard, '/'))) shard = slash + 1;
+    const char *shard = shard_name(t->train, c->data.shard);
     if (now == c->data_shards && shard && !strcmp(shard, c->data_shard_name)) return;
     fprintf(stderr, "train: note: the training shards changed since the checkpoint (%d then, %d now; it was reading "
             "%s, shard %llu now is %s): training continues at that index and offset, not where the first run "
