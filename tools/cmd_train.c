@@ -2,7 +2,8 @@
  * cmd_train.c — `loom train`: the training loop. Data from llm.c shards,
  * AdamW on fp32 masters with warmup + cosine, clipping, dynamic loss scaling
  * for fp16, recompute per block, validation, exact-resume checkpoints on a
- * schedule and on SIGINT/SIGTERM, metrics as JSON lines, an SVG loss plot.
+ * schedule and on SIGINT/SIGTERM/SIGUSR1/SIGUSR2, metrics as JSON lines, an
+ * SVG loss plot.
  */
 #include "cli.h"
 #include "train_report.h"
@@ -16,13 +17,20 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-/* The first SIGINT/SIGTERM asks for a checkpoint after the current step;
- * a second one stops at once (the default action). */
+/* The first SIGINT/SIGTERM/SIGUSR1/SIGUSR2 asks for a checkpoint after the
+ * current step; a second one stops at once (the default action). Under
+ * mpirun, SIGUSR1 is the one to send: mpirun forwards it to every rank and
+ * waits, where it follows a forwarded SIGINT/SIGTERM with SIGKILL after a
+ * second (odls_base_sigkill_timeout). */
+static const int stop_signals[] = {SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
 static volatile sig_atomic_t stop_signal;
 static void on_signal(int sig) {
     stop_signal = sig;
-    signal(SIGINT, SIG_DFL);
-    signal(SIGTERM, SIG_DFL);
+    for (size_t i = 0; i < sizeof stop_signals / sizeof stop_signals[0]; i++) signal(stop_signals[i], SIG_DFL);
+}
+
+static const char *signal_name(int sig) {
+    return sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : sig == SIGUSR1 ? "SIGUSR1" : "SIGUSR2";
 }
 
 typedef struct train_opts {
@@ -83,6 +91,88 @@ static int parse_settings(trainer *t, loom_precision *prec, loom_recompute_mode 
     if (o->keep <= 0 || o->eval_every < 0 || o->ckpt_every < 0 || o->eval_batches <= 0 || o->log_every <= 0)
         return cli_usage_error("train", "--keep, --eval-batches, --log-every must be positive; --eval-every, --ckpt-every >= 0");
     return 0;
+}
+
+/* ------------------------------------------------------ ranks agreeing */
+
+/* The flags every rank must share, one per line: ranks started with
+ * different ones train different runs (or hang, or crash, in collectives
+ * they no longer call alike). Paths (--data, --out, --init, --config) may
+ * differ between machines and are not compared; whether a rank resumes is. */
+static void settings_record(const train_opts *o, const char *resume_dir, char *buf, size_t n) {
+    snprintf(buf, n,
+             "--batch %d\n--seq %d\n--grad-accum %d\n--steps %d\n--lr %a\n--min-lr %a\n--warmup %d\n"
+             "--weight-decay %a\n--clip %a\n--precision %s\n--master-grad %s\n--recompute %s\n"
+             "--recompute-mode %s\n--seed %d\n--eval-every %d\n--eval-batches %d\n--ckpt-every %d\n--keep %d\n"
+             "--tp %d\n--zero %d\n--overlap %d\n--bucket-size %d\n--preset %s\n--tie-embeddings %d\n"
+             "--check-grads %d\n--dump-grads %s\n--dump-logits %s\n--resume %s\n",
+             o->batch, o->seq, o->grad_accum, o->steps, (double)o->lr, (double)o->min_lr, o->warmup,
+             (double)o->weight_decay, (double)o->clip, o->precision, o->master_grad, o->recompute, o->recompute_mode,
+             o->seed, o->eval_every, o->eval_batches, o->ckpt_every, o->keep, o->tp, o->zero, o->overlap,
+             o->bucket_size, o->preset, o->tie, o->check_grads, o->dump_grads ? "given" : "no",
+             o->dump_logits ? "given" : "no", *resume_dir ? "given" : "no");
+}
+
+/* Rank 0's settings go to every rank; a rank whose differ says which, and
+ * every rank stops with the same error. */
+static loom_status agree_on_settings(trainer *t, const char *resume_dir) {
+    if (loom_comm_size(t->world) == 1) return LOOM_OK;
+    char mine[2048] = {0}, root[2048] = {0};
+    settings_record(&t->o, resume_dir, mine, sizeof mine);
+    memcpy(root, mine, sizeof root);
+    LOOM_TRY(loom_comm_broadcast(t->world, root, sizeof root, 0));
+    int first = 0; /* 1 + the line where this rank differs from rank 0 */
+    const char *a = mine, *b = root;
+    for (int line = 1; *a || *b; line++) {
+        const char *ea = strchr(a, '\n'), *eb = strchr(b, '\n');
+        size_t la = ea ? (size_t)(ea - a) : strlen(a), lb = eb ? (size_t)(eb - b) : strlen(b);
+        if (la != lb || memcmp(a, b, la)) {
+            first = line;
+            fprintf(stderr, "train: rank %d was started with %.*s where rank 0 has %.*s\n", loom_comm_rank(t->world),
+                    (int)la, a, (int)lb, b);
+            break;
+        }
+        a += la + (ea != NULL);
+        b += lb + (eb != NULL);
+    }
+    int worst = first;
+    LOOM_TRY(loom_comm_allreduce_max_int(t->world, &worst, 1));
+    if (!worst) return LOOM_OK;
+    const char *line = root;
+    for (int k = 1; k < worst && strchr(line, '\n'); k++) line = strchr(line, '\n') + 1;
+    const char *end = strchr(line, '\n');
+    return loom_error(LOOM_ERR_INVALID, "the ranks were started with different training flags (rank 0: %.*s; the "
+                      "ranks that differ say so above): start every rank with the same flags",
+                      (int)(end ? end - line : (long)strlen(line)), line);
+}
+
+/* After setup, the data-parallel replicas must hold the same weights (the
+ * same --seed gives the same initialisation, the same checkpoint the same
+ * state; different --init files or checkpoints per machine would not),
+ * and every rank the same step. */
+static loom_status agree_on_state(trainer *t) {
+    if (loom_comm_size(t->world) == 1) return LOOM_OK;
+    uint32_t h = 2166136261u; /* FNV-1a over the compute copies this rank holds */
+    for (int i = 0; i < t->m->n_params; i++) {
+        const loom_tensor *w = t->m->params[i]->tensor;
+        const unsigned char *b = loom_tensor_data(w);
+        size_t n = (size_t)loom_tensor_numel(w) * loom_dtype_size(w->dtype);
+        for (size_t k = 0; k < n; k++) h = (h ^ b[k]) * 16777619u;
+    }
+    int v[4] = {(int)(h & 0x7fffffff), -(int)(h & 0x7fffffff), t->state.step, -t->state.step};
+    int w_dp[2] = {v[0], v[1]}, s_world[2] = {v[2], v[3]};
+    LOOM_TRY(loom_comm_allreduce_max_int(t->dist.dp, w_dp, 2));
+    LOOM_TRY(loom_comm_allreduce_max_int(t->world, s_world, 2));
+    int same_weights = w_dp[0] == -w_dp[1], same_step = s_world[0] == -s_world[1];
+    int bad[2] = {!same_weights, !same_step};
+    LOOM_TRY(loom_comm_allreduce_max_int(t->world, bad, 2)); /* every rank learns of a mismatch anywhere */
+    if (bad[1])
+        return loom_error(LOOM_ERR_INVALID, "the ranks resumed at different steps (this rank: %d): give every rank "
+                          "the same checkpoint", t->state.step);
+    if (bad[0])
+        return loom_error(LOOM_ERR_INVALID, "the data-parallel ranks hold different weights after setup (different "
+                          "--init or --resume files on different machines?): give every rank the same ones");
+    return LOOM_OK;
 }
 
 /* A checkpoint directory has state.safetensors; otherwise look inside. */
@@ -160,6 +250,13 @@ static loom_status open_data(trainer *t) {
             LOOM_TRY(vs);
         }
     }
+    /* Every rank validates or none does: evaluate() is collective. */
+    int has_val[2] = {t->val != NULL, t->val == NULL};
+    LOOM_TRY(loom_comm_allreduce_max_int(t->world, has_val, 2));
+    if (has_val[0] && has_val[1])
+        return loom_error(LOOM_ERR_INVALID, "validation shards (val_*.bin in --data) are usable on some ranks only "
+                          "(this rank: %s): give every rank the same data, or --eval-every 0",
+                          t->val ? "yes" : "no");
     /* tokenizer.json beside the shards goes into checkpoints and the model
      * (a directory's shards are named "<dir>/<file>"). */
     const char *first = loom_dataloader_shard_path(t->train, 0), *slash = first ? strrchr(first, '/') : NULL;
@@ -559,8 +656,8 @@ static loom_status train_loop(trainer *t) {
         if (stop) {
             train_report_end_line(&t->report);
             if (t->leader)
-                fprintf(stderr, "train: %s received at step %d; saving a checkpoint\n",
-                        stop == SIGINT ? "SIGINT" : "SIGTERM", t->state.step);
+                fprintf(stderr, "train: %s received at step %d; saving a checkpoint\n", signal_name(stop),
+                        t->state.step);
             LOOM_TRY(save_checkpoint(t));
             if (t->leader) fprintf(stderr, "train: resume with: loom train ... --resume %s\n", o->out);
             t->interrupted = stop;
@@ -750,10 +847,12 @@ static int run(int argc, char **argv) {
     if (st == LOOM_OK) st = loom_dist_layout(t.world, o->tp, &t.dist);
     t.leader = loom_comm_rank(t.world) == 0;
     if (st == LOOM_OK && o->resume) st = resolve_resume(o->resume, resume_dir, sizeof resume_dir);
+    if (st == LOOM_OK) st = agree_on_settings(&t, resume_dir);
     if (st == LOOM_OK) st = choose_out(&t, resume_dir);
     if (st == LOOM_OK) st = build_model(&t, prec, mode, *resume_dir ? resume_dir : NULL);
     if (st == LOOM_OK) st = open_data(&t);
     if (st == LOOM_OK && *resume_dir) st = restore(&t, resume_dir);
+    if (st == LOOM_OK) st = agree_on_state(&t);
     if (st == LOOM_OK && *resume_dir && t.state.step > o->steps)
         st = loom_error(LOOM_ERR_INVALID, "%s is at step %d, past --steps %d: give --steps above %d to train further",
                         resume_dir, t.state.step, o->steps, t.state.step);
@@ -764,8 +863,7 @@ static int run(int argc, char **argv) {
     if (st == LOOM_OK) st = open_outputs(&t, resume_dir);
     if (st == LOOM_OK) {
         if (t.leader) print_summary(&t, prec, mode);
-        signal(SIGINT, on_signal);
-        signal(SIGTERM, on_signal);
+        for (size_t i = 0; i < sizeof stop_signals / sizeof stop_signals[0]; i++) signal(stop_signals[i], on_signal);
         st = train_loop(&t);
         if (st == LOOM_OK && !o->dump_grads && t.leader) {
             char path[4200];
@@ -784,7 +882,7 @@ static int run(int argc, char **argv) {
     int interrupted = t.interrupted;
     cleanup(&t);
     loom_dist_finalize();
-    if (st == LOOM_OK && interrupted) return 128 + interrupted; /* 130 SIGINT, 143 SIGTERM: checkpoint saved */
+    if (st == LOOM_OK && interrupted) return 128 + interrupted; /* 130 SIGINT, 143 SIGTERM, 138 SIGUSR1: saved */
     return st == LOOM_OK ? 0 : cli_fail("train", st);
 }
 
@@ -794,8 +892,10 @@ const command cmd_train = {
     "train --data DIR [--preset tiny|small | --config FILE] [flags]",
     "Progress goes to stderr (a live line on a terminal, plain lines otherwise);\n"
     "metrics.jsonl, loss.svg, checkpoints (ckpt-NNNNNNNN/) and the final model (model/)\n"
-    "go to --out. SIGINT or SIGTERM saves a checkpoint and stops (exit 130 or 143; a second\n"
-    "one stops at once); --resume continues bit-for-bit. --recompute selective always uses\n"
-    "the non-reentrant machinery.",
+    "go to --out. SIGINT, SIGTERM or SIGUSR1 saves a checkpoint and stops (exit 128 + the\n"
+    "signal: 130, 143, 138; a second one stops at once); under mpirun send SIGUSR1 to mpirun\n"
+    "(it follows a forwarded SIGINT/SIGTERM with SIGKILL after a second). --resume continues\n"
+    "bit-for-bit. Under mpirun every rank must get the same training flags (checked at start).\n"
+    "--recompute selective always uses the non-reentrant machinery.",
     run,
 };

@@ -95,8 +95,8 @@ done
 mkdir -p "$WORK/bad" && printf 'not a shard' > "$WORK/bad/train_000000.bin"
 set +e
 timeout 120 mpirun -np 1 "$LOOM" train "${D[@]}" --batch 2 --steps 50 --out "$WORK/x" : \
-                    -np 1 "$LOOM" train --data "$WORK/bad" --config "$WORK/cfg.json" --seq 16 --batch 2 --steps 50 \
-                    --out "$WORK/x" >/dev/null 2>"$WORK/err.log"
+                    -np 1 "$LOOM" train --data "$WORK/bad" --config "$WORK/cfg.json" --seq 16 --eval-every 0 \
+                    --threads 1 --batch 2 --steps 50 --out "$WORK/x" >/dev/null 2>"$WORK/err.log"
 rc=$?
 set -e
 [ $rc -ne 0 ] && [ $rc -ne 124 ] || { cat "$WORK/err.log"; fail "failing rank: exit $rc (124 = hang)"; }
@@ -110,4 +110,49 @@ timeout 120 mpirun -np 1 "$LOOM" train "${D[@]}" --batch 2 --steps 100000 --out 
 rc=$?
 set -e
 [ $rc -ne 0 ] && [ $rc -ne 124 ] || { cat "$WORK/err.log"; fail "killed rank: exit $rc (124 = hang)"; }
+# Ranks started differently: one error naming the flag, from every rank,
+# never a hang (different --steps used to hang after the shorter run's end,
+# different --zero or --bucket-size crashed in MPI, a different --seed
+# trained two different models), and so for validation shards on one rank
+# only (evaluate() is collective) and for different --init weights.
+expect_mpi_error() { # $1 pattern, the rest: mpirun's arguments
+  local pattern=$1 rc
+  shift
+  set +e
+  timeout 120 mpirun "$@" >/dev/null 2>"$WORK/err.log"
+  rc=$?
+  set -e
+  [ $rc -ne 0 ] && [ $rc -ne 124 ] || { cat "$WORK/err.log"; fail "mismatched ranks: exit $rc (124 = hang): $*"; }
+  grep -q -E -e "$pattern" "$WORK/err.log" || { cat "$WORK/err.log"; fail "no /$pattern/ for: $*"; }
+}
+"$LOOM" train "${D[@]}" --batch 2 --steps 2 --ckpt-every 1 --keep 5 --out "$WORK/h2" 2>/dev/null
+for flag in "--steps 3:--steps 6" "--seed 1:--seed 2" "--zero 0:--zero 1" "--bucket-size 0:--bucket-size 9000"; do
+  a=${flag%%:*}; b=${flag##*:}
+  expect_mpi_error "rank 1 was started with $b where rank 0 has $a" \
+    -np 1 "$LOOM" train "${D[@]}" --batch 2 --steps 3 $a --out "$WORK/mm" : \
+    -np 1 "$LOOM" train "${D[@]}" --batch 2 --steps 3 $b --out "$WORK/mm"
+done
+expect_mpi_error "rank 1 was started with --resume no where rank 0 has --resume given" \
+  -np 1 "$LOOM" train "${D[@]}" --batch 2 --steps 6 --resume "$WORK/h2/ckpt-00000002" --out "$WORK/mm" : \
+  -np 1 "$LOOM" train "${D[@]}" --batch 2 --steps 6 --out "$WORK/mm"
+mkdir -p "$WORK/noval" && cp "$WORK"/data/train_* "$WORK/data/tokenizer.json" "$WORK/noval/"
+E=(--config "$WORK/cfg.json" --seq 16 --threads 1 --batch 2 --steps 3 --eval-every 2 --out "$WORK/mv")
+expect_mpi_error "usable on some ranks only" -np 1 "$LOOM" train --data "$WORK/data" "${E[@]}" : \
+  -np 1 "$LOOM" train --data "$WORK/noval" "${E[@]}"
+"$LOOM" train "${D[@]}" --batch 2 --steps 1 --seed 5 --out "$WORK/i5" 2>/dev/null
+I=(--data "$WORK/data" --seq 16 --eval-every 0 --threads 1 --batch 2 --steps 2 --out "$WORK/mi")
+expect_mpi_error "hold different weights after setup" -np 1 "$LOOM" train "${I[@]}" --init "$WORK/h2/model" : \
+  -np 1 "$LOOM" train "${I[@]}" --init "$WORK/i5/model"
+
+# SIGUSR1 to mpirun: forwarded to every rank at once (where SIGINT/SIGTERM
+# get a SIGKILL a second later), which save a checkpoint and exit 138.
+timeout 120 $MPI "$LOOM" train "${D[@]}" --batch 2 --grad-accum 100 --steps 1000 --out "$WORK/u" 2>"$WORK/u.log" &
+job=$!
+for i in $(seq 1 1000); do [ -s "$WORK/u/metrics.jsonl" ] && break; sleep 0.05; done
+pkill -USR1 -P $job -x mpirun
+rc=0
+wait $job || rc=$?
+[ $rc -eq 138 ] || { cat "$WORK/u.log"; fail "SIGUSR1 to mpirun: exit $rc, expected 138"; }
+grep -q "SIGUSR1 received" "$WORK/u.log" && ls -d "$WORK"/u/ckpt-* >/dev/null 2>&1 ||
+  { cat "$WORK/u.log"; fail "SIGUSR1 to mpirun: no checkpoint"; }
 echo "1 passed, 0 failed"
