@@ -30,20 +30,14 @@ static int parse_value(const char *cmd, const flag *f, const char *v) {
         *(int *)f->target = (int)x;
         return 0;
     }
-    case FLAG_FLOAT: {
-        errno = 0;
-        double x = strtod(v, &end);
-        if (*v == '\0' || *end || errno == ERANGE || !isfinite(x) || fabs(x) > FLT_MAX)
-            return cli_usage_error(cmd, "--%s expects a finite number, got '%s'", f->name, v), -1;
-        *(float *)f->target = (float)x;
-        return 0;
-    }
+    case FLAG_FLOAT:
     case FLAG_DOUBLE: {
         errno = 0;
         double x = strtod(v, &end);
-        if (*v == '\0' || *end || errno == ERANGE || !isfinite(x))
+        if (*v == '\0' || *end || errno == ERANGE || !isfinite(x) || (f->kind == FLAG_FLOAT && fabs(x) > FLT_MAX))
             return cli_usage_error(cmd, "--%s expects a finite number, got '%s'", f->name, v), -1;
-        *(double *)f->target = x;
+        if (f->kind == FLAG_FLOAT) *(float *)f->target = (float)x;
+        else *(double *)f->target = x;
         return 0;
     }
     case FLAG_LIST: {

@@ -159,17 +159,15 @@ static loom_status agree_on_state(trainer *t) {
         size_t n = (size_t)loom_tensor_numel(w) * loom_dtype_size(w->dtype);
         for (size_t k = 0; k < n; k++) h = (h ^ b[k]) * 16777619u;
     }
-    int v[4] = {(int)(h & 0x7fffffff), -(int)(h & 0x7fffffff), t->state.step, -t->state.step};
-    int w_dp[2] = {v[0], v[1]}, s_world[2] = {v[2], v[3]};
-    LOOM_TRY(loom_comm_allreduce_max_int(t->dist.dp, w_dp, 2));
-    LOOM_TRY(loom_comm_allreduce_max_int(t->world, s_world, 2));
-    int same_weights = w_dp[0] == -w_dp[1], same_step = s_world[0] == -s_world[1];
-    int bad[2] = {!same_weights, !same_step};
-    LOOM_TRY(loom_comm_allreduce_max_int(t->world, bad, 2)); /* every rank learns of a mismatch anywhere */
-    if (bad[1])
+    int w[2] = {(int)(h & 0x7fffffff), -(int)(h & 0x7fffffff)}; /* max and -min over the replicas */
+    LOOM_TRY(loom_comm_allreduce_max_int(t->dist.dp, w, 2));
+    /* Over every rank (TP groups compare their own shards above): */
+    int v[3] = {w[0] != -w[1], t->state.step, -t->state.step};
+    LOOM_TRY(loom_comm_allreduce_max_int(t->world, v, 3));
+    if (v[1] != -v[2])
         return loom_error(LOOM_ERR_INVALID, "the ranks resumed at different steps (this rank: %d): give every rank "
                           "the same checkpoint", t->state.step);
-    if (bad[0])
+    if (v[0])
         return loom_error(LOOM_ERR_INVALID, "the data-parallel ranks hold different weights after setup (different "
                           "--init or --resume files on different machines?): give every rank the same ones");
     return LOOM_OK;

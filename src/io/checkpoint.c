@@ -18,7 +18,6 @@
 #include <inttypes.h>
 #include <limits.h>
 #include <math.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -319,11 +318,7 @@ static void remove_stale_temporaries(const char *out_dir) {
     if (!d) return;
     struct dirent *e;
     while ((e = readdir(d))) {
-        const char *t = strstr(e->d_name, ".tmp.");
-        if (strncmp(e->d_name, "ckpt-", 5) || !t) continue;
-        char *end;
-        long pid = strtol(t + 5, &end, 10);
-        if (*end || pid <= 0 || pid == (long)getpid() || kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;
+        if (strncmp(e->d_name, "ckpt-", 5) || !io_dead_temporary(e->d_name)) continue;
         char dir[4200];
         if (snprintf(dir, sizeof dir, "%s/%s", out_dir, e->d_name) < (int)sizeof dir) remove_tree(dir);
     }

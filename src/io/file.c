@@ -102,18 +102,24 @@ static loom_status open_regular(const char *path, const char *what, int *fd_out,
     return LOOM_OK;
 }
 
+size_t io_dead_temporary(const char *name) {
+    const char *t = strstr(name, ".tmp.");
+    if (!t || t == name) return 0;
+    char *end;
+    long pid = strtol(t + 5, &end, 10);
+    if (*end || pid <= 0 || pid == (long)getpid() || kill((pid_t)pid, 0) == 0 || errno != ESRCH) return 0;
+    return (size_t)(t - name);
+}
+
 void io_remove_dead_temporaries(const char *dir, const char *const *names, int n_names) {
     DIR *d = opendir(dir);
     if (!d) return;
     for (struct dirent *e; (e = readdir(d));) {
-        const char *t = strstr(e->d_name, ".tmp.");
-        if (!t) continue;
+        size_t base = io_dead_temporary(e->d_name);
         int ours = 0;
-        for (int i = 0; i < n_names && !ours; i++)
-            ours = strlen(names[i]) == (size_t)(t - e->d_name) && !strncmp(e->d_name, names[i], (size_t)(t - e->d_name));
-        char *end;
-        long pid = strtol(t + 5, &end, 10);
-        if (!ours || *end || pid <= 0 || pid == (long)getpid() || kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;
+        for (int i = 0; i < n_names && base && !ours; i++)
+            ours = strlen(names[i]) == base && !strncmp(e->d_name, names[i], base);
+        if (!ours) continue;
         char path[4608];
         if (snprintf(path, sizeof path, "%s/%s", dir, e->d_name) < (int)sizeof path) unlink(path);
     }

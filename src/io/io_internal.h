@@ -52,8 +52,11 @@ int io_fsync_parent(const char *path);
 
 /* LOOM_ERR_FORMAT naming the file, the tensor and the first element that is
  * NaN or Inf among v[0 .. n); LOOM_OK when all are finite. */
-/* Remove dir/<name>.tmp.<pid> for each of names whose writer (pid) is
- * gone: what loom_file_write_atomic leaves when its process is killed. */
+/* The length of <base> when name is "<base>.tmp.<pid>" (what
+ * loom_file_write_atomic and a checkpoint save write first) and process pid
+ * is gone; 0 otherwise (another name, or a writer still alive). */
+size_t io_dead_temporary(const char *name);
+/* Remove dir/<name>.tmp.<pid> for each of names whose writer is gone. */
 void io_remove_dead_temporaries(const char *dir, const char *const *names, int n_names);
 
 /* loom_read_file, its errors naming the file as `what` ("config"). */

@@ -230,14 +230,14 @@ loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokeni
     char path[DIR_FILES][4096] = {{0}}, staged[DIR_FILES][4104] = {{0}};
     if (m->tp_rank != 0 || !dir) return loom_llama_save_weights(m, dt, NULL); /* the gathers only */
     loom_status st = loom_mkdir_p(dir);
-    static const char *const staged_names[DIR_FILES] = {"config.json.new", "model.safetensors.new",
-                                                       "tokenizer.json.new"};
-    if (st == LOOM_OK) io_remove_dead_temporaries(dir, staged_names, DIR_FILES); /* a killed save's */
+    const char *staged_names[DIR_FILES];
     for (int i = 0; i < DIR_FILES && st == LOOM_OK; i++) {
         st = join(path[i], sizeof path[i], dir, dir_files[i]);
         if (st == LOOM_OK && snprintf(staged[i], sizeof staged[i], "%s.new", path[i]) >= (int)sizeof staged[i])
             st = loom_error(LOOM_ERR_INVALID, "path too long: %s", dir);
+        staged_names[i] = strrchr(staged[i], '/') + 1; /* "<file>.new" */
     }
+    if (st == LOOM_OK) io_remove_dead_temporaries(dir, staged_names, DIR_FILES); /* a killed save's */
     /* The weights first, and always: with tensor parallelism the other
      * ranks are in the gathers, which rank 0 must join even when it will
      * not write. */
