@@ -60,6 +60,7 @@ typedef struct trainer {
     double first_loss;  /* loss of the first micro-batch, for the dumps */
     int last_saved;     /* step of the checkpoint this run last wrote or resumed from, -1 */
     int interrupted;    /* the signal that stopped training early (checkpoint saved), or 0 */
+    int usage;          /* the failure is a flag the model cannot take (exit 2, not 1) */
 } trainer;
 
 /* ----------------------------------------------------------------- setup */
@@ -211,8 +212,10 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
         cfg.tie_embeddings = o->tie;
     }
     if (t->o.seq == 0) t->o.seq = cfg.max_seq < 256 ? cfg.max_seq : 256;
-    if (t->o.seq > cfg.max_seq)
+    if (t->o.seq > cfg.max_seq) {
+        t->usage = 1;
         return loom_error(LOOM_ERR_INVALID, "--seq %d is longer than the model's context (%d)", t->o.seq, cfg.max_seq);
+    }
     LOOM_TRY(loom_llama_new_tp(&cfg, prec, t->dist.tp, &t->m));
     t->m->recompute.mode = mode;
     loom_llama_init_weights(t->m, (uint64_t)o->seed);
@@ -875,12 +878,13 @@ static int run(int argc, char **argv) {
          * cleanup that could wait on a collective). */
         char msg[1200];
         snprintf(msg, sizeof msg, "loom train: %s", loom_last_error());
-        loom_dist_abort(msg, 1);
+        loom_dist_abort(msg, t.usage ? 2 : 1);
     }
-    int interrupted = t.interrupted;
+    int interrupted = t.interrupted, usage = t.usage;
     cleanup(&t);
     loom_dist_finalize();
     if (st == LOOM_OK && interrupted) return 128 + interrupted; /* 130 SIGINT, 143 SIGTERM, 138 SIGUSR1: saved */
+    if (st != LOOM_OK && usage) return cli_usage_error("train", "%s", loom_last_error());
     return st == LOOM_OK ? 0 : cli_fail("train", st);
 }
 

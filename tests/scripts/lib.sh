@@ -19,14 +19,21 @@ JSON
 make_data() { # $1 dir
   "$LOOM" tokenize --train $(corpus) --vocab 512 --in $(corpus) --out "$1" --val-fraction 0.1 2>"$WORK/tokenize.log"
 }
-# Expect a command to fail cleanly (exit 1 or 2, not a signal) with a message matching $1.
+# Expect a command to fail cleanly (exit 1 or 2, not a signal) with a message
+# matching $1; its exit code is left in $last_rc.
 expect_error() {
   local pattern=$1; shift
   set +e
   "$@" >"$WORK/out.log" 2>"$WORK/err.log"
   local rc=$?
   set -e
+  last_rc=$rc
   if [ $rc -eq 0 ]; then fail "expected failure: $*"; fi
   if [ $rc -gt 2 ]; then cat "$WORK/err.log" >&2; fail "exit code $rc (crash?) for: $*"; fi
   grep -q -E -e "$pattern" "$WORK/err.log" || { cat "$WORK/err.log" >&2; fail "message does not match /$pattern/ for: $*"; }
+}
+# The same, and the exit code must be 2: a usage error (a flag or value refused).
+expect_usage() {
+  expect_error "$@"
+  [ "$last_rc" -eq 2 ] || fail "exit code $last_rc, not 2 (usage), for: ${*:2}"
 }

@@ -7,16 +7,16 @@ small_config "$WORK/cfg.json" 512
 D=(--data "$WORK/data" --config "$WORK/cfg.json" --batch 2 --seq 16 --eval-every 0)
 
 # Flags and commands
-expect_error "unknown flag '--bogus'" "$LOOM" train --bogus
+expect_usage "unknown flag '--bogus'" "$LOOM" train --bogus
 expect_error "unknown command" "$LOOM" frobnicate
 expect_error "--data DIR is required" "$LOOM" train
-expect_error "expects an integer" "$LOOM" train "${D[@]}" --steps ten
-expect_error "--precision" "$LOOM" train "${D[@]}" --precision fp8
-expect_error "--recompute expects" "$LOOM" train "${D[@]}" --recompute most
+expect_usage "expects an integer" "$LOOM" train "${D[@]}" --steps ten
+expect_usage "--precision" "$LOOM" train "${D[@]}" --precision fp8
+expect_usage "--recompute expects" "$LOOM" train "${D[@]}" --recompute most
 expect_error "expects on or off" "$LOOM" train "${D[@]}" --master-grad maybe
 expect_error "unknown preset" "$LOOM" train --data "$WORK/data" --preset huge
-expect_error "longer than the model's context" "$LOOM" train "${D[@]}" --seq 1000
-expect_error "--threads must be >= 0" "$LOOM" train "${D[@]}" --threads -3 --out "$WORK/t3"
+expect_usage "longer than the model's context" "$LOOM" train "${D[@]}" --seq 1000
+expect_usage "--threads must be >= 0" "$LOOM" train "${D[@]}" --threads -3 --out "$WORK/t3"
 expect_error "--threads must be >= 0" "$LOOM" generate --model "$WORK/nowhere" --threads -1
 # --model that is not a model directory: said so (it used to name a missing tokenizer.json).
 expect_error "nowhere is not a model directory \(no config.json" "$LOOM" generate --model "$WORK/nowhere"
@@ -25,7 +25,7 @@ expect_error "--threads must be >= 0" "$LOOM" bench --preset tiny --gemm-peak 10
 expect_error "--threads 99999 is more than loom's limit of 1024" "$LOOM" bench --preset tiny --gemm-peak 100,100 --threads 99999
 expect_error "--threads 5000 is more than loom's limit" "$LOOM" train "${D[@]}" --threads 5000 --out "$WORK/t4"
 expect_error "one step needs" "$LOOM" train "${D[@]}" --batch 2000000000 --seq 32 --out "$WORK/bigbatch"
-expect_error "--min-lr 5 is above --lr" "$LOOM" train "${D[@]}" --min-lr 5 --out "$WORK/minlr"
+expect_usage "--min-lr 5 is above --lr" "$LOOM" train "${D[@]}" --min-lr 5 --out "$WORK/minlr"
 expect_error "--gemm-peak expects two positive numbers" "$LOOM" bench --preset tiny --gemm-peak inf,1
 "$LOOM" train --help | grep -q -- "--recompute-mode" || fail "train --help lacks flags"
 "$LOOM" --help | grep -q "generate" || fail "loom --help lacks commands"
