@@ -116,7 +116,9 @@ void loom_llama_zero_grad(loom_llama *m);
 
 typedef struct loom_sampler {
     float temperature;  /* finite, >= 0; 0: greedy (argmax) */
-    float top_p;        /* nucleus sampling threshold in (0, 1]; 1 disables */
+    float top_p;        /* nucleus sampling threshold in (0, 1]; 1 disables. The smallest set of
+                         * most probable tokens whose mass reaches top_p, except that tokens tied
+                         * with the least probable one kept are all kept (no id is favoured) */
     uint64_t seed;      /* Philox seed for sampling */
     int vocab_limit;    /* > 0: only ids below it are sampled (a tokenizer smaller than the model's vocab) */
 } loom_sampler;

@@ -156,6 +156,18 @@ static void test_sampling_distribution(void **state) {
         float logits[3] = {0.0f, 5.0f, 4.0f};
         assert_true(loom_sample(logits, 3, &nucleus, (uint64_t)i) != 0);
     }
+    /* Ties at the cut: probabilities 0.574, 0.211, 0.211, 0.004. top-p 0.6
+     * needs id 0 and one of the tied pair; both are kept, id 3 never is.
+     * top-p 0.5 is met by id 0 alone. */
+    loom_sampler tied = {1.0f, 0.6f, 3, 0}, head = {1.0f, 0.5f, 3, 0};
+    int drawn[4] = {0};
+    for (int i = 0; i < 4000; i++) {
+        float logits[4] = {5.0f, 4.0f, 4.0f, 0.0f}, again[4] = {5.0f, 4.0f, 4.0f, 0.0f};
+        drawn[loom_sample(logits, 4, &tied, (uint64_t)i)]++;
+        assert_int_equal(loom_sample(again, 4, &head, (uint64_t)i), 0);
+    }
+    assert_int_equal(drawn[3], 0);
+    assert_true(drawn[1] > 700 && drawn[2] > 700); /* about 850 each */
 }
 
 /* Logits that are not finite (an overflow, broken weights) end generation
