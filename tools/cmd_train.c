@@ -150,7 +150,7 @@ static loom_status agree_on_settings(trainer *t, const char *resume_dir) {
 /* After setup, the data-parallel replicas must hold the same weights (the
  * same --seed gives the same initialisation, the same checkpoint the same
  * state; different --init files or checkpoints per machine would not),
- * and every rank the same step. */
+ * every rank the same step, and every rank the same token shards. */
 static loom_status agree_on_state(trainer *t) {
     if (loom_comm_size(t->world) == 1) return LOOM_OK;
     uint32_t h = 2166136261u; /* FNV-1a over the compute copies this rank holds */
@@ -162,12 +162,22 @@ static loom_status agree_on_state(trainer *t) {
     }
     int w[2] = {(int)(h & 0x7fffffff), -(int)(h & 0x7fffffff)}; /* max and -min over the replicas */
     LOOM_TRY(loom_comm_allreduce_max_int(t->dist.dp, w, 2));
+    /* Every rank reads the same files (data-parallel ranks their own spans
+     * of them, tensor-parallel ones the same spans): */
+    uint64_t data = 0, val = 0;
+    LOOM_TRY(loom_dataloader_fingerprint(t->train, &data));
+    if (t->val) LOOM_TRY(loom_dataloader_fingerprint(t->val, &val));
+    data = (data ^ (data >> 31) ^ (val * 31)) & 0x7fffffff;
     /* Over every rank (TP groups compare their own shards above): */
-    int v[3] = {w[0] != -w[1], t->state.step, -t->state.step};
-    LOOM_TRY(loom_comm_allreduce_max_int(t->world, v, 3));
+    int v[5] = {w[0] != -w[1], t->state.step, -t->state.step, (int)data, -(int)data};
+    LOOM_TRY(loom_comm_allreduce_max_int(t->world, v, 5));
     if (v[1] != -v[2])
         return loom_error(LOOM_ERR_INVALID, "the ranks resumed at different steps (this rank: %d): give every rank "
                           "the same checkpoint", t->state.step);
+    if (v[3] != -v[4])
+        return loom_error(LOOM_ERR_INVALID, "the ranks' --data differ (this rank reads %zu training shards, the "
+                          "first %s; their lengths or tokens differ between ranks): give every machine the same "
+                          "token shards", loom_dataloader_num_shards(t->train), loom_dataloader_shard_path(t->train, 0));
     if (v[0])
         return loom_error(LOOM_ERR_INVALID, "the data-parallel ranks hold different weights after setup (different "
                           "--init or --resume files on different machines?): give every rank the same ones");

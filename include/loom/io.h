@@ -260,6 +260,13 @@ void loom_dataloader_get_position(const loom_dataloader *dl, loom_dataloader_pos
 loom_status loom_dataloader_set_position(loom_dataloader *dl, const loom_dataloader_position *pos);
 /* Back to epoch 0, first shard, offset 0. */
 loom_status loom_dataloader_reset(loom_dataloader *dl);
+/* A 64-bit summary of the data this loader reads: the shards' count and
+ * order, each one's token count, and 64 tokens sampled evenly from each
+ * (not the names: paths differ between machines). Loaders over the same
+ * files agree; a missing, extra, reordered, longer or rewritten shard almost
+ * always changes it (a change between the sampled tokens does not).
+ * Errors: LOOM_ERR_IO / LOOM_ERR_FORMAT (a shard that no longer opens). */
+loom_status loom_dataloader_fingerprint(const loom_dataloader *dl, uint64_t *out);
 size_t loom_dataloader_num_shards(const loom_dataloader *dl);
 /* Path of shard i (owned by dl), NULL when out of range. */
 const char *loom_dataloader_shard_path(const loom_dataloader *dl, size_t i);

@@ -260,6 +260,33 @@ loom_status loom_dataloader_reset(loom_dataloader *dl) {
     return LOOM_OK;
 }
 
+static uint64_t fnv1a(uint64_t h, const void *p, size_t n) {
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
+    return h;
+}
+
+loom_status loom_dataloader_fingerprint(const loom_dataloader *dl, uint64_t *out) {
+    enum { SAMPLES = 64 };
+    uint64_t h = fnv1a(14695981039346656037ull, &dl->n_shards, sizeof dl->n_shards);
+    for (size_t i = 0; i < dl->n_shards; i++) {
+        loom_shard *sh;
+        LOOM_TRY(loom_shard_open(dl->paths[i], &sh));
+        size_t count = loom_shard_count(sh);
+        h = fnv1a(h, &count, sizeof count);
+        loom_status st = LOOM_OK;
+        for (size_t k = 0; st == LOOM_OK && count > 0 && k < SAMPLES; k++) {
+            int32_t tok;
+            st = loom_shard_read(sh, k * (count - 1) / (SAMPLES - 1), 1, &tok);
+            h = fnv1a(h, &tok, sizeof tok);
+        }
+        loom_shard_close(sh);
+        LOOM_TRY(st);
+    }
+    *out = h;
+    return LOOM_OK;
+}
+
 size_t loom_dataloader_num_shards(const loom_dataloader *dl) { return dl ? dl->n_shards : 0; }
 
 const char *loom_dataloader_shard_path(const loom_dataloader *dl, size_t i) {

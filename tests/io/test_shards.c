@@ -307,6 +307,31 @@ static void test_loader_ranks_disjoint(void **state) {
     for (int r = 0; r < W; r++) loom_dataloader_close(dl[r]);
 }
 
+/* The fingerprint ranks compare: the same data agrees whatever the loader's
+ * rank, world or batch; one token changed, or another shard, does not. */
+static uint64_t fingerprint_of(const char *source, int rank, int world) {
+    loom_dataloader *dl = open_loader(source, 2, 5, rank, world);
+    uint64_t h = 0;
+    assert_int_equal(loom_dataloader_fingerprint(dl, &h), LOOM_OK);
+    loom_dataloader_close(dl);
+    return h;
+}
+
+static void test_loader_fingerprint(void **state) {
+    (void)state;
+    uint64_t all = fingerprint_of(io_path("data"), 0, 1);
+    assert_true(all == fingerprint_of(io_path("data"), 2, 3));
+    uint64_t one = fingerprint_of(io_path("data/train_000002.bin"), 0, 1);
+    assert_true(one != all);
+    int32_t t[1001];
+    for (int i = 0; i < 1001; i++) t[i] = (int32_t)(2 * 10000 + i);
+    assert_int_equal(loom_shard_write(io_path("copy.bin"), t, 1001, VOCAB), LOOM_OK);
+    assert_true(fingerprint_of(io_path("copy.bin"), 0, 1) == one); /* another name, the same tokens */
+    t[1000] = 7; /* the last token: always sampled */
+    assert_int_equal(loom_shard_write(io_path("copy.bin"), t, 1001, VOCAB), LOOM_OK);
+    assert_true(fingerprint_of(io_path("copy.bin"), 0, 1) != one);
+}
+
 static void test_loader_errors(void **state) {
     (void)state;
     loom_dataloader *dl;
@@ -381,6 +406,7 @@ int main(void) {
         cmocka_unit_test(test_loader_sequence),
         cmocka_unit_test(test_loader_position_restore),
         cmocka_unit_test(test_loader_ranks_disjoint),
+        cmocka_unit_test(test_loader_fingerprint),
         cmocka_unit_test(test_loader_errors),
     };
     return cmocka_run_group_tests(tests, io_scratch_setup, io_scratch_teardown);
