@@ -525,7 +525,7 @@ static int run(int argc, char **argv) {
     int no_header = 0;
     const flag flags[] = {
         {"preset", FLAG_STRING, &o.preset, "NAME", "tiny (dim 288, 6 layers, seq 256) or small (512, 8, 512) (default tiny)"},
-        {"precision", FLAG_STRING, &o.precision, "P", "fp32, bf16 or fp16 (default: the standard matrix)"},
+        {"precision", FLAG_STRING, &o.precision, "P", "fp32, bf16 or fp16 (default: bf16 with --recompute or --gemms; with neither, the standard matrix)"},
         {"master-grad", FLAG_STRING, &o.master_grad, "on|off", "fp32 main_grad for every weight (default on)"},
         {"recompute", FLAG_STRING, &o.recompute, "MODE", "none, selective or full; a comma list takes turns step by step (default: none with --precision, else the standard matrix)"},
         {"recompute-mode", FLAG_STRING, &o.recompute_mode, "M", "full recompute: reentrant or nonreentrant (default)"},

@@ -893,7 +893,7 @@ static int run(int argc, char **argv) {
     int interrupted = t.interrupted, usage = t.usage;
     cleanup(&t);
     loom_dist_finalize();
-    if (st == LOOM_OK && interrupted) return 128 + interrupted; /* 130 SIGINT, 143 SIGTERM, 138 SIGUSR1: saved */
+    if (st == LOOM_OK && interrupted) return 128 + interrupted; /* 130 SIGINT, 143 SIGTERM, 138 SIGUSR1, 140 SIGUSR2: saved */
     if (st != LOOM_OK && usage) return cli_usage_error("train", "%s", loom_last_error());
     return st == LOOM_OK ? 0 : cli_fail("train", st);
 }
@@ -904,8 +904,8 @@ const command cmd_train = {
     "train --data DIR [--preset tiny|small | --config FILE] [flags]",
     "Progress goes to stderr (a live line on a terminal, plain lines otherwise);\n"
     "metrics.jsonl, loss.svg, checkpoints (ckpt-NNNNNNNN/) and the final model (model/)\n"
-    "go to --out. SIGINT, SIGTERM or SIGUSR1 saves a checkpoint and stops (exit 128 + the\n"
-    "signal: 130, 143, 138; a second one stops at once); under mpirun send SIGUSR1 to mpirun\n"
+    "go to --out. SIGINT, SIGTERM, SIGUSR1 or SIGUSR2 saves a checkpoint and stops (exit\n"
+    "128 + the signal: 130, 143, 138, 140; a second one stops at once); under mpirun send SIGUSR1 to mpirun\n"
     "(it follows a forwarded SIGINT/SIGTERM with SIGKILL after a second). --resume continues\n"
     "bit-for-bit. Under mpirun every rank must get the same training flags (checked at start).\n"
     "--recompute selective always uses the non-reentrant machinery.",

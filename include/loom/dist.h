@@ -24,7 +24,8 @@ typedef struct loom_comm loom_comm;
  * the world communicator (owned by loom; freed by loom_dist_finalize). */
 loom_status loom_dist_init(int *argc, char ***argv, loom_comm **world);
 void loom_dist_finalize(void);
-/* Print "loom: rank R: message" and end every process of the job. */
+/* Print "loom: rank R: message" (just the message in a single process) and
+ * end every process of the job with exit status `code`. */
 void loom_dist_abort(const char *message, int code) __attribute__((noreturn));
 /* Whether this process runs under MPI with more than one rank. */
 int loom_dist_is_distributed(void);

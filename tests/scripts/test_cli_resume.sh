@@ -73,19 +73,22 @@ mkdir -p "$WORK/noout" "$WORK/cwd" && cp -r "$WORK/b-fp32/ckpt-00000010" "$WORK/
 "$LOOM" train "${common[@]}" --precision fp32 --out "$WORK/p" --resume "$WORK/b-fp16/ckpt-00000010" 2>"$WORK/p.log"
 grep -q "trained with fp16 loss scaling; the loss scaler starts afresh" "$WORK/p.log" || { cat "$WORK/p.log"; fail "precision change: no note"; }
 # SIGTERM: checkpoint, exit 143 (128 + SIGTERM: stopped early, resumable), resume to the end, same losses.
-"$LOOM" train "${common[@]}" --steps 120 --out "$WORK/s" 2>"$WORK/s.log" &
-pid=$!
-for i in $(seq 1 1000); do
-  [ -s "$WORK/s/metrics.jsonl" ] && [ "$(wc -l < "$WORK/s/metrics.jsonl")" -ge 3 ] && break
-  sleep 0.02
-done
-kill -TERM $pid
-rc=0
-wait $pid || rc=$?
-[ $rc -eq 143 ] || fail "SIGTERM: exit $rc, expected 143"
-grep -q "SIGTERM received" "$WORK/s.log" || fail "no SIGTERM message"
-k=$(ls -d "$WORK"/s/ckpt-* | head -1)
-[ -n "$k" ] || fail "no checkpoint after SIGTERM"
+# SIGUSR2 (like SIGUSR1, the one to send through mpirun): the same, exit 140.
+stop_with() { # $1 signal, $2 expected exit status, $3 --out
+  "$LOOM" train "${common[@]}" --steps 120 --out "$3" 2>"$3.log" &
+  local pid=$! rc=0
+  for i in $(seq 1 1000); do
+    [ -s "$3/metrics.jsonl" ] && [ "$(wc -l < "$3/metrics.jsonl")" -ge 3 ] && break
+    sleep 0.02
+  done
+  kill -"$1" $pid
+  wait $pid || rc=$?
+  [ $rc -eq "$2" ] || fail "SIG$1: exit $rc, expected $2"
+  grep -q "SIG$1 received" "$3.log" || fail "no SIG$1 message"
+  ls -d "$3"/ckpt-* >/dev/null 2>&1 || fail "no checkpoint after SIG$1"
+}
+stop_with USR2 140 "$WORK/s2"
+stop_with TERM 143 "$WORK/s"
 "$LOOM" train "${common[@]}" --steps 120 --out "$WORK/full" 2>/dev/null &
 full=$!
 wait $full
