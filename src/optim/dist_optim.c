@@ -286,7 +286,18 @@ loom_status loom_dist_optim_prepare(loom_dist_optim *o, const loom_loss_scaler *
     }
     int late = 0;
     LOOM_TRY(finish_buckets(o, &late));
+    /* A gradient kept in half precision (master-grad off) is read by the
+     * optimizer as the fp32 sum rounded to that precision: so plain data
+     * parallelism rounds the sum back into p->grad, and ZeRO-1 rounds its
+     * shard of the sum alike, and both take the norm and the found-inf check
+     * from the rounded values. ZeRO-1 then updates exactly as plain DP. */
     if (o->zero) {
+        for (int i = 0; i < o->n; i++) {
+            size_t s, t;
+            loom_dtype gd = o->params[i]->grad_dtype;
+            if (gd != LOOM_F32 && own_part(o, i, &s, &t))
+                for (float *g = o->own_grad + (s - o->own_begin), *e = g + (t - s); g < e; g++) *g = loom_round_to(*g, gd);
+        }
         for (int i = 0; i < o->n; i++) {
             size_t s, t;
             if (!counts(o, i) || !own_part(o, i, &s, &t)) continue;
@@ -301,7 +312,10 @@ loom_status loom_dist_optim_prepare(loom_dist_optim *o, const loom_loss_scaler *
             /* The optimizer reads p->grad, so that is what is checked: an
              * fp16 gradient can overflow when the fp32 sum is rounded back
              * although every rank's part and the sum are finite. */
-            if (!grad_in_flat(o, i)) loom_convert(p->grad, p->grad_dtype, o->flat + o->offset[i], LOOM_F32, k);
+            if (!grad_in_flat(o, i)) {
+                loom_convert(p->grad, p->grad_dtype, o->flat + o->offset[i], LOOM_F32, k);
+                loom_convert(o->flat + o->offset[i], LOOM_F32, p->grad, p->grad_dtype, k); /* the rounded sum */
+            }
             if (p->trainable) bad |= has_nonfinite(p->grad, k, p->grad_dtype);
             if (counts(o, i)) ss += sumsq(o->flat + o->offset[i], k, LOOM_F32);
         }
