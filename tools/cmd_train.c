@@ -96,7 +96,7 @@ typedef struct trainer {
     int has_tokenizer;
     FILE *metrics;
     train_report report;
-    double first_loss;  /* loss of the first micro-batch, for the dumps */
+    double first_loss;  /* loss of the first micro-batch, for --dump-logits */
     int last_saved;     /* step of the checkpoint this run last wrote or resumed from, -1 */
     int interrupted;    /* the signal that stopped training early (checkpoint saved), or 0 */
     int usage;          /* the failure is a flag the model cannot take (exit 2, not 1) */
@@ -391,8 +391,10 @@ static loom_status forward_backward(trainer *t, double *loss_sum) {
 }
 
 /* The first step's gradients, averaged over data-parallel ranks and
- * gathered over tensor-parallel ranks: comparable with one process. */
-static loom_status dump_grads(trainer *t) {
+ * gathered over tensor-parallel ranks: comparable with one process. `loss`
+ * is the step's, the mean over micro-batches and ranks, the loss whose
+ * gradients these are. */
+static loom_status dump_grads(trainer *t, double loss) {
     loom_safetensors_writer *w;
     LOOM_TRY(loom_safetensors_writer_init(&w));
     loom_llama *m = t->m;
@@ -415,7 +417,7 @@ static loom_status dump_grads(trainer *t) {
         if (st == LOOM_OK) st = loom_safetensors_writer_add(w, p->name, LOOM_SAFETENSORS_F32, fs, p->tensor->ndim, bufs[i]);
     }
     char v[64];
-    snprintf(v, sizeof v, "%.9g", t->first_loss);
+    snprintf(v, sizeof v, "%.9g", loss);
     if (st == LOOM_OK) st = loom_safetensors_writer_set_metadata(w, "loss", v);
     if (st == LOOM_OK && t->leader) st = loom_safetensors_writer_write(w, t->o.dump_grads);
     for (int i = 0; bufs && i < m->n_params; i++) free(bufs[i]);
@@ -681,7 +683,7 @@ static loom_status train_loop(trainer *t) {
         step_result r;
         LOOM_TRY(train_step(t, &r));
         if (o->dump_grads) {
-            LOOM_TRY(dump_grads(t));
+            LOOM_TRY(dump_grads(t, r.loss));
             if (t->leader) fprintf(stderr, "train: wrote gradients of the first step to %s\n", o->dump_grads);
             return LOOM_OK;
         }

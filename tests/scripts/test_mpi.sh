@@ -28,6 +28,10 @@ timeout 120 $MPI "$LOOM_BINARY_DIR/tests/test_dist_optim" >"$WORK/dopt.log" 2>&1
 "$LOOM" train "${D[@]}" --batch 4 --steps 5 --precision fp32 --out "$WORK/dp1" 2>/dev/null
 timeout 300 $MPI "$LOOM" train "${D[@]}" --batch 2 --steps 5 --precision fp32 --out "$WORK/dp2" 2>/dev/null
 close <(losses "$WORK/dp1") <(losses "$WORK/dp2") 1e-5 || fail "DP=2 differs from DP=1"
+# and the first step's gradients (averaged over the ranks) and loss, dumped:
+"$LOOM" train "${D[@]}" --batch 4 --precision fp32 --out "$WORK/gd1" --dump-grads "$WORK/gd1.st" 2>/dev/null
+timeout 300 $MPI "$LOOM" train "${D[@]}" --batch 2 --precision fp32 --out "$WORK/gd2" --dump-grads "$WORK/gd2.st" 2>/dev/null
+$CMP "$WORK/gd2.st" "$WORK/gd1.st" --rtol 1e-5 >/dev/null || fail "DP=2 gradient dump differs from one process's"
 [ "$(losses "$WORK/dp2" | wc -l)" -eq 5 ] || fail "DP=2 logged the wrong number of steps"
 
 # ZeRO-1 equals plain data parallelism.
