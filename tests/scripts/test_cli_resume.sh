@@ -18,6 +18,27 @@ for prec in fp32 fp16; do
     fail "$prec: the resumed run's final weights differ from the uninterrupted run's"
   [ "$(losses "$WORK/c-$prec" | head -1 | cut -d, -f1)" = '"step":11' ] || fail "$prec: resume did not start at step 11"
 done
+# Resume meets recompute, micro-batches, half-precision gradients, fp16
+# skipped steps and validation: resumed at step 2 and at step 6, the same
+# final weights and the same validation losses as the run without a stop.
+vals() { grep -o '"step":[0-9]*,"val_loss":[0-9.e+-]*' "$1/metrics.jsonl"; }
+for s in "fp16 on full nonreentrant" "fp16 off full reentrant" "bf16 off selective nonreentrant"; do
+  set -- $s
+  M=(--data "$WORK/data" --config "$WORK/cfg.json" --batch 2 --seq 32 --grad-accum 2 --steps 9 --warmup 0
+     --lr 0.3 --clip 0 --eval-every 3 --eval-batches 2 --precision $1 --master-grad $2 --recompute $3
+     --recompute-mode $4)
+  "$LOOM" train "${M[@]}" --out "$WORK/m" --ckpt-every 2 --keep 5 2>/dev/null
+  [ "$1" = bf16 ] || [ "$(grep -c '"skipped":1' "$WORK/m/metrics.jsonl")" -ge 1 ] || fail "$s: no skipped step"
+  [ "$(vals "$WORK/m" | wc -l)" -eq 3 ] || fail "$s: not 3 validation losses"
+  for k in 2 6; do
+    "$LOOM" train "${M[@]}" --out "$WORK/mr$k" --resume "$WORK/m/ckpt-0000000$k" 2>/dev/null
+    cmp -s "$WORK/m/model/model.safetensors" "$WORK/mr$k/model/model.safetensors" ||
+      fail "$s: resumed at step $k, the final weights differ"
+    diff <(vals "$WORK/m" | tail -n "$(vals "$WORK/mr$k" | wc -l)") <(vals "$WORK/mr$k") >/dev/null ||
+      fail "$s: resumed at step $k, the validation losses differ"
+  done
+  rm -rf "$WORK/m" "$WORK/mr2" "$WORK/mr6"
+done
 # A crash after steps 11-12 were logged but before their checkpoint:
 # resuming at step 10 drops those lines, so metrics.jsonl reads like the
 # uninterrupted run's.
