@@ -43,6 +43,28 @@ for pm in "fp32 on" "bf16 on" "bf16 off" "fp16 on" "fp16 off"; do
   done
 done
 
+# Tied embeddings (one parameter used at both ends of the model): the same
+# gradients under every recompute mode.
+sed 's/"rms_norm_eps": 1e-5}/"rms_norm_eps": 1e-5, "tie_word_embeddings": true}/' "$WORK/cfg.json" > "$WORK/tied.json"
+grep -q '"tie_word_embeddings": true' "$WORK/tied.json" || fail "no tied config"
+for pm in "bf16 on" "fp16 off"; do
+  ref=""
+  for rc in "none nonreentrant" "selective nonreentrant" "full nonreentrant" "full reentrant"; do
+    set -- $pm $rc
+    f="$WORK/t-$1-$2-$3-$4.safetensors"
+    "$LOOM" train --data "$WORK/data" --config "$WORK/tied.json" --out "$WORK/o" --batch 4 --seq 32 --precision $1 \
+      --master-grad $2 --recompute $3 --recompute-mode $4 --check-grads --dump-grads "$f" 2>/dev/null
+    [ -s "$f" ] || fail "tied: no gradient file for $pm $3 $4"
+    if [ -z "$ref" ]; then ref=$f; else cmp -s "$ref" "$f" || fail "tied $pm: $3/$4 differs from none"; fi
+  done
+done
+/usr/bin/python3 - "$ref" <<'PY' || fail "the tied model's gradient file has an lm_head.weight (it should be tied)"
+import json, struct, sys
+b = open(sys.argv[1], "rb").read()
+names = json.loads(b[8:8 + struct.unpack("<Q", b[:8])[0]])
+sys.exit("lm_head.weight" in names or "model.embed_tokens.weight" not in names)
+PY
+
 # Two micro-batches of 2 are the batch of 4 they split (the same rows): the
 # same gradients and the same loss, the step's mean, in the file.
 T=(--data "$WORK/data" --config "$WORK/cfg.json" --seq 32 --precision fp32)

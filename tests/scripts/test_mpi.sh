@@ -98,6 +98,29 @@ for prec in "fp32 on 1e-4" "bf16 on 3e-2" "bf16 off 3e-2"; do
   done
 done
 
+# Tied embeddings (the embedding split by vocabulary under TP, and used
+# again as the lm_head): TP=2 gradients equal one process's, ZeRO-1 equals
+# plain DP byte for byte, and the gradient audit passes under TP=2 and
+# ZeRO-1 in every recompute mode.
+sed 's/"rms_norm_eps": 1e-5}/"rms_norm_eps": 1e-5, "tie_word_embeddings": true}/' "$WORK/cfg.json" > "$WORK/tied.json"
+grep -q '"tie_word_embeddings": true' "$WORK/tied.json" || fail "no tied config"
+TT=(--data "$WORK/data" --config "$WORK/tied.json" --seq 16 --eval-every 0 --threads 1 --batch 2)
+"$LOOM" train "${TT[@]}" --precision fp32 --out "$WORK/tt1" --dump-grads "$WORK/tg1.st" 2>/dev/null
+timeout 300 $MPI "$LOOM" train "${TT[@]}" --precision fp32 --tp 2 --out "$WORK/tt2" --dump-grads "$WORK/tg2.st" 2>/dev/null
+$CMP "$WORK/tg2.st" "$WORK/tg1.st" --rtol 1e-4 >/dev/null || fail "tied: TP=2 gradients differ from one process's"
+timeout 300 $MPI "$LOOM" train "${TT[@]}" --steps 4 --overlap off --out "$WORK/tp0" 2>/dev/null
+timeout 300 $MPI "$LOOM" train "${TT[@]}" --steps 4 --zero 1 --out "$WORK/tz" 2>/dev/null
+cmp -s "$WORK/tp0/model/model.safetensors" "$WORK/tz/model/model.safetensors" ||
+  fail "tied: ZeRO-1 final weights differ from plain DP's"
+for rc in "none nonreentrant" "full reentrant" "full nonreentrant" "selective nonreentrant"; do
+  set -- $rc
+  for layout in "--tp 2" "--zero 1"; do
+    timeout 300 $MPI "$LOOM" train "${TT[@]}" --steps 2 --master-grad off $layout --recompute $1 --recompute-mode $2 \
+      --check-grads --out "$WORK/ta" 2>"$WORK/ta.log" || { cat "$WORK/ta.log"; fail "tied, $layout, $rc: --check-grads failed"; }
+    rm -rf "$WORK/ta"
+  done
+done
+
 # Checkpoint and resume with 2 ranks (DP, TP and ZeRO) equal the uninterrupted run.
 for layout in "--tp 1" "--tp 2" "--zero 1" "--zero 1 --precision bf16" \
               "--tp 2 --precision fp16 --grad-accum 2 --recompute full --lr 0.05"; do
