@@ -11,7 +11,7 @@
 static int run(int argc, char **argv) {
     const char *model = NULL, *out = NULL, *dtype = "fp32";
     const flag flags[] = {
-        {"model", FLAG_STRING, &model, "DIR", "model directory or checkpoint (config.json + model.safetensors)"},
+        {"model", FLAG_STRING, &model, "DIR", "model directory or checkpoint (config.json + model.safetensors or its shards' index)"},
         {"out", FLAG_STRING, &out, "DIR", "output directory (created)"},
         {"dtype", FLAG_STRING, &dtype, "D", "stored dtype: fp32, bf16 or fp16 (default fp32)"},
     };
@@ -45,6 +45,7 @@ const command cmd_export = {
     "export a model as a Hugging Face LLaMA directory (safetensors + config.json)",
     "export --model DIR --out DIR [--dtype fp32|bf16|fp16]",
     "Import needs no command: loom train --init DIR and loom generate --model DIR read\n"
-    "Hugging Face LLaMA directories (config.json + model.safetensors) directly.",
+    "Hugging Face LLaMA directories (config.json + model.safetensors, or the shards that\n"
+    "model.safetensors.index.json names) directly; export writes one model.safetensors.",
     run,
 };

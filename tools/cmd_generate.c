@@ -15,7 +15,7 @@ static int run(int argc, char **argv) {
     int n_tokens = 128, seed = 1, threads = 0;
     float temperature = 0.8f, top_p = 0.95f;
     const flag flags[] = {
-        {"model", FLAG_STRING, &model, "DIR", "model directory (config.json, model.safetensors, tokenizer.json)"},
+        {"model", FLAG_STRING, &model, "DIR", "model directory (config.json, model.safetensors or its shards' index, tokenizer.json)"},
         {"prompt", FLAG_TEXT, &prompt, "TEXT", "text to continue (default: start of a document)"},
         {"tokens", FLAG_INT, &n_tokens, "N", "tokens to generate (default 128)"},
         {"temperature", FLAG_FLOAT, &temperature, "T", "sampling temperature; 0 is greedy (default 0.8)"},

@@ -269,8 +269,7 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
     t->m->recompute.mode = mode;
     loom_llama_init_weights(t->m, (uint64_t)o->seed);
     if (o->init && !resume_dir) {
-        snprintf(path, sizeof path, "%s/model.safetensors", o->init);
-        LOOM_TRY(loom_llama_load_weights(t->m, path));
+        LOOM_TRY(loom_model_dir_load_weights(t->m, o->init));
     }
     loom_adamw_config ac = loom_adamw_defaults();
     ac.weight_decay = o->weight_decay;

@@ -42,6 +42,12 @@ loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *pa
  * message names the tensor, the file and both shapes). lm_head.weight may be
  * absent when embeddings are tied. */
 loom_status loom_llama_load_weights(loom_llama *m, const char *path);
+/* The same from a model directory: its model.safetensors or, when there is
+ * none, the files its model.safetensors.index.json maps the tensors to
+ * (Hugging Face's layout for large models: {"weight_map": {name: file}}).
+ * Errors as above, and LOOM_ERR_FORMAT for an index that is not JSON, has
+ * no weight_map, lacks a tensor or names a file outside the directory. */
+loom_status loom_model_dir_load_weights(loom_llama *m, const char *dir);
 
 /* Write a model directory: config.json, model.safetensors (dtype dt) and,
  * if tokenizer_path is not NULL, a copy of it as tokenizer.json. The
@@ -58,8 +64,9 @@ loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokeni
 /* LOOM_ERR_STATE, naming what to do, when dir's files may be of two saves
  * (a writer stopped while replacing them). */
 loom_status loom_model_dir_check(const char *dir);
-/* Create a model from a directory (config.json + model.safetensors) with
- * the given precision (after loom_model_dir_check). */
+/* Create a model from a directory (config.json + model.safetensors, or the
+ * shards of model.safetensors.index.json) with the given precision (after
+ * loom_model_dir_check). */
 loom_status loom_model_dir_load(const char *dir, loom_precision prec, loom_llama **out);
 
 /* Everything besides weights that resuming needs. */

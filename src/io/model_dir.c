@@ -179,29 +179,94 @@ loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *pa
     return st;
 }
 
+/* Parameter i from the open file sf (named path in messages). */
+static loom_status load_param(loom_llama *m, int i, const loom_safetensors *sf, const char *path) {
+    loom_param *p = m->params[i];
+    if (!loom_safetensors_has(sf, p->name))
+        return loom_error(LOOM_ERR_FORMAT, "%s: tensor %s is missing (is this a LLaMA checkpoint of the same "
+                          "configuration?)", path, p->name);
+    int64_t fs[2];
+    loom_llama_param_full_shape(m, i, fs);
+    float *full = malloc((size_t)(fs[0] * fs[1]) * sizeof(float) + 1);
+    if (!full) return loom_error(LOOM_ERR_NOMEM, "load weights: out of memory");
+    loom_status st = loom_safetensors_read(sf, p->name, LOOM_F32, fs, p->tensor->ndim, full);
+    if (st != LOOM_OK) st = loom_error(st, "%s (the config and the weights disagree)", loom_last_error());
+    if (st == LOOM_OK) st = io_check_finite(full, (size_t)(fs[0] * fs[1]), path, p->name);
+    if (st == LOOM_OK) loom_llama_param_scatter(m, i, full);
+    free(full);
+    return st;
+}
+
 loom_status loom_llama_load_weights(loom_llama *m, const char *path) {
     loom_safetensors *sf;
     LOOM_TRY(loom_safetensors_open(path, &sf));
     loom_status st = LOOM_OK;
-    for (int i = 0; i < m->n_params && st == LOOM_OK; i++) {
-        loom_param *p = m->params[i];
-        if (!loom_safetensors_has(sf, p->name)) {
-            st = loom_error(LOOM_ERR_FORMAT, "%s: tensor %s is missing (is this a LLaMA checkpoint of the same "
-                            "configuration?)", path, p->name);
-            break;
-        }
-        int64_t fs[2];
-        loom_llama_param_full_shape(m, i, fs);
-        float *full = malloc((size_t)(fs[0] * fs[1]) * sizeof(float) + 1);
-        if (!full) { st = loom_error(LOOM_ERR_NOMEM, "load weights: out of memory"); break; }
-        st = loom_safetensors_read(sf, p->name, LOOM_F32, fs, p->tensor->ndim, full);
-        if (st != LOOM_OK) st = loom_error(st, "%s (the config and the weights disagree)", loom_last_error());
-        if (st == LOOM_OK) st = io_check_finite(full, (size_t)(fs[0] * fs[1]), path, p->name);
-        if (st == LOOM_OK) loom_llama_param_scatter(m, i, full);
-        free(full);
-    }
+    for (int i = 0; i < m->n_params && st == LOOM_OK; i++) st = load_param(m, i, sf, path);
     loom_safetensors_close(sf);
     return st;
+}
+
+static loom_status join(char *buf, size_t n, const char *dir, const char *file) {
+    if (snprintf(buf, n, "%s/%s", dir, file) >= (int)n) return loom_error(LOOM_ERR_INVALID, "path too long: %s", dir);
+    return LOOM_OK;
+}
+
+/* Hugging Face's layout for weights split over several files:
+ * model.safetensors.index.json maps each tensor to its file,
+ * {"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors", ...}},
+ * the files beside it. Each file is opened once, when a tensor first needs it. */
+static loom_status load_sharded(loom_llama *m, const char *dir, const char *index) {
+    void *text;
+    size_t len;
+    LOOM_TRY(io_read_file(index, "weight index", &text, &len));
+    json_error_t err;
+    json_t *root = json_loadb(text, len, 0, &err);
+    free(text);
+    if (!root) return loom_error(LOOM_ERR_FORMAT, "%s: invalid JSON at line %d: %s", index, err.line, err.text);
+    json_t *map = json_object_get(root, "weight_map");
+    loom_status st = json_is_object(map) ? LOOM_OK
+                                         : loom_error(LOOM_ERR_FORMAT, "%s: no \"weight_map\" object", index);
+    const char **names = calloc((size_t)m->n_params, sizeof *names); /* the files opened, at most one a tensor */
+    loom_safetensors **files = calloc((size_t)m->n_params, sizeof *files);
+    if (st == LOOM_OK && (!names || !files)) st = loom_error(LOOM_ERR_NOMEM, "load weights: out of memory");
+    int n_files = 0;
+    char path[4200];
+    for (int i = 0; i < m->n_params && st == LOOM_OK; i++) {
+        const char *name = m->params[i]->name;
+        json_t *v = json_object_get(map, name);
+        const char *file = json_is_string(v) ? json_string_value(v) : NULL;
+        if (!v) {
+            st = loom_error(LOOM_ERR_FORMAT, "%s: tensor %s is missing from its weight_map (is this a LLaMA "
+                            "checkpoint of the same configuration?)", index, name);
+            break;
+        }
+        if (!file || !*file || strchr(file, '/')) {
+            st = loom_error(LOOM_ERR_FORMAT, "%s: the weight_map entry of %s must name a file beside it", index, name);
+            break;
+        }
+        int k = 0;
+        while (k < n_files && strcmp(names[k], file)) k++;
+        st = join(path, sizeof path, dir, file);
+        if (st == LOOM_OK && k == n_files) {
+            st = loom_safetensors_open(path, &files[k]);
+            if (st == LOOM_OK) names[n_files++] = file;
+        }
+        if (st == LOOM_OK) st = load_param(m, i, files[k], path);
+    }
+    for (int k = 0; k < n_files; k++) loom_safetensors_close(files[k]);
+    free(files);
+    free(names);
+    json_decref(root);
+    return st;
+}
+
+loom_status loom_model_dir_load_weights(loom_llama *m, const char *dir) {
+    char single[4096], index[4096];
+    struct stat sb;
+    LOOM_TRY(join(single, sizeof single, dir, "model.safetensors"));
+    LOOM_TRY(join(index, sizeof index, dir, "model.safetensors.index.json"));
+    if (stat(single, &sb) != 0 && stat(index, &sb) == 0) return load_sharded(m, dir, index);
+    return loom_llama_load_weights(m, single); /* names the file when it is missing */
 }
 
 loom_status io_check_finite(const float *v, size_t n, const char *path, const char *name) {
@@ -209,11 +274,6 @@ loom_status io_check_finite(const float *v, size_t n, const char *path, const ch
         if (!isfinite(v[k]))
             return loom_error(LOOM_ERR_FORMAT, "%s: tensor %s holds %g at element %zu; the file is damaged or "
                               "comes from a run that diverged", path, name, (double)v[k], k);
-    return LOOM_OK;
-}
-
-static loom_status join(char *buf, size_t n, const char *dir, const char *file) {
-    if (snprintf(buf, n, "%s/%s", dir, file) >= (int)n) return loom_error(LOOM_ERR_INVALID, "path too long: %s", dir);
     return LOOM_OK;
 }
 
@@ -292,8 +352,7 @@ loom_status loom_model_dir_load(const char *dir, loom_precision prec, loom_llama
     LOOM_TRY(loom_llama_config_load(path, &cfg));
     loom_llama *m;
     LOOM_TRY(loom_llama_new(&cfg, prec, &m));
-    loom_status st = join(path, sizeof path, dir, "model.safetensors");
-    if (st == LOOM_OK) st = loom_llama_load_weights(m, path);
+    loom_status st = loom_model_dir_load_weights(m, dir);
     if (st != LOOM_OK) { loom_llama_free(m); return st; }
     *out = m;
     return LOOM_OK;

@@ -3,11 +3,14 @@
  * that fails at any file (weights, config, tokenizer) leaves every old file
  * byte for byte and no staged file behind; a save that succeeds replaces
  * all of them (and removes a tokenizer.json the new model does not have),
- * and the directory loads back as the saved model.
+ * and the directory loads back as the saved model. A directory in Hugging
+ * Face's sharded layout (model.safetensors.index.json and the files it
+ * maps each tensor to) loads too, and a broken index is a clear error.
  */
 #include "io_test.h"
 
 #include <errno.h>
+#include <sys/stat.h>
 
 #include "io/io_internal.h"
 #include "loom/loom.h"
@@ -112,9 +115,83 @@ static void test_failed_save_keeps_old_directory(void **state) {
     loom_llama_free(b);
 }
 
+/* Write the index of a sharded directory: every parameter of m to
+ * "part-<i % 2>.safetensors", except that `skip` (if not NULL) is left out
+ * and `odd_file` (if not NULL) replaces the file of parameter 0. */
+static void write_index(const loom_llama *m, const char *skip, const char *odd_file) {
+    char text[8192];
+    size_t n = (size_t)snprintf(text, sizeof text, "{\"metadata\": {\"total_size\": 0}, \"weight_map\": {");
+    int first = 1;
+    for (int i = 0; i < m->n_params; i++) {
+        if (skip && !strcmp(m->params[i]->name, skip)) continue;
+        char file[64];
+        snprintf(file, sizeof file, "part-%d.safetensors", i % 2);
+        n += (size_t)snprintf(text + n, sizeof text - n, "%s\"%s\": \"%s\"", first ? "" : ", ", m->params[i]->name,
+                              i == 0 && odd_file ? odd_file : file);
+        first = 0;
+    }
+    n += (size_t)snprintf(text + n, sizeof text - n, "}}");
+    assert_true(n < sizeof text);
+    io_write_raw(io_path("sharded/model.safetensors.index.json"), text, n);
+}
+
+static void expect_load_error(loom_status want, const char *message) {
+    loom_llama *back = NULL;
+    loom_precision p = {LOOM_F32, 0};
+    assert_int_equal(loom_model_dir_load(io_path("sharded"), p, &back), want);
+    assert_null(back);
+    if (!strstr(loom_last_error(), message)) fail_msg("'%s' does not say '%s'", loom_last_error(), message);
+}
+
+static void test_sharded_directory(void **state) {
+    (void)state;
+    loom_llama *a = model(7);
+    assert_int_equal(mkdir(io_path("sharded"), 0755), 0);
+    assert_int_equal(loom_llama_config_save(&a->cfg, LOOM_F32, io_path("sharded/config.json")), LOOM_OK);
+    loom_safetensors_writer *w[2];
+    for (int k = 0; k < 2; k++) assert_int_equal(loom_safetensors_writer_init(&w[k]), LOOM_OK);
+    for (int i = 0; i < a->n_params; i++) {
+        int64_t fs[2];
+        loom_llama_param_full_shape(a, i, fs);
+        assert_int_equal(loom_safetensors_writer_add(w[i % 2], a->params[i]->name, LOOM_SAFETENSORS_F32, fs,
+                                                     a->params[i]->tensor->ndim, loom_param_master(a->params[i])),
+                         LOOM_OK);
+    }
+    assert_int_equal(loom_safetensors_writer_write(w[0], io_path("sharded/part-0.safetensors")), LOOM_OK);
+    assert_int_equal(loom_safetensors_writer_write(w[1], io_path("sharded/part-1.safetensors")), LOOM_OK);
+    for (int k = 0; k < 2; k++) loom_safetensors_writer_free(w[k]);
+    write_index(a, NULL, NULL);
+    loom_llama *back;
+    loom_precision p = {LOOM_F32, 0};
+    assert_int_equal(loom_model_dir_load(io_path("sharded"), p, &back), LOOM_OK);
+    for (int i = 0; i < a->n_params; i++)
+        assert_true(tu_bits_equal(loom_param_master(back->params[i]), loom_param_master(a->params[i]),
+                                  (size_t)loom_param_numel(a->params[i]) * sizeof(float), a->params[i]->name));
+    loom_llama_free(back);
+
+    const char *name = a->params[1]->name;
+    write_index(a, name, NULL);
+    expect_load_error(LOOM_ERR_FORMAT, "is missing from its weight_map");
+    expect_load_error(LOOM_ERR_FORMAT, name);
+    write_index(a, NULL, "../part-0.safetensors");
+    expect_load_error(LOOM_ERR_FORMAT, "must name a file beside it");
+    write_index(a, NULL, "part-9.safetensors");
+    expect_load_error(LOOM_ERR_IO, "part-9.safetensors");
+    write_index(a, NULL, "part-1.safetensors"); /* parameter 0 is in part-0 */
+    expect_load_error(LOOM_ERR_FORMAT, a->params[0]->name);
+    io_write_raw(io_path("sharded/model.safetensors.index.json"), "{\"weight_map\": [", 16);
+    expect_load_error(LOOM_ERR_FORMAT, "invalid JSON");
+    io_write_raw(io_path("sharded/model.safetensors.index.json"), "{\"weight_map\": 3}", 17);
+    expect_load_error(LOOM_ERR_FORMAT, "no \"weight_map\" object");
+    unlink(io_path("sharded/model.safetensors.index.json"));
+    expect_load_error(LOOM_ERR_IO, "model.safetensors");
+    loom_llama_free(a);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_failed_save_keeps_old_directory),
+        cmocka_unit_test(test_sharded_directory),
     };
     return cmocka_run_group_tests(tests, io_scratch_setup, io_scratch_teardown);
 }

@@ -42,6 +42,40 @@ mkdir -p "$WORK/notok" && cp "$WORK/run/model/config.json" "$WORK/run/model/mode
 "$LOOM" export --model "$WORK/notok" --out "$WORK/hf2" 2>/dev/null
 [ -e "$WORK/hf2/tokenizer.json" ] && fail "export left another model's tokenizer.json"
 grep -q '"torch_dtype": "bfloat16"' "$WORK/hf/config.json" || fail "export dtype not in config"
+# The same model in Hugging Face's sharded layout (model.safetensors.index.json
+# and two files, bf16 like most published checkpoints): generate gives the
+# same text, export the same weights, and train --init starts from it.
+mkdir -p "$WORK/sharded" && cp "$WORK/hf/config.json" "$WORK/hf/tokenizer.json" "$WORK/sharded/"
+/usr/bin/python3 - "$WORK/hf/model.safetensors" "$WORK/sharded" <<'PY'
+import json, struct, sys
+src, out = sys.argv[1], sys.argv[2]
+b = open(src, "rb").read()
+n = struct.unpack("<Q", b[:8])[0]
+header = json.loads(b[8:8 + n]); header.pop("__metadata__", None)
+data = b[8 + n:]
+names = sorted(header)
+weight_map, parts = {}, [{}, {}]
+for i, name in enumerate(names):
+    parts[i % 2][name] = header[name]
+for k, part in enumerate(parts):
+    file = f"model-{k + 1:05d}-of-00002.safetensors"
+    hdr, blobs, off = {}, [], 0
+    for name, e in part.items():
+        lo, hi = e["data_offsets"]
+        hdr[name] = {"dtype": e["dtype"], "shape": e["shape"], "data_offsets": [off, off + hi - lo]}
+        blobs.append(data[lo:hi]); off += hi - lo
+        weight_map[name] = file
+    h = json.dumps(hdr).encode(); h += b" " * (-len(h) % 8)
+    open(f"{out}/{file}", "wb").write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+json.dump({"metadata": {"total_size": len(data)}, "weight_map": weight_map}, open(f"{out}/model.safetensors.index.json", "w"))
+PY
+[ "$("$LOOM" generate --model "$WORK/sharded" --prompt "loom" --tokens 12 --temperature 0)" = \
+  "$("$LOOM" generate --model "$WORK/hf" --prompt "loom" --tokens 12 --temperature 0)" ] ||
+  fail "the sharded model generates other text"
+"$LOOM" export --model "$WORK/sharded" --out "$WORK/unsharded" --dtype bf16 2>/dev/null
+cmp -s "$WORK/hf/model.safetensors" "$WORK/unsharded/model.safetensors" || fail "export of the sharded model differs"
+"$LOOM" train --data "$WORK/data" --init "$WORK/sharded" --steps 1 --out "$WORK/from-sharded" 2>/dev/null ||
+  fail "train --init from the sharded model failed"
 # A build without MPI started as one of several processes refuses, instead of
 # every process training alone into the same --out.
 if "$LOOM" --version | grep -q "MPI: no"; then
