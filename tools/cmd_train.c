@@ -13,14 +13,17 @@
 #include <math.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 /* The first SIGINT/SIGTERM/SIGUSR1/SIGUSR2 during training asks for a
- * checkpoint after the current step; a second one, or one during setup,
- * stops at once (the default action). Under mpirun, SIGUSR1 is the one to
+ * checkpoint after the current step (after the last step, the final saves
+ * just finish); a second one, or one during setup, stops at once (the
+ * default action; a signal the process was started ignoring stays ignored
+ * during setup, as a shell's `loom train ... &` expects). Under mpirun, SIGUSR1 is the one to
  * send: mpirun forwards it to every rank and waits, where it follows a
  * forwarded SIGINT/SIGTERM with SIGKILL after a second
  * (odls_base_sigkill_timeout).
@@ -30,21 +33,23 @@
  * system call of theirs is ever interrupted: a signal delivered in the
  * middle of an overlapped gradient all-reduce corrupted the heap of one rank
  * in about one run of ten (Open MPI 4.1, glibc: "corrupted size vs.
- * prev_size", tests/scripts/test_mpi.sh). */
+ * prev_size"; 3 of 36 runs, none with --overlap off, 0 of 80 since). The
+ * old handler only stored the signal, so an interrupted call inside the MPI
+ * stack is the likely cause; a sanitizer build did not reproduce it. */
 static const int stop_signals[] = {SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
 static sigset_t stop_set;
-static volatile sig_atomic_t stop_signal;
-static volatile sig_atomic_t stop_armed; /* training runs: a first signal asks for a checkpoint */
+static sigset_t ignored_set; /* the stop signals this process was started ignoring (a shell's `cmd &`) */
+static atomic_int stop_signal;
+static atomic_int stop_armed; /* training runs: a first signal asks for a checkpoint */
 
 static void *signal_thread(void *arg) {
     (void)arg;
     for (;;) {
         int sig = 0;
         if (sigwait(&stop_set, &sig) != 0) continue;
-        if (stop_armed && !stop_signal) {
-            stop_signal = sig;
-            continue;
-        }
+        int armed = atomic_load(&stop_armed), expected = 0;
+        if (armed && atomic_compare_exchange_strong(&stop_signal, &expected, sig)) continue;
+        if (!armed && sigismember(&ignored_set, sig)) continue; /* ignored during setup, as it was */
         /* The default action, as if the signal had never been blocked. */
         sigset_t one;
         sigemptyset(&one);
@@ -60,7 +65,13 @@ static void *signal_thread(void *arg) {
 /* Before any other thread starts. Errors: LOOM_ERR_STATE. */
 static loom_status take_stop_signals(void) {
     sigemptyset(&stop_set);
-    for (size_t i = 0; i < sizeof stop_signals / sizeof stop_signals[0]; i++) sigaddset(&stop_set, stop_signals[i]);
+    sigemptyset(&ignored_set);
+    for (size_t i = 0; i < sizeof stop_signals / sizeof stop_signals[0]; i++) {
+        struct sigaction old;
+        sigaddset(&stop_set, stop_signals[i]);
+        if (sigaction(stop_signals[i], NULL, &old) == 0 && old.sa_handler == SIG_IGN)
+            sigaddset(&ignored_set, stop_signals[i]);
+    }
     pthread_t th;
     int e = pthread_sigmask(SIG_BLOCK, &stop_set, NULL);
     if (!e) e = pthread_create(&th, NULL, signal_thread, NULL);
@@ -203,20 +214,25 @@ static loom_status agree_on_state(trainer *t) {
     LOOM_TRY(loom_comm_allreduce_max_int(t->dist.dp, w, 2));
     /* Every rank reads the same files (data-parallel ranks their own spans
      * of them, tensor-parallel ones the same spans): */
-    uint64_t data = 0, val = 0;
-    LOOM_TRY(loom_dataloader_fingerprint(t->train, &data));
-    if (t->val) LOOM_TRY(loom_dataloader_fingerprint(t->val, &val));
-    data = (data ^ (data >> 31) ^ (val * 31)) & 0x7fffffff;
+    uint64_t fp[2] = {0, 0};
+    LOOM_TRY(loom_dataloader_fingerprint(t->train, &fp[0]));
+    if (t->val) LOOM_TRY(loom_dataloader_fingerprint(t->val, &fp[1]));
+    int data[2];
+    for (int k = 0; k < 2; k++) data[k] = (int)((fp[k] ^ (fp[k] >> 31) ^ (fp[k] >> 62)) & 0x7fffffff);
     /* Over every rank (TP groups compare their own shards above): */
-    int v[5] = {w[0] != -w[1], t->state.step, -t->state.step, (int)data, -(int)data};
-    LOOM_TRY(loom_comm_allreduce_max_int(t->world, v, 5));
+    int v[7] = {w[0] != -w[1], t->state.step, -t->state.step, data[0], -data[0], data[1], -data[1]};
+    LOOM_TRY(loom_comm_allreduce_max_int(t->world, v, 7));
     if (v[1] != -v[2])
         return loom_error(LOOM_ERR_INVALID, "the ranks resumed at different steps (this rank: %d): give every rank "
                           "the same checkpoint", t->state.step);
-    if (v[3] != -v[4])
-        return loom_error(LOOM_ERR_INVALID, "the ranks' --data differ (this rank reads %zu training shards, the "
-                          "first %s; their lengths or tokens differ between ranks): give every machine the same "
-                          "token shards", loom_dataloader_num_shards(t->train), loom_dataloader_shard_path(t->train, 0));
+    for (int k = 0; k < 2; k++) {
+        const loom_dataloader *dl = k ? t->val : t->train;
+        if (v[3 + 2 * k] != -v[4 + 2 * k])
+            return loom_error(LOOM_ERR_INVALID, "the ranks' --data differ: their %s shards are not the same files "
+                              "(this rank reads %zu, the first %s; a count, a length or tokens differ between "
+                              "ranks): give every machine the same token shards", k ? "validation" : "training",
+                              loom_dataloader_num_shards(dl), loom_dataloader_shard_path(dl, 0));
+    }
     if (v[0])
         return loom_error(LOOM_ERR_INVALID, "the data-parallel ranks hold different weights after setup (different "
                           "--init or --resume files on different machines?): give every rank the same ones");
@@ -702,7 +718,7 @@ static loom_status train_loop(trainer *t) {
         }
         if (o->ckpt_every > 0 && t->state.step % o->ckpt_every == 0 && t->state.step < o->steps)
             LOOM_TRY(save_checkpoint(t));
-        int stop = stop_signal; /* all ranks stop at the same step */
+        int stop = atomic_load(&stop_signal); /* all ranks stop at the same step */
         LOOM_TRY(loom_comm_allreduce_max_int(t->world, &stop, 1));
         if (stop) {
             train_report_end_line(&t->report);
@@ -916,8 +932,12 @@ static int run(int argc, char **argv) {
     if (st == LOOM_OK) st = open_outputs(&t, resume_dir);
     if (st == LOOM_OK) {
         if (t.leader) print_summary(&t, prec, mode);
-        stop_armed = 1;
+        atomic_store(&stop_armed, 1);
         st = train_loop(&t);
+        int late = atomic_load(&stop_signal);
+        if (st == LOOM_OK && !t.interrupted && late && t.leader)
+            fprintf(stderr, "train: %s arrived after the last step; the final checkpoint and model are saved whole\n",
+                    signal_name(late));
         if (st == LOOM_OK && !o->dump_grads && t.leader) {
             char path[4200];
             snprintf(path, sizeof path, "%s/loss.svg", o->out);
@@ -947,8 +967,9 @@ const command cmd_train = {
     "Progress goes to stderr (a live line on a terminal, plain lines otherwise);\n"
     "metrics.jsonl, loss.svg, checkpoints (ckpt-NNNNNNNN/) and the final model (model/)\n"
     "go to --out. SIGINT, SIGTERM, SIGUSR1 or SIGUSR2 saves a checkpoint and stops (exit\n"
-    "128 + the signal: 130, 143, 138, 140; a second one stops at once); under mpirun send SIGUSR1 to mpirun\n"
-    "(it follows a forwarded SIGINT/SIGTERM with SIGKILL after a second). --resume continues\n"
+    "128 + the signal: 130, 143, 138, 140; a second one, or one before training starts,\n"
+    "stops at once); under mpirun send SIGUSR1 to mpirun (it follows a forwarded\n"
+    "SIGINT/SIGTERM with SIGKILL after a second). --resume continues\n"
     "bit-for-bit. Under mpirun every rank must get the same training flags (checked at start).\n"
     "--recompute selective always uses the non-reentrant machinery.",
     run,

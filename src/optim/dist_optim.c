@@ -295,8 +295,10 @@ loom_status loom_dist_optim_prepare(loom_dist_optim *o, const loom_loss_scaler *
         for (int i = 0; i < o->n; i++) {
             size_t s, t;
             loom_dtype gd = o->params[i]->grad_dtype;
-            if (gd != LOOM_F32 && own_part(o, i, &s, &t))
-                for (float *g = o->own_grad + (s - o->own_begin), *e = g + (t - s); g < e; g++) *g = loom_round_to(*g, gd);
+            if (gd == LOOM_F32 || !own_part(o, i, &s, &t)) continue;
+            float *g = o->own_grad + (s - o->own_begin);
+            #pragma omp parallel for schedule(static) if (t - s > 65536)
+            for (size_t k = 0; k < t - s; k++) g[k] = loom_round_to(g[k], gd);
         }
         for (int i = 0; i < o->n; i++) {
             size_t s, t;

@@ -288,12 +288,16 @@ expect_error "model.norm.weight.*element 3" "$LOOM" generate --model "$WORK/nanm
 mkfifo "$WORK/fifo"
 expect_error "not a regular file" timeout 20 "$LOOM" generate --model "$WORK/r/model" --tokenizer "$WORK/fifo"
 
-# SIGINT: the first asks for a checkpoint after the step; a second stops at once.
-"$LOOM" train "${D[@]}" --grad-accum 1000000 --steps 2 --out "$WORK/sig2" 2>/dev/null &
+# SIGINT during training: the first asks for a checkpoint after the step (a
+# step that takes minutes here, so the run goes on); a second stops at once.
+"$LOOM" train "${D[@]}" --grad-accum 1000000 --steps 2 --out "$WORK/sig2" 2>"$WORK/sig2.log" &
 pid=$!
-sleep 3
-kill -INT $pid
+for _ in $(seq 200); do grep -q "^train: .* parameters" "$WORK/sig2.log" && break; sleep 0.05; done
+grep -q "^train: .* parameters" "$WORK/sig2.log" || { kill -9 $pid; fail "SIGINT test: training did not start"; }
 sleep 0.5
+kill -INT $pid
+sleep 1
+kill -0 $pid 2>/dev/null || fail "the first SIGINT during training stopped train at once"
 kill -INT $pid
 for _ in $(seq 100); do kill -0 $pid 2>/dev/null || break; sleep 0.1; done
 if kill -0 $pid 2>/dev/null; then kill -9 $pid; fail "a second SIGINT did not stop train"; fi

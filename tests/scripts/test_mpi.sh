@@ -187,11 +187,10 @@ I=(--data "$WORK/data" --seq 16 --eval-every 0 --threads 1 --batch 2 --steps 2 -
 expect_mpi_error "hold different weights after setup" -np 1 "$LOOM" train "${I[@]}" --init "$WORK/h2/model" : \
   -np 1 "$LOOM" train "${I[@]}" --init "$WORK/i5/model"
 # Different token shards on different machines: an extra shard, or the
-# same shard with other tokens (reversed: same length, same vocabulary).
-mkdir -p "$WORK/extra" "$WORK/rewritten"
-cp "$WORK"/data/* "$WORK/extra/" && cp "$WORK/data/train_000000.bin" "$WORK/extra/train_000001.bin"
-cp "$WORK"/data/* "$WORK/rewritten/"
-$PY - "$WORK/rewritten/train_000000.bin" <<'PYEOF'
+# same shard with other tokens (reversed: same length, same vocabulary), or
+# other validation shards.
+reverse_tokens() { # $1 a shard: its tokens in reverse order (same length, same vocabulary)
+  $PY - "$1" <<'PYEOF'
 import sys
 p = sys.argv[1]; b = open(p, "rb").read()
 head, body = b[:1024], b[1024:]
@@ -199,12 +198,21 @@ size = 2 if int.from_bytes(b[0:4], "little") == 20240520 else 4  # uint16 or uin
 toks = [body[i:i + size] for i in range(0, len(body), size)]
 open(p, "wb").write(head + b"".join(reversed(toks)))
 PYEOF
+}
+mkdir -p "$WORK/extra" "$WORK/rewritten" "$WORK/valdiff"
+cp "$WORK"/data/* "$WORK/extra/" && cp "$WORK/data/train_000000.bin" "$WORK/extra/train_000001.bin"
+cp "$WORK"/data/* "$WORK/rewritten/" && reverse_tokens "$WORK/rewritten/train_000000.bin"
+cp "$WORK"/data/* "$WORK/valdiff/" && reverse_tokens "$WORK/valdiff/val_000000.bin"
 cmp -s "$WORK/data/train_000000.bin" "$WORK/rewritten/train_000000.bin" && fail "the rewritten shard is unchanged"
-R=(--config "$WORK/cfg.json" --seq 16 --eval-every 0 --threads 1 --batch 2 --steps 2 --out "$WORK/md")
+R=(--config "$WORK/cfg.json" --seq 16 --threads 1 --batch 2 --steps 2 --out "$WORK/md")
 for other in extra rewritten; do
-  expect_mpi_error "the ranks' --data differ" -np 1 "$LOOM" train --data "$WORK/data" "${R[@]}" : \
-    -np 1 "$LOOM" train --data "$WORK/$other" "${R[@]}"
+  expect_mpi_error "the ranks' --data differ: their training shards" \
+    -np 1 "$LOOM" train --data "$WORK/data" "${R[@]}" --eval-every 0 : \
+    -np 1 "$LOOM" train --data "$WORK/$other" "${R[@]}" --eval-every 0
 done
+expect_mpi_error "the ranks' --data differ: their validation shards" \
+  -np 1 "$LOOM" train --data "$WORK/data" "${R[@]}" --eval-every 1 --eval-batches 1 : \
+  -np 1 "$LOOM" train --data "$WORK/valdiff" "${R[@]}" --eval-every 1 --eval-batches 1
 
 # SIGUSR1 to mpirun: forwarded to every rank at once (where SIGINT/SIGTERM
 # get a SIGKILL a second later), which save a checkpoint and exit 138. Four
