@@ -41,9 +41,11 @@ loom_status loom_mkdir_p(const char *dir) {
 
 /* ----------------------------------------------------------- config.json */
 
+/* An optional field that is null is absent (Hugging Face writes
+ * "num_key_value_heads": null for "as many as the attention heads"). */
 static loom_status get_int(json_t *root, const char *path, const char *key, int required, int *out) {
     json_t *v = json_object_get(root, key);
-    if (!v) {
+    if (!v || (!required && json_is_null(v))) {
         if (required) return loom_error(LOOM_ERR_FORMAT, "%s: missing field \"%s\"", path, key);
         return LOOM_OK;
     }
@@ -55,7 +57,7 @@ static loom_status get_int(json_t *root, const char *path, const char *key, int 
 
 static loom_status get_float(json_t *root, const char *path, const char *key, float *out) {
     json_t *v = json_object_get(root, key);
-    if (!v) return LOOM_OK;
+    if (!v || json_is_null(v)) return LOOM_OK; /* every float field is optional */
     if (!json_is_number(v) || !(json_number_value(v) > 0) || !(json_number_value(v) <= FLT_MAX))
         return loom_error(LOOM_ERR_FORMAT, "%s: field \"%s\" must be a positive number no larger than %g", path,
                           key, (double)FLT_MAX);

@@ -46,6 +46,18 @@ echo '{"hidden_size": 65, "num_hidden_layers": 2, "num_attention_heads": 4, "int
 expect_error "heads" "$LOOM" train --data "$WORK/data" --config "$WORK/odd.json"
 sed 's/"rms_norm_eps": 1e-5}/"rms_norm_eps": 1e-5, "rope_scaling": {"type": "linear", "factor": 2.0}}/' "$WORK/cfg.json" > "$WORK/scaled.json"
 expect_error "rope_scaling is not supported" "$LOOM" train --data "$WORK/data" --config "$WORK/scaled.json"
+# Optional fields set to null take their defaults, as in Hugging Face's
+# LlamaConfig ("num_key_value_heads": null: one kv head per attention head);
+# a required one set to null is an error.
+sed 's/"num_key_value_heads": 2/"num_key_value_heads": null/' "$WORK/cfg.json" > "$WORK/kvnull.json"
+sed 's/"num_key_value_heads": 2/"num_key_value_heads": 4/' "$WORK/cfg.json" > "$WORK/kv4.json"
+grep -q '"num_key_value_heads": null' "$WORK/kvnull.json" || fail "no null kv heads config"
+K=(--data "$WORK/data" --batch 2 --seq 16 --eval-every 0 --steps 1)
+"$LOOM" train "${K[@]}" --config "$WORK/kvnull.json" --out "$WORK/kvn" --dump-grads "$WORK/kvn.st" 2>/dev/null
+"$LOOM" train "${K[@]}" --config "$WORK/kv4.json" --out "$WORK/kv4" --dump-grads "$WORK/kv4.st" 2>/dev/null
+cmp -s "$WORK/kvn.st" "$WORK/kv4.st" || fail "\"num_key_value_heads\": null is not as many kv heads as attention heads"
+sed 's/"num_hidden_layers": 2/"num_hidden_layers": null/' "$WORK/cfg.json" > "$WORK/layersnull.json"
+expect_error "num_hidden_layers\" must be a positive integer" "$LOOM" train --data "$WORK/data" --config "$WORK/layersnull.json"
 echo '{"type": "loom-bpe", "version": 1, "merges": [[1, 999999]]' > "$WORK/tok.json"
 expect_error "tok.json" "$LOOM" tokenize --tokenizer "$WORK/tok.json" --in "$SRC/README.md" --out "$WORK/t2"
 expect_error "cannot|No such|missing" "$LOOM" tokenize --train "$WORK/does-not-exist.txt" --out "$WORK/t.json"
