@@ -24,9 +24,12 @@ static int parse_value(const char *cmd, const flag *f, const char *v) {
         *(const char **)f->target = v;
         return 0;
     case FLAG_INT: {
+        errno = 0;
         long x = strtol(v, &end, 10);
-        if (*v == '\0' || *end || x < -2147483647L || x > 2147483647L)
+        if (*v == '\0' || *end)
             return cli_usage_error(cmd, "--%s expects an integer, got '%s'", f->name, v), -1;
+        if (errno == ERANGE || x < -2147483647L || x > 2147483647L)
+            return cli_usage_error(cmd, "--%s %s is out of range (at most 2147483647 in size)", f->name, v), -1;
         *(int *)f->target = (int)x;
         return 0;
     }

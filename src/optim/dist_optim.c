@@ -165,8 +165,10 @@ loom_status loom_dist_optim_new(const loom_adamw_config *cfg, loom_param *const 
         o->own_grad = o->flat + o->own_begin;
         o->m = loom_alloc_zeroed(o->shard * sizeof(float), LOOM_MEM_OPTIMIZER);
         o->v = loom_alloc_zeroed(o->shard * sizeof(float), LOOM_MEM_OPTIMIZER);
-        o->own_master = loom_alloc_zeroed(o->shard * sizeof(float), LOOM_MEM_PARAMS);
-        if (!o->m || !o->v || !o->own_master) st = LOOM_ERR_NOMEM;
+        int half = 0; /* fp32 compute copies are their own masters: nothing to shard */
+        for (int i = 0; i < n; i++) half |= master_sharded(o, i);
+        if (half) o->own_master = loom_alloc_zeroed(o->shard * sizeof(float), LOOM_MEM_PARAMS);
+        if (!o->m || !o->v || (half && !o->own_master)) st = LOOM_ERR_NOMEM;
         if (st == LOOM_OK) st = loom_dist_optim_reshard_masters(o);
     } else if (st == LOOM_OK) {
         st = loom_adamw_new(cfg, params, n, &o->plain);

@@ -11,6 +11,8 @@ expect_usage "unknown flag '--bogus'" "$LOOM" train --bogus
 expect_error "unknown command" "$LOOM" frobnicate
 expect_error "--data DIR is required" "$LOOM" train
 expect_usage "expects an integer" "$LOOM" train "${D[@]}" --steps ten
+expect_usage "--bucket-size 2147483648 is out of range" "$LOOM" train "${D[@]}" --bucket-size 2147483648
+expect_usage "--steps 99999999999999999999 is out of range" "$LOOM" train "${D[@]}" --steps 99999999999999999999
 expect_usage "--precision" "$LOOM" train "${D[@]}" --precision fp8
 expect_usage "--recompute expects" "$LOOM" train "${D[@]}" --recompute most
 expect_error "expects on or off" "$LOOM" train "${D[@]}" --master-grad maybe

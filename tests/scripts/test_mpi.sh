@@ -26,7 +26,7 @@ timeout 120 $MPI "$LOOM_BINARY_DIR/tests/test_dist_optim" >"$WORK/dopt.log" 2>&1
 
 # DP=2 equals DP=1 at the same global batch (5 fp32 steps, 1e-5 relative).
 "$LOOM" train "${D[@]}" --batch 4 --steps 5 --precision fp32 --out "$WORK/dp1" 2>/dev/null
-timeout 300 $MPI "$LOOM" train "${D[@]}" --batch 2 --steps 5 --precision fp32 --out "$WORK/dp2" 2>/dev/null
+timeout 300 $MPI "$LOOM" train "${D[@]}" --batch 2 --steps 5 --precision fp32 --out "$WORK/dp2" 2>"$WORK/dp2.log"
 close <(losses "$WORK/dp1") <(losses "$WORK/dp2") 1e-5 || fail "DP=2 differs from DP=1"
 # and the first step's gradients (averaged over the ranks) and loss, dumped:
 "$LOOM" train "${D[@]}" --batch 4 --precision fp32 --out "$WORK/gd1" --dump-grads "$WORK/gd1.st" 2>/dev/null
@@ -35,7 +35,7 @@ $CMP "$WORK/gd2.st" "$WORK/gd1.st" --rtol 1e-5 >/dev/null || fail "DP=2 gradient
 [ "$(losses "$WORK/dp2" | wc -l)" -eq 5 ] || fail "DP=2 logged the wrong number of steps"
 
 # ZeRO-1 equals plain data parallelism.
-timeout 300 $MPI "$LOOM" train "${D[@]}" --batch 2 --steps 5 --precision fp32 --zero 1 --out "$WORK/z1" 2>/dev/null
+timeout 300 $MPI "$LOOM" train "${D[@]}" --batch 2 --steps 5 --precision fp32 --zero 1 --out "$WORK/z1" 2>"$WORK/z1.log"
 close <(losses "$WORK/dp2") <(losses "$WORK/z1") 1e-6 || fail "ZeRO-1 differs from plain DP"
 
 # ZeRO-1 with bf16 compute copies shards the fp32 masters too: each rank holds
@@ -43,6 +43,12 @@ close <(losses "$WORK/dp2") <(losses "$WORK/z1") 1e-6 || fail "ZeRO-1 differs fr
 # Gradient buckets started during backward (the overlap) change nothing, also
 # with gradient accumulation and under each recompute mode.
 weights_opt() { sed -n 's/.*weights \([0-9.]*\) MiB.*optimizer \([0-9.]*\) MiB.*/\1 \2/p' "$1"; }
+# (fp32: the compute copies are the masters, so ZeRO-1 divides the moments
+# only, and holds no master shard beside the whole masters)
+read -r pw po <<<"$(weights_opt "$WORK/dp2.log")"
+read -r zw zo <<<"$(weights_opt "$WORK/z1.log")"
+awk -v pw="$pw" -v po="$po" -v zw="$zw" -v zo="$zo" 'BEGIN { exit !(zw == pw && zo <= 0.6 * po) }' ||
+  fail "ZeRO-1 fp32: weights $zw MiB (plain $pw), optimizer $zo MiB (plain $po)"
 Z=("${D[@]}" --batch 2 --steps 4 --precision bf16 --grad-accum 2 --bucket-size 5000)
 for rc in "none nonreentrant" "full reentrant" "selective nonreentrant"; do
   set -- $rc
