@@ -7,81 +7,15 @@
  */
 #include "cli.h"
 #include "train_report.h"
+#include "train_stop.h"
 
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
-#include <pthread.h>
-#include <signal.h>
-#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-/* The first SIGINT/SIGTERM/SIGUSR1/SIGUSR2 during training asks for a
- * checkpoint after the current step (after the last step, the final saves
- * just finish); a second one, or one during setup, stops at once (the
- * default action; a signal the process was started ignoring stays ignored
- * during setup, as a shell's `loom train ... &` expects). Under mpirun, SIGUSR1 is the one to
- * send: mpirun forwards it to every rank and waits, where it follows a
- * forwarded SIGINT/SIGTERM with SIGKILL after a second
- * (odls_base_sigkill_timeout).
- *
- * The signals are blocked in every thread (MPI's, OpenMP's, oneDNN's inherit
- * the mask from the main thread) and taken by one thread in sigwait(), so no
- * system call of theirs is ever interrupted: a signal delivered in the
- * middle of an overlapped gradient all-reduce corrupted the heap of one rank
- * in about one run of ten (Open MPI 4.1, glibc: "corrupted size vs.
- * prev_size"; 3 of 36 runs, none with --overlap off, 0 of 80 since). The
- * old handler only stored the signal, so an interrupted call inside the MPI
- * stack is the likely cause; a sanitizer build did not reproduce it. */
-static const int stop_signals[] = {SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
-static sigset_t stop_set;
-static sigset_t ignored_set; /* the stop signals this process was started ignoring (a shell's `cmd &`) */
-static atomic_int stop_signal;
-static atomic_int stop_armed; /* training runs: a first signal asks for a checkpoint */
-
-static void *signal_thread(void *arg) {
-    (void)arg;
-    for (;;) {
-        int sig = 0;
-        if (sigwait(&stop_set, &sig) != 0) continue;
-        int armed = atomic_load(&stop_armed), expected = 0;
-        if (armed && atomic_compare_exchange_strong(&stop_signal, &expected, sig)) continue;
-        if (!armed && sigismember(&ignored_set, sig)) continue; /* ignored during setup, as it was */
-        /* The default action, as if the signal had never been blocked. */
-        sigset_t one;
-        sigemptyset(&one);
-        sigaddset(&one, sig);
-        signal(sig, SIG_DFL);
-        pthread_sigmask(SIG_UNBLOCK, &one, NULL);
-        raise(sig);
-        _exit(128 + sig); /* not reached: the default action of each ends the process */
-    }
-    return NULL;
-}
-
-/* Before any other thread starts. Errors: LOOM_ERR_STATE. */
-static loom_status take_stop_signals(void) {
-    sigemptyset(&stop_set);
-    sigemptyset(&ignored_set);
-    for (size_t i = 0; i < sizeof stop_signals / sizeof stop_signals[0]; i++) {
-        struct sigaction old;
-        sigaddset(&stop_set, stop_signals[i]);
-        if (sigaction(stop_signals[i], NULL, &old) == 0 && old.sa_handler == SIG_IGN)
-            sigaddset(&ignored_set, stop_signals[i]);
-    }
-    pthread_t th;
-    int e = pthread_sigmask(SIG_BLOCK, &stop_set, NULL);
-    if (!e) e = pthread_create(&th, NULL, signal_thread, NULL);
-    if (!e) e = pthread_detach(th);
-    return e ? loom_error(LOOM_ERR_STATE, "train: cannot set up the signal thread: %s", strerror(e)) : LOOM_OK;
-}
-
-static const char *signal_name(int sig) {
-    return sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : sig == SIGUSR1 ? "SIGUSR1" : "SIGUSR2";
-}
 
 typedef struct train_opts {
     const char *data, *out, *preset, *config, *init, *resume, *dump_grads, *dump_logits, *tokenizer;
@@ -718,12 +652,12 @@ static loom_status train_loop(trainer *t) {
         }
         if (o->ckpt_every > 0 && t->state.step % o->ckpt_every == 0 && t->state.step < o->steps)
             LOOM_TRY(save_checkpoint(t));
-        int stop = atomic_load(&stop_signal); /* all ranks stop at the same step */
+        int stop = train_stop_requested(); /* all ranks stop at the same step */
         LOOM_TRY(loom_comm_allreduce_max_int(t->world, &stop, 1));
         if (stop) {
             train_report_end_line(&t->report);
             if (t->leader)
-                fprintf(stderr, "train: %s received at step %d; saving a checkpoint\n", signal_name(stop),
+                fprintf(stderr, "train: %s received at step %d; saving a checkpoint\n", train_stop_name(stop),
                         t->state.step);
             LOOM_TRY(save_checkpoint(t));
             if (t->leader) fprintf(stderr, "train: resume with: loom train ... --resume %s\n", o->out);
@@ -901,7 +835,7 @@ static int run(int argc, char **argv) {
     loom_precision prec = {LOOM_BF16, 1};
     loom_recompute_mode mode = LOOM_RECOMPUTE_NONE;
     if ((rc = parse_settings(&t, &prec, &mode))) return rc;
-    loom_status taken = take_stop_signals(); /* before OpenMP's and MPI's threads exist */
+    loom_status taken = train_stop_take(); /* before OpenMP's and MPI's threads exist */
     if (taken != LOOM_OK) return cli_fail("train", taken);
     if ((rc = cli_apply_threads("train", o->threads))) return rc;
     if (o->zero != 0 && o->zero != 1) return cli_usage_error("train", "--zero expects 0 or 1");
@@ -932,12 +866,12 @@ static int run(int argc, char **argv) {
     if (st == LOOM_OK) st = open_outputs(&t, resume_dir);
     if (st == LOOM_OK) {
         if (t.leader) print_summary(&t, prec, mode);
-        atomic_store(&stop_armed, 1);
+        train_stop_arm();
         st = train_loop(&t);
-        int late = atomic_load(&stop_signal);
+        int late = train_stop_requested();
         if (st == LOOM_OK && !t.interrupted && late && t.leader)
             fprintf(stderr, "train: %s arrived after the last step; the final checkpoint and model are saved whole\n",
-                    signal_name(late));
+                    train_stop_name(late));
         if (st == LOOM_OK && !o->dump_grads && t.leader) {
             char path[4200];
             snprintf(path, sizeof path, "%s/loss.svg", o->out);
