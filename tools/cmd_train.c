@@ -6,6 +6,7 @@
  * SVG loss plot.
  */
 #include "cli.h"
+#include "train_agree.h"
 #include "train_report.h"
 #include "train_stop.h"
 
@@ -98,79 +99,11 @@ static void settings_record(const train_opts *o, const char *resume_dir, char *b
              o->dump_logits ? "given" : "no", *resume_dir ? "given" : "no");
 }
 
-/* Rank 0's settings go to every rank; a rank whose differ says which, and
- * every rank stops with the same error. */
 static loom_status agree_on_settings(trainer *t, const char *resume_dir) {
     if (loom_comm_size(t->world) == 1) return LOOM_OK;
-    char mine[2048] = {0}, root[2048] = {0};
+    char mine[TRAIN_AGREE_RECORD] = {0};
     settings_record(&t->o, resume_dir, mine, sizeof mine);
-    memcpy(root, mine, sizeof root);
-    LOOM_TRY(loom_comm_broadcast(t->world, root, sizeof root, 0));
-    int first = 0; /* 1 + the line where this rank differs from rank 0 */
-    const char *a = mine, *b = root;
-    for (int line = 1; *a || *b; line++) {
-        const char *ea = strchr(a, '\n'), *eb = strchr(b, '\n');
-        size_t la = ea ? (size_t)(ea - a) : strlen(a), lb = eb ? (size_t)(eb - b) : strlen(b);
-        if (la != lb || memcmp(a, b, la)) {
-            first = line;
-            fprintf(stderr, "train: rank %d was started with %.*s where rank 0 has %.*s\n", loom_comm_rank(t->world),
-                    (int)la, a, (int)lb, b);
-            break;
-        }
-        a += la + (ea != NULL);
-        b += lb + (eb != NULL);
-    }
-    int worst = first;
-    LOOM_TRY(loom_comm_allreduce_max_int(t->world, &worst, 1));
-    if (!worst) return LOOM_OK;
-    const char *line = root;
-    for (int k = 1; k < worst && strchr(line, '\n'); k++) line = strchr(line, '\n') + 1;
-    const char *end = strchr(line, '\n');
-    return loom_error(LOOM_ERR_INVALID, "the ranks were started with different training flags (rank 0: %.*s; the "
-                      "ranks that differ say so above): start every rank with the same flags",
-                      (int)(end ? end - line : (long)strlen(line)), line);
-}
-
-/* After setup, the data-parallel replicas must hold the same weights (the
- * same --seed gives the same initialisation, the same checkpoint the same
- * state; different --init files or checkpoints per machine would not),
- * every rank the same step, and every rank the same token shards. */
-static loom_status agree_on_state(trainer *t) {
-    if (loom_comm_size(t->world) == 1) return LOOM_OK;
-    uint32_t h = 2166136261u; /* FNV-1a over the compute copies this rank holds */
-    for (int i = 0; i < t->m->n_params; i++) {
-        const loom_tensor *w = t->m->params[i]->tensor;
-        const unsigned char *b = loom_tensor_data(w);
-        size_t n = (size_t)loom_tensor_numel(w) * loom_dtype_size(w->dtype);
-        for (size_t k = 0; k < n; k++) h = (h ^ b[k]) * 16777619u;
-    }
-    int w[2] = {(int)(h & 0x7fffffff), -(int)(h & 0x7fffffff)}; /* max and -min over the replicas */
-    LOOM_TRY(loom_comm_allreduce_max_int(t->dist.dp, w, 2));
-    /* Every rank reads the same files (data-parallel ranks their own spans
-     * of them, tensor-parallel ones the same spans): */
-    uint64_t fp[2] = {0, 0};
-    LOOM_TRY(loom_dataloader_fingerprint(t->train, &fp[0]));
-    if (t->val) LOOM_TRY(loom_dataloader_fingerprint(t->val, &fp[1]));
-    int data[2];
-    for (int k = 0; k < 2; k++) data[k] = (int)((fp[k] ^ (fp[k] >> 31) ^ (fp[k] >> 62)) & 0x7fffffff);
-    /* Over every rank (TP groups compare their own shards above): */
-    int v[7] = {w[0] != -w[1], t->state.step, -t->state.step, data[0], -data[0], data[1], -data[1]};
-    LOOM_TRY(loom_comm_allreduce_max_int(t->world, v, 7));
-    if (v[1] != -v[2])
-        return loom_error(LOOM_ERR_INVALID, "the ranks resumed at different steps (this rank: %d): give every rank "
-                          "the same checkpoint", t->state.step);
-    for (int k = 0; k < 2; k++) {
-        const loom_dataloader *dl = k ? t->val : t->train;
-        if (v[3 + 2 * k] != -v[4 + 2 * k])
-            return loom_error(LOOM_ERR_INVALID, "the ranks' --data differ: their %s shards are not the same files "
-                              "(this rank reads %zu, the first %s; a count, a length or tokens differ between "
-                              "ranks): give every machine the same token shards", k ? "validation" : "training",
-                              loom_dataloader_num_shards(dl), loom_dataloader_shard_path(dl, 0));
-    }
-    if (v[0])
-        return loom_error(LOOM_ERR_INVALID, "the data-parallel ranks hold different weights after setup (different "
-                          "--init or --resume files on different machines?): give every rank the same ones");
-    return LOOM_OK;
+    return train_agree_settings(t->world, mine);
 }
 
 /* A checkpoint directory has state.safetensors; otherwise look inside. */
@@ -855,7 +788,7 @@ static int run(int argc, char **argv) {
     if (st == LOOM_OK) st = build_model(&t, prec, mode, *resume_dir ? resume_dir : NULL);
     if (st == LOOM_OK) st = open_data(&t);
     if (st == LOOM_OK && *resume_dir) st = restore(&t, resume_dir);
-    if (st == LOOM_OK) st = agree_on_state(&t);
+    if (st == LOOM_OK) st = train_agree_state(t.world, &t.dist, t.m, t.state.step, t.train, t.val);
     if (st == LOOM_OK && *resume_dir && t.state.step > o->steps)
         st = loom_error(LOOM_ERR_INVALID, "%s is at step %d, past --steps %d: give --steps above %d to train further",
                         resume_dir, t.state.step, o->steps, t.state.step);
