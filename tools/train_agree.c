@@ -43,7 +43,6 @@ loom_status train_agree_settings(loom_comm *world, const char *record) {
                       (int)(end ? end - line : (long)strlen(line)), line);
 }
 
-
 loom_status train_agree_state(loom_comm *world, const loom_dist *dist, const loom_llama *m, int step,
                               const loom_dataloader *train, const loom_dataloader *val) {
     if (loom_comm_size(world) == 1) return LOOM_OK;
@@ -71,11 +70,12 @@ loom_status train_agree_state(loom_comm *world, const loom_dist *dist, const loo
                           "the same checkpoint", step);
     for (int k = 0; k < 2; k++) {
         const loom_dataloader *dl = k ? val : train;
+        const char *first = loom_dataloader_shard_path(dl, 0);
         if (v[3 + 2 * k] != -v[4 + 2 * k])
             return loom_error(LOOM_ERR_INVALID, "the ranks' --data differ: their %s shards are not the same files "
                               "(this rank reads %zu, the first %s; a count, a length or tokens differ between "
                               "ranks): give every machine the same token shards", k ? "validation" : "training",
-                              loom_dataloader_num_shards(dl), loom_dataloader_shard_path(dl, 0));
+                              loom_dataloader_num_shards(dl), first ? first : "none");
     }
     if (v[0])
         return loom_error(LOOM_ERR_INVALID, "the data-parallel ranks hold different weights after setup (different "
