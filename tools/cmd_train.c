@@ -100,8 +100,7 @@ static void settings_record(const train_opts *o, const char *resume_dir, char *b
 }
 
 static loom_status agree_on_settings(trainer *t, const char *resume_dir) {
-    if (loom_comm_size(t->world) == 1) return LOOM_OK;
-    char mine[TRAIN_AGREE_RECORD] = {0};
+    char mine[TRAIN_AGREE_RECORD];
     settings_record(&t->o, resume_dir, mine, sizeof mine);
     return train_agree_settings(t->world, mine);
 }

@@ -13,13 +13,12 @@
 
 loom_status train_agree_settings(loom_comm *world, const char *record) {
     if (loom_comm_size(world) == 1) return LOOM_OK;
-    char mine[TRAIN_AGREE_RECORD] = {0}, root[TRAIN_AGREE_RECORD] = {0};
-    if (strlen(record) >= sizeof mine) return loom_error(LOOM_ERR_INVALID, "train: the settings record is too long");
-    memcpy(mine, record, strlen(record));
-    memcpy(root, mine, sizeof root);
+    char root[TRAIN_AGREE_RECORD] = {0}; /* this rank's record, then rank 0's */
+    if (strlen(record) >= sizeof root) return loom_error(LOOM_ERR_INVALID, "train: the settings record is too long");
+    memcpy(root, record, strlen(record));
     LOOM_TRY(loom_comm_broadcast(world, root, sizeof root, 0));
     int first = 0; /* 1 + the line where this rank differs from rank 0 */
-    const char *a = mine, *b = root;
+    const char *a = record, *b = root;
     for (int line = 1; *a || *b; line++) {
         const char *ea = strchr(a, '\n'), *eb = strchr(b, '\n');
         size_t la = ea ? (size_t)(ea - a) : strlen(a), lb = eb ? (size_t)(eb - b) : strlen(b);

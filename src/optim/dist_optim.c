@@ -296,17 +296,16 @@ loom_status loom_dist_optim_prepare(loom_dist_optim *o, const loom_loss_scaler *
     if (o->zero) {
         for (int i = 0; i < o->n; i++) {
             size_t s, t;
-            loom_dtype gd = o->params[i]->grad_dtype;
-            if (gd == LOOM_F32 || !own_part(o, i, &s, &t)) continue;
+            if (!own_part(o, i, &s, &t)) continue;
             float *g = o->own_grad + (s - o->own_begin);
-            #pragma omp parallel for schedule(static) if (t - s > 65536)
-            for (size_t k = 0; k < t - s; k++) g[k] = loom_round_to(g[k], gd);
-        }
-        for (int i = 0; i < o->n; i++) {
-            size_t s, t;
-            if (!counts(o, i) || !own_part(o, i, &s, &t)) continue;
-            ss += sumsq(o->own_grad + (s - o->own_begin), t - s, LOOM_F32);
-            bad |= has_nonfinite(o->own_grad + (s - o->own_begin), t - s, LOOM_F32);
+            loom_dtype gd = o->params[i]->grad_dtype;
+            if (gd != LOOM_F32) {
+                #pragma omp parallel for schedule(static) if (t - s > 65536)
+                for (size_t k = 0; k < t - s; k++) g[k] = loom_round_to(g[k], gd);
+            }
+            if (!counts(o, i)) continue;
+            ss += sumsq(g, t - s, LOOM_F32);
+            bad |= has_nonfinite(g, t - s, LOOM_F32);
         }
         LOOM_TRY(loom_comm_allreduce_sum_f64(o->dist.world, &ss, 1));
     } else {
