@@ -8,7 +8,7 @@
 # them emulated on CPUs without AVX-512.
 set -euo pipefail
 pkgs=(build-essential cmake ninja-build pkg-config libdnnl-dev libopenmpi-dev openmpi-bin
-      libjansson-dev libcmocka-dev libsimde-dev python3 python3-torch python3-numpy libopenblas0-pthread fortunes)
+      libjansson-dev libcmocka-dev libsimde-dev ocl-icd-opencl-dev python3 python3-torch python3-numpy libopenblas0-pthread fortunes)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
