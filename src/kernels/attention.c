@@ -76,11 +76,12 @@ static attn_shape attn_shape_make(int B, int Tq, int Tk, int NH, int NKV, int HS
     attn_shape s = {B, Tq, Tk, NH, NKV, HS, q_pos0, NH / NKV, 1.0f / sqrtf((float)HS), dt,
                     dt == LOOM_F32 && (Tq < ATTN_BQ || !(stride_critical((size_t)NH * HS, dt) ||
                                                          stride_critical((size_t)NKV * HS, dt))),
-                    dt == LOOM_BF16 && HS % 2 == 0 ? mm_bf16_tiles() : NULL};
+                    dt == LOOM_BF16 && HS % 16 == 0 ? mm_bf16_tiles() : NULL};
     return s;
 }
 
 static int round16(int n) { return (n + 15) / 16 * 16; }
+static int half_up(int n) { return (n + 1) / 2; }
 
 /* The bf16 rows of a (B, T, H, HS) buffer as pairs: row t, head `head`
  * starts at the returned pointer; rows are NH * HS / 2 pairs apart. */
@@ -95,6 +96,25 @@ static void pack_pairs_t(uint32_t *dst, int ldd, const uint32_t *src, size_t lds
         uint32_t *d = dst + (size_t)p * ldd;
         for (int j = 0; j < n; j++) d[j] = src[(size_t)j * lds + p];
         for (int j = n; j < n_pad; j++) d[j] = 0;
+    }
+}
+
+/* dst ((n + 1) / 2, HS) uint32: row p pairs rows 2p and 2p + 1 of the n bf16
+ * rows at src + off, ld elements apart, element by element (a zero row
+ * stands in for row n). */
+static void pack_row_pairs(uint32_t *dst, const void *src, size_t off, size_t ld, int n, int HS) {
+    const uint16_t *r = (const uint16_t *)src + off;
+    for (int p = 0; p < half_up(n); p++)
+        row_pairs(dst + (size_t)p * HS, r + 2 * (size_t)p * ld, 2 * p + 1 < n ? r + (2 * (size_t)p + 1) * ld : NULL,
+                  LOOM_BF16, HS);
+}
+
+/* dst ((nr + 1) / 2, ldd) uint32: row p pairs rows 2p and 2p + 1 of the nr
+ * fp32 rows of src (row stride lds), columns [0, n), each rounded to bf16. */
+static void pack_f32_row_pairs(uint32_t *dst, int ldd, const float *src, int lds, int nr, int n) {
+    for (int p = 0; p < half_up(nr); p++) {
+        const float *a = src + 2 * (size_t)p * lds;
+        row_pairs(dst + (size_t)p * ldd, a, 2 * p + 1 < nr ? a + lds : NULL, LOOM_F32, n);
     }
 }
 
@@ -143,6 +163,8 @@ typedef struct attn_fwd_scratch {
     const uint32_t *k2;    // with dot2: the kv head's bf16 key rows as pairs, ldk2 pairs apart
     size_t ldk2;
     float *kbuf, *vbuf;    // (Tk, HS) rows copied (converted) when not in place
+    uint32_t *vp;          // with dot2: ((Tk + 1) / 2, HS) the kv head's values as pairs of rows
+    uint32_t *pt;          // with dot2: (ATTN_BK / 2, ATTN_BQ) P^T as pairs of key rows
     float *qt;             // (HS, ATTN_BQ) a query block, scaled and transposed
     float *acc;            // (ATTN_BQ, HS)
     float *st;             // (ATTN_BK, ATTN_BQ) transposed scores, then P^T
@@ -150,7 +172,8 @@ typedef struct attn_fwd_scratch {
 } attn_fwd_scratch;
 
 static size_t attn_fwd_scratch_floats(const attn_shape *s) {
-    return (size_t)(2 * s->Tk + 2 * ATTN_BQ) * s->HS + (size_t)ATTN_BK * ATTN_BQ + 3 * ATTN_BQ;
+    return (size_t)(2 * s->Tk + 2 * ATTN_BQ + half_up(s->Tk)) * s->HS + (size_t)ATTN_BK * ATTN_BQ * 3 / 2 +
+           3 * ATTN_BQ;
 }
 
 static attn_fwd_scratch attn_fwd_scratch_at(float *p, const attn_shape *s) {
@@ -161,6 +184,8 @@ static attn_fwd_scratch attn_fwd_scratch_at(float *p, const attn_shape *s) {
     w.ldk2 = 0;
     w.kbuf = p; p += (size_t)s->Tk * s->HS;
     w.vbuf = p; p += (size_t)s->Tk * s->HS;
+    w.vp = (uint32_t *)p; p += (size_t)half_up(s->Tk) * s->HS;
+    w.pt = (uint32_t *)p; p += (size_t)ATTN_BK / 2 * ATTN_BQ;
     w.qt = p;   p += (size_t)ATTN_BQ * s->HS;
     w.acc = p;  p += (size_t)ATTN_BQ * s->HS;
     w.st = p;   p += (size_t)ATTN_BK * ATTN_BQ;
@@ -255,8 +280,8 @@ static void attn_fwd_scores(const attn_fwd_scratch *w, int q0, int nq, int k0, i
         int nr = min_i(nk - r0, ATTN_STRIP);
         float *st = w->st + (size_t)r0 * ATTN_BQ + c0;
         if (s->dot2) { /* (k q^T) * scale from the bf16 pairs; qt holds the packed queries */
-            s->dot2(nr, round16(nq - c0), s->HS / 2, w->k2 + (size_t)(k0 + r0) * w->ldk2, w->ldk2,
-                    (const uint32_t *)w->qt + c0, ATTN_BQ, st, ATTN_BQ);
+            s->dot2(nr, round16(nq - c0), s->HS / 2, w->k2 + (size_t)(k0 + r0) * w->ldk2, w->ldk2, 1,
+                    (const uint32_t *)w->qt + c0, ATTN_BQ, st, ATTN_BQ, 0);
             for (int r = 0; r < nr; r++) row_scale(st + (size_t)r * ATTN_BQ, s->scale, nq - c0);
             continue;
         }
@@ -266,12 +291,19 @@ static void attn_fwd_scores(const attn_fwd_scratch *w, int q0, int nq, int k0, i
 
 /* acc += P v, P = st^T (nq, nk), in strips of ATTN_STRIP queries, each over
  * the keys its last query sees: the products left out are exact zeros at
- * the end of each sum. */
+ * the end of each sum. With dot2, over pairs of keys, P rounded to bf16 (a
+ * strip's odd last key pairs with one it does not see: P = 0 there). */
 static void attn_fwd_pv(const attn_fwd_scratch *w, int q0, int nq, int k0, int nk, const attn_shape *s) {
     int ld = w->ldkv, HS = s->HS;
+    if (s->dot2) pack_f32_row_pairs(w->pt, ATTN_BQ, w->st, ATTN_BQ, nk, (nq + 7) / 8 * 8);
     for (int j0 = 0; j0 < nq; j0 += ATTN_STRIP) {
         int nj = min_i(nq - j0, ATTN_STRIP);
         int kn = attn_visible(s, q0 + j0 + nj - 1, k0, nk);
+        if (s->dot2) {
+            s->dot2(nj, HS, half_up(kn), w->pt + j0, 1, ATTN_BQ, w->vp + (size_t)k0 / 2 * HS, HS,
+                    w->acc + (size_t)j0 * HS, HS, 1);
+            continue;
+        }
         mm_f32(nj, HS, kn, w->st + j0, ATTN_BQ, 1, w->v + (size_t)k0 * ld, ld, w->acc + (size_t)j0 * HS, HS, 1);
     }
 }
@@ -318,13 +350,14 @@ static void attn_fwd_task(void *out, float *lse, const void *q, const void *k, c
         w->v = (const float *)v + kv_off(s, b, 0, g);
         w->ldkv = s->NKV * s->HS;
     } else {
-        if (s->dot2) {
+        if (s->dot2) { /* keys as stored (pairs along the head) and values as pairs of rows */
             w->k2 = pair_rows(k, kv_off(s, b, 0, g));
             w->ldk2 = (size_t)s->NKV * s->HS / 2;
+            pack_row_pairs(w->vp, v, kv_off(s, b, 0, g), (size_t)s->NKV * s->HS, kv_end, s->HS);
         } else {
             load_rows(w->kbuf, k, s->Tk, s->NKV, b, 0, g, kv_end, s);
+            load_rows(w->vbuf, v, s->Tk, s->NKV, b, 0, g, kv_end, s);
         }
-        load_rows(w->vbuf, v, s->Tk, s->NKV, b, 0, g, kv_end, s);
         w->k = w->kbuf;
         w->v = w->vbuf;
         w->ldkv = s->HS;
@@ -368,10 +401,15 @@ typedef struct attn_bwd_scratch {
     float *kbuf, *dobuf;   // (Tk, HS), (Tq, HS) converted rows when not in place
     float *dkbuf, *dvbuf;  // (Tk, HS) accumulators when not in place
     float *p, *ds;         // (ATTN_BQ, ATTN_BK)
+    uint32_t *kp;          // with dot2: ((Tk + 1) / 2, HS) the kv head's keys as pairs of rows
+    uint32_t *qp, *dop;    // with dot2: ((Tq + 1) / 2, HS) one query head's q and dout as pairs of rows
+    uint32_t *pp, *dsp;    // with dot2: (ATTN_BQ / 2, ATTN_BK) P and dS as pairs of query rows
+    uint32_t *dsr;         // with dot2: (ATTN_BQ, ATTN_BK / 2) dS rows, as pairs of keys
 } attn_bwd_scratch;
 
 static size_t attn_bwd_scratch_floats(const attn_shape *s) {
-    return (size_t)(2 * (s->Tk + 16) + 3 * s->Tk + 3 * s->Tq) * s->HS + 2 * (size_t)ATTN_BQ * ATTN_BK;
+    return (size_t)(2 * (s->Tk + 16) + 3 * s->Tk + 3 * s->Tq + half_up(s->Tk) + 2 * half_up(s->Tq)) * s->HS +
+           (size_t)ATTN_BQ * ATTN_BK * 7 / 2;
 }
 
 static attn_bwd_scratch attn_bwd_scratch_at(float *p, const attn_shape *s) {
@@ -391,7 +429,13 @@ static attn_bwd_scratch attn_bwd_scratch_at(float *p, const attn_shape *s) {
     w.lddq = s->HS;
     w.dobuf = p; p += qb;
     w.p = p;     p += (size_t)ATTN_BQ * ATTN_BK;
-    w.ds = p;
+    w.ds = p;   p += (size_t)ATTN_BQ * ATTN_BK;
+    w.kp = (uint32_t *)p;  p += (size_t)half_up(s->Tk) * s->HS;
+    w.qp = (uint32_t *)p;  p += (size_t)half_up(s->Tq) * s->HS;
+    w.dop = (uint32_t *)p; p += (size_t)half_up(s->Tq) * s->HS;
+    w.pp = (uint32_t *)p;  p += (size_t)ATTN_BQ / 2 * ATTN_BK;
+    w.dsp = (uint32_t *)p; p += (size_t)ATTN_BQ / 2 * ATTN_BK;
+    w.dsr = (uint32_t *)p;
     w.k = w.dout = NULL;
     w.dk = w.dv = NULL;
     w.ldk = w.lddo = w.lddkv = s->HS;
@@ -438,8 +482,9 @@ SIMD_AVX2 static void attn_ds_avx2(float *ds, const float *p, float d, int n) {
 #endif
 
 /* P = exp(S - lse) for the block, then dS = P (dP - D); both exactly 0 past
- * the keys a query sees (where S and dP were not computed). w->p holds S on
- * entry and P on exit; w->ds holds dP on entry. */
+ * the keys a query sees (where S and dP were not computed), up to an even
+ * column count. w->p holds S on entry and P on exit; w->ds holds dP on
+ * entry. */
 static void attn_bwd_probs(attn_bwd_scratch *w, const float *lse, const float *D, int q0, int nq,
                            int k0, int nk, const attn_shape *s) {
     for (int i = 0; i < nq; i++) {
@@ -451,7 +496,36 @@ static void attn_bwd_probs(attn_bwd_scratch *w, const float *lse, const float *D
         else
 #endif
             attn_ds_c(ds, p, D[i], 0, n);
-        for (int j = n; j < nk; j++) p[j] = ds[j] = 0.0f;
+        for (int j = n; j < 2 * half_up(nk); j++) p[j] = ds[j] = 0.0f;
+    }
+}
+
+/* attn_bwd_block's dV, dK and dq products with dot2: P and dS rounded to
+ * bf16, as pairs of query rows (dV, dK) or of keys (dq), against the bf16
+ * inputs as stored, paired the same way. q0 is even (attn_bwd_head), and a
+ * key strip's first query is rounded down to even: the query added sees no
+ * key of the strip (P = dS = 0). dK lacks the scale (attn_bwd_task applies
+ * it once). */
+static void attn_bwd_block_pairs(attn_bwd_scratch *w, int q0, int nq, int k0, int nk, const attn_shape *s) {
+    int HS = s->HS;
+    pack_f32_row_pairs(w->pp, ATTN_BK, w->p, ATTN_BK, nq, nk);
+    pack_f32_row_pairs(w->dsp, ATTN_BK, w->ds, ATTN_BK, nq, nk);
+    for (int i = 0; i < nq; i++) /* neighbouring fp32 -> bf16 make the pairs */
+        convert_from_f32(w->dsr + (size_t)i * ATTN_BK / 2, LOOM_BF16, w->ds + (size_t)i * ATTN_BK, 2 * half_up(nk));
+    for (int r0 = 0; r0 < nk; r0 += ATTN_STRIP) {
+        int nr = min_i(nk - r0, ATTN_STRIP);
+        int i0 = k0 + r0 - s->q_pos0 - q0; // first query that sees key k0 + r0
+        i0 = i0 < 0 ? 0 : i0 / 2 * 2;
+        if (i0 >= nq) continue;
+        size_t o = (size_t)(k0 + r0) * w->lddkv, a = (size_t)i0 / 2 * ATTN_BK + r0, bq = (size_t)(q0 + i0) / 2 * HS;
+        s->dot2(nr, HS, half_up(nq - i0), w->pp + a, 1, ATTN_BK, w->dop + bq, HS, w->dv + o, w->lddkv, 1); // dV += P^T dout
+        s->dot2(nr, HS, half_up(nq - i0), w->dsp + a, 1, ATTN_BK, w->qp + bq, HS, w->dk + o, w->lddkv, 1); // dK += dS^T q
+    }
+    for (int i0 = 0; i0 < nq; i0 += ATTN_STRIP) {
+        int ni = min_i(nq - i0, ATTN_STRIP);
+        int kn = attn_visible(s, q0 + i0 + ni - 1, k0, nk);
+        s->dot2(ni, HS, half_up(kn), w->dsr + (size_t)i0 * ATTN_BK / 2, ATTN_BK / 2, 1, w->kp + (size_t)k0 / 2 * HS,
+                HS, w->dq + (size_t)(q0 + i0) * w->lddq, w->lddq, 1);                        // dq += dS k
     }
 }
 
@@ -473,16 +547,20 @@ static void attn_bwd_block(attn_bwd_scratch *w, const float *lse, const float *D
         float *sp = w->p + (size_t)i0 * ATTN_BK, *dp = w->ds + (size_t)i0 * ATTN_BK;
         if (s->dot2) { /* from the bf16 pairs, as the forward's scores */
             size_t r = (size_t)(q0 + i0) * w->ldq2;
-            s->dot2(ni, round16(kn), HS / 2, w->q2 + r, w->ldq2, (const uint32_t *)w->kt + k0, Tk, sp, ATTN_BK);
+            s->dot2(ni, round16(kn), HS / 2, w->q2 + r, w->ldq2, 1, (const uint32_t *)w->kt + k0, Tk, sp, ATTN_BK, 0);
             for (int i = 0; i < ni; i++) row_scale(sp + (size_t)i * ATTN_BK, s->scale, kn); // S = (q k^T) scale
-            s->dot2(ni, round16(kn), HS / 2, w->do2 + r, w->ldq2, (const uint32_t *)w->vt + k0, Tk, dp,
-                    ATTN_BK);                                                                 // dP = dout v^T
+            s->dot2(ni, round16(kn), HS / 2, w->do2 + r, w->ldq2, 1, (const uint32_t *)w->vt + k0, Tk, dp,
+                    ATTN_BK, 0);                                                              // dP = dout v^T
             continue;
         }
         mm_f32(ni, kn, HS, qs + (size_t)i0 * HS, HS, 0, w->kt + k0, Tk, sp, ATTN_BK, 0);      // S = qs k^T
         mm_f32(ni, kn, HS, dout + (size_t)i0 * w->lddo, w->lddo, 0, w->vt + k0, Tk, dp, ATTN_BK, 0); // dP = dout v^T
     }
     attn_bwd_probs(w, lse + l0, D + l0, q0, nq, k0, nk, s);
+    if (s->dot2) {
+        attn_bwd_block_pairs(w, q0, nq, k0, nk, s);
+        return;
+    }
     for (int r0 = 0; r0 < nk; r0 += ATTN_STRIP) {
         int nr = min_i(nk - r0, ATTN_STRIP);
         int i0 = k0 + r0 - s->q_pos0 - q0; // first query that sees key k0 + r0
@@ -508,6 +586,7 @@ static void attn_bwd_head(attn_bwd_scratch *w, const float *lse, const float *D,
                           const attn_shape *s) {
     for (int k0 = 0; k0 < s->q_pos0 + s->Tq && k0 < s->Tk; k0 += ATTN_BK) {
         int t_first = k0 - s->q_pos0 > 0 ? k0 - s->q_pos0 : 0; // first query seeing k0
+        if (s->dot2) t_first = t_first / 2 * 2;                  // pairs of queries start even
         for (int q0 = t_first; q0 < s->Tq; q0 += ATTN_BQ)
             attn_bwd_block(w, lse, D, b, h, q0, min_i(s->Tq - q0, ATTN_BQ), k0, min_i(s->Tk - k0, ATTN_BK), s);
     }
@@ -531,8 +610,10 @@ static void attn_bwd_task(void *dq, void *dk, void *dv, const void *dout,
         w->dv = (float *)dv + kv_off(s, b, 0, g);
         w->lddkv = s->NKV * HS;
     } else {
-        load_rows(w->kbuf, k, Tk, s->NKV, b, 0, g, Tk, s);
-        if (!s->dot2) load_rows(w->dvbuf, v, Tk, s->NKV, b, 0, g, Tk, s);
+        if (!s->dot2) {
+            load_rows(w->kbuf, k, Tk, s->NKV, b, 0, g, Tk, s);
+            load_rows(w->dvbuf, v, Tk, s->NKV, b, 0, g, Tk, s);
+        }
         w->k = w->kbuf;
         w->dk = w->dkbuf;
         w->dv = w->dvbuf;
@@ -541,6 +622,7 @@ static void attn_bwd_task(void *dq, void *dk, void *dv, const void *dout,
         size_t ld2 = (size_t)s->NKV * HS / 2;
         pack_pairs_t((uint32_t *)w->kt, w->ldkt, pair_rows(k, kv_off(s, b, 0, g)), ld2, Tk, w->ldkt, HS);
         pack_pairs_t((uint32_t *)w->vt, w->ldkt, pair_rows(v, kv_off(s, b, 0, g)), ld2, Tk, w->ldkt, HS);
+        pack_row_pairs(w->kp, k, kv_off(s, b, 0, g), 2 * ld2, Tk, HS); /* and keys as pairs of rows, for dq */
     } else {
         transpose_f32(w->kt, Tk, w->k, w->ldk, Tk, HS);
         transpose_f32(w->vt, Tk, vrows, w->ldk, Tk, HS);
@@ -550,15 +632,18 @@ static void attn_bwd_task(void *dq, void *dk, void *dv, const void *dout,
         memset(w->dv + (size_t)t * w->lddkv, 0, (size_t)HS * sizeof(float));
     }
     for (int h = g * s->G; h < (g + 1) * s->G; h++) {
-        load_q_scaled(w->qs, q, b, h, s);
-        if (s->dot2) {
+        if (s->dot2) { /* q and dout as stored, and as pairs of rows */
             w->q2 = pair_rows(q, q_off(s, b, 0, h));
             w->do2 = pair_rows(dout, q_off(s, b, 0, h));
+            pack_row_pairs(w->qp, q, q_off(s, b, 0, h), (size_t)s->NH * HS, s->Tq, HS);
+            pack_row_pairs(w->dop, dout, q_off(s, b, 0, h), (size_t)s->NH * HS, s->Tq, HS);
+        } else {
+            load_q_scaled(w->qs, q, b, h, s);
         }
         if (f32) {
             w->dout = (const float *)dout + q_off(s, b, 0, h);
             w->lddo = s->NH * HS;
-        } else {
+        } else if (!s->dot2) {
             load_rows(w->dobuf, dout, s->Tq, s->NH, b, 0, h, s->Tq, s);
             w->dout = w->dobuf;
         }
@@ -574,6 +659,7 @@ static void attn_bwd_task(void *dq, void *dk, void *dv, const void *dout,
     }
     if (!f32)
         for (int t = 0; t < Tk; t++) {
+            if (s->dot2) row_scale(w->dk + (size_t)t * HS, s->scale, HS); /* dK's products left it out */
             row_store(dk, kv_off(s, b, t, g), w->dk + (size_t)t * HS, HS, s->dt);
             row_store(dv, kv_off(s, b, t, g), w->dv + (size_t)t * HS, HS, s->dt);
         }

@@ -38,6 +38,14 @@ static float exp_sum_c(float *x, int n, float m) {
     return s;
 }
 
+static uint32_t bf16_bits_at(const void *row, int j, loom_dtype dt) {
+    return dt == LOOM_F32 ? loom_f32_to_bf16(((const float *)row)[j]) : ((const uint16_t *)row)[j];
+}
+
+static void pairs_c(uint32_t *dst, const void *a, const void *b, loom_dtype dt, int lo, int n) {
+    for (int j = lo; j < n; j++) dst[j] = bf16_bits_at(a, j, dt) | (b ? bf16_bits_at(b, j, dt) << 16 : 0u);
+}
+
 /* ----------------------------------------------------------------- AVX2 */
 
 #if LOOM_HAVE_X86_SIMD
@@ -184,6 +192,24 @@ SIMD_AVX2 static int scale_avx2(float *x, float s, int n) {
     return i;
 }
 
+/* bf16 bits of eight elements of a row of dtype dt, in the low 16 bits of
+ * each 32-bit lane. */
+SIMD_AVX2 static inline __m256i bf16_lanes(const void *row, int j, loom_dtype dt) {
+    if (dt == LOOM_F32) return simd_bf16_bits(_mm256_loadu_ps((const float *)row + j));
+    return _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + j)));
+}
+
+/* row_pairs for j < 8k; returns 8k (the tail is the caller's). */
+SIMD_AVX2 static int pairs_avx2(uint32_t *dst, const void *a, const void *b, loom_dtype dt, int n) {
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256i v = bf16_lanes(a, j, dt);
+        if (b) v = _mm256_or_si256(v, _mm256_slli_epi32(bf16_lanes(b, j, dt), 16));
+        _mm256_storeu_si256((__m256i *)(dst + j), v);
+    }
+    return j;
+}
+
 /* dst (8, 8) = src (8, 8)^T, both with row strides (in floats). */
 SIMD_AVX2 static void transpose_8x8_avx2(float *dst, size_t ldd, const float *src, size_t lds) {
     __m256 r[8], t[8];
@@ -281,6 +307,14 @@ void row_scale(float *x, float s, int n) {
     if (simd_avx2()) i = scale_avx2(x, s, n);
 #endif
     for (; i < n; i++) x[i] *= s;
+}
+
+void row_pairs(uint32_t *dst, const void *a, const void *b, loom_dtype dt, int n) {
+    int j = 0;
+#if LOOM_HAVE_X86_SIMD
+    if (simd_avx2()) j = pairs_avx2(dst, a, b, dt, n);
+#endif
+    pairs_c(dst, a, b, dt, j, n);
 }
 
 float row_dot(const float *a, const float *b, int n) {

@@ -48,20 +48,25 @@ int mm_avx512_emulated(int m, int n, int k, const float *A, size_t rs, size_t ds
 void mm_f32_set_tiles(mm_tiles_fn tiles);
 
 /* Products of bf16 pairs with fp32 sums (AVX-512 BF16, mm_avx512.c):
- * C (m, n16) = A B, n16 a multiple of 16; A row r's pair p is the 32 bits
- * A[r * lda + p] (two neighbouring bf16 of a row as stored), B[p * ldb + j]
- * the pair p of column j. Each element adds its kp pair products in order. */
-typedef void (*mm_bf16_fn)(int m, int n16, int kp, const uint32_t *A, size_t lda, const uint32_t *B, int ldb,
-                           float *C, int ldc);
-void mm_bf16_avx512(int m, int n16, int kp, const uint32_t *A, size_t lda, const uint32_t *B, int ldb, float *C,
-                    int ldc);
-void mm_bf16_avx512_emulated(int m, int n16, int kp, const uint32_t *A, size_t lda, const uint32_t *B, int ldb,
-                             float *C, int ldc);
+ * C (m, n16) = A B, or C += A B with accumulate, n16 a multiple of 16; A's
+ * pair (r, p) is the 32 bits A[r * rs + p * ps] (two bf16, the lower one
+ * first: see row_pairs), B[p * ldb + j] the pair p of column j. Each
+ * element adds its kp pair products in order. */
+typedef void (*mm_bf16_fn)(int m, int n16, int kp, const uint32_t *A, size_t rs, size_t ps, const uint32_t *B,
+                           int ldb, float *C, int ldc, int accumulate);
+void mm_bf16_avx512(int m, int n16, int kp, const uint32_t *A, size_t rs, size_t ps, const uint32_t *B, int ldb,
+                    float *C, int ldc, int accumulate);
+void mm_bf16_avx512_emulated(int m, int n16, int kp, const uint32_t *A, size_t rs, size_t ps, const uint32_t *B,
+                             int ldb, float *C, int ldc, int accumulate);
 /* The bf16-pair product to use: mm_bf16_avx512 on CPUs with AVX-512 BF16
  * (or what mm_bf16_set_tiles chose), else NULL (callers widen to fp32). */
 mm_bf16_fn mm_bf16_tiles(void);
 /* Tests only: use these (NULL: the CPU decides again). */
 void mm_bf16_set_tiles(mm_bf16_fn tiles);
+/* dst[j] = the bf16 pair of a[j] (low 16 bits) and b[j] (high) for j < n:
+ * rows of dtype dt, LOOM_F32 (rounded as loom_f32_to_bf16) or LOOM_BF16 (as
+ * stored); b NULL gives zero high halves. */
+void row_pairs(uint32_t *dst, const void *a, const void *b, loom_dtype dt, int n);
 /* dst (cols, rows) = src (rows, cols)^T; row strides ldd, lds. */
 void transpose_f32(float *dst, int ldd, const float *src, int lds, int rows, int cols);
 /* max of x[0 .. n) (-inf for n = 0). */

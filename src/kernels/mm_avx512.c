@@ -31,8 +31,8 @@
 
 int MM_AVX512_NAME(int m, int n, int k, const float *A, size_t rs, size_t ds, const float *B, int ldb, float *C,
                    int ldc, int accumulate);
-void MM_BF16_NAME(int m, int n16, int kp, const uint32_t *A, size_t lda, const uint32_t *B, int ldb, float *C,
-                  int ldc);
+void MM_BF16_NAME(int m, int n16, int kp, const uint32_t *A, size_t rs, size_t ps, const uint32_t *B, int ldb,
+                  float *C, int ldc, int accumulate);
 
 #define ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
 #define DECL(r) simde__m512 c##r##0 = simde_mm512_setzero_ps(), c##r##1 = c##r##0;
@@ -99,19 +99,21 @@ static simde__m512bh as_bh(simde__m512i v) {
 
 #define BSTEP(r)                                                                                                  \
     {                                                                                                             \
-        simde__m512bh x = as_bh(simde_mm512_set1_epi32((int32_t)A[(size_t)((r) < rows ? (r) : rows - 1) * lda + p])); \
+        simde__m512bh x = as_bh(simde_mm512_set1_epi32((int32_t)A[(size_t)((r) < rows ? (r) : rows - 1) * rs + o])); \
         c##r##0 = simde_mm512_dpbf16_ps(c##r##0, x, b0);                                                          \
         if (w > 1) c##r##1 = simde_mm512_dpbf16_ps(c##r##1, x, b1);                                               \
     }
 
-/* C rows [0, rows <= 8) x columns [0, 16 W) = the sums over kp pairs. */
+/* C rows [0, rows <= 8) x columns [0, 16 W) (+)= the sums over kp pairs. */
 #define BTILE(W)                                                                                                 \
-    static void btile_8x##W(int rows, int kp, const uint32_t *A, size_t lda, const uint32_t *B, int ldb, float *C, \
-                            int ldc) {                                                                            \
+    static void btile_8x##W(int rows, int kp, const uint32_t *A, size_t rs, size_t ps, const uint32_t *B,     \
+                            int ldb, float *C, int ldc, int accumulate) {                                         \
         const int w = W; /* vectors per row */                                                                   \
         ROWS(DECL)                                                                                                \
+        ROWS(LOAD)                                                                                                \
         for (int p = 0; p < kp; p++) {                                                                           \
             const uint32_t *b = B + (size_t)p * ldb;                                                              \
+            size_t o = (size_t)p * ps;                                                                            \
             simde__m512bh b0 = as_bh(simde_mm512_loadu_si512(b));                                                 \
             simde__m512bh b1 = w > 1 ? as_bh(simde_mm512_loadu_si512(b + 16)) : b0;                              \
             ROWS(BSTEP)                                                                                           \
@@ -122,19 +124,20 @@ static simde__m512bh as_bh(simde__m512i v) {
 BTILE(1)
 BTILE(2)
 
-/* C (m, n16) = A B over bf16 pairs, n16 a multiple of 16: A row r's pair p
- * is the 32 bits A[r * lda + p] (two neighbouring bf16 of a row, as
- * stored), B (kp, ldb) holds at B[p * ldb + j] the pair p of column j. Each
- * element adds its kp pair products in order, in fp32. */
-void MM_BF16_NAME(int m, int n16, int kp, const uint32_t *A, size_t lda, const uint32_t *B, int ldb, float *C,
-                  int ldc) {
+/* C (m, n16) = A B, or C += A B with accumulate, over bf16 pairs, n16 a
+ * multiple of 16: A's pair (r, p) is the 32 bits A[r * rs + p * ps] (two
+ * bf16, the lower one first), B (kp, ldb) holds at B[p * ldb + j] the pair
+ * p of column j. Each element adds its kp pair products in order, in fp32,
+ * to C's value or to 0. */
+void MM_BF16_NAME(int m, int n16, int kp, const uint32_t *A, size_t rs, size_t ps, const uint32_t *B, int ldb,
+                  float *C, int ldc, int accumulate) {
     for (int i = 0; i < m; i += 8) {
         int rows = m - i < 8 ? m - i : 8;
-        const uint32_t *a = A + (size_t)i * lda;
+        const uint32_t *a = A + (size_t)i * rs;
         float *c = C + (size_t)i * ldc;
         int j = 0;
-        for (; j + 32 <= n16; j += 32) btile_8x2(rows, kp, a, lda, B + j, ldb, c + j, ldc);
-        if (j < n16) btile_8x1(rows, kp, a, lda, B + j, ldb, c + j, ldc);
+        for (; j + 32 <= n16; j += 32) btile_8x2(rows, kp, a, rs, ps, B + j, ldb, c + j, ldc, accumulate);
+        if (j < n16) btile_8x1(rows, kp, a, rs, ps, B + j, ldb, c + j, ldc, accumulate);
     }
 }
 

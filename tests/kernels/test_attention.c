@@ -80,15 +80,54 @@ static void assert_close_dt(const void *a, const void *b, size_t n, loom_dtype d
 
 /* ---------------------------------------------------------------- forward */
 
+/* With bf16 pairs (bf16 inputs, a head size that is a multiple of 16, and
+ * AVX-512 BF16 tiles, native or emulated) the forward rounds P to bf16 for
+ * P v, which moves an output by up to u sum_j p_j |v_j| on top of the
+ * fp32 path's error. The bound per element (a reference run on |v|, times
+ * 1 + 2u for its own rounding), or NULL when P stays fp32. */
+static float *pv_rounding_bound(const attn_data *d) {
+    if (d->dt != LOOM_BF16 || d->c.HS % 16 != 0 || !mm_bf16_tiles()) return NULL;
+    float *va = tu_to_f32(d->v, d->nkv, d->dt);
+    for (size_t i = 0; i < d->nkv; i++) va[i] = fabsf(va[i]);
+    void *vabs = tu_from_f32(va, d->nkv, d->dt), *o = malloc(d->nq * 2);
+    attention_fwd_ref(o, NULL, d->q, d->k, vabs, CASE_ARGS(d->c), d->dt);
+    float *bound = tu_to_f32(o, d->nq, d->dt);
+    double u = unit_roundoff(d->dt);
+    for (size_t i = 0; i < d->nq; i++) bound[i] = (float)(u * (1.0 + 2.0 * u) * bound[i]);
+    free(va); free(vabs); free(o);
+    return bound;
+}
+
+/* |got - want| <= atol + bound[i] + rtol |want| for every element (bound
+ * NULL: no per-element term). */
+static void assert_close_bound(const float *got, const float *want, const float *bound, size_t n, double atol,
+                               double rtol) {
+    size_t worst = 0;
+    double ratio = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double tol = atol + (bound ? bound[i] : 0.0) + rtol * fabs(want[i]);
+        double r = fabs((double)got[i] - want[i]) / tol;
+        if (!(r <= ratio)) { ratio = r; worst = i; }
+    }
+    if (!(ratio <= 1.0)) {
+        fprintf(stderr, "worst at [%zu]: %.9g vs %.9g, bound %.3g (ratio %.3g)\n", worst, got[worst], want[worst],
+                bound ? bound[worst] : 0.0, ratio);
+        fail();
+    }
+}
+
 /* Online softmax vs one pass over the whole row: fp32 reassociation, a few
- * 2^-24 relative on |out| <= 1; after one rounding to dt, one ulp (2u). */
+ * 2^-24 relative on |out| <= 1; after one rounding to dt, one ulp (2u); and
+ * P's rounding where bf16 pairs take P v. */
 static void check_fwd_vs_ref(const attn_case *c, loom_dtype dt) {
     attn_data d = data_make(c, dt, 100);
     void *o1 = malloc(d.nq * 4), *o2 = malloc(d.nq * 4);
     float *l1 = malloc(d.nlse * 4), *l2 = malloc(d.nlse * 4);
     attention_fwd(o1, l1, d.q, d.k, d.v, CASE_ARGS(*c), dt);
     attention_fwd_ref(o2, l2, d.q, d.k, d.v, CASE_ARGS(*c), dt);
-    assert_close_dt(o1, o2, d.nq, dt, 1e-6, 2.0 * unit_roundoff(dt) + 1e-5);
+    float *f1 = tu_to_f32(o1, d.nq, dt), *f2 = tu_to_f32(o2, d.nq, dt), *bound = pv_rounding_bound(&d);
+    assert_close_bound(f1, f2, bound, d.nq, 1e-6, 2.0 * unit_roundoff(dt) + 1e-5);
+    free(f1); free(f2); free(bound);
     TU_ASSERT_CLOSE(l1, l2, d.nlse, 1e-5, 1e-5);
     free(o1); free(o2); free(l1); free(l2);
     data_free(&d);
@@ -138,15 +177,17 @@ static void attention_double(float *out, float *lse, const attn_data *d) {
     free(p);
 }
 
-/* fp32 accumulation error (< 1e-5 here) plus one rounding to dt (u). */
+/* fp32 accumulation error (< 1e-5 here) plus one rounding to dt (u), and
+ * P's rounding where bf16 pairs take P v. */
 static void check_fwd_formula(const attn_case *c, loom_dtype dt) {
     attn_data d = data_make(c, dt, 200);
     void *o = malloc(d.nq * 4);
     float *l = malloc(d.nlse * 4), *wo = malloc(d.nq * 4), *wl = malloc(d.nlse * 4);
     attention_fwd(o, l, d.q, d.k, d.v, CASE_ARGS(*c), dt);
     attention_double(wo, wl, &d);
-    float *got = tu_to_f32(o, d.nq, dt);
-    TU_ASSERT_CLOSE(got, wo, d.nq, 1e-5, unit_roundoff(dt) + 1e-5);
+    float *got = tu_to_f32(o, d.nq, dt), *bound = pv_rounding_bound(&d);
+    assert_close_bound(got, wo, bound, d.nq, 1e-5, unit_roundoff(dt) + 1e-5);
+    free(bound);
     TU_ASSERT_CLOSE(l, wl, d.nlse, 1e-5, 1e-5);
     free(o); free(l); free(wo); free(wl); free(got);
     data_free(&d);
@@ -326,7 +367,7 @@ static void test_bwd_finite_differences(void **state) {
 /* Every output element is summed by one task in a fixed order: 1 and 2
  * threads give the same bits, forward and backward. */
 /* The flash kernels as an AVX-512 CPU runs them: every small product
- * through the AVX-512F tiles, then also the bf16 inputs' scores and dP
+ * through the AVX-512F tiles, then also every product of the bf16 inputs'
  * through the AVX-512 BF16 ones (SIMDe-emulated here), against the
  * references. */
 static void test_avx512_tiles(void **state) {
@@ -334,9 +375,10 @@ static void test_avx512_tiles(void **state) {
     mm_f32_set_tiles(mm_avx512_emulated);
     test_fwd_vs_ref(state);
     test_bwd_vs_ref(state);
-    /* and with bf16 inputs, the scores and dP from AVX-512 BF16 dot products */
+    /* and with bf16 inputs, every product from AVX-512 BF16 dot products */
     mm_bf16_set_tiles(mm_bf16_avx512_emulated);
     test_fwd_vs_ref(state);
+    test_fwd_formula(state);
     test_bwd_vs_ref(state);
     test_kv_cache_unseen_keys(state);
     mm_bf16_set_tiles(NULL);

@@ -107,36 +107,88 @@ static void test_mm_avx512_tiles(void **state) {
 #endif
 }
 
-/* The AVX-512 BF16 tiles (emulated): C = A B over bf16 pairs against the
- * same sums in double, for rows off the 8-row tile and 16/32-column blocks. */
+/* The AVX-512 BF16 tiles (emulated): C = A B and C += A B over bf16 pairs
+ * against the same sums in double, for rows off the 8-row tile and 16/32-
+ * column blocks, A's pairs along its rows (rs = lda, ps = 1) and down its
+ * columns (rs = 1, ps = lda); on a CPU with AVX-512 BF16 the native tiles
+ * too. */
 static void test_mm_bf16_tiles(void **state) {
     (void)state;
 #if LOOM_HAVE_AVX512
-    const int shapes[][3] = {{8, 32, 4}, {16, 64, 24}, {5, 16, 3}, {9, 48, 8}, {1, 16, 1}, {37, 80, 17}};
-    for (size_t c = 0; c < sizeof shapes / sizeof shapes[0]; c++) {
-        int m = shapes[c][0], n = shapes[c][1], kp = shapes[c][2], lda = kp + 3, ldb = n + 5, ldc = n + 2;
-        float *af = malloc(sizeof(float) * 2 * (size_t)m * lda), *bf = malloc(sizeof(float) * 2 * (size_t)kp * ldb);
-        tu_fill_uniform(af, 2 * (size_t)m * lda, -2.0f, 2.0f, 21 + c);
-        tu_fill_uniform(bf, 2 * (size_t)kp * ldb, -2.0f, 2.0f, 31 + c);
-        uint16_t *a16 = tu_from_f32(af, 2 * (size_t)m * lda, LOOM_BF16), *b16 = tu_from_f32(bf, 2 * (size_t)kp * ldb,
-                                                                                           LOOM_BF16);
-        float *C = malloc(sizeof(float) * (size_t)m * ldc), *want = malloc(sizeof(float) * (size_t)m * ldc);
-        for (int i = 0; i < m * ldc; i++) C[i] = want[i] = 5.0f; /* the row padding must stay */
-        for (int i = 0; i < m; i++)
-            for (int j = 0; j < n; j++) {
-                double acc = 0.0;
-                for (int q = 0; q < 2 * kp; q++) /* pair p of column j: B elements 2 (p ldb + j) + (q & 1) */
-                    acc += (double)loom_bf16_to_f32(a16[(size_t)i * 2 * lda + q]) *
-                           loom_bf16_to_f32(b16[2 * ((size_t)(q / 2) * ldb + j) + (q & 1)]);
-                want[(size_t)i * ldc + j] = (float)acc;
+    const int shapes[][3] = {{8, 32, 4}, {16, 64, 24}, {5, 16, 3}, {9, 48, 8}, {1, 16, 1}, {37, 80, 17}, {3, 16, 0}};
+    for (size_t c = 0; c < sizeof shapes / sizeof shapes[0]; c++)
+        for (int t = 0; t < 2; t++)
+            for (int acc = 0; acc < 2; acc++) {
+                int m = shapes[c][0], n = shapes[c][1], kp = shapes[c][2], ldb = n + 5, ldc = n + 2;
+                int lda = t ? m + 3 : kp + 3, arows = t ? kp : m; /* A stored (arows, lda) pairs */
+                size_t rs = t ? 1 : (size_t)lda, ps = t ? (size_t)lda : 1;
+                size_t na = 2 * (size_t)(arows > 0 ? arows : 1) * lda, nb = 2 * (size_t)(kp > 0 ? kp : 1) * ldb;
+                float *af = malloc(sizeof(float) * na), *bf = malloc(sizeof(float) * nb);
+                tu_fill_uniform(af, na, -2.0f, 2.0f, 21 + c);
+                tu_fill_uniform(bf, nb, -2.0f, 2.0f, 31 + c);
+                uint16_t *a16 = tu_from_f32(af, na, LOOM_BF16), *b16 = tu_from_f32(bf, nb, LOOM_BF16);
+                size_t nc = (size_t)m * ldc;
+                float *C = malloc(sizeof(float) * nc), *want = malloc(sizeof(float) * nc);
+                float *C2 = malloc(sizeof(float) * nc);
+                tu_fill_uniform(C, nc, -1.0f, 1.0f, 41 + c); /* the row padding must stay */
+                memcpy(want, C, sizeof(float) * nc);
+                memcpy(C2, C, sizeof(float) * nc);
+                for (int i = 0; i < m; i++)
+                    for (int j = 0; j < n; j++) {
+                        double sum = acc ? want[(size_t)i * ldc + j] : 0.0;
+                        for (int q = 0; q < 2 * kp; q++) /* element q & 1 of pair q / 2 */
+                            sum += (double)loom_bf16_to_f32(a16[2 * ((size_t)i * rs + (size_t)(q / 2) * ps) + (q & 1)]) *
+                                   loom_bf16_to_f32(b16[2 * ((size_t)(q / 2) * ldb + j) + (q & 1)]);
+                        want[(size_t)i * ldc + j] = (float)sum;
+                    }
+                mm_bf16_avx512_emulated(m, n, kp, (const uint32_t *)a16, rs, ps, (const uint32_t *)b16, ldb, C, ldc,
+                                        acc);
+                TU_ASSERT_CLOSE(C, want, nc, 1e-4, 1e-5);
+                if (simd_avx512bf16()) { /* the instructions themselves (their order of the pair's two
+                                            * products need not be SIMDe's, so not the same bits) */
+                    mm_bf16_avx512(m, n, kp, (const uint32_t *)a16, rs, ps, (const uint32_t *)b16, ldb, C2, ldc, acc);
+                    TU_ASSERT_CLOSE(C2, want, nc, 1e-4, 1e-5);
+                }
+                free(af); free(bf); free(a16); free(b16); free(C); free(C2); free(want);
             }
-        mm_bf16_avx512_emulated(m, n, kp, (const uint32_t *)a16, (size_t)lda, (const uint32_t *)b16, ldb, C, ldc);
-        TU_ASSERT_CLOSE(C, want, (size_t)m * ldc, 1e-4, 1e-5);
-        free(af); free(bf); free(a16); free(b16); free(C); free(want);
-    }
 #else
     skip(); /* built without SIMDe or -mavx512bf16: there are no BF16 tiles */
 #endif
+}
+
+/* row_pairs against loom_f32_to_bf16 element by element, both paths, fp32
+ * rows (ties, NaN, infinities, subnormals among them) and bf16 rows, with
+ * and without the high row, lengths off the 8-lane vectors. */
+static void test_row_pairs(void **state) {
+    (void)state;
+    enum { N = 45 };
+    float a[N], b[N];
+    tu_fill_uniform(a, N, -3.0f, 3.0f, 51);
+    tu_fill_uniform(b, N, -3.0f, 3.0f, 52);
+    const uint32_t odd[] = {0x3f808000u, 0x3f818000u, 0x7fc00001u, 0xff800000u, 0x00000001u, 0x807fffffu, 0x7f7fffffu};
+    for (size_t i = 0; i < sizeof odd / sizeof odd[0]; i++) {
+        memcpy(&a[3 + i], &odd[i], 4);
+        memcpy(&b[20 + i], &odd[i], 4);
+    }
+    uint16_t *a16 = tu_from_f32(a, N, LOOM_BF16), *b16 = tu_from_f32(b, N, LOOM_BF16);
+    int on = simd_avx2();
+    for (int simd = 0; simd < 2; simd++) {
+        loom_set_simd(simd);
+        for (int n = 0; n <= N; n += (n < 17 ? 1 : 7))
+            for (int hi = 0; hi < 2; hi++) {
+                uint32_t got[N], got16[N];
+                row_pairs(got, a, hi ? b : NULL, LOOM_F32, n);
+                row_pairs(got16, a16, hi ? b16 : NULL, LOOM_BF16, n);
+                for (int j = 0; j < n; j++) {
+                    uint32_t want = loom_f32_to_bf16(a[j]) | (hi ? (uint32_t)loom_f32_to_bf16(b[j]) << 16 : 0u);
+                    assert_int_equal(got[j], want);
+                    assert_int_equal(got16[j], want);
+                }
+            }
+    }
+    loom_set_simd(on);
+    free(a16);
+    free(b16);
 }
 
 /* loom_simd_name says which paths run: portable when turned off, else the
@@ -158,6 +210,7 @@ int main(void) {
         cmocka_unit_test(test_mm),
         cmocka_unit_test(test_mm_avx512_tiles),
         cmocka_unit_test(test_mm_bf16_tiles),
+        cmocka_unit_test(test_row_pairs),
         cmocka_unit_test(test_simd_name),
     };
     return TU_RUN_SIMD_AND_PORTABLE(tests);
