@@ -35,6 +35,7 @@ static const attn_case CASES[] = {
     {1, 3, 75, 8, 2, 64, 67},   // KV cache, query stride 2 KiB, unseen keys: few queries, in place
     {2, 1, 80, 8, 8, 64, 60},   // one new token, both strides 2 KiB: in place
     {2, 40, 40, 4, 2, 7, 0},    // an odd head size: bf16 pairs would straddle two heads
+    {1, 69, 100, 4, 2, 16, 31}, // odd q_pos0 and Tq: blocks and strips start on odd queries, odd counts
 };
 #define N_CASES (sizeof CASES / sizeof CASES[0])
 
