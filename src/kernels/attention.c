@@ -9,11 +9,14 @@
  * Both directions work in fp32 on blocks of ATTN_BQ queries x ATTN_BK keys,
  * with the products as small matrix multiplies (mm_f32: AVX-512F, AVX2/FMA
  * or portable C) and vectorized exps. With bf16 inputs on a CPU with
- * AVX-512 BF16 (mm_bf16_tiles()) and an even head size (pairs never
- * straddle two heads), the products of two inputs — the scores
- * S = (q k^T) scale in both directions and dP = dout v^T — are bf16 dot
- * products with fp32 sums on the inputs' own pairs (packed transposed per
- * block or kv head); the others, whose factors are computed, stay fp32.
+ * AVX-512 BF16 (mm_bf16_tiles()) and a head size that is a multiple of 16
+ * (whole tile columns; pairs never straddle two heads), every product is a
+ * bf16 dot product with fp32 sums (s->dot2): those of two inputs — the
+ * scores S = (q k^T) scale in both directions and dP = dout v^T — on the
+ * inputs' own pairs (packed transposed per block or kv head); those with a
+ * computed factor — P v, P^T dout, dS^T q, dS k — with P or dS rounded to
+ * bf16 and paired along the summed dimension, against inputs paired the
+ * same way (pack_row_pairs; docs/design-notes.md).
  * Forward: one task per (b, kv head g); fp32 keys and values are read in
  * place (unless their stride is critical and a block of queries or more reads
  * them: attn_shape_make), other dtypes converted once per task; each query block is
