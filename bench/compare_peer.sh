@@ -15,9 +15,10 @@
 # on a shared machine one pair can be off by 20%. The peer takes 9 fp32 steps
 # by default (--peer-steps sets it for every configuration): it drops only
 # its first, and on small its steps 1 and 2 are still 20-35% slower than its
-# steady state, so with 3 steps its median was a warm-up step. Its bf16 steps
-# take minutes (no bf16 hardware here) and its bf16 ratios are far from any
-# target, so bf16 configurations default to 3 peer steps. The steadier
+# steady state, so with 3 steps its median was a warm-up step. On a CPU
+# without bf16 hardware its bf16 steps take minutes each, so bf16
+# configurations default to 3 peer steps; where the CPU has AVX-512 BF16 its
+# bf16 is fast, and --peer-steps 9 gives it the fp32 count. The steadier
 # comparison of speed is bench/lockstep_peer.py, which alternates single
 # steps of both. Both run with OMP_WAIT_POLICY=passive (loom's own default;
 # spinning OpenMP threads collapse on a machine shared with other work)
