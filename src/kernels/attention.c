@@ -646,9 +646,9 @@ static void attn_bwd_task(void *dq, void *dk, void *dv, const void *dout,
         if (f32) {
             w->dout = (const float *)dout + q_off(s, b, 0, h);
             w->lddo = s->NH * HS;
-        } else if (!s->dot2) {
-            load_rows(w->dobuf, dout, s->Tq, s->NH, b, 0, h, s->Tq, s);
-            w->dout = w->dobuf;
+        } else {
+            if (!s->dot2) load_rows(w->dobuf, dout, s->Tq, s->NH, b, 0, h, s->Tq, s);
+            w->dout = w->dobuf; /* unread with dot2, but a real row for attn_bwd_block's pointers */
         }
         w->dq = f32 ? (float *)dq + q_off(s, b, 0, h) : w->dqbuf;
         w->lddq = f32 ? s->NH * HS : HS;
