@@ -46,9 +46,9 @@ static void chunk_c(int f, const ew_args *a, size_t lo, size_t hi) {
 }
 
 #if LOOM_HAVE_X86_SIMD
-SIMD_AVX2 static void chunk_avx2(int f, const ew_args *a, size_t lo, size_t hi) {
+SIMD_AVX2 static inline __attribute__((always_inline)) void chunk_avx2_dt(int f, const ew_args *a, size_t lo,
+                                                                           size_t hi, loom_dtype dt) {
     const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-    loom_dtype dt = a->dt;
     size_t i = lo;
     for (; i + 8 <= hi; i += 8) {
         __m256 x = simd_load8(a->x, i, dt);
@@ -66,6 +66,22 @@ SIMD_AVX2 static void chunk_avx2(int f, const ew_args *a, size_t lo, size_t hi) 
         }
     }
     chunk_c(f, a, i, hi);
+}
+
+/* One copy of the loop per dtype and function, so no branch on either is
+ * left inside it. */
+SIMD_AVX2 static void chunk_avx2(int f, const ew_args *a, size_t lo, size_t hi) {
+#define CHUNK_DT(dt)                                                                                             \
+    switch (f) {                                                                                                 \
+    case F_SILU: chunk_avx2_dt(F_SILU, a, lo, hi, dt); break;                                                    \
+    case F_SILU_BWD: chunk_avx2_dt(F_SILU_BWD, a, lo, hi, dt); break;                                            \
+    case F_SWIGLU: chunk_avx2_dt(F_SWIGLU, a, lo, hi, dt); break;                                                \
+    default: chunk_avx2_dt(F_SWIGLU_BWD, a, lo, hi, dt); break;                                                  \
+    }
+    if (a->dt == LOOM_BF16) CHUNK_DT(LOOM_BF16)
+    else if (a->dt == LOOM_F16) CHUNK_DT(LOOM_F16)
+    else CHUNK_DT(LOOM_F32)
+#undef CHUNK_DT
 }
 #endif
 
