@@ -745,6 +745,13 @@ static int run(int argc, char **argv) {
     };
     int n_flags = (int)(sizeof flags / sizeof flags[0]);
     int rc = cli_parse(&cmd_train, flags, n_flags, argc, argv);
+    if (rc > 0 && loom_dist_launched_ranks() > 1) {
+        /* This rank leaves before MPI starts: with status 0 the launcher
+         * would let the others wait for it in MPI_Init forever. */
+        fprintf(stderr, "loom train: --help in a job of %ld processes: exiting with status 2 so that the launcher "
+                        "stops the others (run loom train --help on its own)\n", loom_dist_launched_ranks());
+        return 2;
+    }
     if (rc) return rc > 0 ? 0 : 2;
     if (!o->data) return cli_usage_error("train", "--data DIR is required (make shards with loom tokenize)");
     /* Flags that would be ignored are refused (or noted, when resuming). */

@@ -31,6 +31,9 @@ void loom_dist_abort(const char *message, int code) __attribute__((noreturn));
 int loom_dist_is_distributed(void);
 /* Whether this loom was built with MPI (else every job is one process). */
 int loom_dist_built_with_mpi(void);
+/* The number of processes the launcher (mpirun, a PMI launcher) says the
+ * job has, before MPI starts; 1 when started on its own. */
+long loom_dist_launched_ranks(void);
 
 int loom_comm_rank(const loom_comm *c);
 int loom_comm_size(const loom_comm *c);

@@ -50,15 +50,12 @@ static int launched_by_mpirun(void) {
     return getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("PMIX_RANK") || getenv("PMI_RANK");
 }
 
-#if !LOOM_HAVE_MPI
-/* The world size the launcher announced (1 when it says nothing). */
-static long launcher_world_size(void) {
+long loom_dist_launched_ranks(void) {
     const char *v = getenv("OMPI_COMM_WORLD_SIZE");
     if (!v) v = getenv("PMI_SIZE");
     long n = v ? strtol(v, NULL, 10) : 1;
     return n > 1 ? n : 1;
 }
-#endif
 
 loom_status loom_dist_init(int *argc, char ***argv, loom_comm **world) {
     *world = &world_comm;
@@ -79,9 +76,9 @@ loom_status loom_dist_init(int *argc, char ***argv, loom_comm **world) {
     (void)argc; (void)argv;
     /* Each of the processes would train alone, on the same data and into
      * the same output directory. */
-    if (launched_by_mpirun() && launcher_world_size() > 1)
+    if (launched_by_mpirun() && loom_dist_launched_ranks() > 1)
         return loom_error(LOOM_ERR_DIST, "started as one of %ld processes, but this loom was built without MPI; "
-                          "install Open MPI (libopenmpi-dev) and rebuild, or run one process", launcher_world_size());
+                          "install Open MPI (libopenmpi-dev) and rebuild, or run one process", loom_dist_launched_ranks());
 #endif
     return LOOM_OK;
 }

@@ -151,6 +151,17 @@ set -e
 [ $rc -ne 0 ] && [ $rc -ne 124 ] || { cat "$WORK/err.log"; fail "failing rank: exit $rc (124 = hang)"; }
 grep -q "rank 1: loom train: .*train_000000.bin" "$WORK/err.log" || { cat "$WORK/err.log"; fail "no clear message from the failing rank"; }
 
+# --help on one rank of an MPMD launch ends the job (status 2), not a hang:
+# with status 0 the other rank would wait for it in MPI_Init forever.
+set +e
+timeout 120 mpirun -np 1 "$LOOM" train "${D[@]}" --batch 2 --steps 50 --out "$WORK/x" : \
+                    -np 1 "$LOOM" train --help >"$WORK/out.log" 2>"$WORK/err.log"
+rc=$?
+set -e
+[ $rc -ne 0 ] && [ $rc -ne 124 ] || { cat "$WORK/err.log"; fail "--help on one rank: exit $rc (124 = hang)"; }
+grep -q "usage: loom train" "$WORK/out.log" || fail "--help on one rank printed no help"
+grep -q "help in a job of 2 processes" "$WORK/err.log" || { cat "$WORK/err.log"; fail "--help on one rank: no note"; }
+
 # A rank killed mid-training (SIGKILL) ends the job, not a hang.
 set +e
 timeout 120 mpirun -np 1 "$LOOM" train "${D[@]}" --batch 2 --steps 100000 --out "$WORK/k" : \
