@@ -34,7 +34,9 @@
  * head, key block and query block it recomputes S = (scale q) k^T — the
  * same products as the forward, so P = exp(S - lse) is consistent — then with
  * D_i = rowsum(dout_i * out_i): dP = dout v^T, dS = P (dP - D),
- * dV += P^T dout, dK += dS^T (scale q), dq += dS k (times scale at the end).
+ * dV += P^T dout, dK += dS^T (scale q), dq += dS k (times scale at the end;
+ * with dot2, dK += dS^T q is scaled at the end too, and q, dout and the keys
+ * are paired by rows instead of converted: attn_bwd_block_pairs).
  * The task owns dk, dv of its kv head and dq of its query heads, so no two
  * threads write the same row.
  * On blocks the causal mask cuts (the diagonal), both directions run their
@@ -57,6 +59,7 @@
 #define ATTN_BK 64
 #endif /* keys per block */
 #define ATTN_STRIP 16 /* rows per product on a block the causal mask cuts */
+_Static_assert(ATTN_BQ % 8 == 0 && ATTN_BK % 2 == 0, "query blocks are whole vectors; bf16 pairs need even blocks");
 
 typedef struct attn_shape {
     int B, Tq, Tk, NH, NKV, HS, q_pos0;
@@ -64,7 +67,7 @@ typedef struct attn_shape {
     float scale;
     loom_dtype dt;
     int in_place; /* fp32 rows read (and dk, dv, dq summed) where they lie: attn_shape_make */
-    mm_bf16_fn dot2; /* bf16 inputs on a CPU with bf16 dot products: the scores and dP from them */
+    mm_bf16_fn dot2; /* bf16 inputs, HS a multiple of 16, a CPU with bf16 dot products: every product */
 } attn_shape;
 
 /* Rows of a (B, T, heads, HS) buffer are heads * HS floats apart. With a
@@ -397,11 +400,11 @@ typedef struct attn_bwd_scratch {
     int ldkt;              // Tk, or Tkp = Tk rounded up to 16 with dot2
     const uint32_t *q2, *do2; // with dot2: one query head's bf16 q and dout rows as pairs, ldq2 apart
     size_t ldq2;
-    float *qs;             // (Tq, HS) one query head, times scale
+    float *qs;             // (Tq, HS) one query head, times scale (unused with dot2)
     float *dq;             // its dq accumulator, rows lddq apart: dq itself (in place) or dqbuf
     int lddq;
     float *dqbuf;          // (Tq, HS)
-    float *kbuf, *dobuf;   // (Tk, HS), (Tq, HS) converted rows when not in place
+    float *kbuf, *dobuf;   // (Tk, HS), (Tq, HS) converted rows when not in place (unused with dot2)
     float *dkbuf, *dvbuf;  // (Tk, HS) accumulators when not in place
     float *p, *ds;         // (ATTN_BQ, ATTN_BK)
     uint32_t *kp;          // with dot2: ((Tk + 1) / 2, HS) the kv head's keys as pairs of rows
@@ -532,7 +535,8 @@ static void attn_bwd_block_pairs(attn_bwd_scratch *w, int q0, int nq, int k0, in
     }
 }
 
-/* Query block [q0, q0 + nq) of head h (qs, dout in w) against key block
+/* Query block [q0, q0 + nq) of head h (qs, dout in w, or their pairs with
+ * dot2) against key block
  * [k0, k0 + nk). Each product runs in strips of ATTN_STRIP rows and stops
  * where the causal mask makes every further term zero: the scores of a
  * query strip cover the keys its last query sees (rounded up to a tile),
@@ -625,7 +629,10 @@ static void attn_bwd_task(void *dq, void *dk, void *dv, const void *dout,
         size_t ld2 = (size_t)s->NKV * HS / 2;
         pack_pairs_t((uint32_t *)w->kt, w->ldkt, pair_rows(k, kv_off(s, b, 0, g)), ld2, Tk, w->ldkt, HS);
         pack_pairs_t((uint32_t *)w->vt, w->ldkt, pair_rows(v, kv_off(s, b, 0, g)), ld2, Tk, w->ldkt, HS);
-        pack_row_pairs(w->kp, k, kv_off(s, b, 0, g), 2 * ld2, Tk, HS); /* and keys as pairs of rows, for dq */
+        /* and the keys any query sees as pairs of rows, for dq: with an odd
+         * count the last pairs with a zero row, never with an unseen key
+         * (0 x NaN is NaN) */
+        pack_row_pairs(w->kp, k, kv_off(s, b, 0, g), 2 * ld2, min_i(Tk, s->q_pos0 + s->Tq), HS);
     } else {
         transpose_f32(w->kt, Tk, w->k, w->ldk, Tk, HS);
         transpose_f32(w->vt, Tk, vrows, w->ldk, Tk, HS);
