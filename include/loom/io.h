@@ -261,11 +261,16 @@ loom_status loom_dataloader_set_position(loom_dataloader *dl, const loom_dataloa
 /* Back to epoch 0, first shard, offset 0. */
 loom_status loom_dataloader_reset(loom_dataloader *dl);
 /* A 64-bit summary of the data this loader reads: the shards' count and
- * order, each one's token count, and 64 tokens sampled evenly from each
- * (not the names: paths differ between machines). Loaders over the same
- * files agree; a missing, extra, reordered, longer or rewritten shard almost
- * always changes it (a change between the sampled tokens does not).
- * Errors: LOOM_ERR_IO / LOOM_ERR_FORMAT (a shard that no longer opens). */
+ * order, each one's token count, and their tokens (not the names: paths
+ * differ between machines). Shards are hashed whole, in order, while the
+ * tokens hashed whole stay within LOOM_FINGERPRINT_FULL_TOKENS (256 MiB of
+ * tokens: reading them costs a fraction of a second); each shard past that
+ * contributes 64 tokens sampled evenly. Loaders over the same files agree;
+ * a missing, extra, reordered, longer or rewritten shard almost always
+ * changes it (in a sampled shard, a change between the sampled tokens does
+ * not). Errors: LOOM_ERR_IO / LOOM_ERR_FORMAT (a shard that no longer
+ * opens), LOOM_ERR_NOMEM. */
+#define LOOM_FINGERPRINT_FULL_TOKENS ((size_t)64 << 20)
 loom_status loom_dataloader_fingerprint(const loom_dataloader *dl, uint64_t *out);
 size_t loom_dataloader_num_shards(const loom_dataloader *dl);
 /* Path of shard i (owned by dl), NULL when out of range. */

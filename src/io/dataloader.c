@@ -266,25 +266,56 @@ static uint64_t fnv1a(uint64_t h, const void *p, size_t n) {
     return h;
 }
 
-loom_status loom_dataloader_fingerprint(const loom_dataloader *dl, uint64_t *out) {
-    enum { SAMPLES = 64 };
+/* FNV-1a over whole tokens (a word at a time: 4 times fewer steps than
+ * bytes). */
+static uint64_t fnv1a_tokens(uint64_t h, const int32_t *t, size_t n) {
+    for (size_t i = 0; i < n; i++) h = (h ^ (uint32_t)t[i]) * 1099511628211ull;
+    return h;
+}
+
+/* Every token of a shard (read in chunks), or 64 sampled evenly. */
+static loom_status hash_shard(const loom_shard *sh, size_t count, int full, uint64_t *h) {
+    enum { SAMPLES = 64, CHUNK = 65536 };
+    if (!full) {
+        for (size_t k = 0; count > 0 && k < SAMPLES; k++) {
+            int32_t tok;
+            LOOM_TRY(loom_shard_read(sh, k * (count - 1) / (SAMPLES - 1), 1, &tok));
+            *h = fnv1a_tokens(*h, &tok, 1);
+        }
+        return LOOM_OK;
+    }
+    int32_t *buf = malloc(CHUNK * sizeof *buf);
+    if (!buf) return loom_error(LOOM_ERR_NOMEM, "out of memory for the data fingerprint");
+    loom_status st = LOOM_OK;
+    for (size_t at = 0; st == LOOM_OK && at < count; at += CHUNK) {
+        size_t n = count - at < CHUNK ? count - at : CHUNK;
+        st = loom_shard_read(sh, at, n, buf);
+        if (st == LOOM_OK) *h = fnv1a_tokens(*h, buf, n);
+    }
+    free(buf);
+    return st;
+}
+
+loom_status dataloader_fingerprint_budget(const loom_dataloader *dl, size_t full_tokens, uint64_t *out) {
     uint64_t h = fnv1a(14695981039346656037ull, &dl->n_shards, sizeof dl->n_shards);
+    size_t hashed = 0; /* tokens hashed in full so far */
     for (size_t i = 0; i < dl->n_shards; i++) {
         loom_shard *sh;
         LOOM_TRY(loom_shard_open(dl->paths[i], &sh));
         size_t count = loom_shard_count(sh);
         h = fnv1a(h, &count, sizeof count);
-        loom_status st = LOOM_OK;
-        for (size_t k = 0; st == LOOM_OK && count > 0 && k < SAMPLES; k++) {
-            int32_t tok;
-            st = loom_shard_read(sh, k * (count - 1) / (SAMPLES - 1), 1, &tok);
-            h = fnv1a(h, &tok, sizeof tok);
-        }
+        int full = count <= full_tokens - hashed;
+        if (full) hashed += count;
+        loom_status st = hash_shard(sh, count, full, &h);
         loom_shard_close(sh);
         LOOM_TRY(st);
     }
     *out = h;
     return LOOM_OK;
+}
+
+loom_status loom_dataloader_fingerprint(const loom_dataloader *dl, uint64_t *out) {
+    return dataloader_fingerprint_budget(dl, LOOM_FINGERPRINT_FULL_TOKENS, out);
 }
 
 size_t loom_dataloader_num_shards(const loom_dataloader *dl) { return dl ? dl->n_shards : 0; }

@@ -64,6 +64,10 @@ loom_status io_read_file(const char *path, const char *what, void **data, size_t
 
 loom_status io_check_finite(const float *v, size_t n, const char *path, const char *name);
 
+/* loom_dataloader_fingerprint with another budget of tokens hashed whole
+ * (the tests' way to the sampled shards without 256 MiB of them). */
+loom_status dataloader_fingerprint_budget(const loom_dataloader *dl, size_t full_tokens, uint64_t *out);
+
 /* Format the errno `err` of a failed write of `path` into a message suffix
  * with a hint ("disk full?" for ENOSPC/EDQUOT). */
 const char *io_write_hint(int err);

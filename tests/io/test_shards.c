@@ -5,6 +5,7 @@
  * out-of-vocabulary tokens.
  */
 #include "io_test.h"
+#include "io/io_internal.h"
 
 #include <sys/stat.h>
 
@@ -308,28 +309,44 @@ static void test_loader_ranks_disjoint(void **state) {
 }
 
 /* The fingerprint ranks compare: the same data agrees whatever the loader's
- * rank, world or batch; one token changed, or another shard, does not. */
-static uint64_t fingerprint_of(const char *source, int rank, int world) {
+ * rank, world or batch; one token changed, or another shard, does not.
+ * Within the budget of tokens hashed whole every token counts; past it a
+ * shard gives 64 sampled tokens, and a change between them goes unseen. */
+static uint64_t fingerprint_of(const char *source, int rank, int world, size_t budget) {
     loom_dataloader *dl = open_loader(source, 2, 5, rank, world);
     uint64_t h = 0;
-    assert_int_equal(loom_dataloader_fingerprint(dl, &h), LOOM_OK);
+    if (budget == LOOM_FINGERPRINT_FULL_TOKENS)
+        assert_int_equal(loom_dataloader_fingerprint(dl, &h), LOOM_OK);
+    else
+        assert_int_equal(dataloader_fingerprint_budget(dl, budget, &h), LOOM_OK);
     loom_dataloader_close(dl);
     return h;
 }
 
 static void test_loader_fingerprint(void **state) {
     (void)state;
-    uint64_t all = fingerprint_of(io_path("data"), 0, 1);
-    assert_true(all == fingerprint_of(io_path("data"), 2, 3));
-    uint64_t one = fingerprint_of(io_path("data/train_000002.bin"), 0, 1);
+    const size_t FULL = LOOM_FINGERPRINT_FULL_TOKENS;
+    uint64_t all = fingerprint_of(io_path("data"), 0, 1, FULL);
+    assert_true(all == fingerprint_of(io_path("data"), 2, 3, FULL));
+    assert_true(fingerprint_of(io_path("data"), 0, 1, 0) == fingerprint_of(io_path("data"), 2, 3, 0));
+    uint64_t one = fingerprint_of(io_path("data/train_000002.bin"), 0, 1, FULL);
+    uint64_t one_sampled = fingerprint_of(io_path("data/train_000002.bin"), 0, 1, 0);
     assert_true(one != all);
     int32_t t[1001];
     for (int i = 0; i < 1001; i++) t[i] = (int32_t)(2 * 10000 + i);
     assert_int_equal(loom_shard_write(io_path("copy.bin"), t, 1001, VOCAB), LOOM_OK);
-    assert_true(fingerprint_of(io_path("copy.bin"), 0, 1) == one); /* another name, the same tokens */
+    assert_true(fingerprint_of(io_path("copy.bin"), 0, 1, FULL) == one); /* another name, the same tokens */
+    assert_true(fingerprint_of(io_path("copy.bin"), 0, 1, 0) == one_sampled);
+    t[1] = 7; /* between two sampled tokens */
+    assert_int_equal(loom_shard_write(io_path("copy.bin"), t, 1001, VOCAB), LOOM_OK);
+    assert_true(fingerprint_of(io_path("copy.bin"), 0, 1, FULL) != one);
+    assert_true(fingerprint_of(io_path("copy.bin"), 0, 1, 1000) == one_sampled); /* 1001 tokens: over budget */
+    assert_true(fingerprint_of(io_path("copy.bin"), 0, 1, 1001) != one);
+    t[1] = 2 * 10000 + 1;
     t[1000] = 7; /* the last token: always sampled */
     assert_int_equal(loom_shard_write(io_path("copy.bin"), t, 1001, VOCAB), LOOM_OK);
-    assert_true(fingerprint_of(io_path("copy.bin"), 0, 1) != one);
+    assert_true(fingerprint_of(io_path("copy.bin"), 0, 1, FULL) != one);
+    assert_true(fingerprint_of(io_path("copy.bin"), 0, 1, 0) != one_sampled);
 }
 
 static void test_loader_errors(void **state) {
