@@ -216,13 +216,28 @@ toks = [body[i:i + size] for i in range(0, len(body), size)]
 open(p, "wb").write(head + b"".join(reversed(toks)))
 PYEOF
 }
-mkdir -p "$WORK/extra" "$WORK/rewritten" "$WORK/valdiff"
+swap_two_tokens() { # $1 a shard: two neighbouring, different tokens swapped, both before the second sampled one
+  $PY - "$1" <<'PYEOF'
+import sys
+p = sys.argv[1]; b = bytearray(open(p, "rb").read())
+size = 2 if int.from_bytes(b[0:4], "little") == 20240520 else 4
+n = (len(b) - 1024) // size
+tok = lambda i: b[1024 + i * size:1024 + (i + 1) * size]
+i = next(i for i in range(1, (n - 1) // 63 - 1) if tok(i) != tok(i + 1))  # samples: k (n - 1) / 63
+t1, t2 = 1024 + i * size, 1024 + (i + 1) * size
+b[t1:t1 + size], b[t2:t2 + size] = b[t2:t2 + size], b[t1:t1 + size]
+open(p, "wb").write(bytes(b))
+PYEOF
+}
+mkdir -p "$WORK/extra" "$WORK/rewritten" "$WORK/valdiff" "$WORK/swapped"
 cp "$WORK"/data/* "$WORK/extra/" && cp "$WORK/data/train_000000.bin" "$WORK/extra/train_000001.bin"
 cp "$WORK"/data/* "$WORK/rewritten/" && reverse_tokens "$WORK/rewritten/train_000000.bin"
 cp "$WORK"/data/* "$WORK/valdiff/" && reverse_tokens "$WORK/valdiff/val_000000.bin"
+cp "$WORK"/data/* "$WORK/swapped/" && swap_two_tokens "$WORK/swapped/train_000000.bin"
 cmp -s "$WORK/data/train_000000.bin" "$WORK/rewritten/train_000000.bin" && fail "the rewritten shard is unchanged"
+cmp -s "$WORK/data/train_000000.bin" "$WORK/swapped/train_000000.bin" && fail "the swapped shard is unchanged"
 R=(--config "$WORK/cfg.json" --seq 16 --threads 1 --batch 2 --steps 2 --out "$WORK/md")
-for other in extra rewritten; do
+for other in extra rewritten swapped; do
   expect_mpi_error "the ranks' --data differ: their training shards" \
     -np 1 "$LOOM" train --data "$WORK/data" "${R[@]}" --eval-every 0 : \
     -np 1 "$LOOM" train --data "$WORK/$other" "${R[@]}" --eval-every 0
