@@ -273,45 +273,46 @@ static uint64_t fnv1a_tokens(uint64_t h, const int32_t *t, size_t n) {
     return h;
 }
 
-/* Every token of a shard (read in chunks), or 64 sampled evenly. */
-static loom_status hash_shard(const loom_shard *sh, size_t count, int full, uint64_t *h) {
-    enum { SAMPLES = 64, CHUNK = 65536 };
-    if (!full) {
-        for (size_t k = 0; count > 0 && k < SAMPLES; k++) {
+enum { FP_SAMPLES = 64, FP_CHUNK = 65536 };
+
+/* Every token of a shard, read in chunks through buf (FP_CHUNK tokens), or
+ * with buf NULL FP_SAMPLES tokens sampled evenly. */
+static loom_status hash_shard(const loom_shard *sh, size_t count, int32_t *buf, uint64_t *h) {
+    if (!buf) {
+        for (size_t k = 0; count > 0 && k < FP_SAMPLES; k++) {
             int32_t tok;
-            LOOM_TRY(loom_shard_read(sh, k * (count - 1) / (SAMPLES - 1), 1, &tok));
+            LOOM_TRY(loom_shard_read(sh, k * (count - 1) / (FP_SAMPLES - 1), 1, &tok));
             *h = fnv1a_tokens(*h, &tok, 1);
         }
         return LOOM_OK;
     }
-    int32_t *buf = malloc(CHUNK * sizeof *buf);
-    if (!buf) return loom_error(LOOM_ERR_NOMEM, "out of memory for the data fingerprint");
-    loom_status st = LOOM_OK;
-    for (size_t at = 0; st == LOOM_OK && at < count; at += CHUNK) {
-        size_t n = count - at < CHUNK ? count - at : CHUNK;
-        st = loom_shard_read(sh, at, n, buf);
-        if (st == LOOM_OK) *h = fnv1a_tokens(*h, buf, n);
+    for (size_t at = 0; at < count; at += FP_CHUNK) {
+        size_t n = count - at < FP_CHUNK ? count - at : FP_CHUNK;
+        LOOM_TRY(loom_shard_read(sh, at, n, buf));
+        *h = fnv1a_tokens(*h, buf, n);
     }
-    free(buf);
-    return st;
+    return LOOM_OK;
 }
 
 loom_status dataloader_fingerprint_budget(const loom_dataloader *dl, size_t full_tokens, uint64_t *out) {
     uint64_t h = fnv1a(14695981039346656037ull, &dl->n_shards, sizeof dl->n_shards);
+    int32_t *buf = full_tokens ? malloc(FP_CHUNK * sizeof *buf) : NULL;
+    if (full_tokens && !buf) return loom_error(LOOM_ERR_NOMEM, "out of memory for the data fingerprint");
     size_t hashed = 0; /* tokens hashed in full so far */
-    for (size_t i = 0; i < dl->n_shards; i++) {
+    loom_status st = LOOM_OK;
+    for (size_t i = 0; st == LOOM_OK && i < dl->n_shards; i++) {
         loom_shard *sh;
-        LOOM_TRY(loom_shard_open(dl->paths[i], &sh));
+        if ((st = loom_shard_open(dl->paths[i], &sh)) != LOOM_OK) break;
         size_t count = loom_shard_count(sh);
         h = fnv1a(h, &count, sizeof count);
         int full = count <= full_tokens - hashed;
         if (full) hashed += count;
-        loom_status st = hash_shard(sh, count, full, &h);
+        st = hash_shard(sh, count, full ? buf : NULL, &h);
         loom_shard_close(sh);
-        LOOM_TRY(st);
     }
-    *out = h;
-    return LOOM_OK;
+    free(buf);
+    if (st == LOOM_OK) *out = h;
+    return st;
 }
 
 loom_status loom_dataloader_fingerprint(const loom_dataloader *dl, uint64_t *out) {

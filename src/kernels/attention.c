@@ -105,22 +105,15 @@ static void pack_pairs_t(uint32_t *dst, int ldd, const uint32_t *src, size_t lds
     }
 }
 
-/* dst ((n + 1) / 2, HS) uint32: row p pairs rows 2p and 2p + 1 of the n bf16
- * rows at src + off, ld elements apart, element by element (a zero row
- * stands in for row n). */
-static void pack_row_pairs(uint32_t *dst, const void *src, size_t off, size_t ld, int n, int HS) {
-    const uint16_t *r = (const uint16_t *)src + off;
-    for (int p = 0; p < half_up(n); p++)
-        row_pairs(dst + (size_t)p * HS, r + 2 * (size_t)p * ld, 2 * p + 1 < n ? r + (2 * (size_t)p + 1) * ld : NULL,
-                  LOOM_BF16, HS);
-}
-
 /* dst ((nr + 1) / 2, ldd) uint32: row p pairs rows 2p and 2p + 1 of the nr
- * fp32 rows of src (row stride lds), columns [0, n), each rounded to bf16. */
-static void pack_f32_row_pairs(uint32_t *dst, int ldd, const float *src, int lds, int nr, int n) {
+ * rows at src (dtype dt: fp32 rounded to bf16, or bf16 as stored), ld
+ * elements apart, over columns [0, n), element by element (a zero row
+ * stands in for row nr). */
+static void pack_row_pairs(uint32_t *dst, int ldd, const void *src, size_t ld, loom_dtype dt, int nr, int n) {
+    size_t pitch = ld * loom_dtype_size(dt);
     for (int p = 0; p < half_up(nr); p++) {
-        const float *a = src + 2 * (size_t)p * lds;
-        row_pairs(dst + (size_t)p * ldd, a, 2 * p + 1 < nr ? a + lds : NULL, LOOM_F32, n);
+        const char *a = (const char *)src + 2 * (size_t)p * pitch;
+        row_pairs(dst + (size_t)p * ldd, a, 2 * p + 1 < nr ? a + pitch : NULL, dt, n);
     }
 }
 
@@ -301,7 +294,7 @@ static void attn_fwd_scores(const attn_fwd_scratch *w, int q0, int nq, int k0, i
  * strip's odd last key pairs with one it does not see: P = 0 there). */
 static void attn_fwd_pv(const attn_fwd_scratch *w, int q0, int nq, int k0, int nk, const attn_shape *s) {
     int ld = w->ldkv, HS = s->HS;
-    if (s->dot2) pack_f32_row_pairs(w->pt, ATTN_BQ, w->st, ATTN_BQ, nk, (nq + 7) / 8 * 8);
+    if (s->dot2) pack_row_pairs(w->pt, ATTN_BQ, w->st, ATTN_BQ, LOOM_F32, nk, (nq + 7) / 8 * 8);
     for (int j0 = 0; j0 < nq; j0 += ATTN_STRIP) {
         int nj = min_i(nq - j0, ATTN_STRIP);
         int kn = attn_visible(s, q0 + j0 + nj - 1, k0, nk);
@@ -359,7 +352,8 @@ static void attn_fwd_task(void *out, float *lse, const void *q, const void *k, c
         if (s->dot2) { /* keys as stored (pairs along the head) and values as pairs of rows */
             w->k2 = pair_rows(k, kv_off(s, b, 0, g));
             w->ldk2 = (size_t)s->NKV * s->HS / 2;
-            pack_row_pairs(w->vp, v, kv_off(s, b, 0, g), (size_t)s->NKV * s->HS, kv_end, s->HS);
+            pack_row_pairs(w->vp, s->HS, (const uint16_t *)v + kv_off(s, b, 0, g), (size_t)s->NKV * s->HS, s->dt,
+                           kv_end, s->HS);
         } else {
             load_rows(w->kbuf, k, s->Tk, s->NKV, b, 0, g, kv_end, s);
             load_rows(w->vbuf, v, s->Tk, s->NKV, b, 0, g, kv_end, s);
@@ -514,8 +508,8 @@ static void attn_bwd_probs(attn_bwd_scratch *w, const float *lse, const float *D
  * it once). */
 static void attn_bwd_block_pairs(attn_bwd_scratch *w, int q0, int nq, int k0, int nk, const attn_shape *s) {
     int HS = s->HS;
-    pack_f32_row_pairs(w->pp, ATTN_BK, w->p, ATTN_BK, nq, nk);
-    pack_f32_row_pairs(w->dsp, ATTN_BK, w->ds, ATTN_BK, nq, nk);
+    pack_row_pairs(w->pp, ATTN_BK, w->p, ATTN_BK, LOOM_F32, nq, nk);
+    pack_row_pairs(w->dsp, ATTN_BK, w->ds, ATTN_BK, LOOM_F32, nq, nk);
     for (int i = 0; i < nq; i++) /* neighbouring fp32 -> bf16 make the pairs */
         convert_from_f32(w->dsr + (size_t)i * ATTN_BK / 2, LOOM_BF16, w->ds + (size_t)i * ATTN_BK, 2 * half_up(nk));
     for (int r0 = 0; r0 < nk; r0 += ATTN_STRIP) {
@@ -524,8 +518,9 @@ static void attn_bwd_block_pairs(attn_bwd_scratch *w, int q0, int nq, int k0, in
         i0 = i0 < 0 ? 0 : i0 / 2 * 2;
         if (i0 >= nq) continue;
         size_t o = (size_t)(k0 + r0) * w->lddkv, a = (size_t)i0 / 2 * ATTN_BK + r0, bq = (size_t)(q0 + i0) / 2 * HS;
-        s->dot2(nr, HS, half_up(nq - i0), w->pp + a, 1, ATTN_BK, w->dop + bq, HS, w->dv + o, w->lddkv, 1); // dV += P^T dout
-        s->dot2(nr, HS, half_up(nq - i0), w->dsp + a, 1, ATTN_BK, w->qp + bq, HS, w->dk + o, w->lddkv, 1); // dK += dS^T q
+        int kp = half_up(nq - i0);
+        s->dot2(nr, HS, kp, w->pp + a, 1, ATTN_BK, w->dop + bq, HS, w->dv + o, w->lddkv, 1);  // dV += P^T dout
+        s->dot2(nr, HS, kp, w->dsp + a, 1, ATTN_BK, w->qp + bq, HS, w->dk + o, w->lddkv, 1); // dK += dS^T q
     }
     for (int i0 = 0; i0 < nq; i0 += ATTN_STRIP) {
         int ni = min_i(nq - i0, ATTN_STRIP);
@@ -632,7 +627,8 @@ static void attn_bwd_task(void *dq, void *dk, void *dv, const void *dout,
         /* and the keys any query sees as pairs of rows, for dq: with an odd
          * count the last pairs with a zero row, never with an unseen key
          * (0 x NaN is NaN) */
-        pack_row_pairs(w->kp, k, kv_off(s, b, 0, g), 2 * ld2, min_i(Tk, s->q_pos0 + s->Tq), HS);
+        pack_row_pairs(w->kp, HS, (const uint16_t *)k + kv_off(s, b, 0, g), 2 * ld2, s->dt,
+                       min_i(Tk, s->q_pos0 + s->Tq), HS);
     } else {
         transpose_f32(w->kt, Tk, w->k, w->ldk, Tk, HS);
         transpose_f32(w->vt, Tk, vrows, w->ldk, Tk, HS);
@@ -645,8 +641,9 @@ static void attn_bwd_task(void *dq, void *dk, void *dv, const void *dout,
         if (s->dot2) { /* q and dout as stored, and as pairs of rows */
             w->q2 = pair_rows(q, q_off(s, b, 0, h));
             w->do2 = pair_rows(dout, q_off(s, b, 0, h));
-            pack_row_pairs(w->qp, q, q_off(s, b, 0, h), (size_t)s->NH * HS, s->Tq, HS);
-            pack_row_pairs(w->dop, dout, q_off(s, b, 0, h), (size_t)s->NH * HS, s->Tq, HS);
+            pack_row_pairs(w->qp, HS, (const uint16_t *)q + q_off(s, b, 0, h), (size_t)s->NH * HS, s->dt, s->Tq, HS);
+            pack_row_pairs(w->dop, HS, (const uint16_t *)dout + q_off(s, b, 0, h), (size_t)s->NH * HS, s->dt, s->Tq,
+                           HS);
         } else {
             load_q_scaled(w->qs, q, b, h, s);
         }
