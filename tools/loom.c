@@ -16,7 +16,9 @@ static void usage(FILE *f) {
                "(fp32 / bf16 / fp16, fp32 master weights and main_grad) and activation\n"
                "recomputation.\n\ncommands:\n");
     for (int i = 0; i < N_COMMANDS; i++) fprintf(f, "  %-10s %s\n", commands[i]->name, commands[i]->summary);
-    fprintf(f, "\nRun 'loom COMMAND --help' for a command's flags.\n");
+    fprintf(f, "\nRun 'loom COMMAND --help' for a command's flags.\n"
+               "\nEnvironment: LOOM_SIMD=portable|avx2|avx512f|avx512-bf16|native caps the kernels'\n"
+               "instruction sets (default: native, all the CPU has; 'loom --version' names them).\n");
 }
 
 /* OpenMP threads that spin while they wait (libgomp's default) hold a core
@@ -32,8 +34,18 @@ static void prefer_passive_waits(char **argv) {
     execv("/proc/self/exe", argv); /* returns only on failure: carry on as we are */
 }
 
+/* LOOM_SIMD caps the kernel paths (loom_set_simd_level); the library
+ * ignores a value it does not know, so the command line checks it. */
+static int check_simd_env(void) {
+    const char *level = getenv("LOOM_SIMD");
+    if (!level || !*level || loom_set_simd_level(level) == LOOM_OK) return 0;
+    fprintf(stderr, "loom: LOOM_SIMD: %s\n", loom_last_error());
+    return 2;
+}
+
 int main(int argc, char **argv) {
     prefer_passive_waits(argv);
+    if (check_simd_env()) return 2;
     if (argc < 2) {
         usage(stderr);
         return 2;

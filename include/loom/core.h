@@ -219,13 +219,19 @@ loom_rng *loom_rng_default(void);
 
 /* ------------------------------------------------------------------ SIMD */
 
-/* Kernels pick AVX2/FMA/F16C code at run time when the CPU has it (and
- * AVX-512F / AVX-512 BF16 tiles for the attention's products where those
- * are present and built), else portable C. loom_set_simd(0) forces the portable paths (to compare them,
- * or to rule them out when chasing a numerical difference); loom_set_simd(1)
- * restores detection. Not meant to change while kernels run. Each path is
- * deterministic; the two may differ in the last bits of sums and exps. */
+/* Kernels pick AVX-512F or AVX2/FMA/F16C code at run time when the CPU has
+ * it (and AVX-512 BF16 dot products for the attention's bf16 products),
+ * else portable C. loom_set_simd(0) forces the portable paths (to compare
+ * them, or to rule them out when chasing a numerical difference);
+ * loom_set_simd(1) restores detection. loom_set_simd_level caps the paths
+ * at a level, by the names loom_simd_name gives: "portable", "avx2",
+ * "avx512f" (no bf16 dot products), "avx512-bf16", or "native" (all the CPU
+ * has); an unknown name is LOOM_ERR_INVALID and changes nothing. Not meant
+ * to change while kernels run. Each path is deterministic; they may differ
+ * in the last bits of sums and exps, never in conversions (and the AVX-512F
+ * and AVX2 paths of an element-wise kernel agree in every bit). */
 void loom_set_simd(int on);
+loom_status loom_set_simd_level(const char *level);
 int loom_simd_enabled(void);   /* 1 when the AVX2 paths are in use */
 /* The widest kernel paths in use: "avx512-bf16" (also the attention's bf16
  * dot products), "avx512f", "avx2" or "portable". */

@@ -1,14 +1,18 @@
 /*
  * simd.c — which instruction-set paths the kernels take, and the bulk
- * dtype conversions (8 at a time with AVX2/F16C, else element by element).
+ * dtype conversions (16 at a time with AVX-512F, 8 with AVX2/F16C, else
+ * element by element).
  *
  * Owns: the process-wide AVX2 and AVX-512 switches (detected once;
- * loom_set_simd(0) forces the portable paths, e.g. to test them on an AVX2
- * machine).
+ * loom_set_simd(0) forces the portable paths, loom_set_simd_level caps
+ * them at a level, e.g. to test the AVX2 paths on an AVX-512 machine).
  * Must never: give a conversion result that differs from the scalar
  * loom_f32_to_bf16 / loom_f32_to_f16 / loom_*_to_f32 in any bit.
  */
 #include "core/simd.h"
+
+#include <stdlib.h>
+#include <string.h>
 
 int simd_avx2_state_ = -1;
 int simd_avx512_state_;
@@ -40,18 +44,48 @@ static int cpu_has_avx512bf16(void) {
 #endif
 }
 
-void loom_set_simd(int on) {
-    int avx2 = on && cpu_has_avx2();
+/* The levels, narrowest first; loom_simd_name gives these names. */
+enum { LEVEL_PORTABLE, LEVEL_AVX2, LEVEL_AVX512F, LEVEL_AVX512BF16, N_LEVELS };
+static const char *const level_names[N_LEVELS] = {"portable", "avx2", "avx512f", "avx512-bf16"};
+
+/* Every path the CPU has, up to cap. */
+static void set_cap(int cap) {
+    int avx2 = cap >= LEVEL_AVX2 && cpu_has_avx2();
     /* AVX-512 first: whoever sees the AVX2 state set sees this one too. */
-    __atomic_store_n(&simd_avx512_state_, avx2 && cpu_has_avx512(), __ATOMIC_RELAXED);
-    __atomic_store_n(&simd_avx512bf16_state_, avx2 && cpu_has_avx512bf16(), __ATOMIC_RELAXED);
+    __atomic_store_n(&simd_avx512_state_, avx2 && cap >= LEVEL_AVX512F && cpu_has_avx512(), __ATOMIC_RELAXED);
+    __atomic_store_n(&simd_avx512bf16_state_, avx2 && cap >= LEVEL_AVX512BF16 && cpu_has_avx512bf16(),
+                     __ATOMIC_RELAXED);
     __atomic_store_n(&simd_avx2_state_, avx2, __ATOMIC_RELAXED);
+}
+
+void loom_set_simd(int on) { set_cap(on ? LEVEL_AVX512BF16 : LEVEL_PORTABLE); }
+
+loom_status loom_set_simd_level(const char *level) {
+    if (level && !strcmp(level, "native")) {
+        set_cap(LEVEL_AVX512BF16);
+        return LOOM_OK;
+    }
+    for (int i = 0; level && i < N_LEVELS; i++)
+        if (!strcmp(level, level_names[i])) {
+            set_cap(i);
+            return LOOM_OK;
+        }
+    return loom_error(LOOM_ERR_INVALID, "unknown SIMD level '%s' (use portable, avx2, avx512f, avx512-bf16 or "
+                      "native)", level ? level : "(null)");
+}
+
+void simd_detect(void) {
+    const char *env = getenv("LOOM_SIMD");
+    if (!env || !*env || loom_set_simd_level(env) != LOOM_OK) set_cap(LEVEL_AVX512BF16);
 }
 
 int loom_simd_enabled(void) { return simd_avx2(); }
 
 const char *loom_simd_name(void) {
-    return simd_avx512bf16() ? "avx512-bf16" : simd_avx512() ? "avx512f" : simd_avx2() ? "avx2" : "portable";
+    return level_names[simd_avx512bf16()  ? LEVEL_AVX512BF16
+                       : simd_avx512()    ? LEVEL_AVX512F
+                       : simd_avx2()      ? LEVEL_AVX2
+                                          : LEVEL_PORTABLE];
 }
 
 #if LOOM_HAVE_X86_SIMD
@@ -68,12 +102,39 @@ SIMD_AVX2 static size_t from_f32_avx2(void *dst, loom_dtype dt, const float *src
 }
 #endif
 
+#if LOOM_HAVE_SIMD512
+/* Sixteen at a time, then one AVX2 vector when eight or more are left. */
+SIMD_AVX512 static size_t to_f32_avx512(float *dst, const void *src, loom_dtype dt, size_t n) {
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, simd_load16(src, i, dt));
+    if (i + 8 <= n) {
+        _mm256_storeu_ps(dst + i, simd_load8(src, i, dt));
+        i += 8;
+    }
+    return i;
+}
+
+SIMD_AVX512 static size_t from_f32_avx512(void *dst, loom_dtype dt, const float *src, size_t n) {
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) simd_store16(dst, i, dt, _mm512_loadu_ps(src + i));
+    if (i + 8 <= n) {
+        simd_store8(dst, i, dt, _mm256_loadu_ps(src + i));
+        i += 8;
+    }
+    return i;
+}
+#endif
+
 void convert_to_f32(float *dst, const void *src, loom_dtype dt, size_t n) {
     if (dt == LOOM_F32) {
         if ((const void *)dst != src) memmove(dst, src, n * sizeof(float));
         return;
     }
     size_t i = 0;
+#if LOOM_HAVE_SIMD512
+    if (simd_avx512()) i = to_f32_avx512(dst, src, dt, n);
+    else
+#endif
 #if LOOM_HAVE_X86_SIMD
     if (simd_avx2()) i = to_f32_avx2(dst, src, dt, n);
 #endif
@@ -90,6 +151,10 @@ void convert_from_f32(void *dst, loom_dtype dt, const float *src, size_t n) {
         return;
     }
     size_t i = 0;
+#if LOOM_HAVE_SIMD512
+    if (simd_avx512()) i = from_f32_avx512(dst, dt, src, n);
+    else
+#endif
 #if LOOM_HAVE_X86_SIMD
     if (simd_avx2()) i = from_f32_avx2(dst, dt, src, n);
 #endif

@@ -267,6 +267,32 @@ SIMD_AVX2 static void attn_fwd_softmax_avx2(float *st, float *m, float *l, float
 }
 #endif
 
+#if LOOM_HAVE_SIMD512
+/* attn_fwd_softmax_avx2 sixteen columns at a time (the same operations per
+ * column, so the same bits); a last eight go to the AVX2 version. */
+SIMD_AVX512 static void attn_fwd_softmax_avx512(float *st, float *m, float *l, float *corr, int nq, int nk) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
+    int j = 0;
+    for (; j + 16 <= nq; j += 16) {
+        __m512 mo = _mm512_loadu_ps(m + j), mx = mo;
+        for (int r = 0; r < nk; r++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(st + (size_t)r * ATTN_BQ + j));
+        __m512 base = _mm512_mask_mov_ps(mx, _mm512_cmp_ps_mask(mx, ninf, _CMP_EQ_OQ), zero);
+        __m512 sum = zero;
+        for (int r = 0; r < nk; r++) {
+            float *p = st + (size_t)r * ATTN_BQ + j;
+            __m512 e = simd_exp16(_mm512_sub_ps(_mm512_loadu_ps(p), base));
+            _mm512_storeu_ps(p, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        __m512 c = simd_exp16(_mm512_sub_ps(mo, base));
+        _mm512_storeu_ps(corr + j, c);
+        _mm512_storeu_ps(l + j, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(l + j), c), sum));
+        _mm512_storeu_ps(m + j, mx);
+    }
+    if (j < nq) attn_fwd_softmax_avx2(st + j, m + j, l + j, corr + j, nq - j, nk);
+}
+#endif
+
 /* St (nk, ATTN_BQ) = k qs^T for keys [k0, k0 + nk) and queries [q0, q0 + nq),
  * in strips of ATTN_STRIP keys: a strip starts at the first column (rounded
  * down to a whole tile) that sees one of its keys; what it skips is masked. */
@@ -323,6 +349,10 @@ static void attn_fwd_block(void *out, float *lse, const void *q, int b, int h, i
         int nk = min_i(kv_end - k0, ATTN_BK);
         attn_fwd_scores(w, q0, nq, k0, nk, s);
         attn_fwd_mask(w->st, q0, nq, nqp, k0, nk, s);
+#if LOOM_HAVE_SIMD512
+        if (simd_avx512()) attn_fwd_softmax_avx512(w->st, w->m, w->l, w->corr, nqp, nk);
+        else
+#endif
 #if LOOM_HAVE_X86_SIMD
         if (simd_avx2()) attn_fwd_softmax_avx2(w->st, w->m, w->l, w->corr, nqp, nk);
         else
@@ -480,6 +510,15 @@ SIMD_AVX2 static void attn_ds_avx2(float *ds, const float *p, float d, int n) {
     attn_ds_c(ds, p, d, j, n);
 }
 #endif
+#if LOOM_HAVE_SIMD512
+SIMD_AVX512 static void attn_ds_avx512(float *ds, const float *p, float d, int n) {
+    __m512 vd = _mm512_set1_ps(d);
+    int j = 0;
+    for (; j + 16 <= n; j += 16)
+        _mm512_storeu_ps(ds + j, _mm512_mul_ps(_mm512_loadu_ps(p + j), _mm512_sub_ps(_mm512_loadu_ps(ds + j), vd)));
+    attn_ds_avx2(ds + j, p + j, d, n - j);
+}
+#endif
 
 /* P = exp(S - lse) for the block, then dS = P (dP - D); both exactly 0 past
  * the keys a query sees (where S and dP were not computed), up to an even
@@ -491,6 +530,10 @@ static void attn_bwd_probs(attn_bwd_scratch *w, const float *lse, const float *D
         float *p = w->p + (size_t)i * ATTN_BK, *ds = w->ds + (size_t)i * ATTN_BK;
         int n = attn_visible(s, q0 + i, k0, nk);
         row_exp_sum(p, n, lse[i]);
+#if LOOM_HAVE_SIMD512
+        if (simd_avx512()) attn_ds_avx512(ds, p, D[i], n);
+        else
+#endif
 #if LOOM_HAVE_X86_SIMD
         if (simd_avx2()) attn_ds_avx2(ds, p, D[i], n);
         else

@@ -2,8 +2,9 @@
  * elementwise.c — add, mul, scale, gradient accumulation, and the two
  * reductions used for gradient norms and overflow checks.
  *
- * Each op is one loop per dtype, eight at a time with AVX2 (the same fp32
- * operations, so both paths give the same bits), OpenMP-parallel in chunks
+ * Each op is one loop per dtype, sixteen at a time with AVX-512F or eight
+ * with AVX2 (the same fp32 operations, so every path gives the same bits),
+ * OpenMP-parallel in chunks
  * above PARALLEL_MIN elements. Arithmetic is fp32; results are rounded once
  * to the output dtype.
  * Must never: depend on the thread count for its result (sumsq sums fixed
@@ -109,26 +110,63 @@ SIMD_AVX2 static void accumulate_avx2(void *dst, loom_dtype dst_dt, const void *
         simd_store8(dst, i, dst_dt, _mm256_add_ps(simd_load8(dst, i, dst_dt), _mm256_mul_ps(vs, simd_load8(src, i, src_dt))));
     accumulate_c(dst, dst_dt, src, src_dt, scale, i, hi);
 }
-#define PICK(avx2, c) (simd_avx2() ? (avx2) : (c))
+#endif
+
+/* The same loops sixteen at a time (the tail by the AVX2 loop): the same
+ * operations per element, so the same bits. */
+#if LOOM_HAVE_SIMD512
+SIMD_AVX512 static void add_avx512(void *out, const void *a, const void *b, size_t lo, size_t hi, loom_dtype dt) {
+    size_t i = lo;
+    for (; i + 16 <= hi; i += 16)
+        simd_store16(out, i, dt, _mm512_add_ps(simd_load16(a, i, dt), simd_load16(b, i, dt)));
+    add_avx2(out, a, b, i, hi, dt);
+}
+
+SIMD_AVX512 static void mul_avx512(void *out, const void *a, const void *b, size_t lo, size_t hi, loom_dtype dt) {
+    size_t i = lo;
+    for (; i + 16 <= hi; i += 16)
+        simd_store16(out, i, dt, _mm512_mul_ps(simd_load16(a, i, dt), simd_load16(b, i, dt)));
+    mul_avx2(out, a, b, i, hi, dt);
+}
+
+SIMD_AVX512 static void scale_avx512(void *out, const void *a, float s, size_t lo, size_t hi, loom_dtype dt) {
+    size_t i = lo;
+    __m512 vs = _mm512_set1_ps(s);
+    for (; i + 16 <= hi; i += 16) simd_store16(out, i, dt, _mm512_mul_ps(simd_load16(a, i, dt), vs));
+    scale_avx2(out, a, s, i, hi, dt);
+}
+
+SIMD_AVX512 static void accumulate_avx512(void *dst, loom_dtype dst_dt, const void *src, loom_dtype src_dt,
+                                          float scale, size_t lo, size_t hi) {
+    size_t i = lo;
+    __m512 vs = _mm512_set1_ps(scale);
+    for (; i + 16 <= hi; i += 16)
+        simd_store16(dst, i, dst_dt,
+                     _mm512_add_ps(simd_load16(dst, i, dst_dt), _mm512_mul_ps(vs, simd_load16(src, i, src_dt))));
+    accumulate_avx2(dst, dst_dt, src, src_dt, scale, i, hi);
+}
+#define PICK(avx512, avx2, c) (simd_avx512() ? (avx512) : simd_avx2() ? (avx2) : (c))
+#elif LOOM_HAVE_X86_SIMD
+#define PICK(avx512, avx2, c) (simd_avx2() ? (avx2) : (c))
 #else
-#define PICK(avx2, c) (c)
+#define PICK(avx512, avx2, c) (c)
 #endif
 
 void add_fwd(void *out, const void *a, const void *b, size_t n, loom_dtype dt) {
-    FOR_CHUNKS(n, lo, hi, PICK(add_avx2, add_c)(out, a, b, lo, hi, dt));
+    FOR_CHUNKS(n, lo, hi, PICK(add_avx512, add_avx2, add_c)(out, a, b, lo, hi, dt));
 }
 
 void mul_fwd(void *out, const void *a, const void *b, size_t n, loom_dtype dt) {
-    FOR_CHUNKS(n, lo, hi, PICK(mul_avx2, mul_c)(out, a, b, lo, hi, dt));
+    FOR_CHUNKS(n, lo, hi, PICK(mul_avx512, mul_avx2, mul_c)(out, a, b, lo, hi, dt));
 }
 
 void scale_fwd(void *out, const void *a, float s, size_t n, loom_dtype dt) {
-    FOR_CHUNKS(n, lo, hi, PICK(scale_avx2, scale_c)(out, a, s, lo, hi, dt));
+    FOR_CHUNKS(n, lo, hi, PICK(scale_avx512, scale_avx2, scale_c)(out, a, s, lo, hi, dt));
 }
 
 void accumulate(void *dst, loom_dtype dst_dt, const void *src, loom_dtype src_dt,
                 float scale, size_t n) {
-    FOR_CHUNKS(n, lo, hi, PICK(accumulate_avx2, accumulate_c)(dst, dst_dt, src, src_dt, scale, lo, hi));
+    FOR_CHUNKS(n, lo, hi, PICK(accumulate_avx512, accumulate_avx2, accumulate_c)(dst, dst_dt, src, src_dt, scale, lo, hi));
 }
 
 /* --------------------------------------------------------------- reductions */
@@ -174,7 +212,7 @@ double sumsq(const void *x, size_t n, loom_dtype dt) {
     #pragma omp parallel for schedule(dynamic, 1) if (nchunks > 1)
     for (size_t c = 0; c < nchunks; c++) {
         size_t hi = (c + 1) * chunk < n ? (c + 1) * chunk : n;
-        part[c] = PICK(sumsq_range_avx2, sumsq_range)(x, c * chunk, hi, dt);
+        part[c] = PICK(sumsq_range_avx2, sumsq_range_avx2, sumsq_range)(x, c * chunk, hi, dt);
     }
     double s = 0.0;
     for (size_t c = 0; c < nchunks; c++) s += part[c];

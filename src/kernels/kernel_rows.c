@@ -3,9 +3,12 @@
  * matrix product for attention's blocks, a transpose, and row reductions and
  * maps (max, exp-and-sum, scale, dot).
  *
- * Each has an AVX2/FMA version and a portable C version; simd_avx2() picks
- * one per call. Sums run in a fixed order (8 lanes, then a fixed horizontal
- * reduction), so results are deterministic for either path.
+ * Each has an AVX2/FMA version and a portable C version, the row maps and
+ * exp-and-sum a 16-lane AVX-512F version too; simd_avx512() and
+ * simd_avx2() pick one per call. Sums run in a fixed order (8 or 16 lanes,
+ * then a fixed horizontal reduction), so results are deterministic for each
+ * path; the element-wise values (the exps, the scaled rows, the pairs) are
+ * the same bits on the AVX-512F and AVX2 paths.
  * Must never: allocate, or read outside the given rows and columns.
  */
 #include "kernels/kernel_rows.h"
@@ -232,6 +235,62 @@ SIMD_AVX2 static void transpose_8x8_avx2(float *dst, size_t ldd, const float *sr
 
 #endif /* LOOM_HAVE_X86_SIMD */
 
+/* ------------------------------------------------------------ AVX-512F */
+
+#if LOOM_HAVE_SIMD512
+
+SIMD_AVX512 static float max_avx512(const float *x, int n) {
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    int i = 0;
+    for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + i));
+    if (i < n) m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, (__mmask16)((1u << (n - i)) - 1), x + i));
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m), 1));
+    return simd_hmax(_mm256_max_ps(_mm512_castps512_ps256(m), hi));
+}
+
+SIMD_AVX512 static float exp_sum_avx512(float *x, int n, float m) {
+    __m512 vm = _mm512_set1_ps(m), s = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 e = simd_exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm));
+        _mm512_storeu_ps(x + i, e);
+        s = _mm512_add_ps(s, e);
+    }
+    if (i < n) { /* the tail through the same vector exp, masked */
+        __mmask16 k = (__mmask16)((1u << (n - i)) - 1);
+        __m512 e = simd_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), vm));
+        _mm512_mask_storeu_ps(x + i, k, e);
+        s = _mm512_add_ps(s, _mm512_maskz_mov_ps(k, e));
+    }
+    return simd_hsum16(s);
+}
+
+/* x[0 .. 16k) *= s; returns 16k. */
+SIMD_AVX512 static int scale_avx512(float *x, float s, int n) {
+    __m512 vs = _mm512_set1_ps(s);
+    int i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), vs));
+    return i;
+}
+
+SIMD_AVX512 static inline __m512i bf16_lanes16(const void *row, int j, loom_dtype dt) {
+    if (dt == LOOM_F32) return simd_bf16_bits16(_mm512_loadu_ps((const float *)row + j));
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + j)));
+}
+
+/* row_pairs for j < 16k; returns 16k. */
+SIMD_AVX512 static int pairs_avx512(uint32_t *dst, const void *a, const void *b, loom_dtype dt, int n) {
+    int j = 0;
+    for (; j + 16 <= n; j += 16) {
+        __m512i v = bf16_lanes16(a, j, dt);
+        if (b) v = _mm512_or_si512(v, _mm512_slli_epi32(bf16_lanes16(b, j, dt), 16));
+        _mm512_storeu_si512(dst + j, v);
+    }
+    return j;
+}
+
+#endif /* LOOM_HAVE_SIMD512 */
+
 /* ------------------------------------------------------------- dispatch */
 
 static mm_tiles_fn tiles_override;
@@ -286,6 +345,9 @@ void transpose_f32(float *dst, int ldd, const float *src, int lds, int rows, int
 }
 
 float row_max(const float *x, int n) {
+#if LOOM_HAVE_SIMD512
+    if (simd_avx512()) return max_avx512(x, n);
+#endif
 #if LOOM_HAVE_X86_SIMD
     if (simd_avx2()) return max_avx2(x, n);
 #endif
@@ -295,6 +357,9 @@ float row_max(const float *x, int n) {
 }
 
 float row_exp_sum(float *x, int n, float m) {
+#if LOOM_HAVE_SIMD512
+    if (simd_avx512()) return exp_sum_avx512(x, n, m);
+#endif
 #if LOOM_HAVE_X86_SIMD
     if (simd_avx2()) return exp_sum_avx2(x, n, m);
 #endif
@@ -303,16 +368,25 @@ float row_exp_sum(float *x, int n, float m) {
 
 void row_scale(float *x, float s, int n) {
     int i = 0;
+#if LOOM_HAVE_SIMD512
+    if (simd_avx512()) i = scale_avx512(x, s, n);
+#endif
 #if LOOM_HAVE_X86_SIMD
-    if (simd_avx2()) i = scale_avx2(x, s, n);
+    if (simd_avx2()) i += scale_avx2(x + i, s, n - i);
 #endif
     for (; i < n; i++) x[i] *= s;
 }
 
 void row_pairs(uint32_t *dst, const void *a, const void *b, loom_dtype dt, int n) {
     int j = 0;
+#if LOOM_HAVE_SIMD512
+    if (simd_avx512()) j = pairs_avx512(dst, a, b, dt, n);
+#endif
 #if LOOM_HAVE_X86_SIMD
-    if (simd_avx2()) j = pairs_avx2(dst, a, b, dt, n);
+    if (simd_avx2() && j + 8 <= n) { /* the last eight the 16-lane loop left, if any */
+        size_t o = (size_t)j * loom_dtype_size(dt);
+        j += pairs_avx2(dst + j, (const char *)a + o, b ? (const char *)b + o : NULL, dt, n - j);
+    }
 #endif
     pairs_c(dst, a, b, dt, j, n);
 }

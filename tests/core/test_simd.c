@@ -1,9 +1,11 @@
 /*
- * test_simd.c — the AVX2/F16C paths against the scalar definitions: bulk
- * conversions must agree in every bit (all 65536 half patterns, and f32
- * patterns: specials, rounding ties, subnormals, random bits), the switch
- * must force the portable path, and the vector exp must stay within its
- * stated error. Skips the vector checks on CPUs without AVX2.
+ * test_simd.c — the AVX-512F and AVX2/F16C paths against the scalar
+ * definitions: bulk conversions must agree in every bit (all 65536 half
+ * patterns, and f32 patterns: specials, rounding ties, subnormals, random
+ * bits) on every level, the switch must force the portable path and the
+ * level cap each level, the vector exp must stay within its stated error,
+ * and its 16-wide form must give the 8-wide one's bits. Skips the vector
+ * checks on CPUs without them.
  */
 #include "testutil.h"
 
@@ -74,8 +76,9 @@ static void check_from_f32(loom_dtype dt) {
 
 static void test_conversions(void **state) {
     (void)state;
-    for (int on = 1; on >= 0; on--) { /* the vector path (if any), then the portable one */
-        loom_set_simd(on);
+    static const char *const levels[] = {"native", "avx2", "portable"}; /* as far as the CPU has them */
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(loom_set_simd_level(levels[i]), LOOM_OK);
         check_to_f32(LOOM_BF16);
         check_to_f32(LOOM_F16);
         check_from_f32(LOOM_BF16);
@@ -94,10 +97,53 @@ static void test_switch(void **state) {
     int have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     assert_int_equal(loom_simd_enabled(), have);
 #endif
+    /* Each cap gives its own level where the CPU has it, a narrower one
+     * where it does not; an unknown name changes nothing. */
+    static const char *const levels[] = {"portable", "avx2", "avx512f", "avx512-bf16"};
+    loom_set_simd(1);
+    const char *native = loom_simd_name();
+    int n_native = 0;
+    while (strcmp(levels[n_native], native) != 0) n_native++;
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(loom_set_simd_level(levels[i]), LOOM_OK);
+        assert_string_equal(loom_simd_name(), levels[i <= n_native ? i : n_native]);
+        assert_int_equal(loom_set_simd_level("avx3"), LOOM_ERR_INVALID);
+        assert_non_null(strstr(loom_last_error(), "avx3"));
+        assert_string_equal(loom_simd_name(), levels[i <= n_native ? i : n_native]);
+    }
+    assert_int_equal(loom_set_simd_level(NULL), LOOM_ERR_INVALID);
+    assert_int_equal(loom_set_simd_level("native"), LOOM_OK);
+    assert_string_equal(loom_simd_name(), native);
 }
 
 #if LOOM_HAVE_X86_SIMD
 SIMD_AVX2 static void exp8(float *out, const float *in) { _mm256_storeu_ps(out, simd_exp(_mm256_loadu_ps(in))); }
+#endif
+#if LOOM_HAVE_SIMD512
+SIMD_AVX512 static void exp16(float *out, const float *in) { _mm512_storeu_ps(out, simd_exp16(_mm512_loadu_ps(in))); }
+
+/* simd_exp16 gives simd_exp's bits, on the range and on specials. */
+static void test_exp16(void **state) {
+    (void)state;
+    if (!simd_avx512()) skip();
+    float x[16], y8[16], y16[16];
+    for (int i = 0; i <= 400000; i += 16) {
+        for (int k = 0; k < 16; k++) x[k] = -100.0f + 200.0f * (float)(i + k) / 400016.0f;
+        if (i == 0) {
+            const float sp[] = {-INFINITY, INFINITY, NAN, -87.34f, 88.38f, 0.0f, -0.0f, 1e-30f};
+            memcpy(x, sp, sizeof sp);
+        }
+        exp8(y8, x);
+        exp8(y8 + 8, x + 8);
+        exp16(y16, x);
+        assert_true(tu_bits_equal(y8, y16, sizeof y8, "exp16 vs exp8"));
+    }
+}
+#else
+static void test_exp16(void **state) {
+    (void)state;
+    skip();
+}
 #endif
 
 static void test_exp(void **state) {
@@ -131,6 +177,7 @@ int main(void) {
         cmocka_unit_test(test_conversions),
         cmocka_unit_test(test_switch),
         cmocka_unit_test(test_exp),
+        cmocka_unit_test(test_exp16),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

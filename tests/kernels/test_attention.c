@@ -433,6 +433,47 @@ static void test_thread_count_invariant(void **state) {
     check_thread_count_invariant(&CASES[0]);
 }
 
+/* The AVX-512F and AVX2 paths run the same fp32 operations on every
+ * element (the tiles add each element's products in order, the softmax
+ * works column by column, the exps are the same): forward and backward give
+ * the same bits at both levels, fp32 and bf16 (fp32 products: the bf16 dot
+ * products are capped off), on every case. */
+static void test_levels_agree(void **state) {
+    (void)state;
+    char was[32];
+    snprintf(was, sizeof was, "%s", loom_simd_name());
+    if (strncmp(was, "avx512", 6) != 0) skip(); /* one level only, or capped by the group */
+    loom_dtype dts[] = {LOOM_F32, LOOM_BF16};
+    for (size_t i = 0; i < N_CASES; i++)
+        for (int t = 0; t < 2; t++) {
+            attn_data d = data_make(&CASES[i], dts[t], 900 + i);
+            size_t es = loom_dtype_size(dts[t]);
+            void *o[2];
+            float *l[2];
+            attn_grads g[2];
+            for (int lv = 0; lv < 2; lv++) {
+                assert_int_equal(loom_set_simd_level(lv ? "avx2" : "avx512f"), LOOM_OK);
+                o[lv] = malloc(d.nq * 4);
+                l[lv] = malloc(d.nlse * 4);
+                attention_fwd(o[lv], l[lv], d.q, d.k, d.v, CASE_ARGS(d.c), d.dt);
+                g[lv] = grads_alloc(&d);
+                run_flash_bwd(&g[lv], &d);
+            }
+            assert_int_equal(loom_set_simd_level(was), LOOM_OK);
+            assert_true(tu_bits_equal(o[0], o[1], d.nq * es, "out"));
+            assert_true(tu_bits_equal(l[0], l[1], d.nlse * 4, "lse"));
+            assert_true(tu_bits_equal(g[0].dq, g[1].dq, d.nq * es, "dq"));
+            assert_true(tu_bits_equal(g[0].dk, g[1].dk, d.nkv * es, "dk"));
+            assert_true(tu_bits_equal(g[0].dv, g[1].dv, d.nkv * es, "dv"));
+            for (int lv = 0; lv < 2; lv++) {
+                free(o[lv]);
+                free(l[lv]);
+                grads_free(&g[lv]);
+            }
+            data_free(&d);
+        }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_fwd_vs_ref),
@@ -444,6 +485,7 @@ int main(void) {
         cmocka_unit_test(test_bwd_finite_differences),
         cmocka_unit_test(test_thread_count_invariant),
         cmocka_unit_test(test_avx512_tiles),
+        cmocka_unit_test(test_levels_agree),
     };
     return TU_RUN_SIMD_AND_PORTABLE(tests);
 }

@@ -273,27 +273,32 @@ static void test_adamw(void **state) {
     check_adamw(0.5f, 0.2f);
 }
 
-/* The AVX2 and portable paths do the same fp32 operations: same bits. */
+/* The AVX-512F, AVX2 and portable paths do the same fp32 operations: same
+ * bits. */
 static void test_paths_agree(void **state) {
     (void)state;
     const size_t n = 40003;
-    int was = loom_simd_enabled();
-    float *p[2], *m[2], *v[2], *g = malloc(n * 4), *acc[2];
+    static const char *const levels[3] = {"portable", "avx2", "native"}; /* as far as the CPU has them */
+    char was[32];
+    snprintf(was, sizeof was, "%s", loom_simd_name());
+    float *p[3], *m[3], *v[3], *g = malloc(n * 4), *acc[3];
     void *src = random_dt(n, LOOM_BF16, -2, 2, 90);
     tu_fill_uniform(g, n, -2, 2, 91);
-    for (int k = 0; k < 2; k++) {
+    for (int k = 0; k < 3; k++) {
         p[k] = malloc(n * 4); m[k] = calloc(n, 4); v[k] = calloc(n, 4); acc[k] = malloc(n * 4);
         tu_fill_uniform(p[k], n, -1, 1, 92);
         tu_fill_uniform(acc[k], n, -1, 1, 93);
-        loom_set_simd(k == 0);
+        assert_int_equal(loom_set_simd_level(levels[k]), LOOM_OK);
         for (int t = 1; t <= 3; t++) adamw_step(p[k], m[k], v[k], g, n, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, t, 0.5f);
         accumulate(acc[k], LOOM_F32, src, LOOM_BF16, 0.37f, n);
     }
-    loom_set_simd(was);
-    assert_true(tu_bits_equal(p[0], p[1], n * 4, "adamw param"));
-    assert_true(tu_bits_equal(v[0], v[1], n * 4, "adamw v"));
-    assert_true(tu_bits_equal(acc[0], acc[1], n * 4, "accumulate"));
-    for (int k = 0; k < 2; k++) { free(p[k]); free(m[k]); free(v[k]); free(acc[k]); }
+    assert_int_equal(loom_set_simd_level(was), LOOM_OK);
+    for (int k = 1; k < 3; k++) {
+        assert_true(tu_bits_equal(p[0], p[k], n * 4, "adamw param"));
+        assert_true(tu_bits_equal(v[0], v[k], n * 4, "adamw v"));
+        assert_true(tu_bits_equal(acc[0], acc[k], n * 4, "accumulate"));
+    }
+    for (int k = 0; k < 3; k++) { free(p[k]); free(m[k]); free(v[k]); free(acc[k]); }
     free(g);
     free(src);
 }

@@ -3,10 +3,14 @@
  * against plain loops: the transpose (8 x 8 vector blocks and the edges
  * around them, padded strides) and the small matrix product (both
  * orientations of A, overwrite and accumulate, shapes off the 4 x 16 tile),
- * each on the AVX2 and the portable path.
+ * the row maps and reductions (max, exp-and-sum, scale, bf16 pairs), each on
+ * the AVX-512F, AVX2 and portable paths.
  */
 #include "testutil.h"
 #include "kernels/kernel_rows.h"
+
+#include <math.h>
+#include <string.h>
 
 static void check_transpose(int rows, int cols, int lds, int ldd) {
     float *src = malloc(sizeof(float) * (size_t)rows * lds), *dst = malloc(sizeof(float) * (size_t)cols * ldd);
@@ -171,9 +175,11 @@ static void test_row_pairs(void **state) {
         memcpy(&b[20 + i], &odd[i], 4);
     }
     uint16_t *a16 = tu_from_f32(a, N, LOOM_BF16), *b16 = tu_from_f32(b, N, LOOM_BF16);
-    int on = simd_avx2();
-    for (int simd = 0; simd < 2; simd++) {
-        loom_set_simd(simd);
+    static const char *const levels[3] = {"portable", "avx2", "native"}; /* as far as the CPU has them */
+    char was[32];
+    snprintf(was, sizeof was, "%s", loom_simd_name());
+    for (int lv = 0; lv < 3; lv++) {
+        assert_int_equal(loom_set_simd_level(levels[lv]), LOOM_OK);
         for (int n = 0; n <= N; n += (n < 17 ? 1 : 7))
             for (int hi = 0; hi < 2; hi++) {
                 uint32_t got[N], got16[N];
@@ -186,22 +192,59 @@ static void test_row_pairs(void **state) {
                 }
             }
     }
-    loom_set_simd(on);
+    assert_int_equal(loom_set_simd_level(was), LOOM_OK);
     free(a16);
     free(b16);
+}
+
+/* row_max, row_exp_sum and row_scale on lengths around both vector widths:
+ * the max and the scaled values exact, the exps within the vector exp's
+ * error (portable: libm's) of exp in double, the sum within fp32
+ * reassociation of the exps' own sum, and the element-wise values the same
+ * bits on the AVX-512F and AVX2 paths. */
+static void test_row_maps(void **state) {
+    (void)state;
+    enum { N = 70 };
+    float x[N], y[N], e[2][N];
+    tu_fill_uniform(x, N, -20.0f, 20.0f, 61);
+    char was[32];
+    snprintf(was, sizeof was, "%s", loom_simd_name());
+    int wide = strncmp(was, "avx512", 6) == 0;
+    for (int n = 0; n <= N; n++) {
+        float want_max = -INFINITY;
+        for (int i = 0; i < n; i++) want_max = x[i] > want_max ? x[i] : want_max;
+        assert_true(row_max(x, n) == want_max);
+        for (int lv = 0; lv < 1 + wide; lv++) {
+            assert_int_equal(loom_set_simd_level(lv ? "avx2" : was), LOOM_OK);
+            memcpy(e[lv], x, sizeof x);
+            float sum = row_exp_sum(e[lv], n, want_max), own = 0.0f;
+            for (int i = 0; i < n; i++) {
+                double want = exp((double)(x[i] - want_max)); // the difference as the kernel forms it
+                assert_true(fabs(e[lv][i] - want) <= 1e-6 * want + 1e-38);
+                own += e[lv][i];
+            }
+            assert_true(fabsf(sum - own) <= 1e-6f * own);
+            memcpy(y, x, sizeof x);
+            row_scale(y, 0.37f, n);
+            for (int i = 0; i < N; i++) assert_true(y[i] == (i < n ? x[i] * 0.37f : x[i]));
+        }
+        assert_int_equal(loom_set_simd_level(was), LOOM_OK);
+        if (wide) assert_true(tu_bits_equal(e[0], e[1], (size_t)n * 4, "exps avx512f vs avx2"));
+    }
 }
 
 /* loom_simd_name says which paths run: portable when turned off, else the
  * widest this CPU and build take. */
 static void test_simd_name(void **state) {
     (void)state;
-    int on = simd_avx2();
+    char was[32];
+    snprintf(was, sizeof was, "%s", loom_simd_name());
     loom_set_simd(0);
     assert_string_equal(loom_simd_name(), "portable");
     loom_set_simd(1);
     const char *want = simd_avx512bf16() ? "avx512-bf16" : simd_avx512() ? "avx512f" : simd_avx2() ? "avx2" : "portable";
     assert_string_equal(loom_simd_name(), want);
-    loom_set_simd(on);
+    assert_int_equal(loom_set_simd_level(was), LOOM_OK);
 }
 
 int main(void) {
@@ -211,6 +254,7 @@ int main(void) {
         cmocka_unit_test(test_mm_avx512_tiles),
         cmocka_unit_test(test_mm_bf16_tiles),
         cmocka_unit_test(test_row_pairs),
+        cmocka_unit_test(test_row_maps),
         cmocka_unit_test(test_simd_name),
     };
     return TU_RUN_SIMD_AND_PORTABLE(tests);

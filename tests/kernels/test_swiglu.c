@@ -1,7 +1,7 @@
 /*
  * test_swiglu.c — SiLU and SwiGLU: forward and backward vs the formulas in
  * double (f32, bf16, f16), backward vs central finite differences, extreme
- * inputs, in place.
+ * inputs, in place, and the AVX-512F path against the AVX2 one bit for bit.
  */
 #include "testutil.h"
 #include "kernels/kernels.h"
@@ -178,12 +178,44 @@ static void test_in_place(void **state) {
     ew_free(&d);
 }
 
+/* The 16-lane and 8-lane loops do the same operations per element: every
+ * output has the same bits on both levels (and on a length off both
+ * vector widths). */
+static void test_levels_agree(void **state) {
+    (void)state;
+    char was[32];
+    snprintf(was, sizeof was, "%s", loom_simd_name());
+    if (strncmp(was, "avx512", 6) != 0) skip(); /* one level only, or capped by the group */
+    loom_dtype dts[] = {LOOM_F32, LOOM_BF16, LOOM_F16};
+    const size_t n = N_ELEMS - 3;
+    for (int t = 0; t < 3; t++) {
+        ew_data d = ew_make(dts[t]);
+        void *o[2][5];
+        for (int lv = 0; lv < 2; lv++) {
+            assert_int_equal(loom_set_simd_level(lv ? "avx2" : was), LOOM_OK);
+            for (int k = 0; k < 5; k++) o[lv][k] = malloc(N_ELEMS * 4);
+            silu_fwd(o[lv][0], d.a, n, dts[t]);
+            silu_bwd(o[lv][1], d.dout, d.a, n, dts[t]);
+            swiglu_fwd(o[lv][2], d.a, d.b, n, dts[t]);
+            swiglu_bwd(o[lv][3], o[lv][4], d.dout, d.a, d.b, n, dts[t]);
+        }
+        assert_int_equal(loom_set_simd_level(was), LOOM_OK);
+        for (int k = 0; k < 5; k++) {
+            assert_true(tu_bits_equal(o[0][k], o[1][k], n * loom_dtype_size(dts[t]), "avx512f vs avx2"));
+            free(o[0][k]);
+            free(o[1][k]);
+        }
+        ew_free(&d);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_vs_formula),
         cmocka_unit_test(test_bwd_finite_differences),
         cmocka_unit_test(test_extreme_inputs),
         cmocka_unit_test(test_in_place),
+        cmocka_unit_test(test_levels_agree),
     };
     return TU_RUN_SIMD_AND_PORTABLE(tests);
 }

@@ -29,6 +29,8 @@ expect_error "--threads 5000 is more than loom's limit" "$LOOM" train "${D[@]}" 
 expect_error "one step needs" "$LOOM" train "${D[@]}" --batch 2000000000 --seq 32 --out "$WORK/bigbatch"
 expect_usage "--min-lr 5 is above --lr" "$LOOM" train "${D[@]}" --min-lr 5 --out "$WORK/minlr"
 expect_error "--gemm-peak expects two positive numbers" "$LOOM" bench --preset tiny --gemm-peak inf,1
+expect_usage "LOOM_SIMD: unknown SIMD level 'avx3'" env LOOM_SIMD=avx3 "$LOOM" --version
+LOOM_SIMD=portable "$LOOM" --version | grep -q "kernels: portable" || fail "LOOM_SIMD=portable is not the portable kernels"
 "$LOOM" train --help | grep -q -- "--recompute-mode" || fail "train --help lacks flags"
 "$LOOM" --help | grep -q "generate" || fail "loom --help lacks commands"
 

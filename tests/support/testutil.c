@@ -59,3 +59,17 @@ int tu_portable_off(void **state) {
     loom_set_simd(1);
     return 0;
 }
+
+static int avx2_on(void **state) {
+    (void)state;
+    return loom_set_simd_level("avx2") == LOOM_OK ? 0 : -1;
+}
+
+int tu_run_levels(const struct CMUnitTest *tests, size_t n) {
+    loom_set_simd(1);
+    const char *native = loom_simd_name();
+    int rc = _cmocka_run_group_tests("simd", tests, n, NULL, NULL);
+    if (strncmp(native, "avx512", 6) == 0)
+        rc |= _cmocka_run_group_tests("avx2", tests, n, avx2_on, tu_portable_off);
+    return rc | _cmocka_run_group_tests("portable", tests, n, tu_portable_on, tu_portable_off);
+}
