@@ -98,11 +98,8 @@ static const uint32_t *pair_rows(const void *src, size_t off) {
 /* dst (HS / 2, ldd) uint32: column j < n is the pairs of row j of src (row
  * stride lds pairs), columns [n, n_pad) are zero pairs. */
 static void pack_pairs_t(uint32_t *dst, int ldd, const uint32_t *src, size_t lds, int n, int n_pad, int HS) {
-    for (int p = 0; p < HS / 2; p++) {
-        uint32_t *d = dst + (size_t)p * ldd;
-        for (int j = 0; j < n; j++) d[j] = src[(size_t)j * lds + p];
-        for (int j = n; j < n_pad; j++) d[j] = 0;
-    }
+    transpose32(dst, ldd, src, (int)lds, n, HS / 2);
+    for (int p = 0; p < HS / 2; p++) memset(dst + (size_t)p * ldd + n, 0, (size_t)(n_pad - n) * sizeof *dst);
 }
 
 /* dst ((nr + 1) / 2, ldd) uint32: row p pairs rows 2p and 2p + 1 of the nr
@@ -208,7 +205,7 @@ static void load_qt_scaled(float *qt, float *tmp, const void *q, int b, int h, i
     } else {
         load_rows(tmp, q, s->Tq, s->NH, b, q0, h, nq, s);
     }
-    transpose_f32(qt, ATTN_BQ, rows, ld, nq, s->HS);
+    transpose32(qt, ATTN_BQ, rows, ld, nq, s->HS);
     for (int d = 0; d < s->HS; d++) row_scale(qt + (size_t)d * ATTN_BQ, s->scale, nq);
 }
 
@@ -223,18 +220,19 @@ static void attn_fwd_mask(float *st, int q0, int nq, int nqp, int k0, int nk, co
     }
 }
 
-/* The online softmax step down the columns of st (nk, nq): st becomes P^T
+/* The online softmax step down the columns of st (nk, nq), the scores
+ * being st * sc (sc = 1 where st holds them scaled already): st becomes P^T
  * (0 where masked), m and l are updated, corr gets each column's rescale
  * factor exp(m_old - m_new). A column with no visible key so far keeps
  * m = -inf and gets P = 0, corr = 0 (its acc and l are still 0). */
-static void attn_fwd_softmax_c(float *st, float *m, float *l, float *corr, int nq, int nk) {
+static void attn_fwd_softmax_c(float *st, float *m, float *l, float *corr, int nq, int nk, float sc) {
     for (int j = 0; j < nq; j++) {
         float mx = m[j];
-        for (int r = 0; r < nk; r++) mx = fmaxf(mx, st[(size_t)r * ATTN_BQ + j]);
+        for (int r = 0; r < nk; r++) mx = fmaxf(mx, st[(size_t)r * ATTN_BQ + j] * sc);
         float base = mx == -INFINITY ? 0.0f : mx, sum = 0.0f;
         for (int r = 0; r < nk; r++) {
             float *p = &st[(size_t)r * ATTN_BQ + j];
-            *p = expf(*p - base);
+            *p = expf(*p * sc - base);
             sum += *p;
         }
         corr[j] = expf(m[j] - base);
@@ -246,16 +244,17 @@ static void attn_fwd_softmax_c(float *st, float *m, float *l, float *corr, int n
 #if LOOM_HAVE_X86_SIMD
 /* Eight columns at a time; nq is padded to a multiple of 8 by the caller
  * (padding columns hold -inf and are never read back). */
-SIMD_AVX2 static void attn_fwd_softmax_avx2(float *st, float *m, float *l, float *corr, int nq, int nk) {
-    const __m256 ninf = _mm256_set1_ps(-INFINITY), zero = _mm256_setzero_ps();
+SIMD_AVX2 static void attn_fwd_softmax_avx2(float *st, float *m, float *l, float *corr, int nq, int nk, float sc) {
+    const __m256 ninf = _mm256_set1_ps(-INFINITY), zero = _mm256_setzero_ps(), vsc = _mm256_set1_ps(sc);
     for (int j = 0; j < nq; j += 8) {
         __m256 mo = _mm256_loadu_ps(m + j), mx = mo;
-        for (int r = 0; r < nk; r++) mx = _mm256_max_ps(mx, _mm256_loadu_ps(st + (size_t)r * ATTN_BQ + j));
+        for (int r = 0; r < nk; r++)
+            mx = _mm256_max_ps(mx, _mm256_mul_ps(_mm256_loadu_ps(st + (size_t)r * ATTN_BQ + j), vsc));
         __m256 base = _mm256_blendv_ps(mx, zero, _mm256_cmp_ps(mx, ninf, _CMP_EQ_OQ));
         __m256 sum = zero;
         for (int r = 0; r < nk; r++) {
             float *p = st + (size_t)r * ATTN_BQ + j;
-            __m256 e = simd_exp(_mm256_sub_ps(_mm256_loadu_ps(p), base));
+            __m256 e = simd_exp(_mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(p), vsc), base));
             _mm256_storeu_ps(p, e);
             sum = _mm256_add_ps(sum, e);
         }
@@ -270,17 +269,19 @@ SIMD_AVX2 static void attn_fwd_softmax_avx2(float *st, float *m, float *l, float
 #if LOOM_HAVE_SIMD512
 /* attn_fwd_softmax_avx2 sixteen columns at a time (the same operations per
  * column, so the same bits); a last eight go to the AVX2 version. */
-SIMD_AVX512 static void attn_fwd_softmax_avx512(float *st, float *m, float *l, float *corr, int nq, int nk) {
-    const __m512 ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
+SIMD_AVX512 static void attn_fwd_softmax_avx512(float *st, float *m, float *l, float *corr, int nq, int nk,
+                                                float sc) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps(), vsc = _mm512_set1_ps(sc);
     int j = 0;
     for (; j + 16 <= nq; j += 16) {
         __m512 mo = _mm512_loadu_ps(m + j), mx = mo;
-        for (int r = 0; r < nk; r++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(st + (size_t)r * ATTN_BQ + j));
+        for (int r = 0; r < nk; r++)
+            mx = _mm512_max_ps(mx, _mm512_mul_ps(_mm512_loadu_ps(st + (size_t)r * ATTN_BQ + j), vsc));
         __m512 base = _mm512_mask_mov_ps(mx, _mm512_cmp_ps_mask(mx, ninf, _CMP_EQ_OQ), zero);
         __m512 sum = zero;
         for (int r = 0; r < nk; r++) {
             float *p = st + (size_t)r * ATTN_BQ + j;
-            __m512 e = simd_exp16(_mm512_sub_ps(_mm512_loadu_ps(p), base));
+            __m512 e = simd_exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(p), vsc), base));
             _mm512_storeu_ps(p, e);
             sum = _mm512_add_ps(sum, e);
         }
@@ -289,7 +290,7 @@ SIMD_AVX512 static void attn_fwd_softmax_avx512(float *st, float *m, float *l, f
         _mm512_storeu_ps(l + j, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(l + j), c), sum));
         _mm512_storeu_ps(m + j, mx);
     }
-    if (j < nq) attn_fwd_softmax_avx2(st + j, m + j, l + j, corr + j, nq - j, nk);
+    if (j < nq) attn_fwd_softmax_avx2(st + j, m + j, l + j, corr + j, nq - j, nk, sc);
 }
 #endif
 
@@ -307,7 +308,6 @@ static void attn_fwd_scores(const attn_fwd_scratch *w, int q0, int nq, int k0, i
         if (s->dot2) { /* (k q^T) * scale from the bf16 pairs; qt holds the packed queries */
             s->dot2(nr, round16(nq - c0), s->HS / 2, w->k2 + (size_t)(k0 + r0) * w->ldk2, w->ldk2, 1,
                     (const uint32_t *)w->qt + c0, ATTN_BQ, st, ATTN_BQ, 0);
-            for (int r = 0; r < nr; r++) row_scale(st + (size_t)r * ATTN_BQ, s->scale, nq - c0);
             continue;
         }
         mm_f32(nr, nq - c0, s->HS, w->k + (size_t)(k0 + r0) * ld, ld, 0, w->qt + c0, ATTN_BQ, st, ATTN_BQ, 0);
@@ -338,6 +338,7 @@ static void attn_fwd_block(void *out, float *lse, const void *q, int b, int h, i
                            attn_fwd_scratch *w) {
     int HS = s->HS, nqp = (nq + 7) / 8 * 8;
     int kv_end = s->q_pos0 + q0 + nq; // keys the last query of the block sees
+    float sc = s->dot2 ? s->scale : 1.0f; // dot2 scores come unscaled; the fp32 path scaled q
     if (s->dot2) /* the block's bf16 pairs, transposed, zero past nq */
         pack_pairs_t((uint32_t *)w->qt, ATTN_BQ, pair_rows(q, q_off(s, b, q0, h)), (size_t)s->NH * HS / 2, nq,
                      round16(nq), HS);
@@ -350,15 +351,16 @@ static void attn_fwd_block(void *out, float *lse, const void *q, int b, int h, i
         attn_fwd_scores(w, q0, nq, k0, nk, s);
         attn_fwd_mask(w->st, q0, nq, nqp, k0, nk, s);
 #if LOOM_HAVE_SIMD512
-        if (simd_avx512()) attn_fwd_softmax_avx512(w->st, w->m, w->l, w->corr, nqp, nk);
+        if (simd_avx512()) attn_fwd_softmax_avx512(w->st, w->m, w->l, w->corr, nqp, nk, sc);
         else
 #endif
 #if LOOM_HAVE_X86_SIMD
-        if (simd_avx2()) attn_fwd_softmax_avx2(w->st, w->m, w->l, w->corr, nqp, nk);
+        if (simd_avx2()) attn_fwd_softmax_avx2(w->st, w->m, w->l, w->corr, nqp, nk, sc);
         else
 #endif
-            attn_fwd_softmax_c(w->st, w->m, w->l, w->corr, nq, nk);
-        for (int j = 0; j < nq; j++) row_scale(w->acc + (size_t)j * HS, w->corr[j], HS);
+            attn_fwd_softmax_c(w->st, w->m, w->l, w->corr, nq, nk, sc);
+        for (int j = 0; j < nq; j++) /* exactly 1 where the column max did not move */
+            if (w->corr[j] != 1.0f) row_scale(w->acc + (size_t)j * HS, w->corr[j], HS);
         attn_fwd_pv(w, q0, nq, k0, nk, s);
     }
     for (int j = 0; j < nq; j++) {
@@ -529,7 +531,7 @@ static void attn_bwd_probs(attn_bwd_scratch *w, const float *lse, const float *D
     for (int i = 0; i < nq; i++) {
         float *p = w->p + (size_t)i * ATTN_BK, *ds = w->ds + (size_t)i * ATTN_BK;
         int n = attn_visible(s, q0 + i, k0, nk);
-        row_exp_sum(p, n, lse[i]);
+        row_exp_sum(p, n, s->dot2 ? s->scale : 1.0f, lse[i]);
 #if LOOM_HAVE_SIMD512
         if (simd_avx512()) attn_ds_avx512(ds, p, D[i], n);
         else
@@ -593,7 +595,6 @@ static void attn_bwd_block(attn_bwd_scratch *w, const float *lse, const float *D
         if (s->dot2) { /* from the bf16 pairs, as the forward's scores */
             size_t r = (size_t)(q0 + i0) * w->ldq2;
             s->dot2(ni, round16(kn), HS / 2, w->q2 + r, w->ldq2, 1, (const uint32_t *)w->kt + k0, Tk, sp, ATTN_BK, 0);
-            for (int i = 0; i < ni; i++) row_scale(sp + (size_t)i * ATTN_BK, s->scale, kn); // S = (q k^T) scale
             s->dot2(ni, round16(kn), HS / 2, w->do2 + r, w->ldq2, 1, (const uint32_t *)w->vt + k0, Tk, dp,
                     ATTN_BK, 0);                                                              // dP = dout v^T
             continue;
@@ -673,8 +674,8 @@ static void attn_bwd_task(void *dq, void *dk, void *dv, const void *dout,
         pack_row_pairs(w->kp, HS, (const uint16_t *)k + kv_off(s, b, 0, g), 2 * ld2, s->dt,
                        min_i(Tk, s->q_pos0 + s->Tq), HS);
     } else {
-        transpose_f32(w->kt, Tk, w->k, w->ldk, Tk, HS);
-        transpose_f32(w->vt, Tk, vrows, w->ldk, Tk, HS);
+        transpose32(w->kt, Tk, w->k, w->ldk, Tk, HS);
+        transpose32(w->vt, Tk, vrows, w->ldk, Tk, HS);
     }
     for (int t = 0; t < Tk; t++) {
         memset(w->dk + (size_t)t * w->lddkv, 0, (size_t)HS * sizeof(float));

@@ -17,7 +17,7 @@
  * Returns the row's loss. */
 static float crossentropy_row(float *x, int V, int target, float grad_scale, int want_grad) {
     float xt = x[target], m = row_max(x, V);
-    float sum = row_exp_sum(x, V, m); // x = exp(x - m)
+    float sum = row_exp_sum(x, V, 1.0f, m); // x = exp(x - m)
     if (want_grad) {
         row_scale(x, 1.0f / sum, V);
         x[target] -= 1.0f;

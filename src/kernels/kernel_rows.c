@@ -1,6 +1,6 @@
 /*
  * kernel_rows.c — the fp32 building blocks of the row-wise kernels: a small
- * matrix product for attention's blocks, a transpose, and row reductions and
+ * matrix product for attention's blocks, a transpose of 32-bit elements, and row reductions and
  * maps (max, exp-and-sum, scale, dot).
  *
  * Each has an AVX2/FMA version and a portable C version, the row maps and
@@ -14,6 +14,7 @@
 #include "kernels/kernel_rows.h"
 
 #include <math.h>
+#include <string.h>
 
 /* ------------------------------------------------------------- portable */
 
@@ -32,10 +33,10 @@ static void mm_c(int m, int n, int k, const float *A, size_t rs, size_t ds, cons
     }
 }
 
-static float exp_sum_c(float *x, int n, float m) {
+static float exp_sum_c(float *x, int n, float sc, float m) {
     float s = 0.0f;
     for (int i = 0; i < n; i++) {
-        x[i] = expf(x[i] - m);
+        x[i] = expf(x[i] * sc - m);
         s += x[i];
     }
     return s;
@@ -160,17 +161,17 @@ SIMD_AVX2 static float max_avx2(const float *x, int n) {
     return r;
 }
 
-SIMD_AVX2 static float exp_sum_avx2(float *x, int n, float m) {
-    __m256 vm = _mm256_set1_ps(m), s = _mm256_setzero_ps();
+SIMD_AVX2 static float exp_sum_avx2(float *x, int n, float sc, float m) {
+    __m256 vm = _mm256_set1_ps(m), vsc = _mm256_set1_ps(sc), s = _mm256_setzero_ps();
     int i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m256 e = simd_exp(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+        __m256 e = simd_exp(_mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vsc), vm));
         _mm256_storeu_ps(x + i, e);
         s = _mm256_add_ps(s, e);
     }
     if (i < n) { /* the tail through the same vector exp, masked */
         __m256i mk = lane_mask(n - i);
-        __m256 e = simd_exp(_mm256_sub_ps(_mm256_maskload_ps(x + i, mk), vm));
+        __m256 e = simd_exp(_mm256_sub_ps(_mm256_mul_ps(_mm256_maskload_ps(x + i, mk), vsc), vm));
         e = _mm256_and_ps(e, _mm256_castsi256_ps(mk));
         _mm256_maskstore_ps(x + i, mk, e);
         s = _mm256_add_ps(s, e);
@@ -248,17 +249,17 @@ SIMD_AVX512 static float max_avx512(const float *x, int n) {
     return simd_hmax(_mm256_max_ps(_mm512_castps512_ps256(m), hi));
 }
 
-SIMD_AVX512 static float exp_sum_avx512(float *x, int n, float m) {
-    __m512 vm = _mm512_set1_ps(m), s = _mm512_setzero_ps();
+SIMD_AVX512 static float exp_sum_avx512(float *x, int n, float sc, float m) {
+    __m512 vm = _mm512_set1_ps(m), vsc = _mm512_set1_ps(sc), s = _mm512_setzero_ps();
     int i = 0;
     for (; i + 16 <= n; i += 16) {
-        __m512 e = simd_exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm));
+        __m512 e = simd_exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), vsc), vm));
         _mm512_storeu_ps(x + i, e);
         s = _mm512_add_ps(s, e);
     }
     if (i < n) { /* the tail through the same vector exp, masked */
         __mmask16 k = (__mmask16)((1u << (n - i)) - 1);
-        __m512 e = simd_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), vm));
+        __m512 e = simd_exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), vsc), vm));
         _mm512_mask_storeu_ps(x + i, k, e);
         s = _mm512_add_ps(s, _mm512_maskz_mov_ps(k, e));
     }
@@ -327,20 +328,22 @@ void mm_f32(int m, int n, int k, const float *A, int lda, int trans_a, const flo
     mm_c(m, n, k, A, rs, ds, B, ldb, C, ldc, accumulate);
 }
 
-void transpose_f32(float *dst, int ldd, const float *src, int lds, int rows, int cols) {
+void transpose32(void *dst, int ldd, const void *src, int lds, int rows, int cols) {
     enum { TB = 8 }; /* blocks of 8 x 8 keep both sides in cache lines */
+    char *d = dst;
+    const char *s = src;
     for (int i0 = 0; i0 < rows; i0 += TB)
         for (int j0 = 0; j0 < cols; j0 += TB) {
 #if LOOM_HAVE_X86_SIMD
-            if (i0 + TB <= rows && j0 + TB <= cols && simd_avx2()) {
-                transpose_8x8_avx2(dst + (size_t)j0 * ldd + i0, (size_t)ldd, src + (size_t)i0 * lds + j0,
-                                   (size_t)lds);
+            if (i0 + TB <= rows && j0 + TB <= cols && simd_avx2()) { /* moves bits only: any 32-bit data */
+                transpose_8x8_avx2((float *)dst + (size_t)j0 * ldd + i0, (size_t)ldd,
+                                   (const float *)src + (size_t)i0 * lds + j0, (size_t)lds);
                 continue;
             }
 #endif
             for (int i = i0; i < rows && i < i0 + TB; i++)
                 for (int j = j0; j < cols && j < j0 + TB; j++)
-                    dst[(size_t)j * ldd + i] = src[(size_t)i * lds + j];
+                    memcpy(d + 4 * ((size_t)j * ldd + i), s + 4 * ((size_t)i * lds + j), 4);
         }
 }
 
@@ -356,14 +359,14 @@ float row_max(const float *x, int n) {
     return m;
 }
 
-float row_exp_sum(float *x, int n, float m) {
+float row_exp_sum(float *x, int n, float sc, float m) {
 #if LOOM_HAVE_SIMD512
-    if (simd_avx512()) return exp_sum_avx512(x, n, m);
+    if (simd_avx512()) return exp_sum_avx512(x, n, sc, m);
 #endif
 #if LOOM_HAVE_X86_SIMD
-    if (simd_avx2()) return exp_sum_avx2(x, n, m);
+    if (simd_avx2()) return exp_sum_avx2(x, n, sc, m);
 #endif
-    return exp_sum_c(x, n, m);
+    return exp_sum_c(x, n, sc, m);
 }
 
 void row_scale(float *x, float s, int n) {

@@ -67,12 +67,15 @@ void mm_bf16_set_tiles(mm_bf16_fn tiles);
  * rows of dtype dt, LOOM_F32 (rounded as loom_f32_to_bf16) or LOOM_BF16 (as
  * stored); b NULL gives zero high halves. */
 void row_pairs(uint32_t *dst, const void *a, const void *b, loom_dtype dt, int n);
-/* dst (cols, rows) = src (rows, cols)^T; row strides ldd, lds. */
-void transpose_f32(float *dst, int ldd, const float *src, int lds, int rows, int cols);
+/* dst (cols, rows) = src (rows, cols)^T of 32-bit elements (fp32, or bf16
+ * pairs), copied bit for bit; row strides ldd, lds in elements. */
+void transpose32(void *dst, int ldd, const void *src, int lds, int rows, int cols);
 /* max of x[0 .. n) (-inf for n = 0). */
 float row_max(const float *x, int n);
-/* x[i] = exp(x[i] - m) for i < n; returns the sum of the new values. */
-float row_exp_sum(float *x, int n, float m);
+/* x[i] = exp(x[i] * sc - m) for i < n (the product rounded, then the
+ * difference: sc = 1 gives exp(x[i] - m)); returns the sum of the new
+ * values. */
+float row_exp_sum(float *x, int n, float sc, float m);
 /* x[i] *= s */
 void row_scale(float *x, float s, int n);
 /* sum_i a[i] * b[i] */

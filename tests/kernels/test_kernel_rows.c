@@ -1,6 +1,6 @@
 /*
  * test_kernel_rows.c — the fp32 building blocks of the row-wise kernels
- * against plain loops: the transpose (8 x 8 vector blocks and the edges
+ * against plain loops: the transpose of 32-bit elements, bit for bit (8 x 8 vector blocks and the edges
  * around them, padded strides) and the small matrix product (both
  * orientations of A, overwrite and accumulate, shapes off the 4 x 16 tile),
  * the row maps and reductions (max, exp-and-sum, scale, bf16 pairs), each on
@@ -13,13 +13,17 @@
 #include <string.h>
 
 static void check_transpose(int rows, int cols, int lds, int ldd) {
-    float *src = malloc(sizeof(float) * (size_t)rows * lds), *dst = malloc(sizeof(float) * (size_t)cols * ldd);
-    tu_fill_uniform(src, (size_t)rows * lds, -1.0f, 1.0f, (uint64_t)(rows * 131 + cols));
-    for (size_t i = 0; i < (size_t)cols * ldd; i++) dst[i] = 7.0f; // padding must stay
-    transpose_f32(dst, ldd, src, lds, rows, cols);
+    uint32_t *src = malloc(4 * (size_t)rows * lds), *dst = malloc(4 * (size_t)cols * ldd);
+    uint64_t x = (uint64_t)(rows * 131 + cols);
+    for (size_t i = 0; i < (size_t)rows * lds; i++) { /* any bits: NaN payloads, subnormals */
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        src[i] = (uint32_t)(x >> 32);
+    }
+    for (size_t i = 0; i < (size_t)cols * ldd; i++) dst[i] = 0x7f800001u; // padding must stay
+    transpose32(dst, ldd, src, lds, rows, cols);
     for (int j = 0; j < cols; j++)
         for (int i = 0; i < ldd; i++) {
-            float want = i < rows ? src[(size_t)i * lds + j] : 7.0f;
+            uint32_t want = i < rows ? src[(size_t)i * lds + j] : 0x7f800001u;
             if (dst[(size_t)j * ldd + i] != want) fail_msg("transpose %dx%d: (%d, %d)", rows, cols, j, i);
         }
     free(src);
@@ -217,7 +221,7 @@ static void test_row_maps(void **state) {
         for (int lv = 0; lv < 1 + wide; lv++) {
             assert_int_equal(loom_set_simd_level(lv ? "avx2" : was), LOOM_OK);
             memcpy(e[lv], x, sizeof x);
-            float sum = row_exp_sum(e[lv], n, want_max), own = 0.0f;
+            float sum = row_exp_sum(e[lv], n, 1.0f, want_max), own = 0.0f;
             for (int i = 0; i < n; i++) {
                 double want = exp((double)(x[i] - want_max)); // the difference as the kernel forms it
                 assert_true(fabs(e[lv][i] - want) <= 1e-6 * want + 1e-38);
