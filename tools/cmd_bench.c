@@ -337,19 +337,19 @@ static void print_result(const bench_opts *o, loom_precision prec, loom_recomput
                "\"tok_s\":%.1f,\"step_ms\":%.2f,\"gflop_per_step\":%.3f,\"gflops\":%.2f,\"mfu\":%.4f,"
                "\"peak_act_MiB\":%.1f,\"rss_MiB\":%s,\"buffer_allocs_per_step\":%.1f,"
                "\"gemm_primitives_per_step\":%.1f,\"replay_ms\":%.2f,\"loss\":%.5f,\"warmup\":%d,"
-               "\"gemm_peak\":\"%s\"}\n",
+               "\"gemm_peak\":\"%s\",\"kernels\":\"%s\"}\n",
                o->preset, loom_dtype_name(prec.compute), mg, recompute_label(mode), rm, o->batch, o->seq,
                loom_get_threads(), o->steps, r->tok_s, r->step_ms, r->gflop_per_step, r->gflops, r->mfu,
                r->peak_act_mib, rss, r->buffer_allocs_per_step, r->primitives_per_step, r->replay_ms, r->loss,
                o->warmup,
-               o->peak_given ? "given" : "measured");
+               o->peak_given ? "given" : "measured", loom_simd_name());
     } else {
         printf("bench preset=%s precision=%s master_grad=%s recompute=%s tok/s=%.0f step_ms=%.1f gflops=%.1f "
                "mfu=%.3f peak_act_MiB=%.1f rss_MiB=%s recompute_mode=%s batch=%d seq=%d threads=%d "
-               "buffer_allocs/step=%.1f gemm_primitives/step=%.1f replay_ms=%.2f loss=%.4f\n",
+               "buffer_allocs/step=%.1f gemm_primitives/step=%.1f replay_ms=%.2f loss=%.4f kernels=%s\n",
                o->preset, loom_dtype_name(prec.compute), mg, recompute_label(mode), r->tok_s, r->step_ms, r->gflops,
                r->mfu, r->peak_act_mib, r->rss_mib < 0 ? "n/a" : rss, rm, o->batch, o->seq, loom_get_threads(),
-               r->buffer_allocs_per_step, r->primitives_per_step, r->replay_ms, r->loss);
+               r->buffer_allocs_per_step, r->primitives_per_step, r->replay_ms, r->loss, loom_simd_name());
     }
     fflush(stdout);
 }

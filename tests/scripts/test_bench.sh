@@ -21,13 +21,17 @@ for f in precision=bf16 master_grad=on recompute=none 'tok/s=' step_ms= gflops= 
   grep -q "$f" <<<"$line" || fail "missing $f in: $line"
 done
 grep -q '^bench flops: 6\*N\*tokens' <<<"$out" || fail "no FLOP formula in: $out"
+# The kernels' level is part of the result; LOOM_SIMD caps it.
+grep -qE "kernels=$("$loom" --version | sed -E 's/.*kernels: ([a-z0-9-]+).*/\1/')\$" <<<"$line" || fail "no kernels= in: $line"
+capped=$(LOOM_SIMD=portable "$loom" bench "${small[@]}" --precision bf16 --recompute none --no-header)
+grep -q 'kernels=portable$' <<<"$capped" || fail "LOOM_SIMD=portable not in: $capped"
 
 json=$("$loom" bench "${small[@]}" --precision fp32 --recompute full --recompute-mode reentrant --json --no-header)
 python3 - "$json" <<'PY' || fail "bad JSON: $json"
 import json, sys
 r = json.loads(sys.argv[1])
 for k in ("tok_s", "step_ms", "gflops", "mfu", "peak_act_MiB", "rss_MiB", "buffer_allocs_per_step",
-          "gemm_primitives_per_step", "replay_ms", "warmup", "gemm_peak"):
+          "gemm_primitives_per_step", "replay_ms", "warmup", "gemm_peak", "kernels"):
     assert k in r, k
 assert r["precision"] == "fp32" and r["recompute"] == "full" and r["recompute_mode"] == "reentrant"
 assert r["tok_s"] > 0 and r["rss_MiB"] > 0 and r["buffer_allocs_per_step"] == 0 and r["gemm_peak"] == "given"
