@@ -226,7 +226,10 @@ loom_rng *loom_rng_default(void);
  * loom_set_simd(1) restores detection. loom_set_simd_level caps the paths
  * at a level, by the names loom_simd_name gives: "portable", "avx2",
  * "avx512f" (no bf16 dot products), "avx512-bf16", or "native" (all the CPU
- * has); an unknown name is LOOM_ERR_INVALID and changes nothing. Not meant
+ * has); an unknown name is LOOM_ERR_INVALID and changes nothing. The
+ * environment variable LOOM_SIMD, read when the first kernel runs, sets the
+ * starting cap the same way (a name it does not know is said on stderr and
+ * ignored); loom_set_simd and loom_set_simd_level override it. Not meant
  * to change while kernels run. Each path is deterministic; they may differ
  * in the last bits of sums and exps, never in conversions (and the AVX-512F
  * and AVX2 paths of an element-wise kernel agree in every bit). */

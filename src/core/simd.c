@@ -11,6 +11,7 @@
  */
 #include "core/simd.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -60,23 +61,35 @@ static void set_cap(int cap) {
 
 void loom_set_simd(int on) { set_cap(on ? LEVEL_AVX512BF16 : LEVEL_PORTABLE); }
 
-loom_status loom_set_simd_level(const char *level) {
-    if (level && !strcmp(level, "native")) {
-        set_cap(LEVEL_AVX512BF16);
-        return LOOM_OK;
-    }
-    for (int i = 0; level && i < N_LEVELS; i++)
-        if (!strcmp(level, level_names[i])) {
-            set_cap(i);
-            return LOOM_OK;
-        }
-    return loom_error(LOOM_ERR_INVALID, "unknown SIMD level '%s' (use portable, avx2, avx512f, avx512-bf16 or "
-                      "native)", level ? level : "(null)");
+/* The level a name caps at ("native": the widest), or -1. */
+static int level_of(const char *name) {
+    if (name && !strcmp(name, "native")) return LEVEL_AVX512BF16;
+    for (int i = 0; name && i < N_LEVELS; i++)
+        if (!strcmp(name, level_names[i])) return i;
+    return -1;
 }
 
+loom_status loom_set_simd_level(const char *level) {
+    int cap = level_of(level);
+    if (cap < 0)
+        return loom_error(LOOM_ERR_INVALID, "unknown SIMD level '%s' (use portable, avx2, avx512f, avx512-bf16 or "
+                          "native)", level ? level : "(null)");
+    set_cap(cap);
+    return LOOM_OK;
+}
+
+/* The first detection: LOOM_SIMD's cap, if it names one. A name it does
+ * not know is said once on stderr (a kernel has no error to return; the
+ * loom command refuses it before any kernel runs). */
 void simd_detect(void) {
     const char *env = getenv("LOOM_SIMD");
-    if (!env || !*env || loom_set_simd_level(env) != LOOM_OK) set_cap(LEVEL_AVX512BF16);
+    int cap = env && *env ? level_of(env) : LEVEL_AVX512BF16;
+    if (cap < 0) {
+        fprintf(stderr, "loom: LOOM_SIMD=%s names no level (portable, avx2, avx512f, avx512-bf16, native); "
+                        "using native\n", env);
+        cap = LEVEL_AVX512BF16;
+    }
+    set_cap(cap);
 }
 
 int loom_simd_enabled(void) { return simd_avx2(); }

@@ -155,7 +155,8 @@ SIMD_AVX2 static void mm_avx2(int m, int n, int k, const float *A, size_t rs, si
 SIMD_AVX2 static float max_avx2(const float *x, int n) {
     __m256 m = _mm256_set1_ps(-INFINITY);
     int i = 0;
-    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+    /* (load, m): a NaN element leaves the lane as it was, as fmaxf does */
+    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(_mm256_loadu_ps(x + i), m);
     float r = simd_hmax(m);
     for (; i < n; i++) r = fmaxf(r, x[i]);
     return r;
@@ -243,8 +244,8 @@ SIMD_AVX2 static void transpose_8x8_avx2(float *dst, size_t ldd, const float *sr
 SIMD_AVX512 static float max_avx512(const float *x, int n) {
     __m512 m = _mm512_set1_ps(-INFINITY);
     int i = 0;
-    for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + i));
-    if (i < n) m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, (__mmask16)((1u << (n - i)) - 1), x + i));
+    for (; i + 16 <= n; i += 16) m = _mm512_max_ps(_mm512_loadu_ps(x + i), m); /* NaN ignored: max_avx2 */
+    if (i < n) m = _mm512_max_ps(_mm512_mask_loadu_ps(m, (__mmask16)((1u << (n - i)) - 1), x + i), m);
     __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m), 1));
     return simd_hmax(_mm256_max_ps(_mm512_castps512_ps256(m), hi));
 }

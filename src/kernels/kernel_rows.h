@@ -70,7 +70,7 @@ void row_pairs(uint32_t *dst, const void *a, const void *b, loom_dtype dt, int n
 /* dst (cols, rows) = src (rows, cols)^T of 32-bit elements (fp32, or bf16
  * pairs), copied bit for bit; row strides ldd, lds in elements. */
 void transpose32(void *dst, int ldd, const void *src, int lds, int rows, int cols);
-/* max of x[0 .. n) (-inf for n = 0). */
+/* max of x[0 .. n) (-inf for n = 0), NaN elements ignored (as fmaxf). */
 float row_max(const float *x, int n);
 /* x[i] = exp(x[i] * sc - m) for i < n (the product rounded, then the
  * difference: sc = 1 gives exp(x[i] - m)); returns the sum of the new

@@ -15,7 +15,7 @@
 #include "kernels/kernels.h"
 
 static const loom_dtype dtypes[] = { LOOM_F32, LOOM_BF16, LOOM_F16 };
-static const size_t sizes[] = { 1, 5, 100003 }; /* the last runs in parallel */
+static const size_t sizes[] = { 1, 5, 29, 100003 }; /* 29: 16 + 8 + 5 lanes; the last runs in parallel */
 
 static void *random_dt(size_t n, loom_dtype dt, float lo, float hi, uint64_t seed) {
     float *f = malloc(n * sizeof(float) + 1);

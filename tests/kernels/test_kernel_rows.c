@@ -187,10 +187,12 @@ static void test_row_pairs(void **state) {
         for (int n = 0; n <= N; n += (n < 17 ? 1 : 7))
             for (int hi = 0; hi < 2; hi++) {
                 uint32_t got[N], got16[N];
+                for (int j = 0; j < N; j++) got[j] = got16[j] = 0xdeadbeefu; /* past n must stay */
                 row_pairs(got, a, hi ? b : NULL, LOOM_F32, n);
                 row_pairs(got16, a16, hi ? b16 : NULL, LOOM_BF16, n);
-                for (int j = 0; j < n; j++) {
-                    uint32_t want = loom_f32_to_bf16(a[j]) | (hi ? (uint32_t)loom_f32_to_bf16(b[j]) << 16 : 0u);
+                for (int j = 0; j < N; j++) {
+                    uint32_t want = j >= n ? 0xdeadbeefu
+                                           : loom_f32_to_bf16(a[j]) | (hi ? (uint32_t)loom_f32_to_bf16(b[j]) << 16 : 0u);
                     assert_int_equal(got[j], want);
                     assert_int_equal(got16[j], want);
                 }
@@ -202,10 +204,11 @@ static void test_row_pairs(void **state) {
 }
 
 /* row_max, row_exp_sum and row_scale on lengths around both vector widths:
- * the max and the scaled values exact, the exps within the vector exp's
- * error (portable: libm's) of exp in double, the sum within fp32
- * reassociation of the exps' own sum, and the element-wise values the same
- * bits on the AVX-512F and AVX2 paths. */
+ * the max exact (a NaN element ignored, as fmaxf does, on every path), the
+ * scaled values exact, the exps (of x * sc - m, sc = 1 and not) within the
+ * vector exp's error (portable: libm's) of exp in double, the sum within
+ * fp32 reassociation of the exps' own sum, nothing written past n, and the
+ * element-wise values the same bits on the AVX-512F and AVX2 paths. */
 static void test_row_maps(void **state) {
     (void)state;
     enum { N = 70 };
@@ -214,26 +217,38 @@ static void test_row_maps(void **state) {
     char was[32];
     snprintf(was, sizeof was, "%s", loom_simd_name());
     int wide = strncmp(was, "avx512", 6) == 0;
+    const float scs[] = {1.0f, 0.125f, 0.37f};
     for (int n = 0; n <= N; n++) {
         float want_max = -INFINITY;
         for (int i = 0; i < n; i++) want_max = x[i] > want_max ? x[i] : want_max;
         assert_true(row_max(x, n) == want_max);
-        for (int lv = 0; lv < 1 + wide; lv++) {
-            assert_int_equal(loom_set_simd_level(lv ? "avx2" : was), LOOM_OK);
-            memcpy(e[lv], x, sizeof x);
-            float sum = row_exp_sum(e[lv], n, 1.0f, want_max), own = 0.0f;
-            for (int i = 0; i < n; i++) {
-                double want = exp((double)(x[i] - want_max)); // the difference as the kernel forms it
-                assert_true(fabs(e[lv][i] - want) <= 1e-6 * want + 1e-38);
-                own += e[lv][i];
-            }
-            assert_true(fabsf(sum - own) <= 1e-6f * own);
-            memcpy(y, x, sizeof x);
-            row_scale(y, 0.37f, n);
-            for (int i = 0; i < N; i++) assert_true(y[i] == (i < n ? x[i] * 0.37f : x[i]));
+        for (int pos = 0; pos < n; pos += 7) { /* a NaN anywhere: the max of the rest */
+            float xn[N], rest = -INFINITY;
+            memcpy(xn, x, sizeof x);
+            xn[pos] = NAN;
+            for (int i = 0; i < n; i++) rest = i != pos && x[i] > rest ? x[i] : rest;
+            assert_true(row_max(xn, n) == rest);
         }
-        assert_int_equal(loom_set_simd_level(was), LOOM_OK);
-        if (wide) assert_true(tu_bits_equal(e[0], e[1], (size_t)n * 4, "exps avx512f vs avx2"));
+        for (int k = 0; k < 3; k++) {
+            float sc = scs[k], m = want_max * sc;
+            for (int lv = 0; lv < 1 + wide; lv++) {
+                assert_int_equal(loom_set_simd_level(lv ? "avx2" : was), LOOM_OK);
+                memcpy(e[lv], x, sizeof x);
+                float sum = row_exp_sum(e[lv], n, sc, m), own = 0.0f;
+                for (int i = 0; i < n; i++) {
+                    double want = exp((double)(x[i] * sc - m)); // the difference as the kernel forms it
+                    assert_true(fabs(e[lv][i] - want) <= 1e-6 * want + 1e-38);
+                    own += e[lv][i];
+                }
+                for (int i = n; i < N; i++) assert_true(e[lv][i] == x[i]);
+                assert_true(fabsf(sum - own) <= 1e-6f * own);
+                memcpy(y, x, sizeof x);
+                row_scale(y, 0.37f, n);
+                for (int i = 0; i < N; i++) assert_true(y[i] == (i < n ? x[i] * 0.37f : x[i]));
+            }
+            assert_int_equal(loom_set_simd_level(was), LOOM_OK);
+            if (wide) assert_true(tu_bits_equal(e[0], e[1], (size_t)n * 4, "exps avx512f vs avx2"));
+        }
     }
 }
 

@@ -48,6 +48,9 @@ int tu_bits_equal(const void *a, const void *b, size_t bytes, const char *what) 
     return 1;
 }
 
+/* The level a group restores: what detection chose (LOOM_SIMD honoured). */
+static char base_level[32] = "native";
+
 int tu_portable_on(void **state) {
     (void)state;
     loom_set_simd(0);
@@ -56,8 +59,7 @@ int tu_portable_on(void **state) {
 
 int tu_portable_off(void **state) {
     (void)state;
-    loom_set_simd(1);
-    return 0;
+    return loom_set_simd_level(base_level) == LOOM_OK ? 0 : -1;
 }
 
 static int avx2_on(void **state) {
@@ -66,10 +68,9 @@ static int avx2_on(void **state) {
 }
 
 int tu_run_levels(const struct CMUnitTest *tests, size_t n) {
-    loom_set_simd(1);
-    const char *native = loom_simd_name();
+    snprintf(base_level, sizeof base_level, "%s", loom_simd_name());
     int rc = _cmocka_run_group_tests("simd", tests, n, NULL, NULL);
-    if (strncmp(native, "avx512", 6) == 0)
+    if (strncmp(base_level, "avx512", 6) == 0)
         rc |= _cmocka_run_group_tests("avx2", tests, n, avx2_on, tu_portable_off);
     return rc | _cmocka_run_group_tests("portable", tests, n, tu_portable_on, tu_portable_off);
 }

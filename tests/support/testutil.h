@@ -29,9 +29,10 @@ double tu_close_ratio(const float *a, const float *b, size_t n, double atol,
                       double rtol, const char *what);
 #define TU_ASSERT_CLOSE(a, b, n, atol, rtol) \
     assert_true(tu_close_ratio((a), (b), (n), (atol), (rtol), #a " vs " #b) <= 1.0)
-/* Run a cmocka group with the widest kernels this CPU has ("simd"), again
- * capped at AVX2 when the CPU has more ("avx2", loom_set_simd_level), and
- * with the portable ones (loom_set_simd(0)); nonzero if any run fails. */
+/* Run a cmocka group with the widest kernels this CPU has ("simd", as far
+ * as LOOM_SIMD allows), again capped at AVX2 when that is wider ("avx2",
+ * loom_set_simd_level), and with the portable ones (loom_set_simd(0));
+ * nonzero if any run fails. */
 #define TU_RUN_SIMD_AND_PORTABLE(tests) tu_run_levels((tests), sizeof(tests) / sizeof((tests)[0]))
 int tu_run_levels(const struct CMUnitTest *tests, size_t n);
 int tu_portable_on(void **state);
