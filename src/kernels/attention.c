@@ -638,6 +638,16 @@ static void attn_bwd_head(attn_bwd_scratch *w, const float *lse, const float *D,
     }
 }
 
+/* rows (ld floats apart) x n floats set to 0: one memset when they are
+ * dense (scratch), else one per row (rows in place, between other heads'). */
+static void zero_rows(float *p, int ld, int rows, int n) {
+    if (ld == n) {
+        memset(p, 0, (size_t)rows * n * sizeof(float));
+        return;
+    }
+    for (int t = 0; t < rows; t++) memset(p + (size_t)t * ld, 0, (size_t)n * sizeof(float));
+}
+
 /* Task (b, g): dk, dv rows of kv head g and dq rows of its query heads.
  * With s->in_place, fp32 keys, values, dout, dk and dv are used where they
  * lie (dk, dv are accumulated in place); otherwise they go through the
@@ -677,10 +687,8 @@ static void attn_bwd_task(void *dq, void *dk, void *dv, const void *dout,
         transpose32(w->kt, Tk, w->k, w->ldk, Tk, HS);
         transpose32(w->vt, Tk, vrows, w->ldk, Tk, HS);
     }
-    for (int t = 0; t < Tk; t++) {
-        memset(w->dk + (size_t)t * w->lddkv, 0, (size_t)HS * sizeof(float));
-        memset(w->dv + (size_t)t * w->lddkv, 0, (size_t)HS * sizeof(float));
-    }
+    zero_rows(w->dk, w->lddkv, Tk, HS);
+    zero_rows(w->dv, w->lddkv, Tk, HS);
     for (int h = g * s->G; h < (g + 1) * s->G; h++) {
         if (s->dot2) { /* q and dout as stored, and as pairs of rows */
             w->q2 = pair_rows(q, q_off(s, b, 0, h));
@@ -700,7 +708,7 @@ static void attn_bwd_task(void *dq, void *dk, void *dv, const void *dout,
         }
         w->dq = f32 ? (float *)dq + q_off(s, b, 0, h) : w->dqbuf;
         w->lddq = f32 ? s->NH * HS : HS;
-        for (int t = 0; t < s->Tq; t++) memset(w->dq + (size_t)t * w->lddq, 0, (size_t)HS * sizeof(float));
+        zero_rows(w->dq, w->lddq, s->Tq, HS);
         attn_bwd_head(w, lse, D, b, h, s);
         for (int t = 0; t < s->Tq; t++) {
             float *r = w->dq + (size_t)t * w->lddq;
