@@ -305,7 +305,7 @@ static void attn_fwd_scores(const attn_fwd_scratch *w, int q0, int nq, int k0, i
         if (c0 >= nq) continue;
         int nr = min_i(nk - r0, ATTN_STRIP);
         float *st = w->st + (size_t)r0 * ATTN_BQ + c0;
-        if (s->dot2) { /* (k q^T) * scale from the bf16 pairs; qt holds the packed queries */
+        if (s->dot2) { /* k q^T from the bf16 pairs (the softmax scales it); qt holds the packed queries */
             s->dot2(nr, round16(nq - c0), s->HS / 2, w->k2 + (size_t)(k0 + r0) * w->ldk2, w->ldk2, 1,
                     (const uint32_t *)w->qt + c0, ATTN_BQ, st, ATTN_BQ, 0);
             continue;
@@ -524,8 +524,9 @@ SIMD_AVX512 static void attn_ds_avx512(float *ds, const float *p, float d, int n
 
 /* P = exp(S - lse) for the block, then dS = P (dP - D); both exactly 0 past
  * the keys a query sees (where S and dP were not computed), up to an even
- * column count. w->p holds S on entry and P on exit; w->ds holds dP on
- * entry. */
+ * column count. w->p holds S on entry (with dot2 the unscaled q k^T: the exp
+ * applies the scale, rounding as the forward's softmax) and P on exit; w->ds
+ * holds dP on entry. */
 static void attn_bwd_probs(attn_bwd_scratch *w, const float *lse, const float *D, int q0, int nq,
                            int k0, int nk, const attn_shape *s) {
     for (int i = 0; i < nq; i++) {

@@ -1,7 +1,7 @@
 /*
  * kernel_rows.c — the fp32 building blocks of the row-wise kernels: a small
- * matrix product for attention's blocks, a transpose of 32-bit elements, and row reductions and
- * maps (max, exp-and-sum, scale, dot).
+ * matrix product for attention's blocks, a transpose of 32-bit elements,
+ * and row reductions and maps (max, exp-and-sum, scale, dot, bf16 pairs).
  *
  * Each has an AVX2/FMA version and a portable C version, the row maps and
  * exp-and-sum a 16-lane AVX-512F version too; simd_avx512() and
