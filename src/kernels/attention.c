@@ -556,8 +556,14 @@ static void attn_bwd_block_pairs(attn_bwd_scratch *w, int q0, int nq, int k0, in
     int HS = s->HS;
     pack_row_pairs(w->pp, ATTN_BK, w->p, ATTN_BK, LOOM_F32, nq, nk);
     pack_row_pairs(w->dsp, ATTN_BK, w->ds, ATTN_BK, LOOM_F32, nq, nk);
-    for (int i = 0; i < nq; i++) /* neighbouring fp32 -> bf16 make the pairs */
-        convert_from_f32(w->dsr + (size_t)i * ATTN_BK / 2, LOOM_BF16, w->ds + (size_t)i * ATTN_BK, 2 * half_up(nk));
+    /* neighbouring fp32 -> bf16 make the pairs; ds and dsr rows are both
+     * ATTN_BK elements apart, so a full block converts in one call */
+    if (2 * half_up(nk) == ATTN_BK)
+        convert_from_f32(w->dsr, LOOM_BF16, w->ds, (size_t)nq * ATTN_BK);
+    else
+        for (int i = 0; i < nq; i++)
+            convert_from_f32(w->dsr + (size_t)i * ATTN_BK / 2, LOOM_BF16, w->ds + (size_t)i * ATTN_BK,
+                             2 * half_up(nk));
     for (int r0 = 0; r0 < nk; r0 += ATTN_STRIP) {
         int nr = min_i(nk - r0, ATTN_STRIP);
         int i0 = k0 + r0 - s->q_pos0 - q0; // first query that sees key k0 + r0
@@ -639,6 +645,15 @@ static void attn_bwd_head(attn_bwd_scratch *w, const float *lse, const float *D,
     }
 }
 
+/* rows (ld floats apart) x n floats times sc: one pass when they are dense. */
+static void scale_rows(float *p, int ld, int rows, int n, float sc) {
+    if (ld == n) {
+        row_scale(p, sc, rows * n);
+        return;
+    }
+    for (int t = 0; t < rows; t++) row_scale(p + (size_t)t * ld, sc, n);
+}
+
 /* rows (ld floats apart) x n floats set to 0: one memset when they are
  * dense (scratch), else one per row (rows in place, between other heads'). */
 static void zero_rows(float *p, int ld, int rows, int n) {
@@ -711,18 +726,17 @@ static void attn_bwd_task(void *dq, void *dk, void *dv, const void *dout,
         w->lddq = f32 ? s->NH * HS : HS;
         zero_rows(w->dq, w->lddq, s->Tq, HS);
         attn_bwd_head(w, lse, D, b, h, s);
-        for (int t = 0; t < s->Tq; t++) {
-            float *r = w->dq + (size_t)t * w->lddq;
-            row_scale(r, s->scale, HS);
-            if (!f32) row_store(dq, q_off(s, b, t, h), r, HS, s->dt);
-        }
+        scale_rows(w->dq, w->lddq, s->Tq, HS, s->scale);
+        if (!f32)
+            for (int t = 0; t < s->Tq; t++) row_store(dq, q_off(s, b, t, h), w->dq + (size_t)t * HS, HS, s->dt);
     }
-    if (!f32)
+    if (!f32) {
+        if (s->dot2) scale_rows(w->dk, HS, Tk, HS, s->scale); /* dK's products left it out */
         for (int t = 0; t < Tk; t++) {
-            if (s->dot2) row_scale(w->dk + (size_t)t * HS, s->scale, HS); /* dK's products left it out */
             row_store(dk, kv_off(s, b, t, g), w->dk + (size_t)t * HS, HS, s->dt);
             row_store(dv, kv_off(s, b, t, g), w->dv + (size_t)t * HS, HS, s->dt);
         }
+    }
 }
 
 void attention_bwd(void *dq, void *dk, void *dv, const void *dout,
