@@ -85,8 +85,10 @@ void simd_detect(void) {
     const char *env = getenv("LOOM_SIMD");
     int cap = env && *env ? level_of(env) : LEVEL_AVX512BF16;
     if (cap < 0) {
-        fprintf(stderr, "loom: LOOM_SIMD=%s names no level (portable, avx2, avx512f, avx512-bf16, native); "
-                        "using native\n", env);
+        static int warned; /* two threads detecting at once warn once */
+        if (!__atomic_exchange_n(&warned, 1, __ATOMIC_RELAXED))
+            fprintf(stderr, "loom: LOOM_SIMD=%s names no level (portable, avx2, avx512f, avx512-bf16, native); "
+                            "using native\n", env);
         cap = LEVEL_AVX512BF16;
     }
     set_cap(cap);
