@@ -1,10 +1,10 @@
 /*
- * attention.c — causal grouped-query attention, flash-style, and references.
+ * attention.c — causal grouped-query attention, flash-style (the plain
+ * references that materialise the scores are in attention_ref.c).
  *
  * Owns: softmax(q k^T * scale + causal mask) v for query heads that share
- * key/value heads, its backward, and plain references that materialise the
- * scores. Query t sits at absolute position q_pos0 + t and sees keys
- * 0 .. q_pos0 + t.
+ * key/value heads, and its backward. Query t sits at absolute position
+ * q_pos0 + t and sees keys 0 .. q_pos0 + t.
  *
  * Both directions work in fp32 on blocks of ATTN_BQ queries x ATTN_BK keys,
  * with the products as small matrix multiplies (mm_f32: AVX-512F, AVX2/FMA
@@ -46,6 +46,7 @@
  * Must never: let the thread count or the schedule change a result — every
  * output element is summed by one task in a fixed order.
  */
+#include "kernels/attention_internal.h"
 #include "kernels/kernels.h"
 #include "kernels/kernel_rows.h"
 
@@ -61,15 +62,6 @@
 #define ATTN_STRIP 16 /* rows per product on a block the causal mask cuts */
 _Static_assert(ATTN_BQ % 8 == 0 && ATTN_BK % 2 == 0, "query blocks are whole vectors; bf16 pairs need even blocks");
 
-typedef struct attn_shape {
-    int B, Tq, Tk, NH, NKV, HS, q_pos0;
-    int G; /* query heads per kv head */
-    float scale;
-    loom_dtype dt;
-    int in_place; /* fp32 rows read (and dk, dv, dq summed) where they lie: attn_shape_make */
-    mm_bf16_fn dot2; /* bf16 inputs, HS a multiple of 16, a CPU with bf16 dot products: every product */
-} attn_shape;
-
 /* Rows of a (B, T, heads, HS) buffer are heads * HS floats apart. With a
  * critical stride (stride_critical: small's 8 heads of 64), copying them to
  * dense scratch first made the backward 24% faster (bench/ab_attention.sh
@@ -79,10 +71,10 @@ typedef struct attn_shape {
 
 static attn_shape attn_shape_make(int B, int Tq, int Tk, int NH, int NKV, int HS,
                                   int q_pos0, loom_dtype dt) {
-    attn_shape s = {B, Tq, Tk, NH, NKV, HS, q_pos0, NH / NKV, 1.0f / sqrtf((float)HS), dt,
-                    dt == LOOM_F32 && (Tq < ATTN_BQ || !(stride_critical((size_t)NH * HS, dt) ||
-                                                         stride_critical((size_t)NKV * HS, dt))),
-                    dt == LOOM_BF16 && HS % 16 == 0 ? mm_bf16_tiles() : NULL};
+    attn_shape s = attn_shape_plain(B, Tq, Tk, NH, NKV, HS, q_pos0, dt);
+    s.in_place = dt == LOOM_F32 && (Tq < ATTN_BQ || !(stride_critical((size_t)NH * HS, dt) ||
+                                                      stride_critical((size_t)NKV * HS, dt)));
+    s.dot2 = dt == LOOM_BF16 && HS % 16 == 0 ? mm_bf16_tiles() : NULL;
     return s;
 }
 
@@ -112,18 +104,6 @@ static void pack_row_pairs(uint32_t *dst, int ldd, const void *src, size_t ld, l
         const char *a = (const char *)src + 2 * (size_t)p * pitch;
         row_pairs(dst + (size_t)p * ldd, a, 2 * p + 1 < nr ? a + pitch : NULL, dt, n);
     }
-}
-
-/* Element offsets of rows in q/out/dq (B, Tq, NH, HS), k/v (B, Tk, NKV, HS)
- * and of entries in lse (B, NH, Tq). */
-static size_t q_off(const attn_shape *s, int b, int t, int h) {
-    return (((size_t)b * s->Tq + t) * s->NH + h) * s->HS;
-}
-static size_t kv_off(const attn_shape *s, int b, int t, int g) {
-    return (((size_t)b * s->Tk + t) * s->NKV + g) * s->HS;
-}
-static size_t lse_off(const attn_shape *s, int b, int h, int t) {
-    return ((size_t)b * s->NH + h) * s->Tq + t;
 }
 
 static int min_i(int a, int b) { return a < b ? a : b; }
@@ -755,92 +735,4 @@ void attention_bwd(void *dq, void *dk, void *dv, const void *dout,
     }
     loom_free(ws);
     loom_free(D);
-}
-
-/* ------------------------------------------------------------- references */
-
-/* p: (Tk) softmax row of query t of head h (keys 0 .. pos); returns its lse. */
-static float attn_ref_probs(float *p, const void *q, const void *k, int b, int h, int t,
-                            const attn_shape *s) {
-    int n = s->q_pos0 + t + 1, g = h / s->G;
-    float m = -INFINITY, sum = 0.0f;
-    for (int j = 0; j < n; j++) {
-        float acc = 0.0f;
-        for (int d = 0; d < s->HS; d++)
-            acc += loom_load(q, q_off(s, b, t, h) + d, s->dt) *
-                   loom_load(k, kv_off(s, b, j, g) + d, s->dt);
-        p[j] = acc * s->scale;
-        m = fmaxf(m, p[j]);
-    }
-    for (int j = 0; j < n; j++) { p[j] = expf(p[j] - m); sum += p[j]; }
-    for (int j = 0; j < n; j++) p[j] /= sum;
-    return m + logf(sum);
-}
-
-void attention_fwd_ref(void *out, float *lse, const void *q, const void *k, const void *v,
-                       int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
-                       loom_dtype dt) {
-    attn_shape s = attn_shape_make(B, Tq, Tk, NH, NKV, HS, q_pos0, dt);
-    float *p = workspace_floats((size_t)Tk); // (Tk)
-    for (int b = 0; b < B; b++)
-        for (int h = 0; h < NH; h++)
-            for (int t = 0; t < Tq; t++) {
-                float l = attn_ref_probs(p, q, k, b, h, t, &s);
-                if (lse) lse[lse_off(&s, b, h, t)] = l;
-                for (int d = 0; d < HS; d++) {
-                    float o = 0.0f;
-                    for (int j = 0; j <= q_pos0 + t; j++)
-                        o += p[j] * loom_load(v, kv_off(&s, b, j, h / s.G) + d, dt);
-                    loom_store(out, q_off(&s, b, t, h) + d, dt, o);
-                }
-            }
-    loom_free(p);
-}
-
-/* One query row: dp = dout . v, ds = p (dp - sum(p dp)); dq = scale ds K,
- * dk32 += scale ds q, dv32 += p dout. p, dp: (n). */
-static void attn_ref_bwd_row(void *dq, float *dk32, float *dv32, float *p, float *dp,
-                             const void *dout, const void *q, const void *k, const void *v,
-                             int b, int h, int t, const attn_shape *s) {
-    int n = s->q_pos0 + t + 1, g = h / s->G, HS = s->HS;
-    size_t qo = q_off(s, b, t, h);
-    float Dt = 0.0f;
-    for (int j = 0; j < n; j++) {
-        dp[j] = 0.0f;
-        for (int d = 0; d < HS; d++)
-            dp[j] += loom_load(dout, qo + d, s->dt) * loom_load(v, kv_off(s, b, j, g) + d, s->dt);
-        Dt += p[j] * dp[j];
-    }
-    for (int d = 0; d < HS; d++) {
-        float acc = 0.0f, qd = loom_load(q, qo + d, s->dt), od = loom_load(dout, qo + d, s->dt);
-        for (int j = 0; j < n; j++) {
-            float ds = p[j] * (dp[j] - Dt);
-            acc += ds * loom_load(k, kv_off(s, b, j, g) + d, s->dt);
-            dk32[kv_off(s, b, j, g) + d] += s->scale * ds * qd;
-            dv32[kv_off(s, b, j, g) + d] += p[j] * od;
-        }
-        loom_store(dq, qo + d, s->dt, s->scale * acc);
-    }
-}
-
-void attention_bwd_ref(void *dq, void *dk, void *dv, const void *dout,
-                       const void *q, const void *k, const void *v,
-                       int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
-                       loom_dtype dt) {
-    attn_shape s = attn_shape_make(B, Tq, Tk, NH, NKV, HS, q_pos0, dt);
-    size_t nkv = (size_t)B * Tk * NKV * HS;
-    float *dk32 = workspace_floats(2 * nkv + 2 * (size_t)Tk); // (B, Tk, NKV, HS) x 2
-    float *dv32 = dk32 + nkv, *p = dv32 + nkv, *dp = p + Tk;
-    memset(dk32, 0, 2 * nkv * sizeof(float));
-    for (int b = 0; b < B; b++)
-        for (int h = 0; h < NH; h++)
-            for (int t = 0; t < Tq; t++) {
-                attn_ref_probs(p, q, k, b, h, t, &s);
-                attn_ref_bwd_row(dq, dk32, dv32, p, dp, dout, q, k, v, b, h, t, &s);
-            }
-    for (size_t i = 0; i < nkv; i++) {
-        loom_store(dk, i, dt, dk32[i]);
-        loom_store(dv, i, dt, dv32[i]);
-    }
-    loom_free(dk32);
 }

@@ -108,7 +108,7 @@ void attention_bwd(void *dq, void *dk, void *dv, const void *dout,
                    const void *q, const void *k, const void *v, const void *out,
                    const float *lse, int B, int Tq, int Tk, int NH, int NKV, int HS,
                    int q_pos0, loom_dtype dt);
-/* Reference: materialises the score matrix, fp32 everywhere. */
+/* References (attention_ref.c): materialise each softmax row, fp32 everywhere. */
 void attention_fwd_ref(void *out, float *lse, const void *q, const void *k, const void *v,
                        int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
                        loom_dtype dt);

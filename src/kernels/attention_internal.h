@@ -1,0 +1,43 @@
+/*
+ * attention_internal.h — private to src/kernels/attention*.c: the shape of
+ * one attention call and the element offsets of its buffers, shared by the
+ * flash kernels (attention.c) and the plain references (attention_ref.c).
+ *
+ * Must never: be included elsewhere, or hold state.
+ */
+#ifndef LOOM_ATTENTION_INTERNAL_H
+#define LOOM_ATTENTION_INTERNAL_H
+
+#include "kernels/kernel_rows.h"
+
+#include <math.h>
+
+typedef struct attn_shape {
+    int B, Tq, Tk, NH, NKV, HS, q_pos0;
+    int G; /* query heads per kv head */
+    float scale;
+    loom_dtype dt;
+    int in_place; /* fp32 rows read (and dk, dv, dq summed) where they lie: attention.c's attn_shape_make */
+    mm_bf16_fn dot2; /* bf16 inputs, HS a multiple of 16, a CPU with bf16 dot products: every product */
+} attn_shape;
+
+/* The call's dimensions, scale 1 / sqrt(HS); no flash-kernel choices made. */
+static inline attn_shape attn_shape_plain(int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
+                                          loom_dtype dt) {
+    attn_shape s = {B, Tq, Tk, NH, NKV, HS, q_pos0, NH / NKV, 1.0f / sqrtf((float)HS), dt, 0, NULL};
+    return s;
+}
+
+/* Element offsets of rows in q/out/dq (B, Tq, NH, HS), k/v (B, Tk, NKV, HS)
+ * and of entries in lse (B, NH, Tq). */
+static inline size_t q_off(const attn_shape *s, int b, int t, int h) {
+    return (((size_t)b * s->Tq + t) * s->NH + h) * s->HS;
+}
+static inline size_t kv_off(const attn_shape *s, int b, int t, int g) {
+    return (((size_t)b * s->Tk + t) * s->NKV + g) * s->HS;
+}
+static inline size_t lse_off(const attn_shape *s, int b, int h, int t) {
+    return ((size_t)b * s->NH + h) * s->Tq + t;
+}
+
+#endif
