@@ -1,0 +1,54 @@
+/*
+ * train.h — private to `loom train` (cmd_train.c and train_ckpt.c): its
+ * options and the state of one training run, and the checkpoints it writes
+ * and resumes from.
+ */
+#ifndef LOOM_TRAIN_H
+#define LOOM_TRAIN_H
+
+#include "cli.h"
+#include "train_report.h"
+
+#include <stdio.h>
+
+typedef struct train_opts {
+    const char *data, *out, *preset, *config, *init, *resume, *dump_grads, *dump_logits, *tokenizer;
+    const char *precision, *master_grad, *recompute, *recompute_mode;
+    int batch, seq, grad_accum, steps, warmup, seed, threads, eval_every, eval_batches, ckpt_every, keep;
+    int log_every, check_grads, tie, tp, zero, overlap, bucket_size;
+    const char *overlap_flag;
+    float lr, min_lr, weight_decay, clip;
+} train_opts;
+
+typedef struct trainer {
+    train_opts o;
+    loom_llama *m;
+    loom_dist_optim *opt;
+    loom_comm *world;
+    loom_dist dist;
+    int leader;   /* world rank 0: prints, writes metrics and plots */
+    loom_dataloader *train, *val;
+    loom_loss_scaler scaler;
+    loom_train_state state;
+    int32_t *inputs, *targets;
+    char tokenizer_path[4096];
+    int has_tokenizer;
+    FILE *metrics;
+    train_report report;
+    double first_loss;  /* loss of the first micro-batch, for --dump-logits */
+    int last_saved;     /* step of the checkpoint this run last wrote or resumed from, -1 */
+    int interrupted;    /* the signal that stopped training early (checkpoint saved), or 0 */
+    int usage;          /* the failure is a flag the model cannot take (exit 2, not 1) */
+} trainer;
+
+/* Write checkpoint <out>/ckpt-<step> (every rank takes part; the ranks of
+ * data-parallel group 0 write), then prune to --keep. Nothing when this step
+ * was saved or resumed from already. Errors: the checkpoint exists but this
+ * run did not write it (LOOM_ERR_STATE), weights that are not finite
+ * (LOOM_ERR_NUMERIC: nothing written, the earlier checkpoints kept), I/O. */
+loom_status train_save_checkpoint(trainer *t);
+/* Resume from checkpoint dir: weights, moments, step, RNG, data position,
+ * loss scaler; notes on stderr what differs from the run that wrote it. */
+loom_status train_restore(trainer *t, const char *dir);
+
+#endif
