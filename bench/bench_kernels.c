@@ -70,7 +70,7 @@ static int usage(void) {
 int main(int argc, char **argv) {
     const char *preset = "tiny", *dtype = "f32";
     int batch = 8, threads = 0, reps = 30;
-    for (int i = 1; i < argc; i++) {
+    for (int i = 1; i < argc; i += 2) { /* --flag value pairs */
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v) return usage();
         if (!strcmp(argv[i], "--preset")) preset = v;
@@ -79,7 +79,6 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--threads")) threads = atoi(v);
         else if (!strcmp(argv[i], "--reps")) reps = atoi(v);
         else return usage();
-        i++;
     }
     int tiny = !strcmp(preset, "tiny");
     if ((!tiny && strcmp(preset, "small")) || batch < 1 || reps < 1 || threads < 0 ||

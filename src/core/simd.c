@@ -11,6 +11,9 @@
  */
 #include "core/simd.h"
 
+#if LOOM_HAVE_X86_SIMD
+#include <cpuid.h>
+#endif
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,10 +22,21 @@ int simd_avx2_state_ = -1;
 int simd_avx512_state_;
 int simd_avx512bf16_state_;
 
+/* F16C from CPUID leaf 1 (clang's __builtin_cpu_supports has no "f16c");
+ * the OS's saving of the AVX registers it needs is part of the avx2 check. */
+static int cpu_has_f16c(void) {
+#if LOOM_HAVE_X86_SIMD
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+#else
+    return 0;
+#endif
+}
+
 static int cpu_has_avx2(void) {
 #if LOOM_HAVE_X86_SIMD
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
 #else
     return 0;
 #endif

@@ -14,6 +14,10 @@
 
 #include "core/simd.h"
 
+#if LOOM_HAVE_X86_SIMD
+#include <cpuid.h>
+#endif
+
 static float F(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static uint32_t U(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 
@@ -94,7 +98,9 @@ static void test_switch(void **state) {
     loom_set_simd(1);
 #if LOOM_HAVE_X86_SIMD
     __builtin_cpu_init();
-    int have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    unsigned a, b, c, d; /* F16C from CPUID: clang's __builtin_cpu_supports has no "f16c" */
+    int f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+    int have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
     assert_int_equal(loom_simd_enabled(), have);
 #endif
     /* Each cap gives its own level where the CPU has it, a narrower one
