@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Fuzz loom's parsers with libFuzzer (coverage-guided, under ASan and UBSan):
+# safetensors, the tokenizer JSON, config.json and llm.c token shards
+# (tests/fuzz/fuzz_*.c). Builds them with clang in build-fuzz/, starts each
+# corpus from tests/fuzz/corpus (small valid files, and the inputs earlier
+# runs kept: ctest replays those with the ordinary build), runs each fuzzer
+# for SECONDS (default 60) and fails if any input crashes, leaks, hangs or
+# breaks a harness's check; the input is left in build-fuzz/crashes/ (add it
+# to tests/fuzz/corpus once fixed). Not part of scripts/test.sh: a long run,
+# and clang is not otherwise needed.
+#   bash scripts/fuzz.sh [SECONDS] [NAME...]     e.g. bash scripts/fuzz.sh 300 tokenizer
+set -euo pipefail
+cd "$(dirname "$0")/.."
+secs=${1:-60}
+shift || true
+names=("$@")
+[ ${#names[@]} -gt 0 ] || names=(safetensors tokenizer config shard)
+bash scripts/setup.sh --fuzz
+B=build-fuzz
+CC=clang cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_FUZZ=ON -DLOOM_BUILD_TESTS=OFF \
+  -DLOOM_WITH_MPI=OFF >/dev/null
+cmake --build "$B" -j"$(nproc)" --target "${names[@]/#/fuzz_}"
+
+# The work corpus starts from the committed one (tests/fuzz/corpus: small
+# valid files and inputs earlier runs kept) and keeps what this run finds.
+for n in "${names[@]}"; do
+  mkdir -p "$B/corpus/$n"
+  cp -n tests/fuzz/corpus/"$n"/* "$B/corpus/$n/" 2>/dev/null || true
+done
+
+mkdir -p "$B/crashes"
+failed=()
+for n in "${names[@]}"; do
+  echo "fuzz: $n for ${secs}s"
+  if ! "$B/fuzz_$n" "$B/corpus/$n" -max_total_time="$secs" -max_len=65536 -timeout=10 -rss_limit_mb=4096 \
+       -artifact_prefix="$B/crashes/$n-" -print_final_stats=1 2>"$B/fuzz_$n.log"; then
+    tail -40 "$B/fuzz_$n.log" >&2
+    failed+=("$n")
+  else
+    grep -E '^stat::(number_of_executed_units|new_units_added)' "$B/fuzz_$n.log" | tr '\n' ' '; echo
+  fi
+done
+rm -f /dev/shm/loom-fuzz-*
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "fuzz: FAILED: ${failed[*]} (inputs in $B/crashes/; logs in $B/fuzz_*.log)" >&2
+  exit 1
+fi
+echo "fuzz: ${names[*]}: no crash in ${secs}s each"

@@ -1,0 +1,21 @@
+/*
+ * fuzz_shard.c — loom_shard_open (llm.c's token shards) on any bytes: a
+ * shard it accepts reads its tokens (all, or the first 65536) with a status,
+ * never a fault.
+ */
+#include "fuzz_util.h"
+
+#include <stdlib.h>
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    if (fuzz_write("shard", data, size)) return 0;
+    loom_shard *s;
+    if (loom_shard_open(fuzz_path("shard"), &s) != LOOM_OK) return 0;
+    size_t n = loom_shard_count(s);
+    if (n > 65536) n = 65536;
+    int32_t *dst = malloc(n * sizeof *dst + 1);
+    if (dst) (void)loom_shard_read(s, 0, n, dst);
+    free(dst);
+    loom_shard_close(s);
+    return 0;
+}
