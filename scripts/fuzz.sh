@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fuzz loom's parsers with libFuzzer (coverage-guided, under ASan and UBSan):
-# safetensors, the tokenizer JSON, config.json and llm.c token shards
-# (tests/fuzz/fuzz_*.c). Builds them with clang in build-fuzz/, starts each
+# safetensors, the tokenizer JSON, config.json, llm.c token shards and a
+# checkpoint's state (tests/fuzz/fuzz_*.c). Builds them with clang in build-fuzz/, starts each
 # corpus from tests/fuzz/corpus (small valid files, and the inputs earlier
 # runs kept: ctest replays those with the ordinary build), runs each fuzzer
 # for SECONDS (default 60) and fails if any input crashes, leaks, hangs or
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 secs=${1:-60}
 shift || true
 names=("$@")
-[ ${#names[@]} -gt 0 ] || names=(safetensors tokenizer config shard)
+[ ${#names[@]} -gt 0 ] || names=(safetensors tokenizer config shard checkpoint)
 bash scripts/setup.sh --fuzz
 B=build-fuzz
 CC=clang cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_FUZZ=ON -DLOOM_BUILD_TESTS=OFF \
@@ -40,7 +40,14 @@ for n in "${names[@]}"; do
     grep -E '^stat::(number_of_executed_units|new_units_added)' "$B/fuzz_$n.log" | tr '\n' ' '; echo
   fi
 done
-rm -f /dev/shm/loom-fuzz-*
+rm -rf /dev/shm/loom-fuzz-*
+# clang's OpenMP runtime leaves a registration file in /dev/shm for each
+# process that does not shut it down: remove those of processes now gone.
+for f in /dev/shm/__KMP_REGISTERED_LIB_*; do
+  [ -e "$f" ] || continue
+  p=${f#/dev/shm/__KMP_REGISTERED_LIB_}; p=${p%%_*}
+  kill -0 "$p" 2>/dev/null || rm -f "$f"
+done
 if [ ${#failed[@]} -gt 0 ]; then
   echo "fuzz: FAILED: ${failed[*]} (inputs in $B/crashes/; logs in $B/fuzz_*.log)" >&2
   exit 1

@@ -11,13 +11,20 @@
 
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <unistd.h>
 
-/* The file this process's inputs go to, named after `what`. */
+static char fuzz_path_[256];
+static void fuzz_path_remove(void) { unlink(fuzz_path_); }
+
+/* The file this process's inputs go to, named after `what`; removed when
+ * the process exits. */
 static inline const char *fuzz_path(const char *what) {
-    static char path[256];
-    if (!path[0]) snprintf(path, sizeof path, "/dev/shm/loom-fuzz-%ld-%s", (long)getpid(), what);
-    return path;
+    if (!fuzz_path_[0]) {
+        snprintf(fuzz_path_, sizeof fuzz_path_, "/dev/shm/loom-fuzz-%ld-%s", (long)getpid(), what);
+        atexit(fuzz_path_remove);
+    }
+    return fuzz_path_;
 }
 
 /* Write the input to fuzz_path(what); 0 on success. */

@@ -15,6 +15,8 @@
 #include <sys/stat.h>
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+/* A harness's one-time setup, as libFuzzer calls it, when it has one. */
+int LLVMFuzzerInitialize(int *argc, char ***argv) __attribute__((weak));
 
 /* Run one file; 0 if it could be read. */
 static int run_file(const char *path) {
@@ -39,6 +41,7 @@ static int run_file(const char *path) {
 
 int main(int argc, char **argv) {
     int files = 0;
+    if (LLVMFuzzerInitialize) LLVMFuzzerInitialize(&argc, &argv);
     for (int i = 1; i < argc; i++) {
         struct stat sb;
         if (stat(argv[i], &sb) != 0) { fprintf(stderr, "replay: cannot read %s\n", argv[i]); return 1; }

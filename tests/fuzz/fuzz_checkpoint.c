@@ -1,0 +1,60 @@
+/*
+ * fuzz_checkpoint.c — loom_checkpoint_load with any bytes as the
+ * checkpoint's state.safetensors (a tiny model's checkpoint otherwise
+ * whole): the state's tensors and metadata are taken or refused with a
+ * status, never a fault. The corpus seed is that checkpoint's own state.
+ */
+#define _GNU_SOURCE /* nftw */
+#include "fuzz_util.h"
+
+#include <ftw.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { N_MAX = 64 };
+static loom_llama *model;
+static float *adam_m[N_MAX], *adam_v[N_MAX];
+static char dir[256];
+
+static int remove_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
+    (void)sb; (void)flag; (void)ftw;
+    return remove(path);
+}
+
+static void remove_dir(void) { nftw(dir, remove_entry, 8, FTW_DEPTH | FTW_PHYS); }
+
+/* Save a checkpoint of a model with 8-wide hidden states once (removed when
+ * the process exits). */
+int LLVMFuzzerInitialize(int *argc, char ***argv) {
+    (void)argc; (void)argv;
+    loom_set_threads(1);
+    loom_llama_config cfg = {.dim = 8, .n_layers = 1, .n_heads = 2, .n_kv_heads = 1, .ffn_dim = 16,
+                             .vocab_size = 16, .max_seq = 8, .rope_theta = 10000.0f, .norm_eps = 1e-5f};
+    loom_precision prec = {LOOM_F32, 1};
+    if (loom_llama_new(&cfg, prec, &model) != LOOM_OK || model->n_params > N_MAX) abort();
+    for (int i = 0; i < model->n_params; i++) {
+        size_t n = (size_t)loom_param_numel(model->params[i]);
+        adam_m[i] = calloc(n, sizeof(float));
+        adam_v[i] = calloc(n, sizeof(float));
+        if (!adam_m[i] || !adam_v[i]) abort();
+    }
+    snprintf(dir, sizeof dir, "/dev/shm/loom-fuzz-%ld-ckpt", (long)getpid());
+    loom_train_state st;
+    memset(&st, 0, sizeof st);
+    if (loom_checkpoint_save(dir, model, adam_m, adam_v, 3, &st, NULL) != LOOM_OK) abort();
+    atexit(remove_dir);
+    return 0;
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    char path[300];
+    snprintf(path, sizeof path, "%s/state.safetensors", dir);
+    FILE *f = fopen(path, "wb");
+    if (!f) return 0;
+    int bad = size && fwrite(data, 1, size, f) != size;
+    if (fclose(f) != 0 || bad) return 0;
+    int adam_steps;
+    loom_train_state st;
+    (void)loom_checkpoint_load(dir, model, adam_m, adam_v, &adam_steps, &st);
+    return 0;
+}
