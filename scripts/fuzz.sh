@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fuzz loom's parsers with libFuzzer (coverage-guided, under ASan and UBSan):
-# safetensors, the tokenizer JSON, config.json, llm.c token shards and a
-# checkpoint's state (tests/fuzz/fuzz_*.c). Builds them with clang in build-fuzz/, starts each
+# safetensors, the tokenizer JSON and its encoding of any text, config.json,
+# llm.c token shards and a checkpoint's state (tests/fuzz/fuzz_*.c).
+# Builds them with clang in build-fuzz/, starts each
 # corpus from tests/fuzz/corpus (small valid files, and the inputs earlier
 # runs kept: ctest replays those with the ordinary build), runs each fuzzer
 # for SECONDS (default 60) and fails if any input crashes, leaks, hangs or
@@ -14,7 +15,7 @@ cd "$(dirname "$0")/.."
 secs=${1:-60}
 shift || true
 names=("$@")
-[ ${#names[@]} -gt 0 ] || names=(safetensors tokenizer config shard checkpoint)
+[ ${#names[@]} -gt 0 ] || names=(safetensors tokenizer encode config shard checkpoint)
 bash scripts/setup.sh --fuzz
 B=build-fuzz
 CC=clang cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_FUZZ=ON -DLOOM_BUILD_TESTS=OFF \
