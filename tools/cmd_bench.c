@@ -31,6 +31,7 @@ extern char **environ;
 typedef struct bench_opts {
     const char *preset, *precision, *master_grad, *recompute, *recompute_mode, *gemm_peak;
     int threads, steps, warmup, batch, seq, json, profile, gemms;
+    int recompute_blocks; /* recompute the first N blocks only (0: all) */
     int lockstep; /* each step waits for a line on stdin and reports its time (bench/lockstep_peer.py) */
     int peak_given; /* --gemm-peak came from the user, not from a parent that measured it */
 } bench_opts;
@@ -259,6 +260,7 @@ static loom_status run_config(const bench_opts *o, const loom_llama_config *cfg,
     for (int s = 0; s < o->warmup && st == LOOM_OK; s++)
         for (int m = 0; m < n_modes && st == LOOM_OK; m++) {
             r.m->recompute.mode = modes[m];
+            r.m->recompute.blocks = o->recompute_blocks;
             st = bench_step(o, &r, s, &loss, &seconds);
         }
     memset(r.phase, 0, sizeof r.phase);
@@ -272,6 +274,7 @@ static loom_status run_config(const bench_opts *o, const loom_llama_config *cfg,
             loom_recompute_stats rc0, rc1;
             size_t i = (size_t)m * o->steps + s;
             r.m->recompute.mode = modes[m];
+            r.m->recompute.blocks = o->recompute_blocks;
             loom_mem_reset_peak();
             loom_mem_get_stats(&before);
             loom_gemm_get_stats(&g0);
@@ -337,19 +340,21 @@ static void print_result(const bench_opts *o, loom_precision prec, loom_recomput
                "\"tok_s\":%.1f,\"step_ms\":%.2f,\"gflop_per_step\":%.3f,\"gflops\":%.2f,\"mfu\":%.4f,"
                "\"peak_act_MiB\":%.1f,\"rss_MiB\":%s,\"buffer_allocs_per_step\":%.1f,"
                "\"gemm_primitives_per_step\":%.1f,\"replay_ms\":%.2f,\"loss\":%.5f,\"warmup\":%d,"
-               "\"gemm_peak\":\"%s\",\"kernels\":\"%s\"}\n",
+               "\"gemm_peak\":\"%s\",\"kernels\":\"%s\",\"recompute_blocks\":%d}\n",
                o->preset, loom_dtype_name(prec.compute), mg, recompute_label(mode), rm, o->batch, o->seq,
                loom_get_threads(), o->steps, r->tok_s, r->step_ms, r->gflop_per_step, r->gflops, r->mfu,
                r->peak_act_mib, rss, r->buffer_allocs_per_step, r->primitives_per_step, r->replay_ms, r->loss,
                o->warmup,
-               o->peak_given ? "given" : "measured", loom_simd_name());
+               o->peak_given ? "given" : "measured", loom_simd_name(), o->recompute_blocks);
     } else {
         printf("bench preset=%s precision=%s master_grad=%s recompute=%s tok/s=%.0f step_ms=%.1f gflops=%.1f "
                "mfu=%.3f peak_act_MiB=%.1f rss_MiB=%s recompute_mode=%s batch=%d seq=%d threads=%d "
-               "buffer_allocs/step=%.1f gemm_primitives/step=%.1f replay_ms=%.2f loss=%.4f kernels=%s\n",
+               "buffer_allocs/step=%.1f gemm_primitives/step=%.1f replay_ms=%.2f loss=%.4f kernels=%s "
+               "recompute_blocks=%d\n",
                o->preset, loom_dtype_name(prec.compute), mg, recompute_label(mode), r->tok_s, r->step_ms, r->gflops,
                r->mfu, r->peak_act_mib, r->rss_mib < 0 ? "n/a" : rss, rm, o->batch, o->seq, loom_get_threads(),
-               r->buffer_allocs_per_step, r->primitives_per_step, r->replay_ms, r->loss, loom_simd_name());
+               r->buffer_allocs_per_step, r->primitives_per_step, r->replay_ms, r->loss, loom_simd_name(),
+               o->recompute_blocks);
     }
     fflush(stdout);
 }
@@ -529,6 +534,8 @@ static int run(int argc, char **argv) {
         {"master-grad", FLAG_STRING, &o.master_grad, "on|off", "fp32 main_grad for every weight (default on)"},
         {"recompute", FLAG_STRING, &o.recompute, "MODE", "none, selective or full; a comma list takes turns step by step (default: none with --precision, else the standard matrix)"},
         {"recompute-mode", FLAG_STRING, &o.recompute_mode, "M", "full recompute: reentrant or nonreentrant (default)"},
+        {"recompute-blocks", FLAG_INT, &o.recompute_blocks, "N",
+         "recompute only the first N blocks, keep the rest's activations (default 0: all)"},
         {"threads", FLAG_INT, &o.threads, "N", "OpenMP threads (default: OMP_NUM_THREADS, else the cores this process may use)"},
         {"steps", FLAG_INT, &o.steps, "N", "timed steps; the median is reported (default 5)"},
         {"warmup", FLAG_INT, &o.warmup, "N", "untimed steps first (default 2)"},
@@ -550,6 +557,9 @@ static int run(int argc, char **argv) {
     if (o.seq < 0 || o.seq > cfg.max_seq || o.batch <= 0 || o.steps <= 0 || o.warmup < 0)
         return cli_usage_error("bench", "--batch and --steps must be positive, --warmup >= 0, --seq in 1..%d",
                                cfg.max_seq);
+    if (o.recompute_blocks < 0 || o.recompute_blocks > cfg.n_layers)
+        return cli_usage_error("bench", "--recompute-blocks expects 0 (every block) to %d, the preset's blocks; got %d",
+                               cfg.n_layers, o.recompute_blocks);
     gemm_peak peak = {0, 0};
     if (o.gemm_peak && parse_peak(o.gemm_peak, &peak, &o.peak_given))
         return cli_usage_error("bench", "--gemm-peak expects two positive numbers F32,BF16, got '%s'", o.gemm_peak);

@@ -32,6 +32,8 @@ static int parse_settings(trainer *t, loom_precision *prec, loom_recompute_mode 
     else if (!strcmp(o->recompute, "full")) *mode = reentrant ? LOOM_RECOMPUTE_REENTRANT : LOOM_RECOMPUTE_NONREENTRANT;
     else if (!strcmp(o->recompute, "selective")) *mode = LOOM_RECOMPUTE_SELECTIVE;
     else return cli_usage_error("train", "--recompute expects none, selective or full, got '%s'", o->recompute);
+    if (o->recompute_blocks < 0)
+        return cli_usage_error("train", "--recompute-blocks must be >= 0 (0: every block), got %d", o->recompute_blocks);
     if (o->batch <= 0 || o->grad_accum <= 0 || o->steps <= 0 || o->seq < 0)
         return cli_usage_error("train", "--batch, --grad-accum and --steps must be positive, --seq >= 0 (0: the "
                                "default)");
@@ -58,12 +60,12 @@ static void settings_record(const train_opts *o, const char *resume_dir, char *b
     snprintf(buf, n,
              "--batch %d\n--seq %d\n--grad-accum %d\n--steps %d\n--lr %a\n--min-lr %a\n--warmup %d\n"
              "--weight-decay %a\n--clip %a\n--precision %s\n--master-grad %s\n--recompute %s\n"
-             "--recompute-mode %s\n--seed %d\n--eval-every %d\n--eval-batches %d\n--ckpt-every %d\n--keep %d\n"
+             "--recompute-mode %s\n--recompute-blocks %d\n--seed %d\n--eval-every %d\n--eval-batches %d\n--ckpt-every %d\n--keep %d\n"
              "--tp %d\n--zero %d\n--overlap %d\n--bucket-size %d\n--preset %s\n--tie-embeddings %d\n"
              "--check-grads %d\n--dump-grads %s\n--dump-logits %s\n--resume %s\n",
              o->batch, o->seq, o->grad_accum, o->steps, (double)o->lr, (double)o->min_lr, o->warmup,
              (double)o->weight_decay, (double)o->clip, o->precision, o->master_grad, o->recompute, o->recompute_mode,
-             o->seed, o->eval_every, o->eval_batches, o->ckpt_every, o->keep, o->tp, o->zero, o->overlap,
+             o->recompute_blocks, o->seed, o->eval_every, o->eval_batches, o->ckpt_every, o->keep, o->tp, o->zero, o->overlap,
              o->bucket_size, o->preset, o->tie, o->check_grads, o->dump_grads ? "given" : "no",
              o->dump_logits ? "given" : "no", *resume_dir ? "given" : "no");
 }
@@ -116,8 +118,14 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
         t->usage = 1;
         return loom_error(LOOM_ERR_INVALID, "--seq %d is longer than the model's context (%d)", t->o.seq, cfg.max_seq);
     }
+    if (o->recompute_blocks > cfg.n_layers) {
+        t->usage = 1;
+        return loom_error(LOOM_ERR_INVALID, "--recompute-blocks %d is more than the model's %d blocks",
+                          o->recompute_blocks, cfg.n_layers);
+    }
     LOOM_TRY(loom_llama_new_tp(&cfg, prec, t->dist.tp, &t->m));
     t->m->recompute.mode = mode;
+    t->m->recompute.blocks = o->recompute_blocks;
     loom_llama_init_weights(t->m, (uint64_t)o->seed);
     if (o->init && !resume_dir) {
         LOOM_TRY(loom_model_dir_load_weights(t->m, o->init));
@@ -506,10 +514,13 @@ static loom_status open_outputs(trainer *t, const char *resume_dir) {
 
 static void print_summary(const trainer *t, loom_precision prec, loom_recompute_mode mode) {
     const train_opts *o = &t->o;
-    fprintf(stderr, "train: %lld parameters, %s master_grad=%s recompute=%s, %d x %d sequences of %d tokens "
+    char blocks[48] = "";
+    if (mode != LOOM_RECOMPUTE_NONE && o->recompute_blocks > 0 && o->recompute_blocks < t->m->cfg.n_layers)
+        snprintf(blocks, sizeof blocks, " (blocks 1-%d of %d)", o->recompute_blocks, t->m->cfg.n_layers);
+    fprintf(stderr, "train: %lld parameters, %s master_grad=%s recompute=%s%s, %d x %d sequences of %d tokens "
             "per step and rank, %d threads, %d rank%s (tp %d x dp %d%s)\n",
             (long long)loom_llama_n_weights_full(t->m), loom_dtype_name(prec.compute),
-            prec.master_grad ? "on" : "off", loom_recompute_mode_name(mode), o->grad_accum, o->batch, o->seq,
+            prec.master_grad ? "on" : "off", loom_recompute_mode_name(mode), blocks, o->grad_accum, o->batch, o->seq,
             loom_get_threads(), t->dist.world_size, t->dist.world_size == 1 ? "" : "s", t->dist.tp_size,
             t->dist.dp_size, o->zero ? ", ZeRO-1" : "");
     loom_mem_stats ms;
@@ -552,6 +563,8 @@ static int run(int argc, char **argv) {
         {"master-grad", FLAG_STRING, &o->master_grad, "on|off", "fp32 main_grad for every weight (default on)"},
         {"recompute", FLAG_STRING, &o->recompute, "MODE", "none, selective or full (default none)"},
         {"recompute-mode", FLAG_STRING, &o->recompute_mode, "M", "full recompute: reentrant or nonreentrant (default)"},
+        {"recompute-blocks", FLAG_INT, &o->recompute_blocks, "N",
+         "recompute only the first N blocks, keep the rest's activations (default 0: all)"},
         {"seed", FLAG_INT, &o->seed, "N", "seed for initialisation (default 1337)"},
         {"threads", FLAG_INT, &o->threads, "N", "OpenMP threads (default: OMP_NUM_THREADS, else the cores this process may use)"},
         {"eval-every", FLAG_INT, &o->eval_every, "N", "validation loss every N steps; 0 disables (default 50)"},

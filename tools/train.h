@@ -15,7 +15,7 @@ typedef struct train_opts {
     const char *data, *out, *preset, *config, *init, *resume, *dump_grads, *dump_logits, *tokenizer;
     const char *precision, *master_grad, *recompute, *recompute_mode;
     int batch, seq, grad_accum, steps, warmup, seed, threads, eval_every, eval_batches, ckpt_every, keep;
-    int log_every, check_grads, tie, tp, zero, overlap, bucket_size;
+    int log_every, check_grads, tie, tp, zero, overlap, bucket_size, recompute_blocks;
     const char *overlap_flag;
     float lr, min_lr, weight_decay, clip;
 } train_opts;

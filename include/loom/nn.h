@@ -51,9 +51,14 @@ typedef struct loom_llama_layer {
 
 typedef struct loom_llama loom_llama;
 
-/* Per-block recompute settings. */
+/* Per-block recompute settings. Blocks 0 .. blocks-1 run under `mode`, the
+ * later ones keep their activations (LOOM_RECOMPUTE_NONE), as Megatron's
+ * --recompute-num-layers: a step between none and all of the memory saved
+ * and the time paid. blocks 0 (the default) or >= n_layers: every block.
+ * Gradients are bit-identical whatever the split. */
 typedef struct loom_llama_recompute {
     loom_recompute_mode mode;  /* NONE, REENTRANT, NONREENTRANT or SELECTIVE */
+    int blocks;                /* how many blocks, from the first, use mode; 0: all */
 } loom_llama_recompute;
 
 struct loom_llama {

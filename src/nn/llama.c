@@ -319,17 +319,21 @@ loom_status loom_llama_forward(loom_llama *m, const int32_t *tokens, const int32
     if (B <= 0 || T <= 0 || T > c->max_seq)
         return loom_error(LOOM_ERR_INVALID, "llama forward: batch %d x sequence %d (sequence must be 1..%d)", B, T,
                           c->max_seq);
+    if (m->recompute.blocks < 0)
+        return loom_error(LOOM_ERR_INVALID, "llama forward: recompute.blocks is %d (0: every block, or 1..%d)",
+                          m->recompute.blocks, c->n_layers);
     int N = B * T;
     struct llama_arg_set *args = arg_set_for(m, B, T);
     if (!args) return loom_error(LOOM_ERR_NOMEM, "llama forward: out of memory");
     loom_tensor *x = NULL, *h = NULL, *logits = NULL;
     LOOM_TRY(loom_embedding(m->embed->tensor, tokens, N, &x));
     loom_status st = LOOM_OK;
+    int recomputed = m->recompute.blocks > 0 ? m->recompute.blocks : c->n_layers;
     for (int l = 0; l < c->n_layers && st == LOOM_OK; l++) {
         loom_tensor *next = NULL;
+        loom_recompute_mode mode = l < recomputed ? m->recompute.mode : LOOM_RECOMPUTE_NONE;
         /* block_region passes its intermediates only through ops. */
-        st = loom_checkpoint_flags(m->recompute.mode, LOOM_REGION_OPS_ONLY, block_region, &args->layer[l], &x, 1,
-                                   &next, 1);
+        st = loom_checkpoint_flags(mode, LOOM_REGION_OPS_ONLY, block_region, &args->layer[l], &x, 1, &next, 1);
         loom_tensor_release(x);
         x = next;
     }

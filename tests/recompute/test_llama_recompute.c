@@ -45,12 +45,13 @@ static void make_tokens(int32_t *tok, int32_t *tgt, int n, int V, uint64_t seed,
 /* eval_between: a no-grad forward of another shape (the same tokens as one
  * sequence of B*T) runs between each forward and its backward, as an
  * evaluation might. */
-static run_result run_step_eval(const loom_llama_config *cfg, loom_precision prec, loom_recompute_mode mode, int B,
-                                int T, int micro, float seed_scale, int eval_between) {
+static run_result run_step_blocks(const loom_llama_config *cfg, loom_precision prec, loom_recompute_mode mode,
+                                  int blocks, int B, int T, int micro, float seed_scale, int eval_between) {
     loom_llama *m;
     assert_int_equal(loom_llama_new(cfg, prec, &m), LOOM_OK);
     loom_llama_init_weights(m, 1234);
     m->recompute.mode = mode;
+    m->recompute.blocks = blocks;
     loom_llama_zero_grad(m);
     int N = B * T;
     int32_t *tok = malloc((size_t)N * sizeof *tok), *tgt = malloc((size_t)N * sizeof *tgt);
@@ -96,7 +97,7 @@ static run_result run_step_eval(const loom_llama_config *cfg, loom_precision pre
 
 static run_result run_step(const loom_llama_config *cfg, loom_precision prec, loom_recompute_mode mode, int B, int T,
                            int micro, float seed_scale) {
-    return run_step_eval(cfg, prec, mode, B, T, micro, seed_scale, 0);
+    return run_step_blocks(cfg, prec, mode, 0, B, T, micro, seed_scale, 0);
 }
 
 static void free_result(run_result *r) {
@@ -239,7 +240,7 @@ static void test_other_shape_before_backward(void **state) {
                                           LOOM_RECOMPUTE_SELECTIVE};
     run_result ref = run_step(&cfg, prec, LOOM_RECOMPUTE_NONE, 2, 8, 0, 1.0f);
     for (int k = 0; k < 4; k++) {
-        run_result r = run_step_eval(&cfg, prec, modes[k], 2, 8, 0, 1.0f, 1);
+        run_result r = run_step_blocks(&cfg, prec, modes[k], 0, 2, 8, 0, 1.0f, 1);
         for (int i = 0; i < r.n; i++)
             if (!tu_bits_equal(r.grads[i], ref.grads[i], r.bytes[i], loom_recompute_mode_name(modes[k]))) fail();
         free_result(&r);
@@ -300,6 +301,45 @@ static void test_steady_state_no_malloc(void **state) {
     loom_llama_free(m);
 }
 
+/* Recompute in the first 1 or 2 of 3 blocks only (recompute.blocks): the
+ * same loss and gradients, bit for bit, as no recompute, in every mode, and
+ * exactly that many blocks replayed; a negative count is refused. */
+static void test_some_blocks(void **state) {
+    (void)state;
+    loom_llama_config cfg = small_config(3);
+    const loom_recompute_mode modes[3] = {LOOM_RECOMPUTE_REENTRANT, LOOM_RECOMPUTE_NONREENTRANT, LOOM_RECOMPUTE_SELECTIVE};
+    const loom_precision precs[2] = {{LOOM_F32, 1}, {LOOM_BF16, 1}};
+    for (int p = 0; p < 2; p++) {
+        run_result ref = run_step(&cfg, precs[p], LOOM_RECOMPUTE_NONE, 2, 8, 1, 1.0f);
+        for (int k = 0; k < 3; k++)
+            for (int blocks = 1; blocks <= 3; blocks++) {
+                loom_recompute_reset_stats();
+                run_result r = run_step_blocks(&cfg, precs[p], modes[k], blocks, 2, 8, 1, 1.0f, 0);
+                loom_recompute_stats rs;
+                loom_recompute_get_stats(&rs);
+                char what[128];
+                snprintf(what, sizeof what, "%s %s blocks=%d", loom_dtype_name(precs[p].compute),
+                         loom_recompute_mode_name(modes[k]), blocks);
+                assert_int_equal(rs.regions, blocks);
+                assert_int_equal(rs.replays, blocks);
+                assert_memory_equal(&r.loss, &ref.loss, sizeof r.loss);
+                for (int i = 0; i < r.n; i++)
+                    if (!tu_bits_equal(r.grads[i], ref.grads[i], r.bytes[i], what)) fail();
+                free_result(&r);
+            }
+        free_result(&ref);
+    }
+    loom_llama *m;
+    assert_int_equal(loom_llama_new(&cfg, precs[0], &m), LOOM_OK);
+    m->recompute.mode = LOOM_RECOMPUTE_NONREENTRANT;
+    m->recompute.blocks = -1;
+    int32_t tok[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    loom_tensor *loss = NULL;
+    assert_int_equal(loom_llama_forward(m, tok, tok, 1, 8, &loss, NULL), LOOM_ERR_INVALID);
+    assert_non_null(strstr(loom_last_error(), "recompute.blocks is -1"));
+    loom_llama_free(m);
+}
+
 int main(void) {
     loom_set_threads(2);
     const struct CMUnitTest tests[] = {
@@ -309,6 +349,7 @@ int main(void) {
         cmocka_unit_test(test_microbatch_accumulation),
         cmocka_unit_test(test_other_shape_before_backward),
         cmocka_unit_test(test_steady_state_no_malloc),
+        cmocka_unit_test(test_some_blocks),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

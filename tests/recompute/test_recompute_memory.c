@@ -48,7 +48,7 @@ static size_t act_current(void) {
     return s.current[LOOM_MEM_ACTIVATIONS];
 }
 
-static mem_figures measure(int layers, loom_recompute_mode mode) {
+static mem_figures measure_blocks(int layers, loom_recompute_mode mode, int blocks) {
     loom_llama_config c;
     memset(&c, 0, sizeof c);
     c.dim = DIM; c.n_layers = layers; c.n_heads = 4; c.n_kv_heads = 4; c.ffn_dim = FFN;
@@ -58,6 +58,7 @@ static mem_figures measure(int layers, loom_recompute_mode mode) {
     assert_int_equal(loom_llama_new(&c, prec, &m), LOOM_OK);
     loom_llama_init_weights(m, 5);
     m->recompute.mode = mode;
+    m->recompute.blocks = blocks;
     loom_llama_zero_grad(m);
     int32_t tok[B * T], tgt[B * T];
     for (int i = 0; i < B * T; i++) {
@@ -81,6 +82,8 @@ static mem_figures measure(int layers, loom_recompute_mode mode) {
     assert_int_equal(act_current(), base); /* everything freed */
     return f;
 }
+
+static mem_figures measure(int layers, loom_recompute_mode mode) { return measure_blocks(layers, mode, 0); }
 
 static void test_full_recompute_memory_bound(void **state) {
     (void)state;
@@ -138,12 +141,32 @@ static void test_full_recompute_memory_bound(void **state) {
     assert_true(3 * reent.peak < none8.peak);
 }
 
+/* Recomputing 4 of the 8 blocks (recompute.blocks) keeps after forward the
+ * activations of the other 4 and the inputs of those 4: halfway between
+ * none and full, to within one (B, T, C) tensor; the same loss. */
+static void test_half_the_blocks(void **state) {
+    (void)state;
+    const size_t btc = (size_t)B * T * DIM * sizeof(float);
+    mem_figures none4 = measure(4, LOOM_RECOMPUTE_NONE);
+    mem_figures none8 = measure(8, LOOM_RECOMPUTE_NONE);
+    mem_figures half = measure_blocks(8, LOOM_RECOMPUTE_NONREENTRANT, 4);
+    size_t per_block = (none8.after_forward - none4.after_forward) / 4;
+    size_t head_tail = none8.after_forward - 8 * per_block;
+    size_t want = head_tail + 4 * per_block + 4 * btc;
+    printf("  4 of 8 blocks recomputed: after forward %zu, want %zu +- %zu; peak %zu (none %zu)\n",
+           half.after_forward, want, btc, half.peak, none8.peak);
+    assert_memory_equal(&half.loss, &none8.loss, sizeof(float));
+    assert_true(half.after_forward + btc >= want && half.after_forward <= want + btc);
+    assert_true(half.peak < none8.peak);
+}
+
 int main(void) {
     /* One thread: the activation figures do not depend on it, and the test
      * stays fast on a busy machine and under the sanitizers. */
     loom_set_threads(1);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_full_recompute_memory_bound),
+        cmocka_unit_test(test_half_the_blocks),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

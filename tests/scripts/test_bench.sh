@@ -22,16 +22,23 @@ for f in precision=bf16 master_grad=on recompute=none 'tok/s=' step_ms= gflops= 
 done
 grep -q '^bench flops: 6\*N\*tokens' <<<"$out" || fail "no FLOP formula in: $out"
 # The kernels' level is part of the result; LOOM_SIMD caps it.
-grep -qE "kernels=$("$loom" --version | sed -E 's/.*kernels: ([a-z0-9-]+).*/\1/')\$" <<<"$line" || fail "no kernels= in: $line"
+grep -qE "kernels=$("$loom" --version | sed -E 's/.*kernels: ([a-z0-9-]+).*/\1/') " <<<"$line" || fail "no kernels= in: $line"
+grep -q 'recompute_blocks=0 ' <<<"$line " || fail "no recompute_blocks= in: $line"
+some=$("$loom" bench "${small[@]}" --precision bf16 --recompute full --recompute-blocks 2 --no-header)
+grep -q 'recompute=full .*recompute_blocks=2$' <<<"$some" || fail "--recompute-blocks 2 not in: $some"
+if "$loom" bench "${small[@]}" --recompute full --recompute-blocks 7 >/dev/null 2>"$bin/rb.err"; then
+  fail "--recompute-blocks 7 on tiny's 6 blocks accepted"
+fi
+grep -q "recompute-blocks expects 0 (every block) to 6" "$bin/rb.err" || fail "bad --recompute-blocks message: $(cat "$bin/rb.err")"
 capped=$(LOOM_SIMD=portable "$loom" bench "${small[@]}" --precision bf16 --recompute none --no-header)
-grep -q 'kernels=portable$' <<<"$capped" || fail "LOOM_SIMD=portable not in: $capped"
+grep -q 'kernels=portable ' <<<"$capped" || fail "LOOM_SIMD=portable not in: $capped"
 
 json=$("$loom" bench "${small[@]}" --precision fp32 --recompute full --recompute-mode reentrant --json --no-header)
 python3 - "$json" <<'PY' || fail "bad JSON: $json"
 import json, sys
 r = json.loads(sys.argv[1])
 for k in ("tok_s", "step_ms", "gflops", "mfu", "peak_act_MiB", "rss_MiB", "buffer_allocs_per_step",
-          "gemm_primitives_per_step", "replay_ms", "warmup", "gemm_peak", "kernels"):
+          "gemm_primitives_per_step", "replay_ms", "warmup", "gemm_peak", "kernels", "recompute_blocks"):
     assert k in r, k
 assert r["precision"] == "fp32" and r["recompute"] == "full" and r["recompute_mode"] == "reentrant"
 assert r["tok_s"] > 0 and r["rss_MiB"] > 0 and r["buffer_allocs_per_step"] == 0 and r["gemm_peak"] == "given"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# --dump-grads files from --recompute none, selective and full (both modes)
-# are byte-identical for the same seed and precision; so are the weights
+# --dump-grads files from --recompute none, selective and full (both modes;
+# every block, or the first only) are byte-identical for the same seed and
+# precision; so are the weights
 # after several steps (optimizer, clipping, fp16 skipped steps); micro-batches
 # give the gradients of the batch they split.
 source "$(dirname "$0")/lib.sh"
@@ -9,13 +10,16 @@ small_config "$WORK/cfg.json" 512
 for prec in fp32 bf16 fp16; do
   for mg in on off; do
     ref=""
-    for rc in "none nonreentrant" "selective nonreentrant" "full nonreentrant" "full reentrant"; do
+    # the third word: --recompute-blocks (0: every block; 1: the first of the config's 2)
+    for rc in "none nonreentrant 0" "selective nonreentrant 0" "full nonreentrant 0" "full reentrant 0" \
+              "full nonreentrant 1" "selective nonreentrant 1"; do
       set -- $rc
-      f="$WORK/g-$prec-$mg-$1-$2.safetensors"
+      f="$WORK/g-$prec-$mg-$1-$2-$3.safetensors"
       "$LOOM" train --data "$WORK/data" --config "$WORK/cfg.json" --out "$WORK/o" --batch 4 --seq 32 \
-        --precision $prec --master-grad $mg --recompute $1 --recompute-mode $2 --dump-grads "$f" 2>/dev/null
-      [ -s "$f" ] || fail "no gradient file for $prec $mg $1 $2"
-      if [ -z "$ref" ]; then ref=$f; else cmp -s "$ref" "$f" || fail "$prec master-grad=$mg: $1/$2 differs from none"; fi
+        --precision $prec --master-grad $mg --recompute $1 --recompute-mode $2 --recompute-blocks $3 \
+        --dump-grads "$f" 2>/dev/null
+      [ -s "$f" ] || fail "no gradient file for $prec $mg $1 $2 $3"
+      if [ -z "$ref" ]; then ref=$f; else cmp -s "$ref" "$f" || fail "$prec master-grad=$mg: $1/$2/$3 differs from none"; fi
     done
   done
 done
