@@ -12,8 +12,9 @@
 #   bash scripts/fuzz.sh [SECONDS] [NAME...]     e.g. bash scripts/fuzz.sh 300 tokenizer
 set -euo pipefail
 cd "$(dirname "$0")/.."
-secs=${1:-60}
-shift || true
+secs=60
+if [[ "${1:-}" =~ ^[0-9]+$ ]]; then secs=$1; shift; fi
+[ "$secs" -gt 0 ] || { echo "fuzz: SECONDS must be positive" >&2; exit 2; }
 names=("$@")
 [ ${#names[@]} -gt 0 ] || names=(safetensors tokenizer encode config shard checkpoint)
 bash scripts/setup.sh --fuzz
@@ -41,13 +42,14 @@ for n in "${names[@]}"; do
     grep -E '^stat::(number_of_executed_units|new_units_added)' "$B/fuzz_$n.log" | tr '\n' ' '; echo
   fi
 done
-rm -rf /dev/shm/loom-fuzz-*
-# clang's OpenMP runtime leaves a registration file in /dev/shm for each
-# process that does not shut it down: remove those of processes now gone.
-for f in /dev/shm/__KMP_REGISTERED_LIB_*; do
+# What processes now gone left in /dev/shm: a harness's input files (one
+# stopped by a crash or a signal skips its exit handler), and the
+# registration file clang's OpenMP runtime keeps per process. Files of
+# processes still running (another fuzz or ctest run) stay.
+for f in /dev/shm/loom-fuzz-* /dev/shm/__KMP_REGISTERED_LIB_*; do
   [ -e "$f" ] || continue
-  p=${f#/dev/shm/__KMP_REGISTERED_LIB_}; p=${p%%_*}
-  kill -0 "$p" 2>/dev/null || rm -f "$f"
+  p=${f#/dev/shm/loom-fuzz-}; p=${p#/dev/shm/__KMP_REGISTERED_LIB_}; p=${p%%[-_]*}
+  kill -0 "$p" 2>/dev/null || rm -rf "$f"
 done
 if [ ${#failed[@]} -gt 0 ]; then
   echo "fuzz: FAILED: ${failed[*]} (inputs in $B/crashes/; logs in $B/fuzz_*.log)" >&2

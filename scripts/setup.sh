@@ -9,8 +9,9 @@
 set -euo pipefail
 pkgs=(build-essential cmake ninja-build pkg-config libdnnl-dev libopenmpi-dev openmpi-bin
       libjansson-dev libcmocka-dev libsimde-dev ocl-icd-opencl-dev python3 python3-torch python3-numpy libopenblas0-pthread fortunes)
-# --fuzz: also clang and its libFuzzer runtime, for scripts/fuzz.sh.
-if [ "${1:-}" = "--fuzz" ]; then pkgs+=(clang libclang-rt-14-dev); fi
+# --fuzz: also clang, its libFuzzer runtime and OpenMP runtime, for
+# scripts/fuzz.sh.
+if [ "${1:-}" = "--fuzz" ]; then pkgs+=(clang libclang-rt-14-dev libomp-dev); fi
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -34,6 +34,9 @@ static int parse_settings(trainer *t, loom_precision *prec, loom_recompute_mode 
     else return cli_usage_error("train", "--recompute expects none, selective or full, got '%s'", o->recompute);
     if (o->recompute_blocks < 0)
         return cli_usage_error("train", "--recompute-blocks must be >= 0 (0: every block), got %d", o->recompute_blocks);
+    if (o->recompute_blocks > 0 && *mode == LOOM_RECOMPUTE_NONE)
+        return cli_usage_error("train", "--recompute-blocks %d chooses which blocks recompute: give --recompute "
+                               "selective or full too", o->recompute_blocks);
     if (o->batch <= 0 || o->grad_accum <= 0 || o->steps <= 0 || o->seq < 0)
         return cli_usage_error("train", "--batch, --grad-accum and --steps must be positive, --seq >= 0 (0: the "
                                "default)");

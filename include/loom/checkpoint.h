@@ -87,7 +87,10 @@ typedef struct loom_train_state {
 } loom_train_state;
 
 /* Write checkpoint `dir` (which must not exist yet; it is created through a
- * temporary sibling and renamed): a model directory plus state.safetensors
+ * temporary sibling and renamed; st->loss_scale must be finite and at least
+ * LOOM_LOSS_SCALE_MIN, 1 for a run without loss scaling, else
+ * LOOM_ERR_INVALID and nothing is written): a model directory plus
+ * state.safetensors
  * with fp32 masters, the AdamW moments adam_m[i], adam_v[i] (this rank's
  * shard of parameter i, numel floats each) and the state. With tensor
  * parallelism every rank of the TP group calls it (tensors are gathered);

@@ -136,6 +136,10 @@ static loom_status write_state(const char *path, loom_llama *m, float *const *ad
 loom_status loom_checkpoint_save(const char *dir, loom_llama *m, float *const *adam_m, float *const *adam_v,
                                  int adam_steps, const loom_train_state *st, const char *tokenizer_path) {
     struct stat sb;
+    /* What loom_checkpoint_load would refuse is never written. */
+    if (!isfinite(st->loss_scale) || !(st->loss_scale >= LOOM_LOSS_SCALE_MIN))
+        return loom_error(LOOM_ERR_INVALID, "checkpoint %s: loss_scale %g is not a finite number from 2^-16 up (1 "
+                          "when the run does not scale its loss)", dir, (double)st->loss_scale);
     if (m->tp_rank != 0) {
         /* Take part in the gathers; TP rank 0 writes. */
         LOOM_TRY(loom_model_dir_save(m, LOOM_F32, NULL, NULL));

@@ -27,12 +27,20 @@ static inline const char *fuzz_path(const char *what) {
     return fuzz_path_;
 }
 
-/* Write the input to fuzz_path(what); 0 on success. */
-static inline int fuzz_write(const char *what, const uint8_t *data, size_t size) {
-    FILE *f = fopen(fuzz_path(what), "wb");
-    if (!f) return -1;
-    size_t w = size ? fwrite(data, 1, size, f) : 0;
-    return fclose(f) != 0 || w != size;
+/* Write the input to `path`; a failure stops the run (an input the parser
+ * never saw must not count as one that passed). */
+static inline void fuzz_write_file(const char *path, const uint8_t *data, size_t size) {
+    FILE *f = fopen(path, "wb");
+    size_t w = f && size ? fwrite(data, 1, size, f) : 0;
+    if (!f || fclose(f) != 0 || w != size) {
+        fprintf(stderr, "fuzz: cannot write %s (is /dev/shm a writable tmpfs?)\n", path);
+        abort();
+    }
+}
+
+/* Write the input to fuzz_path(what). */
+static inline void fuzz_write(const char *what, const uint8_t *data, size_t size) {
+    fuzz_write_file(fuzz_path(what), data, size);
 }
 
 #endif

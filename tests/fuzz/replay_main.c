@@ -18,7 +18,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 /* A harness's one-time setup, as libFuzzer calls it, when it has one. */
 int LLVMFuzzerInitialize(int *argc, char ***argv) __attribute__((weak));
 
-/* Run one file; 0 if it could be read. */
+/* Run one file; 0 if it could be read whole. */
 static int run_file(const char *path) {
     FILE *f = fopen(path, "rb");
     if (!f) return -1;
@@ -33,7 +33,12 @@ static int run_file(const char *path) {
         got = fread(buf + n, 1, cap - n, f);
         n += got;
     } while (got > 0);
+    int bad = ferror(f);
     fclose(f);
+    if (bad) {
+        free(buf);
+        return -1;
+    }
     LLVMFuzzerTestOneInput(buf, n);
     free(buf);
     return 0;
@@ -54,13 +59,19 @@ int main(int argc, char **argv) {
         if (!d) { fprintf(stderr, "replay: cannot list %s\n", argv[i]); return 1; }
         for (struct dirent *e; (e = readdir(d));) {
             char path[4096];
+            struct stat es;
             if (e->d_name[0] == '.') continue;
             snprintf(path, sizeof path, "%s/%s", argv[i], e->d_name);
+            if (stat(path, &es) != 0 || !S_ISREG(es.st_mode)) continue; /* inputs are files */
             if (run_file(path) != 0) { fprintf(stderr, "replay: cannot read %s\n", path); closedir(d); return 1; }
             files++;
         }
         closedir(d);
     }
+    if (files == 0) {
+        fprintf(stderr, "replay: no inputs found\n");
+        return 1;
+    }
     printf("replay: %d inputs, no fault\n", files);
-    return files > 0 ? 0 : 1;
+    return 0;
 }

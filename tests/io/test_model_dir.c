@@ -6,10 +6,14 @@
  * and the directory loads back as the saved model. A directory in Hugging
  * Face's sharded layout (model.safetensors.index.json and the files it
  * maps each tensor to) loads too, and a broken index is a clear error.
+ * A training checkpoint with a loss scale its loader would refuse is never
+ * written.
  */
 #include "io_test.h"
 
 #include <errno.h>
+#include <math.h>
+#include <string.h>
 #include <sys/stat.h>
 
 #include "io/io_internal.h"
@@ -188,10 +192,44 @@ static void test_sharded_directory(void **state) {
     loom_llama_free(a);
 }
 
+/* A checkpoint whose state loom_checkpoint_load would refuse (a loss scale
+ * of 0, below 2^-16, or NaN) is never written; one with a valid scale
+ * writes and loads back with that scale and the step. */
+static void test_checkpoint_refuses_bad_loss_scale(void **state) {
+    (void)state;
+    loom_llama *m = model(3);
+    float *mm[16] = {0}, *vv[16] = {0};
+    assert_true(m->n_params <= 16);
+    for (int i = 0; i < m->n_params; i++) {
+        mm[i] = calloc((size_t)loom_param_numel(m->params[i]), sizeof(float));
+        vv[i] = calloc((size_t)loom_param_numel(m->params[i]), sizeof(float));
+    }
+    loom_train_state st;
+    memset(&st, 0, sizeof st);
+    st.step = 7;
+    const float bad[] = {0.0f, 1e-6f, NAN};
+    struct stat sb;
+    for (int k = 0; k < 3; k++) {
+        st.loss_scale = bad[k];
+        assert_int_equal(loom_checkpoint_save(io_path("ckpt-bad"), m, mm, vv, 7, &st, NULL), LOOM_ERR_INVALID);
+        assert_non_null(strstr(loom_last_error(), "loss_scale"));
+        assert_int_not_equal(stat(io_path("ckpt-bad"), &sb), 0);
+    }
+    st.loss_scale = 1.0f;
+    assert_int_equal(loom_checkpoint_save(io_path("ckpt-good"), m, mm, vv, 7, &st, NULL), LOOM_OK);
+    loom_train_state back;
+    int adam_steps = 0;
+    assert_int_equal(loom_checkpoint_load(io_path("ckpt-good"), m, mm, vv, &adam_steps, &back), LOOM_OK);
+    assert_true(back.loss_scale == 1.0f && back.step == 7 && adam_steps == 7);
+    for (int i = 0; i < m->n_params; i++) { free(mm[i]); free(vv[i]); }
+    loom_llama_free(m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_failed_save_keeps_old_directory),
         cmocka_unit_test(test_sharded_directory),
+        cmocka_unit_test(test_checkpoint_refuses_bad_loss_scale),
     };
     return cmocka_run_group_tests(tests, io_scratch_setup, io_scratch_teardown);
 }
