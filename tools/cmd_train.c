@@ -34,6 +34,12 @@ static int parse_settings(trainer *t, loom_precision *prec, loom_recompute_mode 
     else return cli_usage_error("train", "--recompute expects none, selective or full, got '%s'", o->recompute);
     if (o->recompute_blocks < 0)
         return cli_usage_error("train", "--recompute-blocks must be >= 0 (0: every block), got %d", o->recompute_blocks);
+    if (!(o->recompute_budget >= 0.0f))
+        return cli_usage_error("train", "--recompute-budget must be >= 0 MiB (0: no plan)");
+    if (o->recompute_budget > 0.0f && o->recompute_blocks > 0)
+        return cli_usage_error("train", "--recompute-budget picks the number of blocks itself: drop --recompute-blocks");
+    if (o->recompute_budget > 0.0f && *mode == LOOM_RECOMPUTE_NONE)
+        *mode = reentrant ? LOOM_RECOMPUTE_REENTRANT : LOOM_RECOMPUTE_NONREENTRANT; /* the plan recomputes in full */
     if (o->recompute_blocks > 0 && *mode == LOOM_RECOMPUTE_NONE)
         return cli_usage_error("train", "--recompute-blocks %d chooses which blocks recompute: give --recompute "
                                "selective or full too", o->recompute_blocks);
@@ -63,12 +69,12 @@ static void settings_record(const train_opts *o, const char *resume_dir, char *b
     snprintf(buf, n,
              "--batch %d\n--seq %d\n--grad-accum %d\n--steps %d\n--lr %a\n--min-lr %a\n--warmup %d\n"
              "--weight-decay %a\n--clip %a\n--precision %s\n--master-grad %s\n--recompute %s\n"
-             "--recompute-mode %s\n--recompute-blocks %d\n--seed %d\n--eval-every %d\n--eval-batches %d\n--ckpt-every %d\n--keep %d\n"
+             "--recompute-mode %s\n--recompute-blocks %d\n--recompute-budget %a\n--seed %d\n--eval-every %d\n--eval-batches %d\n--ckpt-every %d\n--keep %d\n"
              "--tp %d\n--zero %d\n--overlap %d\n--bucket-size %d\n--preset %s\n--tie-embeddings %d\n"
              "--check-grads %d\n--dump-grads %s\n--dump-logits %s\n--resume %s\n",
              o->batch, o->seq, o->grad_accum, o->steps, (double)o->lr, (double)o->min_lr, o->warmup,
              (double)o->weight_decay, (double)o->clip, o->precision, o->master_grad, o->recompute, o->recompute_mode,
-             o->recompute_blocks, o->seed, o->eval_every, o->eval_batches, o->ckpt_every, o->keep, o->tp, o->zero, o->overlap,
+             o->recompute_blocks, (double)o->recompute_budget, o->seed, o->eval_every, o->eval_batches, o->ckpt_every, o->keep, o->tp, o->zero, o->overlap,
              o->bucket_size, o->preset, o->tie, o->check_grads, o->dump_grads ? "given" : "no",
              o->dump_logits ? "given" : "no", *resume_dir ? "given" : "no");
 }
@@ -132,6 +138,19 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
     loom_llama_init_weights(t->m, (uint64_t)o->seed);
     if (o->init && !resume_dir) {
         LOOM_TRY(loom_model_dir_load_weights(t->m, o->init));
+    }
+    if (o->recompute_budget > 0.0f) { /* before the optimizer: its hooks must not see the probes */
+        loom_recompute_plan plan;
+        LOOM_TRY(loom_llama_plan_recompute(t->m, mode, o->batch, o->seq, (size_t)(o->recompute_budget * 1048576.0),
+                                           &plan));
+        t->m->recompute.mode = plan.blocks ? plan.mode : LOOM_RECOMPUTE_NONE;
+        t->m->recompute.blocks = plan.blocks;
+        const double mib = 1048576.0;
+        if (t->leader)
+            fprintf(stderr, "train: --recompute-budget %g MiB: %s recompute of %d of %d blocks, activations %.2f MiB "
+                    "(measured: %.2f with none, %.2f with every block)\n", (double)o->recompute_budget,
+                    loom_recompute_mode_name(plan.mode), plan.blocks, plan.n_layers, plan.peak / mib,
+                    plan.peak_none / mib, plan.peak_all / mib);
     }
     loom_adamw_config ac = loom_adamw_defaults();
     ac.weight_decay = o->weight_decay;
@@ -518,8 +537,10 @@ static loom_status open_outputs(trainer *t, const char *resume_dir) {
 static void print_summary(const trainer *t, loom_precision prec, loom_recompute_mode mode) {
     const train_opts *o = &t->o;
     char blocks[48] = "";
-    if (mode != LOOM_RECOMPUTE_NONE && o->recompute_blocks > 0 && o->recompute_blocks < t->m->cfg.n_layers)
-        snprintf(blocks, sizeof blocks, " (blocks 1-%d of %d)", o->recompute_blocks, t->m->cfg.n_layers);
+    mode = t->m->recompute.mode; /* as planned, with --recompute-budget */
+    int nb = t->m->recompute.blocks;
+    if (mode != LOOM_RECOMPUTE_NONE && nb > 0 && nb < t->m->cfg.n_layers)
+        snprintf(blocks, sizeof blocks, " (blocks 1-%d of %d)", nb, t->m->cfg.n_layers);
     fprintf(stderr, "train: %lld parameters, %s master_grad=%s recompute=%s%s, %d x %d sequences of %d tokens "
             "per step and rank, %d threads, %d rank%s (tp %d x dp %d%s)\n",
             (long long)loom_llama_n_weights_full(t->m), loom_dtype_name(prec.compute),
@@ -568,6 +589,9 @@ static int run(int argc, char **argv) {
         {"recompute-mode", FLAG_STRING, &o->recompute_mode, "M", "full recompute: reentrant or nonreentrant (default)"},
         {"recompute-blocks", FLAG_INT, &o->recompute_blocks, "N",
          "recompute only the first N blocks, keep the rest's activations (default 0: all)"},
+        {"recompute-budget", FLAG_FLOAT, &o->recompute_budget, "MIB",
+         "recompute the fewest blocks (full, or --recompute selective) that keep a step's activations within MIB, "
+         "measured by probe steps at start (default 0: no plan)"},
         {"seed", FLAG_INT, &o->seed, "N", "seed for initialisation (default 1337)"},
         {"threads", FLAG_INT, &o->threads, "N", "OpenMP threads (default: OMP_NUM_THREADS, else the cores this process may use)"},
         {"eval-every", FLAG_INT, &o->eval_every, "N", "validation loss every N steps; 0 disables (default 50)"},
@@ -605,7 +629,7 @@ static int run(int argc, char **argv) {
     if ((o->preset || o->tie) && o->resume)
         fprintf(stderr, "train: note: --%s is ignored when resuming: the model is the checkpoint's\n",
                 o->preset ? "preset" : "tie-embeddings");
-    if (o->recompute_mode && strcmp(o->recompute, "full"))
+    if (o->recompute_mode && strcmp(o->recompute, "full") && !(o->recompute_budget > 0.0f && !strcmp(o->recompute, "none")))
         fprintf(stderr, "train: note: --recompute-mode applies to --recompute full; with %s it changes nothing\n",
                 o->recompute);
     if (!o->preset) o->preset = "tiny";

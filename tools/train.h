@@ -18,6 +18,7 @@ typedef struct train_opts {
     int log_every, check_grads, tie, tp, zero, overlap, bucket_size, recompute_blocks;
     const char *overlap_flag;
     float lr, min_lr, weight_decay, clip;
+    float recompute_budget; /* MiB of activations a step may use; 0: no plan */
 } train_opts;
 
 typedef struct trainer {

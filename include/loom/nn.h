@@ -61,6 +61,19 @@ typedef struct loom_llama_recompute {
     int blocks;                /* how many blocks, from the first, use mode; 0: all */
 } loom_llama_recompute;
 
+/* What loom_llama_plan_recompute found: recompute blocks 0 .. blocks-1
+ * under mode (blocks 0: none needed). Peaks are activation bytes
+ * (LOOM_MEM_ACTIVATIONS) of a forward and backward, as measured. */
+typedef struct loom_recompute_plan {
+    loom_recompute_mode mode;
+    int blocks, n_layers;
+    size_t budget;
+    size_t peak;      /* with the plan */
+    size_t peak_none; /* with no block recomputed */
+    size_t peak_all;  /* with every block recomputed */
+    int probes;       /* steps at intermediate counts the plan measured */
+} loom_recompute_plan;
+
 struct loom_llama {
     loom_llama_config cfg;
     loom_precision prec;
@@ -116,6 +129,20 @@ int64_t loom_llama_n_weights_full(const loom_llama *m);
 loom_status loom_llama_forward(loom_llama *m, const int32_t *tokens, const int32_t *targets, int B, int T,
                                loom_tensor **loss, loom_tensor **logits_out);
 void loom_llama_zero_grad(loom_llama *m);
+
+/* The fewest blocks (from the first) to recompute under mode (selective or
+ * full) so that a training step of B x T tokens keeps its activations
+ * within `budget` bytes: probe steps (forward and backward on token id 0)
+ * measure the peak with none, with every block, and at the count
+ * interpolating picks, adding blocks while that is over the budget. Costs
+ * 2 or more steps of compute; zeroes the gradients; leaves m->recompute and
+ * the default RNG as they were (the caller applies plan->blocks: with
+ * blocks 0, no recompute). Collective over a tensor-parallel group (every
+ * rank calls it alike). Errors: LOOM_ERR_INVALID (mode NONE, a shape the
+ * model cannot take, or a budget below what recomputing every block takes:
+ * the message gives both peaks), LOOM_ERR_NOMEM. */
+loom_status loom_llama_plan_recompute(loom_llama *m, loom_recompute_mode mode, int B, int T, size_t budget,
+                                      loom_recompute_plan *plan);
 
 /* ------------------------------------------------------------ generation */
 

@@ -160,6 +160,56 @@ static void test_half_the_blocks(void **state) {
     assert_true(half.peak < none8.peak);
 }
 
+/* loom_llama_plan_recompute on the 8-block model: a budget the run without
+ * recompute fits needs no block; one between picks the fewest blocks whose
+ * measured peak fits (one block fewer does not, measured again here); one
+ * below recomputing every block is refused, naming both peaks. The probes
+ * leave no gradient, the recompute settings and the RNG as they were. */
+static void test_plan_for_budget(void **state) {
+    (void)state;
+    loom_llama_config c;
+    memset(&c, 0, sizeof c);
+    c.dim = DIM; c.n_layers = 8; c.n_heads = 4; c.n_kv_heads = 4; c.ffn_dim = FFN;
+    c.vocab_size = VOCAB; c.max_seq = T; c.rope_theta = 10000.0f; c.norm_eps = 1e-5f;
+    loom_llama *m;
+    assert_int_equal(loom_llama_new(&c, (loom_precision){LOOM_F32, 1}, &m), LOOM_OK);
+    loom_llama_init_weights(m, 5);
+    m->recompute.mode = LOOM_RECOMPUTE_SELECTIVE; /* not what the plan probes: must come back */
+    m->recompute.blocks = 3;
+    loom_rng_init(loom_rng_default(), 99);
+    loom_rng before = *loom_rng_default();
+    mem_figures none8 = measure(8, LOOM_RECOMPUTE_NONE), all8 = measure(8, LOOM_RECOMPUTE_NONREENTRANT);
+
+    loom_recompute_plan p;
+    assert_int_equal(loom_llama_plan_recompute(m, LOOM_RECOMPUTE_NONREENTRANT, B, T, none8.peak, &p), LOOM_OK);
+    assert_int_equal(p.blocks, 0);
+    assert_int_equal(p.peak_none, none8.peak);
+    assert_int_equal(p.peak_all, all8.peak);
+
+    size_t budget = (none8.peak + all8.peak) / 2;
+    assert_int_equal(loom_llama_plan_recompute(m, LOOM_RECOMPUTE_NONREENTRANT, B, T, budget, &p), LOOM_OK);
+    printf("  plan for %zu bytes: %d of 8 blocks, peak %zu (none %zu, all %zu, %d probes)\n", budget, p.blocks,
+           p.peak, p.peak_none, p.peak_all, p.probes);
+    assert_true(p.blocks > 0 && p.blocks < 8);
+    assert_true(p.peak <= budget);
+    assert_int_equal(measure_blocks(8, LOOM_RECOMPUTE_NONREENTRANT, p.blocks).peak, p.peak);
+    if (p.blocks > 1) assert_true(measure_blocks(8, LOOM_RECOMPUTE_NONREENTRANT, p.blocks - 1).peak > budget);
+
+    assert_int_equal(loom_llama_plan_recompute(m, LOOM_RECOMPUTE_NONREENTRANT, B, T, all8.peak - 1, &p),
+                     LOOM_ERR_INVALID);
+    assert_non_null(strstr(loom_last_error(), "below what recomputing every block takes"));
+    assert_int_equal(loom_llama_plan_recompute(m, LOOM_RECOMPUTE_NONE, B, T, budget, &p), LOOM_ERR_INVALID);
+
+    assert_int_equal(m->recompute.mode, LOOM_RECOMPUTE_SELECTIVE);
+    assert_int_equal(m->recompute.blocks, 3);
+    assert_memory_equal(loom_rng_default(), &before, sizeof before);
+    for (int i = 0; i < m->n_params; i++) {
+        const float *g = m->params[i]->grad;
+        for (int64_t k = 0; k < loom_param_numel(m->params[i]); k++) assert_true(g[k] == 0.0f);
+    }
+    loom_llama_free(m);
+}
+
 int main(void) {
     /* One thread: the activation figures do not depend on it, and the test
      * stays fast on a busy machine and under the sanitizers. */
@@ -167,6 +217,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_full_recompute_memory_bound),
         cmocka_unit_test(test_half_the_blocks),
+        cmocka_unit_test(test_plan_for_budget),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -23,6 +23,20 @@ for prec in fp32 bf16 fp16; do
     done
   done
 done
+# --recompute-budget: a budget below what recomputing every block takes is
+# refused with both measured peaks; one halfway between them recomputes some
+# blocks, stays within the budget, and gives the gradients of no recompute.
+B=(--data "$WORK/data" --config "$WORK/cfg.json" --out "$WORK/ob" --batch 4 --seq 32 --precision bf16 --master-grad on)
+if "$LOOM" train "${B[@]}" --recompute-budget 0.001 2>"$WORK/rb.err"; then fail "a budget of 0.001 MiB was accepted"; fi
+all=$(sed -nE 's/.*takes \(([0-9.]+) MiB measured; ([0-9.]+) MiB with none.*/\1/p' "$WORK/rb.err")
+none=$(sed -nE 's/.*takes \(([0-9.]+) MiB measured; ([0-9.]+) MiB with none.*/\2/p' "$WORK/rb.err")
+[ -n "$all" ] && [ -n "$none" ] || fail "no measured peaks in: $(cat "$WORK/rb.err")"
+mid=$(awk -v a="$all" -v b="$none" 'BEGIN { printf "%.3f", (a + b) / 2 }')
+"$LOOM" train "${B[@]}" --recompute-budget "$mid" --dump-grads "$WORK/gb.st" 2>"$WORK/rb.log"
+grep -qE "recompute of [12] of 2 blocks" "$WORK/rb.log" || fail "no plan for $mid MiB: $(cat "$WORK/rb.log")"
+used=$(sed -nE 's/.* blocks, activations ([0-9.]+) MiB.*/\1/p' "$WORK/rb.log")
+awk -v u="$used" -v m="$mid" 'BEGIN { exit !(u <= m + 0.005) }' || fail "the plan's $used MiB is over the budget $mid"
+cmp -s "$WORK/g-bf16-on-none-nonreentrant-0.safetensors" "$WORK/gb.st" || fail "--recompute-budget changed the gradients"
 # Eight steps of two micro-batches: the final weights and the optimizer
 # state are the same bytes under every recompute mode, with clipping (bf16,
 # fp32) and with fp16 steps skipped for overflow.

@@ -17,6 +17,9 @@ expect_usage "--precision" "$LOOM" train "${D[@]}" --precision fp8
 expect_usage "--recompute expects" "$LOOM" train "${D[@]}" --recompute most
 expect_usage "--recompute-blocks must be >= 0" "$LOOM" train "${D[@]}" --recompute full --recompute-blocks -1
 expect_usage "--recompute-blocks 1 chooses which blocks recompute" "$LOOM" train "${D[@]}" --recompute-blocks 1
+expect_usage "--recompute-budget picks the number of blocks itself" "$LOOM" train "${D[@]}" --recompute-budget 5 \
+  --recompute-blocks 1
+expect_usage "--recompute-budget must be >= 0" "$LOOM" train "${D[@]}" --recompute-budget -1
 expect_usage "--recompute-blocks 3 is more than the model's 2 blocks" "$LOOM" train "${D[@]}" --recompute full \
   --recompute-blocks 3 --out "$WORK/rb3"
 expect_error "expects on or off" "$LOOM" train "${D[@]}" --master-grad maybe
