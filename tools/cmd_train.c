@@ -143,6 +143,9 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
         loom_recompute_plan plan;
         LOOM_TRY(loom_llama_plan_recompute(t->m, mode, o->batch, o->seq, (size_t)(o->recompute_budget * 1048576.0),
                                            &plan));
+        /* Every rank recomputes the same blocks (a tensor-parallel replay
+         * runs the block's collectives again): the largest count any needs. */
+        LOOM_TRY(loom_comm_allreduce_max_int(t->world, &plan.blocks, 1));
         t->m->recompute.mode = plan.blocks ? plan.mode : LOOM_RECOMPUTE_NONE;
         t->m->recompute.blocks = plan.blocks;
         const double mib = 1048576.0;

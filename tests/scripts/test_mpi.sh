@@ -104,6 +104,26 @@ for prec in "fp32 on 1e-4" "bf16 on 3e-2" "bf16 off 3e-2"; do
   done
 done
 
+# TP=2 recomputing some blocks (a replay runs the block's collectives
+# again, so every rank must recompute the same ones): --recompute-blocks 1,
+# and the plan of --recompute-budget halfway between the peaks the ranks
+# measure, give one process's gradients.
+A=(--batch 2 --precision fp32 --master-grad on)
+"$LOOM" train "${D[@]}" "${A[@]}" --out "$WORK/t1" --dump-grads "$WORK/g1.st" 2>/dev/null
+timeout 300 $MPI "$LOOM" train "${D[@]}" "${A[@]}" --tp 2 --recompute full --recompute-blocks 1 --out "$WORK/tb" \
+  --dump-grads "$WORK/gb.st" 2>"$WORK/tb.log" || { cat "$WORK/tb.log"; fail "TP=2 --recompute-blocks 1"; }
+$CMP "$WORK/gb.st" "$WORK/g1.st" --rtol 1e-4 >/dev/null || fail "TP=2 --recompute-blocks 1 gradients differ"
+if timeout 300 $MPI "$LOOM" train "${D[@]}" "${A[@]}" --tp 2 --recompute-budget 0.0001 --out "$WORK/tq" \
+  2>"$WORK/tq.err"; then fail "TP=2 took a budget of 0.0001 MiB"; fi
+all=$(sed -nE 's/.*takes \(([0-9.]+) MiB measured; ([0-9.]+) MiB with none.*/\1/p' "$WORK/tq.err" | head -1)
+none=$(sed -nE 's/.*takes \(([0-9.]+) MiB measured; ([0-9.]+) MiB with none.*/\2/p' "$WORK/tq.err" | head -1)
+[ -n "$all" ] && [ -n "$none" ] || { cat "$WORK/tq.err"; fail "TP=2: no measured peaks"; }
+mid=$(awk -v a="$all" -v b="$none" 'BEGIN { printf "%.3f", (a + b) / 2 }')
+timeout 300 $MPI "$LOOM" train "${D[@]}" "${A[@]}" --tp 2 --recompute-budget "$mid" --out "$WORK/tq" \
+  --dump-grads "$WORK/gq.st" 2>"$WORK/tq.log" || { cat "$WORK/tq.log"; fail "TP=2 --recompute-budget $mid"; }
+grep -qE "recompute of [12] of 2 blocks" "$WORK/tq.log" || fail "TP=2: no plan for $mid MiB: $(cat "$WORK/tq.log")"
+$CMP "$WORK/gq.st" "$WORK/g1.st" --rtol 1e-4 >/dev/null || fail "TP=2 --recompute-budget gradients differ"
+
 # Tied embeddings (the embedding split by vocabulary under TP, and used
 # again as the lm_head): TP=2 gradients equal one process's, ZeRO-1 equals
 # plain DP byte for byte, and the gradient audit passes under TP=2 and
