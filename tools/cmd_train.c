@@ -12,6 +12,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -141,15 +142,19 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
     }
     if (o->recompute_budget > 0.0f) { /* before the optimizer: its hooks must not see the probes */
         loom_recompute_plan plan;
-        LOOM_TRY(loom_llama_plan_recompute(t->m, mode, o->batch, o->seq, (size_t)(o->recompute_budget * 1048576.0),
-                                           &plan));
+        double bytes = (double)o->recompute_budget * 1048576.0;
+        LOOM_TRY(loom_llama_plan_recompute(t->m, mode, o->batch, o->seq,
+                                           bytes >= (double)SIZE_MAX ? SIZE_MAX : (size_t)bytes, &plan));
         /* Every rank recomputes the same blocks (a tensor-parallel replay
          * runs the block's collectives again): the largest count any needs. */
         LOOM_TRY(loom_comm_allreduce_max_int(t->world, &plan.blocks, 1));
         t->m->recompute.mode = plan.blocks ? plan.mode : LOOM_RECOMPUTE_NONE;
         t->m->recompute.blocks = plan.blocks;
         const double mib = 1048576.0;
-        if (t->leader)
+        if (t->leader && plan.blocks == 0)
+            fprintf(stderr, "train: --recompute-budget %g MiB: no block needs recomputing, activations %.2f MiB "
+                    "(measured)\n", (double)o->recompute_budget, plan.peak_none / mib);
+        else if (t->leader)
             fprintf(stderr, "train: --recompute-budget %g MiB: %s recompute of %d of %d blocks, activations %.2f MiB "
                     "(measured: %.2f with none, %.2f with every block)\n", (double)o->recompute_budget,
                     loom_recompute_mode_name(plan.mode), plan.blocks, plan.n_layers, plan.peak / mib,

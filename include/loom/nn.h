@@ -134,11 +134,13 @@ void loom_llama_zero_grad(loom_llama *m);
  * full) so that a training step of B x T tokens keeps its activations
  * within `budget` bytes: probe steps (forward and backward on token id 0)
  * measure the peak with none, with every block, and at the count
- * interpolating picks, adding blocks while that is over the budget. Costs
- * 2 or more steps of compute; zeroes the gradients; leaves m->recompute and
- * the default RNG as they were (the caller applies plan->blocks: with
- * blocks 0, no recompute). Collective over a tensor-parallel group (every
- * rank calls it alike). Errors: LOOM_ERR_INVALID (mode NONE, a shape the
+ * interpolating picks, then one block fewer or more while that fits or
+ * not. Costs 2 or more steps of compute, and the no-recompute probe needs
+ * that step's full activation memory for a moment; zeroes the gradients;
+ * leaves m->recompute and the default RNG as they were (the caller applies
+ * plan->blocks: with blocks 0, no recompute) and trims the allocator's
+ * cache. Collective over a tensor-parallel group: every rank calls it
+ * alike, and must measure the same peaks (an even split does). Errors: LOOM_ERR_INVALID (mode NONE, a shape the
  * model cannot take, or a budget below what recomputing every block takes:
  * the message gives both peaks), LOOM_ERR_NOMEM. */
 loom_status loom_llama_plan_recompute(loom_llama *m, loom_recompute_mode mode, int B, int T, size_t budget,

@@ -8,7 +8,9 @@
  * the measured peak is over the budget. Peaks are LOOM_MEM_ACTIVATIONS
  * bytes, loom's own accounting (bench's peak_act_MiB).
  * Must never: leave a trace of the probes: gradients are zeroed, the
- * default RNG and the recompute settings restored.
+ * default RNG and the recompute settings restored, and the allocator's
+ * cached blocks returned to the system (the no-recompute probe's would
+ * otherwise stay in the process for the whole run).
  */
 #include "loom/loom.h"
 
@@ -53,7 +55,7 @@ loom_status loom_llama_plan_recompute(loom_llama *m, loom_recompute_mode mode, i
         p.blocks = 0;
         p.peak = p.peak_none;
     } else if (st == LOOM_OK && p.peak_all > budget) {
-        st = loom_error(LOOM_ERR_INVALID, "a memory budget of %.2f MiB for activations is below what recomputing "
+        st = loom_error(LOOM_ERR_INVALID, "a memory budget of %.3g MiB for activations is below what recomputing "
                         "every block takes (%.2f MiB measured; %.2f MiB with none): raise it, or lower the batch or "
                         "sequence length", budget / 1048576.0, p.peak_all / 1048576.0, p.peak_none / 1048576.0);
     } else if (st == LOOM_OK) {
@@ -93,6 +95,7 @@ loom_status loom_llama_plan_recompute(loom_llama *m, loom_recompute_mode mode, i
     m->recompute = saved;
     *loom_rng_default() = rng;
     free(tok);
+    loom_mem_trim(); /* the probes' blocks, the no-recompute one's above all, go back to the system */
     if (st == LOOM_OK) *plan = p;
     return st;
 }

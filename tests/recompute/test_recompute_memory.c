@@ -164,7 +164,8 @@ static void test_half_the_blocks(void **state) {
  * recompute fits needs no block; one between picks the fewest blocks whose
  * measured peak fits (one block fewer does not, measured again here); one
  * below recomputing every block is refused, naming both peaks. The probes
- * leave no gradient, the recompute settings and the RNG as they were. */
+ * leave no gradient, no cached block, the recompute settings and the RNG as
+ * they were. */
 static void test_plan_for_budget(void **state) {
     (void)state;
     loom_llama_config c;
@@ -188,6 +189,9 @@ static void test_plan_for_budget(void **state) {
 
     size_t budget = (none8.peak + all8.peak) / 2;
     assert_int_equal(loom_llama_plan_recompute(m, LOOM_RECOMPUTE_NONREENTRANT, B, T, budget, &p), LOOM_OK);
+    loom_mem_stats ms; /* the probes' blocks went back to the system, not to the cache */
+    loom_mem_get_stats(&ms);
+    assert_int_equal(ms.cached, 0);
     printf("  plan for %zu bytes: %d of 8 blocks, peak %zu (none %zu, all %zu, %d probes)\n", budget, p.blocks,
            p.peak, p.peak_none, p.peak_all, p.probes);
     assert_true(p.blocks > 0 && p.blocks < 8);
