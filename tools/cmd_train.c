@@ -70,12 +70,14 @@ static void settings_record(const train_opts *o, const char *resume_dir, char *b
     snprintf(buf, n,
              "--batch %d\n--seq %d\n--grad-accum %d\n--steps %d\n--lr %a\n--min-lr %a\n--warmup %d\n"
              "--weight-decay %a\n--clip %a\n--precision %s\n--master-grad %s\n--recompute %s\n"
-             "--recompute-mode %s\n--recompute-blocks %d\n--recompute-budget %a\n--seed %d\n--eval-every %d\n--eval-batches %d\n--ckpt-every %d\n--keep %d\n"
+             "--recompute-mode %s\n--recompute-blocks %d\n--recompute-budget %a\n--seed %d\n--eval-every %d\n"
+             "--eval-batches %d\n--ckpt-every %d\n--keep %d\n"
              "--tp %d\n--zero %d\n--overlap %d\n--bucket-size %d\n--preset %s\n--tie-embeddings %d\n"
              "--check-grads %d\n--dump-grads %s\n--dump-logits %s\n--resume %s\n",
              o->batch, o->seq, o->grad_accum, o->steps, (double)o->lr, (double)o->min_lr, o->warmup,
              (double)o->weight_decay, (double)o->clip, o->precision, o->master_grad, o->recompute, o->recompute_mode,
-             o->recompute_blocks, (double)o->recompute_budget, o->seed, o->eval_every, o->eval_batches, o->ckpt_every, o->keep, o->tp, o->zero, o->overlap,
+             o->recompute_blocks, (double)o->recompute_budget, o->seed, o->eval_every, o->eval_batches, o->ckpt_every,
+             o->keep, o->tp, o->zero, o->overlap,
              o->bucket_size, o->preset, o->tie, o->check_grads, o->dump_grads ? "given" : "no",
              o->dump_logits ? "given" : "no", *resume_dir ? "given" : "no");
 }
