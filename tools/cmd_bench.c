@@ -231,6 +231,7 @@ static loom_status run_config(const bench_opts *o, const loom_llama_config *cfg,
     r.T = o->seq;
     size_t n = (size_t)r.B * r.T;
     loom_status st = loom_llama_new(cfg, prec, &r.m);
+    if (st == LOOM_OK) r.m->recompute.blocks = o->recompute_blocks; /* the modes take turns; the blocks stay */
     loom_adamw_config ac = loom_adamw_defaults();
     if (st == LOOM_OK) {
         loom_llama_init_weights(r.m, 1337);
@@ -260,7 +261,6 @@ static loom_status run_config(const bench_opts *o, const loom_llama_config *cfg,
     for (int s = 0; s < o->warmup && st == LOOM_OK; s++)
         for (int m = 0; m < n_modes && st == LOOM_OK; m++) {
             r.m->recompute.mode = modes[m];
-            r.m->recompute.blocks = o->recompute_blocks;
             st = bench_step(o, &r, s, &loss, &seconds);
         }
     memset(r.phase, 0, sizeof r.phase);
@@ -274,7 +274,6 @@ static loom_status run_config(const bench_opts *o, const loom_llama_config *cfg,
             loom_recompute_stats rc0, rc1;
             size_t i = (size_t)m * o->steps + s;
             r.m->recompute.mode = modes[m];
-            r.m->recompute.blocks = o->recompute_blocks;
             loom_mem_reset_peak();
             loom_mem_get_stats(&before);
             loom_gemm_get_stats(&g0);

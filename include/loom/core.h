@@ -237,7 +237,7 @@ void loom_set_simd(int on);
 loom_status loom_set_simd_level(const char *level);
 int loom_simd_enabled(void);   /* 1 when the AVX2 paths are in use */
 /* The widest kernel paths in use: "avx512-bf16" (also the attention's bf16
- * dot products), "avx512f", "avx2" or "portable". */
+ * dot products), "avx512f", "avx2" or "portable" (a static string). */
 const char *loom_simd_name(void);
 
 /* --------------------------------------------------------------- threads */

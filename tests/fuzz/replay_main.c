@@ -7,6 +7,8 @@
  * found stays a regression test; scripts/fuzz.sh links the same harnesses
  * with libFuzzer to search for new inputs.
  */
+#include "loom/loom.h"
+
 #include <dirent.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -20,25 +22,9 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) __attribute__((weak));
 
 /* Run one file; 0 if it could be read whole. */
 static int run_file(const char *path) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return -1;
-    uint8_t *buf = NULL;
-    size_t n = 0, cap = 0, got;
-    do {
-        if (n == cap) {
-            uint8_t *b = realloc(buf, cap = cap ? 2 * cap : 4096);
-            if (!b) { free(buf); fclose(f); return -1; }
-            buf = b;
-        }
-        got = fread(buf + n, 1, cap - n, f);
-        n += got;
-    } while (got > 0);
-    int bad = ferror(f);
-    fclose(f);
-    if (bad) {
-        free(buf);
-        return -1;
-    }
+    void *buf;
+    size_t n;
+    if (loom_read_file(path, &buf, &n) != LOOM_OK) return -1;
     LLVMFuzzerTestOneInput(buf, n);
     free(buf);
     return 0;

@@ -49,7 +49,7 @@ int tu_bits_equal(const void *a, const void *b, size_t bytes, const char *what) 
 }
 
 /* The level a group restores: what detection chose (LOOM_SIMD honoured). */
-static char base_level[32] = "native";
+static const char *base_level = "native";
 
 int tu_portable_on(void **state) {
     (void)state;
@@ -68,7 +68,7 @@ static int avx2_on(void **state) {
 }
 
 int tu_run_levels(const struct CMUnitTest *tests, size_t n) {
-    snprintf(base_level, sizeof base_level, "%s", loom_simd_name());
+    base_level = loom_simd_name();
     int rc = _cmocka_run_group_tests("simd", tests, n, NULL, NULL);
     if (strncmp(base_level, "avx512", 6) == 0)
         rc |= _cmocka_run_group_tests("avx2", tests, n, avx2_on, tu_portable_off);
