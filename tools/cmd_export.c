@@ -1,49 +1,87 @@
 /*
  * cmd_export.c — `loom export`: write a model (a model directory or a
- * training checkpoint) as a Hugging Face LLaMA directory: config.json and
- * model.safetensors with Hugging Face tensor names, in fp32, bf16 or fp16.
+ * training checkpoint) as a Hugging Face LLaMA directory (config.json and
+ * model.safetensors with Hugging Face tensor names) or as one GGUF file for
+ * llama.cpp, in fp32, bf16 or fp16.
  */
 #include "cli.h"
 
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+/* The model with its tokenizer as GGUF file out (its directory created). */
+static loom_status export_gguf(loom_llama *m, loom_dtype dt, const char *tok_path, const char *out) {
+    char dir[4200];
+    if (snprintf(dir, sizeof dir, "%s", out) >= (int)sizeof dir)
+        return loom_error(LOOM_ERR_INVALID, "path too long: %s", out);
+    char *slash = strrchr(dir, '/');
+    if (slash && slash != dir) {
+        *slash = '\0';
+        LOOM_TRY(loom_mkdir_p(dir));
+    }
+    loom_tokenizer *tok = NULL;
+    LOOM_TRY(loom_tokenizer_load(tok_path, &tok));
+    loom_status st = loom_llama_save_gguf(m, dt, tok, out);
+    loom_tokenizer_free(tok);
+    return st;
+}
+
 static int run(int argc, char **argv) {
-    const char *model = NULL, *out = NULL, *dtype = "fp32";
+    const char *model = NULL, *out = NULL, *dtype = "fp32", *format = "hf", *tokenizer = NULL;
     const flag flags[] = {
         {"model", FLAG_STRING, &model, "DIR", "model directory or checkpoint (config.json + model.safetensors or its shards' index)"},
-        {"out", FLAG_STRING, &out, "DIR", "output directory (created)"},
-        {"dtype", FLAG_STRING, &dtype, "D", "stored dtype: fp32, bf16 or fp16 (default fp32)"},
+        {"out", FLAG_STRING, &out, "PATH", "output: a directory (created) for hf, a file for gguf"},
+        {"format", FLAG_STRING, &format, "F", "hf (config.json + model.safetensors, the default) or gguf (one file for llama.cpp)"},
+        {"dtype", FLAG_STRING, &dtype, "D", "stored dtype: fp32, bf16 or fp16 (default fp32; gguf keeps norm weights fp32)"},
+        {"tokenizer", FLAG_STRING, &tokenizer, "FILE", "loom tokenizer to ship with the model (default: the model's tokenizer.json, if any)"},
     };
     int rc = cli_parse(&cmd_export, flags, (int)(sizeof flags / sizeof flags[0]), argc, argv);
     if (rc) return rc > 0 ? 0 : 2;
-    if (!model || !out) return cli_usage_error("export", "--model DIR and --out DIR are required");
+    if (!model || !out) return cli_usage_error("export", "--model DIR and --out PATH are required");
     loom_dtype dt;
     if (loom_dtype_parse(dtype, &dt) != LOOM_OK) return cli_usage_error("export", "%s", loom_last_error());
+    int gguf = strcmp(format, "gguf") == 0;
+    if (!gguf && strcmp(format, "hf") != 0)
+        return cli_usage_error("export", "--format must be hf or gguf, not '%s'", format);
+    struct stat sb;
+    if (gguf && stat(out, &sb) == 0 && S_ISDIR(sb.st_mode))
+        return cli_usage_error("export", "%s is a directory; --format gguf writes one file (e.g. --out model.gguf)", out);
     /* A dataset directory would get this model's tokenizer over the one its
      * shards were made with. */
     char probe[4200];
     snprintf(probe, sizeof probe, "%s/train_000000.bin", out);
-    if (access(probe, F_OK) == 0)
+    if (!gguf && access(probe, F_OK) == 0)
         return cli_usage_error("export", "%s holds token shards (train_000000.bin): exporting there would replace "
                                "the tokenizer they were made with; use another --out", out);
+    if (tokenizer && access(tokenizer, R_OK) != 0)
+        return cli_usage_error("export", "cannot read the tokenizer %s", tokenizer);
     if ((rc = cli_check_model_dir("export", model))) return rc;
+    char tok[4200];
+    snprintf(tok, sizeof tok, "%s/tokenizer.json", model);
+    if (!tokenizer && access(tok, R_OK) == 0) tokenizer = tok;
+    if (gguf && !tokenizer)
+        return cli_usage_error("export", "%s has no tokenizer.json, and a GGUF file must carry the vocabulary: give "
+                               "the tokenizer the model was trained with, --tokenizer FILE", model);
     loom_precision prec = {LOOM_F32, 0};
     loom_llama *m = NULL;
     loom_status st = loom_model_dir_load(model, prec, &m);
-    char tok[4200];
-    snprintf(tok, sizeof tok, "%s/tokenizer.json", model);
-    if (st == LOOM_OK) st = loom_model_dir_save(m, dt, access(tok, R_OK) == 0 ? tok : NULL, out);
+    if (st == LOOM_OK) st = gguf ? export_gguf(m, dt, tokenizer, out) : loom_model_dir_save(m, dt, tokenizer, out);
     if (st == LOOM_OK)
-        fprintf(stderr, "export: %lld parameters as %s to %s\n", (long long)loom_llama_n_weights(m), loom_dtype_name(dt), out);
+        fprintf(stderr, "export: %lld parameters as %s %s to %s%s\n", (long long)loom_llama_n_weights(m),
+                gguf ? "GGUF" : "Hugging Face", loom_dtype_name(dt), out,
+                tokenizer ? "" : " (no tokenizer: the model directory has no tokenizer.json)");
     loom_llama_free(m);
     return st == LOOM_OK ? 0 : cli_fail("export", st);
 }
 
 const command cmd_export = {
     "export",
-    "export a model as a Hugging Face LLaMA directory (safetensors + config.json)",
-    "export --model DIR --out DIR [--dtype fp32|bf16|fp16]",
+    "export a model as a Hugging Face LLaMA directory or a GGUF file for llama.cpp",
+    "export --model DIR --out PATH [--format hf|gguf] [--dtype fp32|bf16|fp16] [--tokenizer FILE]",
+    "--format gguf writes one GGUF file (version 3) that llama.cpp runs as a \"llama\"\n"
+    "model: the weights under llama.cpp's names (q/k rows reordered for its RoPE), the\n"
+    "tokenizer as a byte-level BPE vocabulary with <|endoftext|> as BOS and EOS.\n"
     "Import needs no command: loom train --init DIR and loom generate --model DIR read\n"
     "Hugging Face LLaMA directories (config.json + model.safetensors, or the shards that\n"
     "model.safetensors.index.json names) directly; export writes one model.safetensors.",

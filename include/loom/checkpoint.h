@@ -69,6 +69,18 @@ loom_status loom_model_dir_check(const char *dir);
  * loom_model_dir_check). */
 loom_status loom_model_dir_load(const char *dir, loom_precision prec, loom_llama **out);
 
+/* Write the model as one GGUF file (version 3) that llama.cpp runs as its
+ * "llama" architecture: hyperparameters as llama.* metadata, tok as a
+ * byte-level BPE vocabulary ("gpt2" model, GPT-2's byte spelling,
+ * "<|endoftext|>" as BOS and EOS, ids past the tokenizer's unused tokens),
+ * matrices stored in dt (fp32, bf16 or fp16) and norm weights in fp32, under
+ * llama.cpp's tensor names, with each head's q/k rows reordered for
+ * llama.cpp's adjacent-pair RoPE. Atomic. Errors: LOOM_ERR_INVALID (no
+ * tokenizer, a tokenizer with more tokens than the model, a dtype other than
+ * those), LOOM_ERR_UNSUPPORTED (a tensor-parallel model), LOOM_ERR_IO,
+ * LOOM_ERR_NOMEM. */
+loom_status loom_llama_save_gguf(loom_llama *m, loom_dtype dt, const loom_tokenizer *tok, const char *path);
+
 /* Everything besides weights that resuming needs. */
 typedef struct loom_train_state {
     int step;                         /* optimizer steps completed */

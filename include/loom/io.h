@@ -322,6 +322,9 @@ loom_status loom_tokenizer_decode(const loom_tokenizer *tok, const int32_t *ids,
 /* The bytes of one id (owned by tok). Errors: LOOM_ERR_INVALID. */
 loom_status loom_tokenizer_token_bytes(const loom_tokenizer *tok, int32_t id,
                                        const char **bytes, size_t *len);
+/* Merge r's two parts: id 256 + r is the concatenation of ids *a and *b.
+ * Errors: LOOM_ERR_INVALID (r outside [0, loom_tokenizer_num_merges)). */
+loom_status loom_tokenizer_merge(const loom_tokenizer *tok, int r, int32_t *a, int32_t *b);
 
 /* Save as JSON, atomically: {"type":"loom-bpe","version":1,"vocab_size":N,
  * "merges":[[a,b],...],"special":{"<|endoftext|>":N-1}}. Errors: LOOM_ERR_IO. */

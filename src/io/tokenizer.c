@@ -230,6 +230,14 @@ loom_status loom_tokenizer_token_bytes(const loom_tokenizer *tok, int32_t id, co
     return LOOM_OK;
 }
 
+loom_status loom_tokenizer_merge(const loom_tokenizer *tok, int r, int32_t *a, int32_t *b) {
+    if (r < 0 || r >= tok->n_merges)
+        return loom_error(LOOM_ERR_INVALID, "merge %d is outside the tokenizer's %d merges", r, tok->n_merges);
+    *a = tok->merges[2 * r];
+    *b = tok->merges[2 * r + 1];
+    return LOOM_OK;
+}
+
 loom_status loom_tokenizer_decode(const loom_tokenizer *tok, const int32_t *ids, size_t n, void *out,
                                   size_t capacity, size_t *n_out) {
     *n_out = 0;

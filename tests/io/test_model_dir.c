@@ -7,7 +7,9 @@
  * Face's sharded layout (model.safetensors.index.json and the files it
  * maps each tensor to) loads too, and a broken index is a clear error.
  * A training checkpoint with a loss scale its loader would refuse is never
- * written.
+ * written. A GGUF export refuses what it cannot write (no tokenizer, one
+ * larger than the model's vocabulary, another dtype) and a failed write
+ * leaves no file. (tests/python/gguf_check.py checks the file itself.)
  */
 #include "io_test.h"
 
@@ -225,11 +227,51 @@ static void test_checkpoint_refuses_bad_loss_scale(void **state) {
     loom_llama_free(m);
 }
 
+static void test_gguf_refusals(void **state) {
+    (void)state;
+    loom_llama *m = model(4); /* vocabulary 40 */
+    const char *text = "the cat sat on the mat; the dog sat on the log.";
+    loom_tokenizer *tok;
+    assert_int_equal(loom_tokenizer_train(&text, NULL, 1, 270, &tok), LOOM_OK);
+    const char *path = io_path("m.gguf");
+    struct stat sb;
+    assert_int_equal(loom_llama_save_gguf(m, LOOM_F32, NULL, path), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("needs the model's tokenizer");
+    assert_int_equal(loom_llama_save_gguf(m, LOOM_F32, tok, path), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("but the model only 40");
+    assert_int_equal(loom_llama_save_gguf(m, (loom_dtype)77, tok, path), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("dtype");
+    assert_int_not_equal(stat(path, &sb), 0);
+    loom_llama_free(m);
+
+    loom_llama_config c;
+    memset(&c, 0, sizeof c);
+    c.dim = 16; c.n_layers = 1; c.n_heads = 2; c.n_kv_heads = 1; c.ffn_dim = 24;
+    c.vocab_size = loom_tokenizer_vocab_size(tok) + 3; c.max_seq = 8; c.rope_theta = 10000.0f; c.norm_eps = 1e-5f;
+    loom_precision p = {LOOM_F32, 0};
+    assert_int_equal(loom_llama_new(&c, p, &m), LOOM_OK);
+    loom_llama_init_weights(m, 5);
+    /* A write that fails (a full disk): nothing is left. */
+    io_test_inject_failure(IO_FAIL_WRITE, 0, ENOSPC);
+    assert_int_equal(loom_llama_save_gguf(m, LOOM_BF16, tok, path), LOOM_ERR_IO);
+    io_test_inject_failure(IO_FAIL_NONE, 0, 0);
+    IO_ASSERT_MSG("m.gguf");
+    assert_int_not_equal(stat(path, &sb), 0);
+    assert_int_equal(loom_llama_save_gguf(m, LOOM_BF16, tok, path), LOOM_OK);
+    size_t n;
+    unsigned char *f = io_read_raw(path, &n);
+    assert_true(n > 64 && memcmp(f, "GGUF", 4) == 0 && f[4] == 3);
+    free(f);
+    loom_tokenizer_free(tok);
+    loom_llama_free(m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_failed_save_keeps_old_directory),
         cmocka_unit_test(test_sharded_directory),
         cmocka_unit_test(test_checkpoint_refuses_bad_loss_scale),
+        cmocka_unit_test(test_gguf_refusals),
     };
     return cmocka_run_group_tests(tests, io_scratch_setup, io_scratch_teardown);
 }

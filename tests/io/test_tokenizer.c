@@ -310,6 +310,23 @@ static void test_save_load(void **state) {
     assert_int_equal(loom_tokenizer_encode(back, held, 20000, b, 20000, &nb), LOOM_OK);
     assert_int_equal(na, nb);
     assert_memory_equal(a, b, na * sizeof *a);
+    /* Each merge's parts spell its token; no merge past the last. */
+    for (int r = 0; r < loom_tokenizer_num_merges(back); r++) {
+        int32_t x, y;
+        const char *bx, *by, *bm;
+        size_t lx, ly, lm;
+        assert_int_equal(loom_tokenizer_merge(back, r, &x, &y), LOOM_OK);
+        assert_true(x < 256 + r && y < 256 + r);
+        assert_int_equal(loom_tokenizer_token_bytes(back, x, &bx, &lx), LOOM_OK);
+        assert_int_equal(loom_tokenizer_token_bytes(back, y, &by, &ly), LOOM_OK);
+        assert_int_equal(loom_tokenizer_token_bytes(back, 256 + r, &bm, &lm), LOOM_OK);
+        assert_int_equal(lm, lx + ly);
+        assert_memory_equal(bm, bx, lx);
+        assert_memory_equal(bm + lx, by, ly);
+    }
+    int32_t x, y;
+    assert_int_equal(loom_tokenizer_merge(back, loom_tokenizer_num_merges(back), &x, &y), LOOM_ERR_INVALID);
+    assert_int_equal(loom_tokenizer_merge(back, -1, &x, &y), LOOM_ERR_INVALID);
     /* Saving the loaded tokenizer reproduces the file. */
     assert_int_equal(loom_tokenizer_save(back, io_path("tok2.json")), LOOM_OK);
     size_t l1, l2;

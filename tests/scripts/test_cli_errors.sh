@@ -141,6 +141,21 @@ grep -q "recompute-mode applies to --recompute full" "$WORK/ign.log" || fail "no
 grep -q "with one, nothing is sharded" "$WORK/ign.log" || fail "no note on --zero 1 in one process"
 # Exporting into a dataset directory would replace its tokenizer: refused.
 expect_error "holds token shards" "$LOOM" export --model "$WORK/r/model" --out "$WORK/data"
+# GGUF export: a bad format, a directory for the file, no tokenizer, a
+# tokenizer with more tokens than the model has ids.
+expect_usage "--format must be hf or gguf, not 'onnx'" "$LOOM" export --model "$WORK/r/model" --out "$WORK/g" \
+  --format onnx
+expect_usage "is a directory; --format gguf writes one file" "$LOOM" export --model "$WORK/r/model" --out "$WORK/data" \
+  --format gguf
+mkdir -p "$WORK/notok" && cp "$WORK/r/model/config.json" "$WORK/r/model/model.safetensors" "$WORK/notok/"
+expect_usage "has no tokenizer.json, and a GGUF file must carry the vocabulary" "$LOOM" export --model "$WORK/notok" \
+  --out "$WORK/g.gguf" --format gguf
+expect_usage "cannot read the tokenizer" "$LOOM" export --model "$WORK/notok" --out "$WORK/g.gguf" --format gguf \
+  --tokenizer "$WORK/nowhere.json"
+"$LOOM" tokenize --train $(corpus) --vocab 700 --in "$SRC/README.md" --out "$WORK/tok700" 2>/dev/null
+expect_error "the tokenizer has 700 tokens but the model only 512" "$LOOM" export --model "$WORK/notok" \
+  --out "$WORK/g.gguf" --format gguf --tokenizer "$WORK/tok700/tokenizer.json"
+[ -e "$WORK/g.gguf" ] && fail "a refused GGUF export left a file"
 # --tp in a single process: says how to start it.
 expect_error "start tensor parallelism with mpirun" "$LOOM" train "${D[@]}" --steps 1 --tp 2 --out "$WORK/tp1"
 set +e; "$LOOM" train "${D[@]}" --steps 1 --tp 0 --out "$WORK/tp0" 2>"$WORK/tp0.log"; rc=$?; set -e
@@ -430,4 +445,10 @@ expect_full_disk 40 "train_000000.bin" "$WORK/retok" \
 expect_full_disk 8 "model.safetensors" "$WORK/fullmodel" \
   "$LOOM" export --model "$WORK/full/ckpt-00000001" --out "$WORK/fullmodel"
 ls "$WORK"/fullmodel/*.new* 2>/dev/null && fail "a failed export left staged files behind"
+# The same for a GGUF export over an existing one: the old file stays whole.
+"$LOOM" export --model "$WORK/full/ckpt-00000001" --out "$WORK/fullgguf/m.gguf" --format gguf 2>/dev/null || \
+  fail "GGUF export of a checkpoint failed"
+expect_full_disk 8 "disk full" "$WORK/fullgguf" \
+  "$LOOM" export --model "$WORK/full/ckpt-00000001" --out "$WORK/fullgguf/m.gguf" --format gguf --dtype bf16
+ls "$WORK"/fullgguf/*.tmp.* 2>/dev/null && fail "a failed GGUF export left its temporary file behind"
 echo "1 passed, 0 failed"

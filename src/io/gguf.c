@@ -1,0 +1,338 @@
+/*
+ * gguf.c — a model as one GGUF file (version 3) for llama.cpp's "llama"
+ * architecture: the hyperparameters as llama.* keys, loom's byte-level BPE
+ * as a "gpt2" vocabulary, and the weights under llama.cpp's tensor names.
+ *
+ * Layout: ggml lists a tensor's dimensions fastest first, so a Hugging Face
+ * (out, in) matrix keeps its bytes and is described as [in, out]. llama.cpp
+ * rotates adjacent pairs (x[2i], x[2i+1]) where Hugging Face rotates halves
+ * (x[i], x[i + HS/2]), so each head's rows of q_proj and k_proj are
+ * interleaved: the file's row 2i of a head is its row i, row 2i+1 its row
+ * i + HS/2 (what llama.cpp's own converter does to a Hugging Face model).
+ * Norm weights stay fp32 whatever the dtype, as that converter keeps them.
+ *
+ * Vocabulary: token i is its bytes, each byte written as the code point
+ * GPT-2 assigns it (printable Latin-1 bytes as themselves, the others as
+ * 256 + n in byte order), merges as "left right" of those strings, and
+ * "<|endoftext|>" a control token that is also BOS and EOS (loom starts a
+ * prompt with it, as training put it before every document). Ids past the
+ * tokenizer's, when the model's vocabulary is larger, are unused tokens.
+ *
+ * Must never: leave a partial file (it is written through loom_atomic_file).
+ */
+#include "loom/checkpoint.h"
+#include "io/io_internal.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define GGUF_ALIGN 32
+
+enum { /* metadata value types */
+    GGUF_U32 = 4, GGUF_I32 = 5, GGUF_F32 = 6, GGUF_BOOL = 7, GGUF_STRING = 8, GGUF_ARRAY = 9
+};
+enum { GGML_F32 = 0, GGML_F16 = 1, GGML_BF16 = 30 };                 /* tensor types */
+enum { FILE_ALL_F32 = 0, FILE_MOSTLY_F16 = 1, FILE_MOSTLY_BF16 = 32 }; /* general.file_type */
+enum { TOKEN_NORMAL = 1, TOKEN_CONTROL = 3, TOKEN_UNUSED = 5 };
+
+/* A growing byte buffer for the header; the first failed growth sticks. */
+typedef struct gbuf {
+    unsigned char *p;
+    size_t n, cap;
+    uint64_t n_keys; /* metadata pairs put */
+    int oom;
+} gbuf;
+
+static void put(gbuf *b, const void *src, size_t n) {
+    if (b->oom) return;
+    if (b->n + n > b->cap) {
+        size_t cap = b->cap ? b->cap : 4096;
+        while (cap < b->n + n) cap *= 2;
+        unsigned char *p = realloc(b->p, cap);
+        if (!p) { b->oom = 1; return; }
+        b->p = p;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->n, src, n);
+    b->n += n;
+}
+
+static void put_u32(gbuf *b, uint32_t v) { put(b, &v, 4); }
+static void put_u64(gbuf *b, uint64_t v) { put(b, &v, 8); }
+static void put_str(gbuf *b, const char *s, size_t n) { put_u64(b, n); put(b, s, n); }
+static void put_key(gbuf *b, const char *key, uint32_t type) {
+    put_str(b, key, strlen(key));
+    put_u32(b, type);
+    b->n_keys++;
+}
+
+static void kv_u32(gbuf *b, const char *key, uint32_t v) { put_key(b, key, GGUF_U32); put_u32(b, v); }
+static void kv_f32(gbuf *b, const char *key, float v) { put_key(b, key, GGUF_F32); put(b, &v, 4); }
+static void kv_bool(gbuf *b, const char *key, int v) { unsigned char c = v != 0; put_key(b, key, GGUF_BOOL); put(b, &c, 1); }
+static void kv_str(gbuf *b, const char *key, const char *s) { put_key(b, key, GGUF_STRING); put_str(b, s, strlen(s)); }
+static void kv_array(gbuf *b, const char *key, uint32_t type, uint64_t n) {
+    put_key(b, key, GGUF_ARRAY);
+    put_u32(b, type);
+    put_u64(b, n);
+}
+
+/* --------------------------------------------------------- vocabulary */
+
+/* GPT-2's byte -> code point table, as UTF-8 (every code point is below
+ * 0x200, so one or two bytes). */
+typedef struct byte_chars {
+    char s[256][3];
+    unsigned char len[256];
+} byte_chars;
+
+static void byte_chars_init(byte_chars *bc) {
+    int extra = 0;
+    for (int b = 0; b < 256; b++) {
+        int printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+        unsigned cp = printable ? (unsigned)b : 256u + (unsigned)extra++;
+        if (cp < 0x80) {
+            bc->s[b][0] = (char)cp;
+            bc->len[b] = 1;
+        } else {
+            bc->s[b][0] = (char)(0xC0 | (cp >> 6));
+            bc->s[b][1] = (char)(0x80 | (cp & 0x3F));
+            bc->len[b] = 2;
+        }
+    }
+}
+
+/* Token id's string as the vocabulary spells it. */
+static void put_token_text(gbuf *b, const byte_chars *bc, const loom_tokenizer *tok, int32_t id, int raw) {
+    const char *bytes;
+    size_t n;
+    loom_tokenizer_token_bytes(tok, id, &bytes, &n);
+    if (raw) { put(b, bytes, n); return; }
+    for (size_t i = 0; i < n; i++) put(b, bc->s[(unsigned char)bytes[i]], bc->len[(unsigned char)bytes[i]]);
+}
+
+static size_t token_text_len(const byte_chars *bc, const loom_tokenizer *tok, int32_t id) {
+    const char *bytes;
+    size_t n, len = 0;
+    loom_tokenizer_token_bytes(tok, id, &bytes, &n);
+    for (size_t i = 0; i < n; i++) len += bc->len[(unsigned char)bytes[i]];
+    return len;
+}
+
+static void put_vocabulary(gbuf *b, const loom_tokenizer *tok, int vocab_size) {
+    byte_chars bc;
+    byte_chars_init(&bc);
+    int n_tok = loom_tokenizer_vocab_size(tok), eot = loom_tokenizer_eot(tok);
+    kv_str(b, "tokenizer.ggml.model", "gpt2");
+    kv_str(b, "tokenizer.ggml.pre", "gpt-2");
+    kv_array(b, "tokenizer.ggml.tokens", GGUF_STRING, (uint64_t)vocab_size);
+    for (int id = 0; id < vocab_size; id++) {
+        if (id >= n_tok) {
+            char pad[32];
+            int n = snprintf(pad, sizeof pad, "<|unused_%d|>", id);
+            put_str(b, pad, (size_t)n);
+        } else if (id == eot) {
+            put_str(b, LOOM_TOKENIZER_EOT, strlen(LOOM_TOKENIZER_EOT));
+        } else {
+            put_u64(b, token_text_len(&bc, tok, id));
+            put_token_text(b, &bc, tok, id, 0);
+        }
+    }
+    kv_array(b, "tokenizer.ggml.token_type", GGUF_I32, (uint64_t)vocab_size);
+    for (int id = 0; id < vocab_size; id++)
+        put_u32(b, id >= n_tok ? TOKEN_UNUSED : id == eot ? TOKEN_CONTROL : TOKEN_NORMAL);
+    int n_merges = loom_tokenizer_num_merges(tok);
+    kv_array(b, "tokenizer.ggml.merges", GGUF_STRING, (uint64_t)n_merges);
+    for (int r = 0; r < n_merges; r++) {
+        int32_t x, y;
+        loom_tokenizer_merge(tok, r, &x, &y);
+        put_u64(b, token_text_len(&bc, tok, x) + 1 + token_text_len(&bc, tok, y));
+        put_token_text(b, &bc, tok, x, 0);
+        put(b, " ", 1);
+        put_token_text(b, &bc, tok, y, 0);
+    }
+    if (eot >= 0) {
+        kv_u32(b, "tokenizer.ggml.bos_token_id", (uint32_t)eot);
+        kv_u32(b, "tokenizer.ggml.eos_token_id", (uint32_t)eot);
+        kv_bool(b, "tokenizer.ggml.add_bos_token", 1);
+    } else {
+        kv_bool(b, "tokenizer.ggml.add_bos_token", 0);
+    }
+    kv_bool(b, "tokenizer.ggml.add_eos_token", 0);
+}
+
+/* ------------------------------------------------------------- tensors */
+
+typedef struct gguf_tensor {
+    char name[64];
+    int param;        /* index in m->params */
+    int heads;        /* > 0: interleave the rotary halves of this many heads' rows */
+    uint32_t type;    /* GGML_* */
+    loom_dtype dt;    /* what type stores */
+    int64_t rows, cols;
+    uint64_t offset;  /* from the start of the data section */
+} gguf_tensor;
+
+static int param_index(const loom_llama *m, const loom_param *p) {
+    for (int i = 0; i < m->n_params; i++)
+        if (m->params[i] == p) return i;
+    return -1;
+}
+
+/* Every tensor llama.cpp reads, in llama.cpp's order; output.weight only
+ * when the embeddings are not tied (llama.cpp falls back to token_embd). */
+static int list_tensors(const loom_llama *m, loom_dtype dt, gguf_tensor *t) {
+    int n = 0;
+    const loom_llama_config *c = &m->cfg;
+#define ADD(p, heads_, ...) do { \
+        snprintf(t[n].name, sizeof t[n].name, __VA_ARGS__); \
+        t[n].param = param_index(m, (p)); \
+        t[n].heads = (heads_); \
+        n++; \
+    } while (0)
+    ADD(m->embed, 0, "token_embd.weight");
+    for (int l = 0; l < c->n_layers; l++) {
+        const loom_llama_layer *y = &m->layers[l];
+        ADD(y->attn_norm, 0, "blk.%d.attn_norm.weight", l);
+        ADD(y->wq, c->n_heads, "blk.%d.attn_q.weight", l);
+        ADD(y->wk, c->n_kv_heads, "blk.%d.attn_k.weight", l);
+        ADD(y->wv, 0, "blk.%d.attn_v.weight", l);
+        ADD(y->wo, 0, "blk.%d.attn_output.weight", l);
+        ADD(y->mlp_norm, 0, "blk.%d.ffn_norm.weight", l);
+        ADD(y->w_gate, 0, "blk.%d.ffn_gate.weight", l);
+        ADD(y->w_up, 0, "blk.%d.ffn_up.weight", l);
+        ADD(y->w_down, 0, "blk.%d.ffn_down.weight", l);
+    }
+    ADD(m->final_norm, 0, "output_norm.weight");
+    if (!c->tie_embeddings) ADD(m->lm_head, 0, "output.weight");
+#undef ADD
+    uint64_t off = 0;
+    for (int i = 0; i < n; i++) {
+        int64_t fs[2];
+        loom_llama_param_full_shape(m, t[i].param, fs);
+        t[i].rows = fs[0];
+        t[i].cols = fs[1];
+        t[i].dt = t[i].cols == 1 ? LOOM_F32 : dt; /* vectors (the norms) stay fp32 */
+        t[i].type = t[i].dt == LOOM_F32 ? GGML_F32 : t[i].dt == LOOM_BF16 ? GGML_BF16 : GGML_F16;
+        t[i].offset = off;
+        off += ((uint64_t)(t[i].rows * t[i].cols) * loom_dtype_size(t[i].dt) + GGUF_ALIGN - 1) / GGUF_ALIGN * GGUF_ALIGN;
+    }
+    return n;
+}
+
+/* Rows of each head from halves [h0 | h1] to pairs (h0[i], h1[i]). */
+static void interleave_heads(const float *src, float *dst, int heads, int64_t rows, int64_t cols) {
+    int64_t hs = rows / heads, half = hs / 2;
+    for (int h = 0; h < heads; h++)
+        for (int64_t i = 0; i < half; i++)
+            for (int j = 0; j < 2; j++)
+                memcpy(dst + (h * hs + 2 * i + j) * cols, src + (h * hs + j * half + i) * cols,
+                       (size_t)cols * sizeof *dst);
+}
+
+/* The metadata pairs. */
+static void put_metadata(gbuf *b, const loom_llama *m, loom_dtype dt, const loom_tokenizer *tok) {
+    const loom_llama_config *c = &m->cfg;
+    kv_str(b, "general.architecture", "llama");
+    kv_str(b, "general.name", "loom");
+    kv_u32(b, "general.file_type", dt == LOOM_F32 ? FILE_ALL_F32 : dt == LOOM_BF16 ? FILE_MOSTLY_BF16 : FILE_MOSTLY_F16);
+    kv_u32(b, "general.alignment", GGUF_ALIGN);
+    kv_u32(b, "llama.context_length", (uint32_t)c->max_seq);
+    kv_u32(b, "llama.embedding_length", (uint32_t)c->dim);
+    kv_u32(b, "llama.block_count", (uint32_t)c->n_layers);
+    kv_u32(b, "llama.feed_forward_length", (uint32_t)c->ffn_dim);
+    kv_u32(b, "llama.attention.head_count", (uint32_t)c->n_heads);
+    kv_u32(b, "llama.attention.head_count_kv", (uint32_t)c->n_kv_heads);
+    kv_u32(b, "llama.rope.dimension_count", (uint32_t)(c->dim / c->n_heads));
+    kv_f32(b, "llama.rope.freq_base", c->rope_theta);
+    kv_f32(b, "llama.attention.layer_norm_rms_epsilon", c->norm_eps);
+    kv_u32(b, "llama.vocab_size", (uint32_t)c->vocab_size);
+    put_vocabulary(b, tok, c->vocab_size);
+}
+
+/* Everything before the tensor data: magic, version, counts, metadata, the
+ * tensor descriptions, and the padding up to the data section. */
+static void put_header(gbuf *b, const gbuf *meta, const gguf_tensor *t, int n_tensors) {
+    put(b, "GGUF", 4);
+    put_u32(b, 3);
+    put_u64(b, (uint64_t)n_tensors);
+    put_u64(b, meta->n_keys);
+    put(b, meta->p, meta->n);
+    for (int i = 0; i < n_tensors; i++) {
+        put_str(b, t[i].name, strlen(t[i].name));
+        int ndim = t[i].cols == 1 ? 1 : 2;
+        put_u32(b, (uint32_t)ndim);
+        if (ndim == 1) {
+            put_u64(b, (uint64_t)t[i].rows);
+        } else {
+            put_u64(b, (uint64_t)t[i].cols);
+            put_u64(b, (uint64_t)t[i].rows);
+        }
+        put_u32(b, t[i].type);
+        put_u64(b, t[i].offset);
+    }
+    static const unsigned char zeros[GGUF_ALIGN];
+    put(b, zeros, (GGUF_ALIGN - b->n % GGUF_ALIGN) % GGUF_ALIGN);
+}
+
+loom_status loom_llama_save_gguf(loom_llama *m, loom_dtype dt, const loom_tokenizer *tok, const char *path) {
+    if (!m || !path) return loom_error(LOOM_ERR_INVALID, "loom_llama_save_gguf: NULL model or path");
+    if (dt != LOOM_F32 && dt != LOOM_BF16 && dt != LOOM_F16)
+        return loom_error(LOOM_ERR_INVALID, "GGUF export: dtype must be fp32, bf16 or fp16");
+    if (m->tp_size > 1)
+        return loom_error(LOOM_ERR_UNSUPPORTED, "GGUF export of a tensor-parallel model is not supported: save the "
+                          "model directory, then export it with loom export --format gguf");
+    if (!tok)
+        return loom_error(LOOM_ERR_INVALID, "GGUF export needs the model's tokenizer: llama.cpp cannot run a model "
+                          "without its vocabulary");
+    if (loom_tokenizer_vocab_size(tok) > m->cfg.vocab_size)
+        return loom_error(LOOM_ERR_INVALID, "GGUF export: the tokenizer has %d tokens but the model only %d; "
+                          "give the tokenizer the model was trained with", loom_tokenizer_vocab_size(tok),
+                          m->cfg.vocab_size);
+    gguf_tensor *t = calloc(9 * (size_t)m->cfg.n_layers + 3, sizeof *t);
+    if (!t) return loom_error(LOOM_ERR_NOMEM, "GGUF export: out of memory");
+    int n = list_tensors(m, dt, t);
+    gbuf meta = {0}, hdr = {0};
+    put_metadata(&meta, m, dt, tok);
+    if (!meta.oom) put_header(&hdr, &meta, t, n);
+    free(meta.p);
+    loom_status st = meta.oom || hdr.oom ? loom_error(LOOM_ERR_NOMEM, "GGUF export: out of memory for the header") : LOOM_OK;
+    loom_atomic_file *f = NULL;
+    if (st == LOOM_OK) st = loom_atomic_file_open(path, &f);
+    if (st == LOOM_OK) st = loom_atomic_file_write(f, hdr.p, hdr.n);
+    free(hdr.p);
+    float *full = NULL, *perm = NULL;
+    void *out = NULL;
+    static const unsigned char zeros[GGUF_ALIGN];
+    for (int i = 0; i < n && st == LOOM_OK; i++) {
+        size_t count = (size_t)(t[i].rows * t[i].cols), bytes = count * loom_dtype_size(t[i].dt);
+        full = malloc(count * sizeof *full);
+        perm = t[i].heads ? malloc(count * sizeof *perm) : NULL;
+        out = malloc(bytes);
+        if (!full || !out || (t[i].heads && !perm)) {
+            st = loom_error(LOOM_ERR_NOMEM, "GGUF export: out of memory for %s", t[i].name);
+            break;
+        }
+        st = loom_llama_param_gather(m, t[i].param, 0, full);
+        const float *src = full;
+        if (st == LOOM_OK && t[i].heads) {
+            interleave_heads(full, perm, t[i].heads, t[i].rows, t[i].cols);
+            src = perm;
+        }
+        if (st == LOOM_OK) loom_convert(out, t[i].dt, src, LOOM_F32, count);
+        if (st == LOOM_OK) st = loom_atomic_file_write(f, out, bytes);
+        if (st == LOOM_OK) st = loom_atomic_file_write(f, zeros, (GGUF_ALIGN - bytes % GGUF_ALIGN) % GGUF_ALIGN);
+        free(full);
+        free(perm);
+        free(out);
+        full = perm = NULL;
+        out = NULL;
+    }
+    free(full);
+    free(perm);
+    free(out);
+    free(t);
+    if (f && st == LOOM_OK) return loom_atomic_file_commit(f);
+    if (f) loom_atomic_file_abort(f);
+    return st;
+}

@@ -1,0 +1,322 @@
+"""gguf_check.py — `loom export --format gguf` against the GGUF format and
+against the math of llama.cpp's "llama" architecture.
+
+It makes random model directories (grouped-query attention, a vocabulary
+larger than the tokenizer's, tied embeddings) and a random loom
+tokenizer, exports them in fp32, bf16 and fp16, and checks, with a GGUF reader
+written here from the format's description (no gguf package):
+
+- the file: magic, version 3, the alignment of every tensor, data inside the
+  file and nothing after the last tensor;
+- the metadata: every llama.* hyperparameter equals config.json's;
+- the tensors: llama.cpp's names, dimensions fastest first, norms in fp32,
+  matrices in the dtype asked for, each value the model's value rounded to it
+  (torch's round to nearest even);
+- the math: a forward written the way llama.cpp computes "llama" (RoPE on
+  adjacent pairs (x[2i], x[2i+1]), no reordering of anything) on the GGUF's
+  weights gives the logits of the Hugging Face forward (rotate-half RoPE,
+  llama_ref.py) on the model directory's weights. Without the q/k row
+  reordering, or with it wrong, the logits differ at order one;
+- the vocabulary: every token string, spelled in GPT-2's byte alphabet, reads
+  back as the token's bytes (computed here from the tokenizer's merges), the
+  merges are "left right" of those strings in rank order, <|endoftext|> is a
+  control token and BOS and EOS, padding ids are unused tokens.
+"""
+import argparse
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import llama_ref as ref  # noqa: E402
+
+# ------------------------------------------------------------ GGUF reader
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_GGML = {0: (torch.float32, 4), 1: (torch.float16, 2), 30: (torch.bfloat16, 2)}
+
+
+class Reader:
+    def __init__(self, blob):
+        self.b, self.o = blob, 0
+
+    def take(self, fmt):
+        (v,) = struct.unpack_from(fmt, self.b, self.o)
+        self.o += struct.calcsize(fmt)
+        return v
+
+    def string(self):
+        n = self.take("<Q")
+        s = self.b[self.o:self.o + n]
+        assert len(s) == n, "string runs past the end of the file"
+        self.o += n
+        return s.decode("utf-8")
+
+    def value(self, t):
+        if t == 8:
+            return self.string()
+        if t == 9:
+            et, n = self.take("<I"), self.take("<Q")
+            return [self.value(et) for _ in range(n)]
+        return self.take(_SCALARS[t])
+
+
+def read_gguf(path):
+    """(metadata {key: value}, {name: (type, dims, tensor in numpy order)})."""
+    with open(path, "rb") as f:
+        blob = f.read()
+    r = Reader(blob)
+    assert blob[:4] == b"GGUF", "bad magic"
+    r.o = 4
+    version, n_tensors, n_kv = r.take("<I"), r.take("<Q"), r.take("<Q")
+    assert version == 3, f"version {version}"
+    meta = {}
+    for _ in range(n_kv):
+        key = r.string()
+        assert key not in meta, f"metadata key {key} twice"
+        meta[key] = r.value(r.take("<I"))
+    infos = []
+    for _ in range(n_tensors):
+        name = r.string()
+        nd = r.take("<I")
+        dims = [r.take("<Q") for _ in range(nd)]
+        infos.append((name, dims, r.take("<I"), r.take("<Q")))
+    align = meta.get("general.alignment", 32)
+    start = (r.o + align - 1) // align * align
+    assert all(b == 0 for b in blob[r.o:start]), "padding before the data is not zeros"
+    tensors, end = {}, start
+    for name, dims, typ, off in sorted(infos, key=lambda i: i[3]):
+        assert name not in tensors, f"tensor {name} twice"
+        assert off % align == 0, f"{name}: offset {off} is not a multiple of {align}"
+        assert start + off >= end, f"{name} overlaps the tensor before it"
+        dtype, size = _GGML[typ]
+        n = math.prod(dims)
+        a = start + off
+        raw = bytearray(blob[a:a + n * size])
+        assert len(raw) == n * size, f"{name} runs past the end of the file"
+        t = torch.frombuffer(raw, dtype=dtype).reshape(list(reversed(dims)))
+        tensors[name] = (typ, dims, t)
+        end = (a + n * size + align - 1) // align * align
+    assert end == len(blob), f"the file has {len(blob) - end} bytes after its last tensor"
+    return meta, tensors
+
+
+# ------------------------------------------------------------ vocabulary
+
+def gpt2_byte_chars():
+    """GPT-2's byte -> character table: printable Latin-1 bytes are
+    themselves, the others 256, 257, ... in byte order."""
+    keep = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def make_tokenizer(path, rng, n_merges):
+    """A random valid loom tokenizer; merges use every kind of byte."""
+    merges, seen, lens = [], set(), [1] * 256
+    while len(merges) < n_merges:
+        hi = 256 + len(merges)
+        a, b = int(rng.integers(hi)), int(rng.integers(hi))
+        if (a, b) in seen or lens[a] + lens[b] > 16:
+            continue
+        seen.add((a, b))
+        merges.append([a, b])
+        lens.append(lens[a] + lens[b])
+    n = 256 + n_merges + 1
+    with open(path, "w") as f:
+        json.dump({"type": "loom-bpe", "version": 1, "vocab_size": n, "merges": merges,
+                   "special": {"<|endoftext|>": n - 1}}, f)
+    tok = [bytes([i]) for i in range(256)]
+    for a, b in merges:
+        tok.append(tok[a] + tok[b])
+    return tok, merges
+
+
+def check_vocabulary(meta, tok, merges, vocab_size):
+    enc = gpt2_byte_chars()
+    dec = {c: b for b, c in enc.items()}
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    assert meta["tokenizer.ggml.model"] == "gpt2"
+    assert len(tokens) == len(types) == vocab_size, (len(tokens), len(types), vocab_size)
+    eot = len(tok)
+    for i, s in enumerate(tokens):
+        if i < eot:
+            got = bytes(dec[c] for c in s)
+            assert got == tok[i], f"token {i} reads back as {got!r}, not {tok[i]!r}"
+            assert types[i] == 1, f"token {i} has type {types[i]}, not normal"
+        elif i == eot:
+            assert s == "<|endoftext|>" and types[i] == 3, (i, s, types[i])
+        else:
+            assert types[i] == 5, f"padding token {i} has type {types[i]}, not unused"
+    assert len(set(tokens)) == len(tokens), "two tokens share a string"
+    want = ["".join(enc[c] for c in tok[a]) + " " + "".join(enc[c] for c in tok[b]) for a, b in merges]
+    assert meta["tokenizer.ggml.merges"] == want, "merges differ"
+    assert meta["tokenizer.ggml.bos_token_id"] == eot and meta["tokenizer.ggml.eos_token_id"] == eot
+    assert meta["tokenizer.ggml.add_bos_token"] is True
+
+
+# ------------------------------------------------------------ llama.cpp's math
+
+def rope_pairs(x, theta):
+    """RoPE on adjacent pairs, as llama.cpp's "llama" (x: B, T, H, HS)."""
+    HS = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, HS, 2, dtype=torch.int64).float() / HS))
+    ang = torch.outer(torch.arange(x.shape[1], dtype=torch.float32), inv_freq)  # (T, HS/2)
+    c, s = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+
+
+def forward_gguf(meta, w, inputs):
+    C = meta["llama.embedding_length"]
+    NH, NKV = meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]
+    HS, eps, theta = C // NH, meta["llama.attention.layer_norm_rms_epsilon"], meta["llama.rope.freq_base"]
+    B, T = inputs.shape
+    x = F.embedding(inputs, w["token_embd.weight"])
+    mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+    for l in range(meta["llama.block_count"]):
+        p = f"blk.{l}."
+        h = ref.rms_norm(x, w[p + "attn_norm.weight"], eps)
+        q = rope_pairs(F.linear(h, w[p + "attn_q.weight"]).view(B, T, NH, HS), theta).transpose(1, 2)
+        k = rope_pairs(F.linear(h, w[p + "attn_k.weight"]).view(B, T, NKV, HS), theta).transpose(1, 2)
+        v = F.linear(h, w[p + "attn_v.weight"]).view(B, T, NKV, HS).transpose(1, 2)
+        k, v = k.repeat_interleave(NH // NKV, dim=1), v.repeat_interleave(NH // NKV, dim=1)
+        s = (q @ k.transpose(-1, -2) / math.sqrt(HS)).masked_fill(mask, float("-inf"))
+        a = torch.softmax(s, dim=-1) @ v
+        x = x + F.linear(a.transpose(1, 2).reshape(B, T, C), w[p + "attn_output.weight"])
+        h = ref.rms_norm(x, w[p + "ffn_norm.weight"], eps)
+        x = x + F.linear(F.silu(F.linear(h, w[p + "ffn_gate.weight"])) * F.linear(h, w[p + "ffn_up.weight"]),
+                         w[p + "ffn_down.weight"])
+    x = ref.rms_norm(x, w["output_norm.weight"], eps)
+    return F.linear(x, w.get("output.weight", w["token_embd.weight"]))
+
+
+# ------------------------------------------------------------ the checks
+
+GGUF_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(hf):
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    _, _, l, rest = hf.split(".", 3)
+    return f"blk.{l}.{GGUF_NAMES[rest[:-len('.weight')]]}.weight"
+
+
+def make_model(d, config, rng):
+    os.makedirs(d, exist_ok=True)
+    cfg = ref.Config(config)
+    tensors = {}
+    for name, shape in cfg.param_shapes().items():
+        if len(shape) == 1:
+            w = 1.0 + 0.2 * rng.standard_normal(shape)
+        else:
+            w = rng.standard_normal(shape) / np.sqrt(shape[1])
+        tensors[name] = torch.from_numpy(w.astype(np.float32))
+    ref.write_safetensors(os.path.join(d, "model.safetensors"), tensors, {"format": "pt"})
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(dict(config, architectures=["LlamaForCausalLM"], model_type="llama"), f)
+
+
+def export(loom, model, out, dtype, *extra):
+    cmd = [loom, "export", "--model", model, "--out", out, "--format", "gguf", "--dtype", dtype, *extra]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if p.returncode != 0:
+        sys.exit(f"gguf_check: FAIL: {' '.join(cmd)} exited {p.returncode}:\n{p.stderr}")
+
+
+def check_model(loom, work, label, config, tokenizer, dtypes, rng):
+    d = os.path.join(work, label)
+    make_model(d, config, rng)
+    tok, merges = tokenizer
+    cfg, params = ref.load_model_dir(d)
+    inputs = torch.from_numpy(rng.integers(cfg.vocab_size, size=(2, 24)))
+    with torch.no_grad():
+        want, _ = ref.forward(cfg, params, inputs, torch.full_like(inputs, -1))
+    for dtype in dtypes:
+        out = os.path.join(work, f"{label}.{dtype}.gguf")
+        export(loom, d, out, dtype, "--tokenizer", os.path.join(work, "tokenizer.json"))
+        meta, tensors = read_gguf(out)
+        expect = {"general.architecture": "llama", "llama.embedding_length": cfg.dim,
+                  "llama.block_count": cfg.n_layers, "llama.feed_forward_length": cfg.ffn_dim,
+                  "llama.attention.head_count": cfg.n_heads, "llama.attention.head_count_kv": cfg.n_kv_heads,
+                  "llama.rope.dimension_count": cfg.head_size, "llama.context_length": cfg.max_seq,
+                  "llama.vocab_size": cfg.vocab_size, "llama.rope.freq_base": ref.f32(cfg.rope_theta),
+                  "llama.attention.layer_norm_rms_epsilon": ref.f32(cfg.norm_eps),
+                  "general.file_type": {"fp32": 0, "fp16": 1, "bf16": 32}[dtype]}
+        for k, v in expect.items():
+            assert meta.get(k) == v, f"{label} {dtype}: {k} is {meta.get(k)!r}, not {v!r}"
+        check_vocabulary(meta, tok, merges, cfg.vocab_size)
+        names = {gguf_name(n): n for n in cfg.param_shapes()}
+        assert set(tensors) == set(names), f"{label}: tensors {sorted(set(tensors) ^ set(names))} differ"
+        tdt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        w = {}
+        for g, hf in names.items():
+            typ, dims, t = tensors[g]
+            p = params[hf].detach()
+            assert dims == list(reversed(p.shape)), f"{g}: dims {dims}, model shape {list(p.shape)}"
+            want_dt = torch.float32 if p.dim() == 1 else tdt
+            assert t.dtype == want_dt, f"{g}: stored as {t.dtype}, not {want_dt}"
+            if ".attn_q." not in g and ".attn_k." not in g:
+                assert torch.equal(t, p.to(want_dt)), f"{label} {dtype}: {g} is not the model's values"
+            w[g] = t.float()
+        with torch.no_grad():
+            got = forward_gguf(meta, w, inputs)
+        tol = {"fp32": 1e-4, "fp16": 5e-3, "bf16": 3e-2}[dtype]
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        print(f"gguf_check: {label} {dtype}: logits vs the Hugging Face forward, max rel err {err:.2e} (tol {tol})")
+        assert err < tol, f"{label} {dtype}: logits differ (rel err {err:.3e} >= {tol})"
+        if dtype == "fp32":
+            # The reordering is what makes them agree: without it they do not.
+            unpermuted = dict(w)
+            for g, hf in names.items():
+                if ".attn_q." in g or ".attn_k." in g:
+                    unpermuted[g] = params[hf].detach()
+            with torch.no_grad():
+                bad = forward_gguf(meta, unpermuted, inputs)
+            assert ((bad - want).abs().max() / want.abs().max()).item() > 100 * tol, \
+                "the check cannot tell the q/k reordering from none"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--loom", required=True)
+    ap.add_argument("--workdir", required=True)
+    a = ap.parse_args()
+    os.makedirs(a.workdir, exist_ok=True)
+    rng = np.random.default_rng(20261201)
+    torch.manual_seed(0)
+    tokenizer = make_tokenizer(os.path.join(a.workdir, "tokenizer.json"), rng, 200)
+    n_tok = 256 + 200 + 1
+    gqa = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "intermediate_size": 96, "vocab_size": n_tok + 7, "max_position_embeddings": 64,
+           "rope_theta": 500000.0, "rms_norm_eps": 1e-5}
+    tied = {"hidden_size": 36, "num_hidden_layers": 1, "num_attention_heads": 3, "intermediate_size": 52,
+            "vocab_size": n_tok, "tie_word_embeddings": True}
+    check_model(a.loom, a.workdir, "gqa", gqa, tokenizer, ["fp32", "bf16", "fp16"], rng)
+    check_model(a.loom, a.workdir, "tied", tied, tokenizer, ["fp32"], rng)
+    print("gguf_check: passed")
+
+
+if __name__ == "__main__":
+    main()
