@@ -13,6 +13,7 @@
  * otherwise stay in the process for the whole run).
  */
 #include "loom/loom.h"
+#include "nn/recompute_plan.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -34,6 +35,56 @@ static loom_status probe(loom_llama *m, loom_recompute_mode mode, int blocks, co
     *peak = s.peak[LOOM_MEM_ACTIVATIONS] - base;
     loom_llama_zero_grad(m);
     return st;
+}
+
+loom_status recompute_plan_search(int L, size_t peak_none, size_t peak_all, size_t budget, plan_measure_fn measure,
+                                  void *ctx, int *blocks, size_t *peak_out, int *probes) {
+    /* Each block recomputed saves about (none - all) / L: the estimate. */
+    double per = (double)(peak_none - (peak_all < peak_none ? peak_all : peak_none)) / L;
+    int n = per > 0 ? (int)ceil((double)(peak_none - budget) / per) : L;
+    n = n < 1 ? 1 : n > L ? L : n;
+    /* From the estimate: down while one block fewer still fits, or up
+     * until it fits (every block does): the fewest blocks, measured. */
+    size_t peak = peak_all;
+    loom_status st = LOOM_OK;
+    if (n < L) {
+        st = measure(ctx, n, &peak);
+        (*probes)++;
+    }
+    if (st == LOOM_OK && peak <= budget) {
+        while (st == LOOM_OK && n > 1) {
+            size_t fewer = 0;
+            st = measure(ctx, n - 1, &fewer);
+            (*probes)++;
+            if (st != LOOM_OK || fewer > budget) break;
+            n--;
+            peak = fewer;
+        }
+    } else {
+        while (st == LOOM_OK && peak > budget) {
+            if (++n == L) {
+                peak = peak_all;
+                break;
+            }
+            st = measure(ctx, n, &peak);
+            (*probes)++;
+        }
+    }
+    *blocks = n;
+    *peak_out = peak;
+    return st;
+}
+
+struct probe_ctx {
+    loom_llama *m;
+    loom_recompute_mode mode;
+    const int32_t *tok;
+    int B, T;
+};
+
+static loom_status probe_blocks(void *user, int blocks, size_t *peak) {
+    struct probe_ctx *c = user;
+    return probe(c->m, c->mode, blocks, c->tok, c->B, c->T, peak);
 }
 
 loom_status loom_llama_plan_recompute(loom_llama *m, loom_recompute_mode mode, int B, int T, size_t budget,
@@ -59,38 +110,9 @@ loom_status loom_llama_plan_recompute(loom_llama *m, loom_recompute_mode mode, i
                         "every block takes (%.2f MiB measured; %.2f MiB with none): raise it, or lower the batch or "
                         "sequence length", budget / 1048576.0, p.peak_all / 1048576.0, p.peak_none / 1048576.0);
     } else if (st == LOOM_OK) {
-        /* Each block recomputed saves about (none - all) / L: the estimate. */
-        double per = (double)(p.peak_none - (p.peak_all < p.peak_none ? p.peak_all : p.peak_none)) / L;
-        int n = per > 0 ? (int)ceil((double)(p.peak_none - budget) / per) : L;
-        n = n < 1 ? 1 : n > L ? L : n;
-        /* From the estimate: down while one block fewer still fits, or up
-         * until it fits (every block does): the fewest blocks, measured. */
-        size_t peak = p.peak_all;
-        if (n < L) {
-            st = probe(m, mode, n, tok, B, T, &peak);
-            p.probes++;
-        }
-        if (st == LOOM_OK && peak <= budget) {
-            while (st == LOOM_OK && n > 1) {
-                size_t fewer = 0;
-                st = probe(m, mode, n - 1, tok, B, T, &fewer);
-                p.probes++;
-                if (st != LOOM_OK || fewer > budget) break;
-                n--;
-                peak = fewer;
-            }
-        } else {
-            while (st == LOOM_OK && peak > budget) {
-                if (++n == L) {
-                    peak = p.peak_all;
-                    break;
-                }
-                st = probe(m, mode, n, tok, B, T, &peak);
-                p.probes++;
-            }
-        }
-        p.blocks = n;
-        p.peak = peak;
+        struct probe_ctx ctx = {m, mode, tok, B, T};
+        st = recompute_plan_search(L, p.peak_none, p.peak_all, budget, probe_blocks, &ctx, &p.blocks, &p.peak,
+                                   &p.probes);
     }
     m->recompute = saved;
     *loom_rng_default() = rng;

@@ -340,6 +340,66 @@ static void test_some_blocks(void **state) {
     loom_llama_free(m);
 }
 
+/* The gradients of one fp32 step in which, between forward and backward,
+ * layer `poke`'s attention norm weight is scaled by 1.5: a block that is
+ * replayed recomputes its activations with the new weight, a block that kept
+ * them does not. */
+static run_result poked_step(const loom_llama_config *cfg, loom_recompute_mode mode, int blocks, int poke) {
+    loom_llama *m;
+    assert_int_equal(loom_llama_new(cfg, (loom_precision){LOOM_F32, 0}, &m), LOOM_OK);
+    loom_llama_init_weights(m, 1234);
+    m->recompute.mode = mode;
+    m->recompute.blocks = blocks;
+    loom_llama_zero_grad(m);
+    int32_t tok[16], tgt[16];
+    make_tokens(tok, tgt, 16, cfg->vocab_size, 77, 0);
+    loom_tensor *loss = NULL;
+    assert_int_equal(loom_llama_forward(m, tok, tgt, 2, 8, &loss, NULL), LOOM_OK);
+    loom_tensor *w = m->layers[poke].attn_norm->tensor;
+    float *v = loom_tensor_data(w);
+    for (int64_t i = 0; i < loom_tensor_numel(w); i++) v[i] *= 1.5f;
+    assert_int_equal(loom_backward(loss, 1.0f), LOOM_OK);
+    loom_tensor_release(loss);
+    run_result r = {0};
+    r.n = m->n_params;
+    r.bytes = calloc((size_t)r.n, sizeof *r.bytes);
+    r.grads = calloc((size_t)r.n, sizeof *r.grads);
+    for (int i = 0; i < r.n; i++) {
+        r.bytes[i] = (size_t)loom_param_numel(m->params[i]) * sizeof(float);
+        r.grads[i] = malloc(r.bytes[i]);
+        memcpy(r.grads[i], m->params[i]->grad, r.bytes[i]);
+    }
+    loom_llama_free(m);
+    return r;
+}
+
+static int same_grads(const run_result *a, const run_result *b) {
+    for (int i = 0; i < a->n; i++)
+        if (memcmp(a->grads[i], b->grads[i], a->bytes[i])) return 0;
+    return 1;
+}
+
+/* recompute.blocks = N recomputes the first N blocks, not any other N: with
+ * 1 of 3, a weight changed between forward and backward reaches the
+ * gradients through block 0's replay (they differ from no recompute's) and
+ * not through block 2 (they equal no recompute's), in every mode. */
+static void test_which_blocks(void **state) {
+    (void)state;
+    loom_llama_config cfg = small_config(3);
+    const loom_recompute_mode modes[3] = {LOOM_RECOMPUTE_REENTRANT, LOOM_RECOMPUTE_NONREENTRANT, LOOM_RECOMPUTE_SELECTIVE};
+    for (int poke = 0; poke < 3; poke += 2) {
+        run_result none = poked_step(&cfg, LOOM_RECOMPUTE_NONE, 0, poke);
+        for (int k = 0; k < 3; k++) {
+            run_result r = poked_step(&cfg, modes[k], 1, poke);
+            if (same_grads(&r, &none) != (poke == 2))
+                fail_msg("%s, 1 of 3 blocks, layer %d changed: gradients %s no recompute's",
+                         loom_recompute_mode_name(modes[k]), poke, poke == 2 ? "differ from" : "equal");
+            free_result(&r);
+        }
+        free_result(&none);
+    }
+}
+
 int main(void) {
     loom_set_threads(2);
     const struct CMUnitTest tests[] = {
@@ -350,6 +410,7 @@ int main(void) {
         cmocka_unit_test(test_other_shape_before_backward),
         cmocka_unit_test(test_steady_state_no_malloc),
         cmocka_unit_test(test_some_blocks),
+        cmocka_unit_test(test_which_blocks),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

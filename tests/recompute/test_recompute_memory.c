@@ -26,9 +26,11 @@
  */
 #include "testutil.h"
 
+#include <math.h>
 #include <string.h>
 
 #include "loom/loom.h"
+#include "nn/recompute_plan.h"
 
 #define B 2
 #define T 32
@@ -214,6 +216,75 @@ static void test_plan_for_budget(void **state) {
     loom_llama_free(m);
 }
 
+/* A synthetic curve of peaks for recompute_plan_search: none at 0 blocks,
+ * all at L, shaped in between by `shape` (1 linear, 2 convex, 3 concave, 4
+ * a step at L); `fail_at` > 0 makes that measurement fail. */
+typedef struct curve {
+    int L, shape, calls, fail_at;
+    size_t none, all;
+} curve;
+
+static size_t curve_peak(const curve *c, int n) {
+    double f = (double)n / c->L, drop = (double)(c->none - c->all);
+    switch (c->shape) {
+    case 1: return c->none - (size_t)(drop * f);
+    case 2: return c->none - (size_t)(drop * f * f);
+    case 3: return c->none - (size_t)(drop * sqrt(f));
+    default: return n < c->L ? c->none : c->all;
+    }
+}
+
+static loom_status curve_measure(void *ctx, int n, size_t *peak) {
+    curve *c = ctx;
+    assert_true(n >= 1 && n < c->L); /* never 0 or L: the caller measured those */
+    if (++c->calls == c->fail_at) return loom_error(LOOM_ERR_NOMEM, "probe %d failed", c->calls);
+    *peak = curve_peak(c, n);
+    return LOOM_OK;
+}
+
+/* The search behind the plan, on curves the models never give: where the
+ * interpolated estimate is short (a convex curve: it steps up), over (a
+ * concave one: it steps down), exact, or only every block fits (a step). For
+ * every budget between the two ends it finds the fewest blocks that fit, as
+ * trying every count does, measuring each count at most once; a failed
+ * measurement is its error. */
+static void test_plan_search_curves(void **state) {
+    (void)state;
+    int went_up = 0, went_down = 0;
+    for (int shape = 1; shape <= 4; shape++) {
+        for (int L = 1; L <= 12; L++) {
+            for (int k = 0; k <= 40; k++) {
+                curve c = {L, shape, 0, 0, 10000000, 1000000};
+                size_t budget = c.all + (c.none - 1 - c.all) * (size_t)k / 40;
+                int want = 1;
+                while (want < L && curve_peak(&c, want) > budget) want++;
+                int n = -1, probes = 0;
+                size_t peak = 0;
+                assert_int_equal(recompute_plan_search(L, c.none, c.all, budget, curve_measure, &c, &n, &peak,
+                                                       &probes), LOOM_OK);
+                if (n != want || peak != curve_peak(&c, want))
+                    fail_msg("shape %d, L %d, budget %zu: %d blocks (peak %zu), want %d (peak %zu)", shape, L,
+                             budget, n, peak, want, curve_peak(&c, want));
+                assert_int_equal(probes, c.calls);
+                assert_true(probes <= (L > 1 ? L - 1 : 0));
+                /* Which way it went from the estimate. */
+                double per = (double)(c.none - c.all) / L;
+                int est = (int)ceil((double)(c.none - budget) / per);
+                est = est < 1 ? 1 : est > L ? L : est;
+                went_up += n > est;
+                went_down += n < est;
+            }
+        }
+    }
+    assert_true(went_up > 0 && went_down > 0); /* both directions of the search ran */
+    curve c = {8, 2, 0, 2, 10000000, 1000000};
+    int n, probes = 0;
+    size_t peak;
+    assert_int_equal(recompute_plan_search(8, c.none, c.all, (c.none + c.all) / 2, curve_measure, &c, &n, &peak,
+                                           &probes), LOOM_ERR_NOMEM);
+    assert_int_equal(probes, 2);
+}
+
 int main(void) {
     /* One thread: the activation figures do not depend on it, and the test
      * stays fast on a busy machine and under the sanitizers. */
@@ -222,6 +293,7 @@ int main(void) {
         cmocka_unit_test(test_full_recompute_memory_bound),
         cmocka_unit_test(test_half_the_blocks),
         cmocka_unit_test(test_plan_for_budget),
+        cmocka_unit_test(test_plan_search_curves),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
