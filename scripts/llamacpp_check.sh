@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Run a loom model in llama.cpp: export it as GGUF (fp32 and bf16), continue a
-# few prompts greedily in llama.cpp and in loom, and compare the texts.
+# Run a loom model in llama.cpp: export it as GGUF (fp32, fp16, bf16, q8_0),
+# continue a few prompts greedily in llama.cpp and in loom, and compare the
+# texts.
 #
 #   bash scripts/llamacpp_check.sh [MODEL_DIR]   (default out/demo/model, from scripts/demo.sh)
 #
@@ -9,8 +10,8 @@
 # needs node and npm (Debian's nodejs and npm) and the npm registry, so this is
 # not part of the test suite, whose GGUF test (tests/scripts/test_gguf.sh)
 # checks the file and llama.cpp's math without llama.cpp. The fp32 file must
-# give loom's fp32 text; bf16 weights may pick another token at a near tie, so
-# their agreement is reported, not required.
+# give loom's fp32 text; rounded weights may pick another token at a near tie,
+# so the other files' agreement is reported, not required.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:-out/demo/model}
@@ -26,13 +27,14 @@ cp scripts/llamacpp_generate.mjs "$DIR/"
 bash scripts/build.sh >/dev/null
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-for dt in fp32 bf16; do build/loom export --model "$MODEL" --out "$work/model-$dt.gguf" --format gguf --dtype $dt; done
+types=(fp32 fp16 bf16 q8_0)
+for dt in "${types[@]}"; do build/loom export --model "$MODEL" --out "$work/model-$dt.gguf" --format gguf --dtype $dt; done
 prompts=("The " "A man" "You will" "Love is" "It is a")
 pass=0 fail=0
 for p in "${prompts[@]}"; do
   loom=$(build/loom generate --model "$MODEL" --prompt "$p" --tokens $N --temperature 0)
   loom=${loom#"$p"}
-  for dt in fp32 bf16; do
+  for dt in "${types[@]}"; do
     cpp=$(node "$DIR/llamacpp_generate.mjs" "$work/model-$dt.gguf" "$p" $N 2>/dev/null)
     if [ "$cpp" = "$loom" ]; then
       verdict=same

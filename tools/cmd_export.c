@@ -11,7 +11,7 @@
 #include <unistd.h>
 
 /* The model with its tokenizer as GGUF file out (its directory created). */
-static loom_status export_gguf(loom_llama *m, loom_dtype dt, const char *tok_path, const char *out) {
+static loom_status export_gguf(loom_llama *m, loom_gguf_type type, const char *tok_path, const char *out) {
     char dir[4200];
     if (snprintf(dir, sizeof dir, "%s", out) >= (int)sizeof dir)
         return loom_error(LOOM_ERR_INVALID, "path too long: %s", out);
@@ -22,7 +22,7 @@ static loom_status export_gguf(loom_llama *m, loom_dtype dt, const char *tok_pat
     }
     loom_tokenizer *tok = NULL;
     LOOM_TRY(loom_tokenizer_load(tok_path, &tok));
-    loom_status st = loom_llama_save_gguf(m, dt, tok, out);
+    loom_status st = loom_llama_save_gguf(m, type, tok, out);
     loom_tokenizer_free(tok);
     return st;
 }
@@ -33,17 +33,19 @@ static int run(int argc, char **argv) {
         {"model", FLAG_STRING, &model, "DIR", "model directory or checkpoint (config.json + model.safetensors or its shards' index)"},
         {"out", FLAG_STRING, &out, "PATH", "output: a directory (created) for hf, a file for gguf"},
         {"format", FLAG_STRING, &format, "F", "hf (config.json + model.safetensors, the default) or gguf (one file for llama.cpp)"},
-        {"dtype", FLAG_STRING, &dtype, "D", "stored dtype: fp32, bf16 or fp16 (default fp32; gguf keeps norm weights fp32)"},
+        {"dtype", FLAG_STRING, &dtype, "D", "stored dtype: fp32, bf16 or fp16, for gguf also q8_0 (default fp32; gguf keeps norm weights fp32)"},
         {"tokenizer", FLAG_STRING, &tokenizer, "FILE", "loom tokenizer to ship with the model (default: the model's tokenizer.json, if any)"},
     };
     int rc = cli_parse(&cmd_export, flags, (int)(sizeof flags / sizeof flags[0]), argc, argv);
     if (rc) return rc > 0 ? 0 : 2;
     if (!model || !out) return cli_usage_error("export", "--model DIR and --out PATH are required");
-    loom_dtype dt;
-    if (loom_dtype_parse(dtype, &dt) != LOOM_OK) return cli_usage_error("export", "%s", loom_last_error());
     int gguf = strcmp(format, "gguf") == 0;
     if (!gguf && strcmp(format, "hf") != 0)
         return cli_usage_error("export", "--format must be hf or gguf, not '%s'", format);
+    loom_dtype dt = LOOM_F32;
+    loom_gguf_type gt = LOOM_GGUF_F32;
+    if (gguf ? loom_gguf_type_parse(dtype, &gt) != LOOM_OK : loom_dtype_parse(dtype, &dt) != LOOM_OK)
+        return cli_usage_error("export", "--dtype: %s", loom_last_error());
     struct stat sb;
     if (gguf && stat(out, &sb) == 0 && S_ISDIR(sb.st_mode))
         return cli_usage_error("export", "%s is a directory; --format gguf writes one file (e.g. --out model.gguf)", out);
@@ -66,10 +68,10 @@ static int run(int argc, char **argv) {
     loom_precision prec = {LOOM_F32, 0};
     loom_llama *m = NULL;
     loom_status st = loom_model_dir_load(model, prec, &m);
-    if (st == LOOM_OK) st = gguf ? export_gguf(m, dt, tokenizer, out) : loom_model_dir_save(m, dt, tokenizer, out);
+    if (st == LOOM_OK) st = gguf ? export_gguf(m, gt, tokenizer, out) : loom_model_dir_save(m, dt, tokenizer, out);
     if (st == LOOM_OK)
         fprintf(stderr, "export: %lld parameters as %s %s to %s%s\n", (long long)loom_llama_n_weights(m),
-                gguf ? "GGUF" : "Hugging Face", loom_dtype_name(dt), out,
+                gguf ? "GGUF" : "Hugging Face", gguf ? dtype : loom_dtype_name(dt), out,
                 tokenizer ? "" : " (no tokenizer: the model directory has no tokenizer.json)");
     loom_llama_free(m);
     return st == LOOM_OK ? 0 : cli_fail("export", st);
@@ -78,10 +80,11 @@ static int run(int argc, char **argv) {
 const command cmd_export = {
     "export",
     "export a model as a Hugging Face LLaMA directory or a GGUF file for llama.cpp",
-    "export --model DIR --out PATH [--format hf|gguf] [--dtype fp32|bf16|fp16] [--tokenizer FILE]",
+    "export --model DIR --out PATH [--format hf|gguf] [--dtype fp32|bf16|fp16|q8_0] [--tokenizer FILE]",
     "--format gguf writes one GGUF file (version 3) that llama.cpp runs as a \"llama\"\n"
     "model: the weights under llama.cpp's names (q/k rows reordered for its RoPE), the\n"
-    "tokenizer as a byte-level BPE vocabulary with <|endoftext|> as BOS and EOS.\n"
+    "tokenizer as a byte-level BPE vocabulary with <|endoftext|> as BOS and EOS;\n"
+    "--dtype q8_0 stores the matrices in ggml's 8-bit blocks.\n"
     "Import needs no command: loom train --init DIR and loom generate --model DIR read\n"
     "Hugging Face LLaMA directories (config.json + model.safetensors, or the shards that\n"
     "model.safetensors.index.json names) directly; export writes one model.safetensors.",

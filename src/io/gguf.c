@@ -9,7 +9,9 @@
  * (x[i], x[i + HS/2]), so each head's rows of q_proj and k_proj are
  * interleaved: the file's row 2i of a head is its row i, row 2i+1 its row
  * i + HS/2 (what llama.cpp's own converter does to a Hugging Face model).
- * Norm weights stay fp32 whatever the dtype, as that converter keeps them.
+ * Norm weights stay fp32 whatever the type, as that converter keeps them.
+ * Q8_0 follows ggml's reference quantizer: per block of 32, d = amax / 127,
+ * q = round(x / d) half away from zero, d stored as fp16.
  *
  * Vocabulary: token i is its bytes, each byte written as the code point
  * GPT-2 assigns it (printable Latin-1 bytes as themselves, the others as
@@ -23,6 +25,7 @@
 #include "loom/checkpoint.h"
 #include "io/io_internal.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,8 +35,10 @@
 enum { /* metadata value types */
     GGUF_U32 = 4, GGUF_I32 = 5, GGUF_F32 = 6, GGUF_BOOL = 7, GGUF_STRING = 8, GGUF_ARRAY = 9
 };
-enum { GGML_F32 = 0, GGML_F16 = 1, GGML_BF16 = 30 };                 /* tensor types */
-enum { FILE_ALL_F32 = 0, FILE_MOSTLY_F16 = 1, FILE_MOSTLY_BF16 = 32 }; /* general.file_type */
+enum { GGML_F32 = 0, GGML_F16 = 1, GGML_Q8_0 = 8, GGML_BF16 = 30 }; /* tensor types */
+enum { FILE_ALL_F32 = 0, FILE_MOSTLY_F16 = 1, FILE_MOSTLY_Q8_0 = 7, FILE_MOSTLY_BF16 = 32 }; /* general.file_type */
+#define Q8_BLOCK 32
+#define Q8_BLOCK_BYTES 34 /* fp16 d, then 32 int8 */
 enum { TOKEN_NORMAL = 1, TOKEN_CONTROL = 3, TOKEN_UNUSED = 5 };
 
 /* A growing byte buffer for the header; the first failed growth sticks. */
@@ -167,8 +172,7 @@ typedef struct gguf_tensor {
     char name[64];
     int param;        /* index in m->params */
     int heads;        /* > 0: interleave the rotary halves of this many heads' rows */
-    uint32_t type;    /* GGML_* */
-    loom_dtype dt;    /* what type stores */
+    loom_gguf_type type;
     int64_t rows, cols;
     uint64_t offset;  /* from the start of the data section */
 } gguf_tensor;
@@ -179,9 +183,38 @@ static int param_index(const loom_llama *m, const loom_param *p) {
     return -1;
 }
 
+static uint32_t ggml_type(loom_gguf_type t) {
+    return t == LOOM_GGUF_F32 ? GGML_F32 : t == LOOM_GGUF_F16 ? GGML_F16 : t == LOOM_GGUF_BF16 ? GGML_BF16 : GGML_Q8_0;
+}
+
+static loom_dtype float_dtype(loom_gguf_type t) {
+    return t == LOOM_GGUF_F32 ? LOOM_F32 : t == LOOM_GGUF_F16 ? LOOM_F16 : LOOM_BF16;
+}
+
+static uint64_t tensor_bytes(const gguf_tensor *t) {
+    uint64_t n = (uint64_t)(t->rows * t->cols);
+    switch (t->type) {
+    case LOOM_GGUF_F32: return 4 * n;
+    case LOOM_GGUF_Q8_0: return n / Q8_BLOCK * Q8_BLOCK_BYTES;
+    default: return 2 * n;
+    }
+}
+
+/* Rows of cols values (a multiple of 32) as Q8_0 blocks. */
+static void quantize_q8_0(const float *x, unsigned char *out, size_t n) {
+    for (size_t b = 0; b < n / Q8_BLOCK; b++, x += Q8_BLOCK, out += Q8_BLOCK_BYTES) {
+        float amax = 0.0f;
+        for (int i = 0; i < Q8_BLOCK; i++) amax = fmaxf(amax, fabsf(x[i]));
+        float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        uint16_t h = loom_f32_to_f16(d);
+        memcpy(out, &h, 2);
+        for (int i = 0; i < Q8_BLOCK; i++) out[2 + i] = (unsigned char)(int8_t)roundf(x[i] * id);
+    }
+}
+
 /* Every tensor llama.cpp reads, in llama.cpp's order; output.weight only
  * when the embeddings are not tied (llama.cpp falls back to token_embd). */
-static int list_tensors(const loom_llama *m, loom_dtype dt, gguf_tensor *t) {
+static int list_tensors(const loom_llama *m, loom_gguf_type type, gguf_tensor *t) {
     int n = 0;
     const loom_llama_config *c = &m->cfg;
 #define ADD(p, heads_, ...) do { \
@@ -212,10 +245,10 @@ static int list_tensors(const loom_llama *m, loom_dtype dt, gguf_tensor *t) {
         loom_llama_param_full_shape(m, t[i].param, fs);
         t[i].rows = fs[0];
         t[i].cols = fs[1];
-        t[i].dt = t[i].cols == 1 ? LOOM_F32 : dt; /* vectors (the norms) stay fp32 */
-        t[i].type = t[i].dt == LOOM_F32 ? GGML_F32 : t[i].dt == LOOM_BF16 ? GGML_BF16 : GGML_F16;
+        t[i].type = t[i].cols == 1 ? LOOM_GGUF_F32 : type; /* vectors (the norms) stay fp32 */
+        if (t[i].type == LOOM_GGUF_Q8_0 && t[i].cols % Q8_BLOCK) t[i].type = LOOM_GGUF_F16;
         t[i].offset = off;
-        off += ((uint64_t)(t[i].rows * t[i].cols) * loom_dtype_size(t[i].dt) + GGUF_ALIGN - 1) / GGUF_ALIGN * GGUF_ALIGN;
+        off += (tensor_bytes(&t[i]) + GGUF_ALIGN - 1) / GGUF_ALIGN * GGUF_ALIGN;
     }
     return n;
 }
@@ -231,11 +264,12 @@ static void interleave_heads(const float *src, float *dst, int heads, int64_t ro
 }
 
 /* The metadata pairs. */
-static void put_metadata(gbuf *b, const loom_llama *m, loom_dtype dt, const loom_tokenizer *tok) {
+static void put_metadata(gbuf *b, const loom_llama *m, loom_gguf_type type, const loom_tokenizer *tok) {
     const loom_llama_config *c = &m->cfg;
     kv_str(b, "general.architecture", "llama");
     kv_str(b, "general.name", "loom");
-    kv_u32(b, "general.file_type", dt == LOOM_F32 ? FILE_ALL_F32 : dt == LOOM_BF16 ? FILE_MOSTLY_BF16 : FILE_MOSTLY_F16);
+    static const uint32_t file_type[] = {FILE_ALL_F32, FILE_MOSTLY_F16, FILE_MOSTLY_BF16, FILE_MOSTLY_Q8_0};
+    kv_u32(b, "general.file_type", file_type[type]);
     kv_u32(b, "general.alignment", GGUF_ALIGN);
     kv_u32(b, "llama.context_length", (uint32_t)c->max_seq);
     kv_u32(b, "llama.embedding_length", (uint32_t)c->dim);
@@ -268,17 +302,27 @@ static void put_header(gbuf *b, const gbuf *meta, const gguf_tensor *t, int n_te
             put_u64(b, (uint64_t)t[i].cols);
             put_u64(b, (uint64_t)t[i].rows);
         }
-        put_u32(b, t[i].type);
+        put_u32(b, ggml_type(t[i].type));
         put_u64(b, t[i].offset);
     }
     static const unsigned char zeros[GGUF_ALIGN];
     put(b, zeros, (GGUF_ALIGN - b->n % GGUF_ALIGN) % GGUF_ALIGN);
 }
 
-loom_status loom_llama_save_gguf(loom_llama *m, loom_dtype dt, const loom_tokenizer *tok, const char *path) {
+loom_status loom_gguf_type_parse(const char *name, loom_gguf_type *out) {
+    static const char *const names[] = {"fp32", "fp16", "bf16", "q8_0"};
+    for (int i = 0; i < 4; i++)
+        if (name && strcmp(name, names[i]) == 0) {
+            *out = (loom_gguf_type)i;
+            return LOOM_OK;
+        }
+    return loom_error(LOOM_ERR_INVALID, "unknown GGUF type '%s' (fp32, fp16, bf16 or q8_0)", name ? name : "");
+}
+
+loom_status loom_llama_save_gguf(loom_llama *m, loom_gguf_type type, const loom_tokenizer *tok, const char *path) {
     if (!m || !path) return loom_error(LOOM_ERR_INVALID, "loom_llama_save_gguf: NULL model or path");
-    if (dt != LOOM_F32 && dt != LOOM_BF16 && dt != LOOM_F16)
-        return loom_error(LOOM_ERR_INVALID, "GGUF export: dtype must be fp32, bf16 or fp16");
+    if ((unsigned)type > LOOM_GGUF_Q8_0)
+        return loom_error(LOOM_ERR_INVALID, "GGUF export: type %d is not fp32, fp16, bf16 or q8_0", (int)type);
     if (m->tp_size > 1)
         return loom_error(LOOM_ERR_UNSUPPORTED, "GGUF export of a tensor-parallel model is not supported: save the "
                           "model directory, then export it with loom export --format gguf");
@@ -291,9 +335,9 @@ loom_status loom_llama_save_gguf(loom_llama *m, loom_dtype dt, const loom_tokeni
                           m->cfg.vocab_size);
     gguf_tensor *t = calloc(9 * (size_t)m->cfg.n_layers + 3, sizeof *t);
     if (!t) return loom_error(LOOM_ERR_NOMEM, "GGUF export: out of memory");
-    int n = list_tensors(m, dt, t);
+    int n = list_tensors(m, type, t);
     gbuf meta = {0}, hdr = {0};
-    put_metadata(&meta, m, dt, tok);
+    put_metadata(&meta, m, type, tok);
     if (!meta.oom) put_header(&hdr, &meta, t, n);
     free(meta.p);
     loom_status st = meta.oom || hdr.oom ? loom_error(LOOM_ERR_NOMEM, "GGUF export: out of memory for the header") : LOOM_OK;
@@ -305,7 +349,7 @@ loom_status loom_llama_save_gguf(loom_llama *m, loom_dtype dt, const loom_tokeni
     void *out = NULL;
     static const unsigned char zeros[GGUF_ALIGN];
     for (int i = 0; i < n && st == LOOM_OK; i++) {
-        size_t count = (size_t)(t[i].rows * t[i].cols), bytes = count * loom_dtype_size(t[i].dt);
+        size_t count = (size_t)(t[i].rows * t[i].cols), bytes = (size_t)tensor_bytes(&t[i]);
         full = malloc(count * sizeof *full);
         perm = t[i].heads ? malloc(count * sizeof *perm) : NULL;
         out = malloc(bytes);
@@ -319,7 +363,8 @@ loom_status loom_llama_save_gguf(loom_llama *m, loom_dtype dt, const loom_tokeni
             interleave_heads(full, perm, t[i].heads, t[i].rows, t[i].cols);
             src = perm;
         }
-        if (st == LOOM_OK) loom_convert(out, t[i].dt, src, LOOM_F32, count);
+        if (st == LOOM_OK && t[i].type == LOOM_GGUF_Q8_0) quantize_q8_0(src, out, count);
+        else if (st == LOOM_OK) loom_convert(out, float_dtype(t[i].type), src, LOOM_F32, count);
         if (st == LOOM_OK) st = loom_atomic_file_write(f, out, bytes);
         if (st == LOOM_OK) st = loom_atomic_file_write(f, zeros, (GGUF_ALIGN - bytes % GGUF_ALIGN) % GGUF_ALIGN);
         free(full);

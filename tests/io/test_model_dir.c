@@ -235,12 +235,12 @@ static void test_gguf_refusals(void **state) {
     assert_int_equal(loom_tokenizer_train(&text, NULL, 1, 270, &tok), LOOM_OK);
     const char *path = io_path("m.gguf");
     struct stat sb;
-    assert_int_equal(loom_llama_save_gguf(m, LOOM_F32, NULL, path), LOOM_ERR_INVALID);
+    assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_F32, NULL, path), LOOM_ERR_INVALID);
     IO_ASSERT_MSG("needs the model's tokenizer");
-    assert_int_equal(loom_llama_save_gguf(m, LOOM_F32, tok, path), LOOM_ERR_INVALID);
+    assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_F32, tok, path), LOOM_ERR_INVALID);
     IO_ASSERT_MSG("but the model only 40");
-    assert_int_equal(loom_llama_save_gguf(m, (loom_dtype)77, tok, path), LOOM_ERR_INVALID);
-    IO_ASSERT_MSG("dtype");
+    assert_int_equal(loom_llama_save_gguf(m, (loom_gguf_type)77, tok, path), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("is not fp32, fp16, bf16 or q8_0");
     assert_int_not_equal(stat(path, &sb), 0);
     loom_llama_free(m);
 
@@ -253,11 +253,11 @@ static void test_gguf_refusals(void **state) {
     loom_llama_init_weights(m, 5);
     /* A write that fails (a full disk): nothing is left. */
     io_test_inject_failure(IO_FAIL_WRITE, 0, ENOSPC);
-    assert_int_equal(loom_llama_save_gguf(m, LOOM_BF16, tok, path), LOOM_ERR_IO);
+    assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_BF16, tok, path), LOOM_ERR_IO);
     io_test_inject_failure(IO_FAIL_NONE, 0, 0);
     IO_ASSERT_MSG("m.gguf");
     assert_int_not_equal(stat(path, &sb), 0);
-    assert_int_equal(loom_llama_save_gguf(m, LOOM_BF16, tok, path), LOOM_OK);
+    assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_BF16, tok, path), LOOM_OK);
     size_t n;
     unsigned char *f = io_read_raw(path, &n);
     assert_true(n > 64 && memcmp(f, "GGUF", 4) == 0 && f[4] == 3);

@@ -11,7 +11,9 @@ written here from the format's description (no gguf package):
 - the metadata: every llama.* hyperparameter equals config.json's;
 - the tensors: llama.cpp's names, dimensions fastest first, norms in fp32,
   matrices in the dtype asked for, each value the model's value rounded to it
-  (torch's round to nearest even);
+  (torch's round to nearest even), Q8_0 blocks byte for byte those of ggml's
+  reference quantizer (written here in numpy), and fp16 for a matrix whose
+  rows Q8_0 cannot split into blocks of 32;
 - the math: a forward written the way llama.cpp computes "llama" (RoPE on
   adjacent pairs (x[2i], x[2i+1]), no reordering of anything) on the GGUF's
   weights gives the logits of the Hugging Face forward (rotate-half RoPE,
@@ -41,6 +43,7 @@ import llama_ref as ref  # noqa: E402
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _GGML = {0: (torch.float32, 4), 1: (torch.float16, 2), 30: (torch.bfloat16, 2)}
+Q8_0 = 8  # blocks of 32: an fp16 scale d, then 32 int8; the value is d * q
 
 
 class Reader:
@@ -96,16 +99,41 @@ def read_gguf(path):
         assert name not in tensors, f"tensor {name} twice"
         assert off % align == 0, f"{name}: offset {off} is not a multiple of {align}"
         assert start + off >= end, f"{name} overlaps the tensor before it"
-        dtype, size = _GGML[typ]
         n = math.prod(dims)
+        nbytes = n // 32 * 34 if typ == Q8_0 else n * _GGML[typ][1]
         a = start + off
-        raw = bytearray(blob[a:a + n * size])
-        assert len(raw) == n * size, f"{name} runs past the end of the file"
-        t = torch.frombuffer(raw, dtype=dtype).reshape(list(reversed(dims)))
+        raw = bytearray(blob[a:a + nbytes])
+        assert len(raw) == nbytes, f"{name} runs past the end of the file"
+        if typ == Q8_0:
+            assert dims[0] % 32 == 0, f"{name}: Q8_0 rows of {dims[0]} values"
+            t = np.frombuffer(raw, dtype=np.uint8).reshape(list(reversed(dims[1:])) + [dims[0] // 32, 34])
+        else:
+            t = torch.frombuffer(raw, dtype=_GGML[typ][0]).reshape(list(reversed(dims)))
         tensors[name] = (typ, dims, t)
-        end = (a + n * size + align - 1) // align * align
+        end = (a + nbytes + align - 1) // align * align
     assert end == len(blob), f"the file has {len(blob) - end} bytes after its last tensor"
     return meta, tensors
+
+
+def q8_0_blocks(x):
+    """ggml's reference Q8_0 of a (rows, cols) fp32 array, as (rows, cols/32,
+    34) bytes: per block d = max|x| / 127 in fp32, q = round(x * (1 / d)) half
+    away from zero, d stored as fp16."""
+    b = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    d = np.abs(b).max(axis=-1) / np.float32(127)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
+    v = (b * inv[..., None]).astype(np.float32).astype(np.float64)
+    q = (np.sign(v) * np.floor(np.abs(v) + 0.5)).astype(np.int8)
+    out = np.empty(b.shape[:2] + (34,), dtype=np.uint8)
+    out[..., :2] = d.astype(np.float16)[..., None].view(np.uint8)
+    out[..., 2:] = q.view(np.uint8)
+    return out
+
+
+def q8_0_values(blocks):
+    d = blocks[..., :2].copy().view(np.float16).astype(np.float32)
+    q = blocks[..., 2:].copy().view(np.int8).astype(np.float32)
+    return torch.from_numpy((d * q).reshape(blocks.shape[0], -1))
 
 
 # ------------------------------------------------------------ vocabulary
@@ -263,26 +291,34 @@ def check_model(loom, work, label, config, tokenizer, dtypes, rng):
                   "llama.rope.dimension_count": cfg.head_size, "llama.context_length": cfg.max_seq,
                   "llama.vocab_size": cfg.vocab_size, "llama.rope.freq_base": ref.f32(cfg.rope_theta),
                   "llama.attention.layer_norm_rms_epsilon": ref.f32(cfg.norm_eps),
-                  "general.file_type": {"fp32": 0, "fp16": 1, "bf16": 32}[dtype]}
+                  "general.file_type": {"fp32": 0, "fp16": 1, "bf16": 32, "q8_0": 7}[dtype]}
         for k, v in expect.items():
             assert meta.get(k) == v, f"{label} {dtype}: {k} is {meta.get(k)!r}, not {v!r}"
         check_vocabulary(meta, tok, merges, cfg.vocab_size)
         names = {gguf_name(n): n for n in cfg.param_shapes()}
         assert set(tensors) == set(names), f"{label}: tensors {sorted(set(tensors) ^ set(names))} differ"
-        tdt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
         w = {}
         for g, hf in names.items():
             typ, dims, t = tensors[g]
             p = params[hf].detach()
             assert dims == list(reversed(p.shape)), f"{g}: dims {dims}, model shape {list(p.shape)}"
-            want_dt = torch.float32 if p.dim() == 1 else tdt
-            assert t.dtype == want_dt, f"{g}: stored as {t.dtype}, not {want_dt}"
-            if ".attn_q." not in g and ".attn_k." not in g:
-                assert torch.equal(t, p.to(want_dt)), f"{label} {dtype}: {g} is not the model's values"
-            w[g] = t.float()
+            # Norms stay fp32; Q8_0 needs rows of a multiple of 32 (else fp16).
+            store = "fp32" if p.dim() == 1 else "fp16" if dtype == "q8_0" and p.shape[1] % 32 else dtype
+            want_typ = {"fp32": 0, "fp16": 1, "bf16": 30, "q8_0": Q8_0}[store]
+            assert typ == want_typ, f"{label} {dtype}: {g} stored as type {typ}, not {want_typ}"
+            exact = ".attn_q." not in g and ".attn_k." not in g
+            if store == "q8_0":
+                if exact:
+                    assert np.array_equal(t, q8_0_blocks(p.numpy())), f"{label} {dtype}: {g} is not ggml's Q8_0"
+                w[g] = q8_0_values(t)
+            else:
+                tdt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[store]
+                if exact:
+                    assert torch.equal(t, p.to(tdt)), f"{label} {dtype}: {g} is not the model's values"
+                w[g] = t.float()
         with torch.no_grad():
             got = forward_gguf(meta, w, inputs)
-        tol = {"fp32": 1e-4, "fp16": 5e-3, "bf16": 3e-2}[dtype]
+        tol = {"fp32": 1e-4, "fp16": 5e-3, "bf16": 3e-2, "q8_0": 5e-2}[dtype]
         err = ((got - want).abs().max() / want.abs().max()).item()
         print(f"gguf_check: {label} {dtype}: logits vs the Hugging Face forward, max rel err {err:.2e} (tol {tol})")
         assert err < tol, f"{label} {dtype}: logits differ (rel err {err:.3e} >= {tol})"
@@ -313,8 +349,8 @@ def main():
            "rope_theta": 500000.0, "rms_norm_eps": 1e-5}
     tied = {"hidden_size": 36, "num_hidden_layers": 1, "num_attention_heads": 3, "intermediate_size": 52,
             "vocab_size": n_tok, "tie_word_embeddings": True}
-    check_model(a.loom, a.workdir, "gqa", gqa, tokenizer, ["fp32", "bf16", "fp16"], rng)
-    check_model(a.loom, a.workdir, "tied", tied, tokenizer, ["fp32"], rng)
+    check_model(a.loom, a.workdir, "gqa", gqa, tokenizer, ["fp32", "bf16", "fp16", "q8_0"], rng)
+    check_model(a.loom, a.workdir, "tied", tied, tokenizer, ["fp32", "q8_0"], rng)  # rows of 36: q8_0 -> fp16
     print("gguf_check: passed")
 
 

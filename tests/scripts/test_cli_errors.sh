@@ -147,6 +147,9 @@ expect_usage "--format must be hf or gguf, not 'onnx'" "$LOOM" export --model "$
   --format onnx
 expect_usage "is a directory; --format gguf writes one file" "$LOOM" export --model "$WORK/r/model" --out "$WORK/data" \
   --format gguf
+expect_usage "unknown GGUF type 'q4_0' \(fp32, fp16, bf16 or q8_0\)" "$LOOM" export --model "$WORK/r/model" \
+  --out "$WORK/g.gguf" --format gguf --dtype q4_0
+expect_usage "--dtype: .*q8_0" "$LOOM" export --model "$WORK/r/model" --out "$WORK/g" --dtype q8_0
 mkdir -p "$WORK/notok" && cp "$WORK/r/model/config.json" "$WORK/r/model/model.safetensors" "$WORK/notok/"
 expect_usage "has no tokenizer.json, and a GGUF file must carry the vocabulary" "$LOOM" export --model "$WORK/notok" \
   --out "$WORK/g.gguf" --format gguf
