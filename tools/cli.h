@@ -61,6 +61,6 @@ int cli_check_model_dir(const char *cmd, const char *model);
  * directory at once. LOOM_ERR_STATE, naming the holder, when another has it. */
 loom_status cli_lock_dir(const char *dir);
 
-extern const command cmd_train, cmd_generate, cmd_tokenize, cmd_export, cmd_bench;
+extern const command cmd_train, cmd_eval, cmd_generate, cmd_tokenize, cmd_export, cmd_bench;
 
 #endif

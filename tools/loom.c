@@ -7,7 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 
-static const command *const commands[] = {&cmd_tokenize, &cmd_train, &cmd_generate, &cmd_export, &cmd_bench};
+static const command *const commands[] = {&cmd_tokenize, &cmd_train, &cmd_eval, &cmd_generate, &cmd_export, &cmd_bench};
 #define N_COMMANDS ((int)(sizeof commands / sizeof commands[0]))
 
 static void usage(FILE *f) {

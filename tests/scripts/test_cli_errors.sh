@@ -159,6 +159,14 @@ expect_usage "cannot read the tokenizer" "$LOOM" export --model "$WORK/notok" --
 expect_error "the tokenizer has 700 tokens but the model only 512" "$LOOM" export --model "$WORK/notok" \
   --out "$WORK/g.gguf" --format gguf --tokenizer "$WORK/tok700/tokenizer.json"
 [ -e "$WORK/g.gguf" ] && fail "a refused GGUF export left a file"
+# loom eval: data made with another tokenizer, a bad split, too long a sequence.
+expect_usage "--model DIR and --data PATH are required" "$LOOM" eval --model "$WORK/r/model"
+expect_usage "--split must be val or train, not 'test'" "$LOOM" eval --model "$WORK/r/model" --data "$WORK/data" \
+  --split test
+expect_usage "--seq 1000 is longer than the model's context \(64\)" "$LOOM" eval --model "$WORK/r/model" \
+  --data "$WORK/data" --seq 1000
+expect_error "was tokenized with another tokenizer than the model's" "$LOOM" eval --model "$WORK/r/model" \
+  --data "$WORK/tok700"
 # --tp in a single process: says how to start it.
 expect_error "start tensor parallelism with mpirun" "$LOOM" train "${D[@]}" --steps 1 --tp 2 --out "$WORK/tp1"
 set +e; "$LOOM" train "${D[@]}" --steps 1 --tp 0 --out "$WORK/tp0" 2>"$WORK/tp0.log"; rc=$?; set -e

@@ -17,6 +17,15 @@ small_config "$WORK/cfg.json" 512
 val=$(grep val_loss "$WORK/run/metrics.jsonl" | tail -1 | sed 's/.*"val_loss":\([0-9.]*\).*/\1/')
 echo "validation loss $val, unigram entropy $entropy"
 awk -v v="$val" -v h="$entropy" 'BEGIN { exit !(v < h - 0.5) }' || fail "validation loss $val is not well below the unigram entropy $entropy"
+# loom eval reads the batches the run validated on: the same loss, to the
+# digit, from the saved model; one pass over the split by default.
+ev=$("$LOOM" eval --model "$WORK/run/model" --data "$WORK/data" --batch 16 --seq 64 --batches 4 --precision bf16)
+[ "$(echo "$ev" | sed 's/.* loss=\([0-9.]*\) .*/\1/')" = "$val" ] || fail "loom eval says '$ev'; the run's last val_loss is $val"
+ev=$("$LOOM" eval --model "$WORK/run/model" --data "$WORK/data" --batch 16 --seq 64)
+n=$(echo "$ev" | sed 's/.* batches=\([0-9]*\) .*/\1/')
+want=0 # each val shard gives (tokens - 1) / (B*T) whole batches (2-byte tokens after a 1024-byte header)
+for f in "$WORK"/data/val_*.bin; do want=$(( want + (($(stat -c %s "$f") - 1024) / 2 - 1) / (16 * 64) )); done
+[ "$n" -eq "$want" ] || fail "one pass over the val shards is $want batches, not $n: $ev"
 for f in loss.svg metrics.jsonl model/config.json model/model.safetensors model/tokenizer.json; do
   [ -s "$WORK/run/$f" ] || fail "missing $f"
 done

@@ -1,0 +1,121 @@
+/*
+ * cmd_eval.c — `loom eval`: the mean loss and perplexity of a model on token
+ * shards (by default one pass over a dataset's validation split), with the
+ * batches a training run's validation reads.
+ */
+#include "cli.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+/* LOOM_ERR_INVALID when the model directory and the data directory both
+ * hold a tokenizer.json and the two differ: the ids would mean other text. */
+static loom_status same_tokenizer(const char *model, const char *data) {
+    char a[4200], b[4200];
+    struct stat sb;
+    snprintf(a, sizeof a, "%s/tokenizer.json", model);
+    snprintf(b, sizeof b, "%s/tokenizer.json", data);
+    if (stat(a, &sb) != 0 || stat(b, &sb) != 0) return LOOM_OK;
+    void *x = NULL, *y = NULL;
+    size_t nx = 0, ny = 0;
+    loom_status st = loom_read_file(a, &x, &nx);
+    if (st == LOOM_OK) st = loom_read_file(b, &y, &ny);
+    if (st == LOOM_OK && (nx != ny || memcmp(x, y, nx) != 0))
+        st = loom_error(LOOM_ERR_INVALID, "%s was tokenized with another tokenizer than the model's (%s differs "
+                        "from %s): evaluate on data tokenized with the model's tokenizer", data, b, a);
+    free(x);
+    free(y);
+    return st;
+}
+
+static int run(int argc, char **argv) {
+    const char *model = NULL, *data = NULL, *split = "val", *precision = "fp32";
+    int batch = 8, seq = 0, batches = 0, threads = 0;
+    const flag flags[] = {
+        {"model", FLAG_STRING, &model, "DIR", "model directory or checkpoint"},
+        {"data", FLAG_STRING, &data, "PATH", "token shards: a dataset directory, a glob or one file"},
+        {"split", FLAG_STRING, &split, "S", "which shards of a directory: val or train (default val)"},
+        {"batch", FLAG_INT, &batch, "B", "sequences per batch (default 8)"},
+        {"seq", FLAG_INT, &seq, "T", "tokens per sequence (default: the model's context length)"},
+        {"batches", FLAG_INT, &batches, "N", "at most N batches; 0: one pass over the shards (default 0)"},
+        {"precision", FLAG_STRING, &precision, "P", "compute dtype: fp32, bf16 or fp16 (default fp32)"},
+        {"threads", FLAG_INT, &threads, "N", "OpenMP threads (default: OMP_NUM_THREADS, else the cores this process may use)"},
+    };
+    int rc = cli_parse(&cmd_eval, flags, (int)(sizeof flags / sizeof flags[0]), argc, argv);
+    if (rc) return rc > 0 ? 0 : 2;
+    if (!model || !data) return cli_usage_error("eval", "--model DIR and --data PATH are required");
+    if (batch <= 0 || seq < 0 || batches < 0)
+        return cli_usage_error("eval", "--batch must be positive, --seq and --batches >= 0");
+    if (strcmp(split, "val") != 0 && strcmp(split, "train") != 0)
+        return cli_usage_error("eval", "--split must be val or train, not '%s'", split);
+    loom_precision prec = {LOOM_F32, 0};
+    if (loom_dtype_parse(precision, &prec.compute) != LOOM_OK) return cli_usage_error("eval", "%s", loom_last_error());
+    if ((rc = cli_apply_threads("eval", threads))) return rc;
+    if ((rc = cli_check_model_dir("eval", model))) return rc;
+
+    loom_llama *m = NULL;
+    loom_dataloader *dl = NULL;
+    int32_t *inputs = NULL, *targets = NULL;
+    loom_status st = same_tokenizer(model, data);
+    if (st == LOOM_OK) st = loom_model_dir_load(model, prec, &m);
+    if (st == LOOM_OK && seq == 0) seq = m->cfg.max_seq;
+    if (st == LOOM_OK && seq > m->cfg.max_seq) {
+        int max_seq = m->cfg.max_seq;
+        loom_llama_free(m);
+        return cli_usage_error("eval", "--seq %d is longer than the model's context (%d)", seq, max_seq);
+    }
+    if (st == LOOM_OK && (size_t)batch * (size_t)seq > (size_t)1 << 30)
+        st = loom_error(LOOM_ERR_INVALID, "--batch %d x --seq %d is more tokens than one batch may hold", batch, seq);
+    if (st == LOOM_OK) {
+        loom_dataloader_options o = {batch, seq, 0, 1, m->cfg.vocab_size, split};
+        st = loom_dataloader_open(data, &o, &dl);
+    }
+    if (st == LOOM_OK) {
+        inputs = malloc((size_t)batch * seq * sizeof *inputs);
+        targets = malloc((size_t)batch * seq * sizeof *targets);
+        if (!inputs || !targets) st = loom_error(LOOM_ERR_NOMEM, "eval: out of memory for a batch");
+    }
+    double sum = 0.0;
+    int done = 0;
+    loom_no_grad_enter();
+    while (st == LOOM_OK && (batches == 0 || done < batches)) {
+        loom_dataloader_position pos;
+        loom_dataloader_get_position(dl, &pos);
+        if (pos.epoch > 0) break; /* one pass at most */
+        loom_tensor *loss = NULL;
+        st = loom_dataloader_next(dl, inputs, targets);
+        if (st == LOOM_OK) st = loom_llama_forward(m, inputs, targets, batch, seq, &loss, NULL);
+        if (st == LOOM_OK) sum += loom_tensor_get(loss, 0);
+        loom_tensor_release(loss);
+        done++;
+    }
+    loom_no_grad_exit();
+    if (st == LOOM_OK) {
+        double mean = sum / done;
+        if (!isfinite(mean))
+            st = loom_error(LOOM_ERR_NUMERIC, "the loss is %g: the model's weights or this precision overflow "
+                            "(try --precision fp32)", mean);
+        else
+            printf("eval: split=%s batches=%d tokens=%lld loss=%.6f ppl=%.4f\n", split, done,
+                   (long long)done * batch * seq, mean, exp(mean));
+    }
+    free(inputs);
+    free(targets);
+    loom_dataloader_close(dl);
+    loom_llama_free(m);
+    return st == LOOM_OK ? 0 : cli_fail("eval", st);
+}
+
+const command cmd_eval = {
+    "eval",
+    "the loss and perplexity of a model on token shards (a dataset's validation split)",
+    "eval --model DIR --data PATH [--split val|train] [--batch B] [--seq T] [--batches N] [--precision P]",
+    "Batches are read as training reads them: B rows of T+1 consecutive tokens, one\n"
+    "pass from the first shard; the loss is the mean over the batches' tokens, so it\n"
+    "equals a run's validation loss for the same --batch, --seq and --batches\n"
+    "(train's --eval-batches). A model directory whose tokenizer.json differs from\n"
+    "the data directory's is refused.",
+    run,
+};
