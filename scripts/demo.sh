@@ -23,3 +23,6 @@ build/loom train --data data/fortunes --preset tiny --out "$OUT" --steps "$STEPS
 echo
 echo "== generated text (loom generate --model $OUT/model --prompt 'The ')"
 build/loom generate --model "$OUT/model" --prompt "The " --tokens 120 --temperature 0.8 --top-p 0.95 --seed 7
+echo
+echo "== the model for llama.cpp (loom export --format gguf --dtype q8_0)"
+build/loom export --model "$OUT/model" --out "$OUT/model-q8_0.gguf" --format gguf --dtype q8_0
