@@ -29,21 +29,37 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 types=(fp32 fp16 bf16 q8_0)
 for dt in "${types[@]}"; do build/loom export --model "$MODEL" --out "$work/model-$dt.gguf" --format gguf --dtype $dt; done
+# The bytes of token ids (JSON on stdin) in the GGUF file $1's vocabulary.
+spell() {
+  /usr/bin/python3 -c '
+import json, sys
+sys.path.insert(0, "tests/python")
+import gguf_check
+meta, _ = gguf_check.read_gguf(sys.argv[1])
+dec = {c: b for b, c in gguf_check.gpt2_byte_chars().items()}
+toks = meta["tokenizer.ggml.tokens"]
+sys.stdout.buffer.write(b"".join(bytes(dec[c] for c in toks[i]) for i in json.load(sys.stdin)))
+' "$1"
+}
 prompts=("The " "A man" "You will" "Love is" "It is a")
 pass=0 fail=0
 for p in "${prompts[@]}"; do
-  loom=$(build/loom generate --model "$MODEL" --prompt "$p" --tokens $N --temperature 0)
-  loom=${loom#"$p"}
+  build/loom generate --model "$MODEL" --prompt "$p" --tokens $N --temperature 0 > "$work/loom.txt"
+  # loom prints the prompt, the continuation and a newline.
+  tail -c +$(( $(printf '%s' "$p" | wc -c) + 1 )) "$work/loom.txt" | head -c -1 > "$work/loom.cont"
   for dt in "${types[@]}"; do
-    cpp=$(node "$DIR/llamacpp_generate.mjs" "$work/model-$dt.gguf" "$p" $N 2>/dev/null)
-    if [ "$cpp" = "$loom" ]; then
+    node "$DIR/llamacpp_generate.mjs" "$work/model-$dt.gguf" "$p" $N > "$work/ids.json" 2>"$work/node.err" ||
+      { cat "$work/node.err" >&2; echo "llamacpp_check: llama.cpp failed on $work/model-$dt.gguf" >&2; exit 1; }
+    spell "$work/model-$dt.gguf" < "$work/ids.json" > "$work/cpp.cont"
+    if cmp -s "$work/loom.cont" "$work/cpp.cont"; then
       verdict=same
       [ $dt = fp32 ] && pass=$((pass + 1))
     else
       verdict=DIFFERENT
       [ $dt = fp32 ] && fail=$((fail + 1))
     fi
-    printf '%-5s %-9s %-10q loom: %q\n%26s llama.cpp: %q\n' "$dt" "$verdict" "$p" "$loom" "" "$cpp"
+    printf '%-5s %-9s %-10q loom: %q\n%26s llama.cpp: %q\n' "$dt" "$verdict" "$p" "$(cat "$work/loom.cont")" "" \
+      "$(cat "$work/cpp.cont")"
   done
 done
 echo "$pass passed, $fail failed"

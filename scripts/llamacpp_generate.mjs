@@ -2,7 +2,9 @@
 // prebuilt binary), for scripts/llamacpp_check.sh: the model's BOS, then the
 // prompt as llama.cpp tokenizes it, then up to N tokens at temperature 0,
 // stopping at end of text. Prints the prompt's ids on stderr and the
-// continuation's text on stdout.
+// continuation's ids on stdout, as JSON (the check spells them from the
+// file's own vocabulary: llama.cpp's detokenizer would drop the space in
+// " ." and the like).
 import {getLlama} from "node-llama-cpp";
 
 const [modelPath, prompt, n] = process.argv.slice(2);
@@ -17,4 +19,4 @@ for await (const t of sequence.evaluate(ids, {temperature: 0})) {
   if (model.isEogToken(t) || out.length >= Number(n)) break;
   out.push(t);
 }
-process.stdout.write(model.detokenize(out));
+process.stdout.write(JSON.stringify(out) + "\n");

@@ -1,29 +1,25 @@
 /*
  * cmd_export.c — `loom export`: write a model (a model directory or a
  * training checkpoint) as a Hugging Face LLaMA directory (config.json and
- * model.safetensors with Hugging Face tensor names) or as one GGUF file for
- * llama.cpp, in fp32, bf16 or fp16.
+ * model.safetensors with Hugging Face tensor names, fp32, bf16 or fp16) or as
+ * one GGUF file for llama.cpp (also in Q8_0).
  */
 #include "cli.h"
 
 #include <string.h>
+#include <strings.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
-/* The model with its tokenizer as GGUF file out (its directory created). */
-static loom_status export_gguf(loom_llama *m, loom_gguf_type type, const char *tok_path, const char *out) {
-    char dir[4200];
-    if (snprintf(dir, sizeof dir, "%s", out) >= (int)sizeof dir)
-        return loom_error(LOOM_ERR_INVALID, "path too long: %s", out);
-    char *slash = strrchr(dir, '/');
-    if (slash && slash != dir) {
-        *slash = '\0';
-        LOOM_TRY(loom_mkdir_p(dir));
-    }
-    loom_tokenizer *tok = NULL;
-    LOOM_TRY(loom_tokenizer_load(tok_path, &tok));
-    loom_status st = loom_llama_save_gguf(m, type, tok, out);
-    loom_tokenizer_free(tok);
+/* The tokenizer at tok_path, checked against the model's vocabulary. */
+static loom_status load_tokenizer(const char *tok_path, const loom_llama *m, loom_tokenizer **tok) {
+    LOOM_TRY(loom_tokenizer_load(tok_path, tok));
+    if (loom_tokenizer_vocab_size(*tok) <= m->cfg.vocab_size) return LOOM_OK;
+    loom_status st = loom_error(LOOM_ERR_INVALID, "the tokenizer %s has %d tokens but the model only %d: give the "
+                                "tokenizer the model was trained with", tok_path, loom_tokenizer_vocab_size(*tok),
+                                m->cfg.vocab_size);
+    loom_tokenizer_free(*tok);
+    *tok = NULL;
     return st;
 }
 
@@ -45,8 +41,13 @@ static int run(int argc, char **argv) {
     loom_dtype dt = LOOM_F32;
     loom_gguf_type gt = LOOM_GGUF_F32;
     if (gguf ? loom_gguf_type_parse(dtype, &gt) != LOOM_OK : loom_dtype_parse(dtype, &dt) != LOOM_OK)
-        return cli_usage_error("export", "--dtype: %s", loom_last_error());
+        return cli_usage_error("export", "--dtype: %s%s", loom_last_error(),
+                               !gguf && strcasecmp(dtype, "q8_0") == 0 ? " (q8_0 is for --format gguf)" : "");
     struct stat sb;
+    size_t out_len = strlen(out);
+    if (gguf && out[out_len - 1] == '/')
+        return cli_usage_error("export", "--out %s ends in '/'; --format gguf writes one file (e.g. --out "
+                               "%smodel.gguf)", out, out);
     if (gguf && stat(out, &sb) == 0 && S_ISDIR(sb.st_mode))
         return cli_usage_error("export", "%s is a directory; --format gguf writes one file (e.g. --out model.gguf)", out);
     /* A dataset directory would get this model's tokenizer over the one its
@@ -59,19 +60,23 @@ static int run(int argc, char **argv) {
     if (tokenizer && access(tokenizer, R_OK) != 0)
         return cli_usage_error("export", "cannot read the tokenizer %s", tokenizer);
     if ((rc = cli_check_model_dir("export", model))) return rc;
-    char tok[4200];
-    snprintf(tok, sizeof tok, "%s/tokenizer.json", model);
-    if (!tokenizer && access(tok, R_OK) == 0) tokenizer = tok;
+    char own_tok[4200];
+    snprintf(own_tok, sizeof own_tok, "%s/tokenizer.json", model);
+    if (!tokenizer && access(own_tok, R_OK) == 0) tokenizer = own_tok;
     if (gguf && !tokenizer)
         return cli_usage_error("export", "%s has no tokenizer.json, and a GGUF file must carry the vocabulary: give "
                                "the tokenizer the model was trained with, --tokenizer FILE", model);
+    static const char *const gguf_names[] = {"fp32", "fp16", "bf16", "q8_0"}; /* by loom_gguf_type */
     loom_precision prec = {LOOM_F32, 0};
     loom_llama *m = NULL;
+    loom_tokenizer *tok = NULL;
     loom_status st = loom_model_dir_load(model, prec, &m);
-    if (st == LOOM_OK) st = gguf ? export_gguf(m, gt, tokenizer, out) : loom_model_dir_save(m, dt, tokenizer, out);
+    if (st == LOOM_OK && tokenizer) st = load_tokenizer(tokenizer, m, &tok);
+    if (st == LOOM_OK) st = gguf ? loom_llama_save_gguf(m, gt, tok, out) : loom_model_dir_save(m, dt, tokenizer, out);
+    loom_tokenizer_free(tok);
     if (st == LOOM_OK)
         fprintf(stderr, "export: %lld parameters as %s %s to %s%s\n", (long long)loom_llama_n_weights(m),
-                gguf ? "GGUF" : "Hugging Face", gguf ? dtype : loom_dtype_name(dt), out,
+                gguf ? "GGUF" : "Hugging Face", gguf ? gguf_names[gt] : loom_dtype_name(dt), out,
                 tokenizer ? "" : " (no tokenizer: the model directory has no tokenizer.json)");
     loom_llama_free(m);
     return st == LOOM_OK ? 0 : cli_fail("export", st);

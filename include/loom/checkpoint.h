@@ -71,10 +71,12 @@ loom_status loom_model_dir_load(const char *dir, loom_precision prec, loom_llama
 
 /* How a GGUF file stores the model's matrices (norm weights are always
  * fp32). Q8_0 is ggml's 8-bit format: blocks of 32 values of a row as one
- * fp16 scale d = max|x| / 127 and 32 int8 round(x / d); a matrix whose rows
+ * fp16 scale d = max|x| / 127 and 32 int8 round(x * (1 / d)) (half away
+ * from zero, as ggml's reference quantizer); a matrix whose rows
  * are not a multiple of 32 long is stored in fp16 instead. */
 typedef enum loom_gguf_type { LOOM_GGUF_F32, LOOM_GGUF_F16, LOOM_GGUF_BF16, LOOM_GGUF_Q8_0 } loom_gguf_type;
-/* "fp32", "fp16", "bf16", "q8_0" -> type; LOOM_ERR_INVALID naming them. */
+/* "q8_0" or a name loom_dtype_parse takes ("fp32", "bf16", ...) -> type,
+ * case-insensitively; LOOM_ERR_INVALID naming the four. */
 loom_status loom_gguf_type_parse(const char *name, loom_gguf_type *out);
 
 /* Write the model as one GGUF file (version 3) that llama.cpp runs as its
@@ -82,10 +84,13 @@ loom_status loom_gguf_type_parse(const char *name, loom_gguf_type *out);
  * byte-level BPE vocabulary ("gpt2" model, GPT-2's byte spelling,
  * "<|endoftext|>" as BOS and EOS, ids past the tokenizer's unused tokens),
  * matrices stored as `type`, under llama.cpp's tensor names, with each
- * head's q/k rows reordered for llama.cpp's adjacent-pair RoPE. Atomic.
- * Errors: LOOM_ERR_INVALID (no tokenizer, a tokenizer with more tokens than
- * the model, an unknown type), LOOM_ERR_UNSUPPORTED (a tensor-parallel
- * model), LOOM_ERR_IO, LOOM_ERR_NOMEM. */
+ * head's q/k rows reordered for llama.cpp's adjacent-pair RoPE. The file's
+ * directory is created if missing; the file is written atomically.
+ * Errors: LOOM_ERR_INVALID (no tokenizer, one without "<|endoftext|>", one
+ * with more tokens than the model, two tokens with the same bytes, which
+ * llama.cpp cannot load; an unknown type), LOOM_ERR_FORMAT (a NaN or
+ * infinite weight, named), LOOM_ERR_UNSUPPORTED (a tensor-parallel model),
+ * LOOM_ERR_IO, LOOM_ERR_NOMEM. */
 loom_status loom_llama_save_gguf(loom_llama *m, loom_gguf_type type, const loom_tokenizer *tok, const char *path);
 
 /* Everything besides weights that resuming needs. */

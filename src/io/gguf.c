@@ -11,7 +11,7 @@
  * i + HS/2 (what llama.cpp's own converter does to a Hugging Face model).
  * Norm weights stay fp32 whatever the type, as that converter keeps them.
  * Q8_0 follows ggml's reference quantizer: per block of 32, d = amax / 127,
- * q = round(x / d) half away from zero, d stored as fp16.
+ * q = round(x * (1 / d)) half away from zero, d stored as fp16.
  *
  * Vocabulary: token i is its bytes, each byte written as the code point
  * GPT-2 assigns it (printable Latin-1 bytes as themselves, the others as
@@ -29,6 +29,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #define GGUF_ALIGN 32
 
@@ -107,42 +108,70 @@ static void byte_chars_init(byte_chars *bc) {
     }
 }
 
-/* Token id's string as the vocabulary spells it. */
-static void put_token_text(gbuf *b, const byte_chars *bc, const loom_tokenizer *tok, int32_t id, int raw) {
+/* Token id's string as the vocabulary spells it: its bytes in GPT-2's
+ * alphabet, "<|endoftext|>" for the end-of-text token, "<|unused_N|>" for
+ * ids past the tokenizer's. Appended to b. */
+static void put_spelling(gbuf *b, const byte_chars *bc, const loom_tokenizer *tok, int32_t id) {
+    if (id >= loom_tokenizer_vocab_size(tok)) {
+        char pad[32];
+        int n = snprintf(pad, sizeof pad, "<|unused_%d|>", (int)id);
+        put(b, pad, (size_t)n);
+        return;
+    }
+    if (id == loom_tokenizer_eot(tok)) {
+        put(b, LOOM_TOKENIZER_EOT, strlen(LOOM_TOKENIZER_EOT));
+        return;
+    }
     const char *bytes;
     size_t n;
     loom_tokenizer_token_bytes(tok, id, &bytes, &n);
-    if (raw) { put(b, bytes, n); return; }
     for (size_t i = 0; i < n; i++) put(b, bc->s[(unsigned char)bytes[i]], bc->len[(unsigned char)bytes[i]]);
 }
 
-static size_t token_text_len(const byte_chars *bc, const loom_tokenizer *tok, int32_t id) {
-    const char *bytes;
-    size_t n, len = 0;
-    loom_tokenizer_token_bytes(tok, id, &bytes, &n);
-    for (size_t i = 0; i < n; i++) len += bc->len[(unsigned char)bytes[i]];
-    return len;
+/* Put token id's spelling as a GGUF string (length first). */
+static void put_token(gbuf *b, gbuf *scratch, const byte_chars *bc, const loom_tokenizer *tok, int32_t id) {
+    scratch->n = 0;
+    put_spelling(scratch, bc, tok, id);
+    if (!scratch->oom) put_str(b, (const char *)scratch->p, scratch->n);
+}
+
+/* llama.cpp maps each token's string to its id and stops on a string two
+ * ids share, which a hand-made merge list can give (two merges spelling the
+ * same bytes) or text that held "<|endoftext|>" itself. */
+static loom_status check_unique_spellings(const loom_tokenizer *tok, int vocab_size) {
+    byte_chars bc;
+    byte_chars_init(&bc);
+    io_bytesmap seen = {0};
+    gbuf s = {0};
+    int32_t *first = malloc((size_t)vocab_size * sizeof *first);
+    loom_status st = first ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "GGUF export: out of memory");
+    for (int32_t id = 0; id < vocab_size && st == LOOM_OK; id++) {
+        s.n = 0;
+        put_spelling(&s, &bc, tok, id);
+        int inserted = 0;
+        int64_t e = s.oom ? -1 : io_bytesmap_insert(&seen, s.p, s.n, &inserted);
+        if (e < 0) st = loom_error(LOOM_ERR_NOMEM, "GGUF export: out of memory");
+        else if (!inserted)
+            st = loom_error(LOOM_ERR_INVALID, "GGUF export: tokens %d and %d have the same bytes (%.*s), which "
+                            "llama.cpp's vocabulary cannot hold; retrain the tokenizer", (int)first[e], (int)id,
+                            (int)(s.n < 40 ? s.n : 40), (const char *)s.p);
+        else first[e] = id;
+    }
+    free(first);
+    free(s.p);
+    io_bytesmap_free(&seen);
+    return st;
 }
 
 static void put_vocabulary(gbuf *b, const loom_tokenizer *tok, int vocab_size) {
     byte_chars bc;
     byte_chars_init(&bc);
+    gbuf scratch = {0};
     int n_tok = loom_tokenizer_vocab_size(tok), eot = loom_tokenizer_eot(tok);
     kv_str(b, "tokenizer.ggml.model", "gpt2");
     kv_str(b, "tokenizer.ggml.pre", "gpt-2");
     kv_array(b, "tokenizer.ggml.tokens", GGUF_STRING, (uint64_t)vocab_size);
-    for (int id = 0; id < vocab_size; id++) {
-        if (id >= n_tok) {
-            char pad[32];
-            int n = snprintf(pad, sizeof pad, "<|unused_%d|>", id);
-            put_str(b, pad, (size_t)n);
-        } else if (id == eot) {
-            put_str(b, LOOM_TOKENIZER_EOT, strlen(LOOM_TOKENIZER_EOT));
-        } else {
-            put_u64(b, token_text_len(&bc, tok, id));
-            put_token_text(b, &bc, tok, id, 0);
-        }
-    }
+    for (int id = 0; id < vocab_size; id++) put_token(b, &scratch, &bc, tok, id);
     kv_array(b, "tokenizer.ggml.token_type", GGUF_I32, (uint64_t)vocab_size);
     for (int id = 0; id < vocab_size; id++)
         put_u32(b, id >= n_tok ? TOKEN_UNUSED : id == eot ? TOKEN_CONTROL : TOKEN_NORMAL);
@@ -151,18 +180,17 @@ static void put_vocabulary(gbuf *b, const loom_tokenizer *tok, int vocab_size) {
     for (int r = 0; r < n_merges; r++) {
         int32_t x, y;
         loom_tokenizer_merge(tok, r, &x, &y);
-        put_u64(b, token_text_len(&bc, tok, x) + 1 + token_text_len(&bc, tok, y));
-        put_token_text(b, &bc, tok, x, 0);
-        put(b, " ", 1);
-        put_token_text(b, &bc, tok, y, 0);
+        scratch.n = 0;
+        put_spelling(&scratch, &bc, tok, x);
+        put(&scratch, " ", 1);
+        put_spelling(&scratch, &bc, tok, y);
+        if (!scratch.oom) put_str(b, (const char *)scratch.p, scratch.n);
     }
-    if (eot >= 0) {
-        kv_u32(b, "tokenizer.ggml.bos_token_id", (uint32_t)eot);
-        kv_u32(b, "tokenizer.ggml.eos_token_id", (uint32_t)eot);
-        kv_bool(b, "tokenizer.ggml.add_bos_token", 1);
-    } else {
-        kv_bool(b, "tokenizer.ggml.add_bos_token", 0);
-    }
+    b->oom |= scratch.oom;
+    free(scratch.p);
+    kv_u32(b, "tokenizer.ggml.bos_token_id", (uint32_t)eot);
+    kv_u32(b, "tokenizer.ggml.eos_token_id", (uint32_t)eot);
+    kv_bool(b, "tokenizer.ggml.add_bos_token", 1);
     kv_bool(b, "tokenizer.ggml.add_eos_token", 0);
 }
 
@@ -269,7 +297,7 @@ static void put_metadata(gbuf *b, const loom_llama *m, loom_gguf_type type, cons
     kv_str(b, "general.architecture", "llama");
     kv_str(b, "general.name", "loom");
     static const uint32_t file_type[] = {FILE_ALL_F32, FILE_MOSTLY_F16, FILE_MOSTLY_BF16, FILE_MOSTLY_Q8_0};
-    kv_u32(b, "general.file_type", file_type[type]);
+    kv_u32(b, "general.file_type", file_type[type]); /* the matrices' type, as written */
     kv_u32(b, "general.alignment", GGUF_ALIGN);
     kv_u32(b, "llama.context_length", (uint32_t)c->max_seq);
     kv_u32(b, "llama.embedding_length", (uint32_t)c->dim);
@@ -310,13 +338,23 @@ static void put_header(gbuf *b, const gbuf *meta, const gguf_tensor *t, int n_te
 }
 
 loom_status loom_gguf_type_parse(const char *name, loom_gguf_type *out) {
-    static const char *const names[] = {"fp32", "fp16", "bf16", "q8_0"};
-    for (int i = 0; i < 4; i++)
-        if (name && strcmp(name, names[i]) == 0) {
-            *out = (loom_gguf_type)i;
-            return LOOM_OK;
-        }
-    return loom_error(LOOM_ERR_INVALID, "unknown GGUF type '%s' (fp32, fp16, bf16 or q8_0)", name ? name : "");
+    loom_dtype dt;
+    if (name && strcasecmp(name, "q8_0") == 0) *out = LOOM_GGUF_Q8_0;
+    else if (name && loom_dtype_parse(name, &dt) == LOOM_OK)
+        *out = dt == LOOM_F32 ? LOOM_GGUF_F32 : dt == LOOM_F16 ? LOOM_GGUF_F16 : LOOM_GGUF_BF16;
+    else return loom_error(LOOM_ERR_INVALID, "unknown GGUF type '%s' (fp32, fp16, bf16 or q8_0)", name ? name : "");
+    return LOOM_OK;
+}
+
+/* The directory of path, created if missing. */
+static loom_status make_parent_dir(const char *path) {
+    char dir[4200];
+    if (snprintf(dir, sizeof dir, "%s", path) >= (int)sizeof dir)
+        return loom_error(LOOM_ERR_INVALID, "path too long: %s", path);
+    char *slash = strrchr(dir, '/');
+    if (!slash || slash == dir) return LOOM_OK;
+    *slash = '\0';
+    return loom_mkdir_p(dir);
 }
 
 loom_status loom_llama_save_gguf(loom_llama *m, loom_gguf_type type, const loom_tokenizer *tok, const char *path) {
@@ -329,6 +367,9 @@ loom_status loom_llama_save_gguf(loom_llama *m, loom_gguf_type type, const loom_
     if (!tok)
         return loom_error(LOOM_ERR_INVALID, "GGUF export needs the model's tokenizer: llama.cpp cannot run a model "
                           "without its vocabulary");
+    if (loom_tokenizer_eot(tok) < 0)
+        return loom_error(LOOM_ERR_INVALID, "GGUF export: the tokenizer has no %s token, which llama.cpp needs as "
+                          "BOS and EOS; use a tokenizer loom trained (it always has one)", LOOM_TOKENIZER_EOT);
     if (loom_tokenizer_vocab_size(tok) > m->cfg.vocab_size)
         return loom_error(LOOM_ERR_INVALID, "GGUF export: the tokenizer has %d tokens but the model only %d; "
                           "give the tokenizer the model was trained with", loom_tokenizer_vocab_size(tok),
@@ -336,12 +377,22 @@ loom_status loom_llama_save_gguf(loom_llama *m, loom_gguf_type type, const loom_
     gguf_tensor *t = calloc(9 * (size_t)m->cfg.n_layers + 3, sizeof *t);
     if (!t) return loom_error(LOOM_ERR_NOMEM, "GGUF export: out of memory");
     int n = list_tensors(m, type, t);
+    /* Q8_0 asked for, but every matrix fell back to fp16: say fp16. */
+    loom_gguf_type written = type == LOOM_GGUF_Q8_0 ? LOOM_GGUF_F16 : type;
+    for (int i = 0; i < n; i++)
+        if (t[i].type == LOOM_GGUF_Q8_0) written = LOOM_GGUF_Q8_0;
+    loom_status st = check_unique_spellings(tok, m->cfg.vocab_size);
+    if (st != LOOM_OK) {
+        free(t);
+        return st;
+    }
     gbuf meta = {0}, hdr = {0};
-    put_metadata(&meta, m, type, tok);
+    put_metadata(&meta, m, written, tok);
     if (!meta.oom) put_header(&hdr, &meta, t, n);
     free(meta.p);
-    loom_status st = meta.oom || hdr.oom ? loom_error(LOOM_ERR_NOMEM, "GGUF export: out of memory for the header") : LOOM_OK;
+    st = meta.oom || hdr.oom ? loom_error(LOOM_ERR_NOMEM, "GGUF export: out of memory for the header") : LOOM_OK;
     loom_atomic_file *f = NULL;
+    if (st == LOOM_OK) st = make_parent_dir(path);
     if (st == LOOM_OK) st = loom_atomic_file_open(path, &f);
     if (st == LOOM_OK) st = loom_atomic_file_write(f, hdr.p, hdr.n);
     free(hdr.p);
@@ -358,6 +409,7 @@ loom_status loom_llama_save_gguf(loom_llama *m, loom_gguf_type type, const loom_
             break;
         }
         st = loom_llama_param_gather(m, t[i].param, 0, full);
+        if (st == LOOM_OK) st = io_check_finite(full, count, path, m->params[t[i].param]->name);
         const float *src = full;
         if (st == LOOM_OK && t[i].heads) {
             interleave_heads(full, perm, t[i].heads, t[i].rows, t[i].cols);

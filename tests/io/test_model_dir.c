@@ -8,8 +8,9 @@
  * maps each tensor to) loads too, and a broken index is a clear error.
  * A training checkpoint with a loss scale its loader would refuse is never
  * written. A GGUF export refuses what it cannot write (no tokenizer, one
- * larger than the model's vocabulary, another dtype) and a failed write
- * leaves no file. (tests/python/gguf_check.py checks the file itself.)
+ * larger than the model's vocabulary, one with two tokens of the same bytes
+ * or no end of text, another type, a NaN weight) and a failed write leaves
+ * no file. (tests/python/gguf_check.py checks the file itself.)
  */
 #include "io_test.h"
 
@@ -233,7 +234,8 @@ static void test_gguf_refusals(void **state) {
     const char *text = "the cat sat on the mat; the dog sat on the log.";
     loom_tokenizer *tok;
     assert_int_equal(loom_tokenizer_train(&text, NULL, 1, 270, &tok), LOOM_OK);
-    const char *path = io_path("m.gguf");
+    char path[4096];
+    snprintf(path, sizeof path, "%s", io_path("m.gguf")); /* io_path's buffer is reused */
     struct stat sb;
     assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_F32, NULL, path), LOOM_ERR_INVALID);
     IO_ASSERT_MSG("needs the model's tokenizer");
@@ -258,6 +260,27 @@ static void test_gguf_refusals(void **state) {
     IO_ASSERT_MSG("m.gguf");
     assert_int_not_equal(stat(path, &sb), 0);
     assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_BF16, tok, path), LOOM_OK);
+    /* Tokenizers llama.cpp cannot load: two ids spelling "abc", no end of text. */
+    const char *dup = "{\"type\":\"loom-bpe\",\"version\":1,\"vocab_size\":261,"
+                      "\"merges\":[[97,98],[256,99],[98,99],[97,258]],\"special\":{\"<|endoftext|>\":260}}";
+    const char *no_eot = "{\"type\":\"loom-bpe\",\"version\":1,\"vocab_size\":257,\"merges\":[[97,98]]}";
+    const char *const bad[2] = {dup, no_eot}, *const why[2] = {"tokens 257 and 259 have the same bytes (abc)",
+                                                                 "has no <|endoftext|> token"};
+    for (int k = 0; k < 2; k++) {
+        io_write_raw(io_path("bad-tok.json"), bad[k], strlen(bad[k]));
+        loom_tokenizer *bt;
+        assert_int_equal(loom_tokenizer_load(io_path("bad-tok.json"), &bt), LOOM_OK);
+        assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_F32, bt, io_path("bad.gguf")), LOOM_ERR_INVALID);
+        IO_ASSERT_MSG(why[k]);
+        assert_int_not_equal(stat(io_path("bad.gguf"), &sb), 0);
+        loom_tokenizer_free(bt);
+    }
+    /* A NaN weight is named, and nothing is written. */
+    float *w = loom_param_master(m->layers[0].wv);
+    w[3] = NAN;
+    assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_Q8_0, tok, io_path("nan.gguf")), LOOM_ERR_FORMAT);
+    IO_ASSERT_MSG("model.layers.0.self_attn.v_proj.weight");
+    assert_int_not_equal(stat(io_path("nan.gguf"), &sb), 0);
     size_t n;
     unsigned char *f = io_read_raw(path, &n);
     assert_true(n > 64 && memcmp(f, "GGUF", 4) == 0 && f[4] == 3);

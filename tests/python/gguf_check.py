@@ -6,11 +6,14 @@ larger than the tokenizer's, tied embeddings) and a random loom
 tokenizer, exports them in fp32, bf16 and fp16, and checks, with a GGUF reader
 written here from the format's description (no gguf package):
 
-- the file: magic, version 3, the alignment of every tensor, data inside the
-  file and nothing after the last tensor;
-- the metadata: every llama.* hyperparameter equals config.json's;
+- the file: magic, version 3, the tensors in order, each aligned and right
+  after the one before (as llama.cpp requires), nothing after the last;
+- the metadata: every llama.* hyperparameter equals config.json's, and each
+  key has the value type llama.cpp's loader reads it as;
 - the tensors: llama.cpp's names, dimensions fastest first, norms in fp32,
-  matrices in the dtype asked for, each value the model's value rounded to it
+  matrices in the dtype asked for, q and k in the order llama.cpp's own
+  converter gives them (its reshape and swap of axes, written here in numpy),
+  each value the model's value rounded to it
   (torch's round to nearest even), Q8_0 blocks byte for byte those of ggml's
   reference quantizer (written here in numpy), and fp16 for a matrix whose
   rows Q8_0 cannot split into blocks of 32;
@@ -48,7 +51,7 @@ Q8_0 = 8  # blocks of 32: an fp16 scale d, then 32 int8; the value is d * q
 
 class Reader:
     def __init__(self, blob):
-        self.b, self.o = blob, 0
+        self.b, self.o, self.elem = blob, 0, None
 
     def take(self, fmt):
         (v,) = struct.unpack_from(fmt, self.b, self.o)
@@ -67,12 +70,15 @@ class Reader:
             return self.string()
         if t == 9:
             et, n = self.take("<I"), self.take("<Q")
+            self.elem = et
             return [self.value(et) for _ in range(n)]
         return self.take(_SCALARS[t])
 
 
 def read_gguf(path):
-    """(metadata {key: value}, {name: (type, dims, tensor in numpy order)})."""
+    """(metadata {key: value}, {name: (type, dims, tensor in numpy order)});
+    metadata["__types__"] is {key: value type, or (9, element type) for an
+    array}."""
     with open(path, "rb") as f:
         blob = f.read()
     r = Reader(blob)
@@ -80,11 +86,13 @@ def read_gguf(path):
     r.o = 4
     version, n_tensors, n_kv = r.take("<I"), r.take("<Q"), r.take("<Q")
     assert version == 3, f"version {version}"
-    meta = {}
+    meta, types = {}, {}
     for _ in range(n_kv):
         key = r.string()
         assert key not in meta, f"metadata key {key} twice"
-        meta[key] = r.value(r.take("<I"))
+        t = r.take("<I")
+        meta[key] = r.value(t)
+        types[key] = (9, r.elem) if t == 9 else t
     infos = []
     for _ in range(n_tensors):
         name = r.string()
@@ -95,10 +103,10 @@ def read_gguf(path):
     start = (r.o + align - 1) // align * align
     assert all(b == 0 for b in blob[r.o:start]), "padding before the data is not zeros"
     tensors, end = {}, start
-    for name, dims, typ, off in sorted(infos, key=lambda i: i[3]):
+    for name, dims, typ, off in infos:  # llama.cpp wants them in order, each padded, no gaps
         assert name not in tensors, f"tensor {name} twice"
         assert off % align == 0, f"{name}: offset {off} is not a multiple of {align}"
-        assert start + off >= end, f"{name} overlaps the tensor before it"
+        assert start + off == end, f"{name} is at {start + off}, not right after the tensor before it ({end})"
         n = math.prod(dims)
         nbytes = n // 32 * 34 if typ == Q8_0 else n * _GGML[typ][1]
         a = start + off
@@ -112,6 +120,7 @@ def read_gguf(path):
         tensors[name] = (typ, dims, t)
         end = (a + nbytes + align - 1) // align * align
     assert end == len(blob), f"the file has {len(blob) - end} bytes after its last tensor"
+    meta["__types__"] = types
     return meta, tensors
 
 
@@ -193,7 +202,8 @@ def check_vocabulary(meta, tok, merges, vocab_size):
     want = ["".join(enc[c] for c in tok[a]) + " " + "".join(enc[c] for c in tok[b]) for a, b in merges]
     assert meta["tokenizer.ggml.merges"] == want, "merges differ"
     assert meta["tokenizer.ggml.bos_token_id"] == eot and meta["tokenizer.ggml.eos_token_id"] == eot
-    assert meta["tokenizer.ggml.add_bos_token"] is True
+    assert meta["tokenizer.ggml.add_bos_token"] is True and meta["tokenizer.ggml.add_eos_token"] is False
+    assert meta["tokenizer.ggml.pre"] == "gpt-2"
 
 
 # ------------------------------------------------------------ llama.cpp's math
@@ -251,6 +261,25 @@ def gguf_name(hf):
     return f"blk.{l}.{GGUF_NAMES[rest[:-len('.weight')]]}.weight"
 
 
+def interleave_heads(w, heads):
+    """llama.cpp's converter's reordering of a Hugging Face q/k matrix (its
+    `permute`): per head, rows (2, HS/2) -> (HS/2, 2)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# u32 = 4, i32 = 5, f32 = 6, bool = 7, string = 8, array = 9: the types
+# llama.cpp's loader reads each key as (it refuses another).
+KEY_TYPES = {"general.architecture": 8, "general.file_type": 4, "general.alignment": 4,
+             "llama.context_length": 4, "llama.embedding_length": 4, "llama.block_count": 4,
+             "llama.feed_forward_length": 4, "llama.attention.head_count": 4, "llama.attention.head_count_kv": 4,
+             "llama.rope.dimension_count": 4, "llama.rope.freq_base": 6,
+             "llama.attention.layer_norm_rms_epsilon": 6, "llama.vocab_size": 4,
+             "tokenizer.ggml.model": 8, "tokenizer.ggml.pre": 8, "tokenizer.ggml.tokens": (9, 8),
+             "tokenizer.ggml.token_type": (9, 5), "tokenizer.ggml.merges": (9, 8),
+             "tokenizer.ggml.bos_token_id": 4, "tokenizer.ggml.eos_token_id": 4,
+             "tokenizer.ggml.add_bos_token": 7, "tokenizer.ggml.add_eos_token": 7}
+
+
 def make_model(d, config, rng):
     os.makedirs(d, exist_ok=True)
     cfg = ref.Config(config)
@@ -290,14 +319,15 @@ def check_model(loom, work, label, config, tokenizer, dtypes, rng):
                   "llama.attention.head_count": cfg.n_heads, "llama.attention.head_count_kv": cfg.n_kv_heads,
                   "llama.rope.dimension_count": cfg.head_size, "llama.context_length": cfg.max_seq,
                   "llama.vocab_size": cfg.vocab_size, "llama.rope.freq_base": ref.f32(cfg.rope_theta),
-                  "llama.attention.layer_norm_rms_epsilon": ref.f32(cfg.norm_eps),
-                  "general.file_type": {"fp32": 0, "fp16": 1, "bf16": 32, "q8_0": 7}[dtype]}
+                  "llama.attention.layer_norm_rms_epsilon": ref.f32(cfg.norm_eps)}
         for k, v in expect.items():
             assert meta.get(k) == v, f"{label} {dtype}: {k} is {meta.get(k)!r}, not {v!r}"
+        for k, t in KEY_TYPES.items():
+            assert meta["__types__"].get(k) == t, f"{label} {dtype}: {k} has type {meta['__types__'].get(k)}, not {t}"
         check_vocabulary(meta, tok, merges, cfg.vocab_size)
         names = {gguf_name(n): n for n in cfg.param_shapes()}
         assert set(tensors) == set(names), f"{label}: tensors {sorted(set(tensors) ^ set(names))} differ"
-        w = {}
+        w, stored = {}, set()
         for g, hf in names.items():
             typ, dims, t = tensors[g]
             p = params[hf].detach()
@@ -306,16 +336,25 @@ def check_model(loom, work, label, config, tokenizer, dtypes, rng):
             store = "fp32" if p.dim() == 1 else "fp16" if dtype == "q8_0" and p.shape[1] % 32 else dtype
             want_typ = {"fp32": 0, "fp16": 1, "bf16": 30, "q8_0": Q8_0}[store]
             assert typ == want_typ, f"{label} {dtype}: {g} stored as type {typ}, not {want_typ}"
-            exact = ".attn_q." not in g and ".attn_k." not in g
+            # q and k in the converter's order; the rest as they are.
+            heads = cfg.n_heads if ".attn_q." in g else cfg.n_kv_heads if ".attn_k." in g else 0
+            v = interleave_heads(p.numpy(), heads) if heads else p.numpy()
             if store == "q8_0":
-                if exact:
-                    assert np.array_equal(t, q8_0_blocks(p.numpy())), f"{label} {dtype}: {g} is not ggml's Q8_0"
+                assert np.array_equal(t, q8_0_blocks(v)), f"{label} {dtype}: {g} is not ggml's Q8_0"
                 w[g] = q8_0_values(t)
             else:
                 tdt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[store]
-                if exact:
-                    assert torch.equal(t, p.to(tdt)), f"{label} {dtype}: {g} is not the model's values"
+                assert torch.equal(t, torch.from_numpy(v).to(tdt)), f"{label} {dtype}: {g} is not the model's values"
                 w[g] = t.float()
+            stored.add(store)
+        # general.file_type: what the matrices were written as (q8_0 asked
+        # for with every matrix in fp16 is fp16).
+        matrices = "q8_0" if "q8_0" in stored else "fp16" if dtype == "q8_0" else dtype
+        want_ft = {"fp32": 0, "fp16": 1, "bf16": 32, "q8_0": 7}[matrices]
+        assert meta["general.file_type"] == want_ft, \
+            f"{label} {dtype}: general.file_type is {meta['general.file_type']}, not {want_ft}"
+        if dtype == "q8_0":
+            print(f"gguf_check: {label} q8_0: matrices stored as {sorted(stored - {'fp32'})}")
         with torch.no_grad():
             got = forward_gguf(meta, w, inputs)
         tol = {"fp32": 1e-4, "fp16": 5e-3, "bf16": 3e-2, "q8_0": 5e-2}[dtype]
@@ -345,7 +384,7 @@ def main():
     tokenizer = make_tokenizer(os.path.join(a.workdir, "tokenizer.json"), rng, 200)
     n_tok = 256 + 200 + 1
     gqa = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "intermediate_size": 96, "vocab_size": n_tok + 7, "max_position_embeddings": 64,
+           "intermediate_size": 80, "vocab_size": n_tok + 7, "max_position_embeddings": 64,
            "rope_theta": 500000.0, "rms_norm_eps": 1e-5}
     tied = {"hidden_size": 36, "num_hidden_layers": 1, "num_attention_heads": 3, "intermediate_size": 52,
             "vocab_size": n_tok, "tie_word_embeddings": True}

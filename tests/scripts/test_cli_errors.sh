@@ -149,14 +149,20 @@ expect_usage "is a directory; --format gguf writes one file" "$LOOM" export --mo
   --format gguf
 expect_usage "unknown GGUF type 'q4_0' \(fp32, fp16, bf16 or q8_0\)" "$LOOM" export --model "$WORK/r/model" \
   --out "$WORK/g.gguf" --format gguf --dtype q4_0
-expect_usage "--dtype: .*q8_0" "$LOOM" export --model "$WORK/r/model" --out "$WORK/g" --dtype q8_0
+expect_usage "q8_0 is for --format gguf" "$LOOM" export --model "$WORK/r/model" --out "$WORK/g" --dtype q8_0
+expect_usage "ends in '/'; --format gguf writes one file" "$LOOM" export --model "$WORK/r/model" --out "$WORK/gdir/" \
+  --format gguf
+[ -e "$WORK/gdir" ] && fail "a refused GGUF export created its directory"
+echo '{"hello": 1}' > "$WORK/bogus-tok.json"
+expect_error "bogus-tok.json" "$LOOM" export --model "$WORK/r/model" --out "$WORK/gx" --tokenizer "$WORK/bogus-tok.json"
+[ -e "$WORK/gx" ] && fail "an export with a bad tokenizer wrote its directory"
 mkdir -p "$WORK/notok" && cp "$WORK/r/model/config.json" "$WORK/r/model/model.safetensors" "$WORK/notok/"
 expect_usage "has no tokenizer.json, and a GGUF file must carry the vocabulary" "$LOOM" export --model "$WORK/notok" \
   --out "$WORK/g.gguf" --format gguf
 expect_usage "cannot read the tokenizer" "$LOOM" export --model "$WORK/notok" --out "$WORK/g.gguf" --format gguf \
   --tokenizer "$WORK/nowhere.json"
 "$LOOM" tokenize --train $(corpus) --vocab 700 --in "$SRC/README.md" --out "$WORK/tok700" 2>/dev/null
-expect_error "the tokenizer has 700 tokens but the model only 512" "$LOOM" export --model "$WORK/notok" \
+expect_error "tokenizer.json has 700 tokens but the model only 512" "$LOOM" export --model "$WORK/notok" \
   --out "$WORK/g.gguf" --format gguf --tokenizer "$WORK/tok700/tokenizer.json"
 [ -e "$WORK/g.gguf" ] && fail "a refused GGUF export left a file"
 # loom eval: data made with another tokenizer, a bad split, too long a sequence.
