@@ -1,11 +1,15 @@
 /*
  * cmd_tokenize.c — `loom tokenize`: train a byte-level BPE tokenizer and/or
- * encode text files into llm.c token shards (train and validation).
+ * encode text files into llm.c token shards (train and validation). Text
+ * comes as plain files (one document each, or split at a separator line) or
+ * as JSON Lines (.jsonl: one document per line, a string field of an object).
  */
 #include "cli.h"
 
+#include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
+#include <jansson.h>
 #include <fnmatch.h>
 #include <limits.h>
 #include <math.h>
@@ -50,6 +54,82 @@ static int split_docs(doc_list *l, const char *text, size_t len, const char *sep
         i = eol + 1;
     }
     return 0;
+}
+
+/* Buffers the documents point into, freed at the end. */
+typedef struct buf_list { void **items; size_t n, cap; } buf_list;
+
+static int keep(buf_list *l, void *p) {
+    if (l->n == l->cap) {
+        size_t cap = l->cap ? 2 * l->cap : 64;
+        void **items = realloc(l->items, cap * sizeof *items);
+        if (!items) return -1;
+        l->items = items;
+        l->cap = cap;
+    }
+    l->items[l->n++] = p;
+    return 0;
+}
+
+static void free_bufs(buf_list *l) {
+    for (size_t i = 0; i < l->n; i++) free(l->items[i]);
+    free(l->items);
+}
+
+static int is_jsonl(const char *path) {
+    size_t n = strlen(path);
+    return n >= 6 && strcmp(path + n - 6, ".jsonl") == 0;
+}
+
+/* The documents of a JSON Lines file: each line that is not blank is one
+ * JSON object, and its string field `key` one document (an empty string is
+ * none). A line that is not such an object is an error naming it. */
+static loom_status jsonl_docs(const char *path, const char *text, size_t len, const char *key, doc_list *docs,
+                              buf_list *owned) {
+    size_t line_no = 0;
+    for (size_t i = 0; i < len; line_no++) {
+        size_t eol = i, j = i;
+        while (eol < len && text[eol] != '\n') eol++;
+        while (j < eol && isspace((unsigned char)text[j])) j++;
+        if (j < eol) {
+            json_error_t err;
+            json_t *o = json_loadb(text + i, eol - i, JSON_ALLOW_NUL, &err);
+            if (!o)
+                return loom_error(LOOM_ERR_FORMAT, "%s:%zu: not JSON (%s); each line of a .jsonl file must be one "
+                                  "JSON object", path, line_no + 1, err.text);
+            json_t *v = json_is_object(o) ? json_object_get(o, key) : NULL;
+            if (!json_is_string(v)) {
+                json_decref(o);
+                return loom_error(LOOM_ERR_FORMAT, "%s:%zu: no string field \"%s\" in this line's object (name the "
+                                  "field with --jsonl-key)", path, line_no + 1, key);
+            }
+            size_t n = json_string_length(v);
+            char *copy = malloc(n + 1);
+            if (copy) memcpy(copy, json_string_value(v), n);
+            int kept = copy && keep(owned, copy) == 0;
+            if (copy && !kept) free(copy);
+            int fail = !kept || (n && push_doc(docs, copy, n) != 0);
+            json_decref(o);
+            if (fail) return loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory reading %s", path);
+        }
+        i = eol + 1;
+    }
+    return LOOM_OK;
+}
+
+/* The documents of one input file: a .jsonl file's lines, or a text file
+ * whole, or split at lines equal to sep (NULL: whole). */
+static loom_status file_docs(const char *path, const char *sep, const char *key, doc_list *docs, buf_list *owned) {
+    void *text = NULL;
+    size_t len = 0;
+    LOOM_TRY(loom_read_file(path, &text, &len));
+    if (keep(owned, text) != 0) {
+        free(text);
+        return loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory");
+    }
+    if (is_jsonl(path)) return jsonl_docs(path, text, len, key, docs, owned);
+    if (split_docs(docs, text, len, sep) != 0) return loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory");
+    return LOOM_OK;
 }
 
 typedef struct tok_buf { int32_t *ids; size_t n, cap; } tok_buf;
@@ -209,17 +289,18 @@ static double unigram_entropy(const tok_buf *b, int vocab) {
 
 static int run(int argc, char **argv) {
     string_list train = {0}, in = {0};
-    const char *out = NULL, *tok_path = NULL, *doc_sep = NULL;
+    const char *out = NULL, *tok_path = NULL, *doc_sep = NULL, *jsonl_key = NULL;
     int vocab = INT_MIN;         /* INT_MIN, NAN: not given (then 4096, 0.05) */
     double val_fraction = NAN;
     const flag flags[] = {
-        {"train", FLAG_LIST, &train, "FILE...", "train a BPE tokenizer on these text files"},
+        {"train", FLAG_LIST, &train, "FILE...", "train a BPE tokenizer on these text (or .jsonl) files"},
         {"vocab", FLAG_INT, &vocab, "N", "vocabulary size when training (default 4096)"},
         {"tokenizer", FLAG_STRING, &tok_path, "FILE", "an existing tokenizer.json to encode with"},
-        {"in", FLAG_LIST, &in, "FILE...", "text files to encode into shards"},
+        {"in", FLAG_LIST, &in, "FILE...", "text (or .jsonl) files to encode into shards"},
         {"out", FLAG_STRING, &out, "PATH", "tokenizer file (training only) or shard directory"},
         {"val-fraction", FLAG_DOUBLE, &val_fraction, "F", "share of documents for validation (default 0.05)"},
         {"doc-sep", FLAG_STRING, &doc_sep, "LINE", "a line that separates documents, e.g. % (default: one per file)"},
+        {"jsonl-key", FLAG_STRING, &jsonl_key, "KEY", "the field of each .jsonl line that holds its document (default text)"},
     };
     int n_flags = (int)(sizeof flags / sizeof flags[0]);
     int rc = cli_parse(&cmd_tokenize, flags, n_flags, argc, argv);
@@ -238,6 +319,12 @@ static int run(int argc, char **argv) {
                              doc_sep ? "doc-sep" : "val-fraction");
     else if (!isnan(val_fraction) && !(val_fraction >= 0.0 && val_fraction < 1.0))
         rc = cli_usage_error("tokenize", "--val-fraction must be in [0, 1)");
+    int any_jsonl = 0;
+    for (int i = 0; i < train.n; i++) any_jsonl |= is_jsonl(train.items[i]);
+    for (int i = 0; i < in.n; i++) any_jsonl |= is_jsonl(in.items[i]);
+    if (!rc && jsonl_key && !any_jsonl)
+        rc = cli_usage_error("tokenize", "--jsonl-key names the field of .jsonl files, and no file given ends in .jsonl");
+    if (!jsonl_key) jsonl_key = "text";
     if (vocab == INT_MIN) vocab = 4096;
     if (isnan(val_fraction)) val_fraction = 0.05;
     if (rc) { free(train.items); free(in.items); return rc; }
@@ -251,21 +338,25 @@ static int run(int argc, char **argv) {
     loom_status st = in.n ? prepare_out(out) : LOOM_OK;
     loom_tokenizer *tok = NULL;
     char tok_out[4096];
-    void **texts = calloc((size_t)(train.n + in.n + 1), sizeof *texts);
-    size_t *lens = calloc((size_t)(train.n + in.n + 1), sizeof *lens);
-    if (!texts || !lens) {
-        free(texts);
-        free(lens);
-        free(train.items);
-        free(in.items);
-        return cli_fail("tokenize", loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory"));
-    }
+    buf_list owned = {0};
     if (train.n) {
         double t0 = cli_now();
-        for (int i = 0; i < train.n && st == LOOM_OK; i++) st = loom_read_file(train.items[i], &texts[i], &lens[i]);
-        size_t total = 0;
-        for (int i = 0; i < train.n; i++) total += lens[i];
-        if (st == LOOM_OK) st = loom_tokenizer_train((const char *const *)texts, lens, (size_t)train.n, vocab, &tok);
+        /* A text file trains whole; a .jsonl file's documents each apart. */
+        doc_list tdocs = {0};
+        for (int i = 0; i < train.n && st == LOOM_OK; i++)
+            st = file_docs(train.items[i], NULL, jsonl_key, &tdocs, &owned);
+        const char **texts = malloc((tdocs.n + 1) * sizeof *texts);
+        size_t *lens = malloc((tdocs.n + 1) * sizeof *lens), total = 0;
+        if (st == LOOM_OK && (!texts || !lens)) st = loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory");
+        for (size_t i = 0; st == LOOM_OK && i < tdocs.n; i++) {
+            texts[i] = tdocs.items[i].text;
+            lens[i] = tdocs.items[i].len;
+            total += lens[i];
+        }
+        if (st == LOOM_OK) st = loom_tokenizer_train(texts, lens, tdocs.n, vocab, &tok);
+        free(texts);
+        free(lens);
+        free(tdocs.items);
         if (st == LOOM_OK) {
             /* Training alone: --out is the tokenizer file; with --in, a directory. */
             if (in.n) { /* prepare_out made the directory */
@@ -290,12 +381,7 @@ static int run(int argc, char **argv) {
     }
     if (st == LOOM_OK && in.n) {
         doc_list docs = {0};
-        for (int i = 0; i < in.n && st == LOOM_OK; i++) {
-            int k = train.n + i;
-            st = loom_read_file(in.items[i], &texts[k], &lens[k]);
-            if (st == LOOM_OK && split_docs(&docs, texts[k], lens[k], doc_sep) != 0)
-                st = loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory");
-        }
+        for (int i = 0; i < in.n && st == LOOM_OK; i++) st = file_docs(in.items[i], doc_sep, jsonl_key, &docs, &owned);
         if (st == LOOM_OK && docs.n == 0)
             st = loom_error(LOOM_ERR_INVALID, "tokenize: the --in files hold no text%s%s%s", doc_sep ? " (empty, or only "
                             : " (empty)", doc_sep ? doc_sep : "", doc_sep ? " lines)" : "");
@@ -332,9 +418,7 @@ static int run(int argc, char **argv) {
         free(va.ids);
         free(docs.items);
     }
-    for (int i = 0; i < train.n + in.n; i++) free(texts[i]);
-    free(texts);
-    free(lens);
+    free_bufs(&owned);
     free(train.items);
     free(in.items);
     loom_tokenizer_free(tok);
@@ -349,6 +433,8 @@ const command cmd_tokenize = {
     "       loom tokenize --train FILE... --vocab N --in FILE... --out DIR",
     "Shards use llm.c's format (uint16 tokens up to 65536 ids, else uint32):\n"
     "DIR/train_000000.bin, DIR/val_000000.bin, and DIR/tokenizer.json. Documents are\n"
-    "joined with the <|endoftext|> token.",
+    "joined with the <|endoftext|> token. A file ending in .jsonl is JSON Lines: each\n"
+    "line an object whose \"text\" field (--jsonl-key) is one document; --doc-sep\n"
+    "applies to the other files.",
     run,
 };
