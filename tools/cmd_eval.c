@@ -10,36 +10,46 @@
 #include <string.h>
 #include <sys/stat.h>
 
-/* LOOM_ERR_INVALID when the model directory and the data directory both
- * hold a tokenizer.json and the two differ: the ids would mean other text. */
-static loom_status same_tokenizer(const char *model, const char *data) {
+/* LOOM_ERR_INVALID when the model's tokenizer.json and the one beside a
+ * shard (in its directory, where loom tokenize writes it) both exist and
+ * differ: the ids would mean other text. */
+static loom_status same_tokenizer(const char *model, const loom_dataloader *dl) {
     char a[4200], b[4200];
     struct stat sb;
     snprintf(a, sizeof a, "%s/tokenizer.json", model);
-    snprintf(b, sizeof b, "%s/tokenizer.json", data);
-    if (stat(a, &sb) != 0 || stat(b, &sb) != 0) return LOOM_OK;
-    void *x = NULL, *y = NULL;
-    size_t nx = 0, ny = 0;
-    loom_status st = loom_read_file(a, &x, &nx);
-    if (st == LOOM_OK) st = loom_read_file(b, &y, &ny);
-    if (st == LOOM_OK && (nx != ny || memcmp(x, y, nx) != 0))
-        st = loom_error(LOOM_ERR_INVALID, "%s was tokenized with another tokenizer than the model's (%s differs "
-                        "from %s): evaluate on data tokenized with the model's tokenizer", data, b, a);
+    if (stat(a, &sb) != 0) return LOOM_OK;
+    void *x = NULL;
+    size_t nx = 0;
+    LOOM_TRY(loom_read_file(a, &x, &nx));
+    loom_status st = LOOM_OK;
+    for (size_t i = 0; st == LOOM_OK && i < loom_dataloader_num_shards(dl); i++) {
+        const char *shard = loom_dataloader_shard_path(dl, i), *slash = strrchr(shard, '/');
+        int dir_len = slash ? (int)(slash - shard) : 1;
+        snprintf(b, sizeof b, "%.*s/tokenizer.json", dir_len, slash ? shard : ".");
+        if (stat(b, &sb) != 0) continue;
+        void *y = NULL;
+        size_t ny = 0;
+        st = loom_read_file(b, &y, &ny);
+        if (st == LOOM_OK && (nx != ny || memcmp(x, y, nx) != 0))
+            st = loom_error(LOOM_ERR_INVALID, "%s was made with another tokenizer than the model's (%s differs from "
+                            "%s): tokenize the text again with loom tokenize --tokenizer %s --in FILE... --out DIR",
+                            shard, b, a, a);
+        free(y);
+    }
     free(x);
-    free(y);
     return st;
 }
 
 static int run(int argc, char **argv) {
-    const char *model = NULL, *data = NULL, *split = "val", *precision = "fp32";
+    const char *model = NULL, *data = NULL, *split = NULL, *precision = "fp32";
     int batch = 8, seq = 0, batches = 0, threads = 0;
     const flag flags[] = {
         {"model", FLAG_STRING, &model, "DIR", "model directory or checkpoint"},
         {"data", FLAG_STRING, &data, "PATH", "token shards: a dataset directory, a glob or one file"},
-        {"split", FLAG_STRING, &split, "S", "which shards of a directory: val or train (default val)"},
+        {"split", FLAG_STRING, &split, "S", "which shards of a dataset directory: val or train (default val)"},
         {"batch", FLAG_INT, &batch, "B", "sequences per batch (default 8)"},
         {"seq", FLAG_INT, &seq, "T", "tokens per sequence (default: the model's context length)"},
-        {"batches", FLAG_INT, &batches, "N", "at most N batches; 0: one pass over the shards (default 0)"},
+        {"batches", FLAG_INT, &batches, "N", "N batches from the first, as a run's validation reads them; 0: one pass (default 0)"},
         {"precision", FLAG_STRING, &precision, "P", "compute dtype: fp32, bf16 or fp16 (default fp32)"},
         {"threads", FLAG_INT, &threads, "N", "OpenMP threads (default: OMP_NUM_THREADS, else the cores this process may use)"},
     };
@@ -48,8 +58,17 @@ static int run(int argc, char **argv) {
     if (!model || !data) return cli_usage_error("eval", "--model DIR and --data PATH are required");
     if (batch <= 0 || seq < 0 || batches < 0)
         return cli_usage_error("eval", "--batch must be positive, --seq and --batches >= 0");
-    if (strcmp(split, "val") != 0 && strcmp(split, "train") != 0)
+    if (split && strcmp(split, "val") != 0 && strcmp(split, "train") != 0)
         return cli_usage_error("eval", "--split must be val or train, not '%s'", split);
+    struct stat sb;
+    int is_dir = stat(data, &sb) == 0 && S_ISDIR(sb.st_mode);
+    if (split && !is_dir)
+        return cli_usage_error("eval", "--split chooses among a dataset directory's shards; %s is a file or a glob, "
+                               "which names its shards itself", data);
+    if (!split) split = "val";
+    if (seq > 0 && (size_t)batch * (size_t)seq > (size_t)1 << 30)
+        return cli_usage_error("eval", "--batch %d x --seq %d is more than 2^30 tokens per batch: lower --batch or "
+                               "--seq", batch, seq);
     loom_precision prec = {LOOM_F32, 0};
     if (loom_dtype_parse(precision, &prec.compute) != LOOM_OK) return cli_usage_error("eval", "%s", loom_last_error());
     if ((rc = cli_apply_threads("eval", threads))) return rc;
@@ -58,8 +77,7 @@ static int run(int argc, char **argv) {
     loom_llama *m = NULL;
     loom_dataloader *dl = NULL;
     int32_t *inputs = NULL, *targets = NULL;
-    loom_status st = same_tokenizer(model, data);
-    if (st == LOOM_OK) st = loom_model_dir_load(model, prec, &m);
+    loom_status st = loom_model_dir_load(model, prec, &m);
     if (st == LOOM_OK && seq == 0) seq = m->cfg.max_seq;
     if (st == LOOM_OK && seq > m->cfg.max_seq) {
         int max_seq = m->cfg.max_seq;
@@ -67,11 +85,13 @@ static int run(int argc, char **argv) {
         return cli_usage_error("eval", "--seq %d is longer than the model's context (%d)", seq, max_seq);
     }
     if (st == LOOM_OK && (size_t)batch * (size_t)seq > (size_t)1 << 30)
-        st = loom_error(LOOM_ERR_INVALID, "--batch %d x --seq %d is more tokens than one batch may hold", batch, seq);
+        st = loom_error(LOOM_ERR_INVALID, "--batch %d x the model's context %d is more than 2^30 tokens per batch: "
+                        "lower --batch or --seq", batch, seq);
     if (st == LOOM_OK) {
         loom_dataloader_options o = {batch, seq, 0, 1, m->cfg.vocab_size, split};
         st = loom_dataloader_open(data, &o, &dl);
     }
+    if (st == LOOM_OK) st = same_tokenizer(model, dl);
     if (st == LOOM_OK) {
         inputs = malloc((size_t)batch * seq * sizeof *inputs);
         targets = malloc((size_t)batch * seq * sizeof *targets);
@@ -83,7 +103,7 @@ static int run(int argc, char **argv) {
     while (st == LOOM_OK && (batches == 0 || done < batches)) {
         loom_dataloader_position pos;
         loom_dataloader_get_position(dl, &pos);
-        if (pos.epoch > 0) break; /* one pass at most */
+        if (batches == 0 && pos.epoch > 0) break; /* one pass; N batches wrap around, as validation does */
         loom_tensor *loss = NULL;
         st = loom_dataloader_next(dl, inputs, targets);
         if (st == LOOM_OK) st = loom_llama_forward(m, inputs, targets, batch, seq, &loss, NULL);
@@ -98,8 +118,8 @@ static int run(int argc, char **argv) {
             st = loom_error(LOOM_ERR_NUMERIC, "the loss is %g: the model's weights or this precision overflow "
                             "(try --precision fp32)", mean);
         else
-            printf("eval: split=%s batches=%d tokens=%lld loss=%.6f ppl=%.4f\n", split, done,
-                   (long long)done * batch * seq, mean, exp(mean));
+            printf("eval: data=%s%s%s batches=%d tokens=%lld loss=%.6f ppl=%.4f\n", data, is_dir ? " split=" : "",
+                   is_dir ? split : "", done, (long long)done * batch * seq, mean, exp(mean));
     }
     free(inputs);
     free(targets);
@@ -111,11 +131,13 @@ static int run(int argc, char **argv) {
 const command cmd_eval = {
     "eval",
     "the loss and perplexity of a model on token shards (a dataset's validation split)",
-    "eval --model DIR --data PATH [--split val|train] [--batch B] [--seq T] [--batches N] [--precision P]",
-    "Batches are read as training reads them: B rows of T+1 consecutive tokens, one\n"
-    "pass from the first shard; the loss is the mean over the batches' tokens, so it\n"
-    "equals a run's validation loss for the same --batch, --seq and --batches\n"
-    "(train's --eval-batches). A model directory whose tokenizer.json differs from\n"
-    "the data directory's is refused.",
+    "eval --model DIR --data PATH [--split val|train] [--batch B] [--seq T] [--batches N] [--precision P] "
+    "[--threads N]",
+    "Batches are read as training reads them: B rows of T+1 consecutive tokens from\n"
+    "the first shard on; the loss is the mean over the batches' tokens. With --batches N\n"
+    "it reads N batches (wrapping around at the end, as a run's validation does), so\n"
+    "it equals the validation loss of a one-process run with the same --batch, --seq,\n"
+    "--precision and --eval-batches N. Shards beside a tokenizer.json that differs\n"
+    "from the model's are refused.",
     run,
 };

@@ -15,6 +15,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -78,7 +79,7 @@ static void free_bufs(buf_list *l) {
 
 static int is_jsonl(const char *path) {
     size_t n = strlen(path);
-    return n >= 6 && strcmp(path + n - 6, ".jsonl") == 0;
+    return n >= 6 && strcasecmp(path + n - 6, ".jsonl") == 0;
 }
 
 /* The documents of a JSON Lines file: each line that is not blank is one
@@ -86,26 +87,34 @@ static int is_jsonl(const char *path) {
  * none). A line that is not such an object is an error naming it. */
 static loom_status jsonl_docs(const char *path, const char *text, size_t len, const char *key, doc_list *docs,
                               buf_list *owned) {
-    size_t line_no = 0;
-    for (size_t i = 0; i < len; line_no++) {
+    size_t line_no = 0, i = len >= 3 && !memcmp(text, "\xEF\xBB\xBF", 3) ? 3 : 0; /* a UTF-8 byte order mark */
+    while (i < len) {
+        line_no++;
         size_t eol = i, j = i;
         while (eol < len && text[eol] != '\n') eol++;
         while (j < eol && isspace((unsigned char)text[j])) j++;
         if (j < eol) {
             json_error_t err;
-            json_t *o = json_loadb(text + i, eol - i, JSON_ALLOW_NUL, &err);
+            /* Numbers too large for an integer are read as reals: valid JSON
+             * in another field is no reason to refuse a line. */
+            json_t *o = json_loadb(text + i, eol - i, JSON_ALLOW_NUL | JSON_DECODE_INT_AS_REAL, &err);
             if (!o)
-                return loom_error(LOOM_ERR_FORMAT, "%s:%zu: not JSON (%s); each line of a .jsonl file must be one "
-                                  "JSON object", path, line_no + 1, err.text);
+                return loom_error(LOOM_ERR_FORMAT, "%s:%zu: cannot parse the line as JSON (%s, column %d); each line "
+                                  "of a .jsonl file must be one JSON object", path, line_no, err.text, err.column);
             json_t *v = json_is_object(o) ? json_object_get(o, key) : NULL;
+            const char *what = !json_is_object(o) ? "is not a JSON object" : !v ? "has no field" : "has a field";
             if (!json_is_string(v)) {
                 json_decref(o);
-                return loom_error(LOOM_ERR_FORMAT, "%s:%zu: no string field \"%s\" in this line's object (name the "
-                                  "field with --jsonl-key)", path, line_no + 1, key);
+                return loom_error(LOOM_ERR_FORMAT, "%s:%zu: the line %s \"%s\"%s (the documents are that string "
+                                  "field of each line's object; --jsonl-key names another)", path, line_no,
+                                  what, key, v ? " that is not a string" : "");
             }
             size_t n = json_string_length(v);
             char *copy = malloc(n + 1);
-            if (copy) memcpy(copy, json_string_value(v), n);
+            if (copy) {
+                memcpy(copy, json_string_value(v), n);
+                copy[n] = '\0';
+            }
             int kept = copy && keep(owned, copy) == 0;
             if (copy && !kept) free(copy);
             int fail = !kept || (n && push_doc(docs, copy, n) != 0);
@@ -319,11 +328,17 @@ static int run(int argc, char **argv) {
                              doc_sep ? "doc-sep" : "val-fraction");
     else if (!isnan(val_fraction) && !(val_fraction >= 0.0 && val_fraction < 1.0))
         rc = cli_usage_error("tokenize", "--val-fraction must be in [0, 1)");
-    int any_jsonl = 0;
+    int any_jsonl = 0, in_text = 0;
     for (int i = 0; i < train.n; i++) any_jsonl |= is_jsonl(train.items[i]);
-    for (int i = 0; i < in.n; i++) any_jsonl |= is_jsonl(in.items[i]);
+    for (int i = 0; i < in.n; i++) {
+        any_jsonl |= is_jsonl(in.items[i]);
+        in_text |= !is_jsonl(in.items[i]);
+    }
     if (!rc && jsonl_key && !any_jsonl)
         rc = cli_usage_error("tokenize", "--jsonl-key names the field of .jsonl files, and no file given ends in .jsonl");
+    if (!rc && doc_sep && in.n && !in_text)
+        rc = cli_usage_error("tokenize", "--doc-sep splits text files, and every --in file is .jsonl (one document "
+                             "per line already)");
     if (!jsonl_key) jsonl_key = "text";
     if (vocab == INT_MIN) vocab = 4096;
     if (isnan(val_fraction)) val_fraction = 0.05;
@@ -345,6 +360,8 @@ static int run(int argc, char **argv) {
         doc_list tdocs = {0};
         for (int i = 0; i < train.n && st == LOOM_OK; i++)
             st = file_docs(train.items[i], NULL, jsonl_key, &tdocs, &owned);
+        if (st == LOOM_OK && tdocs.n == 0)
+            st = loom_error(LOOM_ERR_INVALID, "tokenize: the --train files hold no text to learn merges from");
         const char **texts = malloc((tdocs.n + 1) * sizeof *texts);
         size_t *lens = malloc((tdocs.n + 1) * sizeof *lens), total = 0;
         if (st == LOOM_OK && (!texts || !lens)) st = loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory");

@@ -127,7 +127,9 @@ grep -q "validation is off: no shards matching '\*val\*.bin'" "$WORK/noval.log" 
   { cat "$WORK/noval.log"; fail "no note on missing validation"; }
 # Validation shards too short for one step: a note too, not an error that
 # stops training (the step grows with the batch and the ranks).
-"$LOOM" tokenize --tokenizer "$WORK/data/tokenizer.json" --in "$SRC/README.md" --val-fraction 0.005 --out "$WORK/shortval" 2>/dev/null
+# (A fixed 20000 bytes: 0.5% of their tokens stays below one step as README.md grows.)
+head -c 20000 "$SRC/README.md" > "$WORK/short.txt"
+"$LOOM" tokenize --tokenizer "$WORK/data/tokenizer.json" --in "$WORK/short.txt" --val-fraction 0.005 --out "$WORK/shortval" 2>/dev/null
 "$LOOM" train --data "$WORK/shortval" --config "$WORK/cfg.json" --batch 2 --seq 32 --steps 1 --eval-every 1 \
   --out "$WORK/shortval-run" 2>"$WORK/shortval.log" || { cat "$WORK/shortval.log"; fail "a short validation split stopped training"; }
 grep -q "validation is off: data loader: one step needs" "$WORK/shortval.log" || { cat "$WORK/shortval.log"; fail "no note on a short validation split"; }
@@ -171,8 +173,13 @@ expect_usage "--split must be val or train, not 'test'" "$LOOM" eval --model "$W
   --split test
 expect_usage "--seq 1000 is longer than the model's context \(64\)" "$LOOM" eval --model "$WORK/r/model" \
   --data "$WORK/data" --seq 1000
-expect_error "was tokenized with another tokenizer than the model's" "$LOOM" eval --model "$WORK/r/model" \
-  --data "$WORK/tok700"
+for d in "$WORK/tok700" "$WORK/tok700/train_000000.bin" "$WORK/tok700/*.bin"; do
+  expect_error "was made with another tokenizer than the model's" "$LOOM" eval --model "$WORK/r/model" --data "$d"
+done
+expect_usage "--split chooses among a dataset directory's shards" "$LOOM" eval --model "$WORK/r/model" \
+  --data "$WORK/data/val_000000.bin" --split train
+expect_usage "more than 2\^30 tokens per batch" "$LOOM" eval --model "$WORK/r/model" --data "$WORK/data" \
+  --batch 100000 --seq 20000
 # --tp in a single process: says how to start it.
 expect_error "start tensor parallelism with mpirun" "$LOOM" train "${D[@]}" --steps 1 --tp 2 --out "$WORK/tp1"
 set +e; "$LOOM" train "${D[@]}" --steps 1 --tp 0 --out "$WORK/tp0" 2>"$WORK/tp0.log"; rc=$?; set -e

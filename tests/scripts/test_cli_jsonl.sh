@@ -18,19 +18,26 @@ with open(f"{w}/docs.jsonl", "w", encoding="utf-8", newline="") as f:
         f.write(json.dumps({"id": i, "text": d}) + ("\r\n" if i % 2 else "\n"))
         if i == 3:
             f.write("   \n")  # a blank line is no document
-with open(f"{w}/content.jsonl", "w") as f:
+with open(f"{w}/content.jsonl", "w", encoding="utf-8-sig") as f:  # with a byte order mark
     for d in docs:
-        f.write(json.dumps({"content": d}) + "\n")
+        f.write(json.dumps({"content": d, "n": 10 ** 30}) + "\n")  # an integer too big for int64: valid JSON
+# Training texts without trailing whitespace, so that documents kept apart
+# and documents joined into one text learn different merges.
+tdocs = [f"{('red', 'green', 'blue')[i % 3]} fox {('jumps', 'runs', 'sleeps', 'eats')[i % 4]}" for i in range(40)]
+with open(f"{w}/train.jsonl", "w") as f:
+    for d in tdocs:
+        f.write(json.dumps({"text": d}) + "\n")
+with open(f"{w}/joined.txt", "w") as f:
+    f.write("".join(tdocs))
 os.makedirs(f"{w}/each")
-for i, d in enumerate(docs):
-    with open(f"{w}/each/{i:03d}.txt", "w", encoding="utf-8", newline="") as f:
+for i, d in enumerate(tdocs):
+    with open(f"{w}/each/{i:03d}.txt", "w") as f:
         f.write(d)
-with open(f"{w}/bad.jsonl", "w") as f:
-    f.write('{"text": "fine"}\n{"text": "fine"}\n{"text": broken}\n')
-with open(f"{w}/nokey.jsonl", "w") as f:
-    f.write('{"text": "fine"}\n{"body": "no text field"}\n')
-with open(f"{w}/notstr.jsonl", "w") as f:
-    f.write('{"text": 5}\n')
+bad = {"bad": '{"text": "fine"}\n\n{"text": broken}\n', "nokey": '{"text": "fine"}\n{"body": "no text field"}\n',
+       "notstr": '{"text": 5}\n', "array": '["text", "fine"]\n', "blank": "\n  \n\n"}
+for name, text in bad.items():
+    with open(f"{w}/{name}.jsonl", "w") as f:
+        f.write(text)
 PY
 "$LOOM" tokenize --train "$WORK/docs.txt" --vocab 300 --out "$WORK/tok.json" 2>/dev/null
 "$LOOM" tokenize --tokenizer "$WORK/tok.json" --in "$WORK/docs.txt" --doc-sep % --val-fraction 0.2 --out "$WORK/a" \
@@ -45,15 +52,22 @@ done
   --out "$WORK/c" 2>/dev/null
 cmp -s "$WORK/a/train_000000.bin" "$WORK/c/train_000000.bin" || fail "--jsonl-key content reads other documents"
 # Training: each .jsonl document is a text of its own, as a file of its own is.
-"$LOOM" tokenize --train "$WORK/docs.jsonl" --vocab 320 --out "$WORK/tj.json" 2>/dev/null
-"$LOOM" tokenize --train "$WORK"/each/*.txt --vocab 320 --out "$WORK/te.json" 2>/dev/null
+"$LOOM" tokenize --train "$WORK/train.jsonl" --vocab 1000 --out "$WORK/tj.json" 2>/dev/null
+"$LOOM" tokenize --train "$WORK"/each/*.txt --vocab 1000 --out "$WORK/te.json" 2>/dev/null
+"$LOOM" tokenize --train "$WORK/joined.txt" --vocab 1000 --out "$WORK/tjoined.json" 2>/dev/null
 cmp -s "$WORK/tj.json" "$WORK/te.json" || fail "the tokenizer trained on .jsonl documents differs"
-cmp -s "$WORK/tj.json" "$WORK/tok.json" && fail "the check cannot tell documents from one text"
+cmp -s "$WORK/tj.json" "$WORK/tjoined.json" && fail "the check cannot tell documents kept apart from one text"
 # Bad input
-expect_error "bad.jsonl:3: not JSON" "$LOOM" tokenize --tokenizer "$WORK/tok.json" --in "$WORK/bad.jsonl" --out "$WORK/x"
-expect_error "nokey.jsonl:2: no string field \"text\"" "$LOOM" tokenize --tokenizer "$WORK/tok.json" \
-  --in "$WORK/nokey.jsonl" --out "$WORK/x"
-expect_error "notstr.jsonl:1: no string field" "$LOOM" tokenize --train "$WORK/notstr.jsonl" --out "$WORK/x.json"
+T=(--tokenizer "$WORK/tok.json" --out "$WORK/x")
+expect_error "bad.jsonl:3: cannot parse the line as JSON" "$LOOM" tokenize "${T[@]}" --in "$WORK/bad.jsonl"
+expect_error "nokey.jsonl:2: the line has no field \"text\"" "$LOOM" tokenize "${T[@]}" --in "$WORK/nokey.jsonl"
+expect_error "notstr.jsonl:1: the line has a field \"text\" that is not a string" "$LOOM" tokenize \
+  --train "$WORK/notstr.jsonl" --out "$WORK/x.json"
+expect_error "array.jsonl:1: the line is not a JSON object" "$LOOM" tokenize "${T[@]}" --in "$WORK/array.jsonl"
+expect_error "the --in files hold no text" "$LOOM" tokenize "${T[@]}" --in "$WORK/blank.jsonl"
+expect_error "the --train files hold no text" "$LOOM" tokenize --train "$WORK/blank.jsonl" --out "$WORK/x.json"
+[ -e "$WORK/x.json" ] && fail "a failed tokenizer training wrote a tokenizer"
+expect_usage "every --in file is .jsonl" "$LOOM" tokenize "${T[@]}" --in "$WORK/docs.jsonl" --doc-sep %
 expect_usage "no file given ends in .jsonl" "$LOOM" tokenize --tokenizer "$WORK/tok.json" --in "$WORK/docs.txt" \
   --jsonl-key body --out "$WORK/x"
 [ -e "$WORK/x/train_000000.bin" ] && fail "a failed tokenize wrote shards"
