@@ -1,6 +1,6 @@
 /*
  * cmd_train.c — `loom train`: the training loop. Data from llm.c shards,
- * AdamW on fp32 masters with warmup + cosine, clipping, dynamic loss scaling
+ * AdamW on fp32 masters with warmup and a decay schedule, clipping, dynamic loss scaling
  * for fp16, recompute per block, validation, exact-resume checkpoints on a
  * schedule and on SIGINT/SIGTERM/SIGUSR1/SIGUSR2, metrics as JSON lines, an
  * SVG loss plot.
@@ -50,8 +50,10 @@ static int parse_settings(trainer *t, loom_precision *prec, loom_recompute_mode 
     if (!(o->lr > 0.0f) || o->min_lr < 0.0f || o->warmup < 0 || o->clip < 0.0f || o->weight_decay < 0.0f)
         return cli_usage_error("train", "--lr must be positive; --min-lr, --warmup, --clip, --weight-decay >= 0");
     if (o->min_lr > o->lr)
-        return cli_usage_error("train", "--min-lr %g is above --lr %g: the cosine decays from --lr to --min-lr",
+        return cli_usage_error("train", "--min-lr %g is above --lr %g: the schedule decays from --lr to --min-lr",
                                (double)o->min_lr, (double)o->lr);
+    if (!(o->decay_frac > 0.0f && o->decay_frac <= 1.0f))
+        return cli_usage_error("train", "--decay-frac must be in (0, 1], got %g", (double)o->decay_frac);
     if (o->dump_logits && o->resume)
         return cli_usage_error("train", "--dump-logits writes the logits of a run's first step, which a resumed run "
                                "does not take: drop --resume (or --dump-logits)");
@@ -69,12 +71,14 @@ static int parse_settings(trainer *t, loom_precision *prec, loom_recompute_mode 
 static void settings_record(const train_opts *o, const char *resume_dir, char *buf, size_t n) {
     snprintf(buf, n,
              "--batch %d\n--seq %d\n--grad-accum %d\n--steps %d\n--lr %a\n--min-lr %a\n--warmup %d\n"
+             "--schedule %s\n--decay-frac %a\n"
              "--weight-decay %a\n--clip %a\n--precision %s\n--master-grad %s\n--recompute %s\n"
              "--recompute-mode %s\n--recompute-blocks %d\n--recompute-budget %a\n--seed %d\n--eval-every %d\n"
              "--eval-batches %d\n--ckpt-every %d\n--keep %d\n"
              "--tp %d\n--zero %d\n--overlap %d\n--bucket-size %d\n--preset %s\n--tie-embeddings %d\n"
              "--check-grads %d\n--dump-grads %s\n--dump-logits %s\n--resume %s\n",
-             o->batch, o->seq, o->grad_accum, o->steps, (double)o->lr, (double)o->min_lr, o->warmup,
+             o->batch, o->seq, o->grad_accum, o->steps, (double)o->lr, (double)o->min_lr, o->warmup, o->schedule,
+             (double)o->decay_frac,
              (double)o->weight_decay, (double)o->clip, o->precision, o->master_grad, o->recompute, o->recompute_mode,
              o->recompute_blocks, (double)o->recompute_budget, o->seed, o->eval_every, o->eval_batches, o->ckpt_every,
              o->keep, o->tp, o->zero, o->overlap,
@@ -332,7 +336,7 @@ static loom_status train_step(trainer *t, step_result *r) {
     }
     if (o->dump_grads) return LOOM_OK; /* the caller dumps and stops */
     LOOM_TRY(loom_dist_optim_prepare(t->opt, &t->scaler, o->clip, &r->info));
-    r->lr = loom_lr_cosine(t->state.step, o->warmup, o->steps, o->lr, o->min_lr);
+    r->lr = loom_lr_at(o->sched, t->state.step, o->warmup, o->steps, o->lr, o->min_lr, o->decay_frac);
     if (r->info.found_inf) {
         r->skipped = 1;
         /* With loss scaling an overflow halves the scale and skips the
@@ -574,7 +578,7 @@ static int run(int argc, char **argv) {
                       .recompute = "none", .recompute_mode = NULL, .batch = 8, .seq = 0,
                       .grad_accum = 1, .tp = 1, .steps = 100, .warmup = 10, .seed = 1337, .threads = 0, .eval_every = 50,
                       .eval_batches = 4, .ckpt_every = 0, .keep = 2, .log_every = 1, .lr = 1e-3f, .min_lr = NAN,
-                      .weight_decay = 0.1f, .clip = 1.0f};
+                      .weight_decay = 0.1f, .clip = 1.0f, .schedule = "cosine", .decay_frac = NAN};
     const flag flags[] = {
         {"data", FLAG_STRING, &o->data, "DIR", "token shards (train_*.bin, val_*.bin) and tokenizer.json (required)"},
         {"out", FLAG_STRING, &o->out, "DIR", "output: checkpoints, metrics, plot, final model (default out; with "
@@ -589,8 +593,12 @@ static int run(int argc, char **argv) {
         {"grad-accum", FLAG_INT, &o->grad_accum, "K", "micro-batches per optimizer step (default 1)"},
         {"steps", FLAG_INT, &o->steps, "N", "optimizer steps in total (default 100)"},
         {"lr", FLAG_FLOAT, &o->lr, "X", "peak learning rate (default 1e-3)"},
-        {"min-lr", FLAG_FLOAT, &o->min_lr, "X", "final learning rate of the cosine (default lr/10)"},
+        {"min-lr", FLAG_FLOAT, &o->min_lr, "X", "final learning rate of the decay (default lr/10)"},
         {"warmup", FLAG_INT, &o->warmup, "N", "linear warmup steps (default 10)"},
+        {"schedule", FLAG_STRING, &o->schedule, "S", "learning rate after warmup: cosine, linear, constant or wsd "
+                                                     "(warmup-stable-decay) (default cosine)"},
+        {"decay-frac", FLAG_FLOAT, &o->decay_frac, "F", "wsd: the last share of the steps, decaying linearly to "
+                                                        "--min-lr (default 0.2)"},
         {"weight-decay", FLAG_FLOAT, &o->weight_decay, "X", "AdamW decoupled weight decay, not on norms (default 0.1)"},
         {"clip", FLAG_FLOAT, &o->clip, "X", "clip the global gradient norm to X; 0 disables (default 1.0)"},
         {"precision", FLAG_STRING, &o->precision, "P", "fp32, bf16 or fp16 (default bf16)"},
@@ -644,7 +652,14 @@ static int run(int argc, char **argv) {
                 o->recompute);
     if (!o->preset) o->preset = "tiny";
     if (!o->recompute_mode) o->recompute_mode = "nonreentrant";
+    if (loom_lr_schedule_parse(o->schedule, &o->sched) != LOOM_OK)
+        return cli_usage_error("train", "--schedule: %s", loom_last_error());
+    if (o->sched == LOOM_LR_CONSTANT && !isnan(o->min_lr))
+        return cli_usage_error("train", "--min-lr is where a schedule decays to, and --schedule constant does not decay");
+    if (o->sched != LOOM_LR_WSD && !isnan(o->decay_frac))
+        return cli_usage_error("train", "--decay-frac sizes the decay of --schedule wsd, not of %s", o->schedule);
     if (isnan(o->min_lr)) o->min_lr = o->lr / 10.0f; /* not given (the parser takes finite numbers only) */
+    if (isnan(o->decay_frac)) o->decay_frac = 0.2f;
     loom_precision prec = {LOOM_BF16, 1};
     loom_recompute_mode mode = LOOM_RECOMPUTE_NONE;
     if ((rc = parse_settings(&t, &prec, &mode))) return rc;

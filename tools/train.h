@@ -18,6 +18,9 @@ typedef struct train_opts {
     int log_every, check_grads, tie, tp, zero, overlap, bucket_size, recompute_blocks;
     const char *overlap_flag;
     float lr, min_lr, weight_decay, clip;
+    const char *schedule; /* learning rate after warmup: cosine, linear, constant, wsd */
+    float decay_frac;     /* wsd: the share of the steps that decays */
+    loom_lr_schedule sched;
     float recompute_budget; /* MiB of activations a step may use; 0: no plan */
 } train_opts;
 

@@ -94,6 +94,23 @@ void loom_dist_optim_set_moments(loom_dist_optim *o, const float *const *m, cons
  * at `total` steps. step counts from 0. */
 float loom_lr_cosine(int step, int warmup, int total, float max_lr, float min_lr);
 
+/* Learning-rate schedules. Each warms up linearly, max_lr * (step + 1) /
+ * warmup for step < warmup, then, with p the share of the decay done:
+ *  - COSINE: min + (max - min) (1 + cos(pi p)) / 2, p over warmup .. total;
+ *  - LINEAR: max + (min - max) p, p over warmup .. total;
+ *  - CONSTANT: max (min_lr is not used);
+ *  - WSD (warmup, stable, decay): max until the last decay_frac of the
+ *    steps, round(decay_frac * total) of them (but none before warmup ends),
+ *    then linear to min over those steps.
+ * p = (step - start) / (total - start); from step `total` on, min_lr
+ * (max_lr for CONSTANT). */
+typedef enum loom_lr_schedule { LOOM_LR_COSINE, LOOM_LR_LINEAR, LOOM_LR_CONSTANT, LOOM_LR_WSD } loom_lr_schedule;
+/* "cosine", "linear", "constant", "wsd" -> schedule; LOOM_ERR_INVALID
+ * naming them. */
+loom_status loom_lr_schedule_parse(const char *name, loom_lr_schedule *out);
+const char *loom_lr_schedule_name(loom_lr_schedule s);
+float loom_lr_at(loom_lr_schedule s, int step, int warmup, int total, float max_lr, float min_lr, float decay_frac);
+
 #ifdef __cplusplus
 }
 #endif

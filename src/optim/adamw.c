@@ -7,6 +7,7 @@
 #include "kernels/kernels.h"
 
 #include <math.h>
+#include <string.h>
 #include <stdlib.h>
 
 struct loom_adamw {
@@ -97,4 +98,35 @@ float loom_lr_cosine(int step, int warmup, int total, float max_lr, float min_lr
     double progress = (double)(step - warmup) / (double)(total - warmup > 0 ? total - warmup : 1);
     double c = 0.5 * (1.0 + cos(M_PI * progress));
     return min_lr + (float)c * (max_lr - min_lr);
+}
+
+static const char *const schedule_names[] = {"cosine", "linear", "constant", "wsd"};
+
+loom_status loom_lr_schedule_parse(const char *name, loom_lr_schedule *out) {
+    for (int i = 0; i < 4; i++)
+        if (name && strcmp(name, schedule_names[i]) == 0) {
+            *out = (loom_lr_schedule)i;
+            return LOOM_OK;
+        }
+    return loom_error(LOOM_ERR_INVALID, "unknown learning-rate schedule '%s' (cosine, linear, constant or wsd)",
+                      name ? name : "");
+}
+
+const char *loom_lr_schedule_name(loom_lr_schedule s) {
+    return (unsigned)s < 4 ? schedule_names[s] : "?";
+}
+
+float loom_lr_at(loom_lr_schedule s, int step, int warmup, int total, float max_lr, float min_lr, float decay_frac) {
+    if (s == LOOM_LR_COSINE) return loom_lr_cosine(step, warmup, total, max_lr, min_lr);
+    if (warmup > 0 && step < warmup) return max_lr * (float)(step + 1) / (float)warmup;
+    if (s == LOOM_LR_CONSTANT) return max_lr;
+    if (step >= total) return min_lr;
+    int start = warmup;
+    if (s == LOOM_LR_WSD) {
+        int decay = (int)lround((double)decay_frac * total);
+        start = total - decay > warmup ? total - decay : warmup;
+        if (step < start) return max_lr;
+    }
+    double progress = (double)(step - start) / (double)(total - start > 0 ? total - start : 1);
+    return max_lr + (float)progress * (min_lr - max_lr);
 }

@@ -22,6 +22,10 @@ expect_usage "--recompute-budget picks the number of blocks itself" "$LOOM" trai
 expect_usage "--recompute-budget must be >= 0" "$LOOM" train "${D[@]}" --recompute-budget -1
 expect_usage "--recompute-blocks 3 is more than the model's 2 blocks" "$LOOM" train "${D[@]}" --recompute full \
   --recompute-blocks 3 --out "$WORK/rb3"
+expect_usage "--schedule: unknown learning-rate schedule 'step'" "$LOOM" train "${D[@]}" --schedule step
+expect_usage "--schedule constant does not decay" "$LOOM" train "${D[@]}" --schedule constant --min-lr 1e-5
+expect_usage "--decay-frac sizes the decay of --schedule wsd, not of cosine" "$LOOM" train "${D[@]}" --decay-frac 0.3
+expect_usage "--decay-frac must be in \(0, 1\]" "$LOOM" train "${D[@]}" --schedule wsd --decay-frac 0 --out "$WORK/df0"
 expect_error "expects on or off" "$LOOM" train "${D[@]}" --master-grad maybe
 expect_error "unknown preset" "$LOOM" train --data "$WORK/data" --preset huge
 expect_usage "longer than the model's context" "$LOOM" train "${D[@]}" --seq 1000
