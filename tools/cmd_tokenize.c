@@ -21,11 +21,13 @@
 
 #define SHARD_TOKENS 100000000
 
-typedef struct doc { const char *text; size_t len; } doc;
+/* A document: text, and for supervised fine-tuning a prompt before it whose
+ * tokens are no targets of the loss (prompt NULL: none). */
+typedef struct doc { const char *prompt; size_t prompt_len; const char *text; size_t len; } doc;
 
 typedef struct doc_list { doc *items; size_t n, cap; } doc_list;
 
-static int push_doc(doc_list *l, const char *text, size_t len) {
+static int push_pair(doc_list *l, const char *prompt, size_t prompt_len, const char *text, size_t len) {
     if (l->n == l->cap) {
         size_t cap = l->cap ? 2 * l->cap : 1024;
         doc *d = realloc(l->items, cap * sizeof *d);
@@ -33,9 +35,11 @@ static int push_doc(doc_list *l, const char *text, size_t len) {
         l->items = d;
         l->cap = cap;
     }
-    l->items[l->n++] = (doc){text, len};
+    l->items[l->n++] = (doc){prompt, prompt_len, text, len};
     return 0;
 }
+
+static int push_doc(doc_list *l, const char *text, size_t len) { return push_pair(l, NULL, 0, text, len); }
 
 /* Split text into documents at lines equal to sep (if sep is set); a line
  * ends at \n, and a \r before it is not part of it (CRLF files). */
@@ -82,11 +86,36 @@ static int is_jsonl(const char *path) {
     return n >= 6 && strcasecmp(path + n - 6, ".jsonl") == 0;
 }
 
+/* *out: a copy (kept in owned) of string field `key` of line line_no's
+ * object o, *n its length. `flag` names the option that chooses the key. */
+static loom_status jsonl_field(const char *path, size_t line_no, json_t *o, const char *key, const char *flag,
+                               buf_list *owned, const char **out, size_t *n) {
+    json_t *v = json_is_object(o) ? json_object_get(o, key) : NULL;
+    const char *what = !json_is_object(o) ? "is not a JSON object" : !v ? "has no field" : "has a field";
+    if (!json_is_string(v))
+        return loom_error(LOOM_ERR_FORMAT, "%s:%zu: the line %s \"%s\"%s (each line's object must have that "
+                          "string field; %s names another)", path, line_no, what, key,
+                          v ? " that is not a string" : "", flag);
+    *n = json_string_length(v);
+    char *copy = malloc(*n + 1);
+    if (copy) {
+        memcpy(copy, json_string_value(v), *n);
+        copy[*n] = '\0';
+    }
+    if (!copy || keep(owned, copy) != 0) {
+        free(copy);
+        return loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory reading %s", path);
+    }
+    *out = copy;
+    return LOOM_OK;
+}
+
 /* The documents of a JSON Lines file: each line that is not blank is one
  * JSON object, and its string field `key` one document (an empty string is
- * none). A line that is not such an object is an error naming it. */
-static loom_status jsonl_docs(const char *path, const char *text, size_t len, const char *key, doc_list *docs,
-                              buf_list *owned) {
+ * none), after its field prompt_key when that is not NULL (a prompt and its
+ * completion). A line that is not such an object is an error naming it. */
+static loom_status jsonl_docs(const char *path, const char *text, size_t len, const char *key,
+                              const char *prompt_key, doc_list *docs, buf_list *owned) {
     size_t line_no = 0, i = len >= 3 && !memcmp(text, "\xEF\xBB\xBF", 3) ? 3 : 0; /* a UTF-8 byte order mark */
     while (i < len) {
         line_no++;
@@ -101,25 +130,15 @@ static loom_status jsonl_docs(const char *path, const char *text, size_t len, co
             if (!o)
                 return loom_error(LOOM_ERR_FORMAT, "%s:%zu: cannot parse the line as JSON (%s, column %d); each line "
                                   "of a .jsonl file must be one JSON object", path, line_no, err.text, err.column);
-            json_t *v = json_is_object(o) ? json_object_get(o, key) : NULL;
-            const char *what = !json_is_object(o) ? "is not a JSON object" : !v ? "has no field" : "has a field";
-            if (!json_is_string(v)) {
-                json_decref(o);
-                return loom_error(LOOM_ERR_FORMAT, "%s:%zu: the line %s \"%s\"%s (the documents are that string "
-                                  "field of each line's object; --jsonl-key names another)", path, line_no,
-                                  what, key, v ? " that is not a string" : "");
-            }
-            size_t n = json_string_length(v);
-            char *copy = malloc(n + 1);
-            if (copy) {
-                memcpy(copy, json_string_value(v), n);
-                copy[n] = '\0';
-            }
-            int kept = copy && keep(owned, copy) == 0;
-            if (copy && !kept) free(copy);
-            int fail = !kept || (n && push_doc(docs, copy, n) != 0);
+            size_t n = 0, pn = 0;
+            const char *prompt = NULL, *body = NULL;
+            loom_status fs = prompt_key ? jsonl_field(path, line_no, o, prompt_key, "--jsonl-prompt-key", owned,
+                                                      &prompt, &pn) : LOOM_OK;
+            if (fs == LOOM_OK) fs = jsonl_field(path, line_no, o, key, "--jsonl-key", owned, &body, &n);
             json_decref(o);
-            if (fail) return loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory reading %s", path);
+            LOOM_TRY(fs);
+            if ((n || pn) && push_pair(docs, prompt, pn, body, n) != 0)
+                return loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory reading %s", path);
         }
         i = eol + 1;
     }
@@ -128,7 +147,8 @@ static loom_status jsonl_docs(const char *path, const char *text, size_t len, co
 
 /* The documents of one input file: a .jsonl file's lines, or a text file
  * whole, or split at lines equal to sep (NULL: whole). */
-static loom_status file_docs(const char *path, const char *sep, const char *key, doc_list *docs, buf_list *owned) {
+static loom_status file_docs(const char *path, const char *sep, const char *key, const char *prompt_key,
+                             doc_list *docs, buf_list *owned) {
     void *text = NULL;
     size_t len = 0;
     LOOM_TRY(loom_read_file(path, &text, &len));
@@ -136,27 +156,40 @@ static loom_status file_docs(const char *path, const char *sep, const char *key,
         free(text);
         return loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory");
     }
-    if (is_jsonl(path)) return jsonl_docs(path, text, len, key, docs, owned);
+    if (is_jsonl(path)) return jsonl_docs(path, text, len, key, prompt_key, docs, owned);
     if (split_docs(docs, text, len, sep) != 0) return loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory");
     return LOOM_OK;
 }
 
-typedef struct tok_buf { int32_t *ids; size_t n, cap; } tok_buf;
+/* Token ids, and beside them the loss mask: 1 for a target of the loss, 0
+ * for a prompt's token; `masked` once any is 0 (then the shards get masks). */
+typedef struct tok_buf { int32_t *ids; uint8_t *mask; size_t n, cap; int masked; } tok_buf;
 
 static loom_status append_doc(loom_tokenizer *tok, tok_buf *b, const doc *d) {
-    size_t need = b->n + d->len + 1;
+    size_t need = b->n + d->prompt_len + d->len + 1;
     if (need > b->cap) {
         size_t cap = need * 2;
         int32_t *ids = realloc(b->ids, cap * sizeof *ids);
-        if (!ids) return loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory");
-        b->ids = ids;
+        if (ids) b->ids = ids;
+        uint8_t *mask = ids ? realloc(b->mask, cap) : NULL;
+        if (!mask) return loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory");
+        b->mask = mask;
         b->cap = cap;
     }
-    size_t n = 0;
+    size_t n = 0, start = b->n;
     int eot = loom_tokenizer_eot(tok);
-    if (eot >= 0) b->ids[b->n++] = eot; /* every document starts after a separator */
+    if (eot >= 0) b->ids[b->n++] = eot; /* every document starts after a separator (a target: the end of the last) */
+    if (d->prompt) {
+        LOOM_TRY(loom_tokenizer_encode(tok, d->prompt, d->prompt_len, b->ids + b->n, b->cap - b->n, &n));
+        memset(b->mask + start, 1, b->n - start);
+        memset(b->mask + b->n, 0, n); /* the prompt: no target */
+        b->n += n;
+        b->masked |= n > 0;
+        start = b->n;
+    }
     LOOM_TRY(loom_tokenizer_encode(tok, d->text, d->len, b->ids + b->n, b->cap - b->n, &n));
     b->n += n;
+    memset(b->mask + start, 1, b->n - start);
     return LOOM_OK;
 }
 
@@ -171,7 +204,7 @@ static int is_our_shard(const char *name) {
     const char *p = !strncmp(name, "train_", 6) ? name + 6 : !strncmp(name, "val_", 4) ? name + 4 : NULL;
     if (!p || !(*p >= '0' && *p <= '9')) return 0;
     while (*p >= '0' && *p <= '9') p++;
-    return !strcmp(p, ".bin");
+    return !strcmp(p, ".bin") || !strcmp(p, ".mask");
 }
 
 /* Shards an earlier run wrote here (train_NNNNNN.bin, val_NNNNNN.bin): the
@@ -196,11 +229,15 @@ static loom_status remove_old_shards(const char *dir) {
 }
 
 static loom_status write_shards(const char *dir, const char *split, const tok_buf *b, int vocab) {
-    char path[4096];
+    char path[4096], mask[4096];
     for (size_t off = 0, k = 0; off < b->n || k == 0; off += SHARD_TOKENS, k++) {
         size_t n = b->n - off < SHARD_TOKENS ? b->n - off : SHARD_TOKENS;
         snprintf(path, sizeof path, "%s/%s_%06zu.bin", dir, split, k);
         LOOM_TRY(loom_shard_write(path, b->ids + off, n, vocab));
+        if (b->masked) {
+            LOOM_TRY(loom_mask_path(path, mask, sizeof mask));
+            LOOM_TRY(loom_mask_write(mask, b->mask + off, n));
+        }
         if (n == 0) break;
     }
     return LOOM_OK;
@@ -298,7 +335,7 @@ static double unigram_entropy(const tok_buf *b, int vocab) {
 
 static int run(int argc, char **argv) {
     string_list train = {0}, in = {0};
-    const char *out = NULL, *tok_path = NULL, *doc_sep = NULL, *jsonl_key = NULL;
+    const char *out = NULL, *tok_path = NULL, *doc_sep = NULL, *jsonl_key = NULL, *prompt_key = NULL;
     int vocab = INT_MIN;         /* INT_MIN, NAN: not given (then 4096, 0.05) */
     double val_fraction = NAN;
     const flag flags[] = {
@@ -310,6 +347,8 @@ static int run(int argc, char **argv) {
         {"val-fraction", FLAG_DOUBLE, &val_fraction, "F", "share of documents for validation (default 0.05)"},
         {"doc-sep", FLAG_STRING, &doc_sep, "LINE", "a line that separates documents, e.g. % (default: one per file)"},
         {"jsonl-key", FLAG_STRING, &jsonl_key, "KEY", "the field of each .jsonl line that holds its document (default text)"},
+        {"jsonl-prompt-key", FLAG_STRING, &prompt_key, "KEY", "fine-tuning data: each .jsonl line's prompt, before its "
+                                                              "document; no loss on the prompt's tokens"},
     };
     int n_flags = (int)(sizeof flags / sizeof flags[0]);
     int rc = cli_parse(&cmd_tokenize, flags, n_flags, argc, argv);
@@ -334,8 +373,9 @@ static int run(int argc, char **argv) {
         any_jsonl |= is_jsonl(in.items[i]);
         in_text |= !is_jsonl(in.items[i]);
     }
-    if (!rc && jsonl_key && !any_jsonl)
-        rc = cli_usage_error("tokenize", "--jsonl-key names the field of .jsonl files, and no file given ends in .jsonl");
+    if (!rc && (jsonl_key || prompt_key) && !any_jsonl)
+        rc = cli_usage_error("tokenize", "--%s names a field of .jsonl files, and no file given ends in .jsonl",
+                             jsonl_key ? "jsonl-key" : "jsonl-prompt-key");
     if (!rc && doc_sep && in.n && !in_text)
         rc = cli_usage_error("tokenize", "--doc-sep splits text files, and every --in file is .jsonl (one document "
                              "per line already)");
@@ -359,18 +399,26 @@ static int run(int argc, char **argv) {
         /* A text file trains whole; a .jsonl file's documents each apart. */
         doc_list tdocs = {0};
         for (int i = 0; i < train.n && st == LOOM_OK; i++)
-            st = file_docs(train.items[i], NULL, jsonl_key, &tdocs, &owned);
+            st = file_docs(train.items[i], NULL, jsonl_key, prompt_key, &tdocs, &owned);
         if (st == LOOM_OK && tdocs.n == 0)
             st = loom_error(LOOM_ERR_INVALID, "tokenize: the --train files hold no text to learn merges from");
-        const char **texts = malloc((tdocs.n + 1) * sizeof *texts);
-        size_t *lens = malloc((tdocs.n + 1) * sizeof *lens), total = 0;
+        /* A prompt and its completion are two texts: they are encoded apart. */
+        const char **texts = malloc((2 * tdocs.n + 1) * sizeof *texts);
+        size_t *lens = malloc((2 * tdocs.n + 1) * sizeof *lens), total = 0, n_texts = 0;
         if (st == LOOM_OK && (!texts || !lens)) st = loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory");
         for (size_t i = 0; st == LOOM_OK && i < tdocs.n; i++) {
-            texts[i] = tdocs.items[i].text;
-            lens[i] = tdocs.items[i].len;
-            total += lens[i];
+            const doc *d = &tdocs.items[i];
+            if (d->prompt_len) {
+                texts[n_texts] = d->prompt;
+                lens[n_texts++] = d->prompt_len;
+            }
+            if (d->len) {
+                texts[n_texts] = d->text;
+                lens[n_texts++] = d->len;
+            }
+            total += d->prompt_len + d->len;
         }
-        if (st == LOOM_OK) st = loom_tokenizer_train(texts, lens, tdocs.n, vocab, &tok);
+        if (st == LOOM_OK) st = loom_tokenizer_train(texts, lens, n_texts, vocab, &tok);
         free(texts);
         free(lens);
         free(tdocs.items);
@@ -398,7 +446,8 @@ static int run(int argc, char **argv) {
     }
     if (st == LOOM_OK && in.n) {
         doc_list docs = {0};
-        for (int i = 0; i < in.n && st == LOOM_OK; i++) st = file_docs(in.items[i], doc_sep, jsonl_key, &docs, &owned);
+        for (int i = 0; i < in.n && st == LOOM_OK; i++)
+            st = file_docs(in.items[i], doc_sep, jsonl_key, prompt_key, &docs, &owned);
         if (st == LOOM_OK && docs.n == 0)
             st = loom_error(LOOM_ERR_INVALID, "tokenize: the --in files hold no text%s%s%s", doc_sep ? " (empty, or only "
                             : " (empty)", doc_sep ? doc_sep : "", doc_sep ? " lines)" : "");
@@ -417,8 +466,16 @@ static int run(int argc, char **argv) {
             /* One document: the validation set is its last share of tokens. */
             size_t n_val = (size_t)share(tr.n, val_fraction);
             va.ids = malloc((n_val + 1) * sizeof *va.ids);
-            if (!va.ids) st = loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory");
-            else { memcpy(va.ids, tr.ids + tr.n - n_val, n_val * sizeof *va.ids); va.n = n_val; tr.n -= n_val; }
+            va.mask = malloc(n_val + 1);
+            if (!va.ids || !va.mask) {
+                st = loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory");
+            } else {
+                memcpy(va.ids, tr.ids + tr.n - n_val, n_val * sizeof *va.ids);
+                memcpy(va.mask, tr.mask + tr.n - n_val, n_val);
+                va.n = n_val;
+                va.masked = tr.masked;
+                tr.n -= n_val;
+            }
         }
         char staging[4200];
         snprintf(staging, sizeof staging, "%s/.shards.new.%d", out, (int)getpid());
@@ -431,8 +488,16 @@ static int run(int argc, char **argv) {
             fprintf(stderr, "tokenize: %zu documents (%zu for validation), %zu train tokens, %zu validation tokens; "
                     "unigram entropy %.3f nats/token\n", docs.n, docs.n == 1 ? 0 : n_val_docs, tr.n, va.n,
                     unigram_entropy(&tr, loom_tokenizer_vocab_size(tok)));
+        if (st == LOOM_OK && (tr.masked || va.masked)) {
+            size_t targets = 0;
+            for (size_t i = 0; i < tr.n; i++) targets += tr.mask[i];
+            fprintf(stderr, "tokenize: loss masks beside the shards: %zu of the %zu train tokens are targets, the "
+                    "rest prompts\n", targets, tr.n);
+        }
         free(tr.ids);
+        free(tr.mask);
         free(va.ids);
+        free(va.mask);
         free(docs.items);
     }
     free_bufs(&owned);
@@ -452,6 +517,8 @@ const command cmd_tokenize = {
     "DIR/train_000000.bin, DIR/val_000000.bin, and DIR/tokenizer.json. Documents are\n"
     "joined with the <|endoftext|> token. A file ending in .jsonl is JSON Lines: each\n"
     "line an object whose \"text\" field (--jsonl-key) is one document; --doc-sep\n"
-    "applies to the other files.",
+    "applies to the other files. With --jsonl-prompt-key KEY each line's KEY field is a\n"
+    "prompt before the document, and DIR/NAME.mask beside each shard marks its tokens\n"
+    "as no target of the loss (supervised fine-tuning).",
     run,
 };

@@ -175,6 +175,10 @@ static loom_status open_data(trainer *t) {
     const train_opts *o = &t->o;
     loom_dataloader_options dl = {o->batch, o->seq, t->dist.dp_rank, t->dist.dp_size, t->m->cfg.vocab_size, "train"};
     LOOM_TRY(loom_dataloader_open(o->data, &dl, &t->train));
+    size_t masked = loom_dataloader_num_masked(t->train);
+    if (masked && t->leader)
+        fprintf(stderr, "train: loss masks on %zu of the %zu training shards: the loss leaves out the tokens they mask "
+                "(prompts)\n", masked, loom_dataloader_num_shards(t->train));
     struct stat sb;
     int is_dir = stat(o->data, &sb) == 0 && S_ISDIR(sb.st_mode);
     dl.split = "val";

@@ -204,6 +204,27 @@ void loom_shard_close(loom_shard *s);
 size_t loom_shard_count(const loom_shard *s);
 /* 2 (uint16 tokens) or 4 (uint32 tokens). */
 int loom_shard_token_bytes(const loom_shard *s);
+
+/* Loss masks, for supervised fine-tuning: beside shard DIR/NAME.bin,
+ * DIR/NAME.mask holds one byte per token of the shard, 1 where the token
+ * counts as a target of the loss and 0 where it does not (a prompt's
+ * tokens): the shard's 1024-byte header layout with magic 20261201, version
+ * 1 and the count, then the bytes. A shard without one counts every token. */
+#define LOOM_MASK_MAGIC 20261201
+#define LOOM_MASK_VERSION 1
+/* The mask path of a shard path ending in ".bin" (else LOOM_ERR_INVALID). */
+loom_status loom_mask_path(const char *shard_path, char *out, size_t cap);
+/* Write n mask bytes (each 0 or 1, else LOOM_ERR_INVALID naming the index)
+ * atomically. Errors also: LOOM_ERR_IO. */
+loom_status loom_mask_write(const char *path, const uint8_t *mask, size_t n);
+typedef struct loom_mask loom_mask;
+/* Open (memory-map) and validate the header against the file size.
+ * Errors: LOOM_ERR_IO, LOOM_ERR_FORMAT (the message names the file). */
+loom_status loom_mask_open(const char *path, loom_mask **out);
+void loom_mask_close(loom_mask *m);
+size_t loom_mask_count(const loom_mask *m);
+/* The count bytes (owned by m; values are not checked here). */
+const uint8_t *loom_mask_bytes(const loom_mask *m);
 /* Copy tokens [start, start + n) as int32 into dst. Errors: LOOM_ERR_INVALID
  * (range past the end), LOOM_ERR_FORMAT (a uint32 token above INT32_MAX). */
 loom_status loom_shard_read(const loom_shard *s, size_t start, size_t n, int32_t *dst);
@@ -261,8 +282,8 @@ loom_status loom_dataloader_set_position(loom_dataloader *dl, const loom_dataloa
 /* Back to epoch 0, first shard, offset 0. */
 loom_status loom_dataloader_reset(loom_dataloader *dl);
 /* A 64-bit summary of the data this loader reads: the shards' count and
- * order, each one's token count, and their tokens (not the names: paths
- * differ between machines). Shards are hashed whole, in order, while the
+ * order, each one's token count, their tokens and their loss masks (not the
+ * names: paths differ between machines). Shards are hashed whole, in order, while the
  * tokens hashed whole stay within LOOM_FINGERPRINT_FULL_TOKENS (256 MiB of
  * tokens: 0.11 s from the page cache on the Zen 4 of BENCHMARKS.md, more when
  * they come from disk); each shard past that
@@ -274,6 +295,12 @@ loom_status loom_dataloader_reset(loom_dataloader *dl);
 #define LOOM_FINGERPRINT_FULL_TOKENS ((size_t)64 << 20)
 loom_status loom_dataloader_fingerprint(const loom_dataloader *dl, uint64_t *out);
 size_t loom_dataloader_num_shards(const loom_dataloader *dl);
+/* How many of the shards have a loss mask (DIR/NAME.mask beside
+ * DIR/NAME.bin): their targets are -1, which the loss ignores, where the
+ * mask is 0. Errors for masks, at open: LOOM_ERR_FORMAT (a bad file, or a
+ * count other than its shard's); at next: LOOM_ERR_FORMAT (a byte other
+ * than 0 or 1, its position named). */
+size_t loom_dataloader_num_masked(const loom_dataloader *dl);
 /* Path of shard i (owned by dl), NULL when out of range. */
 const char *loom_dataloader_shard_path(const loom_dataloader *dl, size_t i);
 

@@ -6,8 +6,10 @@
  * the span [offset + r*B*T, offset + (r+1)*B*T + 1). The position is
  * normalised after every step so it always names a step that fits, which
  * makes a saved position mean the same thing on every rank and after a
- * restart. Owns: shard discovery (directory, glob or file), the position.
- * Must never: return a token >= vocab_size, or advance on a failed step.
+ * restart. A shard with a loss mask beside it (NAME.mask) gets target -1
+ * where the mask is 0. Owns: shard discovery (directory, glob or file), the
+ * position. Must never: return a token >= vocab_size, or advance on a
+ * failed step.
  */
 #define _GNU_SOURCE
 #include "io/io_internal.h"
@@ -29,7 +31,10 @@ struct loom_dataloader {
     size_t span;       /* B*T+1 tokens read per rank */
     loom_dataloader_position pos;
     loom_shard *current; /* the open shard, index current_index */
+    loom_mask *current_mask; /* its loss mask, when it has one */
     size_t current_index;
+    unsigned char *has_mask; /* per shard: a NAME.mask beside it */
+    size_t n_masked;
     int32_t *buf;      /* (B*T+1) */
 };
 
@@ -133,6 +138,33 @@ static void normalise(loom_dataloader *dl, loom_dataloader_position *pos) {
     }
 }
 
+/* Shard i's loss mask, if it has one: checked against the shard's count;
+ * kept in *out when out is not NULL (else closed), noted in has_mask. */
+static loom_status open_mask(loom_dataloader *dl, size_t i, loom_mask **out) {
+    char path[4200];
+    struct stat sb;
+    if (out) *out = NULL;
+    if (loom_mask_path(dl->paths[i], path, sizeof path) != LOOM_OK || stat(path, &sb) != 0) {
+        if (dl->has_mask[i])
+            return loom_error(LOOM_ERR_IO, "the loss mask of '%s' went away while training", dl->paths[i]);
+        return LOOM_OK; /* no mask: every token counts */
+    }
+    loom_mask *m;
+    LOOM_TRY(loom_mask_open(path, &m));
+    if (loom_mask_count(m) != dl->counts[i]) {
+        loom_status st = loom_error(LOOM_ERR_FORMAT, "loss mask '%s' covers %zu tokens but its shard '%s' holds %zu: "
+                                    "they are of two tokenize runs; make the data again", path, loom_mask_count(m),
+                                    dl->paths[i], dl->counts[i]);
+        loom_mask_close(m);
+        return st;
+    }
+    if (!dl->has_mask[i]) dl->n_masked++;
+    dl->has_mask[i] = 1;
+    if (out) *out = m;
+    else loom_mask_close(m);
+    return LOOM_OK;
+}
+
 static loom_status check_options(const loom_dataloader_options *o) {
     if (o->batch_size < 1 || o->seq_len < 1)
         return loom_error(LOOM_ERR_INVALID, "data loader: batch size %d and sequence length %d must be "
@@ -165,6 +197,8 @@ loom_status loom_dataloader_open(const char *source, const loom_dataloader_optio
         dl->counts = calloc(dl->n_shards, sizeof *dl->counts);
         if (!dl->counts) s = loom_error(LOOM_ERR_NOMEM, "out of memory opening the data loader");
     }
+    if (s == LOOM_OK && !(dl->has_mask = calloc(dl->n_shards, 1)))
+        s = loom_error(LOOM_ERR_NOMEM, "out of memory opening the data loader");
     size_t longest = 0;
     for (size_t i = 0; s == LOOM_OK && i < dl->n_shards; i++) {
         loom_shard *sh;
@@ -173,6 +207,7 @@ loom_status loom_dataloader_open(const char *source, const loom_dataloader_optio
         dl->counts[i] = loom_shard_count(sh);
         if (dl->counts[i] > longest) longest = dl->counts[i];
         loom_shard_close(sh);
+        s = open_mask(dl, i, NULL);
     }
     if (s == LOOM_OK && longest < dl->step + 1)
         s = loom_error(LOOM_ERR_INVALID, "data loader: one step needs B*T*world_size+1 = %zu tokens but "
@@ -194,6 +229,8 @@ loom_status loom_dataloader_open(const char *source, const loom_dataloader_optio
 void loom_dataloader_close(loom_dataloader *dl) {
     if (!dl) return;
     loom_shard_close(dl->current);
+    loom_mask_close(dl->current_mask);
+    free(dl->has_mask);
     for (size_t i = 0; i < dl->n_shards; i++) free(dl->paths[i]);
     free(dl->paths);
     free(dl->counts);
@@ -205,13 +242,17 @@ loom_status loom_dataloader_next(loom_dataloader *dl, int32_t *inputs, int32_t *
     if (!dl || !inputs || !targets) return loom_error(LOOM_ERR_INVALID, "data loader: NULL argument");
     if (!dl->current || dl->current_index != dl->pos.shard) {
         loom_shard_close(dl->current);
+        loom_mask_close(dl->current_mask);
         dl->current = NULL;
+        dl->current_mask = NULL;
         LOOM_TRY(loom_shard_open(dl->paths[dl->pos.shard], &dl->current));
         dl->current_index = (size_t)dl->pos.shard;
-        if (loom_shard_count(dl->current) != dl->counts[dl->pos.shard]) {
-            loom_status st = loom_error(LOOM_ERR_IO, "token shard '%s' changed while training (%zu tokens, was %zu)",
-                                        dl->paths[dl->pos.shard], loom_shard_count(dl->current),
-                                        dl->counts[dl->pos.shard]);
+        loom_status st = LOOM_OK;
+        if (loom_shard_count(dl->current) != dl->counts[dl->pos.shard])
+            st = loom_error(LOOM_ERR_IO, "token shard '%s' changed while training (%zu tokens, was %zu)",
+                            dl->paths[dl->pos.shard], loom_shard_count(dl->current), dl->counts[dl->pos.shard]);
+        if (st == LOOM_OK && dl->has_mask[dl->pos.shard]) st = open_mask(dl, (size_t)dl->pos.shard, &dl->current_mask);
+        if (st != LOOM_OK) {
             loom_shard_close(dl->current); /* not current: the next call checks it again */
             dl->current = NULL;
             return st;
@@ -227,8 +268,23 @@ loom_status loom_dataloader_next(loom_dataloader *dl, int32_t *inputs, int32_t *
                               "with (or the data mixes tokenizers)", dl->paths[dl->pos.shard], start + i,
                               (int)dl->buf[i], dl->opt.vocab_size);
     }
+    if (dl->current_mask) { /* the mask of each target: byte start + 1 + i */
+        const uint8_t *mk = loom_mask_bytes(dl->current_mask) + start + 1;
+        for (size_t i = 0; i < bt; i++)
+            if (mk[i] > 1) {
+                char mpath[4200];
+                loom_mask_path(dl->paths[dl->pos.shard], mpath, sizeof mpath);
+                return loom_error(LOOM_ERR_FORMAT, "loss mask '%s': byte %zu is %d, not 0 or 1; make the data "
+                                  "again with loom tokenize", mpath, start + 1 + i, mk[i]);
+            }
+    }
     memcpy(inputs, dl->buf, bt * sizeof *inputs);
     memcpy(targets, dl->buf + 1, bt * sizeof *targets);
+    if (dl->current_mask) {
+        const uint8_t *mk = loom_mask_bytes(dl->current_mask) + start + 1;
+        for (size_t i = 0; i < bt; i++)
+            if (!mk[i]) targets[i] = -1;
+    }
     dl->pos.offset += dl->step;
     normalise(dl, &dl->pos);
     return LOOM_OK;
@@ -294,6 +350,23 @@ static loom_status hash_shard(const loom_shard *sh, size_t count, int32_t *buf, 
     return LOOM_OK;
 }
 
+/* Shard i's loss mask: all of it, or FP_SAMPLES bytes at the positions the
+ * tokens are sampled at. (Data without masks hashes as it always did.) */
+static loom_status hash_mask(const loom_dataloader *dl, size_t i, int full, uint64_t *h) {
+    loom_mask *m;
+    char path[4200];
+    LOOM_TRY(loom_mask_path(dl->paths[i], path, sizeof path));
+    LOOM_TRY(loom_mask_open(path, &m));
+    const uint8_t *b = loom_mask_bytes(m);
+    size_t count = loom_mask_count(m);
+    *h = fnv1a(*h, "mask", 4);
+    if (full) *h = fnv1a(*h, b, count);
+    for (size_t k = 0; !full && count > 0 && k < FP_SAMPLES; k++)
+        *h = fnv1a(*h, b + k * (count - 1) / (FP_SAMPLES - 1), 1);
+    loom_mask_close(m);
+    return LOOM_OK;
+}
+
 loom_status dataloader_fingerprint_budget(const loom_dataloader *dl, size_t full_tokens, uint64_t *out) {
     uint64_t h = fnv1a(14695981039346656037ull, &dl->n_shards, sizeof dl->n_shards);
     int32_t *buf = full_tokens ? malloc(FP_CHUNK * sizeof *buf) : NULL;
@@ -309,6 +382,7 @@ loom_status dataloader_fingerprint_budget(const loom_dataloader *dl, size_t full
         if (full) hashed += count;
         st = hash_shard(sh, count, full ? buf : NULL, &h);
         loom_shard_close(sh);
+        if (st == LOOM_OK && dl->has_mask[i]) st = hash_mask(dl, i, full, &h);
     }
     free(buf);
     if (st == LOOM_OK) *out = h;
@@ -320,6 +394,8 @@ loom_status loom_dataloader_fingerprint(const loom_dataloader *dl, uint64_t *out
 }
 
 size_t loom_dataloader_num_shards(const loom_dataloader *dl) { return dl ? dl->n_shards : 0; }
+
+size_t loom_dataloader_num_masked(const loom_dataloader *dl) { return dl ? dl->n_masked : 0; }
 
 const char *loom_dataloader_shard_path(const loom_dataloader *dl, size_t i) {
     return dl && i < dl->n_shards ? dl->paths[i] : NULL;

@@ -154,3 +154,72 @@ loom_status loom_shard_read(const loom_shard *s, size_t start, size_t n, int32_t
     }
     return LOOM_OK;
 }
+
+/* ------------------------------------------------------------ loss masks */
+
+struct loom_mask {
+    io_mapped file;
+    size_t count;
+};
+
+loom_status loom_mask_path(const char *shard_path, char *out, size_t cap) {
+    size_t n = strlen(shard_path);
+    if (n < 4 || strcmp(shard_path + n - 4, ".bin") != 0)
+        return loom_error(LOOM_ERR_INVALID, "shard '%s' does not end in .bin, so it has no loss mask path",
+                          shard_path);
+    if (n + 2 > cap) return loom_error(LOOM_ERR_INVALID, "path too long: %s", shard_path);
+    snprintf(out, cap, "%.*s.mask", (int)(n - 4), shard_path);
+    return LOOM_OK;
+}
+
+loom_status loom_mask_write(const char *path, const uint8_t *mask, size_t n) {
+    if (!path || (n > 0 && !mask)) return loom_error(LOOM_ERR_INVALID, "loom_mask_write: NULL path or mask");
+    if (n > INT32_MAX)
+        return loom_error(LOOM_ERR_INVALID, "loss mask '%s': %zu bytes do not fit the int32 count", path, n);
+    for (size_t i = 0; i < n; i++)
+        if (mask[i] > 1)
+            return loom_error(LOOM_ERR_INVALID, "loss mask '%s': byte %zu is %d, not 0 or 1", path, i, mask[i]);
+    int32_t header[256] = {LOOM_MASK_MAGIC, LOOM_MASK_VERSION, (int32_t)n};
+    loom_atomic_file *f;
+    LOOM_TRY(loom_atomic_file_open(path, &f));
+    loom_status s = loom_atomic_file_write(f, header, sizeof header);
+    if (s == LOOM_OK) s = loom_atomic_file_write(f, mask, n);
+    if (s != LOOM_OK) {
+        loom_atomic_file_abort(f);
+        return s;
+    }
+    return loom_atomic_file_commit(f);
+}
+
+loom_status loom_mask_open(const char *path, loom_mask **out) {
+    *out = NULL;
+    loom_mask *m = calloc(1, sizeof *m);
+    if (!m) return loom_error(LOOM_ERR_NOMEM, "out of memory opening '%s'", path);
+    loom_status st = io_map_file(path, "loss mask", &m->file);
+    int32_t h[3] = {0};
+    if (st == LOOM_OK && m->file.size >= LOOM_SHARD_HEADER_BYTES) memcpy(h, m->file.data, sizeof h);
+    if (st == LOOM_OK && (m->file.size < LOOM_SHARD_HEADER_BYTES || h[0] != LOOM_MASK_MAGIC ||
+                          h[1] != LOOM_MASK_VERSION || h[2] < 0 ||
+                          m->file.size != LOOM_SHARD_HEADER_BYTES + (size_t)h[2]))
+        st = loom_error(LOOM_ERR_FORMAT, "loss mask '%s' is not valid: %zu bytes, header magic %d version %d count "
+                        "%d (want magic %d, version %d, and %d bytes of header then one per token); make it again "
+                        "with loom tokenize", path, m->file.size, (int)h[0], (int)h[1], (int)h[2], LOOM_MASK_MAGIC,
+                        LOOM_MASK_VERSION, LOOM_SHARD_HEADER_BYTES);
+    if (st != LOOM_OK) {
+        loom_mask_close(m);
+        return st;
+    }
+    m->count = (size_t)h[2];
+    *out = m;
+    return LOOM_OK;
+}
+
+void loom_mask_close(loom_mask *m) {
+    if (!m) return;
+    io_unmap_file(&m->file);
+    free(m);
+}
+
+size_t loom_mask_count(const loom_mask *m) { return m ? m->count : 0; }
+
+const uint8_t *loom_mask_bytes(const loom_mask *m) { return m->file.data + LOOM_SHARD_HEADER_BYTES; }

@@ -2,10 +2,11 @@
  * test_shards.c — llm.c token shards (uint16 and uint32 round trips, every
  * corruption), and the data loader: batches against an independent
  * enumeration of steps, exact position save/restore, disjoint rank slices,
- * out-of-vocabulary tokens.
+ * out-of-vocabulary tokens, and loss masks.
  */
 #include "io_test.h"
 #include "io/io_internal.h"
+#include "loom/checkpoint.h"
 
 #include <sys/stat.h>
 
@@ -416,6 +417,82 @@ static void test_loader_errors(void **state) {
     loom_dataloader_close(dl);
 }
 
+/* Loss masks: a mask beside a shard turns the targets whose byte is 0 into
+ * -1 (with rank slices: the byte of each target's own position), inputs
+ * stay; a mask of another length, a bad header, or a byte other than 0/1
+ * are errors naming the file (the byte's position too); the fingerprint
+ * covers the mask. */
+static void test_loader_masks(void **state) {
+    (void)state;
+    enum { N = 801 };
+    int32_t t[N];
+    uint8_t mk[N];
+    for (int i = 0; i < N; i++) {
+        t[i] = (int32_t)(i % VOCAB);
+        mk[i] = (uint8_t)(rnd(5, (uint64_t)i) % 3 != 0);
+    }
+    assert_int_equal(loom_mkdir_p(io_path("masked")), LOOM_OK);
+    char shard[512], mask[512];
+    snprintf(shard, sizeof shard, "%s", io_path("masked/train_000000.bin"));
+    assert_int_equal(loom_mask_path(shard, mask, sizeof mask), LOOM_OK);
+    assert_non_null(strstr(mask, "masked/train_000000.mask"));
+    assert_int_equal(loom_shard_write(shard, t, N, VOCAB), LOOM_OK);
+    uint64_t unmasked = fingerprint_of(io_path("masked"), 0, 1, LOOM_FINGERPRINT_FULL_TOKENS);
+    assert_int_equal(loom_mask_write(mask, mk, N), LOOM_OK);
+    /* The file as documented: the shard header's layout, then one byte a token. */
+    size_t len;
+    unsigned char *raw = io_read_raw(mask, &len);
+    int32_t h[3];
+    memcpy(h, raw, sizeof h);
+    assert_true(h[0] == 20261201 && h[1] == 1 && h[2] == N && len == 1024 + N);
+    assert_memory_equal(raw + 1024, mk, N);
+    const int B = 2, T = 8, W = 2;
+    for (int rank = 0; rank < W; rank++) {
+        loom_dataloader *dl = open_loader(io_path("masked"), B, T, rank, W);
+        assert_int_equal(loom_dataloader_num_masked(dl), 1);
+        int32_t in[16], tg[16];
+        for (int step = 0; step < 10; step++) {
+            assert_int_equal(loom_dataloader_next(dl, in, tg), LOOM_OK);
+            size_t start = (size_t)step * B * T * W + (size_t)rank * B * T;
+            for (int i = 0; i < B * T; i++) {
+                assert_int_equal(in[i], t[start + (size_t)i]);
+                assert_int_equal(tg[i], mk[start + (size_t)i + 1] ? t[start + (size_t)i + 1] : -1);
+            }
+        }
+        loom_dataloader_close(dl);
+    }
+    uint64_t masked = fingerprint_of(io_path("masked"), 0, 1, LOOM_FINGERPRINT_FULL_TOKENS);
+    assert_true(masked != unmasked);
+    mk[400] ^= 1;
+    assert_int_equal(loom_mask_write(mask, mk, N), LOOM_OK);
+    assert_true(fingerprint_of(io_path("masked"), 0, 1, LOOM_FINGERPRINT_FULL_TOKENS) != masked);
+
+    /* Errors. */
+    loom_dataloader_options o = {.batch_size = B, .seq_len = T, .rank = 0, .world_size = 1, .vocab_size = VOCAB,
+                                 .split = "train"};
+    loom_dataloader *dl;
+    assert_int_equal(loom_mask_write(mask, mk, N - 1), LOOM_OK); /* another length */
+    assert_int_equal(loom_dataloader_open(io_path("masked"), &o, &dl), LOOM_ERR_FORMAT);
+    IO_ASSERT_MSG("covers 800 tokens but its shard");
+    io_write_raw(mask, raw, 1000); /* a torn header */
+    assert_int_equal(loom_dataloader_open(io_path("masked"), &o, &dl), LOOM_ERR_FORMAT);
+    IO_ASSERT_MSG("train_000000.mask");
+    raw[1024 + 5] = 2; /* target of input 4 */
+    io_write_raw(mask, raw, len);
+    assert_int_equal(loom_dataloader_open(io_path("masked"), &o, &dl), LOOM_OK);
+    int32_t in[16], tg[16];
+    assert_int_equal(loom_dataloader_next(dl, in, tg), LOOM_ERR_FORMAT);
+    IO_ASSERT_MSG("byte 5 is 2, not 0 or 1");
+    loom_dataloader_position pos;
+    loom_dataloader_get_position(dl, &pos);
+    assert_int_equal(pos.offset, 0); /* a failed step does not advance */
+    loom_dataloader_close(dl);
+    mk[0] = 3;
+    assert_int_equal(loom_mask_write(mask, mk, N), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("byte 0 is 3");
+    free(raw);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_shard_round_trip),
@@ -425,6 +502,7 @@ int main(void) {
         cmocka_unit_test(test_loader_ranks_disjoint),
         cmocka_unit_test(test_loader_fingerprint),
         cmocka_unit_test(test_loader_errors),
+        cmocka_unit_test(test_loader_masks),
     };
     return cmocka_run_group_tests(tests, io_scratch_setup, io_scratch_teardown);
 }
