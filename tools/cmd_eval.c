@@ -97,7 +97,10 @@ static int run(int argc, char **argv) {
         targets = malloc((size_t)batch * seq * sizeof *targets);
         if (!inputs || !targets) st = loom_error(LOOM_ERR_NOMEM, "eval: out of memory for a batch");
     }
-    double sum = 0.0;
+    /* With loss masks a batch's loss is the mean over its own targets: weigh
+     * each by their count, so the result is the mean over every target. */
+    int masked = st == LOOM_OK && loom_dataloader_num_masked(dl) > 0;
+    double sum = 0.0, n_targets = 0.0;
     int done = 0;
     loom_no_grad_enter();
     while (st == LOOM_OK && (batches == 0 || done < batches)) {
@@ -107,19 +110,29 @@ static int run(int argc, char **argv) {
         loom_tensor *loss = NULL;
         st = loom_dataloader_next(dl, inputs, targets);
         if (st == LOOM_OK) st = loom_llama_forward(m, inputs, targets, batch, seq, &loss, NULL);
-        if (st == LOOM_OK) sum += loom_tensor_get(loss, 0);
+        double n = (double)batch * seq;
+        if (masked && st == LOOM_OK) {
+            n = 0.0;
+            for (size_t i = 0; i < (size_t)batch * seq; i++) n += targets[i] >= 0;
+        }
+        if (st == LOOM_OK) sum += masked ? loom_tensor_get(loss, 0) * n : loom_tensor_get(loss, 0);
+        n_targets += n;
         loom_tensor_release(loss);
         done++;
     }
     loom_no_grad_exit();
+    if (st == LOOM_OK && n_targets == 0.0)
+        st = loom_error(LOOM_ERR_INVALID, "eval: the loss masks leave no target in these %d batches (prompts only): "
+                        "read more batches (--batches 0 reads all)", done);
     if (st == LOOM_OK) {
-        double mean = sum / done;
+        double mean = masked ? sum / n_targets : sum / done;
         if (!isfinite(mean))
             st = loom_error(LOOM_ERR_NUMERIC, "the loss is %g: the model's weights or this precision overflow "
                             "(try --precision fp32)", mean);
         else
-            printf("eval: data=%s%s%s batches=%d tokens=%lld loss=%.6f ppl=%.4f\n", data, is_dir ? " split=" : "",
-                   is_dir ? split : "", done, (long long)done * batch * seq, mean, exp(mean));
+            printf("eval: data=%s%s%s batches=%d tokens=%lld targets=%lld loss=%.6f ppl=%.4f\n", data,
+                   is_dir ? " split=" : "", is_dir ? split : "", done, (long long)done * batch * seq,
+                   (long long)n_targets, mean, exp(mean));
     }
     free(inputs);
     free(targets);
@@ -134,7 +147,8 @@ const command cmd_eval = {
     "eval --model DIR --data PATH [--split val|train] [--batch B] [--seq T] [--batches N] [--precision P] "
     "[--threads N]",
     "Batches are read as training reads them: B rows of T+1 consecutive tokens from\n"
-    "the first shard on; the loss is the mean over the batches' tokens. With --batches N\n"
+    "the first shard on; the loss is the mean over the batches' targets (the tokens a\n"
+    "loss mask beside a shard does not leave out). With --batches N\n"
     "it reads N batches (wrapping around at the end, as a run's validation does), so\n"
     "it equals the validation loss of a one-process run with the same --batch, --seq,\n"
     "--precision and --eval-batches N. Shards beside a tokenizer.json that differs\n"

@@ -198,8 +198,9 @@ static loom_status append_doc(loom_tokenizer *tok, tok_buf *b, const doc *d) {
  * decimal's product whole lands a hair below that whole number. */
 static size_t share(size_t n, double f) { return (size_t)floor((double)n * f + 1e-9); }
 
-/* Whether name is a shard this command writes: train_ or val_, digits,
- * .bin (write_shards). train_1_backup.bin is not: it is somebody's file. */
+/* Whether name is a shard or a loss mask this command writes: train_ or
+ * val_, digits, .bin or .mask (write_shards). train_1_backup.bin is not: it
+ * is somebody's file. */
 static int is_our_shard(const char *name) {
     const char *p = !strncmp(name, "train_", 6) ? name + 6 : !strncmp(name, "val_", 4) ? name + 4 : NULL;
     if (!p || !(*p >= '0' && *p <= '9')) return 0;
@@ -207,9 +208,10 @@ static int is_our_shard(const char *name) {
     return !strcmp(p, ".bin") || !strcmp(p, ".mask");
 }
 
-/* Shards an earlier run wrote here (train_NNNNNN.bin, val_NNNNNN.bin): the
- * data loader reads every *train*.bin of a directory, so shards this run
- * does not rewrite would silently join the new data. */
+/* Shards an earlier run wrote here (train_NNNNNN.bin, val_NNNNNN.bin) and
+ * their masks: the data loader reads every *train*.bin of a directory, so
+ * shards this run does not rewrite would silently join the new data, and a
+ * mask of the old data would mask the new. */
 static loom_status remove_old_shards(const char *dir) {
     DIR *d = opendir(dir);
     if (!d) return LOOM_OK; /* nothing there yet */
@@ -376,6 +378,9 @@ static int run(int argc, char **argv) {
     if (!rc && (jsonl_key || prompt_key) && !any_jsonl)
         rc = cli_usage_error("tokenize", "--%s names a field of .jsonl files, and no file given ends in .jsonl",
                              jsonl_key ? "jsonl-key" : "jsonl-prompt-key");
+    if (!rc && prompt_key && !strcmp(prompt_key, jsonl_key ? jsonl_key : "text"))
+        rc = cli_usage_error("tokenize", "--jsonl-prompt-key and --jsonl-key name the same field '%s': the prompt "
+                             "and its completion are two fields", prompt_key);
     if (!rc && doc_sep && in.n && !in_text)
         rc = cli_usage_error("tokenize", "--doc-sep splits text files, and every --in file is .jsonl (one document "
                              "per line already)");

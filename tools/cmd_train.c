@@ -52,8 +52,8 @@ static int parse_settings(trainer *t, loom_precision *prec, loom_recompute_mode 
     if (o->min_lr > o->lr)
         return cli_usage_error("train", "--min-lr %g is above --lr %g: the schedule decays from --lr to --min-lr",
                                (double)o->min_lr, (double)o->lr);
-    if (!(o->decay_frac > 0.0f && o->decay_frac <= 1.0f))
-        return cli_usage_error("train", "--decay-frac must be in (0, 1], got %g", (double)o->decay_frac);
+    if (!(o->decay_frac > 0.0 && o->decay_frac <= 1.0))
+        return cli_usage_error("train", "--decay-frac must be in (0, 1], got %g", o->decay_frac);
     if (o->dump_logits && o->resume)
         return cli_usage_error("train", "--dump-logits writes the logits of a run's first step, which a resumed run "
                                "does not take: drop --resume (or --dump-logits)");
@@ -78,7 +78,7 @@ static void settings_record(const train_opts *o, const char *resume_dir, char *b
              "--tp %d\n--zero %d\n--overlap %d\n--bucket-size %d\n--preset %s\n--tie-embeddings %d\n"
              "--check-grads %d\n--dump-grads %s\n--dump-logits %s\n--resume %s\n",
              o->batch, o->seq, o->grad_accum, o->steps, (double)o->lr, (double)o->min_lr, o->warmup, o->schedule,
-             (double)o->decay_frac,
+             o->decay_frac,
              (double)o->weight_decay, (double)o->clip, o->precision, o->master_grad, o->recompute, o->recompute_mode,
              o->recompute_blocks, (double)o->recompute_budget, o->seed, o->eval_every, o->eval_batches, o->ckpt_every,
              o->keep, o->tp, o->zero, o->overlap,
@@ -176,9 +176,11 @@ static loom_status open_data(trainer *t) {
     loom_dataloader_options dl = {o->batch, o->seq, t->dist.dp_rank, t->dist.dp_size, t->m->cfg.vocab_size, "train"};
     LOOM_TRY(loom_dataloader_open(o->data, &dl, &t->train));
     size_t masked = loom_dataloader_num_masked(t->train);
+    t->masked = masked > 0; /* the same on every rank: the ranks agree on the data's fingerprint */
     if (masked && t->leader)
-        fprintf(stderr, "train: loss masks on %zu of the %zu training shards: the loss leaves out the tokens they mask "
-                "(prompts)\n", masked, loom_dataloader_num_shards(t->train));
+        fprintf(stderr, "train: loss masks on %zu of the %zu training shards: the loss is the mean over the targets "
+                "they leave (not the prompts), over the step's micro-batches and ranks\n", masked,
+                loom_dataloader_num_shards(t->train));
     struct stat sb;
     int is_dir = stat(o->data, &sb) == 0 && S_ISDIR(sb.st_mode);
     dl.split = "val";
@@ -227,9 +229,12 @@ static loom_status open_data(trainer *t) {
             fprintf(stderr, "train: note: the tokenizer has %d tokens, the model's vocabulary %d; the other %d rows "
                     "of the embedding and lm_head are never used\n", nv, mv, mv - nv);
     }
-    t->inputs = malloc((size_t)o->batch * (size_t)o->seq * sizeof *t->inputs);
-    t->targets = malloc((size_t)o->batch * (size_t)o->seq * sizeof *t->targets);
-    if (!t->inputs || !t->targets) return loom_error(LOOM_ERR_NOMEM, "train: out of memory for batches");
+    /* Masked data reads a step's micro-batches before its first forward. */
+    size_t batches = t->masked ? (size_t)o->grad_accum : 1;
+    t->inputs = malloc(batches * (size_t)o->batch * (size_t)o->seq * sizeof *t->inputs);
+    t->targets = malloc(batches * (size_t)o->batch * (size_t)o->seq * sizeof *t->targets);
+    t->weights = malloc((size_t)o->grad_accum * sizeof *t->weights);
+    if (!t->inputs || !t->targets || !t->weights) return loom_error(LOOM_ERR_NOMEM, "train: out of memory for batches");
     return LOOM_OK;
 }
 
@@ -261,15 +266,46 @@ static loom_status dump_logits(trainer *t, loom_tensor *logits) {
     return st;
 }
 
-static loom_status forward_backward(trainer *t, double *loss_sum) {
+/* Masked data: read the step's micro-batches, and weigh each by its share
+ * of the step's targets over every rank, n_k / N, so that the step's loss is
+ * the mean over all its targets and a micro-batch without one adds nothing
+ * (each micro-batch's loss is the mean over its own targets). *weights gets
+ * n_k / N, *n_total N. */
+static loom_status read_masked_step(trainer *t, double *weights, double *n_total) {
     const train_opts *o = &t->o;
+    size_t bt = (size_t)o->batch * (size_t)o->seq;
+    double n = 0.0;
+    for (int k = 0; k < o->grad_accum; k++) {
+        LOOM_TRY(loom_dataloader_next(t->train, t->inputs + k * bt, t->targets + k * bt));
+        weights[k] = 0.0;
+        for (size_t i = 0; i < bt; i++) weights[k] += t->targets[k * bt + i] >= 0;
+        n += weights[k];
+    }
+    *n_total = n;
+    LOOM_TRY(loom_comm_allreduce_sum_f64(t->dist.dp, n_total, 1));
+    for (int k = 0; k < o->grad_accum; k++) weights[k] = *n_total > 0.0 ? weights[k] / *n_total : 0.0;
+    return LOOM_OK;
+}
+
+static loom_status forward_backward(trainer *t, double *loss_sum, double *n_targets) {
+    const train_opts *o = &t->o;
+    size_t bt = (size_t)o->batch * (size_t)o->seq;
     /* Gradients are summed over micro-batches and data-parallel ranks. */
     float seed = t->scaler.scale / (float)(o->grad_accum * t->dist.dp_size);
+    double *weights = t->weights;
+    if (t->masked) LOOM_TRY(read_masked_step(t, weights, n_targets));
     for (int k = 0; k < o->grad_accum; k++) {
-        LOOM_TRY(loom_dataloader_next(t->train, t->inputs, t->targets));
+        int32_t *inputs = t->inputs, *targets = t->targets;
+        if (t->masked) {
+            inputs += k * bt;
+            targets += k * bt;
+            seed = (float)(t->scaler.scale * weights[k]);
+        } else {
+            LOOM_TRY(loom_dataloader_next(t->train, inputs, targets));
+        }
         loom_tensor *loss = NULL, *logits = NULL;
         int dump = k == 0 && t->state.step == 0 && o->dump_logits && t->leader; /* one writer */
-        LOOM_TRY(loom_llama_forward(t->m, t->inputs, t->targets, o->batch, o->seq, &loss, dump ? &logits : NULL));
+        LOOM_TRY(loom_llama_forward(t->m, inputs, targets, o->batch, o->seq, &loss, dump ? &logits : NULL));
         float l = loom_tensor_get(loss, 0);
         if (k == 0) t->first_loss = l;
         if (dump) {
@@ -282,7 +318,8 @@ static loom_status forward_backward(trainer *t, double *loss_sum) {
         loom_status st = loom_backward(loss, seed);
         loom_tensor_release(loss);
         LOOM_TRY(st);
-        *loss_sum += l / o->grad_accum;
+        /* Masked: this rank's part of the mean over every rank's targets. */
+        *loss_sum += t->masked ? l * weights[k] * t->dist.dp_size : l / o->grad_accum;
     }
     t->state.tokens_seen += (uint64_t)o->grad_accum * (uint64_t)o->batch * (uint64_t)o->seq * (uint64_t)t->dist.dp_size;
     return LOOM_OK;
@@ -328,7 +365,8 @@ static loom_status train_step(trainer *t, step_result *r) {
     const train_opts *o = &t->o;
     memset(r, 0, sizeof *r);
     loom_llama_zero_grad(t->m);
-    LOOM_TRY(forward_backward(t, &r->loss));
+    double n_targets = 1.0;
+    LOOM_TRY(forward_backward(t, &r->loss, &n_targets));
     if (t->dist.dp_size > 1) {
         LOOM_TRY(loom_comm_allreduce_sum_f64(t->dist.dp, &r->loss, 1));
         r->loss /= t->dist.dp_size;
@@ -341,6 +379,14 @@ static loom_status train_step(trainer *t, step_result *r) {
     if (o->dump_grads) return LOOM_OK; /* the caller dumps and stops */
     LOOM_TRY(loom_dist_optim_prepare(t->opt, &t->scaler, o->clip, &r->info));
     r->lr = loom_lr_at(o->sched, t->state.step, o->warmup, o->steps, o->lr, o->min_lr, o->decay_frac);
+    if (n_targets == 0.0) {
+        /* Every target of the step masked (prompts only): nothing to learn,
+         * so no update, not even weight decay; the step counts, skipped. */
+        r->skipped = 1;
+        r->loss = NAN;
+        t->state.step++;
+        return LOOM_OK;
+    }
     if (r->info.found_inf) {
         r->skipped = 1;
         /* With loss scaling an overflow halves the scale and skips the
@@ -364,19 +410,26 @@ static loom_status train_step(trainer *t, step_result *r) {
 static loom_status evaluate(trainer *t, double *val_loss) {
     const train_opts *o = &t->o;
     LOOM_TRY(loom_dataloader_reset(t->val));
-    double sum = 0.0;
+    /* With loss masks, the mean over every batch's targets (a batch's loss
+     * is the mean over its own); without, every batch has B*T of them. */
+    int masked = loom_dataloader_num_masked(t->val) > 0;
+    size_t bt = (size_t)o->batch * (size_t)o->seq;
+    double sums[2] = {0.0, 0.0}; /* loss (times targets, when masked), targets */
     loom_no_grad_enter();
     loom_status st = LOOM_OK;
     for (int k = 0; k < o->eval_batches && st == LOOM_OK; k++) {
         st = loom_dataloader_next(t->val, t->inputs, t->targets);
         loom_tensor *loss = NULL;
         if (st == LOOM_OK) st = loom_llama_forward(t->m, t->inputs, t->targets, o->batch, o->seq, &loss, NULL);
-        if (st == LOOM_OK) sum += loom_tensor_get(loss, 0);
+        double n = 0.0;
+        for (size_t i = 0; masked && st == LOOM_OK && i < bt; i++) n += t->targets[i] >= 0;
+        if (st == LOOM_OK) sums[0] += masked ? loom_tensor_get(loss, 0) * n : loom_tensor_get(loss, 0);
+        sums[1] += n;
         loom_tensor_release(loss);
     }
     loom_no_grad_exit();
-    if (st == LOOM_OK) st = loom_comm_allreduce_sum_f64(t->dist.dp, &sum, 1);
-    *val_loss = sum / o->eval_batches / t->dist.dp_size;
+    if (st == LOOM_OK) st = loom_comm_allreduce_sum_f64(t->dist.dp, sums, 2);
+    *val_loss = masked ? (sums[1] > 0.0 ? sums[0] / sums[1] : NAN) : sums[0] / o->eval_batches / t->dist.dp_size;
     return st;
 }
 
@@ -422,6 +475,7 @@ static void cleanup(trainer *t) {
     loom_dataloader_close(t->train);
     loom_dataloader_close(t->val);
     free(t->inputs);
+    free(t->weights);
     free(t->targets);
     if (t->metrics) fclose(t->metrics);
     train_report_free(&t->report);
@@ -601,7 +655,7 @@ static int run(int argc, char **argv) {
         {"warmup", FLAG_INT, &o->warmup, "N", "linear warmup steps (default 10)"},
         {"schedule", FLAG_STRING, &o->schedule, "S", "learning rate after warmup: cosine, linear, constant or wsd "
                                                      "(warmup-stable-decay) (default cosine)"},
-        {"decay-frac", FLAG_FLOAT, &o->decay_frac, "F", "wsd: the last share of the steps, decaying linearly to "
+        {"decay-frac", FLAG_DOUBLE, &o->decay_frac, "F", "wsd: the last share of the steps, decaying linearly to "
                                                         "--min-lr (default 0.2)"},
         {"weight-decay", FLAG_FLOAT, &o->weight_decay, "X", "AdamW decoupled weight decay, not on norms (default 0.1)"},
         {"clip", FLAG_FLOAT, &o->clip, "X", "clip the global gradient norm to X; 0 disables (default 1.0)"},
@@ -663,7 +717,7 @@ static int run(int argc, char **argv) {
     if (o->sched != LOOM_LR_WSD && !isnan(o->decay_frac))
         return cli_usage_error("train", "--decay-frac sizes the decay of --schedule wsd, not of %s", o->schedule);
     if (isnan(o->min_lr)) o->min_lr = o->lr / 10.0f; /* not given (the parser takes finite numbers only) */
-    if (isnan(o->decay_frac)) o->decay_frac = 0.2f;
+    if (isnan(o->decay_frac)) o->decay_frac = 0.2;
     loom_precision prec = {LOOM_BF16, 1};
     loom_recompute_mode mode = LOOM_RECOMPUTE_NONE;
     if ((rc = parse_settings(&t, &prec, &mode))) return rc;

@@ -19,7 +19,7 @@ typedef struct train_opts {
     const char *overlap_flag;
     float lr, min_lr, weight_decay, clip;
     const char *schedule; /* learning rate after warmup: cosine, linear, constant, wsd */
-    float decay_frac;     /* wsd: the share of the steps that decays */
+    double decay_frac;    /* wsd: the share of the steps that decays */
     loom_lr_schedule sched;
     float recompute_budget; /* MiB of activations a step may use; 0: no plan */
 } train_opts;
@@ -40,6 +40,8 @@ typedef struct trainer {
     FILE *metrics;
     train_report report;
     double first_loss;  /* loss of the first micro-batch, for --dump-logits */
+    int masked;         /* the training shards have loss masks: steps weigh micro-batches by their targets */
+    double *weights;    /* (grad_accum) with masks: each micro-batch's share of the step's targets */
     int last_saved;     /* step of the checkpoint this run last wrote or resumed from, -1 */
     int interrupted;    /* the signal that stopped training early (checkpoint saved), or 0 */
     int usage;          /* the failure is a flag the model cannot take (exit 2, not 1) */

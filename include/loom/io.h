@@ -190,8 +190,9 @@ loom_status loom_safetensors_writer_write(loom_safetensors_writer *w, const char
 #define LOOM_SHARD_HEADER_BYTES 1024
 
 /* Write `n` tokens atomically to `path`, as uint16 when vocab_size <= 65536,
- * else uint32. Errors: LOOM_ERR_INVALID (a token outside [0, vocab_size): the
- * message gives its index; n above INT32_MAX), LOOM_ERR_IO. */
+ * else uint32; a loss mask of the shard it replaces (below) is removed.
+ * Errors: LOOM_ERR_INVALID (a token outside [0, vocab_size): the message
+ * gives its index; n above INT32_MAX), LOOM_ERR_IO. */
 loom_status loom_shard_write(const char *path, const int32_t *tokens, size_t n, int vocab_size);
 
 typedef struct loom_shard loom_shard;
@@ -267,9 +268,10 @@ typedef struct loom_dataloader loom_dataloader;
 loom_status loom_dataloader_open(const char *source, const loom_dataloader_options *opt,
                                  loom_dataloader **out);
 void loom_dataloader_close(loom_dataloader *dl);
-/* Fill inputs and targets, each (B, T) int32, with this rank's next batch.
- * Errors: LOOM_ERR_FORMAT (a token >= vocab_size: file and position named),
- * LOOM_ERR_IO. On error the position does not advance. */
+/* Fill inputs and targets, each (B, T) int32, with this rank's next batch;
+ * a target is -1 where its shard's loss mask is 0. Errors: LOOM_ERR_FORMAT
+ * (a token >= vocab_size, a mask byte other than 0 or 1: file and position
+ * named), LOOM_ERR_IO. On error the position does not advance. */
 loom_status loom_dataloader_next(loom_dataloader *dl, int32_t *inputs, int32_t *targets);
 /* The position of the next batch; restoring it (on a loader opened with the
  * same shards and options) makes the following batches identical. */
@@ -296,10 +298,8 @@ loom_status loom_dataloader_reset(loom_dataloader *dl);
 loom_status loom_dataloader_fingerprint(const loom_dataloader *dl, uint64_t *out);
 size_t loom_dataloader_num_shards(const loom_dataloader *dl);
 /* How many of the shards have a loss mask (DIR/NAME.mask beside
- * DIR/NAME.bin): their targets are -1, which the loss ignores, where the
- * mask is 0. Errors for masks, at open: LOOM_ERR_FORMAT (a bad file, or a
- * count other than its shard's); at next: LOOM_ERR_FORMAT (a byte other
- * than 0 or 1, its position named). */
+ * DIR/NAME.bin). loom_dataloader_open validates each (LOOM_ERR_FORMAT for a
+ * bad file or a count other than its shard's). */
 size_t loom_dataloader_num_masked(const loom_dataloader *dl);
 /* Path of shard i (owned by dl), NULL when out of range. */
 const char *loom_dataloader_shard_path(const loom_dataloader *dl, size_t i);

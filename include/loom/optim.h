@@ -100,16 +100,18 @@ float loom_lr_cosine(int step, int warmup, int total, float max_lr, float min_lr
  *  - LINEAR: max + (min - max) p, p over warmup .. total;
  *  - CONSTANT: max (min_lr is not used);
  *  - WSD (warmup, stable, decay): max until the last decay_frac of the
- *    steps, round(decay_frac * total) of them (but none before warmup ends),
- *    then linear to min over those steps.
- * p = (step - start) / (total - start); from step `total` on, min_lr
- * (max_lr for CONSTANT). */
+ *    steps, D = round(decay_frac * total) of them, at least 1 (but none
+ *    before warmup ends), then linear to min over those steps, reaching it
+ *    at the last one: p = (step - start + 1) / D.
+ * For COSINE and LINEAR p = (step - start) / (total - start), start the end
+ * of warmup; from step `total` on, min_lr (max_lr for CONSTANT). decay_frac
+ * is in (0, 1] (used by WSD only). */
 typedef enum loom_lr_schedule { LOOM_LR_COSINE, LOOM_LR_LINEAR, LOOM_LR_CONSTANT, LOOM_LR_WSD } loom_lr_schedule;
 /* "cosine", "linear", "constant", "wsd" -> schedule; LOOM_ERR_INVALID
  * naming them. */
 loom_status loom_lr_schedule_parse(const char *name, loom_lr_schedule *out);
 const char *loom_lr_schedule_name(loom_lr_schedule s);
-float loom_lr_at(loom_lr_schedule s, int step, int warmup, int total, float max_lr, float min_lr, float decay_frac);
+float loom_lr_at(loom_lr_schedule s, int step, int warmup, int total, float max_lr, float min_lr, double decay_frac);
 
 #ifdef __cplusplus
 }

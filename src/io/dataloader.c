@@ -146,7 +146,8 @@ static loom_status open_mask(loom_dataloader *dl, size_t i, loom_mask **out) {
     if (out) *out = NULL;
     if (loom_mask_path(dl->paths[i], path, sizeof path) != LOOM_OK || stat(path, &sb) != 0) {
         if (dl->has_mask[i])
-            return loom_error(LOOM_ERR_IO, "the loss mask of '%s' went away while training", dl->paths[i]);
+            return loom_error(LOOM_ERR_IO, "the loss mask of '%s' went away while training: restore it, or "
+                              "tokenize the data again and start over", dl->paths[i]);
         return LOOM_OK; /* no mask: every token counts */
     }
     loom_mask *m;
@@ -274,8 +275,9 @@ loom_status loom_dataloader_next(loom_dataloader *dl, int32_t *inputs, int32_t *
             if (mk[i] > 1) {
                 char mpath[4200];
                 loom_mask_path(dl->paths[dl->pos.shard], mpath, sizeof mpath);
-                return loom_error(LOOM_ERR_FORMAT, "loss mask '%s': byte %zu is %d, not 0 or 1; make the data "
-                                  "again with loom tokenize", mpath, start + 1 + i, mk[i]);
+                return loom_error(LOOM_ERR_FORMAT, "loss mask '%s': the byte of token %zu (file offset %zu) is %d, "
+                                  "not 0 or 1; make the data again with loom tokenize", mpath, start + 1 + i,
+                                  LOOM_SHARD_HEADER_BYTES + start + 1 + i, mk[i]);
             }
     }
     memcpy(inputs, dl->buf, bt * sizeof *inputs);

@@ -9,9 +9,11 @@
  */
 #include "io/io_internal.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 struct loom_shard {
     char *path;
@@ -58,7 +60,13 @@ loom_status loom_shard_write(const char *path, const int32_t *tokens, size_t n, 
         loom_atomic_file_abort(f);
         return s;
     }
-    return loom_atomic_file_commit(f);
+    LOOM_TRY(loom_atomic_file_commit(f));
+    /* A loss mask of the shard this one replaces would mask other tokens. */
+    char mask[4200];
+    if (loom_mask_path(path, mask, sizeof mask) == LOOM_OK && unlink(mask) != 0 && errno != ENOENT)
+        return loom_error(LOOM_ERR_IO, "cannot remove %s, the loss mask of the shard %s replaced: %s", mask, path,
+                          strerror(errno));
+    return LOOM_OK;
 }
 
 static loom_status bad(const char *path, const char *what) {

@@ -116,17 +116,21 @@ const char *loom_lr_schedule_name(loom_lr_schedule s) {
     return (unsigned)s < 4 ? schedule_names[s] : "?";
 }
 
-float loom_lr_at(loom_lr_schedule s, int step, int warmup, int total, float max_lr, float min_lr, float decay_frac) {
+float loom_lr_at(loom_lr_schedule s, int step, int warmup, int total, float max_lr, float min_lr, double decay_frac) {
     if (s == LOOM_LR_COSINE) return loom_lr_cosine(step, warmup, total, max_lr, min_lr);
     if (warmup > 0 && step < warmup) return max_lr * (float)(step + 1) / (float)warmup;
     if (s == LOOM_LR_CONSTANT) return max_lr;
     if (step >= total) return min_lr;
-    int start = warmup;
+    int start = warmup, lead = 0;
     if (s == LOOM_LR_WSD) {
-        int decay = (int)lround((double)decay_frac * total);
+        /* Round half up, with room for a decimal fraction's binary error
+         * (0.35 * 10 is 3.4999999999999996). */
+        int decay = (int)floor(decay_frac * total + 0.5 + 1e-9);
+        decay = decay < 1 ? 1 : decay;
         start = total - decay > warmup ? total - decay : warmup;
         if (step < start) return max_lr;
+        lead = 1; /* the window's last step is at min_lr */
     }
-    double progress = (double)(step - start) / (double)(total - start > 0 ? total - start : 1);
+    double progress = (double)(step - start + lead) / (double)(total - start > 0 ? total - start : 1);
     return max_lr + (float)progress * (min_lr - max_lr);
 }

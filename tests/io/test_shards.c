@@ -462,10 +462,24 @@ static void test_loader_masks(void **state) {
         loom_dataloader_close(dl);
     }
     uint64_t masked = fingerprint_of(io_path("masked"), 0, 1, LOOM_FINGERPRINT_FULL_TOKENS);
+    uint64_t sampled = fingerprint_of(io_path("masked"), 0, 1, 0);
     assert_true(masked != unmasked);
-    mk[400] ^= 1;
+    mk[400] ^= 1; /* a byte in the middle: the whole-mask fingerprint sees it */
     assert_int_equal(loom_mask_write(mask, mk, N), LOOM_OK);
     assert_true(fingerprint_of(io_path("masked"), 0, 1, LOOM_FINGERPRINT_FULL_TOKENS) != masked);
+    mk[400] ^= 1;
+    mk[800] ^= 1; /* the last byte: always sampled */
+    assert_int_equal(loom_mask_write(mask, mk, N), LOOM_OK);
+    assert_true(fingerprint_of(io_path("masked"), 0, 1, 0) != sampled);
+    mk[800] ^= 1;
+    mk[1] ^= 1; /* between two samples: the sampled fingerprint cannot see it */
+    assert_int_equal(loom_mask_write(mask, mk, N), LOOM_OK);
+    assert_true(fingerprint_of(io_path("masked"), 0, 1, 0) == sampled);
+    /* A shard written again drops its old mask: it would mask other tokens. */
+    assert_int_equal(loom_shard_write(shard, t, N, VOCAB), LOOM_OK);
+    struct stat sb;
+    assert_int_not_equal(stat(mask, &sb), 0);
+    assert_int_equal(loom_mask_write(mask, mk, N), LOOM_OK);
 
     /* Errors. */
     loom_dataloader_options o = {.batch_size = B, .seq_len = T, .rank = 0, .world_size = 1, .vocab_size = VOCAB,
@@ -482,7 +496,7 @@ static void test_loader_masks(void **state) {
     assert_int_equal(loom_dataloader_open(io_path("masked"), &o, &dl), LOOM_OK);
     int32_t in[16], tg[16];
     assert_int_equal(loom_dataloader_next(dl, in, tg), LOOM_ERR_FORMAT);
-    IO_ASSERT_MSG("byte 5 is 2, not 0 or 1");
+    IO_ASSERT_MSG("the byte of token 5 (file offset 1029) is 2, not 0 or 1");
     loom_dataloader_position pos;
     loom_dataloader_get_position(dl, &pos);
     assert_int_equal(pos.offset, 0); /* a failed step does not advance */

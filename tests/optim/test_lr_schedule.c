@@ -41,22 +41,28 @@ static void test_decays(void **state) {
     NEAR(loom_lr_at(LOOM_LR_LINEAR, 35, 10, 110, 1.0f, 0.0f, 0.2f), 0.75f);
     NEAR(loom_lr_at(LOOM_LR_LINEAR, 35, 10, 110, 1.0f, 0.2f, 0.2f), 0.8f);      /* 1 - 0.25 * 0.8 */
     NEAR(loom_lr_at(LOOM_LR_CONSTANT, 60, 10, 110, 1.0f, 0.0f, 0.2f), 1.0f);
-    /* wsd, total 100, 20% decay: stable through step 79, then linear over 80 .. 100 */
-    NEAR(loom_lr_at(LOOM_LR_WSD, 50, 10, 100, 1.0f, 0.1f, 0.2f), 1.0f);
-    NEAR(loom_lr_at(LOOM_LR_WSD, 79, 10, 100, 1.0f, 0.1f, 0.2f), 1.0f);
-    NEAR(loom_lr_at(LOOM_LR_WSD, 80, 10, 100, 1.0f, 0.1f, 0.2f), 1.0f);
-    NEAR(loom_lr_at(LOOM_LR_WSD, 85, 10, 100, 1.0f, 0.1f, 0.2f), 0.775f);      /* 1 - 0.25 * 0.9 */
-    NEAR(loom_lr_at(LOOM_LR_WSD, 99, 10, 100, 1.0f, 0.1f, 0.2f), 0.145f);      /* 1 - 0.95 * 0.9 */
-    /* a window of 7.5% of 100 steps rounds to 8: it starts at step 92 */
-    NEAR(loom_lr_at(LOOM_LR_WSD, 91, 10, 100, 1.0f, 0.0f, 0.075f), 1.0f);
-    NEAR(loom_lr_at(LOOM_LR_WSD, 96, 10, 100, 1.0f, 0.0f, 0.075f), 0.5f);
+    /* wsd, total 100, 20% decay: stable through step 79, then the 20 steps
+     * 80 .. 99 step down to min_lr, reaching it at the last */
+    NEAR(loom_lr_at(LOOM_LR_WSD, 50, 10, 100, 1.0f, 0.1f, 0.2), 1.0f);
+    NEAR(loom_lr_at(LOOM_LR_WSD, 79, 10, 100, 1.0f, 0.1f, 0.2), 1.0f);
+    NEAR(loom_lr_at(LOOM_LR_WSD, 80, 10, 100, 1.0f, 0.1f, 0.2), 0.955f);      /* 1 - 1/20 * 0.9 */
+    NEAR(loom_lr_at(LOOM_LR_WSD, 85, 10, 100, 1.0f, 0.1f, 0.2), 0.73f);       /* 1 - 6/20 * 0.9 */
+    NEAR(loom_lr_at(LOOM_LR_WSD, 99, 10, 100, 1.0f, 0.1f, 0.2), 0.1f);
+    /* a window of 7.5% of 100 steps rounds (half up) to 8: steps 92 .. 99 */
+    NEAR(loom_lr_at(LOOM_LR_WSD, 91, 10, 100, 1.0f, 0.0f, 0.075), 1.0f);
+    NEAR(loom_lr_at(LOOM_LR_WSD, 96, 10, 100, 1.0f, 0.0f, 0.075), 0.375f);    /* 1 - 5/8 */
+    /* 35% of 10 steps is 3.5 (3.4999999999999996 in binary): 4 steps, 6 .. 9 */
+    NEAR(loom_lr_at(LOOM_LR_WSD, 5, 0, 10, 1.0f, 0.0f, 0.35), 1.0f);
+    NEAR(loom_lr_at(LOOM_LR_WSD, 6, 0, 10, 1.0f, 0.0f, 0.35), 0.75f);
     /* the whole run as the window: it cannot start before warmup ends, and is
-     * then the linear schedule at every step */
-    for (int s = 0; s < 120; s++)
-        NEAR(loom_lr_at(LOOM_LR_WSD, s, 10, 110, 1.0f, 0.1f, 1.0f),
-             loom_lr_at(LOOM_LR_LINEAR, s, 10, 110, 1.0f, 0.1f, 1.0f));
-    /* a window that rounds to no step: the peak until the end */
-    NEAR(loom_lr_at(LOOM_LR_WSD, 99, 10, 100, 1.0f, 0.1f, 0.001f), 1.0f);
+     * then the linear schedule one step ahead */
+    for (int s = 10; s < 109; s++)
+        NEAR(loom_lr_at(LOOM_LR_WSD, s, 10, 110, 1.0f, 0.1f, 1.0),
+             loom_lr_at(LOOM_LR_LINEAR, s + 1, 10, 110, 1.0f, 0.1f, 1.0));
+    NEAR(loom_lr_at(LOOM_LR_WSD, 109, 10, 110, 1.0f, 0.1f, 1.0), 0.1f);
+    /* a window that rounds to no step still has one: the last step is at min */
+    NEAR(loom_lr_at(LOOM_LR_WSD, 98, 10, 100, 1.0f, 0.1f, 0.001), 1.0f);
+    NEAR(loom_lr_at(LOOM_LR_WSD, 99, 10, 100, 1.0f, 0.1f, 0.001), 0.1f);
     /* the cosine schedule is loom_lr_cosine */
     for (int s = 0; s < 120; s++)
         assert_true(loom_lr_at(LOOM_LR_COSINE, s, 7, 110, 3e-3f, 1e-4f, 0.2f) ==

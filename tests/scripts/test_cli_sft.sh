@@ -9,6 +9,8 @@
 #    is not the mean over all of them).
 source "$(dirname "$0")/lib.sh"
 py=/usr/bin/python3
+"$py" -c "import torch, numpy" 2>/dev/null || fail "$py cannot import torch and numpy; install them with \
+scripts/setup.sh (Debian packages python3-torch, python3-numpy)"
 "$py" - "$WORK" <<'PY'
 import json, random, sys
 random.seed(7)
@@ -85,4 +87,45 @@ a=$("$LOOM" eval --model "$WORK/run/model" --data "$WORK/data/train_000000.bin" 
 cp "$WORK/data/train_000000.bin" "$WORK/nomask.bin"
 b=$("$LOOM" eval --model "$WORK/run/model" --data "$WORK/nomask.bin" --batch 4 --seq 32 --batches 3)
 [ "${a#* loss=}" != "${b#* loss=}" ] || fail "eval gives the same loss with and without the mask: $a"
+# Micro-batches weigh by their targets: with --grad-accum 2, where the
+# second micro-batch's targets are all masked, the gradients are exactly
+# those of the first micro-batch alone (equal weights would halve them); and
+# a step with no target at all is skipped, leaving the weights as they were.
+"$py" - "$WORK" "$SRC" <<'PY'
+import os, sys
+import numpy as np
+w, src = sys.argv[1], sys.argv[2]
+sys.path.insert(0, f"{src}/tests/python")
+import llama_ref as ref
+rng = np.random.default_rng(3)
+os.makedirs(f"{w}/weigh")
+toks = rng.integers(0, 320, size=400)
+ref.write_shard(f"{w}/weigh/train_000000.bin", toks)
+mask = np.ones(400, dtype=np.uint8)
+mask[17:33] = 0      # B=2, T=8: micro-batch 1's targets are tokens 17..32
+mask[33 + 16:] = 0   # and every target after step 2's first micro-batch
+header = np.zeros(256, dtype="<i4")
+header[:3] = [20261201, 1, 400]
+with open(f"{w}/weigh/train_000000.mask", "wb") as f:
+    f.write(header.tobytes() + mask.tobytes())
+PY
+W=(--data "$WORK/weigh" --config "$WORK/cfg.json" --batch 2 --seq 8 --precision fp32 --eval-every 0 --seed 5)
+"$LOOM" train "${W[@]}" --grad-accum 2 --steps 1 --out "$WORK/w2" --dump-grads "$WORK/g2.safetensors" 2>/dev/null
+"$LOOM" train "${W[@]}" --grad-accum 1 --steps 1 --out "$WORK/w1" --dump-grads "$WORK/g1.safetensors" 2>/dev/null
+cmp -s "$WORK/g1.safetensors" "$WORK/g2.safetensors" || fail "a micro-batch without targets changed the gradients"
+"$LOOM" train "${W[@]}" --grad-accum 2 --steps 3 --out "$WORK/w3" 2>"$WORK/w3.log" || { cat "$WORK/w3.log"; fail "train"; }
+sed -n 3p "$WORK/w3/metrics.jsonl" | grep -q '"loss":null.*"skipped":1' || \
+  { cat "$WORK/w3/metrics.jsonl"; fail "a step without targets is not logged as skipped"; }
+"$LOOM" train "${W[@]}" --grad-accum 2 --steps 2 --out "$WORK/w4" 2>/dev/null
+cmp -s "$WORK/w3/model/model.safetensors" "$WORK/w4/model/model.safetensors" || \
+  fail "a step without targets changed the weights"
+# Tokenizing the same directory again without prompts drops the masks; the
+# prompt and the completion must be two fields.
+"$LOOM" tokenize --tokenizer "$WORK/data/tokenizer.json" --in "$WORK/sft.jsonl" --jsonl-key completion \
+  --out "$WORK/data" 2>/dev/null
+ls "$WORK"/data/*.mask 2>/dev/null && fail "masks of the earlier data are left beside the new shards"
+expect_usage "name the same field 'completion'" "$LOOM" tokenize --tokenizer "$WORK/data/tokenizer.json" \
+  --in "$WORK/sft.jsonl" --jsonl-key completion --jsonl-prompt-key completion --out "$WORK/x"
+expect_usage "name the same field 'text'" "$LOOM" tokenize --tokenizer "$WORK/data/tokenizer.json" \
+  --in "$WORK/sft.jsonl" --jsonl-prompt-key text --out "$WORK/x"
 echo "1 passed, 0 failed"

@@ -28,7 +28,8 @@ want=0 # each val shard gives (tokens - 1) / (B*T) whole batches (2-byte tokens 
 for f in "$WORK"/data/val_*.bin; do want=$(( want + (($(stat -c %s "$f") - 1024) / 2 - 1) / (16 * 64) )); done
 [ "$n" -eq "$want" ] || fail "one pass over the val shards is $want batches, not $n: $ev"
 # --schedule wsd reaches the optimizer: the logged learning rates are warmup
-# (2 steps), stable, then linear to --min-lr over the last 25% (3 of 12 steps).
+# (2 steps), stable, then linear to --min-lr over the last 25% (3 of 12
+# steps), reaching it at the last step.
 "$LOOM" train --data "$WORK/data" --config "$WORK/cfg.json" --out "$WORK/wsd" --steps 12 --batch 2 --seq 16 \
   --lr 1e-3 --min-lr 1e-4 --warmup 2 --schedule wsd --decay-frac 0.25 --eval-every 0 2>"$WORK/wsd.log" \
   || { cat "$WORK/wsd.log"; fail "train --schedule wsd"; }
@@ -36,7 +37,7 @@ sed 's/.*"step":\([0-9]*\),.*"lr":\([0-9.e-]*\),.*/\1 \2/' "$WORK/wsd/metrics.js
   { s = $1 - 1  # the step the rate was used for, from 0
     if (s < 2) want = 1e-3 * (s + 1) / 2
     else if (s < 9) want = 1e-3
-    else want = 1e-3 + (s - 9) / 3 * (1e-4 - 1e-3)
+    else want = 1e-3 + (s - 8) / 3 * (1e-4 - 1e-3)
     if ((($2 - want) ^ 2) ^ 0.5 > 1e-6 * want) { print "step " $1 ": lr " $2 ", want " want; bad = 1 }
     n++ }
   END { exit bad || n != 12 }' || fail "the learning rates of --schedule wsd are not warmup, stable, decay"
