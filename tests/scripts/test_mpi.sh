@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Distributed training over Open MPI with 2 ranks: DP=2 vs DP=1, TP=2 vs
+# Distributed training over Open MPI with 2 ranks: DP=2 vs DP=1 (also with
+# loss masks), TP=2 vs
 # TP=1 (every precision setting and recompute mode), ZeRO-1 vs plain DP,
 # checkpoint/resume with 2 ranks, and a dying rank ending the whole job.
 source "$(dirname "$0")/lib.sh"
@@ -33,6 +34,27 @@ close <(losses "$WORK/dp1") <(losses "$WORK/dp2") 1e-5 || fail "DP=2 differs fro
 timeout 300 $MPI "$LOOM" train "${D[@]}" --batch 2 --precision fp32 --out "$WORK/gd2" --dump-grads "$WORK/gd2.st" 2>/dev/null
 $CMP "$WORK/gd2.st" "$WORK/gd1.st" --rtol 1e-5 >/dev/null || fail "DP=2 gradient dump differs from one process's"
 [ "$(losses "$WORK/dp2" | wc -l)" -eq 5 ] || fail "DP=2 logged the wrong number of steps"
+
+# Loss masks weigh by targets over the ranks: with rank 1's whole span
+# masked, DP=2's gradients are those of rank 0's span alone (one process).
+$PY - "$WORK" "$SRC" <<'PYEOF'
+import os, sys
+import numpy as np
+w, src = sys.argv[1], sys.argv[2]
+sys.path.insert(0, f"{src}/tests/python")
+import llama_ref as ref
+os.makedirs(f"{w}/masked")
+ref.write_shard(f"{w}/masked/train_000000.bin", np.random.default_rng(9).integers(0, 512, size=200))
+mask = np.ones(200, dtype=np.uint8)
+mask[17:33] = 0  # --batch 1 --seq 16: rank 1's targets are tokens 17..32
+header = np.zeros(256, dtype="<i4")
+header[:3] = [20261201, 1, 200]
+open(f"{w}/masked/train_000000.mask", "wb").write(header.tobytes() + mask.tobytes())
+PYEOF
+M=(--data "$WORK/masked" --config "$WORK/cfg.json" --seq 16 --batch 1 --eval-every 0 --threads 1 --precision fp32)
+"$LOOM" train "${M[@]}" --out "$WORK/m1" --dump-grads "$WORK/m1.st" 2>/dev/null
+timeout 300 $MPI "$LOOM" train "${M[@]}" --out "$WORK/m2" --dump-grads "$WORK/m2.st" 2>/dev/null
+$CMP "$WORK/m2.st" "$WORK/m1.st" --rtol 1e-6 >/dev/null || fail "DP=2 with a masked rank differs from the other rank alone"
 
 # ZeRO-1 equals plain data parallelism.
 timeout 300 $MPI "$LOOM" train "${D[@]}" --batch 2 --steps 5 --precision fp32 --zero 1 --out "$WORK/z1" 2>"$WORK/z1.log"
