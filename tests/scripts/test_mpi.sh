@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Distributed training over Open MPI with 2 ranks: DP=2 vs DP=1 (also with
-# loss masks), TP=2 vs
-# TP=1 (every precision setting and recompute mode), ZeRO-1 vs plain DP,
-# checkpoint/resume with 2 ranks, and a dying rank ending the whole job.
+# loss masks), TP=2 vs TP=1 (every precision setting and recompute mode),
+# ZeRO-1 vs plain DP, checkpoint/resume with 2 ranks, and a dying rank ending
+# the whole job.
 source "$(dirname "$0")/lib.sh"
 command -v mpirun >/dev/null || fail "mpirun not found: run scripts/setup.sh (openmpi-bin)"
 # Open MPI's own allocations (its dlopened plugins) are never freed: in the
