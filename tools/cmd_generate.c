@@ -12,7 +12,7 @@
 
 static int run(int argc, char **argv) {
     const char *model = NULL, *prompt = "", *precision = "fp32", *tok_path = NULL;
-    int n_tokens = 128, seed = 1, threads = 0;
+    int n_tokens = 128, seed = 1, threads = 0, top_k = 0;
     float temperature = 0.8f, top_p = 0.95f;
     const flag flags[] = {
         {"model", FLAG_STRING, &model, "DIR", "model directory (config.json, model.safetensors or its shards' index, tokenizer.json)"},
@@ -20,6 +20,7 @@ static int run(int argc, char **argv) {
         {"tokens", FLAG_INT, &n_tokens, "N", "tokens to generate (default 128)"},
         {"temperature", FLAG_FLOAT, &temperature, "T", "sampling temperature; 0 is greedy (default 0.8)"},
         {"top-p", FLAG_FLOAT, &top_p, "P", "nucleus sampling mass in (0, 1] (default 0.95)"},
+        {"top-k", FLAG_INT, &top_k, "K", "sample among the K most probable tokens only, then the nucleus; 0: all (default 0)"},
         {"seed", FLAG_INT, &seed, "S", "sampling seed (default 1)"},
         {"precision", FLAG_STRING, &precision, "P", "compute dtype: fp32, bf16 or fp16 (default fp32)"},
         {"tokenizer", FLAG_STRING, &tok_path, "FILE", "tokenizer.json (default: the model directory's)"},
@@ -29,8 +30,8 @@ static int run(int argc, char **argv) {
     if (rc) return rc > 0 ? 0 : 2;
     if (!model) return cli_usage_error("generate", "--model DIR is required");
     if (n_tokens < 0) return cli_usage_error("generate", "--tokens must be >= 0");
-    if (temperature < 0.0f || !(top_p > 0.0f && top_p <= 1.0f))
-        return cli_usage_error("generate", "--temperature must be >= 0 and --top-p in (0, 1]");
+    if (temperature < 0.0f || !(top_p > 0.0f && top_p <= 1.0f) || top_k < 0)
+        return cli_usage_error("generate", "--temperature must be >= 0, --top-p in (0, 1] and --top-k >= 0");
     loom_precision prec = {LOOM_F32, 0};
     if (loom_dtype_parse(precision, &prec.compute) != LOOM_OK) return cli_usage_error("generate", "%s", loom_last_error());
     if ((rc = cli_apply_threads("generate", threads))) return rc;
@@ -72,7 +73,7 @@ static int run(int argc, char **argv) {
     }
     int n_out = 0;
     if (st == LOOM_OK) {
-        loom_sampler sp = {temperature, top_p, (uint64_t)seed, loom_tokenizer_vocab_size(tok)};
+        loom_sampler sp = {temperature, top_p, (uint64_t)seed, loom_tokenizer_vocab_size(tok), top_k};
         st = loom_llama_generate(m, ids, (int)n_ids, n_tokens, &sp, loom_tokenizer_eot(tok), out, &n_out);
     }
     int ended = n_out > 0 && out[n_out - 1] == loom_tokenizer_eot(tok);

@@ -155,6 +155,8 @@ typedef struct loom_sampler {
                          * with the least probable one kept are all kept (no id is favoured) */
     uint64_t seed;      /* Philox seed for sampling */
     int vocab_limit;    /* > 0: only ids below it are sampled (a tokenizer smaller than the model's vocab) */
+    int top_k;          /* > 0: only the top_k most probable tokens (and any tied with the last) are kept,
+                         * before the nucleus is cut from them; 0 disables */
 } loom_sampler;
 
 /* Autoregressive generation with a KV cache (no autograd). The prompt's
@@ -165,9 +167,9 @@ typedef struct loom_sampler {
 loom_status loom_llama_generate(loom_llama *m, const int32_t *prompt, int n_prompt, int n_new,
                                 const loom_sampler *sampler, int stop_token, int32_t *out, int *n_out);
 /* A token id drawn from logits (V floats, overwritten): the argmax when the
- * temperature is 0, else from softmax(logits / temperature) cut to the top-p
- * nucleus, ids below vocab_limit only (when > 0), with the Philox draw of
- * (seed, counter). */
+ * temperature is 0, else from softmax(logits / temperature) cut to the top_k
+ * most probable, then to the top-p nucleus of those, ids below vocab_limit
+ * only (when > 0), with the Philox draw of (seed, counter). */
 int32_t loom_sample(float *logits, int V, const loom_sampler *sampler, uint64_t counter);
 /* Logits (V floats) of the next token after `tokens`, by the KV-cache path;
  * for tests. */

@@ -109,7 +109,26 @@ static loom_status state_init(loom_llama *m, int T, int cap, kv_cache *c, scratc
     return LOOM_OK;
 }
 
-/* Sample from logits: greedy, or temperature + nucleus (top-p). */
+/* The k-th largest of p[0 .. V) (non-negative floats, at most 1), exactly:
+ * the largest t with at least k values >= t, found by bisecting float bit
+ * patterns, which order as the values do. No allocation, 31 passes. */
+static float kth_largest(const float *p, int V, int k) {
+    uint32_t lo = 0, hi = 0x3F800000u; /* 0.0f .. 1.0f; every value is >= 0.0f */
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo + 1) / 2;
+        float t;
+        memcpy(&t, &mid, sizeof t);
+        int c = 0;
+        for (int i = 0; i < V; i++) c += p[i] >= t;
+        if (c >= k) lo = mid;
+        else hi = mid - 1;
+    }
+    float t;
+    memcpy(&t, &lo, sizeof t);
+    return t;
+}
+
+/* Sample from logits: greedy, or temperature + top-k + nucleus (top-p). */
 int32_t loom_sample(float *logits, int V, const loom_sampler *sp, uint64_t counter) {
     if (sp->vocab_limit > 0 && sp->vocab_limit < V) V = sp->vocab_limit; /* ids past it cannot be decoded */
     int best = 0;
@@ -130,14 +149,20 @@ int32_t loom_sample(float *logits, int V, const loom_sampler *sp, uint64_t count
      * generation speed only when top_p is small, so threshold instead. */
     double kept = sum;
     float cut = 0.0f;
+    if (sp->top_k > 0 && sp->top_k < V) {
+        cut = kth_largest(logits, V, sp->top_k);
+        kept = 0.0;
+        for (int i = 0; i < V; i++) if (logits[i] >= cut) kept += logits[i];
+    }
     if (top_p < 1.0f) {
-        /* Bisect a probability threshold whose kept mass is >= top_p. */
-        float lo = 0.0f, hi = 1.0f;
+        /* Bisect a probability threshold whose kept mass is >= top_p of what
+         * top-k kept. */
+        float lo = cut, hi = 1.0f;
         for (int it = 0; it < 40; it++) {
             float mid = 0.5f * (lo + hi);
             double mass = 0.0;
             for (int i = 0; i < V; i++) if (logits[i] >= mid) mass += logits[i];
-            if (mass / sum >= top_p) lo = mid; else hi = mid;
+            if (mass / kept >= top_p) lo = mid; else hi = mid;
         }
         cut = lo;
         kept = 0.0;
