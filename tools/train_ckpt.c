@@ -19,7 +19,53 @@ static const char *shard_name(const loom_dataloader *dl, uint64_t i) {
     return slash ? slash + 1 : path;
 }
 
+/* The settings that shape the updates, as flags with their values (%.9g:
+ * a float prints back to itself). */
+static void optimizer_settings(const train_opts *o, char *buf, size_t n) {
+    snprintf(buf, n, "--steps %d --lr %.9g --min-lr %.9g --warmup %d --schedule %s --decay-frac %.9g "
+             "--weight-decay %.9g --clip %.9g", o->steps, (double)o->lr, (double)o->min_lr, o->warmup, o->schedule,
+             o->decay_frac, (double)o->weight_decay, (double)o->clip);
+}
+
+/* A setting's value for people: a number as %g (0.002, not 0.00200000009). */
+static const char *shown(const char *v, char *buf, size_t n) {
+    char *end;
+    double x = strtod(v, &end);
+    if (end == v || *end) return v;
+    snprintf(buf, n, "%g", x);
+    return buf;
+}
+
+/* Say which of those settings differ from the checkpoint's run: the
+ * learning rate and the updates follow this run's. */
+static void note_changed_optimizer(const trainer *t) {
+    const char *then = t->state.optimizer;
+    if (!t->leader || !then[0]) return; /* not recorded */
+    char now[sizeof t->state.optimizer], diff[1024] = "";
+    optimizer_settings(&t->o, now, sizeof now);
+    /* Both are "--flag value" pairs in the same order. */
+    const char *a = then, *b = now;
+    size_t used = 0;
+    for (;;) {
+        char fa[64], va[64], fb[64], vb[64];
+        int na = 0, nb = 0;
+        if (sscanf(a, "%63s %63s%n", fa, va, &na) != 2 || sscanf(b, "%63s %63s%n", fb, vb, &nb) != 2) break;
+        if (strcmp(fa, fb)) break; /* another trainer's spelling: compare no further */
+        if (strcmp(va, vb) && used < sizeof diff) {
+            char sa[64], sb[64];
+            used += (size_t)snprintf(diff + used, sizeof diff - used, "%s%s %s -> %s", used ? ", " : "", fa,
+                                     shown(va, sa, sizeof sa), shown(vb, sb, sizeof sb));
+        }
+        a += na;
+        b += nb;
+    }
+    if (diff[0])
+        fprintf(stderr, "train: note: the checkpoint's run used other settings (%s): the learning rate and the "
+                "updates follow this run's from here\n", diff);
+}
+
 static void capture_state(trainer *t) {
+    optimizer_settings(&t->o, t->state.optimizer, sizeof t->state.optimizer);
     loom_rng *rng = loom_rng_default();
     t->state.rng_seed = rng->seed;
     t->state.rng_offset = rng->offset;
@@ -135,6 +181,7 @@ loom_status train_restore(trainer *t, const char *dir) {
     rng->seed = t->state.rng_seed;
     rng->offset = t->state.rng_offset;
     note_changed_shards(t);
+    note_changed_optimizer(t);
     LOOM_TRY(loom_dataloader_set_position(t->train, &t->state.data));
     if (t->state.loss_scaling < 0 || t->state.loss_scaling == t->scaler.enabled) {
         t->scaler.scale = t->state.loss_scale;

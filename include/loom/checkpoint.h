@@ -108,6 +108,9 @@ typedef struct loom_train_state {
      * indexes the sorted list, so a changed list moves the position. */
     int data_shards;
     char data_shard_name[256];        /* file name of shard data.shard */
+    /* The run's optimizer settings as the trainer spells them ("--lr 0.001
+     * --warmup 10 ..."), kept to compare on resume; "" on load: not recorded. */
+    char optimizer[512];
 } loom_train_state;
 
 /* Write checkpoint `dir` (which must not exist yet; it is created through a

@@ -127,6 +127,7 @@ static loom_status write_state(const char *path, loom_llama *m, float *const *ad
         s = loom_safetensors_writer_set_metadata(w, meta[k].key, meta[k].value);
     if (s == LOOM_OK && st->data_shard_name[0])
         s = loom_safetensors_writer_set_metadata(w, "data_shard_name", st->data_shard_name);
+    if (s == LOOM_OK && st->optimizer[0]) s = loom_safetensors_writer_set_metadata(w, "optimizer", st->optimizer);
     if (s == LOOM_OK && m->tp_rank == 0) s = loom_safetensors_writer_write(w, path);
     loom_safetensors_writer_free(w);
     gathered_free(&g);
@@ -273,6 +274,8 @@ loom_status loom_checkpoint_load(const char *dir, loom_llama *m, float *const *a
         st->data_shards = (int)layout[4];
         const char *shard_name = loom_safetensors_metadata(sf, "data_shard_name");
         snprintf(st->data_shard_name, sizeof st->data_shard_name, "%s", shard_name ? shard_name : "");
+        const char *optimizer = loom_safetensors_metadata(sf, "optimizer");
+        snprintf(st->optimizer, sizeof st->optimizer, "%s", optimizer ? optimizer : "");
     }
     loom_safetensors_close(sf);
     return s;

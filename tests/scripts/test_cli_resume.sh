@@ -70,6 +70,12 @@ diff <(losses "$WORK/a-fp32") <(losses "$WORK/t") || fail "resume after a torn l
 "$LOOM" train "${common[@]}" --precision fp32 --batch 2 --out "$WORK/bs" --resume "$WORK/b-fp32/ckpt-00000010" 2>"$WORK/bs.log"
 grep -q "the checkpoint's run used --batch 4 --seq 32 --grad-accum 1 on 1 data-parallel rank(s), this one --batch 2" \
   "$WORK/bs.log" || { cat "$WORK/bs.log"; fail "changed batch: no note"; }
+grep -q "other settings" "$WORK/bs.log" && { cat "$WORK/bs.log"; fail "a note on optimizer settings that did not change"; }
+# Other optimizer settings than the checkpoint's run: it continues, and names them.
+"$LOOM" train "${common[@]}" --precision fp32 --lr 3e-3 --steps 14 --schedule wsd --out "$WORK/lr" \
+  --resume "$WORK/b-fp32/ckpt-00000010" 2>"$WORK/lr.log" || { cat "$WORK/lr.log"; fail "resume with another --lr"; }
+grep -q "other settings (--steps 12 -> 14, --lr 0.002 -> 0.003, --min-lr 0.0002 -> 0.0003, --schedule cosine -> wsd)" \
+  "$WORK/lr.log" || { cat "$WORK/lr.log"; fail "changed --lr, --steps, --schedule: no note naming them"; }
 # A larger batch than the checkpoint's, resumed near a shard's end where the
 # saved position leaves less than the new step: it goes on where a step fits
 # (here the next epoch), as a step that ran off the end would.
