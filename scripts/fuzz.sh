@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fuzz loom's parsers with libFuzzer (coverage-guided, under ASan and UBSan):
 # safetensors, the tokenizer JSON and its encoding of any text, config.json,
-# llm.c token shards and a checkpoint's state (tests/fuzz/fuzz_*.c).
+# llm.c token shards and their loss masks, and a checkpoint's state
+# (tests/fuzz/fuzz_*.c).
 # Builds them with clang in build-fuzz/, starts each
 # corpus from tests/fuzz/corpus (small valid files, and the inputs earlier
 # runs kept: ctest replays those with the ordinary build), runs each fuzzer

@@ -523,7 +523,7 @@ const command cmd_tokenize = {
     "joined with the <|endoftext|> token. A file ending in .jsonl is JSON Lines: each\n"
     "line an object whose \"text\" field (--jsonl-key) is one document; --doc-sep\n"
     "applies to the other files. With --jsonl-prompt-key KEY each line's KEY field is a\n"
-    "prompt before the document, and DIR/NAME.mask beside each shard marks its tokens\n"
-    "as no target of the loss (supervised fine-tuning).",
+    "prompt before the document, and DIR/NAME.mask beside each shard marks the\n"
+    "prompts' tokens as no target of the loss (supervised fine-tuning).",
     run,
 };

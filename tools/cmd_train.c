@@ -789,8 +789,9 @@ const command cmd_train = {
     "go to --out. SIGINT, SIGTERM, SIGUSR1 or SIGUSR2 saves a checkpoint and stops (exit\n"
     "128 + the signal: 130, 143, 138, 140; a second one, or one before training starts,\n"
     "stops at once); under mpirun send SIGUSR1 to mpirun (it follows a forwarded\n"
-    "SIGINT/SIGTERM with SIGKILL after a second). --resume continues\n"
-    "bit-for-bit. Under mpirun every rank must get the same training flags (checked at start).\n"
+    "SIGINT/SIGTERM with SIGKILL after a second). --resume continues bit-for-bit with\n"
+    "the same flags; other batch or optimizer flags are named, and this run's are used.\n"
+    "Under mpirun every rank must get the same training flags (checked at start).\n"
     "--recompute selective always uses the non-reentrant machinery.",
     run,
 };

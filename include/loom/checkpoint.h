@@ -108,8 +108,10 @@ typedef struct loom_train_state {
      * indexes the sorted list, so a changed list moves the position. */
     int data_shards;
     char data_shard_name[256];        /* file name of shard data.shard */
-    /* The run's optimizer settings as the trainer spells them ("--lr 0.001
-     * --warmup 10 ..."), kept to compare on resume; "" on load: not recorded. */
+    /* The run's optimizer settings as the trainer spells them, flag and value
+     * pairs ("--steps 100 --lr 0.00100000005 --min-lr ... --warmup 10
+     * --schedule cosine --decay-frac 0.2 --weight-decay ... --clip 1"), kept
+     * to compare on resume; "" on load: not recorded. */
     char optimizer[512];
 } loom_train_state;
 

@@ -100,9 +100,9 @@ float loom_lr_cosine(int step, int warmup, int total, float max_lr, float min_lr
  *  - LINEAR: max + (min - max) p, p over warmup .. total;
  *  - CONSTANT: max (min_lr is not used);
  *  - WSD (warmup, stable, decay): max until the last decay_frac of the
- *    steps, D = round(decay_frac * total) of them, at least 1 (but none
- *    before warmup ends), then linear to min over those steps, reaching it
- *    at the last one: p = (step - start + 1) / D.
+ *    steps, D = round(decay_frac * total) of them, at least 1, from
+ *    start = max(total - D, warmup), then linear to min, reaching it at the
+ *    last step: p = (step - start + 1) / (total - start).
  * For COSINE and LINEAR p = (step - start) / (total - start), start the end
  * of warmup; from step `total` on, min_lr (max_lr for CONSTANT). decay_frac
  * is in (0, 1] (used by WSD only). */

@@ -3,7 +3,7 @@ against the math of llama.cpp's "llama" architecture.
 
 It makes random model directories (grouped-query attention, a vocabulary
 larger than the tokenizer's, tied embeddings) and a random loom
-tokenizer, exports them in fp32, bf16 and fp16, and checks, with a GGUF reader
+tokenizer, exports them in fp32, bf16, fp16 and q8_0, and checks, with a GGUF reader
 written here from the format's description (no gguf package):
 
 - the file: magic, version 3, the tensors in order, each aligned and right
