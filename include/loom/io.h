@@ -285,14 +285,14 @@ loom_status loom_dataloader_set_position(loom_dataloader *dl, const loom_dataloa
 loom_status loom_dataloader_reset(loom_dataloader *dl);
 /* A 64-bit summary of the data this loader reads: the shards' count and
  * order, each one's token count, their tokens and their loss masks (not the
- * names: paths differ between machines). Shards are hashed whole, in order, while the
- * tokens hashed whole stay within LOOM_FINGERPRINT_FULL_TOKENS (256 MiB of
- * tokens: 0.11 s from the page cache on the Zen 4 of BENCHMARKS.md, more when
- * they come from disk); each shard past that
- * contributes 64 tokens sampled evenly. Loaders over the same files agree;
- * a missing, extra, reordered, longer or rewritten shard almost always
- * changes it (in a sampled shard, a change between the sampled tokens does
- * not). Errors: LOOM_ERR_IO / LOOM_ERR_FORMAT (a shard that no longer
+ * names: paths differ between machines). Shards are hashed whole, in order,
+ * while the tokens hashed whole stay within LOOM_FINGERPRINT_FULL_TOKENS
+ * (256 MiB of tokens: 0.11 s from the page cache on the Zen 4 of
+ * BENCHMARKS.md, more when they come from disk); each shard past that
+ * contributes 64 spans of 64 tokens (and their mask bytes), evenly spread.
+ * Loaders over the same files agree; a missing, extra, reordered, longer or
+ * rewritten shard almost always changes it (in a sampled shard, a change
+ * between the spans does not). Errors: LOOM_ERR_IO / LOOM_ERR_FORMAT (a shard that no longer
  * opens), LOOM_ERR_NOMEM. */
 #define LOOM_FINGERPRINT_FULL_TOKENS ((size_t)64 << 20)
 loom_status loom_dataloader_fingerprint(const loom_dataloader *dl, uint64_t *out);

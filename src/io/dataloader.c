@@ -331,16 +331,25 @@ static uint64_t fnv1a_tokens(uint64_t h, const int32_t *t, size_t n) {
     return h;
 }
 
-enum { FP_SAMPLES = 64, FP_CHUNK = 65536 };
+enum { FP_SPANS = 64, FP_SPAN = 64, FP_CHUNK = 65536 };
+
+/* Where sampled span k of a shard of count tokens starts, and its length:
+ * FP_SPANS spans of FP_SPAN tokens, evenly spread, the first at the start
+ * and the last at the end (they overlap in shards under 4096 tokens). */
+static size_t span_start(size_t count, size_t k, size_t *len) {
+    *len = count < FP_SPAN ? count : FP_SPAN;
+    return k * (count - *len) / (FP_SPANS - 1);
+}
 
 /* Every token of a shard, read in chunks through buf (FP_CHUNK tokens), or
- * with buf NULL FP_SAMPLES tokens sampled evenly. */
+ * with buf NULL the FP_SPANS sampled spans. */
 static loom_status hash_shard(const loom_shard *sh, size_t count, int32_t *buf, uint64_t *h) {
     if (!buf) {
-        for (size_t k = 0; count > 0 && k < FP_SAMPLES; k++) {
-            int32_t tok;
-            LOOM_TRY(loom_shard_read(sh, k * (count - 1) / (FP_SAMPLES - 1), 1, &tok));
-            *h = fnv1a_tokens(*h, &tok, 1);
+        int32_t span[FP_SPAN];
+        for (size_t k = 0; count > 0 && k < FP_SPANS; k++) {
+            size_t len, at = span_start(count, k, &len);
+            LOOM_TRY(loom_shard_read(sh, at, len, span));
+            *h = fnv1a_tokens(*h, span, len);
         }
         return LOOM_OK;
     }
@@ -352,8 +361,8 @@ static loom_status hash_shard(const loom_shard *sh, size_t count, int32_t *buf, 
     return LOOM_OK;
 }
 
-/* Shard i's loss mask: all of it, or FP_SAMPLES bytes at the positions the
- * tokens are sampled at. (Data without masks hashes as it always did.) */
+/* Shard i's loss mask: all of it, or its bytes in the spans the tokens are
+ * sampled in. (Data without masks hashes as it did before masks.) */
 static loom_status hash_mask(const loom_dataloader *dl, size_t i, int full, uint64_t *h) {
     loom_mask *m;
     char path[4200];
@@ -363,8 +372,10 @@ static loom_status hash_mask(const loom_dataloader *dl, size_t i, int full, uint
     size_t count = loom_mask_count(m);
     *h = fnv1a(*h, "mask", 4);
     if (full) *h = fnv1a(*h, b, count);
-    for (size_t k = 0; !full && count > 0 && k < FP_SAMPLES; k++)
-        *h = fnv1a(*h, b + k * (count - 1) / (FP_SAMPLES - 1), 1);
+    for (size_t k = 0; !full && count > 0 && k < FP_SPANS; k++) {
+        size_t len, at = span_start(count, k, &len);
+        *h = fnv1a(*h, b + at, len);
+    }
     loom_mask_close(m);
     return LOOM_OK;
 }

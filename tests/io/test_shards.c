@@ -338,16 +338,28 @@ static void test_loader_fingerprint(void **state) {
     assert_int_equal(loom_shard_write(io_path("copy.bin"), t, 1001, VOCAB), LOOM_OK);
     assert_true(fingerprint_of(io_path("copy.bin"), 0, 1, FULL) == one); /* another name, the same tokens */
     assert_true(fingerprint_of(io_path("copy.bin"), 0, 1, 0) == one_sampled);
-    t[1] = 7; /* between two sampled tokens */
+    t[1] = 7; /* 64 spans of 64 tokens cover a shard this short: seen sampled too */
     assert_int_equal(loom_shard_write(io_path("copy.bin"), t, 1001, VOCAB), LOOM_OK);
     assert_true(fingerprint_of(io_path("copy.bin"), 0, 1, FULL) != one);
-    assert_true(fingerprint_of(io_path("copy.bin"), 0, 1, 1000) == one_sampled); /* 1001 tokens: over budget */
+    assert_true(fingerprint_of(io_path("copy.bin"), 0, 1, 1000) != one_sampled); /* 1001 tokens: over budget */
     assert_true(fingerprint_of(io_path("copy.bin"), 0, 1, 1001) != one);
-    t[1] = 2 * 10000 + 1;
-    t[1000] = 7; /* the last token: always sampled */
-    assert_int_equal(loom_shard_write(io_path("copy.bin"), t, 1001, VOCAB), LOOM_OK);
-    assert_true(fingerprint_of(io_path("copy.bin"), 0, 1, FULL) != one);
-    assert_true(fingerprint_of(io_path("copy.bin"), 0, 1, 0) != one_sampled);
+    /* A longer shard: the spans start every (10000 - 64) / 63 = 157.7 tokens,
+     * so token 100 lies between the first two, token 9999 in the last. */
+    enum { LONG = 10000 };
+    int32_t *u = malloc(LONG * sizeof *u);
+    for (int i = 0; i < LONG; i++) u[i] = i % VOCAB;
+    assert_int_equal(loom_shard_write(io_path("long.bin"), u, LONG, VOCAB), LOOM_OK);
+    uint64_t whole = fingerprint_of(io_path("long.bin"), 0, 1, FULL);
+    uint64_t spans = fingerprint_of(io_path("long.bin"), 0, 1, 0);
+    const int at[3] = {100, 9999, 160}, seen[3] = {0, 1, 1};
+    for (int k = 0; k < 3; k++) {
+        u[at[k]] = 7;
+        assert_int_equal(loom_shard_write(io_path("long.bin"), u, LONG, VOCAB), LOOM_OK);
+        assert_true(fingerprint_of(io_path("long.bin"), 0, 1, FULL) != whole);
+        assert_true((fingerprint_of(io_path("long.bin"), 0, 1, 0) != spans) == seen[k]);
+        u[at[k]] = at[k] % VOCAB;
+    }
+    free(u);
 }
 
 static void test_loader_errors(void **state) {
@@ -472,9 +484,9 @@ static void test_loader_masks(void **state) {
     assert_int_equal(loom_mask_write(mask, mk, N), LOOM_OK);
     assert_true(fingerprint_of(io_path("masked"), 0, 1, 0) != sampled);
     mk[800] ^= 1;
-    mk[1] ^= 1; /* between two samples: the sampled fingerprint cannot see it */
+    mk[1] ^= 1; /* the spans cover a mask this short: the sampled fingerprint sees any byte */
     assert_int_equal(loom_mask_write(mask, mk, N), LOOM_OK);
-    assert_true(fingerprint_of(io_path("masked"), 0, 1, 0) == sampled);
+    assert_true(fingerprint_of(io_path("masked"), 0, 1, 0) != sampled);
     /* A shard written again drops its old mask: it would mask other tokens. */
     assert_int_equal(loom_shard_write(shard, t, N, VOCAB), LOOM_OK);
     struct stat sb;

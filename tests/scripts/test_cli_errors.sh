@@ -41,9 +41,14 @@ expect_error "one step needs" "$LOOM" train "${D[@]}" --batch 2000000000 --seq 3
 expect_usage "--min-lr 5 is above --lr" "$LOOM" train "${D[@]}" --min-lr 5 --out "$WORK/minlr"
 expect_error "--gemm-peak expects two positive numbers" "$LOOM" bench --preset tiny --gemm-peak inf,1
 expect_usage "LOOM_SIMD: unknown SIMD level 'avx3'" env LOOM_SIMD=avx3 "$LOOM" --version
-LOOM_SIMD=portable "$LOOM" --version | grep -q "kernels: portable" || fail "LOOM_SIMD=portable is not the portable kernels"
-"$LOOM" train --help | grep -q -- "--recompute-mode" || fail "train --help lacks flags"
-"$LOOM" --help | grep -q "generate" || fail "loom --help lacks commands"
+# (Outputs are taken whole before grep -q: with pipefail, loom writing after
+# grep -q has matched and exited would fail the pipe with SIGPIPE.)
+out=$(LOOM_SIMD=portable "$LOOM" --version)
+grep -q "kernels: portable" <<<"$out" || fail "LOOM_SIMD=portable is not the portable kernels"
+out=$("$LOOM" train --help)
+grep -q -- "--recompute-mode" <<<"$out" || fail "train --help lacks flags"
+out=$("$LOOM" --help)
+grep -q "generate" <<<"$out" || fail "loom --help lacks commands"
 
 # Missing and corrupt files
 expect_error "no token shards match" "$LOOM" train --data "$WORK/nope" --config "$WORK/cfg.json"

@@ -102,7 +102,7 @@ cmp -s "$WORK/hf/model.safetensors" "$WORK/unsharded/model.safetensors" || fail 
   fail "train --init from the sharded model failed"
 # A build without MPI started as one of several processes refuses, instead of
 # every process training alone into the same --out.
-if "$LOOM" --version | grep -q "MPI: no"; then
+if grep -q "MPI: no" <<<"$("$LOOM" --version)"; then
   expect_error "built without MPI" env OMPI_COMM_WORLD_SIZE=2 "$LOOM" train --data "$WORK/data" \
     --config "$WORK/cfg.json" --steps 1 --out "$WORK/lonely"
   [ -e "$WORK/lonely" ] && fail "a refused run wrote its output directory"
