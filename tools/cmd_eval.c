@@ -22,11 +22,13 @@ static loom_status same_tokenizer(const char *model, const loom_dataloader *dl) 
     size_t nx = 0;
     LOOM_TRY(loom_read_file(a, &x, &nx));
     loom_status st = LOOM_OK;
+    char last[4200] = ""; /* shards come sorted: a directory's together, read once */
     for (size_t i = 0; st == LOOM_OK && i < loom_dataloader_num_shards(dl); i++) {
         const char *shard = loom_dataloader_shard_path(dl, i), *slash = strrchr(shard, '/');
         int dir_len = slash ? (int)(slash - shard) : 1;
         snprintf(b, sizeof b, "%.*s/tokenizer.json", dir_len, slash ? shard : ".");
-        if (stat(b, &sb) != 0) continue;
+        if (!strcmp(b, last) || stat(b, &sb) != 0) continue;
+        snprintf(last, sizeof last, "%s", b);
         void *y = NULL;
         size_t ny = 0;
         st = loom_read_file(b, &y, &ny);

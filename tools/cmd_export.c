@@ -66,7 +66,6 @@ static int run(int argc, char **argv) {
     if (gguf && !tokenizer)
         return cli_usage_error("export", "%s has no tokenizer.json, and a GGUF file must carry the vocabulary: give "
                                "the tokenizer the model was trained with, --tokenizer FILE", model);
-    static const char *const gguf_names[] = {"fp32", "fp16", "bf16", "q8_0"}; /* by loom_gguf_type */
     loom_precision prec = {LOOM_F32, 0};
     loom_llama *m = NULL;
     loom_tokenizer *tok = NULL;
@@ -76,7 +75,7 @@ static int run(int argc, char **argv) {
     loom_tokenizer_free(tok);
     if (st == LOOM_OK)
         fprintf(stderr, "export: %lld parameters as %s %s to %s%s\n", (long long)loom_llama_n_weights(m),
-                gguf ? "GGUF" : "Hugging Face", gguf ? gguf_names[gt] : loom_dtype_name(dt), out,
+                gguf ? "GGUF" : "Hugging Face", gguf ? loom_gguf_type_name(gt) : loom_dtype_name(dt), out,
                 tokenizer ? "" : " (no tokenizer: the model directory has no tokenizer.json)");
     loom_llama_free(m);
     return st == LOOM_OK ? 0 : cli_fail("export", st);

@@ -78,6 +78,8 @@ typedef enum loom_gguf_type { LOOM_GGUF_F32, LOOM_GGUF_F16, LOOM_GGUF_BF16, LOOM
 /* "q8_0" or a name loom_dtype_parse takes ("fp32", "bf16", ...) -> type,
  * case-insensitively; LOOM_ERR_INVALID naming the four. */
 loom_status loom_gguf_type_parse(const char *name, loom_gguf_type *out);
+/* "fp32", "fp16", "bf16", "q8_0"; "?" out of range. */
+const char *loom_gguf_type_name(loom_gguf_type type);
 
 /* Write the model as one GGUF file (version 3) that llama.cpp runs as its
  * "llama" architecture: hyperparameters as llama.* metadata, tok as a

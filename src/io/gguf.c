@@ -346,6 +346,11 @@ loom_status loom_gguf_type_parse(const char *name, loom_gguf_type *out) {
     return LOOM_OK;
 }
 
+const char *loom_gguf_type_name(loom_gguf_type type) {
+    static const char *const names[] = {"fp32", "fp16", "bf16", "q8_0"}; /* by loom_gguf_type */
+    return (unsigned)type <= LOOM_GGUF_Q8_0 ? names[type] : "?";
+}
+
 /* The directory of path, created if missing. */
 static loom_status make_parent_dir(const char *path) {
     char dir[4200];

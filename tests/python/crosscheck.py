@@ -110,30 +110,6 @@ def make_data(d, rng):
         ref.write_shard(os.path.join(d, name), toks)
 
 
-def make_model(d, config, rng):
-    """A random model directory. Weight scales are chosen so that every part
-    of the math matters: projections ~ 1/sqrt(fan_in) give attention scores of
-    order one (a nearly uniform softmax would hide RoPE and mask errors),
-    norm weights are 1 +- 0.2 (not all ones), and the embedding is small
-    (std 0.02, like a fresh LLaMA) so that mean(x^2) ~ 4e-4 and the RMSNorm
-    eps changes the result by ~1e-2 .. 1e-3."""
-    os.makedirs(d, exist_ok=True)
-    cfg = ref.Config(config)
-    tensors = {}
-    for name, shape in cfg.param_shapes().items():
-        if len(shape) == 1:
-            w = 1.0 + 0.2 * rng.standard_normal(shape)
-        elif name == "model.embed_tokens.weight":
-            w = 0.02 * rng.standard_normal(shape)
-        else:
-            w = rng.standard_normal(shape) / np.sqrt(shape[1])
-        tensors[name] = torch.from_numpy(w.astype(np.float32))
-    ref.write_safetensors(os.path.join(d, "model.safetensors"), tensors, {"format": "pt"})
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(dict(config, architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
-                       torch_dtype="float32"), f, indent=2)
-
-
 def run_loom(loom, out, *args):
     cmd = [loom, "train", "--out", out, "--eval-every", "0", "--threads", "2", *map(str, args)]
     t0 = time.time()
@@ -302,7 +278,7 @@ def main():
     rep = Report()
     for name, config in CONFIGS.items():
         model_dir = os.path.join(args.workdir, f"model-{name}")
-        make_model(model_dir, config, rng)
+        ref.make_model_dir(model_dir, config, rng)
         check_first_step(rep, args.loom, args.workdir, name, data_dir, model_dir, inputs, targets)
         check_curve(rep, args.loom, args.workdir, name, data_dir, model_dir)
     rep.print()

@@ -280,21 +280,6 @@ KEY_TYPES = {"general.architecture": 8, "general.file_type": 4, "general.alignme
              "tokenizer.ggml.add_bos_token": 7, "tokenizer.ggml.add_eos_token": 7}
 
 
-def make_model(d, config, rng):
-    os.makedirs(d, exist_ok=True)
-    cfg = ref.Config(config)
-    tensors = {}
-    for name, shape in cfg.param_shapes().items():
-        if len(shape) == 1:
-            w = 1.0 + 0.2 * rng.standard_normal(shape)
-        else:
-            w = rng.standard_normal(shape) / np.sqrt(shape[1])
-        tensors[name] = torch.from_numpy(w.astype(np.float32))
-    ref.write_safetensors(os.path.join(d, "model.safetensors"), tensors, {"format": "pt"})
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(dict(config, architectures=["LlamaForCausalLM"], model_type="llama"), f)
-
-
 def export(loom, model, out, dtype, *extra):
     cmd = [loom, "export", "--model", model, "--out", out, "--format", "gguf", "--dtype", dtype, *extra]
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -304,7 +289,7 @@ def export(loom, model, out, dtype, *extra):
 
 def check_model(loom, work, label, config, tokenizer, dtypes, rng):
     d = os.path.join(work, label)
-    make_model(d, config, rng)
+    ref.make_model_dir(d, config, rng, embed_std=None)
     tok, merges = tokenizer
     cfg, params = ref.load_model_dir(d)
     inputs = torch.from_numpy(rng.integers(cfg.vocab_size, size=(2, 24)))

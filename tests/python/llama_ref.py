@@ -19,6 +19,7 @@ Needs only torch and numpy (no transformers, no safetensors package).
 """
 import json
 import math
+import os
 import struct
 
 import numpy as np
@@ -160,6 +161,31 @@ def load_model_dir(path):
         assert tuple(t.shape) == shape, (name, t.shape, shape)
         params[name] = t.requires_grad_(True)
     return cfg, params
+
+
+def make_model_dir(d, config, rng, embed_std=0.02):
+    """A random model directory (config.json + model.safetensors). Weight
+    scales are chosen so that every part of the math matters: projections ~
+    1/sqrt(fan_in) give attention scores of order one (a nearly uniform
+    softmax would hide RoPE and mask errors), norm weights are 1 +- 0.2 (not
+    all ones), and the embedding is small (std embed_std, 0.02 like a fresh
+    LLaMA) so that mean(x^2) ~ 4e-4 and the RMSNorm eps changes the result by
+    ~1e-2 .. 1e-3; embed_std None scales it as the projections."""
+    os.makedirs(d, exist_ok=True)
+    cfg = Config(config)
+    tensors = {}
+    for name, shape in cfg.param_shapes().items():
+        if len(shape) == 1:
+            w = 1.0 + 0.2 * rng.standard_normal(shape)
+        elif name == "model.embed_tokens.weight" and embed_std is not None:
+            w = embed_std * rng.standard_normal(shape)
+        else:
+            w = rng.standard_normal(shape) / np.sqrt(shape[1])
+        tensors[name] = torch.from_numpy(w.astype(np.float32))
+    write_safetensors(os.path.join(d, "model.safetensors"), tensors, {"format": "pt"})
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(dict(config, architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+                       torch_dtype="float32"), f, indent=2)
 
 
 def rms_norm(x, w, eps):

@@ -5,6 +5,12 @@ SRC=${LOOM_SOURCE_DIR:?}
 WORK=$(mktemp -d /tmp/loom-test.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
+# The PyTorch oracle's interpreter: a missing torch is a failure, not a skip.
+PY_TORCH=/usr/bin/python3
+require_torch() {
+  "$PY_TORCH" -c "import torch, numpy" 2>/dev/null || fail "$PY_TORCH cannot import torch and numpy; install them \
+with scripts/setup.sh (Debian packages python3-torch, python3-numpy)"
+}
 # A small corpus of real English-ish text that every checkout has: loom's own
 # documentation and sources.
 corpus() { ls "$SRC"/README.md "$SRC"/src/*/*.c "$SRC"/include/loom/*.h; }

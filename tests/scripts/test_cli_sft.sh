@@ -8,9 +8,8 @@
 #    cross-entropy of its dumped logits over the unmasked targets only (and
 #    is not the mean over all of them).
 source "$(dirname "$0")/lib.sh"
-py=/usr/bin/python3
-"$py" -c "import torch, numpy" 2>/dev/null || fail "$py cannot import torch and numpy; install them with \
-scripts/setup.sh (Debian packages python3-torch, python3-numpy)"
+require_torch
+py=$PY_TORCH
 "$py" - "$WORK" <<'PY'
 import json, random, sys
 random.seed(7)
