@@ -166,7 +166,7 @@ static loom_status file_docs(const char *path, const char *sep, const char *key,
 typedef struct tok_buf { int32_t *ids; uint8_t *mask; size_t n, cap; int masked; } tok_buf;
 
 static loom_status append_doc(loom_tokenizer *tok, tok_buf *b, const doc *d) {
-    size_t need = b->n + d->prompt_len + d->len + 1;
+    size_t need = b->n + d->prompt_len + d->len + 2;
     if (need > b->cap) {
         size_t cap = need * 2;
         int32_t *ids = realloc(b->ids, cap * sizeof *ids);
@@ -177,8 +177,11 @@ static loom_status append_doc(loom_tokenizer *tok, tok_buf *b, const doc *d) {
         b->cap = cap;
     }
     size_t n = 0, start = b->n;
-    int eot = loom_tokenizer_eot(tok);
-    if (eot >= 0) b->ids[b->n++] = eot; /* every document starts after a separator (a target: the end of the last) */
+    /* Every document starts with the begin-of-text token (a target: the end
+     * of the last), and ends with the end-of-text token when that is another
+     * (Llama 3's convention; loom's own and GPT-2's tokenizers have one). */
+    int bos = loom_tokenizer_bos(tok), eot = loom_tokenizer_eot(tok);
+    if (bos >= 0) b->ids[b->n++] = bos;
     if (d->prompt) {
         LOOM_TRY(loom_tokenizer_encode(tok, d->prompt, d->prompt_len, b->ids + b->n, b->cap - b->n, &n));
         memset(b->mask + start, 1, b->n - start);
@@ -189,6 +192,7 @@ static loom_status append_doc(loom_tokenizer *tok, tok_buf *b, const doc *d) {
     }
     LOOM_TRY(loom_tokenizer_encode(tok, d->text, d->len, b->ids + b->n, b->cap - b->n, &n));
     b->n += n;
+    if (eot >= 0 && eot != bos) b->ids[b->n++] = eot;
     memset(b->mask + start, 1, b->n - start);
     return LOOM_OK;
 }
@@ -343,7 +347,7 @@ static int run(int argc, char **argv) {
     const flag flags[] = {
         {"train", FLAG_LIST, &train, "FILE...", "train a BPE tokenizer on these text (or .jsonl) files"},
         {"vocab", FLAG_INT, &vocab, "N", "vocabulary size when training (default 4096)"},
-        {"tokenizer", FLAG_STRING, &tok_path, "FILE", "an existing tokenizer.json to encode with"},
+        {"tokenizer", FLAG_STRING, &tok_path, "FILE", "an existing tokenizer.json to encode with: loom's, or a Hugging Face byte-level BPE"},
         {"in", FLAG_LIST, &in, "FILE...", "text (or .jsonl) files to encode into shards"},
         {"out", FLAG_STRING, &out, "PATH", "tokenizer file (training only) or shard directory"},
         {"val-fraction", FLAG_DOUBLE, &val_fraction, "F", "share of documents for validation (default 0.05)"},
@@ -520,7 +524,10 @@ const command cmd_tokenize = {
     "       loom tokenize --train FILE... --vocab N --in FILE... --out DIR",
     "Shards use llm.c's format (uint16 tokens up to 65536 ids, else uint32):\n"
     "DIR/train_000000.bin, DIR/val_000000.bin, and DIR/tokenizer.json. Documents are\n"
-    "joined with the <|endoftext|> token. A file ending in .jsonl is JSON Lines: each\n"
+    "joined with the <|endoftext|> token. --tokenizer also reads a Hugging Face\n"
+    "tokenizer.json of byte-level BPE (GPT-2, Llama 3, StarCoder and the like): each\n"
+    "document then starts with its begin-of-text token and ends with its end-of-text\n"
+    "token when that is another (README). A file ending in .jsonl is JSON Lines: each\n"
     "line an object whose \"text\" field (--jsonl-key) is one document; --doc-sep\n"
     "applies to the other files. With --jsonl-prompt-key KEY each line's KEY field is a\n"
     "prompt before the document, and DIR/NAME.mask beside each shard marks the\n"

@@ -314,7 +314,18 @@ const char *loom_dataloader_shard_path(const loom_dataloader *dl, size_t i);
  * name. Text is pre-split into chunks — letters (and bytes >= 0x80) with an
  * optional leading space, digits with an optional space, other symbols with
  * an optional space, runs of whitespace, at most 128 bytes each — and merges
- * never cross chunks. Any byte string round-trips: decode(encode(s)) == s. */
+ * never cross chunks. Any byte string round-trips: decode(encode(s)) == s.
+ *
+ * loom_tokenizer_load also reads a Hugging Face tokenizer.json of byte-level
+ * BPE (GPT-2, Llama 3, SmolLM and the like): its ids, merges (by rank, with
+ * ignore_merges), and pre-tokenizer (ByteLevel's GPT-2 expression, or regex
+ * Splits before it, matched with PCRE2 as Unicode); bytes that are not valid
+ * UTF-8 are never matched and stay pieces of their own, so the round trip
+ * holds for them too. Added tokens are special: never produced from text
+ * (Hugging Face matches them in text; loom does not). Refused by name:
+ * normalizers, SentencePiece-style byte fallback, a prefix space, other
+ * pre-tokenizers, ids with gaps. Such a tokenizer is not saved
+ * (loom_tokenizer_save): its file is copied. */
 #define LOOM_TOKENIZER_EOT "<|endoftext|>"
 
 typedef struct loom_tokenizer loom_tokenizer;
@@ -332,8 +343,18 @@ void loom_tokenizer_free(loom_tokenizer *tok);
 /* Number of ids (bytes + merges + specials). */
 int loom_tokenizer_vocab_size(const loom_tokenizer *tok);
 int loom_tokenizer_num_merges(const loom_tokenizer *tok);
-/* The "<|endoftext|>" id, or -1 when the tokenizer has none. */
+/* The end-of-text id: "<|endoftext|>" (for a Hugging Face tokenizer the
+ * first special token of "<|endoftext|>", "<|end_of_text|>", "</s>"), or -1
+ * when the tokenizer has none. Generation stops at it. */
 int loom_tokenizer_eot(const loom_tokenizer *tok);
+/* The begin-of-text id every document starts with: the end-of-text token
+ * for loom's tokenizers (it separates documents); for a Hugging Face one the
+ * token its post-processor's template puts first (Llama 3's
+ * "<|begin_of_text|>"), else the end-of-text token (GPT-2's convention);
+ * -1 when there is none. */
+int loom_tokenizer_bos(const loom_tokenizer *tok);
+/* 1 when id is a special token (never produced by encode), else 0. */
+int loom_tokenizer_is_special(const loom_tokenizer *tok, int32_t id);
 
 /* Encode `len` bytes into ids. `out` has room for `capacity` ids; `len` ids
  * always suffice. Encoding fills an internal cache (hence non-const).
@@ -349,7 +370,8 @@ loom_status loom_tokenizer_decode(const loom_tokenizer *tok, const int32_t *ids,
 /* The bytes of one id (owned by tok). Errors: LOOM_ERR_INVALID. */
 loom_status loom_tokenizer_token_bytes(const loom_tokenizer *tok, int32_t id,
                                        const char **bytes, size_t *len);
-/* Merge r's two parts: id 256 + r is the concatenation of ids *a and *b.
+/* Merge r's two parts (in rank order): for loom's tokenizers id 256 + r is
+ * the concatenation of ids *a and *b.
  * Errors: LOOM_ERR_INVALID (r outside [0, loom_tokenizer_num_merges)). */
 loom_status loom_tokenizer_merge(const loom_tokenizer *tok, int r, int32_t *a, int32_t *b);
 

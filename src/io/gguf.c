@@ -85,33 +85,10 @@ static void kv_array(gbuf *b, const char *key, uint32_t type, uint64_t n) {
 
 /* --------------------------------------------------------- vocabulary */
 
-/* GPT-2's byte -> code point table, as UTF-8 (every code point is below
- * 0x200, so one or two bytes). */
-typedef struct byte_chars {
-    char s[256][3];
-    unsigned char len[256];
-} byte_chars;
-
-static void byte_chars_init(byte_chars *bc) {
-    int extra = 0;
-    for (int b = 0; b < 256; b++) {
-        int printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
-        unsigned cp = printable ? (unsigned)b : 256u + (unsigned)extra++;
-        if (cp < 0x80) {
-            bc->s[b][0] = (char)cp;
-            bc->len[b] = 1;
-        } else {
-            bc->s[b][0] = (char)(0xC0 | (cp >> 6));
-            bc->s[b][1] = (char)(0x80 | (cp & 0x3F));
-            bc->len[b] = 2;
-        }
-    }
-}
-
 /* Token id's string as the vocabulary spells it: its bytes in GPT-2's
  * alphabet, "<|endoftext|>" for the end-of-text token, "<|unused_N|>" for
  * ids past the tokenizer's. Appended to b. */
-static void put_spelling(gbuf *b, const byte_chars *bc, const loom_tokenizer *tok, int32_t id) {
+static void put_spelling(gbuf *b, const bpe_byte_chars *bc, const loom_tokenizer *tok, int32_t id) {
     if (id >= loom_tokenizer_vocab_size(tok)) {
         char pad[32];
         int n = snprintf(pad, sizeof pad, "<|unused_%d|>", (int)id);
@@ -129,7 +106,7 @@ static void put_spelling(gbuf *b, const byte_chars *bc, const loom_tokenizer *to
 }
 
 /* Put token id's spelling as a GGUF string (length first). */
-static void put_token(gbuf *b, gbuf *scratch, const byte_chars *bc, const loom_tokenizer *tok, int32_t id) {
+static void put_token(gbuf *b, gbuf *scratch, const bpe_byte_chars *bc, const loom_tokenizer *tok, int32_t id) {
     scratch->n = 0;
     put_spelling(scratch, bc, tok, id);
     if (!scratch->oom) put_str(b, (const char *)scratch->p, scratch->n);
@@ -139,8 +116,8 @@ static void put_token(gbuf *b, gbuf *scratch, const byte_chars *bc, const loom_t
  * ids share, which a hand-made merge list can give (two merges spelling the
  * same bytes) or text that held "<|endoftext|>" itself. */
 static loom_status check_unique_spellings(const loom_tokenizer *tok, int vocab_size) {
-    byte_chars bc;
-    byte_chars_init(&bc);
+    bpe_byte_chars bc;
+    bpe_byte_chars_init(&bc);
     io_bytesmap seen = {0};
     gbuf s = {0};
     int32_t *first = malloc((size_t)vocab_size * sizeof *first);
@@ -164,8 +141,8 @@ static loom_status check_unique_spellings(const loom_tokenizer *tok, int vocab_s
 }
 
 static void put_vocabulary(gbuf *b, const loom_tokenizer *tok, int vocab_size) {
-    byte_chars bc;
-    byte_chars_init(&bc);
+    bpe_byte_chars bc;
+    bpe_byte_chars_init(&bc);
     gbuf scratch = {0};
     int n_tok = loom_tokenizer_vocab_size(tok), eot = loom_tokenizer_eot(tok);
     kv_str(b, "tokenizer.ggml.model", "gpt2");
@@ -372,6 +349,10 @@ loom_status loom_llama_save_gguf(loom_llama *m, loom_gguf_type type, const loom_
     if (!tok)
         return loom_error(LOOM_ERR_INVALID, "GGUF export needs the model's tokenizer: llama.cpp cannot run a model "
                           "without its vocabulary");
+    if (tok->hf)
+        return loom_error(LOOM_ERR_UNSUPPORTED, "GGUF export with a Hugging Face tokenizer is not supported: export "
+                          "a Hugging Face directory (loom export --format hf), which keeps the tokenizer.json as "
+                          "it is, and convert that with llama.cpp's convert_hf_to_gguf.py");
     if (loom_tokenizer_eot(tok) < 0)
         return loom_error(LOOM_ERR_INVALID, "GGUF export: the tokenizer has no %s token, which llama.cpp needs as "
                           "BOS and EOS; use a tokenizer loom trained (it always has one)", LOOM_TOKENIZER_EOT);

@@ -112,9 +112,52 @@ int64_t io_bytesmap_insert(io_bytesmap *m, const void *key, size_t len, int *ins
 /* ----------------------------------------------------------- tokenizer */
 
 #define BPE_MAX_CHUNK 128
+#define BPE_MAX_SPLITS 4 /* regular expressions a Hugging Face pre-tokenizer may chain */
+
+/* The tokenizer: loom's own (ids 0..255 the bytes, 256 + r merge r, then
+ * "<|endoftext|>") or a Hugging Face byte-level BPE (tokenizer_hf.c), whose
+ * ids are the file's. */
+struct loom_tokenizer {
+    int n_merges, vocab_size, eot, bos;
+    int32_t *merges;      /* (n_merges, 2): the pair merge r joins, in rank order */
+    int32_t *merged;      /* (n_merges): the id merge r makes */
+    int32_t byte_id[256]; /* the id of each single byte */
+    size_t *tok_off;      /* (vocab_size + 1): id i is arena[tok_off[i] .. tok_off[i+1]) */
+    char *arena;
+    unsigned char *special; /* (vocab_size): 1 for a special token (never produced by encode) */
+    io_u64map ranks;      /* (a << 32 | b) -> r */
+    /* Hugging Face pre-tokenization: the text is split by each regular
+     * expression in turn (matches and the gaps between them become pieces);
+     * n_splits == 0 is loom's own pre-split (bpe_chunk_len). */
+    void *splits[BPE_MAX_SPLITS]; /* pcre2_code_8 * */
+    void *match[BPE_MAX_SPLITS];  /* pcre2_match_data_8 * for each */
+    int n_splits;
+    int hf;               /* read from a Hugging Face file: pre-split by splits only (none: one piece) */
+    int ignore_merges;    /* a piece the vocabulary spells whole is that one id */
+    io_bytesmap whole;    /* with ignore_merges: spelling -> entry, whole_id[entry] the id */
+    int32_t *whole_id;
+    io_bytesmap cache;    /* chunk -> entry e, whose ids are cache_ids[cache_start[e] .. [e+1]) */
+    int32_t *cache_ids;
+    size_t *cache_start;
+    size_t cache_ids_cap, cache_start_cap;
+};
 
 /* Length of the first pre-split chunk of s[0..n) (0 only when n == 0). */
 size_t bpe_chunk_len(const unsigned char *s, size_t n);
+
+/* GPT-2's byte alphabet: byte b is spelled s[b] (len[b] UTF-8 bytes, the
+ * code point b for printable bytes, 256 + k for the k-th other byte). */
+typedef struct bpe_byte_chars {
+    char s[256][2];
+    int len[256];
+} bpe_byte_chars;
+void bpe_byte_chars_init(bpe_byte_chars *bc);
+
+/* Allocate the tables of a tokenizer of vocab_size ids and n_merges merges
+ * (merges, merged, tok_off, special zeroed); NULL when out of memory. */
+loom_tokenizer *bpe_tokenizer_alloc(int vocab_size, int n_merges);
+/* Parse a Hugging Face tokenizer.json (already parsed as root). */
+loom_status bpe_tokenizer_load_hf(const char *path, const void *root, loom_tokenizer **out);
 
 /* Build a tokenizer from validated merges (merges[2r], merges[2r+1] create
  * id 256 + r) with or without the end-of-text token. Takes nothing over. */

@@ -10,25 +10,15 @@
  */
 #include "io/io_internal.h"
 
+#define PCRE2_CODE_UNIT_WIDTH 8
 #include <jansson.h>
+#include <pcre2.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define CACHE_MAX_IDS (1u << 20) /* cleared when it holds more than this */
-
-struct loom_tokenizer {
-    int n_merges, vocab_size, eot;
-    int32_t *merges;     /* (n_merges, 2) */
-    size_t *tok_off;     /* (vocab_size + 1): id i is arena[tok_off[i] .. tok_off[i+1]) */
-    char *arena;
-    io_u64map ranks;     /* (a << 32 | b) -> merged id */
-    io_bytesmap cache;   /* chunk -> entry e, whose ids are cache_ids[cache_start[e] .. [e+1]) */
-    int32_t *cache_ids;
-    size_t *cache_start;
-    size_t cache_ids_cap, cache_start_cap;
-};
 
 /* ------------------------------------------------------------ pre-split */
 
@@ -68,39 +58,77 @@ size_t bpe_chunk_len(const unsigned char *s, size_t n) {
 void loom_tokenizer_free(loom_tokenizer *tok) {
     if (!tok) return;
     free(tok->merges);
+    free(tok->merged);
     free(tok->tok_off);
     free(tok->arena);
+    free(tok->special);
     io_u64map_free(&tok->ranks);
+    for (int i = 0; i < tok->n_splits; i++) {
+        pcre2_match_data_free(tok->match[i]);
+        pcre2_code_free(tok->splits[i]);
+    }
+    io_bytesmap_free(&tok->whole);
+    free(tok->whole_id);
     io_bytesmap_free(&tok->cache);
     free(tok->cache_ids);
     free(tok->cache_start);
     free(tok);
 }
 
+loom_tokenizer *bpe_tokenizer_alloc(int vocab_size, int n_merges) {
+    loom_tokenizer *tok = calloc(1, sizeof *tok);
+    if (!tok) return NULL;
+    tok->vocab_size = vocab_size;
+    tok->n_merges = n_merges;
+    tok->eot = tok->bos = -1;
+    tok->merges = malloc(((size_t)n_merges * 2 + 1) * sizeof *tok->merges);
+    tok->merged = malloc(((size_t)n_merges + 1) * sizeof *tok->merged);
+    tok->tok_off = calloc((size_t)vocab_size + 1, sizeof *tok->tok_off);
+    tok->special = calloc((size_t)vocab_size + 1, 1);
+    if (!tok->merges || !tok->merged || !tok->tok_off || !tok->special) {
+        loom_tokenizer_free(tok);
+        return NULL;
+    }
+    return tok;
+}
+
+void bpe_byte_chars_init(bpe_byte_chars *bc) {
+    int extra = 0;
+    for (int b = 0; b < 256; b++) {
+        int printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+        unsigned cp = printable ? (unsigned)b : 256u + (unsigned)extra++;
+        if (cp < 0x80) {
+            bc->s[b][0] = (char)cp;
+            bc->len[b] = 1;
+        } else {
+            bc->s[b][0] = (char)(0xC0 | (cp >> 6));
+            bc->s[b][1] = (char)(0x80 | (cp & 0x3F));
+            bc->len[b] = 2;
+        }
+    }
+}
+
 static inline uint64_t pair_key(int32_t a, int32_t b) { return (uint64_t)(uint32_t)a << 32 | (uint32_t)b; }
 
 loom_status bpe_tokenizer_build(const int32_t *merges, int n_merges, int with_eot, loom_tokenizer **out) {
     *out = NULL;
-    loom_tokenizer *tok = calloc(1, sizeof *tok);
-    if (!tok) return loom_error(LOOM_ERR_NOMEM, "out of memory building a tokenizer");
-    tok->n_merges = n_merges;
-    tok->vocab_size = 256 + n_merges + (with_eot ? 1 : 0);
-    tok->eot = with_eot ? tok->vocab_size - 1 : -1;
-    size_t v = (size_t)tok->vocab_size;
-    tok->merges = malloc(((size_t)n_merges * 2 + 1) * sizeof *tok->merges);
-    tok->tok_off = malloc((v + 1) * sizeof *tok->tok_off);
-    size_t *len = malloc(v * sizeof *len);
-    if (tok->merges && tok->tok_off && len) {
+    int vocab = 256 + n_merges + (with_eot ? 1 : 0);
+    loom_tokenizer *tok = bpe_tokenizer_alloc(vocab, n_merges);
+    size_t v = (size_t)vocab;
+    size_t *len = tok ? malloc(v * sizeof *len) : NULL;
+    if (len) {
+        tok->eot = tok->bos = with_eot ? vocab - 1 : -1;
+        if (with_eot) tok->special[tok->eot] = 1;
+        for (int i = 0; i < 256; i++) tok->byte_id[i] = i;
         /* Lengths, then offsets as their prefix sums. Token lengths are at
          * most BPE_MAX_CHUNK (checked on load), so nothing overflows. */
         for (int i = 0; i < 256; i++) len[i] = 1;
         for (int r = 0; r < n_merges; r++) len[256 + r] = len[merges[2 * r]] + len[merges[2 * r + 1]];
         if (with_eot) len[tok->eot] = strlen(LOOM_TOKENIZER_EOT);
-        tok->tok_off[0] = 0;
         for (size_t i = 0; i < v; i++) tok->tok_off[i + 1] = tok->tok_off[i] + len[i];
         tok->arena = malloc(tok->tok_off[v] + 1);
     }
-    if (!tok->merges || !tok->tok_off || !len || !tok->arena) {
+    if (!tok || !len || !tok->arena) {
         free(len);
         loom_tokenizer_free(tok);
         return loom_error(LOOM_ERR_NOMEM, "out of memory building a tokenizer of %zu tokens", v);
@@ -111,9 +139,10 @@ loom_status bpe_tokenizer_build(const int32_t *merges, int n_merges, int with_eo
     for (int r = 0; r < n_merges; r++) {
         int32_t a = merges[2 * r], b = merges[2 * r + 1];
         char *dst = tok->arena + tok->tok_off[256 + r];
+        tok->merged[r] = 256 + r;
         memcpy(dst, tok->arena + tok->tok_off[a], len[a]);
         memcpy(dst + len[a], tok->arena + tok->tok_off[b], len[b]);
-        if (!io_u64map_upsert(&tok->ranks, pair_key(a, b), 256 + r, NULL)) {
+        if (!io_u64map_upsert(&tok->ranks, pair_key(a, b), r, NULL)) {
             free(len);
             loom_tokenizer_free(tok);
             return loom_error(LOOM_ERR_NOMEM, "out of memory building a tokenizer of %zu tokens", v);
@@ -128,13 +157,25 @@ loom_status bpe_tokenizer_build(const int32_t *merges, int n_merges, int with_eo
 int loom_tokenizer_vocab_size(const loom_tokenizer *tok) { return tok ? tok->vocab_size : 0; }
 int loom_tokenizer_num_merges(const loom_tokenizer *tok) { return tok ? tok->n_merges : 0; }
 int loom_tokenizer_eot(const loom_tokenizer *tok) { return tok ? tok->eot : -1; }
+int loom_tokenizer_bos(const loom_tokenizer *tok) { return tok ? tok->bos : -1; }
+int loom_tokenizer_is_special(const loom_tokenizer *tok, int32_t id) {
+    return tok && id >= 0 && id < tok->vocab_size && tok->special[id];
+}
 
 /* --------------------------------------------------------------- encode */
 
-/* BPE on one chunk (n <= BPE_MAX_CHUNK): merge the lowest-ranked adjacent
- * pair until none is left. Returns the number of ids written. */
+/* BPE on one chunk: merge the lowest-ranked adjacent pair (every
+ * occurrence, left to right) until none is left. ids has room for n.
+ * Returns the number of ids written. */
 static size_t bpe_chunk(const loom_tokenizer *tok, const unsigned char *s, size_t n, int32_t *ids) {
-    for (size_t i = 0; i < n; i++) ids[i] = s[i];
+    if (tok->ignore_merges) { /* the vocabulary spells the whole piece */
+        int64_t e = io_bytesmap_find(&tok->whole, s, n);
+        if (e >= 0) {
+            ids[0] = tok->whole_id[e];
+            return 1;
+        }
+    }
+    for (size_t i = 0; i < n; i++) ids[i] = tok->byte_id[s[i]];
     size_t m = n;
     while (m >= 2) {
         int64_t best = INT64_MAX;
@@ -143,11 +184,11 @@ static size_t bpe_chunk(const loom_tokenizer *tok, const unsigned char *s, size_
             if (r && *r < best) best = *r;
         }
         if (best == INT64_MAX) break;
-        int32_t a = tok->merges[2 * (best - 256)], b = tok->merges[2 * (best - 256) + 1];
+        int32_t a = tok->merges[2 * best], b = tok->merges[2 * best + 1], id = tok->merged[best];
         size_t j = 0;
         for (size_t i = 0; i < m;) {
             if (i + 1 < m && ids[i] == a && ids[i + 1] == b) {
-                ids[j++] = (int32_t)best;
+                ids[j++] = id;
                 i += 2;
             } else {
                 ids[j++] = ids[i++];
@@ -174,7 +215,8 @@ static loom_status chunk_ids(loom_tokenizer *tok, const unsigned char *s, size_t
                              size_t *m) {
     int64_t e = io_bytesmap_find(&tok->cache, s, n);
     if (e < 0) {
-        int32_t tmp[BPE_MAX_CHUNK];
+        int32_t stack[BPE_MAX_CHUNK], *tmp = n <= BPE_MAX_CHUNK ? stack : malloc(n * sizeof *tmp);
+        if (!tmp) return loom_error(LOOM_ERR_NOMEM, "out of memory encoding a %zu-byte piece", n);
         size_t k = bpe_chunk(tok, s, n, tmp);
         size_t used = tok->cache.n ? tok->cache_start[tok->cache.n] : 0;
         if (used + k > CACHE_MAX_IDS) {
@@ -184,15 +226,55 @@ static loom_status chunk_ids(loom_tokenizer *tok, const unsigned char *s, size_t
         int inserted;
         if (!grow((void **)&tok->cache_ids, &tok->cache_ids_cap, used + k, sizeof(int32_t)) ||
             !grow((void **)&tok->cache_start, &tok->cache_start_cap, tok->cache.n + 2, sizeof(size_t)) ||
-            (e = io_bytesmap_insert(&tok->cache, s, n, &inserted)) < 0)
+            (e = io_bytesmap_insert(&tok->cache, s, n, &inserted)) < 0) {
+            if (tmp != stack) free(tmp);
             return loom_error(LOOM_ERR_NOMEM, "out of memory in the tokenizer's cache");
+        }
         tok->cache_start[e] = used;
         memcpy(tok->cache_ids + used, tmp, k * sizeof *tmp);
         tok->cache_start[e + 1] = used + k;
+        if (tmp != stack) free(tmp);
     }
     *ids = tok->cache_ids + tok->cache_start[e];
     *m = tok->cache_start[e + 1] - tok->cache_start[e];
     return LOOM_OK;
+}
+
+/* The ids of s[0..n) go to out (room for capacity; *count counts them all). */
+typedef struct enc_out { int32_t *ids; size_t capacity, count; } enc_out;
+
+static loom_status emit_chunk(loom_tokenizer *tok, const unsigned char *s, size_t n, enc_out *o) {
+    const int32_t *ids;
+    size_t m;
+    LOOM_TRY(chunk_ids(tok, s, n, &ids, &m));
+    for (size_t i = 0; i < m; i++, o->count++)
+        if (o->count < o->capacity) o->ids[o->count] = ids[i];
+    return LOOM_OK;
+}
+
+/* Hugging Face pre-tokenization: split s[0..n) by regular expression `level`
+ * (each match and each gap between matches a piece), each piece by the next,
+ * and the pieces of the last are chunks. Invalid UTF-8 is never matched, so
+ * it lands in the gaps: no byte is lost. */
+static loom_status emit_split(loom_tokenizer *tok, int level, const unsigned char *s, size_t n, enc_out *o) {
+    if (level == tok->n_splits) return n ? emit_chunk(tok, s, n, o) : LOOM_OK;
+    pcre2_code *re = tok->splits[level];
+    pcre2_match_data *md = tok->match[level];
+    size_t pos = 0;
+    while (pos < n) {
+        int rc = pcre2_match(re, s, n, pos, PCRE2_NOTEMPTY, md, NULL);
+        if (rc == PCRE2_ERROR_NOMATCH) break;
+        if (rc < 0) {
+            PCRE2_UCHAR msg[160];
+            pcre2_get_error_message(rc, msg, sizeof msg);
+            return loom_error(LOOM_ERR_INVALID, "tokenizer: its pre-tokenizer's expression failed: %s", (char *)msg);
+        }
+        const PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
+        LOOM_TRY(emit_split(tok, level + 1, s + pos, ov[0] - pos, o));   /* the gap */
+        LOOM_TRY(emit_split(tok, level + 1, s + ov[0], ov[1] - ov[0], o)); /* the match */
+        pos = ov[1];
+    }
+    return emit_split(tok, level + 1, s + pos, n - pos, o);
 }
 
 loom_status loom_tokenizer_encode(loom_tokenizer *tok, const void *text, size_t len, int32_t *out,
@@ -201,20 +283,20 @@ loom_status loom_tokenizer_encode(loom_tokenizer *tok, const void *text, size_t 
     if (!tok || (len && !text))
         return loom_error(LOOM_ERR_INVALID, "loom_tokenizer_encode: NULL tokenizer or text");
     const unsigned char *s = text;
-    size_t count = 0;
-    for (size_t pos = 0; pos < len;) {
-        size_t n = bpe_chunk_len(s + pos, len - pos);
-        const int32_t *ids;
-        size_t m;
-        LOOM_TRY(chunk_ids(tok, s + pos, n, &ids, &m));
-        for (size_t i = 0; i < m; i++, count++)
-            if (count < capacity) out[count] = ids[i];
-        pos += n;
+    enc_out o = {out, capacity, 0};
+    if (tok->hf) {
+        LOOM_TRY(emit_split(tok, 0, s, len, &o));
+    } else {
+        for (size_t pos = 0; pos < len;) {
+            size_t n = bpe_chunk_len(s + pos, len - pos);
+            LOOM_TRY(emit_chunk(tok, s + pos, n, &o));
+            pos += n;
+        }
     }
-    *n_out = count;
-    if (count > capacity)
+    *n_out = o.count;
+    if (o.count > capacity)
         return loom_error(LOOM_ERR_INVALID, "tokenizer: %zu bytes encode to %zu ids but the output holds "
-                          "%zu; pass a buffer of at least %zu ids", len, count, capacity, count);
+                          "%zu; pass a buffer of at least %zu ids", len, o.count, capacity, o.count);
     return LOOM_OK;
 }
 
@@ -261,6 +343,9 @@ loom_status loom_tokenizer_decode(const loom_tokenizer *tok, const int32_t *ids,
 
 loom_status loom_tokenizer_save(const loom_tokenizer *tok, const char *path) {
     if (!tok || !path) return loom_error(LOOM_ERR_INVALID, "loom_tokenizer_save: NULL tokenizer or path");
+    if (tok->hf)
+        return loom_error(LOOM_ERR_INVALID, "loom_tokenizer_save: a Hugging Face tokenizer is kept in its own "
+                          "file: copy that file instead of saving it as a loom tokenizer ('%s')", path);
     json_t *root = json_object(), *merges = json_array(), *special = json_object();
     int ok = root && merges && special;
     for (int r = 0; ok && r < tok->n_merges; r++)
@@ -299,10 +384,6 @@ static loom_status parse_tokenizer(const char *path, json_t *root, int32_t **mer
     json_t *type = json_object_get(root, "type"), *version = json_object_get(root, "version");
     json_t *vocab = json_object_get(root, "vocab_size"), *merges = json_object_get(root, "merges");
     json_t *special = json_object_get(root, "special");
-    if (!json_is_string(type) && json_is_object(json_object_get(root, "model")))
-        return loom_error(LOOM_ERR_FORMAT, "tokenizer file '%s' is a Hugging Face tokenizer, which loom does not "
-                          "read (its models carry a loom tokenizer, \"type\": \"loom-bpe\"): give one with "
-                          "--tokenizer FILE, or make one with loom tokenize --train", path);
     if (!json_is_string(type) || strcmp(json_string_value(type), "loom-bpe"))
         return load_bad(path, "\"type\" is not \"loom-bpe\"");
     if (!json_is_integer(version) || json_integer_value(version) != 1)
@@ -388,6 +469,11 @@ loom_status loom_tokenizer_load(const char *path, loom_tokenizer **out) {
     if (!root)
         return load_bad(path, "the JSON does not parse (line %d, column %d: %s)", jerr.line, jerr.column,
                         jerr.text);
+    if (json_is_object(root) && !json_object_get(root, "type") && json_is_object(json_object_get(root, "model"))) {
+        loom_status s = bpe_tokenizer_load_hf(path, root, out); /* a Hugging Face tokenizer.json */
+        json_decref(root);
+        return s;
+    }
     int32_t *merges = NULL;
     int n = 0, with_eot = 0;
     loom_status s = parse_tokenizer(path, root, &merges, &n, &with_eot);

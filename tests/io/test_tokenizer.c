@@ -376,9 +376,9 @@ static void test_corrupt_files(void **state) {
     expect_bad_file("", "does not parse");
     expect_bad_file("[1,2]", "not a JSON object");
     expect_bad_file("{\"type\":\"gpt2\",\"version\":1,\"vocab_size\":256,\"merges\":[]}", "\"type\"");
-    /* A Hugging Face tokenizer.json (no "type", a "model" object): named as such. */
-    expect_bad_file("{\"version\":\"1.0\",\"model\":{\"type\":\"BPE\",\"vocab\":{},\"merges\":[]}}",
-                    "a Hugging Face tokenizer, which loom does not read");
+    /* A Hugging Face tokenizer.json (no "type", a "model" object) goes to its own reader (test_tokenizer_hf.c). */
+    expect_bad_file("{\"version\":\"1.0\",\"model\":{\"type\":\"Unigram\",\"vocab\":{},\"merges\":[]}}",
+                    "(Hugging Face format): its model is \"Unigram\"");
     expect_bad_file("{\"type\":\"loom-bpe\",\"version\":2,\"vocab_size\":256,\"merges\":[]}", "\"version\"");
     expect_bad_file("{\"type\":\"loom-bpe\",\"version\":1,\"merges\":[]}", "\"vocab_size\"");
     expect_bad_file("{\"type\":\"loom-bpe\",\"version\":1,\"vocab_size\":256,\"merges\":{}}", "\"merges\"");

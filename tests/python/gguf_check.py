@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama_ref as ref  # noqa: E402
+from gpt2_bytes import gpt2_byte_chars  # noqa: E402
 
 # ------------------------------------------------------------ GGUF reader
 
@@ -146,20 +147,6 @@ def q8_0_values(blocks):
 
 
 # ------------------------------------------------------------ vocabulary
-
-def gpt2_byte_chars():
-    """GPT-2's byte -> character table: printable Latin-1 bytes are
-    themselves, the others 256, 257, ... in byte order."""
-    keep = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
-    out, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return out
-
 
 def make_tokenizer(path, rng, n_merges):
     """A random valid loom tokenizer; merges use every kind of byte."""

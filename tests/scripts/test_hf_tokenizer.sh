@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Hugging Face tokenizer.json files (byte-level BPE) in loom.
+#  - tests/python/hf_tokenizer_check.py: loom's ids equal an independent
+#    reference encoder's, for a GPT-2-style file and a Llama-3-style one
+#    (shuffled ids, a Split expression, ignore_merges, a template's
+#    begin-of-text token, an end-of-text token after each document).
+#  - The whole path with the Llama-3-style file: tokenize, train, the model
+#    directory keeps the file byte for byte, eval, generate (whose output
+#    starts with the prompt), export --format hf keeps it too, and
+#    --format gguf is refused by name.
+source "$(dirname "$0")/lib.sh"
+/usr/bin/python3 -c "import regex" 2>/dev/null || fail "/usr/bin/python3 cannot import regex; install it with \
+scripts/setup.sh (Debian package python3-regex)"
+/usr/bin/python3 "$SRC/tests/python/hf_tokenizer_check.py" --loom "$LOOM" --workdir "$WORK/check" \
+  --corpus "$SRC/README.md" || fail "loom's ids differ from the reference encoder's"
+hf=$WORK/check/llama3.json
+"$LOOM" tokenize --tokenizer "$hf" --in $(corpus) --out "$WORK/data" --val-fraction 0.1 2>"$WORK/tok.log" ||
+  { cat "$WORK/tok.log"; fail "tokenize with a Hugging Face tokenizer"; }
+cmp -s "$hf" "$WORK/data/tokenizer.json" || fail "the data directory's tokenizer.json is not the file given"
+vocab=$(/usr/bin/python3 -c "import json,sys; print(max(json.load(open(sys.argv[1]))['model']['vocab'].values()) + 1)" "$hf")
+small_config "$WORK/config.json" "$vocab"
+"$LOOM" train --data "$WORK/data" --config "$WORK/config.json" --steps 3 --batch 2 --seq 32 --eval-every 0 \
+  --out "$WORK/run" 2>"$WORK/train.log" || { cat "$WORK/train.log"; fail "train"; }
+cmp -s "$hf" "$WORK/run/model/tokenizer.json" || fail "the model directory's tokenizer.json is not the data's"
+"$LOOM" eval --model "$WORK/run/model" --data "$WORK/data" --batch 2 --seq 32 >"$WORK/eval.log" 2>&1 ||
+  { cat "$WORK/eval.log"; fail "eval"; }
+grep -q "loss=" "$WORK/eval.log" || fail "eval printed no loss"
+"$LOOM" generate --model "$WORK/run/model" --prompt "The tokenizer" --tokens 8 --temperature 0 \
+  >"$WORK/gen.txt" 2>"$WORK/gen.log" || { cat "$WORK/gen.log"; fail "generate"; }
+[ "$(head -c 13 "$WORK/gen.txt")" = "The tokenizer" ] || fail "generate's text does not start with the prompt"
+"$LOOM" export --model "$WORK/run/model" --out "$WORK/hfdir" 2>"$WORK/export.log" || { cat "$WORK/export.log"; fail "export"; }
+cmp -s "$hf" "$WORK/hfdir/tokenizer.json" || fail "export --format hf did not keep the tokenizer.json"
+expect_error "Hugging Face tokenizer is not supported.*convert_hf_to_gguf" \
+  "$LOOM" export --model "$WORK/run/model" --format gguf --out "$WORK/m.gguf"
+echo "1 passed, 0 failed"
