@@ -322,10 +322,10 @@ const char *loom_dataloader_shard_path(const loom_dataloader *dl, size_t i);
  * Splits before it, matched with PCRE2 as Unicode); bytes that are not valid
  * UTF-8 are never matched and stay pieces of their own, so the round trip
  * holds for them too. Added tokens are special: never produced from text
- * (Hugging Face matches them in text; loom does not). Refused by name:
- * normalizers, SentencePiece-style byte fallback, a prefix space, other
- * pre-tokenizers, ids with gaps. Such a tokenizer is not saved
- * (loom_tokenizer_save): its file is copied. */
+ * (Hugging Face matches them in text; loom does not); unused ids are empty
+ * special tokens. Refused by name: normalizers, SentencePiece-style byte
+ * fallback, a prefix space, other pre-tokenizers. Such a tokenizer is not
+ * saved (loom_tokenizer_save): its file is copied. */
 #define LOOM_TOKENIZER_EOT "<|endoftext|>"
 
 typedef struct loom_tokenizer loom_tokenizer;
@@ -349,9 +349,9 @@ int loom_tokenizer_num_merges(const loom_tokenizer *tok);
 int loom_tokenizer_eot(const loom_tokenizer *tok);
 /* The begin-of-text id every document starts with: the end-of-text token
  * for loom's tokenizers (it separates documents); for a Hugging Face one the
- * token its post-processor's template puts first (Llama 3's
- * "<|begin_of_text|>"), else the end-of-text token (GPT-2's convention);
- * -1 when there is none. */
+ * token its post-processor's template puts first, else the special token
+ * "<|begin_of_text|>" (Llama 3) or "<s>", else the end-of-text token (GPT-2's
+ * convention); -1 when there is none. */
 int loom_tokenizer_bos(const loom_tokenizer *tok);
 /* 1 when id is a special token (never produced by encode), else 0. */
 int loom_tokenizer_is_special(const loom_tokenizer *tok, int32_t id);

@@ -5,12 +5,17 @@
  * fine-tuned and sampled with their own vocabulary.
  *
  * What it reads: model "BPE" (vocab, merges as "a b" or ["a", "b"],
- * ignore_merges), no normalizer, a pre-tokenizer that is ByteLevel or a
- * Sequence of regex Splits ("Isolated") and Digits ending in ByteLevel, a ByteLevel
+ * ignore_merges), no normalizer (or an empty Sequence), a pre-tokenizer that
+ * is ByteLevel or a Sequence of regex Splits ("Isolated", or "Removed"
+ * inverted) and Digits ending in ByteLevel, a ByteLevel
  * decoder, added tokens. Ids are the file's. The begin-of-text token is the
- * one the post-processor's template puts first, if any; the end-of-text token
- * is the special token "<|endoftext|>", "<|end_of_text|>" or "</s>"; without
- * a template token both are the end-of-text token (GPT-2's convention).
+ * one the post-processor's template puts first, else the special token
+ * "<|begin_of_text|>", "<s>" or DeepSeek's "<｜begin▁of▁sentence｜>"; the
+ * end-of-text token is the special token "<|endoftext|>", "<|end_of_text|>",
+ * "</s>" or "<｜end▁of▁sentence｜>"; with no begin-of-text token both are the
+ * end-of-text token (GPT-2's convention). (tokenizer_config.json, which
+ * names them too, is not read: the model directories loom writes carry
+ * tokenizer.json alone.)
  *
  * Owns: the checks that make every id decodable and every merge's result a
  * vocabulary token. Must never: accept a file it would encode differently
@@ -112,10 +117,16 @@ static loom_status pre_tokenizer(hf_load *L, json_t *p) {
             continue;
         }
         json_t *re = json_object_get(pat, "Regex"), *beh = json_object_get(s, "behavior");
-        if (strcmp(type_of(s), "Split") || !json_is_string(re) || !json_is_string(beh) ||
-            strcmp(json_string_value(beh), "Isolated") || !unset(s, "invert"))
+        /* Isolated: matches and gaps are pieces. Removed and inverted (the
+         * converted tiktoken files: GPT-4's, GPT-4o's): matches are pieces,
+         * gaps dropped; their expressions match all valid text, so the gaps
+         * hold only bytes that are not UTF-8, which loom keeps as pieces. */
+        int isolated = json_is_string(beh) && !strcmp(json_string_value(beh), "Isolated") && unset(s, "invert");
+        int kept = json_is_string(beh) && !strcmp(json_string_value(beh), "Removed") &&
+                   json_is_true(json_object_get(s, "invert"));
+        if (strcmp(type_of(s), "Split") || !json_is_string(re) || !(isolated || kept))
             return hf_bad(L->path, "pre-tokenizer %zu is \"%s\"; loom reads Digits, and Split on a Regex with "
-                          "behavior Isolated, not inverted", i, type_of(s));
+                          "behavior Isolated (or Removed, inverted)", i, type_of(s));
         LOOM_TRY(add_split(L, json_string_value(re)));
     }
     return byte_level(L, json_array_get(list, n - 1));
@@ -184,8 +195,7 @@ static int32_t template_bos(json_t *post, json_t *added) {
     return added_id(added, json_string_value(name));
 }
 
-/* Sizes: vocab_size = 1 + the largest id; every id below it must be a
- * token (of the vocabulary or added), no two vocabulary strings one id. */
+/* vocab_size = 1 + the largest id of the vocabulary and the added tokens. */
 static loom_status count_ids(hf_load *L, json_t *vocab, json_t *added, int *vocab_size) {
     const char *key;
     json_t *v;
@@ -208,51 +218,63 @@ static loom_status count_ids(hf_load *L, json_t *vocab, json_t *added, int *voca
     return LOOM_OK;
 }
 
-/* Every id's bytes: vocabulary strings decoded from GPT-2's alphabet, added
- * tokens as written (their content must match a vocabulary string of the
- * same id). Fills tok_off, arena, special, byte_id. */
+/* Every id's bytes: vocabulary strings decoded from GPT-2's alphabet; added
+ * tokens as written (one the vocabulary also holds must say the same, in
+ * the alphabet or as written: DeepSeek's special tokens are both); an id
+ * with no token (GPT-4's unused ids) is empty and special, never made.
+ * Fills tok_off, arena, special, byte_id, and the whole-piece map. */
+enum { ID_NONE, ID_SPELLED, ID_RAW };
+
 static loom_status token_bytes(hf_load *L, json_t *vocab, json_t *added) {
     loom_tokenizer *tok = L->tok;
     size_t V = (size_t)tok->vocab_size;
-    const char **src = calloc(V, sizeof *src); /* id -> its string in the file */
-    unsigned char *from_vocab = calloc(V, 1);
-    loom_status st = src && from_vocab ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "out of memory loading '%s'", L->path);
-    const char *key;
-    json_t *v;
-    json_object_foreach(vocab, key, v) {
-        if (st != LOOM_OK) break;
-        size_t id = (size_t)json_integer_value(v);
-        if (src[id]) st = hf_bad(L->path, "vocabulary entries \"%s\" and \"%s\" have the same id %zu", src[id], key, id);
-        else if (spell_bytes(L, key, strlen(key), NULL) < 0)
-            st = hf_bad(L->path, "vocabulary entry \"%s\" (id %zu) is not spelled in GPT-2's byte alphabet: not a "
-                        "byte-level BPE (SentencePiece vocabularies are not supported)", key, id);
-        src[id] = key;
-        from_vocab[id] = 1;
-    }
+    const char **src = calloc(V, sizeof *src);   /* id -> its string in the file */
+    const char **extra = calloc(V, sizeof *extra); /* id -> an added token's content */
+    unsigned char *kind = calloc(V, 1);
+    loom_status st = src && extra && kind ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "out of memory loading '%s'", L->path);
     size_t i;
+    json_t *v;
     json_array_foreach(added, i, v) {
         if (st != LOOM_OK) break;
         size_t id = (size_t)json_integer_value(json_object_get(v, "id"));
         const char *c = json_string_value(json_object_get(v, "content"));
-        if (from_vocab[id] && strcmp(src[id], c))
-            st = hf_bad(L->path, "added token \"%s\" has id %zu, which the vocabulary gives \"%s\"", c, id, src[id]);
-        else if (!from_vocab[id] && src[id])
-            st = hf_bad(L->path, "added tokens \"%s\" and \"%s\" have the same id %zu", src[id], c, id);
-        src[id] = c;
-        tok->special[id] = json_is_true(json_object_get(v, "special")) || !from_vocab[id];
+        if (extra[id]) st = hf_bad(L->path, "added tokens \"%s\" and \"%s\" have the same id %zu", extra[id], c, id);
+        extra[id] = c;
+        tok->special[id] = json_is_true(json_object_get(v, "special"));
+    }
+    const char *key;
+    json_object_foreach(vocab, key, v) {
+        if (st != LOOM_OK) break;
+        size_t id = (size_t)json_integer_value(v);
+        if (src[id]) st = hf_bad(L->path, "vocabulary entries \"%s\" and \"%s\" have the same id %zu", src[id], key, id);
+        else if (spell_bytes(L, key, strlen(key), NULL) >= 0) kind[id] = ID_SPELLED;
+        else if (extra[id] && !strcmp(extra[id], key)) kind[id] = ID_RAW;
+        else
+            st = hf_bad(L->path, "vocabulary entry \"%s\" (id %zu) is not spelled in GPT-2's byte alphabet: not a "
+                        "byte-level BPE (SentencePiece vocabularies are not supported)", key, id);
+        src[id] = key;
     }
     for (size_t id = 0; st == LOOM_OK && id < V; id++) {
-        if (!src[id]) st = hf_bad(L->path, "id %zu has no token (the ids must be 0 .. %zu without a gap)", id, V - 1);
-        else
-            tok->tok_off[id + 1] = tok->tok_off[id] + (from_vocab[id] ? (size_t)spell_bytes(L, src[id], strlen(src[id]), NULL)
-                                                                      : strlen(src[id]));
+        if (extra[id] && src[id] && strcmp(src[id], extra[id]))
+            st = hf_bad(L->path, "added token \"%s\" has id %zu, which the vocabulary gives \"%s\"", extra[id], id,
+                        src[id]);
+        if (extra[id] && !src[id]) {
+            src[id] = extra[id];
+            kind[id] = ID_RAW;
+            tok->special[id] = 1; /* outside the merges' vocabulary: only ever given, never made from text */
+        }
+        if (!src[id]) tok->special[id] = 1; /* no token: empty, never made */
+        size_t n = kind[id] == ID_SPELLED ? (size_t)spell_bytes(L, src[id], strlen(src[id]), NULL)
+                   : kind[id] == ID_RAW  ? strlen(src[id])
+                                         : 0;
+        tok->tok_off[id + 1] = tok->tok_off[id] + n;
     }
     if (st == LOOM_OK && !(tok->arena = malloc(tok->tok_off[V] + 1)))
         st = loom_error(LOOM_ERR_NOMEM, "out of memory loading '%s'", L->path);
     for (size_t id = 0; st == LOOM_OK && id < V; id++) {
         char *dst = tok->arena + tok->tok_off[id];
-        if (from_vocab[id]) spell_bytes(L, src[id], strlen(src[id]), dst);
-        else memcpy(dst, src[id], strlen(src[id]));
+        if (kind[id] == ID_SPELLED) spell_bytes(L, src[id], strlen(src[id]), dst);
+        else if (kind[id] == ID_RAW) memcpy(dst, src[id], strlen(src[id]));
     }
     for (int b = 0; st == LOOM_OK && b < 256; b++) {
         char s[3] = {L->bc.s[b][0], L->bc.len[b] > 1 ? L->bc.s[b][1] : 0, 0};
@@ -261,7 +283,7 @@ static loom_status token_bytes(hf_load *L, json_t *vocab, json_t *added) {
     }
     /* whole pieces, for ignore_merges: the vocabulary's tokens by their bytes */
     for (size_t id = 0; tok->ignore_merges && st == LOOM_OK && id < V; id++) {
-        if (!from_vocab[id]) continue;
+        if (kind[id] != ID_SPELLED) continue;
         int inserted;
         int64_t e = io_bytesmap_insert(&tok->whole, tok->arena + tok->tok_off[id],
                                        tok->tok_off[id + 1] - tok->tok_off[id], &inserted);
@@ -269,7 +291,8 @@ static loom_status token_bytes(hf_load *L, json_t *vocab, json_t *added) {
         else tok->whole_id[e] = (int32_t)id;
     }
     free(src);
-    free(from_vocab);
+    free(extra);
+    free(kind);
     return st;
 }
 
@@ -346,7 +369,9 @@ loom_status bpe_tokenizer_load_hf(const char *path, const void *root_v, loom_tok
                       "byte-level BPE (GPT-2, Llama 3 and the like)");
     if (!unset(model, "continuing_subword_prefix") || !unset(model, "end_of_word_suffix") || !unset(model, "dropout"))
         return hf_bad(path, "its BPE has word affixes or dropout, which loom does not support");
-    if (!unset(root, "normalizer"))
+    json_t *norm = json_object_get(root, "normalizer");
+    if (!unset(root, "normalizer") &&
+        !(!strcmp(type_of(norm), "Sequence") && json_array_size(json_object_get(norm, "normalizers")) == 0))
         return hf_bad(path, "it has a normalizer (\"%s\"), which loom does not apply", type_of(json_object_get(root, "normalizer")));
     if (!json_is_object(vocab) || !json_is_array(list))
         return hf_bad(path, "its model has no \"vocab\" object or no \"merges\" array");
@@ -378,12 +403,19 @@ loom_status bpe_tokenizer_load_hf(const char *path, const void *root_v, loom_tok
     if (st == LOOM_OK) st = token_bytes(&L, vocab, added);
     if (st == LOOM_OK) st = merges(&L, vocab, list);
     if (st == LOOM_OK) {
-        static const char *const ends[] = {"<|endoftext|>", "<|end_of_text|>", "</s>"};
+        static const char *const ends[] = {"<|endoftext|>", "<|end_of_text|>", "</s>",
+                                           "<\xef\xbd\x9c" "end\xe2\x96\x81" "of\xe2\x96\x81" "sentence\xef\xbd\x9c>"};
         for (size_t i = 0; i < sizeof ends / sizeof *ends && tok->eot < 0; i++) {
             int32_t id = added_id(added, ends[i]);
             if (id >= 0 && tok->special[id]) tok->eot = id;
         }
         int32_t bos = template_bos(json_object_get(root, "post_processor"), added);
+        static const char *const begins[] = {"<|begin_of_text|>", "<s>",
+                                             "<\xef\xbd\x9c" "begin\xe2\x96\x81" "of\xe2\x96\x81" "sentence\xef\xbd\x9c>"};
+        for (size_t i = 0; i < sizeof begins / sizeof *begins && (bos < 0 || bos >= V); i++) {
+            int32_t id = added_id(added, begins[i]);
+            if (id >= 0 && tok->special[id]) bos = id;
+        }
         tok->bos = bos >= 0 && bos < V ? bos : tok->eot;
         if (tok->bos >= 0) tok->special[tok->bos] = 1;
     }

@@ -139,6 +139,23 @@ static void test_template_and_ignore_merges(void **state) {
     loom_tokenizer_free(t);
 }
 
+/* Without a template, the token <|begin_of_text|> begins a text (Llama 3's
+ * first tokenizer.json has no template); another name does not. */
+static void test_bos_without_template(void **state) {
+    (void)state;
+    for (int named = 0; named < 2; named++) {
+        json_t *root = base_file();
+        json_array_append_new(json_object_get(root, "added_tokens"),
+                              json_pack("{s:i, s:s, s:b}", "id", 260, "content",
+                                        named ? "<|begin_of_text|>" : "<|begin|>", "special", 1));
+        loom_tokenizer *t;
+        assert_int_equal(load_json(root, &t), LOOM_OK);
+        assert_int_equal(loom_tokenizer_bos(t), named ? 260 : 259);
+        assert_int_equal(loom_tokenizer_eot(t), 259);
+        loom_tokenizer_free(t);
+    }
+}
+
 /* The base file with a Split on `pattern` before its ByteLevel. */
 static json_t *split_file(const char *pattern, const char *behavior) {
     json_t *r = base_file();
@@ -156,6 +173,51 @@ static void refused(json_t *root, const char *part) {
     assert_null(t);
     IO_ASSERT_MSG(part);
     IO_ASSERT_MSG("hf-tok.json");
+}
+
+/* Layouts of real files: unused ids (GPT-4's), special tokens in the
+ * vocabulary as written (DeepSeek's), an empty normalizer Sequence, a Split
+ * that keeps its matches and removes the rest (converted tiktoken files). */
+static void test_real_file_layouts(void **state) {
+    (void)state;
+    json_t *root = base_file();
+    json_t *vocab = json_object_get(json_object_get(root, "model"), "vocab");
+    json_object_set_new(vocab, "<\xef\xbd\x9c" "end" "\xef\xbd\x9c>", json_integer(262));
+    json_array_append_new(json_object_get(root, "added_tokens"),
+                          json_pack("{s:i, s:s, s:b}", "id", 262, "content", "<\xef\xbd\x9c" "end" "\xef\xbd\x9c>",
+                                    "special", 1));
+    json_array_append_new(json_object_get(root, "added_tokens"),
+                          json_pack("{s:i, s:s, s:b}", "id", 270, "content", "<|unused|>", "special", 1));
+    json_object_set_new(root, "normalizer", json_pack("{s:s, s:[]}", "type", "Sequence", "normalizers"));
+    json_object_set_new(root, "pre_tokenizer",
+                        json_pack("{s:s, s:[{s:s, s:{s:s}, s:s, s:b}, {s:s, s:b}]}", "type", "Sequence",
+                                  "pretokenizers", "type", "Split", "pattern", "Regex", "[a-z]+", "behavior",
+                                  "Removed", "invert", 1, "type", "ByteLevel", "use_regex", 0));
+    loom_tokenizer *t;
+    assert_int_equal(load_json(root, &t), LOOM_OK);
+    assert_int_equal(loom_tokenizer_vocab_size(t), 271);
+    const char *bytes;
+    size_t n;
+    assert_int_equal(loom_tokenizer_token_bytes(t, 262, &bytes, &n), LOOM_OK); /* as written */
+    assert_int_equal(n, 11);
+    assert_memory_equal(bytes, "<\xef\xbd\x9c" "end" "\xef\xbd\x9c>", 11);
+    assert_true(loom_tokenizer_is_special(t, 262));
+    for (int32_t id = 263; id < 270; id++) { /* no token: empty, special */
+        assert_int_equal(loom_tokenizer_token_bytes(t, id, &bytes, &n), LOOM_OK);
+        assert_int_equal(n, 0);
+        assert_true(loom_tokenizer_is_special(t, id));
+    }
+    /* the matches are pieces, and so is the rest (kept, not removed): "abc" | " " | "ab" | "!\xff" */
+    int32_t ids[16];
+    size_t m = enc(t, "abc ab!\xff", 8, ids);
+    int32_t want[] = {257, 255 - ' ', 256, 255 - '!', 255 - 0xff};
+    assert_int_equal(m, 5);
+    for (size_t i = 0; i < m; i++) assert_int_equal(ids[i], want[i]);
+    loom_tokenizer_free(t);
+    /* a normalizer Sequence that does something is refused */
+    root = base_file();
+    json_object_set_new(root, "normalizer", json_pack("{s:s, s:[{s:s}]}", "type", "Sequence", "normalizers", "type", "NFC"));
+    refused(root, "normalizer (\"Sequence\")");
 }
 
 static void test_refusals(void **state) {
@@ -194,9 +256,6 @@ static void test_refusals(void **state) {
     json_object_set_new(json_object_get(json_object_get(r, "model"), "vocab"), "\xe2\x96\x81" "a", json_integer(260));
     refused(r, "byte alphabet");
     r = base_file();
-    json_object_set_new(json_object_get(json_object_get(r, "model"), "vocab"), "zz", json_integer(300));
-    refused(r, "id 260 has no token");
-    r = base_file();
     json_object_set_new(json_object_get(json_object_get(r, "model"), "vocab"), "zz", json_integer(256));
     refused(r, "the same id 256");
     r = base_file();
@@ -221,6 +280,8 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_ids_and_merges),
         cmocka_unit_test(test_template_and_ignore_merges),
+        cmocka_unit_test(test_bos_without_template),
+        cmocka_unit_test(test_real_file_layouts),
         cmocka_unit_test(test_refusals),
     };
     return cmocka_run_group_tests(tests, io_scratch_setup, io_scratch_teardown);
