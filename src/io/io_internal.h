@@ -133,6 +133,21 @@ struct loom_tokenizer {
     void *match[BPE_MAX_SPLITS];  /* pcre2_match_data_8 * for each */
     int n_splits;
     int hf;               /* read from a Hugging Face file: pre-split by splits only (none: one piece) */
+    /* SentencePiece-style BPE (Hugging Face's byte_fallback files: Llama 2,
+     * Mistral): the normalizer's steps, then the whole text is one piece of
+     * characters, each the vocabulary's token for it or its bytes'
+     * <0xXX> tokens; `whole` maps every vocabulary string to its entry. */
+    int sp;
+    int32_t unk;          /* sp: a character some of whose bytes have no token is this (-1: none) */
+    int fuse_unk;         /* sp: consecutive unknown characters are one */
+    int n_norm;
+    /* Hugging Face's added tokens that are not special: matched in text
+     * before anything else (leftmost, longest), on the raw text or (normalized)
+     * on the normalizer's output. */
+    int n_added;
+    struct bpe_added { int32_t id; int normalized; char *bytes; size_t len; } *added;
+    unsigned char added_first[256]; /* 1 where some added token starts with that byte */
+    struct bpe_norm { int prepend; char *a, *b; size_t na, nb; } norm[4]; /* prepend a, or replace a by b */
     int ignore_merges;    /* a piece the vocabulary spells whole is that one id */
     io_bytesmap whole;    /* with ignore_merges: spelling -> entry, whole_id[entry] the id */
     int32_t *whole_id;

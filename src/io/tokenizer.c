@@ -1,12 +1,15 @@
 /*
- * tokenizer.c — the byte-level BPE tokenizer: pre-splitting, encoding
- * (merges applied by rank, with a per-chunk cache), decoding, and the JSON
- * file format. Training lives in bpe_train.c.
+ * tokenizer.c — the BPE tokenizer: pre-splitting, encoding (merges applied
+ * by rank, with a per-chunk cache), decoding, and loom's JSON file format.
+ * Training lives in bpe_train.c, Hugging Face files in tokenizer_hf.c (their
+ * encoding is here: added tokens, expressions, normalizer, merge queue).
  *
- * Ids: 0..255 are bytes, 256 + r is merge r, then "<|endoftext|>" (if any)
- * as the last id. Owns: the token byte table and the merge-rank map. Must
- * never: emit a special token from text, lose or alter a byte (decode of
- * encode is the identity for every byte string), or trust a loaded file.
+ * loom's ids: 0..255 are bytes, 256 + r is merge r, then "<|endoftext|>"
+ * (if any) as the last id; a Hugging Face file's are its own. Owns: the
+ * token byte table and the merge-rank map. Must never: emit a special token
+ * from text, lose or alter a byte (decode of encode is the identity for
+ * every byte string, but for what a SentencePiece-style normalizer does), or
+ * trust a loaded file.
  */
 #include "io/io_internal.h"
 
@@ -69,6 +72,12 @@ void loom_tokenizer_free(loom_tokenizer *tok) {
     }
     io_bytesmap_free(&tok->whole);
     free(tok->whole_id);
+    for (int i = 0; i < tok->n_norm; i++) {
+        free(tok->norm[i].a);
+        free(tok->norm[i].b);
+    }
+    for (int i = 0; i < tok->n_added; i++) free(tok->added[i].bytes);
+    free(tok->added);
     io_bytesmap_free(&tok->cache);
     free(tok->cache_ids);
     free(tok->cache_start);
@@ -164,9 +173,88 @@ int loom_tokenizer_is_special(const loom_tokenizer *tok, int32_t id) {
 
 /* --------------------------------------------------------------- encode */
 
-/* BPE on one chunk: merge the lowest-ranked adjacent pair (every
- * occurrence, left to right) until none is left. ids has room for n.
- * Returns the number of ids written. */
+/* Hugging Face's order of merges: the lowest-ranked adjacent pair, the
+ * leftmost among equals, one at a time (a queue of candidate pairs by rank,
+ * then position; a candidate whose pair has changed is skipped), in
+ * O(n log n) where a whole document may be one piece (SentencePiece-style
+ * files). ids[0..n) becomes the result; returns its length, or SIZE_MAX when
+ * out of memory. */
+typedef struct bpe_cand { uint32_t rank, pos; } bpe_cand;
+
+static int cand_less(bpe_cand x, bpe_cand y) { return x.rank < y.rank || (x.rank == y.rank && x.pos < y.pos); }
+
+static void cand_push(bpe_cand *h, size_t *n, bpe_cand c) {
+    size_t i = (*n)++;
+    for (; i > 0 && cand_less(c, h[(i - 1) / 2]); i = (i - 1) / 2) h[i] = h[(i - 1) / 2];
+    h[i] = c;
+}
+
+static bpe_cand cand_pop(bpe_cand *h, size_t *n) {
+    bpe_cand top = h[0], last = h[--*n];
+    size_t i = 0;
+    for (;;) {
+        size_t c = 2 * i + 1;
+        if (c >= *n) break;
+        if (c + 1 < *n && cand_less(h[c + 1], h[c])) c++;
+        if (!cand_less(h[c], last)) break;
+        h[i] = h[c];
+        i = c;
+    }
+    if (*n) h[i] = last;
+    return top;
+}
+
+static int64_t pair_rank(const loom_tokenizer *tok, int32_t a, int32_t b) {
+    const int64_t *r = io_u64map_find(&tok->ranks, pair_key(a, b));
+    return r ? *r : -1;
+}
+
+static size_t bpe_queue(const loom_tokenizer *tok, int32_t *ids, size_t n) {
+    if (n < 2) return n;
+    uint32_t *next = malloc(n * sizeof *next), *prev = malloc(n * sizeof *prev);
+    bpe_cand *heap = malloc(3 * n * sizeof *heap); /* n - 1 pairs, then at most 2 per merge */
+    if (!next || !prev || !heap) {
+        free(next);
+        free(prev);
+        free(heap);
+        return SIZE_MAX;
+    }
+    const uint32_t none = UINT32_MAX;
+    size_t nh = 0;
+    for (size_t i = 0; i < n; i++) {
+        next[i] = i + 1 < n ? (uint32_t)(i + 1) : none;
+        prev[i] = i ? (uint32_t)(i - 1) : none;
+        int64_t r = i + 1 < n ? pair_rank(tok, ids[i], ids[i + 1]) : -1;
+        if (r >= 0) cand_push(heap, &nh, (bpe_cand){(uint32_t)r, (uint32_t)i});
+    }
+    while (nh) {
+        bpe_cand c = cand_pop(heap, &nh);
+        uint32_t j = next[c.pos];
+        /* dead (merged into its left neighbour: prev points past it), or its pair changed */
+        if (j == none || ids[c.pos] < 0 || pair_rank(tok, ids[c.pos], ids[j]) != (int64_t)c.rank) continue;
+        ids[c.pos] = tok->merged[c.rank];
+        ids[j] = -1; /* dead */
+        next[c.pos] = next[j];
+        if (next[j] != none) prev[next[j]] = c.pos;
+        int64_t r;
+        if (prev[c.pos] != none && (r = pair_rank(tok, ids[prev[c.pos]], ids[c.pos])) >= 0)
+            cand_push(heap, &nh, (bpe_cand){(uint32_t)r, prev[c.pos]});
+        if (next[c.pos] != none && (r = pair_rank(tok, ids[c.pos], ids[next[c.pos]])) >= 0)
+            cand_push(heap, &nh, (bpe_cand){(uint32_t)r, c.pos});
+    }
+    size_t m = 0;
+    for (uint32_t i = 0; i != none; i = next[i]) ids[m++] = ids[i];
+    free(next);
+    free(prev);
+    free(heap);
+    return m;
+}
+
+/* BPE on one chunk, ids with room for n; returns the number of ids, or
+ * SIZE_MAX when out of memory. loom's own tokenizers merge the
+ * lowest-ranked pair, every occurrence left to right, at a time (GPT-2's
+ * encoder; chunks are short); Hugging Face ones in bpe_queue's order, the
+ * same for any merge list a trainer makes. */
 static size_t bpe_chunk(const loom_tokenizer *tok, const unsigned char *s, size_t n, int32_t *ids) {
     if (tok->ignore_merges) { /* the vocabulary spells the whole piece */
         int64_t e = io_bytesmap_find(&tok->whole, s, n);
@@ -176,6 +264,7 @@ static size_t bpe_chunk(const loom_tokenizer *tok, const unsigned char *s, size_
         }
     }
     for (size_t i = 0; i < n; i++) ids[i] = tok->byte_id[s[i]];
+    if (tok->hf) return bpe_queue(tok, ids, n);
     size_t m = n;
     while (m >= 2) {
         int64_t best = INT64_MAX;
@@ -218,6 +307,10 @@ static loom_status chunk_ids(loom_tokenizer *tok, const unsigned char *s, size_t
         int32_t stack[BPE_MAX_CHUNK], *tmp = n <= BPE_MAX_CHUNK ? stack : malloc(n * sizeof *tmp);
         if (!tmp) return loom_error(LOOM_ERR_NOMEM, "out of memory encoding a %zu-byte piece", n);
         size_t k = bpe_chunk(tok, s, n, tmp);
+        if (k == SIZE_MAX) {
+            if (tmp != stack) free(tmp);
+            return loom_error(LOOM_ERR_NOMEM, "out of memory encoding a %zu-byte piece", n);
+        }
         size_t used = tok->cache.n ? tok->cache_start[tok->cache.n] : 0;
         if (used + k > CACHE_MAX_IDS) {
             io_bytesmap_clear(&tok->cache);
@@ -241,7 +334,11 @@ static loom_status chunk_ids(loom_tokenizer *tok, const unsigned char *s, size_t
 }
 
 /* The ids of s[0..n) go to out (room for capacity; *count counts them all). */
-typedef struct enc_out { int32_t *ids; size_t capacity, count; } enc_out;
+typedef struct enc_out {
+    int32_t *ids;
+    size_t capacity, count;
+    int cont; /* the text continues another: no Prepend step on its first piece */
+} enc_out;
 
 static loom_status emit_chunk(loom_tokenizer *tok, const unsigned char *s, size_t n, enc_out *o) {
     const int32_t *ids;
@@ -277,15 +374,168 @@ static loom_status emit_split(loom_tokenizer *tok, int level, const unsigned cha
     return emit_split(tok, level + 1, s + pos, n - pos, o);
 }
 
-loom_status loom_tokenizer_encode(loom_tokenizer *tok, const void *text, size_t len, int32_t *out,
-                                  size_t capacity, size_t *n_out) {
+/* Length of the UTF-8 character at s[0..n) (1 for a byte that does not
+ * start a valid one: it stands alone). */
+static size_t utf8_len(const unsigned char *s, size_t n) {
+    unsigned c = s[0];
+    size_t k = c < 0x80 ? 1 : (c >> 5) == 6 && c >= 0xC2 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 && c <= 0xF4 ? 4 : 1;
+    if (k > n) return 1;
+    for (size_t i = 1; i < k; i++)
+        if ((s[i] & 0xC0) != 0x80) return 1;
+    if (k == 3 && ((c == 0xE0 && s[1] < 0xA0) || (c == 0xED && s[1] >= 0xA0))) return 1; /* overlong, surrogate */
+    if (k == 4 && ((c == 0xF0 && s[1] < 0x90) || (c == 0xF4 && s[1] >= 0x90))) return 1;  /* overlong, > U+10FFFF */
+    return k;
+}
+
+/* SentencePiece-style: normalize (each step in turn), then the whole text is
+ * one piece of characters (unknown ones as their bytes' tokens), merged in
+ * Hugging Face's order. */
+/* Bytes the normalizer can make of len bytes (each replaced pattern, at
+ * least one byte, becomes at most its replacement). */
+static size_t sp_cap(const loom_tokenizer *tok, size_t len) {
+    size_t cap = len;
+    for (int i = 0; i < tok->n_norm; i++)
+        cap = tok->norm[i].prepend ? cap + tok->norm[i].na : cap * (tok->norm[i].nb > 1 ? tok->norm[i].nb : 1);
+    return cap;
+}
+
+size_t loom_tokenizer_max_ids(const loom_tokenizer *tok, size_t len) {
+    if (!tok || !tok->sp) return len; /* at most one id per byte */
+    /* at most one per normalized byte; with added tokens every piece between
+     * two (at most len + 1) gets its own prefix */
+    size_t prefix = 0;
+    for (int i = 0; tok->n_added && i < tok->n_norm; i++) prefix += tok->norm[i].prepend ? tok->norm[i].na : 0;
+    return sp_cap(tok, len) + prefix * len;
+}
+
+/* Hugging Face's added tokens that are not special, which it finds in text
+ * before anything else: the longest one of kind `normalized` (matched on
+ * the raw text, or on the normalizer's output) starting at s[0..n), or -1. */
+static int added_at(const loom_tokenizer *tok, const unsigned char *s, size_t n, int normalized) {
+    int best = -1;
+    if (!tok->added_first[s[0]]) return -1;
+    for (int i = 0; i < tok->n_added; i++) {
+        const struct bpe_added *t = &tok->added[i];
+        if (t->normalized == normalized && t->len <= n && (best < 0 || t->len > tok->added[best].len) &&
+            !memcmp(s, t->bytes, t->len))
+            best = i;
+    }
+    return best;
+}
+
+typedef loom_status (*piece_fn)(loom_tokenizer *tok, const unsigned char *s, size_t n, enc_out *o);
+
+/* s[0..n) split at the added tokens of kind `normalized` (leftmost, longest):
+ * each token's id goes out as it is, each piece between them to piece(). */
+static loom_status split_added(loom_tokenizer *tok, const unsigned char *s, size_t n, int normalized, enc_out *o,
+                               piece_fn piece) {
+    size_t start = 0;
+    for (size_t i = 0; tok->n_added && i < n;) {
+        int t = added_at(tok, s + i, n - i, normalized);
+        if (t < 0) {
+            i++;
+            continue;
+        }
+        if (i > start) LOOM_TRY(piece(tok, s + start, i - start, o));
+        if (o->count < o->capacity) o->ids[o->count] = tok->added[t].id;
+        o->count++;
+        o->cont = 0;
+        i += tok->added[t].len;
+        start = i;
+    }
+    return n > start ? piece(tok, s + start, n - start, o) : LOOM_OK;
+}
+
+/* SentencePiece-style, one piece of normalized text: its characters (unknown
+ * ones as their bytes' tokens), merged in Hugging Face's order. */
+static loom_status sp_piece(loom_tokenizer *tok, const unsigned char *a, size_t n, enc_out *o) {
+    int32_t *ids = malloc((n + 1) * sizeof *ids);
+    if (!ids) return loom_error(LOOM_ERR_NOMEM, "out of memory encoding %zu bytes", n);
+    size_t k = 0;
+    for (size_t j = 0; j < n;) {
+        size_t c = utf8_len(a + j, n - j);
+        int64_t e = io_bytesmap_find(&tok->whole, a + j, c);
+        int known = 1;
+        for (size_t i = 0; e < 0 && i < c; i++) known &= tok->byte_id[a[j + i]] >= 0;
+        if (e >= 0) ids[k++] = tok->whole_id[e];
+        else if (known)
+            for (size_t i = 0; i < c; i++) ids[k++] = tok->byte_id[a[j + i]]; /* byte fallback */
+        else if (!(tok->fuse_unk && k && ids[k - 1] == tok->unk))
+            ids[k++] = tok->unk; /* a byte without a token: the character is unknown */
+        j += c;
+    }
+    loom_status st = LOOM_OK;
+    if ((k = bpe_queue(tok, ids, k)) == SIZE_MAX) st = loom_error(LOOM_ERR_NOMEM, "out of memory encoding %zu bytes", n);
+    for (size_t i = 0; st == LOOM_OK && i < k; i++, o->count++)
+        if (o->count < o->capacity) o->ids[o->count] = ids[i];
+    free(ids);
+    return st;
+}
+
+/* SentencePiece-style, one piece of text between added tokens: normalize it
+ * (each step in turn), then the normalized added tokens split it. */
+static loom_status sp_segment(loom_tokenizer *tok, const unsigned char *text, size_t len, enc_out *o) {
+    size_t cap = sp_cap(tok, len), n = len;
+    unsigned char *a = malloc(cap), *b = malloc(cap);
+    if (!a || !b) {
+        free(a);
+        free(b);
+        return loom_error(LOOM_ERR_NOMEM, "out of memory encoding %zu bytes", len);
+    }
+    memcpy(a, text, len);
+    int cont = o->cont;
+    o->cont = 0;
+    for (int i = 0; i < tok->n_norm; i++) {
+        const struct bpe_norm *nm = &tok->norm[i];
+        size_t m = 0;
+        if (nm->prepend && cont) {
+            m = n; /* a continuation: not the start of a text */
+            memcpy(b, a, n);
+        } else if (nm->prepend) {
+            memcpy(b, nm->a, nm->na);
+            memcpy(b + nm->na, a, n);
+            m = nm->na + n;
+        } else {
+            for (size_t j = 0; j < n;) {
+                if (j + nm->na <= n && !memcmp(a + j, nm->a, nm->na)) {
+                    memcpy(b + m, nm->b, nm->nb);
+                    m += nm->nb;
+                    j += nm->na;
+                } else {
+                    b[m++] = a[j++];
+                }
+            }
+        }
+        unsigned char *t = a;
+        a = b;
+        b = t;
+        n = m;
+    }
+    loom_status st = split_added(tok, a, n, 1, o, sp_piece);
+    free(a);
+    free(b);
+    return st;
+}
+
+static loom_status split_top(loom_tokenizer *tok, const unsigned char *s, size_t n, enc_out *o) {
+    return emit_split(tok, 0, s, n, o);
+}
+
+/* Byte-level, one piece of text between added tokens (no normalizer: the
+ * normalized added tokens split it as the raw ones did). */
+static loom_status bl_segment(loom_tokenizer *tok, const unsigned char *s, size_t n, enc_out *o) {
+    return split_added(tok, s, n, 1, o, split_top);
+}
+
+static loom_status encode(loom_tokenizer *tok, const void *text, size_t len, int32_t *out, size_t capacity,
+                          size_t *n_out, int cont) {
     *n_out = 0;
     if (!tok || (len && !text))
         return loom_error(LOOM_ERR_INVALID, "loom_tokenizer_encode: NULL tokenizer or text");
     const unsigned char *s = text;
-    enc_out o = {out, capacity, 0};
+    enc_out o = {out, capacity, 0, cont};
     if (tok->hf) {
-        LOOM_TRY(emit_split(tok, 0, s, len, &o));
+        LOOM_TRY(split_added(tok, s, len, 0, &o, tok->sp ? sp_segment : bl_segment));
     } else {
         for (size_t pos = 0; pos < len;) {
             size_t n = bpe_chunk_len(s + pos, len - pos);
@@ -298,6 +548,16 @@ loom_status loom_tokenizer_encode(loom_tokenizer *tok, const void *text, size_t 
         return loom_error(LOOM_ERR_INVALID, "tokenizer: %zu bytes encode to %zu ids but the output holds "
                           "%zu; pass a buffer of at least %zu ids", len, o.count, capacity, o.count);
     return LOOM_OK;
+}
+
+loom_status loom_tokenizer_encode(loom_tokenizer *tok, const void *text, size_t len, int32_t *out,
+                                  size_t capacity, size_t *n_out) {
+    return encode(tok, text, len, out, capacity, n_out, 0);
+}
+
+loom_status loom_tokenizer_encode_more(loom_tokenizer *tok, const void *text, size_t len, int32_t *out,
+                                       size_t capacity, size_t *n_out) {
+    return encode(tok, text, len, out, capacity, n_out, 1);
 }
 
 /* --------------------------------------------------------------- decode */

@@ -1,30 +1,36 @@
 /*
- * tokenizer_hf.c — a Hugging Face tokenizer.json of byte-level BPE (the
- * GPT-2 family: GPT-2, Llama 3, SmolLM and the like) read into loom's
+ * tokenizer_hf.c — a Hugging Face tokenizer.json of BPE read into loom's
  * tokenizer, so that models trained elsewhere can be tokenized for,
  * fine-tuned and sampled with their own vocabulary.
  *
- * What it reads: model "BPE" (vocab, merges as "a b" or ["a", "b"],
- * ignore_merges), no normalizer (or an empty Sequence), a pre-tokenizer that
- * is ByteLevel or a Sequence of regex Splits ("Isolated", or "Removed"
- * inverted) and Digits ending in ByteLevel, a ByteLevel
- * decoder, added tokens. Ids are the file's. The begin-of-text token is the
- * one the post-processor's template puts first, else the special token
- * "<|begin_of_text|>", "<s>" or DeepSeek's "<｜begin▁of▁sentence｜>"; the
- * end-of-text token is the special token "<|endoftext|>", "<|end_of_text|>",
- * "</s>" or "<｜end▁of▁sentence｜>"; with no begin-of-text token both are the
- * end-of-text token (GPT-2's convention). (tokenizer_config.json, which
- * names them too, is not read: the model directories loom writes carry
- * tokenizer.json alone.)
+ * What it reads: model "BPE" with the file's ids (vocab, merges as "a b" or
+ * ["a", "b"], ignore_merges, unk_token and fuse_unk), added tokens, and
+ * either of two layouts:
+ *  - byte-level (GPT-2, Llama 3, StarCoder, DeepSeek, GPT-4): no normalizer
+ *    (or an empty Sequence), a pre-tokenizer that is ByteLevel or a Sequence
+ *    of regex Splits ("Isolated", or "Removed" inverted) and Digits ending in
+ *    ByteLevel, a ByteLevel decoder; tokens spelled in GPT-2's byte alphabet;
+ *  - SentencePiece-style (byte_fallback: Llama 2, Mistral, Gemma): Prepend
+ *    and Replace normalizer steps, no pre-tokenizer, tokens as written with
+ *    U+2581 for a space and <0xXX> for a byte.
+ * The begin-of-text token is the one the post-processor's template puts
+ * first; without a template the special token "<|begin_of_text|>", "<s>" or
+ * "<｜begin▁of▁sentence｜>"; the end-of-text token is the special token
+ * "<|endoftext|>", "<|end_of_text|>", "</s>" or "<｜end▁of▁sentence｜>"; with
+ * no begin-of-text token both are the end-of-text token (GPT-2's
+ * convention). (tokenizer_config.json, which names them too, is not read:
+ * the model directories loom writes carry tokenizer.json alone.)
  *
  * Owns: the checks that make every id decodable and every merge's result a
  * vocabulary token. Must never: accept a file it would encode differently
- * from what it says (a normalizer, byte fallback, a prefix space, word
- * affixes: all refused by name), or produce a special token from text.
+ * from what it says (other normalizers, a prefix space, word affixes, added
+ * tokens that strip spaces: all refused by name), or let text make a special
+ * token (a merge that makes one is refused).
  */
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include "io/io_internal.h"
 
+#include <ctype.h>
 #include <jansson.h>
 #include <pcre2.h>
 #include <stdarg.h>
@@ -63,6 +69,7 @@ static int unset(json_t *o, const char *key) {
 typedef struct hf_load {
     const char *path;
     loom_tokenizer *tok;
+    int sp;             /* SentencePiece-style (byte_fallback): strings as written, ▁ a space, <0xXX> bytes */
     bpe_byte_chars bc;  /* byte -> its character in GPT-2's alphabet */
     int byte_of[512];   /* code point -> byte (-1: not in the alphabet) */
 } hf_load;
@@ -154,6 +161,29 @@ static long spell_bytes(const hf_load *L, const char *s, size_t n, char *out) {
     return k;
 }
 
+/* A SentencePiece-style token's bytes: "<0xXX>" is byte XX, otherwise the
+ * string with each "\xe2\x96\x81" (U+2581) a space. Returns the count. */
+static size_t sp_bytes(const char *s, char *out) {
+    size_t n = strlen(s), k = 0;
+    unsigned v;
+    char tail;
+    if (n == 6 && sscanf(s, "<0x%2X%c", &v, &tail) == 2 && tail == '>' && isxdigit((unsigned char)s[3]) &&
+        isxdigit((unsigned char)s[4])) {
+        if (out) out[0] = (char)v;
+        return 1;
+    }
+    for (size_t i = 0; i < n; k++) {
+        if (!strncmp(s + i, "\xe2\x96\x81", 3)) {
+            if (out) out[k] = ' ';
+            i += 3;
+        } else {
+            if (out) out[k] = s[i];
+            i++;
+        }
+    }
+    return k;
+}
+
 /* id of a vocabulary string, or -1. */
 static int32_t vocab_id(json_t *vocab, const char *s) {
     json_t *v = json_object_get(vocab, s);
@@ -173,26 +203,32 @@ static int32_t added_id(json_t *added, const char *name) {
 }
 
 /* The token the post-processor's template puts before a single sequence
- * (TemplateProcessing, alone or in a Sequence), or -1. */
-static int32_t template_bos(json_t *post, json_t *added) {
+ * (TemplateProcessing, alone or in a Sequence): its id, TEMPLATE_NONE when
+ * the template puts none first, NO_TEMPLATE when there is no template. */
+enum { NO_TEMPLATE = -1, TEMPLATE_NONE = -2 };
+
+static int32_t template_bos(json_t *post, json_t *added, int vocab_size) {
     if (!strcmp(type_of(post), "Sequence")) {
         size_t i;
         json_t *p;
         json_array_foreach(json_object_get(post, "processors"), i, p) {
-            int32_t id = template_bos(p, added);
-            if (id >= 0) return id;
+            int32_t id = template_bos(p, added, vocab_size);
+            if (id != NO_TEMPLATE) return id;
         }
-        return -1;
+        return NO_TEMPLATE;
     }
-    if (strcmp(type_of(post), "TemplateProcessing")) return -1;
+    if (strcmp(type_of(post), "TemplateProcessing")) return NO_TEMPLATE;
     json_t *first = json_object_get(json_array_get(json_object_get(post, "single"), 0), "SpecialToken");
     json_t *name = json_object_get(first, "id");
-    if (!json_is_string(name)) return -1;
+    if (!json_is_string(name)) return TEMPLATE_NONE;
     json_t *ids = json_object_get(json_object_get(json_object_get(post, "special_tokens"), json_string_value(name)),
                                   "ids");
-    if (json_array_size(ids) == 1 && json_is_integer(json_array_get(ids, 0)))
-        return (int32_t)json_integer_value(json_array_get(ids, 0));
-    return added_id(added, json_string_value(name));
+    json_t *id = json_array_get(ids, 0);
+    if (json_array_size(ids) == 1 && json_is_integer(id) && json_integer_value(id) >= 0 &&
+        json_integer_value(id) < vocab_size)
+        return (int32_t)json_integer_value(id);
+    int32_t by_name = added_id(added, json_string_value(name));
+    return by_name >= 0 ? by_name : TEMPLATE_NONE;
 }
 
 /* vocab_size = 1 + the largest id of the vocabulary and the added tokens. */
@@ -241,30 +277,44 @@ static loom_status token_bytes(hf_load *L, json_t *vocab, json_t *added) {
         if (extra[id]) st = hf_bad(L->path, "added tokens \"%s\" and \"%s\" have the same id %zu", extra[id], c, id);
         extra[id] = c;
         tok->special[id] = json_is_true(json_object_get(v, "special"));
+        if (st != LOOM_OK || tok->special[id]) continue;
+        /* not special: found in text as Hugging Face finds it */
+        if (!unset(v, "lstrip") || !unset(v, "rstrip") || !unset(v, "single_word"))
+            st = hf_bad(L->path, "added token \"%s\" strips spaces or matches single words only, which loom does "
+                        "not support", c);
+        else if (!(tok->added = tok->added ? tok->added : calloc(json_array_size(added), sizeof *tok->added)) ||
+                 !(tok->added[tok->n_added].bytes = strdup(c)))
+            st = loom_error(LOOM_ERR_NOMEM, "out of memory loading '%s'", L->path);
+        else {
+            struct bpe_added *t = &tok->added[tok->n_added++];
+            t->id = (int32_t)id;
+            t->len = strlen(c);
+            t->normalized = L->sp && !unset(v, "normalized"); /* without a normalizer the same text */
+            tok->added_first[(unsigned char)c[0]] = 1;
+        }
     }
     const char *key;
     json_object_foreach(vocab, key, v) {
         if (st != LOOM_OK) break;
         size_t id = (size_t)json_integer_value(v);
         if (src[id]) st = hf_bad(L->path, "vocabulary entries \"%s\" and \"%s\" have the same id %zu", src[id], key, id);
-        else if (spell_bytes(L, key, strlen(key), NULL) >= 0) kind[id] = ID_SPELLED;
+        else if (L->sp || spell_bytes(L, key, strlen(key), NULL) >= 0) kind[id] = ID_SPELLED;
         else if (extra[id] && !strcmp(extra[id], key)) kind[id] = ID_RAW;
         else
             st = hf_bad(L->path, "vocabulary entry \"%s\" (id %zu) is not spelled in GPT-2's byte alphabet: not a "
-                        "byte-level BPE (SentencePiece vocabularies are not supported)", key, id);
+                        "byte-level BPE (nor SentencePiece-style: its byte_fallback is not true)", key, id);
         src[id] = key;
     }
     for (size_t id = 0; st == LOOM_OK && id < V; id++) {
         if (extra[id] && src[id] && strcmp(src[id], extra[id]))
             st = hf_bad(L->path, "added token \"%s\" has id %zu, which the vocabulary gives \"%s\"", extra[id], id,
                         src[id]);
-        if (extra[id] && !src[id]) {
+        if (extra[id] && !src[id]) { /* outside the merges' vocabulary */
             src[id] = extra[id];
             kind[id] = ID_RAW;
-            tok->special[id] = 1; /* outside the merges' vocabulary: only ever given, never made from text */
         }
         if (!src[id]) tok->special[id] = 1; /* no token: empty, never made */
-        size_t n = kind[id] == ID_SPELLED ? (size_t)spell_bytes(L, src[id], strlen(src[id]), NULL)
+        size_t n = kind[id] == ID_SPELLED ? (L->sp ? sp_bytes(src[id], NULL) : (size_t)spell_bytes(L, src[id], strlen(src[id]), NULL))
                    : kind[id] == ID_RAW  ? strlen(src[id])
                                          : 0;
         tok->tok_off[id + 1] = tok->tok_off[id] + n;
@@ -273,20 +323,26 @@ static loom_status token_bytes(hf_load *L, json_t *vocab, json_t *added) {
         st = loom_error(LOOM_ERR_NOMEM, "out of memory loading '%s'", L->path);
     for (size_t id = 0; st == LOOM_OK && id < V; id++) {
         char *dst = tok->arena + tok->tok_off[id];
-        if (kind[id] == ID_SPELLED) spell_bytes(L, src[id], strlen(src[id]), dst);
+        if (kind[id] == ID_SPELLED && L->sp) sp_bytes(src[id], dst);
+        else if (kind[id] == ID_SPELLED) spell_bytes(L, src[id], strlen(src[id]), dst);
         else if (kind[id] == ID_RAW) memcpy(dst, src[id], strlen(src[id]));
     }
     for (int b = 0; st == LOOM_OK && b < 256; b++) {
-        char s[3] = {L->bc.s[b][0], L->bc.len[b] > 1 ? L->bc.s[b][1] : 0, 0};
-        if ((tok->byte_id[b] = vocab_id(vocab, s)) < 0)
-            st = hf_bad(L->path, "byte 0x%02x (\"%s\") is not in the vocabulary: a byte-level BPE has all 256", b, s);
+        char s[8] = {L->bc.s[b][0], L->bc.len[b] > 1 ? L->bc.s[b][1] : 0, 0};
+        if (L->sp) snprintf(s, sizeof s, "<0x%02X>", b);
+        /* with byte fallback a missing byte token makes its character the unknown token */
+        if ((tok->byte_id[b] = vocab_id(vocab, s)) < 0 && !(L->sp && tok->unk >= 0))
+            st = hf_bad(L->path, "byte 0x%02x (\"%s\") is not in the vocabulary: a %s", b, s,
+                        L->sp ? "BPE with byte fallback and no unk_token has all 256" : "byte-level BPE has all 256");
     }
-    /* whole pieces, for ignore_merges: the vocabulary's tokens by their bytes */
-    for (size_t id = 0; tok->ignore_merges && st == LOOM_OK && id < V; id++) {
-        if (kind[id] != ID_SPELLED) continue;
+    /* whole pieces, for ignore_merges, by their bytes; with sp, every
+     * vocabulary string as written (the characters a text starts from) */
+    for (size_t id = 0; (tok->ignore_merges || L->sp) && st == LOOM_OK && id < V; id++) {
+        if (kind[id] != ID_SPELLED || tok->special[id]) continue; /* text never makes a special token */
         int inserted;
-        int64_t e = io_bytesmap_insert(&tok->whole, tok->arena + tok->tok_off[id],
-                                       tok->tok_off[id + 1] - tok->tok_off[id], &inserted);
+        int64_t e = L->sp ? io_bytesmap_insert(&tok->whole, src[id], strlen(src[id]), &inserted)
+                          : io_bytesmap_insert(&tok->whole, tok->arena + tok->tok_off[id],
+                                               tok->tok_off[id + 1] - tok->tok_off[id], &inserted);
         if (e < 0) st = loom_error(LOOM_ERR_NOMEM, "out of memory loading '%s'", L->path);
         else tok->whole_id[e] = (int32_t)id;
     }
@@ -344,6 +400,10 @@ static loom_status merges(hf_load *L, json_t *vocab, json_t *list) {
                         (int)la, a, b);
             break;
         }
+        if (tok->special[id]) {
+            st = hf_bad(L->path, "merge %d makes the special token \"%s\", which text must never make", r, joined);
+            break;
+        }
         tok->merges[2 * r] = ia;
         tok->merges[2 * r + 1] = ib;
         tok->merged[r] = id;
@@ -356,6 +416,36 @@ static loom_status merges(hf_load *L, json_t *vocab, json_t *list) {
     return st;
 }
 
+/* A SentencePiece-style normalizer: Prepend and Replace (of a String) steps,
+ * alone or in a Sequence (Llama 2's: prepend "▁", then spaces to "▁"). */
+static loom_status sp_normalizer(hf_load *L, json_t *n) {
+    loom_tokenizer *tok = L->tok;
+    if (!n || json_is_null(n)) return LOOM_OK;
+    json_t *one[1] = {n}, *list = json_object_get(n, "normalizers");
+    size_t count = !strcmp(type_of(n), "Sequence") ? json_array_size(list) : 1;
+    for (size_t i = 0; i < count; i++) {
+        json_t *step = count == 1 && strcmp(type_of(n), "Sequence") ? one[0] : json_array_get(list, i);
+        const char *t = type_of(step), *a = NULL, *b = "";
+        int prepend = !strcmp(t, "Prepend");
+        if (prepend) a = json_string_value(json_object_get(step, "prepend"));
+        else if (!strcmp(t, "Replace")) {
+            a = json_string_value(json_object_get(json_object_get(step, "pattern"), "String"));
+            b = json_string_value(json_object_get(step, "content"));
+        }
+        if (!a || !*a || !b || tok->n_norm == 4)
+            return hf_bad(L->path, "its normalizer step \"%s\" is not one loom applies (Prepend, Replace of a "
+                          "String; at most 4)", t);
+        struct bpe_norm *nm = &tok->norm[tok->n_norm++];
+        nm->prepend = prepend;
+        nm->na = strlen(a);
+        nm->nb = strlen(b);
+        nm->a = strdup(a);
+        nm->b = strdup(b);
+        if (!nm->a || !nm->b) return loom_error(LOOM_ERR_NOMEM, "out of memory loading '%s'", L->path);
+    }
+    return LOOM_OK;
+}
+
 loom_status bpe_tokenizer_load_hf(const char *path, const void *root_v, loom_tokenizer **out) {
     json_t *root = (json_t *)root_v;
     *out = NULL;
@@ -364,23 +454,30 @@ loom_status bpe_tokenizer_load_hf(const char *path, const void *root_v, loom_tok
     json_t *pre = json_object_get(root, "pre_tokenizer"), *dec = json_object_get(root, "decoder");
     if (strcmp(type_of(model), "BPE"))
         return hf_bad(path, "its model is \"%s\"; loom reads byte-level BPE only", type_of(model));
-    if (!unset(model, "byte_fallback"))
-        return hf_bad(path, "it is a SentencePiece-style BPE (byte_fallback), which loom does not read; loom reads "
-                      "byte-level BPE (GPT-2, Llama 3 and the like)");
+    int sp = json_is_true(json_object_get(model, "byte_fallback"));
+    if (!sp && !unset(model, "byte_fallback")) return hf_bad(path, "its \"byte_fallback\" is not true or false");
     if (!unset(model, "continuing_subword_prefix") || !unset(model, "end_of_word_suffix") || !unset(model, "dropout"))
         return hf_bad(path, "its BPE has word affixes or dropout, which loom does not support");
     json_t *norm = json_object_get(root, "normalizer");
-    if (!unset(root, "normalizer") &&
+    if (!sp && !unset(root, "normalizer") &&
         !(!strcmp(type_of(norm), "Sequence") && json_array_size(json_object_get(norm, "normalizers")) == 0))
         return hf_bad(path, "it has a normalizer (\"%s\"), which loom does not apply", type_of(json_object_get(root, "normalizer")));
     if (!json_is_object(vocab) || !json_is_array(list))
         return hf_bad(path, "its model has no \"vocab\" object or no \"merges\" array");
     if (added && !json_is_array(added)) return hf_bad(path, "\"added_tokens\" is not an array");
-    if (!json_is_object(pre)) return hf_bad(path, "it has no pre-tokenizer; a byte-level BPE has ByteLevel");
-    if (dec && !json_is_null(dec) && strcmp(type_of(dec), "ByteLevel"))
-        return hf_bad(path, "its decoder is \"%s\", not ByteLevel", type_of(dec));
+    if (sp) { /* SentencePiece-style: the normalizer does the spaces, no pre-tokenizer */
+        if (pre && !json_is_null(pre))
+            return hf_bad(path, "it is a SentencePiece-style BPE with a pre-tokenizer (\"%s\"); loom reads those "
+                          "with none (the normalizer's form, as Llama 2's file has now)", type_of(pre));
+        if (json_is_true(json_object_get(model, "ignore_merges")))
+            return hf_bad(path, "it is a SentencePiece-style BPE with ignore_merges, which loom does not support");
+    } else {
+        if (!json_is_object(pre)) return hf_bad(path, "it has no pre-tokenizer; a byte-level BPE has ByteLevel");
+        if (dec && !json_is_null(dec) && strcmp(type_of(dec), "ByteLevel"))
+            return hf_bad(path, "its decoder is \"%s\", not ByteLevel", type_of(dec));
+    }
     if (json_array_size(list) > (1u << 24)) return hf_bad(path, "it has more than 2^24 merges");
-    hf_load L = {.path = path};
+    hf_load L = {.path = path, .sp = sp};
     bpe_byte_chars_init(&L.bc);
     for (int cp = 0; cp < 512; cp++) L.byte_of[cp] = -1;
     for (int b = 0; b < 256; b++) {
@@ -393,12 +490,17 @@ loom_status bpe_tokenizer_load_hf(const char *path, const void *root_v, loom_tok
     if (!L.tok) return loom_error(LOOM_ERR_NOMEM, "out of memory loading '%s'", path);
     loom_tokenizer *tok = L.tok;
     tok->hf = 1;
+    tok->sp = sp;
     tok->ignore_merges = json_is_true(json_object_get(model, "ignore_merges"));
     loom_status st = LOOM_OK;
-    if (tok->ignore_merges && !(tok->whole_id = malloc((size_t)V * sizeof *tok->whole_id)))
+    json_t *unk = json_object_get(model, "unk_token");
+    tok->unk = sp && json_is_string(unk) ? vocab_id(vocab, json_string_value(unk)) : -1;
+    tok->fuse_unk = json_is_true(json_object_get(model, "fuse_unk"));
+    if ((tok->ignore_merges || sp) && !(tok->whole_id = malloc((size_t)V * sizeof *tok->whole_id)))
         st = loom_error(LOOM_ERR_NOMEM, "out of memory loading '%s'", path);
-    if (st == LOOM_OK) st = pre_tokenizer(&L, pre);
-    if (st == LOOM_OK && !tok->n_splits) /* a whole document would be one piece, its BPE quadratic */
+    if (st == LOOM_OK && sp) st = sp_normalizer(&L, norm);
+    if (st == LOOM_OK && !sp) st = pre_tokenizer(&L, pre);
+    if (st == LOOM_OK && !sp && !tok->n_splits) /* a whole document would be one piece */
         st = hf_bad(path, "its pre-tokenizer does not split the text (ByteLevel without use_regex, and no Split)");
     if (st == LOOM_OK) st = token_bytes(&L, vocab, added);
     if (st == LOOM_OK) st = merges(&L, vocab, list);
@@ -409,15 +511,14 @@ loom_status bpe_tokenizer_load_hf(const char *path, const void *root_v, loom_tok
             int32_t id = added_id(added, ends[i]);
             if (id >= 0 && tok->special[id]) tok->eot = id;
         }
-        int32_t bos = template_bos(json_object_get(root, "post_processor"), added);
+        int32_t bos = template_bos(json_object_get(root, "post_processor"), added, V);
         static const char *const begins[] = {"<|begin_of_text|>", "<s>",
                                              "<\xef\xbd\x9c" "begin\xe2\x96\x81" "of\xe2\x96\x81" "sentence\xef\xbd\x9c>"};
-        for (size_t i = 0; i < sizeof begins / sizeof *begins && (bos < 0 || bos >= V); i++) {
+        for (size_t i = 0; i < sizeof begins / sizeof *begins && bos == NO_TEMPLATE; i++) {
             int32_t id = added_id(added, begins[i]);
             if (id >= 0 && tok->special[id]) bos = id;
         }
-        tok->bos = bos >= 0 && bos < V ? bos : tok->eot;
-        if (tok->bos >= 0) tok->special[tok->bos] = 1;
+        tok->bos = bos >= 0 ? bos : tok->eot;
     }
     if (st != LOOM_OK) {
         loom_tokenizer_free(tok);

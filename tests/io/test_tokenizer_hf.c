@@ -73,6 +73,10 @@ static void test_ids_and_merges(void **state) {
     int32_t want[] = {257, 255 - ' ', 256, 255 - 'd', 258, 255 - 'a'};
     assert_int_equal(m, 6);
     for (size_t i = 0; i < m; i++) assert_int_equal(ids[i], want[i]);
+    int32_t more[8]; /* without a normalizer a continuation encodes as any text */
+    assert_int_equal(loom_tokenizer_encode_more(t, "abc abdaaa", 10, more, 8, &m), LOOM_OK);
+    assert_int_equal(m, 6);
+    assert_memory_equal(more, want, sizeof want);
     int32_t a, b;
     assert_int_equal(loom_tokenizer_merge(t, 1, &a, &b), LOOM_OK);
     assert_int_equal(a, 256);
@@ -129,8 +133,11 @@ static void test_template_and_ignore_merges(void **state) {
     assert_int_equal(load_json(root, &t), LOOM_OK);
     assert_int_equal(loom_tokenizer_bos(t), 261);
     assert_int_equal(loom_tokenizer_eot(t), 262); /* no <|endoftext|>: <|end_of_text|> */
-    assert_true(loom_tokenizer_is_special(t, 263)); /* an added token is never made from text */
+    assert_false(loom_tokenizer_is_special(t, 263)); /* not special: text makes it, as in Hugging Face */
     int32_t ids[16];
+    size_t k = enc(t, "b<pad>a", 7, ids);
+    assert_int_equal(k, 3);
+    assert_int_equal(ids[1], 263);
     /* "abca" is whole in the vocabulary: one id; "abcab" is not: merges */
     size_t m = enc(t, "abca abcab", 10, ids);
     int32_t want[] = {260, 255 - ' ', 257, 256};
@@ -140,9 +147,25 @@ static void test_template_and_ignore_merges(void **state) {
 }
 
 /* Without a template, the token <|begin_of_text|> begins a text (Llama 3's
- * first tokenizer.json has no template); another name does not. */
+ * first tokenizer.json has no template); another name does not; nor does
+ * it when a template puts nothing first, or names an id out of range. */
 static void test_bos_without_template(void **state) {
     (void)state;
+    json_t *templates[] = {json_pack("{s:s, s:[{s:{s:s}}, {s:{s:s}}]}", "type", "TemplateProcessing", "single",
+                                     "Sequence", "id", "A", "SpecialToken", "id", "<|endoftext|>"),
+                           json_pack("{s:s, s:[{s:{s:s}}, {s:{s:s}}], s:{s:{s:[I]}}}", "type", "TemplateProcessing",
+                                     "single", "SpecialToken", "id", "<q>", "Sequence", "id", "A", "special_tokens",
+                                     "<q>", "ids", (json_int_t)4294967361)};
+    for (int k = 0; k < 2; k++) {
+        json_t *root = base_file();
+        json_array_append_new(json_object_get(root, "added_tokens"),
+                              json_pack("{s:i, s:s, s:b}", "id", 260, "content", "<|begin_of_text|>", "special", 1));
+        json_object_set_new(root, "post_processor", templates[k]);
+        loom_tokenizer *t;
+        assert_int_equal(load_json(root, &t), LOOM_OK);
+        assert_int_equal(loom_tokenizer_bos(t), 259); /* the end-of-text token, as GPT-2 */
+        loom_tokenizer_free(t);
+    }
     for (int named = 0; named < 2; named++) {
         json_t *root = base_file();
         json_array_append_new(json_object_get(root, "added_tokens"),
@@ -154,6 +177,104 @@ static void test_bos_without_template(void **state) {
         assert_int_equal(loom_tokenizer_eot(t), 259);
         loom_tokenizer_free(t);
     }
+}
+
+/* Hugging Face's order of merges, which differs from GPT-2's (every
+ * occurrence of the best pair at once) when a merge list ranks a pair of a
+ * merged token before the merge that makes it: "abab" with "ab a" ranked
+ * before "a b" is "aba" "b" (one "a b", then "ab a"), not "ab" "ab". */
+static void test_merge_order(void **state) {
+    (void)state;
+    json_t *root = base_file();
+    json_t *model = json_object_get(root, "model");
+    json_object_set_new(json_object_get(model, "vocab"), "aba", json_integer(260));
+    json_array_append_new(json_object_get(root, "added_tokens"),
+                          json_pack("{s:i, s:s, s:b}", "id", 261, "content", "<x>", "special", 1));
+    json_object_set_new(model, "merges", json_pack("[s, s]", "ab a", "a b"));
+    loom_tokenizer *t;
+    assert_int_equal(load_json(root, &t), LOOM_OK);
+    int32_t ids[8];
+    size_t m = enc(t, "abab", 4, ids);
+    assert_int_equal(m, 2);
+    assert_int_equal(ids[0], 260);
+    assert_int_equal(ids[1], 255 - 'b');
+    loom_tokenizer_free(t);
+}
+
+/* SentencePiece-style (Llama 2's layout): <0xXX> byte tokens, "\xe2\x96\x81"
+ * (U+2581) for spaces, a normalizer that prepends it and replaces spaces by
+ * it, no pre-tokenizer. <unk> 0, <s> 1, </s> 2, <0x00>.. 3.., then
+ * "\xe2\x96\x81" 259, "a" 260, "b" 261, "\xe2\x96\x81a" 262, "ab" 263,
+ * "\xe2\x96\x81ab" 264, "\xc3\xa9" 265. */
+#define SP_ "\xe2\x96\x81"
+static json_t *sp_file(void) {
+    json_t *vocab = json_pack("{s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i}", "<unk>", 0, "<s>", 1, "</s>", 2,
+                              SP_, 259, "a", 260, "b", 261, SP_ "a", 262, "ab", 263, SP_ "ab", 264, "\xc3\xa9", 265);
+    for (int b = 0; b < 256; b++) {
+        char s[8];
+        snprintf(s, sizeof s, "<0x%02X>", b);
+        json_object_set_new(vocab, s, json_integer(3 + b));
+    }
+    json_t *root = json_pack("{s:[{s:s, s:s}, {s:s, s:{s:s}, s:s}], s:n, s:[{s:i, s:s, s:b}, {s:i, s:s, s:b}, "
+                             "{s:i, s:s, s:b}]}",
+                             "normalizer", "type", "Prepend", "prepend", SP_, "type", "Replace", "pattern", "String",
+                             " ", "content", SP_, "pre_tokenizer", "added_tokens", "id", 0, "content", "<unk>",
+                             "special", 1, "id", 1, "content", "<s>", "special", 1, "id", 2, "content", "</s>",
+                             "special", 1);
+    json_t *norm = json_object_get(root, "normalizer");
+    json_object_set_new(root, "normalizer", json_pack("{s:s, s:O}", "type", "Sequence", "normalizers", norm));
+    json_object_set_new(root, "model",
+                        json_pack("{s:s, s:o, s:[s, s, s], s:b, s:s, s:b}", "type", "BPE", "vocab", vocab, "merges",
+                                  SP_ " a", "a b", SP_ "a b", "byte_fallback", 1, "unk_token", "<unk>", "fuse_unk", 1));
+    return root;
+}
+
+static void test_sentencepiece_style(void **state) {
+    (void)state;
+    loom_tokenizer *t;
+    assert_int_equal(load_json(sp_file(), &t), LOOM_OK);
+    assert_int_equal(loom_tokenizer_vocab_size(t), 266);
+    assert_int_equal(loom_tokenizer_bos(t), 1); /* <s> */
+    assert_int_equal(loom_tokenizer_eot(t), 2); /* </s> */
+    /* "ab ab\xc3\xa9" "b" -> "\u2581ab\u2581ab\u00e9b": two "\u2581ab", "\u00e9" as a token, "b" */
+    int32_t ids[32];
+    size_t m = 0;
+    assert_true(loom_tokenizer_max_ids(t, 8) >= 8 + 3);
+    assert_int_equal(loom_tokenizer_encode(t, "ab ab\xc3\xa9" "b", 8, ids, 32, &m), LOOM_OK);
+    int32_t want[] = {264, 264, 265, 261};
+    assert_int_equal(m, 4);
+    for (size_t i = 0; i < m; i++) assert_int_equal(ids[i], want[i]);
+    /* characters without a token fall back to their bytes' tokens, bytes that are not UTF-8 too */
+    assert_int_equal(loom_tokenizer_encode(t, "z\xe6\x97\xa5\xff", 5, ids, 32, &m), LOOM_OK);
+    int32_t want2[] = {259, 3 + 'z', 3 + 0xe6, 3 + 0x97, 3 + 0xa5, 3 + 0xff};
+    assert_int_equal(m, 6);
+    for (size_t i = 0; i < m; i++) assert_int_equal(ids[i], want2[i]);
+    /* decode: U+2581 is a space, <0xXX> its byte */
+    char out[32];
+    assert_int_equal(loom_tokenizer_decode(t, ids, m, out, sizeof out, &m), LOOM_OK);
+    assert_int_equal(m, 6);
+    assert_memory_equal(out, " z\xe6\x97\xa5\xff", 6);
+    /* a continuation (a completion after its prompt) gets no prefix; the start of a text does */
+    assert_int_equal(loom_tokenizer_encode_more(t, "ab ab", 5, ids, 32, &m), LOOM_OK);
+    assert_int_equal(m, 2);
+    assert_int_equal(ids[0], 263);
+    assert_int_equal(ids[1], 264);
+    /* an empty text is no ids (nothing to prepend to) */
+    assert_int_equal(loom_tokenizer_encode(t, "", 0, ids, 32, &m), LOOM_OK);
+    assert_int_equal(m, 0);
+    loom_tokenizer_free(t);
+
+    /* without some byte tokens, a character none stands for is <unk>, consecutive ones one */
+    json_t *root = sp_file();
+    json_t *vocab = json_object_get(json_object_get(root, "model"), "vocab");
+    json_object_del(vocab, "<0xE6>");
+    json_object_set_new(vocab, "zz", json_integer(3 + 0xe6));
+    assert_int_equal(load_json(root, &t), LOOM_OK);
+    assert_int_equal(loom_tokenizer_encode(t, "\xe6\x97\xa5\xe6\x97\xa5" "a", 7, ids, 32, &m), LOOM_OK);
+    int32_t want3[] = {259, 0, 260};
+    assert_int_equal(m, 3);
+    for (size_t i = 0; i < m; i++) assert_int_equal(ids[i], want3[i]);
+    loom_tokenizer_free(t);
 }
 
 /* The base file with a Split on `pattern` before its ByteLevel. */
@@ -226,9 +347,17 @@ static void test_refusals(void **state) {
     r = base_file();
     json_object_set_new(r, "normalizer", json_pack("{s:s}", "type", "NFC"));
     refused(r, "normalizer (\"NFC\")");
-    r = base_file();
-    json_object_set_new(json_object_get(r, "model"), "byte_fallback", json_true());
-    refused(r, "SentencePiece-style");
+    r = sp_file();
+    json_object_set_new(r, "pre_tokenizer", json_pack("{s:s}", "type", "Metaspace"));
+    refused(r, "SentencePiece-style BPE with a pre-tokenizer (\"Metaspace\")");
+    r = sp_file();
+    json_object_set_new(r, "normalizer", json_pack("{s:s}", "type", "NFKC"));
+    refused(r, "normalizer step \"NFKC\"");
+    r = sp_file();
+    json_object_set_new(json_object_get(r, "model"), "unk_token", json_null());
+    json_object_del(json_object_get(json_object_get(r, "model"), "vocab"), "<0x41>");
+    json_object_set_new(json_object_get(json_object_get(r, "model"), "vocab"), "zz", json_integer(3 + 0x41));
+    refused(r, "byte 0x41 (\"<0x41>\") is not in the vocabulary: a BPE with byte fallback and no unk_token");
     r = base_file();
     json_object_set_new(json_object_get(r, "model"), "type", json_string("WordPiece"));
     refused(r, "\"WordPiece\"");
@@ -274,6 +403,14 @@ static void test_refusals(void **state) {
     r = base_file();
     json_array_append_new(json_object_get(r, "added_tokens"), json_pack("{s:i, s:s}", "id", 256, "content", "<x>"));
     refused(r, "added token \"<x>\" has id 256");
+    r = base_file(); /* text must never make a special token, not even through a merge */
+    json_array_append_new(json_object_get(r, "added_tokens"),
+                          json_pack("{s:i, s:s, s:b}", "id", 258, "content", "aa", "special", 1));
+    refused(r, "merge 2 makes the special token \"aa\"");
+    r = base_file();
+    json_array_append_new(json_object_get(r, "added_tokens"),
+                          json_pack("{s:i, s:s, s:b, s:b}", "id", 260, "content", "<t>", "special", 0, "lstrip", 1));
+    refused(r, "strips spaces");
 }
 
 int main(void) {
@@ -282,6 +419,8 @@ int main(void) {
         cmocka_unit_test(test_template_and_ignore_merges),
         cmocka_unit_test(test_bos_without_template),
         cmocka_unit_test(test_real_file_layouts),
+        cmocka_unit_test(test_merge_order),
+        cmocka_unit_test(test_sentencepiece_style),
         cmocka_unit_test(test_refusals),
     };
     return cmocka_run_group_tests(tests, io_scratch_setup, io_scratch_teardown);

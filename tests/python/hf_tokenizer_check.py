@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""loom reading Hugging Face tokenizer.json files (byte-level BPE), against
-an independent encoder written here from the format's documented rules.
+"""loom reading Hugging Face tokenizer.json files, against an encoder
+written here, apart from loom's code, from the format's rules.
 
-A tokenizer loom trains is written out in Hugging Face's format three times:
+A tokenizer loom trains is written out in Hugging Face's format four times:
   gpt2:   loom's ids, ByteLevel pre-tokenizer with GPT-2's expression, merges
           as "a b" strings, <|endoftext|> as the only added token;
   starcoder: the same with a Digits pre-tokenizer (each digit a piece) first,
@@ -11,7 +11,12 @@ A tokenizer loom trains is written out in Hugging Face's format three times:
           ByteLevel without its own, merges as ["a", "b"], ignore_merges with
           whole words in the vocabulary that no merge makes, added tokens
           <|begin_of_text|> (the template's first token), <|end_of_text|> and
-          a reserved one.
+          a reserved one;
+  llama2: SentencePiece-style, as Llama 2's file is: byte fallback (<0xXX>
+          tokens), a normalizer that prepends U+2581 and turns spaces into
+          it, no pre-tokenizer; the whole text is one piece of characters,
+          merged in Hugging Face's order (the lowest-ranked pair, the leftmost
+          among equals, one at a time).
 Each file is encoded by `loom tokenize --tokenizer` and by the reference
 below; the shards must hold exactly the reference's ids, documents framed as
 loom frames them (begin-of-text first, end-of-text last when it is another
@@ -177,7 +182,65 @@ def hf_files(loom_tok):
                   "vocab": vocab, "merges": [[spellings[a], spellings[b]] for a, b in merges]},
     }
     variants.append(("llama3", j, [LLAMA3], vocab, ranks, True, base, base + 1))
+
+    # llama2: SentencePiece-style, as Hugging Face writes Llama 2's: byte fallback, a normalizer that
+    # prepends "▁" and makes spaces "▁", no pre-tokenizer; the loom tokens that are whole
+    # UTF-8 strings (spaces as "▁"), the merges among them, and <0x00>..<0xFF>
+    def sp(t):
+        try:
+            w = t.decode("utf-8").replace(" ", "▁")
+        except UnicodeDecodeError:
+            return None
+        return None if "\x00" in w else w  # JSON object keys cannot hold NUL (nor do real files')
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for b in range(256):
+        vocab["<0x%02X>" % b] = 3 + b
+    for t in tok_bytes:
+        w = sp(t)
+        if w is not None and w not in vocab:
+            vocab[w] = len(vocab)
+    sp_merges = [(sp(tok_bytes[a]), sp(tok_bytes[b])) for a, b in merges
+                 if None not in (sp(tok_bytes[a]), sp(tok_bytes[b]), sp(tok_bytes[a] + tok_bytes[b]))]
+    j = {
+        "version": "1.0",
+        "added_tokens": [{"id": i, "content": c, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True} for c, i in (("<unk>", 0), ("<s>", 1), ("</s>", 2))],
+        "normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "▁"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
+        "pre_tokenizer": None,
+        "post_processor": {"type": "TemplateProcessing",
+                           "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                                      {"Sequence": {"id": "A", "type_id": 0}}],
+                           "pair": [], "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "ByteFallback"},
+            {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+        "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True,
+                  "vocab": vocab, "merges": ["%s %s" % m for m in sp_merges]},
+    }
+    ranks = {m: r for r, m in enumerate(sp_merges)}
+    variants.append(("llama2", j, "sp", vocab, ranks, False, 1, 2))
     return variants
+
+
+def reference_encode_sp(text, vocab, ranks):
+    """SentencePiece-style: normalize, characters (unknown ones as their
+    bytes' tokens), then merge the lowest-ranked adjacent pair, the leftmost
+    among equals, one at a time."""
+    s = "▁" + text.replace(" ", "▁") if text else ""
+    word = []
+    for ch in s:
+        word += [ch] if ch in vocab else ["<0x%02X>" % b for b in ch.encode("utf-8")]
+    while True:
+        best = min(((ranks[(word[i], word[i + 1])], i) for i in range(len(word) - 1)
+                    if (word[i], word[i + 1]) in ranks), default=None)
+        if best is None:
+            break
+        i = best[1]
+        word[i:i + 2] = [word[i] + word[i + 1]]
+    return [vocab[w] for w in word]
 
 
 TEXTS = [
@@ -221,14 +284,19 @@ def main():
         hf_path = os.path.join(args.workdir, name + ".json")
         with open(hf_path, "w", encoding="utf-8") as f:
             json.dump(j, f, ensure_ascii=False)
+        # the SentencePiece-style reference merges in O(n^2): the short texts only
+        n_docs = len(TEXTS) if patterns == "sp" else len(docs)
         out = os.path.join(args.workdir, "shards_" + name)
-        subprocess.run([args.loom, "tokenize", "--tokenizer", hf_path, "--in"] + doc_files +
+        subprocess.run([args.loom, "tokenize", "--tokenizer", hf_path, "--in"] + doc_files[:n_docs] +
                        ["--out", out, "--val-fraction", "0"], check=True, stderr=subprocess.DEVNULL)
         got = read_shard(os.path.join(out, "train_000000.bin"))
         want = []
         whole = 0
-        for d in docs:
-            ids = reference_encode(d, patterns, vocab, ranks, ignore)
+        for d in docs[:n_docs]:
+            if patterns == "sp":
+                ids = reference_encode_sp(d, vocab, ranks)
+            else:
+                ids = reference_encode(d, patterns, vocab, ranks, ignore)
             want += [bos] + ids + ([eot] if eot != bos else [])
         if ignore:
             extra = set(vocab[w] for w in vocab if len(w) > 1 and w not in {a + b for a, b in ranks} and
@@ -241,7 +309,7 @@ def main():
             failures += 1
         else:
             print("ok %s: %d ids over %d documents equal the reference's%s" %
-                  (name, len(got), len(docs), " (%d whole words by ignore_merges)" % whole if ignore else ""))
+                  (name, len(got), n_docs, " (%d whole words by ignore_merges)" % whole if ignore else ""))
         if ignore and whole == 0:
             print("FAIL %s: no whole word came from ignore_merges: the test does not reach it" % name)
             failures += 1

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Hugging Face tokenizer.json files (byte-level BPE) in loom.
-#  - tests/python/hf_tokenizer_check.py: loom's ids equal an independent
-#    reference encoder's, for a GPT-2-style file and a Llama-3-style one
+#  - tests/python/hf_tokenizer_check.py: loom's ids equal those of an
+#    encoder written in the test, for GPT-2-, StarCoder-, Llama-3-style
 #    (shuffled ids, a Split expression, ignore_merges, a template's
-#    begin-of-text token, an end-of-text token after each document).
+#    begin-of-text token, an end-of-text token after each document) and
+#    Llama-2-style (SentencePiece: normalizer, byte fallback) files.
+#  - A Llama-2-style file through tokenize, train and generate.
 #  - The whole path with the Llama-3-style file: tokenize, train, the model
 #    directory keeps the file byte for byte, eval, generate (whose output
 #    starts with the prompt), export --format hf keeps it too, and
@@ -13,6 +15,18 @@ source "$(dirname "$0")/lib.sh"
 scripts/setup.sh (Debian package python3-regex)"
 /usr/bin/python3 "$SRC/tests/python/hf_tokenizer_check.py" --loom "$LOOM" --workdir "$WORK/check" \
   --corpus "$SRC/README.md" || fail "loom's ids differ from the reference encoder's"
+# A SentencePiece-style file (Llama 2's layout) through tokenize, train and generate.
+sp=$WORK/check/llama2.json
+"$LOOM" tokenize --tokenizer "$sp" --in $(corpus) --out "$WORK/sp" --val-fraction 0.1 2>"$WORK/tok.log" ||
+  { cat "$WORK/tok.log"; fail "tokenize with a SentencePiece-style tokenizer"; }
+vsp=$(/usr/bin/python3 -c "import json,sys; print(max(json.load(open(sys.argv[1]))['model']['vocab'].values()) + 1)" "$sp")
+small_config "$WORK/spconfig.json" "$vsp"
+"$LOOM" train --data "$WORK/sp" --config "$WORK/spconfig.json" --steps 2 --batch 2 --seq 32 --eval-every 0 \
+  --out "$WORK/sprun" 2>"$WORK/sptrain.log" || { cat "$WORK/sptrain.log"; fail "train (SentencePiece-style)"; }
+"$LOOM" generate --model "$WORK/sprun/model" --prompt "The tokenizer" --tokens 8 --temperature 0 \
+  >"$WORK/spgen.txt" 2>"$WORK/spgen.log" || { cat "$WORK/spgen.log"; fail "generate (SentencePiece-style)"; }
+[ "$(head -c 13 "$WORK/spgen.txt")" = "The tokenizer" ] || fail "generate's text does not start with the prompt"
+
 hf=$WORK/check/llama3.json
 "$LOOM" tokenize --tokenizer "$hf" --in $(corpus) --out "$WORK/data" --val-fraction 0.1 2>"$WORK/tok.log" ||
   { cat "$WORK/tok.log"; fail "tokenize with a Hugging Face tokenizer"; }
