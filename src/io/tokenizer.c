@@ -726,6 +726,10 @@ loom_status loom_tokenizer_load(const char *path, loom_tokenizer **out) {
     json_error_t jerr;
     json_t *root = json_loadb(data, len, JSON_REJECT_DUPLICATES, &jerr);
     free(data);
+    if (!root && strstr(jerr.text, "NUL byte in object key"))
+        return loom_error(LOOM_ERR_UNSUPPORTED, "tokenizer file '%s' has a NUL character in an object key (line %d, "
+                          "column %d: a token \"\\u0000\"), which loom's JSON parser (jansson) does not read", path,
+                          jerr.line, jerr.column);
     if (!root)
         return load_bad(path, "the JSON does not parse (line %d, column %d: %s)", jerr.line, jerr.column,
                         jerr.text);

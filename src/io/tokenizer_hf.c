@@ -416,6 +416,26 @@ static loom_status merges(hf_load *L, json_t *vocab, json_t *list) {
     return st;
 }
 
+/* Gemma's pre-tokenizer splits on a string (a space) that its normalizer
+ * has already replaced everywhere, the last step to touch it: it finds
+ * nothing, and so does nothing. */
+static int sp_split_is_noop(json_t *pre, json_t *norm) {
+    const char *pat = json_string_value(json_object_get(json_object_get(pre, "pattern"), "String"));
+    if (strcmp(type_of(pre), "Split") || !pat || !*pat) return 0;
+    json_t *one[1] = {norm}, *list = json_object_get(norm, "normalizers");
+    size_t n = !strcmp(type_of(norm), "Sequence") ? json_array_size(list) : 1;
+    int gone = 0;
+    for (size_t i = 0; i < n; i++) {
+        json_t *step = strcmp(type_of(norm), "Sequence") ? one[0] : json_array_get(list, i);
+        const char *a = json_string_value(json_object_get(json_object_get(step, "pattern"), "String"));
+        const char *b = json_string_value(json_object_get(step, "content"));
+        const char *p = json_string_value(json_object_get(step, "prepend"));
+        if (!strcmp(type_of(step), "Replace") && a && b && !strcmp(a, pat) && !strstr(b, pat)) gone = 1;
+        else if ((b && strstr(b, pat)) || (p && strstr(p, pat))) gone = 0; /* brought back */
+    }
+    return gone;
+}
+
 /* A SentencePiece-style normalizer: Prepend and Replace (of a String) steps,
  * alone or in a Sequence (Llama 2's: prepend "▁", then spaces to "▁"). */
 static loom_status sp_normalizer(hf_load *L, json_t *n) {
@@ -466,7 +486,7 @@ loom_status bpe_tokenizer_load_hf(const char *path, const void *root_v, loom_tok
         return hf_bad(path, "its model has no \"vocab\" object or no \"merges\" array");
     if (added && !json_is_array(added)) return hf_bad(path, "\"added_tokens\" is not an array");
     if (sp) { /* SentencePiece-style: the normalizer does the spaces, no pre-tokenizer */
-        if (pre && !json_is_null(pre))
+        if (pre && !json_is_null(pre) && !sp_split_is_noop(pre, norm))
             return hf_bad(path, "it is a SentencePiece-style BPE with a pre-tokenizer (\"%s\"); loom reads those "
                           "with none (the normalizer's form, as Llama 2's file has now)", type_of(pre));
         if (json_is_true(json_object_get(model, "ignore_merges")))

@@ -343,6 +343,12 @@ static void test_real_file_layouts(void **state) {
 
 static void test_refusals(void **state) {
     (void)state;
+    /* a NUL in a key (InternLM2's token "\u0000"): jansson cannot, and the message says so */
+    const char *nul = "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"\\u0000\": 0}, \"merges\": []}}";
+    io_write_raw(io_path("nul.json"), nul, strlen(nul));
+    loom_tokenizer *none = NULL;
+    assert_int_equal(loom_tokenizer_load(io_path("nul.json"), &none), LOOM_ERR_UNSUPPORTED);
+    IO_ASSERT_MSG("NUL character in an object key");
     json_t *r;
     r = base_file();
     json_object_set_new(r, "normalizer", json_pack("{s:s}", "type", "NFC"));
@@ -350,6 +356,16 @@ static void test_refusals(void **state) {
     r = sp_file();
     json_object_set_new(r, "pre_tokenizer", json_pack("{s:s}", "type", "Metaspace"));
     refused(r, "SentencePiece-style BPE with a pre-tokenizer (\"Metaspace\")");
+    r = sp_file(); /* a split on what the normalizer no longer leaves is read (Gemma's); on anything else not */
+    json_object_set_new(r, "pre_tokenizer", json_pack("{s:s, s:{s:s}, s:s}", "type", "Split", "pattern", "String", " ",
+                                                      "behavior", "MergedWithPrevious"));
+    loom_tokenizer *t;
+    assert_int_equal(load_json(r, &t), LOOM_OK);
+    loom_tokenizer_free(t);
+    r = sp_file();
+    json_object_set_new(r, "pre_tokenizer", json_pack("{s:s, s:{s:s}, s:s}", "type", "Split", "pattern", "String", "a",
+                                                      "behavior", "MergedWithPrevious"));
+    refused(r, "SentencePiece-style BPE with a pre-tokenizer (\"Split\")");
     r = sp_file();
     json_object_set_new(r, "normalizer", json_pack("{s:s}", "type", "NFKC"));
     refused(r, "normalizer step \"NFKC\"");
