@@ -62,14 +62,14 @@ j = json.load(open(tj, encoding="utf-8"))
 special = {a["content"]: a["id"] for a in j.get("added_tokens", []) if a.get("special")}
 def first(names):
     return next((special[n] for n in names if n in special), None)
-eot = first(["<|endoftext|>", "<|end_of_text|>", "</s>", "<｜end▁of▁sentence｜>"])
+eot = first(["<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<｜end▁of▁sentence｜>"])
 bos = None
 post = j.get("post_processor") or {}
 for p in ([post] + post.get("processors", [])):
     if p.get("type") == "TemplateProcessing" and "SpecialToken" in p["single"][0]:
         bos = p["special_tokens"][p["single"][0]["SpecialToken"]["id"]]["ids"][0]
 if bos is None:
-    bos = first(["<|begin_of_text|>", "<s>", "<｜begin▁of▁sentence｜>"])
+    bos = first(["<|begin_of_text|>", "<s>", "<bos>", "<｜begin▁of▁sentence｜>"])
 if bos is None:
     bos = eot
 blob = open(shard, "rb").read()

@@ -201,6 +201,23 @@ static loom_status append_doc(loom_tokenizer *tok, tok_buf *b, const doc *d) {
     return LOOM_OK;
 }
 
+/* Say how documents are framed: which token starts one, which ends one. */
+static void note_framing(const loom_tokenizer *tok) {
+    int bos = loom_tokenizer_bos(tok), eot = loom_tokenizer_eot(tok);
+    const char *b = "", *e = "";
+    size_t nb = 0, ne = 0;
+    if (bos >= 0) loom_tokenizer_token_bytes(tok, bos, &b, &nb);
+    if (eot >= 0) loom_tokenizer_token_bytes(tok, eot, &e, &ne);
+    if (bos < 0) fprintf(stderr, "tokenize: the tokenizer has no begin- or end-of-text token: documents are joined "
+                         "as they are\n");
+    else if (eot < 0 || eot == bos)
+        fprintf(stderr, "tokenize: %d tokens; each document starts with %.*s (id %d)\n", loom_tokenizer_vocab_size(tok),
+                (int)nb, b, bos);
+    else
+        fprintf(stderr, "tokenize: %d tokens; each document starts with %.*s (id %d) and ends with %.*s (id %d)\n",
+                loom_tokenizer_vocab_size(tok), (int)nb, b, bos, (int)ne, e, eot);
+}
+
 /* floor(n f), for a decimal f given on the command line: the product of
  * a double that is a hair below the decimal (0.7) and the n that makes the
  * decimal's product whole lands a hair below that whole number. */
@@ -456,6 +473,7 @@ static int run(int argc, char **argv) {
             snprintf(tok_out, sizeof tok_out, "%s/tokenizer.json.new", out);
             st = loom_file_copy_atomic(tok_path, tok_out);
         }
+        if (st == LOOM_OK) note_framing(tok);
     }
     if (st == LOOM_OK && in.n) {
         doc_list docs = {0};

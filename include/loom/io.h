@@ -331,8 +331,11 @@ const char *loom_dataloader_shard_path(const loom_dataloader *dl, size_t i);
  *    (or the unknown token). decode(encode(s)) is s normalized, U+2581 read
  *    as a space (Llama 2's adds a leading space).
  * Its added tokens that are not special are found in text before anything
- * else, as Hugging Face does; special ones never are (Hugging Face finds
- * them too; loom keeps text from making them), and no merge may make one.
+ * else, as Hugging Face does (those it normalizes in normalized text, as
+ * their normalized content); special ones never are (Hugging Face finds them
+ * too; loom keeps text from making them), and no merge may make one. The one
+ * special token encode gives is a SentencePiece-style file's unknown token,
+ * for a character that neither a token nor its bytes' tokens spell.
  * Refused by name: other normalizers, a prefix space, other pre-tokenizers
  * and Split behaviours, added tokens that strip spaces. Such a tokenizer is
  * not saved (loom_tokenizer_save): its file is copied. */
@@ -356,17 +359,18 @@ int loom_tokenizer_vocab_size(const loom_tokenizer *tok);
 int loom_tokenizer_num_merges(const loom_tokenizer *tok);
 /* The end-of-text id: "<|endoftext|>" (for a Hugging Face tokenizer the
  * first special token of "<|endoftext|>", "<|end_of_text|>", "</s>",
- * DeepSeek's "<｜end▁of▁sentence｜>"), or -1 when the tokenizer has none.
+ * "<eos>", DeepSeek's "<｜end▁of▁sentence｜>"), or -1 when it has none.
  * Generation stops at it. */
 int loom_tokenizer_eot(const loom_tokenizer *tok);
 /* The begin-of-text id every document starts with: the end-of-text token
  * for loom's tokenizers (it separates documents); for a Hugging Face one the
  * token its post-processor's template puts first; without a template the
- * special token "<|begin_of_text|>" (Llama 3), "<s>" or DeepSeek's
+ * special token "<|begin_of_text|>" (Llama 3), "<s>", "<bos>" or DeepSeek's
  * "<｜begin▁of▁sentence｜>"; else the end-of-text token (GPT-2's
  * convention); -1 when there is none. */
 int loom_tokenizer_bos(const loom_tokenizer *tok);
-/* 1 when id is a special token (never produced by encode), else 0. */
+/* 1 when id is a special token (never produced by encode, but for a
+ * SentencePiece-style file's unknown token), else 0. */
 int loom_tokenizer_is_special(const loom_tokenizer *tok, int32_t id);
 
 /* Encode `len` bytes into ids. `out` has room for `capacity` ids;
@@ -383,8 +387,9 @@ loom_status loom_tokenizer_encode(loom_tokenizer *tok, const void *text, size_t 
 loom_status loom_tokenizer_encode_more(loom_tokenizer *tok, const void *text, size_t len,
                                        int32_t *out, size_t capacity, size_t *n_out);
 /* The most ids `len` bytes can encode to: len, or for a SentencePiece-style
- * tokenizer what its normalizer can make of them (a prefix; a space whose
- * replacement falls back to its bytes' tokens). */
+ * tokenizer what its normalizer can make of them (a prefix for each piece
+ * between added tokens; a space whose replacement falls back to its bytes'
+ * tokens), SIZE_MAX when that does not fit a size_t. */
 size_t loom_tokenizer_max_ids(const loom_tokenizer *tok, size_t len);
 /* Decode ids into bytes. With out == NULL only *n_out (the byte count) is
  * computed. Errors: LOOM_ERR_INVALID (an id out of range: index and id

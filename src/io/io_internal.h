@@ -171,6 +171,10 @@ void bpe_byte_chars_init(bpe_byte_chars *bc);
 /* Allocate the tables of a tokenizer of vocab_size ids and n_merges merges
  * (merges, merged, tok_off, special zeroed); NULL when out of memory. */
 loom_tokenizer *bpe_tokenizer_alloc(int vocab_size, int n_merges);
+/* A SentencePiece-style tokenizer's normalizer on s[0..n): a malloc'd
+ * result of *out bytes (NULL when out of memory). With cont, Prepend steps
+ * are left out (the text continues another); on empty text they do nothing. */
+unsigned char *bpe_sp_normalize(const loom_tokenizer *tok, const unsigned char *s, size_t n, int cont, size_t *out);
 /* Parse a Hugging Face tokenizer.json (already parsed as root). */
 loom_status bpe_tokenizer_load_hf(const char *path, const void *root, loom_tokenizer **out);
 

@@ -304,6 +304,8 @@ static loom_status chunk_ids(loom_tokenizer *tok, const unsigned char *s, size_t
                              size_t *m) {
     int64_t e = io_bytesmap_find(&tok->cache, s, n);
     if (e < 0) {
+        if (n >= UINT32_MAX)
+            return loom_error(LOOM_ERR_INVALID, "tokenizer: a piece of %zu bytes is more than loom encodes (4 GiB)", n);
         int32_t stack[BPE_MAX_CHUNK], *tmp = n <= BPE_MAX_CHUNK ? stack : malloc(n * sizeof *tmp);
         if (!tmp) return loom_error(LOOM_ERR_NOMEM, "out of memory encoding a %zu-byte piece", n);
         size_t k = bpe_chunk(tok, s, n, tmp);
@@ -390,22 +392,68 @@ static size_t utf8_len(const unsigned char *s, size_t n) {
 /* SentencePiece-style: normalize (each step in turn), then the whole text is
  * one piece of characters (unknown ones as their bytes' tokens), merged in
  * Hugging Face's order. */
-/* Bytes the normalizer can make of len bytes (each replaced pattern, at
- * least one byte, becomes at most its replacement). */
+static size_t sat_add(size_t a, size_t b) { return a > SIZE_MAX - b ? SIZE_MAX : a + b; }
+static size_t sat_mul(size_t a, size_t b) { return b && a > SIZE_MAX / b ? SIZE_MAX : a * b; }
+
+/* At most the bytes the normalizer makes of len bytes (saturating): each
+ * replaced pattern, at least one byte, becomes at most its replacement. */
 static size_t sp_cap(const loom_tokenizer *tok, size_t len) {
     size_t cap = len;
     for (int i = 0; i < tok->n_norm; i++)
-        cap = tok->norm[i].prepend ? cap + tok->norm[i].na : cap * (tok->norm[i].nb > 1 ? tok->norm[i].nb : 1);
+        cap = tok->norm[i].prepend ? sat_add(cap, tok->norm[i].na) : sat_mul(cap, tok->norm[i].nb > 1 ? tok->norm[i].nb : 1);
     return cap;
 }
 
 size_t loom_tokenizer_max_ids(const loom_tokenizer *tok, size_t len) {
     if (!tok || !tok->sp) return len; /* at most one id per byte */
-    /* at most one per normalized byte; with added tokens every piece between
-     * two (at most len + 1) gets its own prefix */
-    size_t prefix = 0;
-    for (int i = 0; tok->n_added && i < tok->n_norm; i++) prefix += tok->norm[i].prepend ? tok->norm[i].na : 0;
-    return sp_cap(tok, len) + prefix * len;
+    /* at most one per normalized byte; the pieces between added tokens (at
+     * most len + 1) are normalized apart, each with what the normalizer adds
+     * to nothing (sp_cap(0)) */
+    return sat_add(sp_cap(tok, len), tok->n_added ? sat_mul(len, sp_cap(tok, 0)) : 0);
+}
+
+unsigned char *bpe_sp_normalize(const loom_tokenizer *tok, const unsigned char *s, size_t n, int cont, size_t *out) {
+    unsigned char *cur = malloc(n ? n : 1);
+    if (!cur) return NULL;
+    memcpy(cur, s, n);
+    for (int i = 0; i < tok->n_norm; i++) {
+        const struct bpe_norm *nm = &tok->norm[i];
+        size_t m = n, hits = 0;
+        if (nm->prepend) {
+            if (!n || cont) continue; /* nothing to prepend to; a continuation is not a start */
+            m = n + nm->na;
+        } else {
+            for (size_t j = 0; j + nm->na <= n;)
+                if (!memcmp(cur + j, nm->a, nm->na)) { hits++; j += nm->na; } else j++;
+            if (!hits) continue;
+            m = sat_add(n - hits * nm->na, sat_mul(hits, nm->nb)); /* the hits fit in n */
+        }
+        unsigned char *next = m < SIZE_MAX ? malloc(m ? m : 1) : NULL;
+        if (!next) {
+            free(cur);
+            return NULL;
+        }
+        if (nm->prepend) {
+            memcpy(next, nm->a, nm->na);
+            memcpy(next + nm->na, cur, n);
+        } else {
+            size_t k = 0;
+            for (size_t j = 0; j < n;) {
+                if (j + nm->na <= n && !memcmp(cur + j, nm->a, nm->na)) {
+                    memcpy(next + k, nm->b, nm->nb);
+                    k += nm->nb;
+                    j += nm->na;
+                } else {
+                    next[k++] = cur[j++];
+                }
+            }
+        }
+        free(cur);
+        cur = next;
+        n = m;
+    }
+    *out = n;
+    return cur;
 }
 
 /* Hugging Face's added tokens that are not special, which it finds in text
@@ -451,19 +499,30 @@ static loom_status split_added(loom_tokenizer *tok, const unsigned char *s, size
 static loom_status sp_piece(loom_tokenizer *tok, const unsigned char *a, size_t n, enc_out *o) {
     int32_t *ids = malloc((n + 1) * sizeof *ids);
     if (!ids) return loom_error(LOOM_ERR_NOMEM, "out of memory encoding %zu bytes", n);
+    /* An unknown character (a byte of it without a token) waits, as in
+     * Hugging Face, until the next character the vocabulary holds or the end
+     * (characters given as bytes go out before it); with fuse_unk a run of
+     * them is one. */
     size_t k = 0;
+    int pending = 0;
     for (size_t j = 0; j < n;) {
         size_t c = utf8_len(a + j, n - j);
         int64_t e = io_bytesmap_find(&tok->whole, a + j, c);
         int known = 1;
         for (size_t i = 0; e < 0 && i < c; i++) known &= tok->byte_id[a[j + i]] >= 0;
-        if (e >= 0) ids[k++] = tok->whole_id[e];
-        else if (known)
+        if (e >= 0) {
+            if (pending) ids[k++] = tok->unk;
+            pending = 0;
+            ids[k++] = tok->whole_id[e];
+        } else if (known) {
             for (size_t i = 0; i < c; i++) ids[k++] = tok->byte_id[a[j + i]]; /* byte fallback */
-        else if (!(tok->fuse_unk && k && ids[k - 1] == tok->unk))
-            ids[k++] = tok->unk; /* a byte without a token: the character is unknown */
+        } else {
+            if (pending && !tok->fuse_unk) ids[k++] = tok->unk;
+            pending = 1;
+        }
         j += c;
     }
+    if (pending) ids[k++] = tok->unk;
     loom_status st = LOOM_OK;
     if ((k = bpe_queue(tok, ids, k)) == SIZE_MAX) st = loom_error(LOOM_ERR_NOMEM, "out of memory encoding %zu bytes", n);
     for (size_t i = 0; st == LOOM_OK && i < k; i++, o->count++)
@@ -475,45 +534,15 @@ static loom_status sp_piece(loom_tokenizer *tok, const unsigned char *a, size_t 
 /* SentencePiece-style, one piece of text between added tokens: normalize it
  * (each step in turn), then the normalized added tokens split it. */
 static loom_status sp_segment(loom_tokenizer *tok, const unsigned char *text, size_t len, enc_out *o) {
-    size_t cap = sp_cap(tok, len), n = len;
-    unsigned char *a = malloc(cap), *b = malloc(cap);
-    if (!a || !b) {
-        free(a);
-        free(b);
-        return loom_error(LOOM_ERR_NOMEM, "out of memory encoding %zu bytes", len);
-    }
-    memcpy(a, text, len);
     int cont = o->cont;
     o->cont = 0;
-    for (int i = 0; i < tok->n_norm; i++) {
-        const struct bpe_norm *nm = &tok->norm[i];
-        size_t m = 0;
-        if (nm->prepend && cont) {
-            m = n; /* a continuation: not the start of a text */
-            memcpy(b, a, n);
-        } else if (nm->prepend) {
-            memcpy(b, nm->a, nm->na);
-            memcpy(b + nm->na, a, n);
-            m = nm->na + n;
-        } else {
-            for (size_t j = 0; j < n;) {
-                if (j + nm->na <= n && !memcmp(a + j, nm->a, nm->na)) {
-                    memcpy(b + m, nm->b, nm->nb);
-                    m += nm->nb;
-                    j += nm->na;
-                } else {
-                    b[m++] = a[j++];
-                }
-            }
-        }
-        unsigned char *t = a;
-        a = b;
-        b = t;
-        n = m;
-    }
-    loom_status st = split_added(tok, a, n, 1, o, sp_piece);
+    size_t n = 0;
+    unsigned char *a = bpe_sp_normalize(tok, text, len, cont, &n);
+    if (!a) return loom_error(LOOM_ERR_NOMEM, "out of memory normalizing %zu bytes", len);
+    loom_status st = n >= UINT32_MAX ? loom_error(LOOM_ERR_INVALID, "tokenizer: a text of %zu bytes is one piece "
+                                                  "for this tokenizer, more than loom encodes (4 GiB)", n)
+                                     : split_added(tok, a, n, 1, o, sp_piece);
     free(a);
-    free(b);
     return st;
 }
 

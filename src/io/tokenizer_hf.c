@@ -14,9 +14,10 @@
  *    and Replace normalizer steps, no pre-tokenizer, tokens as written with
  *    U+2581 for a space and <0xXX> for a byte.
  * The begin-of-text token is the one the post-processor's template puts
- * first; without a template the special token "<|begin_of_text|>", "<s>" or
- * "<｜begin▁of▁sentence｜>"; the end-of-text token is the special token
- * "<|endoftext|>", "<|end_of_text|>", "</s>" or "<｜end▁of▁sentence｜>"; with
+ * first; without a template the special token "<|begin_of_text|>", "<s>",
+ * "<bos>" or "<｜begin▁of▁sentence｜>"; the end-of-text token is the special
+ * token "<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>" or
+ * "<｜end▁of▁sentence｜>"; with
  * no begin-of-text token both are the end-of-text token (GPT-2's
  * convention). (tokenizer_config.json, which names them too, is not read:
  * the model directories loom writes carry tokenizer.json alone.)
@@ -282,15 +283,26 @@ static loom_status token_bytes(hf_load *L, json_t *vocab, json_t *added) {
         if (!unset(v, "lstrip") || !unset(v, "rstrip") || !unset(v, "single_word"))
             st = hf_bad(L->path, "added token \"%s\" strips spaces or matches single words only, which loom does "
                         "not support", c);
-        else if (!(tok->added = tok->added ? tok->added : calloc(json_array_size(added), sizeof *tok->added)) ||
-                 !(tok->added[tok->n_added].bytes = strdup(c)))
+        else if (!(tok->added = tok->added ? tok->added : calloc(json_array_size(added), sizeof *tok->added)))
             st = loom_error(LOOM_ERR_NOMEM, "out of memory loading '%s'", L->path);
         else {
-            struct bpe_added *t = &tok->added[tok->n_added++];
+            /* a normalized one is found in normalized text, as its content normalized (Hugging Face's
+             * default for a token that is not special); without a normalizer that is the content */
+            struct bpe_added *t = &tok->added[tok->n_added];
+            json_t *nz = json_object_get(v, "normalized");
             t->id = (int32_t)id;
+            t->normalized = nz ? json_is_true(nz) : 1;
             t->len = strlen(c);
-            t->normalized = L->sp && !unset(v, "normalized"); /* without a normalizer the same text */
-            tok->added_first[(unsigned char)c[0]] = 1;
+            t->bytes = t->normalized && L->sp ? (char *)bpe_sp_normalize(tok, (const unsigned char *)c, t->len, 0, &t->len)
+                                              : strdup(c);
+            if (!t->bytes || !t->len) {
+                st = t->bytes ? hf_bad(L->path, "added token \"%s\" normalizes to nothing", c)
+                              : loom_error(LOOM_ERR_NOMEM, "out of memory loading '%s'", L->path);
+                free(t->bytes);
+            } else {
+                tok->n_added++;
+                tok->added_first[(unsigned char)t->bytes[0]] = 1;
+            }
         }
     }
     const char *key;
@@ -421,11 +433,16 @@ static loom_status merges(hf_load *L, json_t *vocab, json_t *list) {
  * nothing, and so does nothing. */
 static int sp_split_is_noop(json_t *pre, json_t *norm) {
     const char *pat = json_string_value(json_object_get(json_object_get(pre, "pattern"), "String"));
-    if (strcmp(type_of(pre), "Split") || !pat || !*pat) return 0;
+    /* one character (a longer pattern could be joined again from its neighbours), not inverted */
+    if (strcmp(type_of(pre), "Split") || !pat || !*pat || !unset(pre, "invert")) return 0;
+    size_t n = strlen(pat);
+    if (n > 4 || (n > 1 && ((unsigned char)pat[0] & 0xC0) != 0xC0)) return 0;
+    for (size_t i = 1; i < n; i++)
+        if (((unsigned char)pat[i] & 0xC0) != 0x80) return 0;
     json_t *one[1] = {norm}, *list = json_object_get(norm, "normalizers");
-    size_t n = !strcmp(type_of(norm), "Sequence") ? json_array_size(list) : 1;
+    size_t steps = !strcmp(type_of(norm), "Sequence") ? json_array_size(list) : 1;
     int gone = 0;
-    for (size_t i = 0; i < n; i++) {
+    for (size_t i = 0; i < steps; i++) {
         json_t *step = strcmp(type_of(norm), "Sequence") ? one[0] : json_array_get(list, i);
         const char *a = json_string_value(json_object_get(json_object_get(step, "pattern"), "String"));
         const char *b = json_string_value(json_object_get(step, "content"));
@@ -452,9 +469,9 @@ static loom_status sp_normalizer(hf_load *L, json_t *n) {
             a = json_string_value(json_object_get(json_object_get(step, "pattern"), "String"));
             b = json_string_value(json_object_get(step, "content"));
         }
-        if (!a || !*a || !b || tok->n_norm == 4)
+        if (!a || !*a || !b || tok->n_norm == 4 || strlen(a) > 64 || strlen(b) > 64)
             return hf_bad(L->path, "its normalizer step \"%s\" is not one loom applies (Prepend, Replace of a "
-                          "String; at most 4)", t);
+                          "String, at most 64 bytes each; at most 4 steps)", t);
         struct bpe_norm *nm = &tok->norm[tok->n_norm++];
         nm->prepend = prepend;
         nm->na = strlen(a);
@@ -525,14 +542,14 @@ loom_status bpe_tokenizer_load_hf(const char *path, const void *root_v, loom_tok
     if (st == LOOM_OK) st = token_bytes(&L, vocab, added);
     if (st == LOOM_OK) st = merges(&L, vocab, list);
     if (st == LOOM_OK) {
-        static const char *const ends[] = {"<|endoftext|>", "<|end_of_text|>", "</s>",
+        static const char *const ends[] = {"<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>",
                                            "<\xef\xbd\x9c" "end\xe2\x96\x81" "of\xe2\x96\x81" "sentence\xef\xbd\x9c>"};
         for (size_t i = 0; i < sizeof ends / sizeof *ends && tok->eot < 0; i++) {
             int32_t id = added_id(added, ends[i]);
             if (id >= 0 && tok->special[id]) tok->eot = id;
         }
         int32_t bos = template_bos(json_object_get(root, "post_processor"), added, V);
-        static const char *const begins[] = {"<|begin_of_text|>", "<s>",
+        static const char *const begins[] = {"<|begin_of_text|>", "<s>", "<bos>",
                                              "<\xef\xbd\x9c" "begin\xe2\x96\x81" "of\xe2\x96\x81" "sentence\xef\xbd\x9c>"};
         for (size_t i = 0; i < sizeof begins / sizeof *begins && bos == NO_TEMPLATE; i++) {
             int32_t id = added_id(added, begins[i]);

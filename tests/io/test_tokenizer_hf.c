@@ -177,6 +177,16 @@ static void test_bos_without_template(void **state) {
         assert_int_equal(loom_tokenizer_eot(t), 259);
         loom_tokenizer_free(t);
     }
+    /* Gemma's names: <bos>, <eos> */
+    json_t *root = base_file();
+    json_object_set_new(json_array_get(json_object_get(root, "added_tokens"), 0), "content", json_string("<eos>"));
+    json_array_append_new(json_object_get(root, "added_tokens"),
+                          json_pack("{s:i, s:s, s:b}", "id", 260, "content", "<bos>", "special", 1));
+    loom_tokenizer *g;
+    assert_int_equal(load_json(root, &g), LOOM_OK);
+    assert_int_equal(loom_tokenizer_bos(g), 260);
+    assert_int_equal(loom_tokenizer_eot(g), 259);
+    loom_tokenizer_free(g);
 }
 
 /* Hugging Face's order of merges, which differs from GPT-2's (every
@@ -274,6 +284,86 @@ static void test_sentencepiece_style(void **state) {
     int32_t want3[] = {259, 0, 260};
     assert_int_equal(m, 3);
     for (size_t i = 0; i < m; i++) assert_int_equal(ids[i], want3[i]);
+    /* an unknown character waits for the next one the vocabulary holds: bytes given for "\u00fc" go first */
+    assert_int_equal(loom_tokenizer_encode(t, "\xe6\x97\xa5\xc3\xbc" "a", 6, ids, 32, &m), LOOM_OK);
+    int32_t want4[] = {259, 3 + 0xc3, 3 + 0xbc, 0, 260};
+    assert_int_equal(m, 5);
+    for (size_t i = 0; i < m; i++) assert_int_equal(ids[i], want4[i]);
+    loom_tokenizer_free(t);
+}
+
+/* Added tokens that are not special, as Hugging Face finds them: those not
+ * normalized in the raw text first, then the normalized ones in each piece
+ * of normalized text, as their normalized content (Llama 2's normalizer
+ * makes "<t>" "\u2581<t>"). */
+static void test_added_tokens_in_text(void **state) {
+    (void)state;
+    /* byte-level: "bc" (raw) before "ab" (normalized) in "abc" */
+    json_t *root = base_file();
+    json_object_set_new(json_object_get(json_object_get(root, "model"), "vocab"), "bc", json_integer(260));
+    json_array_append_new(json_object_get(root, "added_tokens"),
+                          json_pack("{s:i, s:s, s:b, s:b}", "id", 256, "content", "ab", "special", 0, "normalized", 1));
+    json_array_append_new(json_object_get(root, "added_tokens"),
+                          json_pack("{s:i, s:s, s:b, s:b}", "id", 260, "content", "bc", "special", 0, "normalized", 0));
+    loom_tokenizer *t;
+    assert_int_equal(load_json(root, &t), LOOM_OK);
+    int32_t ids[32];
+    size_t m = enc(t, "abc", 3, ids);
+    assert_int_equal(m, 2);
+    assert_int_equal(ids[0], 255 - 'a');
+    assert_int_equal(ids[1], 260);
+    loom_tokenizer_free(t);
+    /* SentencePiece-style: "<t>" normalized is matched as "\u2581<t>" */
+    root = sp_file();
+    json_object_set_new(json_object_get(json_object_get(root, "model"), "vocab"), "<t>", json_integer(266));
+    json_array_append_new(json_object_get(root, "added_tokens"),
+                          json_pack("{s:i, s:s, s:b, s:b}", "id", 266, "content", "<t>", "special", 0, "normalized", 1));
+    assert_int_equal(load_json(root, &t), LOOM_OK);
+    m = 0;
+    assert_int_equal(loom_tokenizer_encode(t, "<t>", 3, ids, 32, &m), LOOM_OK);
+    assert_int_equal(m, 1);
+    assert_int_equal(ids[0], 266);
+    assert_int_equal(loom_tokenizer_encode(t, " <t>", 4, ids, 32, &m), LOOM_OK); /* "\u2581\u2581<t>" */
+    assert_int_equal(m, 2);
+    assert_int_equal(ids[0], 259);
+    assert_int_equal(ids[1], 266);
+    assert_int_equal(loom_tokenizer_encode(t, "a<t>", 4, ids, 32, &m), LOOM_OK); /* no "\u2581<t>" in "\u2581a<t>" */
+    int32_t want[] = {262, 3 + '<', 3 + 't', 3 + '>'};
+    assert_int_equal(m, 4);
+    assert_memory_equal(ids, want, sizeof want);
+    loom_tokenizer_free(t);
+}
+
+/* The normalizer's edges: Prepend does nothing to nothing; what a
+ * Prepend a later Replace grows to is within loom_tokenizer_max_ids, for
+ * every piece between added tokens. */
+static void test_normalizer_edges(void **state) {
+    (void)state;
+    json_t *root = sp_file();
+    json_object_set_new(root, "normalizer",
+                        json_pack("{s:s, s:[{s:s, s:{s:s}, s:s}, {s:s, s:s}]}", "type", "Sequence", "normalizers",
+                                  "type", "Replace", "pattern", "String", " ", "content", "", "type", "Prepend",
+                                  "prepend", SP_));
+    loom_tokenizer *t;
+    assert_int_equal(load_json(root, &t), LOOM_OK);
+    int32_t ids[128];
+    size_t m = 9;
+    assert_int_equal(loom_tokenizer_encode(t, " ", 1, ids, 128, &m), LOOM_OK);
+    assert_int_equal(m, 0);
+    loom_tokenizer_free(t);
+
+    root = sp_file();
+    json_object_set_new(root, "normalizer",
+                        json_pack("{s:s, s:[{s:s, s:s}, {s:s, s:{s:s}, s:s}]}", "type", "Sequence", "normalizers",
+                                  "type", "Prepend", "prepend", "xx", "type", "Replace", "pattern", "String", "x",
+                                  "content", "yyyy"));
+    json_array_append_new(json_object_get(root, "added_tokens"),
+                          json_pack("{s:i, s:s, s:b, s:b}", "id", 266, "content", "T", "special", 0, "normalized", 0));
+    assert_int_equal(load_json(root, &t), LOOM_OK);
+    size_t max = loom_tokenizer_max_ids(t, 7); /* (7 + 2) 4, and (0 + 2) 4 for each of 7 more pieces */
+    assert_int_equal(max, 92);
+    assert_int_equal(loom_tokenizer_encode(t, "xTxTxTx", 7, ids, max, &m), LOOM_OK); /* 4 x (8 + 4) y + 3 T */
+    assert_int_equal(m, 51);
     loom_tokenizer_free(t);
 }
 
@@ -367,6 +457,10 @@ static void test_refusals(void **state) {
                                                       "behavior", "MergedWithPrevious"));
     refused(r, "SentencePiece-style BPE with a pre-tokenizer (\"Split\")");
     r = sp_file();
+    json_object_set_new(r, "pre_tokenizer", json_pack("{s:s, s:{s:s}, s:s, s:b}", "type", "Split", "pattern", "String",
+                                                      " ", "behavior", "Removed", "invert", 1));
+    refused(r, "SentencePiece-style BPE with a pre-tokenizer (\"Split\")");
+    r = sp_file();
     json_object_set_new(r, "normalizer", json_pack("{s:s}", "type", "NFKC"));
     refused(r, "normalizer step \"NFKC\"");
     r = sp_file();
@@ -437,6 +531,8 @@ int main(void) {
         cmocka_unit_test(test_real_file_layouts),
         cmocka_unit_test(test_merge_order),
         cmocka_unit_test(test_sentencepiece_style),
+        cmocka_unit_test(test_added_tokens_in_text),
+        cmocka_unit_test(test_normalizer_edges),
         cmocka_unit_test(test_refusals),
     };
     return cmocka_run_group_tests(tests, io_scratch_setup, io_scratch_teardown);

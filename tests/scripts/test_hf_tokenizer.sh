@@ -31,6 +31,8 @@ hf=$WORK/check/llama3.json
 "$LOOM" tokenize --tokenizer "$hf" --in $(corpus) --out "$WORK/data" --val-fraction 0.1 2>"$WORK/tok.log" ||
   { cat "$WORK/tok.log"; fail "tokenize with a Hugging Face tokenizer"; }
 cmp -s "$hf" "$WORK/data/tokenizer.json" || fail "the data directory's tokenizer.json is not the file given"
+grep -q "each document starts with <|begin_of_text|> (id [0-9]*) and ends with <|end_of_text|>" "$WORK/tok.log" ||
+  { cat "$WORK/tok.log"; fail "tokenize does not say how documents are framed"; }
 vocab=$(/usr/bin/python3 -c "import json,sys; print(max(json.load(open(sys.argv[1]))['model']['vocab'].values()) + 1)" "$hf")
 small_config "$WORK/config.json" "$vocab"
 "$LOOM" train --data "$WORK/data" --config "$WORK/config.json" --steps 3 --batch 2 --seq 32 --eval-every 0 \
