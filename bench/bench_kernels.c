@@ -103,8 +103,9 @@ int main(int argc, char **argv) {
     timing ab = TIME_CALL(reps, attention_bwd(dq, dk, dv, dout, q, k, v, out, lse, B, T, T, NH, NH, HS, 0, dt));
     timing nf_ = TIME_CALL(reps, rmsnorm_fwd(out, rstd, q, w, N, C, 1e-5f, dt));
     timing nb = TIME_CALL(reps, rmsnorm_bwd(dq, dw, dout, q, w, rstd, N, C, dt));
-    timing rf = TIME_CALL(reps, rope_fwd(out, q, B, T, NH, HS, 0, 10000.0f, dt));
-    timing rb = TIME_CALL(reps, rope_bwd(dq, dout, B, T, NH, HS, 0, 10000.0f, dt));
+    loom_rope_freqs rope = rope_plain(10000.0f);
+    timing rf = TIME_CALL(reps, rope_fwd(out, q, B, T, NH, HS, 0, &rope, dt));
+    timing rb = TIME_CALL(reps, rope_bwd(dq, dout, B, T, NH, HS, 0, &rope, dt));
     timing sf = TIME_CALL(reps, swiglu_fwd(h, g, u, nf, dt));
     timing sb = TIME_CALL(reps, swiglu_bwd(dg, du, h, g, u, nf, dt));
 

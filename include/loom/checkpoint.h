@@ -25,11 +25,16 @@ extern "C" {
 
 /* Read config.json (Hugging Face names: hidden_size, num_hidden_layers,
  * num_attention_heads, num_key_value_heads, intermediate_size, vocab_size,
- * max_position_embeddings, rope_theta, rms_norm_eps, tie_word_embeddings).
+ * max_position_embeddings, rope_theta, rms_norm_eps, tie_word_embeddings,
+ * rope_scaling: null, "default", "linear" (factor) or "llama3" (factor,
+ * low_freq_factor, high_freq_factor, original_max_position_embeddings)).
  * Optional fields absent from the file take LlamaConfig's defaults:
  * num_key_value_heads = num_attention_heads, max_position_embeddings 2048,
- * rope_theta 10000, rms_norm_eps 1e-6, tie_word_embeddings false.
- * Errors: LOOM_ERR_IO, LOOM_ERR_FORMAT (naming the file and the field). */
+ * rope_theta 10000, rms_norm_eps 1e-6, tie_word_embeddings false, no
+ * rope_scaling. Save writes rope_scaling (under "rope_type" and "type")
+ * when there is one.
+ * Errors: LOOM_ERR_IO, LOOM_ERR_FORMAT (naming the file and the field),
+ * LOOM_ERR_UNSUPPORTED (biases, another activation, another rope_scaling). */
 loom_status loom_llama_config_load(const char *path, loom_llama_config *cfg);
 loom_status loom_llama_config_save(const loom_llama_config *cfg, loom_dtype weights_dtype, const char *path);
 

@@ -250,6 +250,25 @@ const char *loom_simd_name(void);
 void loom_set_threads(int n);
 int loom_get_threads(void);
 
+/* ------------------------------------------------------ RoPE frequencies */
+
+/* The rotary embedding's frequencies, shared by the rope kernel, loom_rope_ex
+ * and the model config: inv_freq[i] = theta^(-2i/HS) for i < HS/2, then
+ * scaled as Hugging Face's rope_scaling says:
+ *  - LOOM_ROPE_LINEAR: each divided by factor;
+ *  - LOOM_ROPE_LLAMA3 (Llama 3.1 and later): with wavelength w = 2 pi / f,
+ *    f / factor where w > original_max_pos / low_freq_factor, f where
+ *    w < original_max_pos / high_freq_factor, and between them
+ *    (1 - s) f / factor + s f, s = (original_max_pos / w - low_freq_factor) /
+ *    (high_freq_factor - low_freq_factor). */
+typedef enum loom_rope_type { LOOM_ROPE_DEFAULT = 0, LOOM_ROPE_LINEAR = 1, LOOM_ROPE_LLAMA3 = 2 } loom_rope_type;
+typedef struct loom_rope_freqs {
+    float theta;
+    loom_rope_type type;
+    float factor, low_freq_factor, high_freq_factor; /* factor: LINEAR and LLAMA3; the others: LLAMA3 */
+    int original_max_pos;                           /* LLAMA3 */
+} loom_rope_freqs;
+
 #ifdef __cplusplus
 }
 #endif

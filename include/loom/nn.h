@@ -34,7 +34,15 @@ typedef struct loom_llama_config {
     float rope_theta;
     float norm_eps;
     int tie_embeddings; /* lm_head shares model.embed_tokens.weight */
+    /* RoPE scaling, Hugging Face's rope_scaling (loom_rope_freqs in core.h): none
+     * (LOOM_ROPE_DEFAULT, zero), linear (factor) or llama3 (all four). */
+    loom_rope_type rope_type;
+    float rope_factor, rope_low_freq_factor, rope_high_freq_factor;
+    int rope_original_max_pos;
 } loom_llama_config;
+
+/* The RoPE of a config: its theta and scaling. */
+loom_rope_freqs loom_llama_rope(const loom_llama_config *cfg);
 
 /* "tiny" (288/6/6/6/768/4096/256) and "small" (512/8/8/8/1376/8192/512). */
 loom_status loom_llama_preset(const char *name, loom_llama_config *cfg);
@@ -42,7 +50,7 @@ loom_status loom_llama_preset(const char *name, loom_llama_config *cfg);
 loom_status loom_llama_config_validate(const loom_llama_config *cfg);
 /* 1 when a and b give every weight the same shape (dim, layers, heads, kv
  * heads, ffn, vocabulary, tying), so weights of one load into the other;
- * max_seq, rope_theta and norm_eps are not compared. */
+ * max_seq, the RoPE and norm_eps are not compared. */
 int loom_llama_config_same_weights(const loom_llama_config *a, const loom_llama_config *b);
 
 typedef struct loom_llama_layer {

@@ -71,8 +71,15 @@ void loom_gemm_get_stats(loom_gemm_stats *out);
 /* RMSNorm over the last dimension with weight w (C). */
 loom_status loom_rmsnorm(loom_tensor *x, loom_tensor *w, float eps, loom_tensor **out);
 /* Rotary embedding, Hugging Face rotate-half convention, on x of shape
- * (B, T, NH, HS); position of x[:, t] is pos0 + t. */
+ * (B, T, NH, HS); position of x[:, t] is pos0 + t; frequencies
+ * theta^(-2i/HS). */
 loom_status loom_rope(loom_tensor *x, float theta, int pos0, loom_tensor **out);
+/* The same with the frequencies of r (loom_rope_freqs in core.h: scaled as
+ * Hugging Face's rope_scaling says). Errors: LOOM_ERR_INVALID (theta or a
+ * factor not positive, low_freq_factor >= high_freq_factor, an unknown type). */
+loom_status loom_rope_ex(loom_tensor *x, const loom_rope_freqs *r, int pos0, loom_tensor **out);
+/* LOOM_OK when r is a RoPE loom_rope_ex takes, else LOOM_ERR_INVALID naming the field. */
+loom_status loom_rope_check(const loom_rope_freqs *r);
 /* Causal grouped-query attention: q (B, T, NH, HS), k and v (B, T, NKV, HS)
  * with NH % NKV == 0; out (B, T, NH, HS). Flash-style kernel: nothing of
  * size T x T is stored. */

@@ -68,9 +68,7 @@ static loom_status get_float(json_t *root, const char *path, const char *key, fl
 /* Fields that change the math: refuse what loom does not implement rather
  * than compute something else. */
 static loom_status check_unsupported(json_t *root, const char *path, const loom_llama_config *c) {
-    json_t *v = json_object_get(root, "rope_scaling");
-    if (v && !json_is_null(v))
-        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: rope_scaling is not supported by loom (plain RoPE only)", path);
+    json_t *v;
     const char *bias[] = {"attention_bias", "mlp_bias"};
     for (int i = 0; i < 2; i++) {
         v = json_object_get(root, bias[i]);
@@ -84,6 +82,40 @@ static loom_status check_unsupported(json_t *root, const char *path, const loom_
     v = json_object_get(root, "hidden_act");
     if (v && (!json_is_string(v) || strcmp(json_string_value(v), "silu") != 0))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: hidden_act must be \"silu\"", path);
+    return LOOM_OK;
+}
+
+/* rope_scaling: null, or {"rope_type" (or "type"): "default", "linear"
+ * (factor) or "llama3" (factor, low_freq_factor, high_freq_factor,
+ * original_max_position_embeddings)}; the others change the math in ways
+ * loom does not implement and are refused by name. */
+static loom_status get_rope_scaling(json_t *root, const char *path, loom_llama_config *c) {
+    json_t *rs = json_object_get(root, "rope_scaling");
+    if (!rs || json_is_null(rs)) return LOOM_OK;
+    json_t *t = json_object_get(rs, "rope_type");
+    if (!t) t = json_object_get(rs, "type");
+    if (!json_is_object(rs) || !json_is_string(t))
+        return loom_error(LOOM_ERR_FORMAT, "%s: rope_scaling must be null or an object with a \"rope_type\"", path);
+    const char *type = json_string_value(t);
+    if (!strcmp(type, "default")) return LOOM_OK;
+    if (strcmp(type, "linear") && strcmp(type, "llama3"))
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: rope_scaling \"%s\" is not supported by loom (default, linear "
+                          "and llama3 are)", path, type);
+    c->rope_type = strcmp(type, "linear") ? LOOM_ROPE_LLAMA3 : LOOM_ROPE_LINEAR;
+    static const char *const need[] = {"factor", "low_freq_factor", "high_freq_factor",
+                                       "original_max_position_embeddings"};
+    for (int i = 0; i < (c->rope_type == LOOM_ROPE_LLAMA3 ? 4 : 1); i++)
+        if (!json_is_number(json_object_get(rs, need[i])))
+            return loom_error(LOOM_ERR_FORMAT, "%s: rope_scaling \"%s\" needs \"%s\" (a number)", path, type, need[i]);
+    LOOM_TRY(get_float(rs, path, "factor", &c->rope_factor));
+    if (c->rope_type == LOOM_ROPE_LLAMA3) {
+        LOOM_TRY(get_float(rs, path, "low_freq_factor", &c->rope_low_freq_factor));
+        LOOM_TRY(get_float(rs, path, "high_freq_factor", &c->rope_high_freq_factor));
+        LOOM_TRY(get_int(rs, path, "original_max_position_embeddings", 1, &c->rope_original_max_pos));
+    }
+    loom_rope_freqs r = loom_llama_rope(c);
+    if (loom_rope_check(&r) != LOOM_OK)
+        return loom_error(LOOM_ERR_FORMAT, "%s: rope_scaling: %s", path, loom_last_error());
     return LOOM_OK;
 }
 
@@ -118,6 +150,7 @@ loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
         if (!json_is_boolean(tie)) st = loom_error(LOOM_ERR_FORMAT, "%s: tie_word_embeddings must be true or false", path);
         else c->tie_embeddings = json_is_true(tie);
     }
+    if (st == LOOM_OK) st = get_rope_scaling(root, path, c);
     if (st == LOOM_OK) st = check_unsupported(root, path, c);
     json_decref(root);
     if (st == LOOM_OK && loom_llama_config_validate(c) != LOOM_OK)
@@ -135,6 +168,20 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
                              "tie_word_embeddings", c->tie_embeddings, "hidden_act", "silu", "torch_dtype",
                              dt == LOOM_F32 ? "float32" : dt == LOOM_BF16 ? "bfloat16" : "float16",
                              "attention_bias", 0, "initializer_range", 0.02);
+    if (root && c->rope_type != LOOM_ROPE_DEFAULT) { /* both names: older and newer transformers read it */
+        json_t *rs = c->rope_type == LOOM_ROPE_LINEAR
+                         ? json_pack("{s:s, s:s, s:f}", "rope_type", "linear", "type", "linear", "factor",
+                                     (double)c->rope_factor)
+                         : json_pack("{s:s, s:s, s:f, s:f, s:f, s:i}", "rope_type", "llama3", "type", "llama3",
+                                     "factor", (double)c->rope_factor, "low_freq_factor",
+                                     (double)c->rope_low_freq_factor, "high_freq_factor",
+                                     (double)c->rope_high_freq_factor, "original_max_position_embeddings",
+                                     c->rope_original_max_pos);
+        if (!rs || json_object_set_new(root, "rope_scaling", rs) != 0) {
+            json_decref(root);
+            root = NULL;
+        }
+    }
     if (!root) return loom_error(LOOM_ERR_NOMEM, "config: cannot build JSON");
     char *text = json_dumps(root, JSON_INDENT(2) | JSON_REAL_PRECISION(9));
     json_decref(root);

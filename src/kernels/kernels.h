@@ -79,15 +79,22 @@ void rmsnorm_bwd_ref(void *dx, float *dw, const void *dout, const void *x,
 
 /* Hugging Face LLaMA rotate-half convention: for each head vector
  * x = [x1, x2] (halves of HS), out = x*cos + rotate_half(x)*sin with
- * rotate_half(x) = [-x2, x1], angle(t, i) = (pos0 + t) * theta^(-2i/HS).
- * x, out: (B, T, NH, HS) dt; out may equal x (in place). */
+ * rotate_half(x) = [-x2, x1], angle(t, i) = (pos0 + t) * inv_freq[i]
+ * (rope_inv_freq). x, out: (B, T, NH, HS) dt; out may equal x (in place). */
 void rope_fwd(void *out, const void *x, int B, int T, int NH, int HS,
-              int pos0, float theta, loom_dtype dt);
+              int pos0, const loom_rope_freqs *r, loom_dtype dt);
 /* The transpose rotation: dx from dout. dx may equal dout. */
 void rope_bwd(void *dx, const void *dout, int B, int T, int NH, int HS,
-              int pos0, float theta, loom_dtype dt);
+              int pos0, const loom_rope_freqs *r, loom_dtype dt);
 void rope_fwd_ref(void *out, const void *x, int B, int T, int NH, int HS,
-                  int pos0, float theta, loom_dtype dt);
+                  int pos0, const loom_rope_freqs *r, loom_dtype dt);
+/* inv_freq[0 .. HS/2) of r, in fp32 as Hugging Face computes them. */
+void rope_inv_freq(const loom_rope_freqs *r, int HS, float *inv_freq);
+/* A loom_rope_freqs with theta and no scaling. */
+static inline loom_rope_freqs rope_plain(float theta) {
+    loom_rope_freqs r = {theta, LOOM_ROPE_DEFAULT, 1.0f, 1.0f, 1.0f, 0};
+    return r;
+}
 
 /* ------------------------------------------------------------- attention */
 

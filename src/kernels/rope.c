@@ -3,7 +3,8 @@
  *
  * Owns: the rotation of each head vector x = [x1, x2] (halves of HS) by
  * angle(t, i) = (pos0 + t) * inv_freq[i], and its transpose for backward.
- * Angles follow Hugging Face exactly: inv_freq = 1 / theta^(2i/HS) and
+ * Angles follow Hugging Face exactly: inv_freq = 1 / theta^(2i/HS), scaled
+ * as its rope_scaling says (linear, llama3: rope_inv_freq), and
  * position * inv_freq are fp32, cos/sin of that fp32 angle are taken in double
  * and rounded to fp32 (torch's fp32 cos/sin agree to an ulp). Unlike Hugging
  * Face in bf16, cos/sin are not rounded to the activation dtype and the
@@ -18,25 +19,48 @@
 #include <pthread.h>
 #include <stdlib.h>
 
-static float rope_inv_freq(int i, int HS, float theta) {
-    return 1.0f / powf(theta, (float)(2 * i) / (float)HS);
+/* Hugging Face's order of fp32 operations (modeling_rope_utils.py). */
+void rope_inv_freq(const loom_rope_freqs *r, int HS, float *inv_freq) {
+    const float two_pi = (float)6.283185307179586; /* Python's 2 * math.pi, as a float32 tensor takes it */
+    for (int i = 0; i < HS / 2; i++) {
+        float f = 1.0f / powf(r->theta, (float)(2 * i) / (float)HS);
+        if (r->type == LOOM_ROPE_LINEAR) {
+            f = f / r->factor;
+        } else if (r->type == LOOM_ROPE_LLAMA3) {
+            float old = (float)r->original_max_pos, wavelen = two_pi / f;
+            float low_wavelen = old / r->low_freq_factor, high_wavelen = old / r->high_freq_factor;
+            float scaled = wavelen > low_wavelen ? f / r->factor : f;
+            if (!(wavelen < high_wavelen) && !(wavelen > low_wavelen)) { /* between: blended */
+                float s = (old / wavelen - r->low_freq_factor) / (r->high_freq_factor - r->low_freq_factor);
+                scaled = (1.0f - s) * scaled / r->factor + s * scaled;
+            }
+            f = scaled;
+        }
+        inv_freq[i] = f;
+    }
 }
 
-static float rope_angle(int pos, int i, int HS, float theta) {
-    return (float)pos * rope_inv_freq(i, HS, theta);
+static int rope_same(const loom_rope_freqs *a, const loom_rope_freqs *b) {
+    return a->theta == b->theta && a->type == b->type && a->factor == b->factor &&
+           a->low_freq_factor == b->low_freq_factor && a->high_freq_factor == b->high_freq_factor &&
+           a->original_max_pos == b->original_max_pos;
 }
 
 /* cs, sn: (npos, HS/2) cos and sin of the angles of positions 0 .. npos-1. */
-static void rope_fill(float *cs, float *sn, int npos, int HS, float theta) {
+static void rope_fill(float *cs, float *sn, int npos, int HS, const loom_rope_freqs *r) {
     int H2 = HS / 2;
+    float *f = malloc(sizeof *f * (size_t)(H2 ? H2 : 1));
+    LOOM_ASSERT(f != NULL); /* HS/2 floats */
+    rope_inv_freq(r, HS, f);
     #pragma omp parallel for schedule(static) if (npos * H2 > 4096)
     for (int t = 0; t < npos; t++) {
         for (int i = 0; i < H2; i++) {
-            double a = rope_angle(t, i, HS, theta);
+            double a = (float)t * f[i];
             cs[(size_t)t * H2 + i] = (float)cos(a);
             sn[(size_t)t * H2 + i] = (float)sin(a);
         }
     }
+    free(f);
 }
 
 /* The angles depend only on (HS, theta, position), so one table serves
@@ -47,7 +71,7 @@ static void rope_fill(float *cs, float *sn, int npos, int HS, float theta) {
  * last holder. The cache's own table is released with the process. */
 typedef struct rope_cache_table {
     int HS, npos, refs;
-    float theta;
+    loom_rope_freqs r;
     float *cs, *sn; /* (npos, HS/2) each */
 } rope_cache_table;
 
@@ -61,14 +85,14 @@ static void rope_table_unref_locked(rope_cache_table *tb) {
     }
 }
 
-/* A table covering positions [0, need) of (HS, theta), held by the caller;
+/* A table covering positions [0, need) of (HS, r), held by the caller;
  * NULL when out of memory. */
-static rope_cache_table *rope_table_get(int HS, float theta, int need) {
+static rope_cache_table *rope_table_get(int HS, const loom_rope_freqs *r, int need) {
     pthread_mutex_lock(&rope_cache_lock);
     rope_cache_table *tb = rope_cache;
-    if (!tb || tb->HS != HS || tb->theta != theta || tb->npos < need) {
+    if (!tb || tb->HS != HS || !rope_same(&tb->r, r) || tb->npos < need) {
         int npos = need;
-        if (tb && tb->HS == HS && tb->theta == theta && need < 2 * tb->npos) npos = 2 * tb->npos;
+        if (tb && tb->HS == HS && rope_same(&tb->r, r) && need < 2 * tb->npos) npos = 2 * tb->npos;
         rope_cache_table *nt = malloc(sizeof *nt);
         float *buf = malloc(sizeof(float) * (size_t)npos * (size_t)HS); /* cs and sn: npos * HS/2 each */
         if (!nt || !buf) {
@@ -77,8 +101,8 @@ static rope_cache_table *rope_table_get(int HS, float theta, int need) {
             pthread_mutex_unlock(&rope_cache_lock);
             return NULL;
         }
-        *nt = (rope_cache_table){HS, npos, 1, theta, buf, buf + (size_t)npos * (HS / 2)};
-        rope_fill(nt->cs, nt->sn, npos, HS, theta);
+        *nt = (rope_cache_table){HS, npos, 1, *r, buf, buf + (size_t)npos * (HS / 2)};
+        rope_fill(nt->cs, nt->sn, npos, HS, r);
         if (tb) rope_table_unref_locked(tb);
         rope_cache = tb = nt;
     }
@@ -124,10 +148,10 @@ SIMD_AVX2 static void rope_rotate_avx2(float *y, const float *x, const float *c,
  * lie; other dtypes are converted to fp32 a (b, t) row of NH heads at a
  * time, rotated and stored. Either way out may be x. */
 static void rope_apply(void *out, const void *x, int B, int T, int NH, int HS,
-                       int pos0, float theta, float sign, loom_dtype dt) {
+                       int pos0, const loom_rope_freqs *r, float sign, loom_dtype dt) {
     int H2 = HS / 2, nt = omp_get_max_threads();
     size_t row = (size_t)NH * HS;
-    rope_cache_table *tb = rope_table_get(HS, theta, pos0 + T);
+    rope_cache_table *tb = rope_table_get(HS, r, pos0 + T);
     LOOM_ASSERT(tb != NULL); /* kernels have no error channel; a few KiB */
     const float *cs = tb->cs + (size_t)pos0 * H2, *sn = tb->sn + (size_t)pos0 * H2;
     float *rows = workspace_floats((size_t)nt * row);
@@ -161,25 +185,27 @@ static void rope_apply(void *out, const void *x, int B, int T, int NH, int HS,
 }
 
 void rope_fwd(void *out, const void *x, int B, int T, int NH, int HS,
-              int pos0, float theta, loom_dtype dt) {
-    rope_apply(out, x, B, T, NH, HS, pos0, theta, 1.0f, dt);
+              int pos0, const loom_rope_freqs *r, loom_dtype dt) {
+    rope_apply(out, x, B, T, NH, HS, pos0, r, 1.0f, dt);
 }
 
 /* The rotation is orthogonal: its transpose is the rotation by -angle. */
 void rope_bwd(void *dx, const void *dout, int B, int T, int NH, int HS,
-              int pos0, float theta, loom_dtype dt) {
-    rope_apply(dx, dout, B, T, NH, HS, pos0, theta, -1.0f, dt);
+              int pos0, const loom_rope_freqs *r, loom_dtype dt) {
+    rope_apply(dx, dout, B, T, NH, HS, pos0, r, -1.0f, dt);
 }
 
 void rope_fwd_ref(void *out, const void *x, int B, int T, int NH, int HS,
-                  int pos0, float theta, loom_dtype dt) {
+                  int pos0, const loom_rope_freqs *r, loom_dtype dt) {
     int H2 = HS / 2;
+    float f[H2 > 0 ? H2 : 1];
+    rope_inv_freq(r, HS, f);
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++)
             for (int h = 0; h < NH; h++)
                 for (int i = 0; i < H2; i++) {
                     size_t off = (((size_t)b * T + t) * NH + h) * HS + i;
-                    double a = rope_angle(pos0 + t, i, HS, theta);
+                    double a = (float)(pos0 + t) * f[i];
                     float c = (float)cos(a), s = (float)sin(a);
                     float x1 = loom_load(x, off, dt), x2 = loom_load(x, off + H2, dt);
                     loom_store(out, off, dt, x1 * c - x2 * s);

@@ -39,6 +39,7 @@ static loom_status forward_tokens(loom_llama *m, kv_cache *c, scratch *s, const 
     loom_dtype dt = m->prec.compute;
     int C = cfg->dim, NH = cfg->n_heads, NKV = cfg->n_kv_heads, HS = C / NH, KV = NKV * HS, F = cfg->ffn_dim;
     int pos0 = c->len;
+    loom_rope_freqs rope = loom_llama_rope(cfg);
     embedding_fwd(s->x, tokens, loom_tensor_data(m->embed->tensor), T, C, dt);
     for (int l = 0; l < cfg->n_layers; l++) {
         const loom_llama_layer *y = &m->layers[l];
@@ -48,8 +49,8 @@ static loom_status forward_tokens(loom_llama *m, kv_cache *c, scratch *s, const 
         void *kdst = row(c->k[l], pos0, KV, dt), *vdst = row(c->v[l], pos0, KV, dt);
         LOOM_TRY(linear(kdst, s->h, y->wk, T, C, KV, dt));
         LOOM_TRY(linear(vdst, s->h, y->wv, T, C, KV, dt));
-        rope_fwd(s->q, s->q, 1, T, NH, HS, pos0, cfg->rope_theta, dt);
-        rope_fwd(kdst, kdst, 1, T, NKV, HS, pos0, cfg->rope_theta, dt);
+        rope_fwd(s->q, s->q, 1, T, NH, HS, pos0, &rope, dt);
+        rope_fwd(kdst, kdst, 1, T, NKV, HS, pos0, &rope, dt);
         attention_fwd(s->att, NULL, s->q, c->k[l], c->v[l], 1, T, pos0 + T, NH, NKV, HS, pos0, dt);
         LOOM_TRY(linear(s->o, s->att, y->wo, T, C, C, dt));
         add_fwd(s->x, s->x, s->o, (size_t)T * (size_t)C, dt);

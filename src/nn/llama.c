@@ -53,6 +53,12 @@ loom_status loom_llama_preset(const char *name, loom_llama_config *c) {
     return LOOM_OK;
 }
 
+loom_rope_freqs loom_llama_rope(const loom_llama_config *c) {
+    loom_rope_freqs r = {c->rope_theta, c->rope_type, c->rope_factor, c->rope_low_freq_factor, c->rope_high_freq_factor,
+                   c->rope_original_max_pos};
+    return r;
+}
+
 int loom_llama_config_same_weights(const loom_llama_config *a, const loom_llama_config *b) {
     return a->dim == b->dim && a->n_layers == b->n_layers && a->n_heads == b->n_heads &&
            a->n_kv_heads == b->n_kv_heads && a->ffn_dim == b->ffn_dim && a->vocab_size == b->vocab_size &&
@@ -73,6 +79,8 @@ loom_status loom_llama_config_validate(const loom_llama_config *c) {
                           c->n_kv_heads);
     if (!(c->rope_theta > 0.0f) || !(c->norm_eps > 0.0f))
         return loom_error(LOOM_ERR_INVALID, "model config: rope_theta and norm_eps must be positive");
+    loom_rope_freqs r = loom_llama_rope(c);
+    if (loom_rope_check(&r) != LOOM_OK) return loom_error(LOOM_ERR_INVALID, "model config: %s", loom_last_error());
     return LOOM_OK;
 }
 
@@ -246,15 +254,15 @@ void loom_llama_zero_grad(loom_llama *m) {
     for (size_t i_ = 0; i_ < sizeof r_ / sizeof r_[0]; i_++) loom_tensor_release(r_[i_]); } while (0)
 
 /* q/k/v projection then view as (B, T, heads, HS) and rotate (q, k). */
-static loom_status project_heads(loom_tensor *h, loom_param *w, int B, int T, int heads, int HS, float theta,
-                                 int rotate, loom_tensor **out) {
+static loom_status project_heads(loom_tensor *h, loom_param *w, int B, int T, int heads, int HS,
+                                 const loom_rope_freqs *rope, loom_tensor **out) {
     loom_tensor *y = NULL, *y4 = NULL;
     int64_t shape[4] = {B, T, heads, HS};
     loom_status st = loom_fused_linear(h, w->tensor, NULL, &y);
     if (st == LOOM_OK) st = loom_reshape(y, 4, shape, &y4);
     loom_tensor_release(y);
-    if (st != LOOM_OK || !rotate) { *out = y4; return st; }
-    st = loom_rope(y4, theta, 0, out);
+    if (st != LOOM_OK || !rope) { *out = y4; return st; }
+    st = loom_rope_ex(y4, rope, 0, out);
     loom_tensor_release(y4);
     return st;
 }
@@ -271,9 +279,10 @@ static loom_status attention_part(const struct llama_block_args *a, loom_tensor 
     int64_t flat[2] = {(int64_t)a->B * a->T, (int64_t)NH * HS};
     loom_status st = loom_rmsnorm(x, y->attn_norm->tensor, c->norm_eps, &hn);
     if (st == LOOM_OK) st = tp_copy(m->tp_comm, hn, &h);
-    if (st == LOOM_OK) st = project_heads(h, y->wq, a->B, a->T, NH, HS, c->rope_theta, 1, &q);
-    if (st == LOOM_OK) st = project_heads(h, y->wk, a->B, a->T, NKV, HS, c->rope_theta, 1, &k);
-    if (st == LOOM_OK) st = project_heads(h, y->wv, a->B, a->T, NKV, HS, c->rope_theta, 0, &v);
+    loom_rope_freqs rope = loom_llama_rope(c);
+    if (st == LOOM_OK) st = project_heads(h, y->wq, a->B, a->T, NH, HS, &rope, &q);
+    if (st == LOOM_OK) st = project_heads(h, y->wk, a->B, a->T, NKV, HS, &rope, &k);
+    if (st == LOOM_OK) st = project_heads(h, y->wv, a->B, a->T, NKV, HS, NULL, &v);
     if (st == LOOM_OK) st = loom_attention(q, k, v, &att);
     if (st == LOOM_OK) st = loom_reshape(att, 2, flat, &att2);
     if (st == LOOM_OK) st = loom_fused_linear(att2, y->wo->tensor, NULL, &o);

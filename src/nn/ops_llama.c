@@ -5,6 +5,7 @@
  */
 #include "nn/op_util.h"
 
+#include <math.h>
 #include <stdlib.h>
 
 /* --------------------------------------------------------------- RMSNorm */
@@ -61,7 +62,7 @@ loom_status loom_rmsnorm(loom_tensor *x, loom_tensor *w, float eps, loom_tensor 
 /* ------------------------------------------------------------------ RoPE */
 
 typedef struct rope_args {
-    float theta;
+    loom_rope_freqs r;
     int pos0;
 } rope_args;
 
@@ -72,7 +73,7 @@ static loom_status rope_forward(loom_fn_ctx *ctx, loom_tensor *const *in, int n_
     out[0] = op_new_like(x, x->dtype);
     if (!out[0]) return LOOM_ERR_NOMEM;
     rope_fwd(loom_tensor_data(out[0]), loom_tensor_data(x), (int)x->shape[0], (int)x->shape[1], (int)x->shape[2],
-             (int)x->shape[3], a->pos0, a->theta, x->dtype);
+             (int)x->shape[3], a->pos0, &a->r, x->dtype);
     return LOOM_OK;
 }
 
@@ -83,24 +84,51 @@ static loom_status rope_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, int
     gin[0] = op_grad_in_place(g); /* rope_bwd may work in place */
     if (!gin[0]) return LOOM_ERR_NOMEM;
     rope_bwd(loom_tensor_data(gin[0]), loom_tensor_data(g), (int)g->shape[0], (int)g->shape[1], (int)g->shape[2],
-             (int)g->shape[3], a->pos0, a->theta, g->dtype);
+             (int)g->shape[3], a->pos0, &a->r, g->dtype);
     return LOOM_OK;
 }
 
 static const loom_function rope_function = {"rope", 1, 1, 0, rope_forward, rope_backward};
 
-loom_status loom_rope(loom_tensor *x, float theta, int pos0, loom_tensor **out) {
+loom_status loom_rope_check(const loom_rope_freqs *r) {
+    if (!r || !(r->theta > 0.0f) || !isfinite(r->theta))
+        return loom_error(LOOM_ERR_INVALID, "rope: theta must be a positive number");
+    if (r->type == LOOM_ROPE_DEFAULT) return LOOM_OK;
+    if (r->type != LOOM_ROPE_LINEAR && r->type != LOOM_ROPE_LLAMA3)
+        return loom_error(LOOM_ERR_INVALID, "rope: unknown scaling type %d", (int)r->type);
+    if (!(r->factor > 0.0f) || !isfinite(r->factor))
+        return loom_error(LOOM_ERR_INVALID, "rope: the scaling factor %g must be positive", (double)r->factor);
+    if (r->type == LOOM_ROPE_LLAMA3 &&
+        (!(r->low_freq_factor > 0.0f) || !(r->high_freq_factor > r->low_freq_factor) ||
+         !isfinite(r->high_freq_factor) || r->original_max_pos <= 0))
+        return loom_error(LOOM_ERR_INVALID, "rope: llama3 scaling needs 0 < low_freq_factor (%g) < high_freq_factor "
+                          "(%g) and original_max_position_embeddings (%d) > 0", (double)r->low_freq_factor,
+                          (double)r->high_freq_factor, r->original_max_pos);
+    return LOOM_OK;
+}
+
+loom_status loom_rope_ex(loom_tensor *x, const loom_rope_freqs *r, int pos0, loom_tensor **out) {
     char d[96];
     *out = NULL;
     LOOM_TRY(op_check_contiguous("rope", "x", x));
     if (x->ndim != 4 || x->shape[3] % 2 != 0)
         return loom_error(LOOM_ERR_INVALID, "rope: x %s must be (B, T, NH, HS) with an even head size",
                           loom_tensor_describe(x, d, sizeof d));
-    if (!(theta > 0.0f) || pos0 < 0)
-        return loom_error(LOOM_ERR_INVALID, "rope: theta %g must be > 0 and pos0 %d >= 0", (double)theta, pos0);
-    rope_args a = {theta, pos0};
+    if (!r || !(r->theta > 0.0f) || pos0 < 0)
+        return loom_error(LOOM_ERR_INVALID, "rope: theta %g must be > 0 and pos0 %d >= 0", r ? (double)r->theta : 0.0,
+                          pos0);
+    LOOM_TRY(loom_rope_check(r));
+    rope_args a;
+    memset(&a, 0, sizeof a); /* no stray padding: the arguments are copied as bytes */
+    a.r = *r;
+    a.pos0 = pos0;
     loom_tensor *in[1] = {x};
     return loom_function_apply(&rope_function, in, 1, out, 1, &a, sizeof a);
+}
+
+loom_status loom_rope(loom_tensor *x, float theta, int pos0, loom_tensor **out) {
+    loom_rope_freqs r = rope_plain(theta);
+    return loom_rope_ex(x, &r, pos0, out);
 }
 
 /* ------------------------------------------------------------- attention */

@@ -228,6 +228,33 @@ static void test_checkpoint_refuses_bad_loss_scale(void **state) {
     loom_llama_free(m);
 }
 
+/* rope_scaling survives config.json: llama3 and linear, written in Hugging
+ * Face's form and read back field for field; "default" is none. */
+static void test_rope_scaling_config(void **state) {
+    (void)state;
+    loom_llama_config c, back;
+    memset(&c, 0, sizeof c);
+    c.dim = 16; c.n_layers = 1; c.n_heads = 2; c.n_kv_heads = 1; c.ffn_dim = 24; c.vocab_size = 40;
+    c.max_seq = 8; c.rope_theta = 500000.0f; c.norm_eps = 1e-5f;
+    c.rope_type = LOOM_ROPE_LLAMA3; c.rope_factor = 32.0f; c.rope_low_freq_factor = 1.0f;
+    c.rope_high_freq_factor = 4.0f; c.rope_original_max_pos = 8192;
+    for (int k = 0; k < 2; k++) {
+        if (k == 1) { c.rope_type = LOOM_ROPE_LINEAR; c.rope_factor = 2.5f; c.rope_low_freq_factor = 0.0f;
+                      c.rope_high_freq_factor = 0.0f; c.rope_original_max_pos = 0; }
+        assert_int_equal(loom_llama_config_save(&c, LOOM_BF16, io_path("config.json")), LOOM_OK);
+        assert_int_equal(loom_llama_config_load(io_path("config.json"), &back), LOOM_OK);
+        assert_int_equal(back.rope_type, c.rope_type);
+        assert_true(back.rope_factor == c.rope_factor && back.rope_low_freq_factor == c.rope_low_freq_factor &&
+                    back.rope_high_freq_factor == c.rope_high_freq_factor &&
+                    back.rope_original_max_pos == c.rope_original_max_pos);
+    }
+    const char *def = "{\"hidden_size\": 16, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
+                      "\"intermediate_size\": 24, \"vocab_size\": 40, \"rope_scaling\": {\"rope_type\": \"default\"}}";
+    io_write_raw(io_path("config.json"), def, strlen(def));
+    assert_int_equal(loom_llama_config_load(io_path("config.json"), &back), LOOM_OK);
+    assert_int_equal(back.rope_type, LOOM_ROPE_DEFAULT);
+}
+
 static void test_gguf_refusals(void **state) {
     (void)state;
     loom_llama *m = model(4); /* vocabulary 40 */
@@ -260,6 +287,12 @@ static void test_gguf_refusals(void **state) {
     IO_ASSERT_MSG("m.gguf");
     assert_int_not_equal(stat(path, &sb), 0);
     assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_BF16, tok, path), LOOM_OK);
+    /* RoPE scaling, which llama.cpp takes in its own form: refused by name. */
+    m->cfg.rope_type = LOOM_ROPE_LINEAR;
+    m->cfg.rope_factor = 2.0f;
+    assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_F32, tok, io_path("scaled.gguf")), LOOM_ERR_UNSUPPORTED);
+    IO_ASSERT_MSG("rope_scaling");
+    m->cfg.rope_type = LOOM_ROPE_DEFAULT;
     /* Tokenizers llama.cpp cannot load: two ids spelling "abc", no end of text. */
     const char *dup = "{\"type\":\"loom-bpe\",\"version\":1,\"vocab_size\":261,"
                       "\"merges\":[[97,98],[256,99],[98,99],[97,258]],\"special\":{\"<|endoftext|>\":260}}";
@@ -294,6 +327,7 @@ int main(void) {
         cmocka_unit_test(test_failed_save_keeps_old_directory),
         cmocka_unit_test(test_sharded_directory),
         cmocka_unit_test(test_checkpoint_refuses_bad_loss_scale),
+        cmocka_unit_test(test_rope_scaling_config),
         cmocka_unit_test(test_gguf_refusals),
     };
     return cmocka_run_group_tests(tests, io_scratch_setup, io_scratch_teardown);

@@ -16,7 +16,7 @@ static double unit_roundoff(loom_dtype dt) {
 
 typedef struct rope_case {
     int B, T, NH, HS, pos0;
-    float theta;
+    loom_rope_freqs r; /* {.theta = t}: plain RoPE */
 } rope_case;
 
 static size_t rope_n(const rope_case *c) { return (size_t)c->B * c->T * c->NH * c->HS; }
@@ -32,17 +32,17 @@ static void check_fwd_vs_ref(const rope_case *c, loom_dtype dt) {
     size_t n = rope_n(c);
     float *xf = rope_input(c, 1);
     void *x = tu_from_f32(xf, n, dt), *o1 = malloc(n * 4), *o2 = malloc(n * 4);
-    rope_fwd(o1, x, c->B, c->T, c->NH, c->HS, c->pos0, c->theta, dt);
-    rope_fwd_ref(o2, x, c->B, c->T, c->NH, c->HS, c->pos0, c->theta, dt);
+    rope_fwd(o1, x, c->B, c->T, c->NH, c->HS, c->pos0, &c->r, dt);
+    rope_fwd_ref(o2, x, c->B, c->T, c->NH, c->HS, c->pos0, &c->r, dt);
     float *a = tu_to_f32(o1, n, dt), *b = tu_to_f32(o2, n, dt);
     TU_ASSERT_CLOSE(a, b, n, 1e-6, 2.0 * unit_roundoff(dt) + 1e-6);
     free(xf); free(x); free(o1); free(o2); free(a); free(b);
 }
 
 static const rope_case CASES[] = {
-    {2, 5, 3, 16, 0, 10000.0f},
-    {1, 7, 2, 8, 1000, 10000.0f},
-    {2, 3, 4, 64, 17, 500000.0f},
+    {2, 5, 3, 16, 0, {.theta = 10000.0f}},
+    {1, 7, 2, 8, 1000, {.theta = 10000.0f}},
+    {2, 3, 4, 64, 17, {.theta = 500000.0f}},
 };
 #define N_CASES (sizeof CASES / sizeof CASES[0])
 
@@ -63,12 +63,12 @@ static void check_formula(const rope_case *c) {
     size_t n = rope_n(c);
     int H2 = c->HS / 2;
     float *x = rope_input(c, 2), *o = malloc(n * 4), *want = malloc(n * 4);
-    rope_fwd(o, x, c->B, c->T, c->NH, c->HS, c->pos0, c->theta, LOOM_F32);
+    rope_fwd(o, x, c->B, c->T, c->NH, c->HS, c->pos0, &c->r, LOOM_F32);
     for (size_t r = 0; r < n / c->HS; r++) {
         int t = (int)(r / c->NH % c->T);
         const float *xr = x + r * c->HS;
         for (int i = 0; i < c->HS; i++) {
-            double a = (c->pos0 + t) * pow(c->theta, -2.0 * (i % H2) / c->HS);
+            double a = (c->pos0 + t) * pow(c->r.theta, -2.0 * (i % H2) / c->HS);
             double rot = i < H2 ? -xr[i + H2] : xr[i - H2];
             want[r * c->HS + i] = (float)(xr[i] * cos(a) + rot * sin(a));
         }
@@ -92,9 +92,9 @@ static void test_bwd_inverts_fwd(void **state) {
         size_t n = rope_n(c);
         float *x = rope_input(c, 3), *y = malloc(n * 4);
         memcpy(y, x, n * 4);
-        rope_fwd(y, y, c->B, c->T, c->NH, c->HS, c->pos0, c->theta, LOOM_F32);
+        rope_fwd(y, y, c->B, c->T, c->NH, c->HS, c->pos0, &c->r, LOOM_F32);
         assert_true(tu_close_ratio(y, x, n, 1e-3, 0.0, NULL) > 1.0); // it did rotate
-        rope_bwd(y, y, c->B, c->T, c->NH, c->HS, c->pos0, c->theta, LOOM_F32);
+        rope_bwd(y, y, c->B, c->T, c->NH, c->HS, c->pos0, &c->r, LOOM_F32);
         TU_ASSERT_CLOSE(y, x, n, 1e-6, 1e-6);
         free(x); free(y);
     }
@@ -107,14 +107,14 @@ static void check_in_place(loom_dtype dt) {
     size_t n = rope_n(c), es = loom_dtype_size(dt);
     float *xf = rope_input(c, 4);
     void *x = tu_from_f32(xf, n, dt), *o = malloc(n * es), *d = malloc(n * es);
-    rope_fwd(o, x, c->B, c->T, c->NH, c->HS, c->pos0, c->theta, dt);
-    rope_bwd(d, x, c->B, c->T, c->NH, c->HS, c->pos0, c->theta, dt);
+    rope_fwd(o, x, c->B, c->T, c->NH, c->HS, c->pos0, &c->r, dt);
+    rope_bwd(d, x, c->B, c->T, c->NH, c->HS, c->pos0, &c->r, dt);
     void *y = malloc(n * es);
     memcpy(y, x, n * es);
-    rope_fwd(y, y, c->B, c->T, c->NH, c->HS, c->pos0, c->theta, dt);
+    rope_fwd(y, y, c->B, c->T, c->NH, c->HS, c->pos0, &c->r, dt);
     assert_true(tu_bits_equal(y, o, n * es, "rope_fwd in place"));
     memcpy(y, x, n * es);
-    rope_bwd(y, y, c->B, c->T, c->NH, c->HS, c->pos0, c->theta, dt);
+    rope_bwd(y, y, c->B, c->T, c->NH, c->HS, c->pos0, &c->r, dt);
     assert_true(tu_bits_equal(y, d, n * es, "rope_bwd in place"));
     free(xf); free(x); free(o); free(d); free(y);
 }
@@ -131,9 +131,9 @@ static void test_in_place(void **state) {
 static void test_table_reuse(void **state) {
     (void)state;
     const rope_case seq[] = {
-        {1, 5, 2, 16, 0, 10000.0f},  {1, 3, 2, 16, 4, 10000.0f},  {1, 1, 2, 16, 9, 10000.0f},
-        {1, 1, 2, 16, 30, 10000.0f}, {1, 4, 2, 16, 2, 10000.0f},  {1, 4, 2, 16, 2, 20000.0f},
-        {1, 4, 2, 8, 2, 20000.0f},   {1, 64, 1, 16, 0, 10000.0f},
+        {1, 5, 2, 16, 0, {.theta = 10000.0f}},  {1, 3, 2, 16, 4, {.theta = 10000.0f}},  {1, 1, 2, 16, 9, {.theta = 10000.0f}},
+        {1, 1, 2, 16, 30, {.theta = 10000.0f}}, {1, 4, 2, 16, 2, {.theta = 10000.0f}},  {1, 4, 2, 16, 2, {.theta = 20000.0f}},
+        {1, 4, 2, 8, 2, {.theta = 20000.0f}},   {1, 64, 1, 16, 0, {.theta = 10000.0f}},
     };
     for (size_t i = 0; i < sizeof seq / sizeof seq[0]; i++) check_fwd_vs_ref(&seq[i], LOOM_F32);
 }
@@ -141,7 +141,7 @@ static void test_table_reuse(void **state) {
 static double loss_f32(const rope_case *c, const float *x, const float *dout) {
     size_t n = rope_n(c);
     float *o = malloc(n * 4);
-    rope_fwd(o, x, c->B, c->T, c->NH, c->HS, c->pos0, c->theta, LOOM_F32);
+    rope_fwd(o, x, c->B, c->T, c->NH, c->HS, c->pos0, &c->r, LOOM_F32);
     double L = 0.0;
     for (size_t i = 0; i < n; i++) L += (double)dout[i] * o[i];
     free(o);
@@ -153,11 +153,11 @@ static double loss_f32(const rope_case *c, const float *x, const float *dout) {
  * ~2 * 2^-24, over 2h = 2e-3, is ~1e-4. */
 static void test_bwd_finite_differences(void **state) {
     (void)state;
-    rope_case c = {1, 3, 2, 8, 5, 10000.0f};
+    rope_case c = {1, 3, 2, 8, 5, {.theta = 10000.0f}};
     size_t n = rope_n(&c);
     float *x = rope_input(&c, 5), *dout = rope_input(&c, 6);
     float *dx = malloc(n * 4), *num = malloc(n * 4);
-    rope_bwd(dx, dout, c.B, c.T, c.NH, c.HS, c.pos0, c.theta, LOOM_F32);
+    rope_bwd(dx, dout, c.B, c.T, c.NH, c.HS, c.pos0, &c.r, LOOM_F32);
     for (size_t i = 0; i < n; i++) {
         float x0 = x[i], xp = x0 + FD_STEP, xm = x0 - FD_STEP;
         x[i] = xp;
@@ -171,6 +171,47 @@ static void test_bwd_finite_differences(void **state) {
     free(x); free(dout); free(dx); free(num);
 }
 
+/* Scaled frequencies against Hugging Face's rules worked in double: linear
+ * divides each; llama3 (Llama 3.1's numbers: theta 5e5, factor 8, low 1,
+ * high 4, original 8192, HS 128) keeps the high frequencies, divides the
+ * low ones and blends between, and this head size has all three. */
+static void test_scaled_frequencies(void **state) {
+    (void)state;
+    enum { HS = 128, H2 = HS / 2 };
+    float got[H2];
+    loom_rope_freqs lin = {10000.0f, LOOM_ROPE_LINEAR, 4.0f, 0.0f, 0.0f, 0};
+    rope_inv_freq(&lin, HS, got);
+    for (int i = 0; i < H2; i++) {
+        double want = pow(10000.0, -2.0 * i / HS) / 4.0;
+        assert_true(fabs(got[i] - want) <= 1e-6 * want);
+    }
+    loom_rope_freqs l3 = {500000.0f, LOOM_ROPE_LLAMA3, 8.0f, 1.0f, 4.0f, 8192};
+    rope_inv_freq(&l3, HS, got);
+    int kept = 0, divided = 0, blended = 0;
+    for (int i = 0; i < H2; i++) {
+        double f = pow(500000.0, -2.0 * i / HS), w = 2.0 * M_PI / f, want;
+        if (w < 8192.0 / 4.0) want = f, kept++;
+        else if (w > 8192.0 / 1.0) want = f / 8.0, divided++;
+        else {
+            double sm = (8192.0 / w - 1.0) / (4.0 - 1.0);
+            want = (1.0 - sm) * f / 8.0 + sm * f;
+            blended++;
+        }
+        if (!(fabs(got[i] - want) <= 1e-5 * want)) fail_msg("inv_freq[%d] = %g, want %g", i, got[i], want);
+    }
+    assert_true(kept > 0 && divided > 0 && blended > 0);
+    /* the kernel uses them (and its shared table tells the scalings apart) */
+    const rope_case seq[] = {{1, 9, 2, HS, 3, {.theta = 500000.0f}}, {1, 9, 2, HS, 3, l3}, {1, 9, 2, HS, 3, lin},
+                             {1, 9, 2, HS, 3, {.theta = 10000.0f}}};
+    for (size_t i = 0; i < sizeof seq / sizeof seq[0]; i++) check_fwd_vs_ref(&seq[i], LOOM_F32);
+    size_t n = rope_n(&seq[0]);
+    float *x = rope_input(&seq[0], 9), *a = malloc(n * 4), *b = malloc(n * 4);
+    rope_fwd(a, x, 1, 9, 2, HS, 3, &seq[0].r, LOOM_F32);
+    rope_fwd(b, x, 1, 9, 2, HS, 3, &l3, LOOM_F32);
+    assert_false(tu_bits_equal(a, b, n * 4, NULL)); /* the low frequencies moved */
+    free(x); free(a); free(b);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_fwd_vs_ref),
@@ -179,6 +220,7 @@ int main(void) {
         cmocka_unit_test(test_in_place),
         cmocka_unit_test(test_table_reuse),
         cmocka_unit_test(test_bwd_finite_differences),
+        cmocka_unit_test(test_scaled_frequencies),
     };
     return TU_RUN_SIMD_AND_PORTABLE(tests);
 }

@@ -48,8 +48,15 @@ static void full_logits(loom_llama *m, const int32_t *tok, int n, float *out) {
 
 static void test_cache_matches_forward(void **state) {
     (void)state;
-    for (int tie = 0; tie <= 1; tie++) {
-        loom_llama *m = small_model(LOOM_F32, tie);
+    for (int tie = 0; tie <= 2; tie++) {
+        loom_llama *m = small_model(LOOM_F32, tie & 1);
+        if (tie == 2) { /* Llama 3.1's RoPE scaling: HS 8 has a kept, a blended and two divided frequencies */
+            m->cfg.rope_type = LOOM_ROPE_LLAMA3;
+            m->cfg.rope_factor = 8.0f;
+            m->cfg.rope_low_freq_factor = 1.0f;
+            m->cfg.rope_high_freq_factor = 4.0f;
+            m->cfg.rope_original_max_pos = 64;
+        }
         int32_t tok[20];
         for (int i = 0; i < 20; i++) tok[i] = (i * 7 + 3) % 50;
         float a[50], b[50];

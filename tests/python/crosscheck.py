@@ -39,6 +39,13 @@ CONFIGS = {
     "tied": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
              "intermediate_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 32,
              "tie_word_embeddings": True},
+    # Llama 3.1's RoPE scaling, its wavelengths set so that this head size (16)
+    # has a kept, a blended and six divided frequencies, and tied as Llama 3.2
+    "llama3-rope": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                    "intermediate_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 32,
+                    "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+                    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
 }
 
 # ---------------------------------------------------------------- tolerances

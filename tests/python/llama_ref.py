@@ -125,6 +125,7 @@ class Config:
         self.vocab_size = d["vocab_size"]
         self.max_seq = d.get("max_position_embeddings", 2048)
         self.rope_theta = float(d.get("rope_theta", 10000.0))
+        self.rope_scaling = d.get("rope_scaling")
         self.norm_eps = float(d.get("rms_norm_eps", 1e-6))
         self.tie = bool(d.get("tie_word_embeddings", False))
         self.head_size = self.dim // self.n_heads
@@ -194,8 +195,28 @@ def rms_norm(x, w, eps):
     return w * y.to(x.dtype)
 
 
-def rope_cos_sin(T, HS, theta):
+def rope_inv_freq(HS, theta, scaling=None):
+    """Hugging Face's inv_freq (modeling_rope_utils.py), scaled as rope_scaling says: "linear" divides by
+    factor; "llama3" keeps the high frequencies, divides the low ones by factor, blends between."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, HS, 2, dtype=torch.int64).float() / HS))  # (HS/2) fp32
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old / low, old / high
+        wavelen = 2 * math.pi / inv_freq
+        llama = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * llama / factor + smooth * llama
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, llama)
+    return inv_freq
+
+
+def rope_cos_sin(T, HS, theta, scaling=None):
+    inv_freq = rope_inv_freq(HS, theta, scaling)
     freqs = torch.outer(torch.arange(T, dtype=torch.float32), inv_freq)  # (T, HS/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (T, HS)
     return emb.cos(), emb.sin()
@@ -236,7 +257,7 @@ def forward(cfg, params, inputs, targets, dtype=torch.float32):
     the activations are bf16, as in Hugging Face's model.to(torch.bfloat16)."""
     w = {k: v.to(dtype) for k, v in params.items()}
     B, T = inputs.shape
-    cos, sin = rope_cos_sin(T, cfg.head_size, cfg.rope_theta)
+    cos, sin = rope_cos_sin(T, cfg.head_size, cfg.rope_theta, cfg.rope_scaling)
     x = F.embedding(inputs, w["model.embed_tokens.weight"])  # (B, T, C)
     for l in range(cfg.n_layers):
         p = f"model.layers.{l}."

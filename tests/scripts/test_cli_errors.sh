@@ -64,8 +64,12 @@ echo '{"hidden_size": 64, "num_hidden_layers": 2' > "$WORK/broken.json"
 expect_error "broken.json" "$LOOM" train --data "$WORK/data" --config "$WORK/broken.json"
 echo '{"hidden_size": 65, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 8, "vocab_size": 512}' > "$WORK/odd.json"
 expect_error "heads" "$LOOM" train --data "$WORK/data" --config "$WORK/odd.json"
-sed 's/"rms_norm_eps": 1e-5}/"rms_norm_eps": 1e-5, "rope_scaling": {"type": "linear", "factor": 2.0}}/' "$WORK/cfg.json" > "$WORK/scaled.json"
-expect_error "rope_scaling is not supported" "$LOOM" train --data "$WORK/data" --config "$WORK/scaled.json"
+sed 's/"rms_norm_eps": 1e-5}/"rms_norm_eps": 1e-5, "rope_scaling": {"type": "dynamic", "factor": 2.0}}/' "$WORK/cfg.json" > "$WORK/scaled.json"
+expect_error 'rope_scaling "dynamic" is not supported' "$LOOM" train --data "$WORK/data" --config "$WORK/scaled.json"
+sed 's/"rms_norm_eps": 1e-5}/"rms_norm_eps": 1e-5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0, "original_max_position_embeddings": 64}}/' "$WORK/cfg.json" > "$WORK/scaled.json"
+expect_error "rope_scaling: .*low_freq_factor" "$LOOM" train --data "$WORK/data" --config "$WORK/scaled.json"
+sed 's/"rms_norm_eps": 1e-5}/"rms_norm_eps": 1e-5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}/' "$WORK/cfg.json" > "$WORK/scaled.json"
+expect_error "low_freq_factor" "$LOOM" train --data "$WORK/data" --config "$WORK/scaled.json"
 # Optional fields set to null take their defaults, as in Hugging Face's
 # LlamaConfig ("num_key_value_heads": null: one kv head per attention head);
 # a required one set to null is an error.
