@@ -34,7 +34,9 @@ extern "C" {
  * rope_scaling. Save writes rope_scaling (under "rope_type" and "type")
  * when there is one.
  * Errors: LOOM_ERR_IO, LOOM_ERR_FORMAT (naming the file and the field),
- * LOOM_ERR_UNSUPPORTED (biases, another activation, another rope_scaling). */
+ * LOOM_ERR_UNSUPPORTED (biases, another activation, another rope_scaling, a
+ * model_type other than "llama" and "mistral", a sliding_window shorter than
+ * max_position_embeddings). */
 loom_status loom_llama_config_load(const char *path, loom_llama_config *cfg);
 loom_status loom_llama_config_save(const loom_llama_config *cfg, loom_dtype weights_dtype, const char *path);
 

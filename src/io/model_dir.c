@@ -79,6 +79,20 @@ static loom_status check_unsupported(json_t *root, const char *path, const loom_
     if (v && !json_is_null(v) && (!json_is_integer(v) || json_integer_value(v) != c->dim / c->n_heads ||
                                   c->dim % c->n_heads))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: head_dim must equal hidden_size / num_attention_heads", path);
+    /* Mistral's model is LLaMA's but for a sliding attention window, which
+     * equals full causal attention up to its length: loom takes the window
+     * when it is no shorter than the context. Other model types are other
+     * architectures under similar names. */
+    v = json_object_get(root, "model_type");
+    if (v && (!json_is_string(v) || (strcmp(json_string_value(v), "llama") && strcmp(json_string_value(v), "mistral"))))
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: model_type \"%s\" is not a LLaMA model (loom reads \"llama\" and "
+                          "\"mistral\")", path, json_is_string(v) ? json_string_value(v) : "?");
+    v = json_object_get(root, "sliding_window");
+    if (v && !json_is_null(v) && (!json_is_integer(v) || json_integer_value(v) < c->max_seq))
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: sliding_window %lld is shorter than max_position_embeddings %d; "
+                          "loom's attention is full causal, the same as the window only up to its length: set "
+                          "max_position_embeddings to at most the window", path,
+                          json_is_integer(v) ? (long long)json_integer_value(v) : -1LL, c->max_seq);
     v = json_object_get(root, "hidden_act");
     if (v && (!json_is_string(v) || strcmp(json_string_value(v), "silu") != 0))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: hidden_act must be \"silu\"", path);

@@ -70,6 +70,13 @@ sed 's/"rms_norm_eps": 1e-5}/"rms_norm_eps": 1e-5, "rope_scaling": {"rope_type":
 expect_error "rope_scaling: .*low_freq_factor" "$LOOM" train --data "$WORK/data" --config "$WORK/scaled.json"
 sed 's/"rms_norm_eps": 1e-5}/"rms_norm_eps": 1e-5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}/' "$WORK/cfg.json" > "$WORK/scaled.json"
 expect_error "low_freq_factor" "$LOOM" train --data "$WORK/data" --config "$WORK/scaled.json"
+sed 's/"rms_norm_eps": 1e-5}/"rms_norm_eps": 1e-5, "model_type": "qwen2"}/' "$WORK/cfg.json" > "$WORK/qwen.json"
+expect_error 'model_type "qwen2" is not a LLaMA model' "$LOOM" train --data "$WORK/data" --config "$WORK/qwen.json"
+sed 's/"rms_norm_eps": 1e-5}/"rms_norm_eps": 1e-5, "model_type": "mistral", "sliding_window": 16}/' "$WORK/cfg.json" > "$WORK/mistral.json"
+expect_error "sliding_window 16 is shorter than max_position_embeddings" "$LOOM" train --data "$WORK/data" --config "$WORK/mistral.json"
+sed 's/"rms_norm_eps": 1e-5}/"rms_norm_eps": 1e-5, "model_type": "mistral", "sliding_window": 4096}/' "$WORK/cfg.json" > "$WORK/mistral.json"
+"$LOOM" train --data "$WORK/data" --config "$WORK/mistral.json" --batch 2 --seq 16 --steps 1 --eval-every 0 \
+  --out "$WORK/mistral" >/dev/null 2>"$WORK/mistral.log" || { cat "$WORK/mistral.log"; fail "a Mistral config whose window covers the context"; }
 # Optional fields set to null take their defaults, as in Hugging Face's
 # LlamaConfig ("num_key_value_heads": null: one kv head per attention head);
 # a required one set to null is an error.
