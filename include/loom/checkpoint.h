@@ -27,16 +27,20 @@ extern "C" {
  * num_attention_heads, num_key_value_heads, intermediate_size, vocab_size,
  * max_position_embeddings, rope_theta, rms_norm_eps, tie_word_embeddings,
  * rope_scaling: null, "default", "linear" (factor) or "llama3" (factor,
- * low_freq_factor, high_freq_factor, original_max_position_embeddings)).
+ * low_freq_factor, high_freq_factor, original_max_position_embeddings);
+ * or transformers v5's rope_parameters, which holds rope_theta and the
+ * scaling, and must agree with them when a file has both).
  * Optional fields absent from the file take LlamaConfig's defaults:
  * num_key_value_heads = num_attention_heads, max_position_embeddings 2048,
  * rope_theta 10000, rms_norm_eps 1e-6, tie_word_embeddings false, no
- * rope_scaling. Save writes rope_scaling (under "rope_type" and "type")
- * when there is one.
+ * rope_scaling. model_type may be "llama" or "mistral"; Mistral's
+ * sliding_window (4096 when a "mistral" file leaves it out) caps the
+ * context (max_seq), up to which it equals loom's full causal attention.
+ * Save writes rope_scaling as Hugging Face's files do ("type": "linear" and
+ * factor; "rope_type": "llama3" and its four numbers) when there is one.
  * Errors: LOOM_ERR_IO, LOOM_ERR_FORMAT (naming the file and the field),
- * LOOM_ERR_UNSUPPORTED (biases, another activation, another rope_scaling, a
- * model_type other than "llama" and "mistral", a sliding_window shorter than
- * max_position_embeddings). */
+ * LOOM_ERR_UNSUPPORTED (biases, another activation, another rope_scaling,
+ * another model_type). */
 loom_status loom_llama_config_load(const char *path, loom_llama_config *cfg);
 loom_status loom_llama_config_save(const loom_llama_config *cfg, loom_dtype weights_dtype, const char *path);
 

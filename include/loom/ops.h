@@ -76,7 +76,8 @@ loom_status loom_rmsnorm(loom_tensor *x, loom_tensor *w, float eps, loom_tensor 
 loom_status loom_rope(loom_tensor *x, float theta, int pos0, loom_tensor **out);
 /* The same with the frequencies of r (loom_rope_freqs in core.h: scaled as
  * Hugging Face's rope_scaling says). Errors: LOOM_ERR_INVALID (theta or a
- * factor not positive, low_freq_factor >= high_freq_factor, an unknown type). */
+ * factor not positive or not finite, low_freq_factor >= high_freq_factor,
+ * original_max_pos <= 0 for llama3, an unknown type). */
 loom_status loom_rope_ex(loom_tensor *x, const loom_rope_freqs *r, int pos0, loom_tensor **out);
 /* LOOM_OK when r is a RoPE loom_rope_ex takes, else LOOM_ERR_INVALID naming the field. */
 loom_status loom_rope_check(const loom_rope_freqs *r);

@@ -79,48 +79,57 @@ static loom_status check_unsupported(json_t *root, const char *path, const loom_
     if (v && !json_is_null(v) && (!json_is_integer(v) || json_integer_value(v) != c->dim / c->n_heads ||
                                   c->dim % c->n_heads))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: head_dim must equal hidden_size / num_attention_heads", path);
-    /* Mistral's model is LLaMA's but for a sliding attention window, which
-     * equals full causal attention up to its length: loom takes the window
-     * when it is no shorter than the context. Other model types are other
-     * architectures under similar names. */
+    /* Other model types are other architectures under similar names. */
     v = json_object_get(root, "model_type");
     if (v && (!json_is_string(v) || (strcmp(json_string_value(v), "llama") && strcmp(json_string_value(v), "mistral"))))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: model_type \"%s\" is not a LLaMA model (loom reads \"llama\" and "
                           "\"mistral\")", path, json_is_string(v) ? json_string_value(v) : "?");
-    v = json_object_get(root, "sliding_window");
-    if (v && !json_is_null(v) && (!json_is_integer(v) || json_integer_value(v) < c->max_seq))
-        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: sliding_window %lld is shorter than max_position_embeddings %d; "
-                          "loom's attention is full causal, the same as the window only up to its length: set "
-                          "max_position_embeddings to at most the window", path,
-                          json_is_integer(v) ? (long long)json_integer_value(v) : -1LL, c->max_seq);
     v = json_object_get(root, "hidden_act");
     if (v && (!json_is_string(v) || strcmp(json_string_value(v), "silu") != 0))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: hidden_act must be \"silu\"", path);
     return LOOM_OK;
 }
 
-/* rope_scaling: null, or {"rope_type" (or "type"): "default", "linear"
- * (factor) or "llama3" (factor, low_freq_factor, high_freq_factor,
- * original_max_position_embeddings)}; the others change the math in ways
+/* Mistral's model is LLaMA's but for a sliding attention window (4096 when
+ * a "mistral" config does not say), which equals full causal attention up
+ * to its length: loom's context is then the shorter of the two, where both
+ * compute the same. */
+static loom_status apply_window(json_t *root, const char *path, loom_llama_config *c) {
+    json_t *v = json_object_get(root, "sliding_window"), *mt = json_object_get(root, "model_type");
+    json_int_t window = 0;
+    if (v && !json_is_null(v)) {
+        if (!json_is_integer(v) || json_integer_value(v) <= 0)
+            return loom_error(LOOM_ERR_FORMAT, "%s: sliding_window must be a positive integer or null", path);
+        window = json_integer_value(v);
+    } else if (!v && json_is_string(mt) && !strcmp(json_string_value(mt), "mistral")) {
+        window = 4096; /* MistralConfig's default */
+    }
+    if (window && window < c->max_seq) c->max_seq = (int)window;
+    return LOOM_OK;
+}
+
+/* The scaling in object rs (`what` names it in messages): "type" (which
+ * Hugging Face takes first) or "rope_type" "default", "linear" (factor) or
+ * "llama3" (factor, low_freq_factor, high_freq_factor,
+ * original_max_position_embeddings); the others change the math in ways
  * loom does not implement and are refused by name. */
-static loom_status get_rope_scaling(json_t *root, const char *path, loom_llama_config *c) {
-    json_t *rs = json_object_get(root, "rope_scaling");
-    if (!rs || json_is_null(rs)) return LOOM_OK;
-    json_t *t = json_object_get(rs, "rope_type");
-    if (!t) t = json_object_get(rs, "type");
-    if (!json_is_object(rs) || !json_is_string(t))
-        return loom_error(LOOM_ERR_FORMAT, "%s: rope_scaling must be null or an object with a \"rope_type\"", path);
+static loom_status parse_rope_scaling(json_t *rs, const char *path, const char *what, loom_llama_config *c) {
+    json_t *t1 = json_object_get(rs, "type"), *t2 = json_object_get(rs, "rope_type"), *t = t1 ? t1 : t2;
+    if (!json_is_string(t))
+        return loom_error(LOOM_ERR_FORMAT, "%s: %s must be null or an object with a \"rope_type\"", path, what);
     const char *type = json_string_value(t);
+    if (t1 && t2 && !json_equal(t1, t2))
+        return loom_error(LOOM_ERR_FORMAT, "%s: %s has \"type\" and \"rope_type\" that disagree", path, what);
     if (!strcmp(type, "default")) return LOOM_OK;
     if (strcmp(type, "linear") && strcmp(type, "llama3"))
-        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: rope_scaling \"%s\" is not supported by loom (default, linear "
-                          "and llama3 are)", path, type);
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: %s \"%s\" is not supported by loom (default, linear and llama3 "
+                          "are)", path, what, type);
     c->rope_type = strcmp(type, "linear") ? LOOM_ROPE_LLAMA3 : LOOM_ROPE_LINEAR;
     static const char *const need[] = {"factor", "low_freq_factor", "high_freq_factor",
                                        "original_max_position_embeddings"};
     for (int i = 0; i < (c->rope_type == LOOM_ROPE_LLAMA3 ? 4 : 1); i++)
         if (!json_is_number(json_object_get(rs, need[i])))
-            return loom_error(LOOM_ERR_FORMAT, "%s: rope_scaling \"%s\" needs \"%s\" (a number)", path, type, need[i]);
+            return loom_error(LOOM_ERR_FORMAT, "%s: %s \"%s\" needs \"%s\" (a number)", path, what, type, need[i]);
     LOOM_TRY(get_float(rs, path, "factor", &c->rope_factor));
     if (c->rope_type == LOOM_ROPE_LLAMA3) {
         LOOM_TRY(get_float(rs, path, "low_freq_factor", &c->rope_low_freq_factor));
@@ -128,8 +137,36 @@ static loom_status get_rope_scaling(json_t *root, const char *path, loom_llama_c
         LOOM_TRY(get_int(rs, path, "original_max_position_embeddings", 1, &c->rope_original_max_pos));
     }
     loom_rope_freqs r = loom_llama_rope(c);
-    if (loom_rope_check(&r) != LOOM_OK)
-        return loom_error(LOOM_ERR_FORMAT, "%s: rope_scaling: %s", path, loom_last_error());
+    if (loom_rope_check(&r) != LOOM_OK) return loom_error(LOOM_ERR_FORMAT, "%s: %s: %s", path, what, loom_last_error());
+    return LOOM_OK;
+}
+
+/* The RoPE: rope_theta and rope_scaling (transformers before v5), or
+ * rope_parameters (v5: theta and the scaling in one object); a file with
+ * both must say the same in both. */
+static loom_status get_rope(json_t *root, const char *path, loom_llama_config *c) {
+    json_t *rs = json_object_get(root, "rope_scaling"), *rp = json_object_get(root, "rope_parameters");
+    LOOM_TRY(get_float(root, path, "rope_theta", &c->rope_theta));
+    if (rs && !json_is_null(rs)) {
+        if (!json_is_object(rs))
+            return loom_error(LOOM_ERR_FORMAT, "%s: rope_scaling must be null or an object with a \"rope_type\"", path);
+        LOOM_TRY(parse_rope_scaling(rs, path, "rope_scaling", c));
+    }
+    if (!rp || json_is_null(rp)) return LOOM_OK;
+    if (!json_is_object(rp)) return loom_error(LOOM_ERR_FORMAT, "%s: rope_parameters must be an object", path);
+    loom_llama_config v5 = *c;
+    v5.rope_type = LOOM_ROPE_DEFAULT;
+    v5.rope_factor = v5.rope_low_freq_factor = v5.rope_high_freq_factor = 0.0f;
+    v5.rope_original_max_pos = 0;
+    LOOM_TRY(get_float(rp, path, "rope_theta", &v5.rope_theta));
+    LOOM_TRY(parse_rope_scaling(rp, path, "rope_parameters", &v5));
+    int said = json_object_get(root, "rope_theta") || (rs && !json_is_null(rs));
+    if (said && (v5.rope_theta != c->rope_theta || v5.rope_type != c->rope_type || v5.rope_factor != c->rope_factor ||
+                 v5.rope_low_freq_factor != c->rope_low_freq_factor ||
+                 v5.rope_high_freq_factor != c->rope_high_freq_factor ||
+                 v5.rope_original_max_pos != c->rope_original_max_pos))
+        return loom_error(LOOM_ERR_FORMAT, "%s: rope_parameters and rope_theta/rope_scaling disagree", path);
+    *c = v5;
     return LOOM_OK;
 }
 
@@ -157,15 +194,15 @@ loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
     if (st == LOOM_OK) st = get_int(root, path, "vocab_size", 1, &c->vocab_size);
     c->max_seq = 2048;
     if (st == LOOM_OK) st = get_int(root, path, "max_position_embeddings", 0, &c->max_seq);
-    if (st == LOOM_OK) st = get_float(root, path, "rope_theta", &c->rope_theta);
     if (st == LOOM_OK) st = get_float(root, path, "rms_norm_eps", &c->norm_eps);
     json_t *tie = st == LOOM_OK ? json_object_get(root, "tie_word_embeddings") : NULL;
     if (tie) {
         if (!json_is_boolean(tie)) st = loom_error(LOOM_ERR_FORMAT, "%s: tie_word_embeddings must be true or false", path);
         else c->tie_embeddings = json_is_true(tie);
     }
-    if (st == LOOM_OK) st = get_rope_scaling(root, path, c);
     if (st == LOOM_OK) st = check_unsupported(root, path, c);
+    if (st == LOOM_OK) st = get_rope(root, path, c);
+    if (st == LOOM_OK) st = apply_window(root, path, c);
     json_decref(root);
     if (st == LOOM_OK && loom_llama_config_validate(c) != LOOM_OK)
         st = loom_error(LOOM_ERR_FORMAT, "%s: %s", path, loom_last_error());
@@ -182,15 +219,13 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
                              "tie_word_embeddings", c->tie_embeddings, "hidden_act", "silu", "torch_dtype",
                              dt == LOOM_F32 ? "float32" : dt == LOOM_BF16 ? "bfloat16" : "float16",
                              "attention_bias", 0, "initializer_range", 0.02);
-    if (root && c->rope_type != LOOM_ROPE_DEFAULT) { /* both names: older and newer transformers read it */
+    if (root && c->rope_type != LOOM_ROPE_DEFAULT) { /* as Hugging Face's own files write each */
         json_t *rs = c->rope_type == LOOM_ROPE_LINEAR
-                         ? json_pack("{s:s, s:s, s:f}", "rope_type", "linear", "type", "linear", "factor",
-                                     (double)c->rope_factor)
-                         : json_pack("{s:s, s:s, s:f, s:f, s:f, s:i}", "rope_type", "llama3", "type", "llama3",
-                                     "factor", (double)c->rope_factor, "low_freq_factor",
-                                     (double)c->rope_low_freq_factor, "high_freq_factor",
-                                     (double)c->rope_high_freq_factor, "original_max_position_embeddings",
-                                     c->rope_original_max_pos);
+                         ? json_pack("{s:s, s:f}", "type", "linear", "factor", (double)c->rope_factor)
+                         : json_pack("{s:s, s:f, s:f, s:f, s:i}", "rope_type", "llama3", "factor",
+                                     (double)c->rope_factor, "low_freq_factor", (double)c->rope_low_freq_factor,
+                                     "high_freq_factor", (double)c->rope_high_freq_factor,
+                                     "original_max_position_embeddings", c->rope_original_max_pos);
         if (!rs || json_object_set_new(root, "rope_scaling", rs) != 0) {
             json_decref(root);
             root = NULL;

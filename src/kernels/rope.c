@@ -40,10 +40,14 @@ void rope_inv_freq(const loom_rope_freqs *r, int HS, float *inv_freq) {
     }
 }
 
+/* The same frequencies: the fields each type uses. */
 static int rope_same(const loom_rope_freqs *a, const loom_rope_freqs *b) {
-    return a->theta == b->theta && a->type == b->type && a->factor == b->factor &&
-           a->low_freq_factor == b->low_freq_factor && a->high_freq_factor == b->high_freq_factor &&
-           a->original_max_pos == b->original_max_pos;
+    if (a->theta != b->theta || a->type != b->type) return 0;
+    if (a->type == LOOM_ROPE_DEFAULT) return 1;
+    if (a->factor != b->factor) return 0;
+    return a->type == LOOM_ROPE_LINEAR ||
+           (a->low_freq_factor == b->low_freq_factor && a->high_freq_factor == b->high_freq_factor &&
+            a->original_max_pos == b->original_max_pos);
 }
 
 /* cs, sn: (npos, HS/2) cos and sin of the angles of positions 0 .. npos-1. */

@@ -253,6 +253,22 @@ static void test_rope_scaling_config(void **state) {
     io_write_raw(io_path("config.json"), def, strlen(def));
     assert_int_equal(loom_llama_config_load(io_path("config.json"), &back), LOOM_OK);
     assert_int_equal(back.rope_type, LOOM_ROPE_DEFAULT);
+    /* transformers v5: theta and the scaling in rope_parameters */
+    const char *v5 = "{\"hidden_size\": 16, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
+                     "\"intermediate_size\": 24, \"vocab_size\": 40, \"rope_parameters\": {\"rope_theta\": 500000.0, "
+                     "\"rope_type\": \"llama3\", \"factor\": 32.0, \"low_freq_factor\": 1.0, \"high_freq_factor\": 4.0, "
+                     "\"original_max_position_embeddings\": 8192}}";
+    io_write_raw(io_path("config.json"), v5, strlen(v5));
+    assert_int_equal(loom_llama_config_load(io_path("config.json"), &back), LOOM_OK);
+    assert_true(back.rope_theta == 500000.0f && back.rope_type == LOOM_ROPE_LLAMA3 && back.rope_factor == 32.0f &&
+                back.rope_original_max_pos == 8192);
+    /* Mistral: the window (4096 unless said) caps the context */
+    const char *mistral = "{\"model_type\": \"mistral\", \"hidden_size\": 16, \"num_hidden_layers\": 1, "
+                          "\"num_attention_heads\": 2, \"intermediate_size\": 24, \"vocab_size\": 40, "
+                          "\"max_position_embeddings\": 32768}";
+    io_write_raw(io_path("config.json"), mistral, strlen(mistral));
+    assert_int_equal(loom_llama_config_load(io_path("config.json"), &back), LOOM_OK);
+    assert_int_equal(back.max_seq, 4096);
 }
 
 static void test_gguf_refusals(void **state) {
