@@ -6,10 +6,11 @@
 #    begin-of-text token, an end-of-text token after each document) and
 #    Llama-2-style (SentencePiece: normalizer, byte fallback) files.
 #  - A Llama-2-style file through tokenize, train and generate.
-#  - The whole path with the Llama-3-style file: tokenize, train, the model
-#    directory keeps the file byte for byte, eval, generate (whose output
-#    starts with the prompt), export --format hf keeps it too, and
-#    --format gguf is refused by name.
+#  - The whole path with the Llama-3-style file and a model shaped as Llama
+#    3.2 (tied, llama3 RoPE scaling): tokenize, train, the model directory
+#    keeps the file byte for byte, eval, generate (whose output starts with
+#    the prompt), export --format hf keeps it and the config's scaling, train
+#    --init from that export, and --format gguf is refused by name.
 source "$(dirname "$0")/lib.sh"
 /usr/bin/python3 -c "import regex" 2>/dev/null || fail "/usr/bin/python3 cannot import regex; install it with \
 scripts/setup.sh (Debian package python3-regex)"
@@ -26,6 +27,8 @@ small_config "$WORK/spconfig.json" "$vsp"
 "$LOOM" generate --model "$WORK/sprun/model" --prompt "The tokenizer" --tokens 8 --temperature 0 \
   >"$WORK/spgen.txt" 2>"$WORK/spgen.log" || { cat "$WORK/spgen.log"; fail "generate (SentencePiece-style)"; }
 [ "$(head -c 13 "$WORK/spgen.txt")" = "The tokenizer" ] || fail "generate's text does not start with the prompt"
+expect_error "Hugging Face tokenizer is not supported.*convert_hf_to_gguf" \
+  "$LOOM" export --model "$WORK/sprun/model" --format gguf --out "$WORK/sp.gguf"
 
 hf=$WORK/check/llama3.json
 "$LOOM" tokenize --tokenizer "$hf" --in $(corpus) --out "$WORK/data" --val-fraction 0.1 2>"$WORK/tok.log" ||
@@ -34,7 +37,10 @@ cmp -s "$hf" "$WORK/data/tokenizer.json" || fail "the data directory's tokenizer
 grep -q "each document starts with <|begin_of_text|> (id [0-9]*) and ends with <|end_of_text|>" "$WORK/tok.log" ||
   { cat "$WORK/tok.log"; fail "tokenize does not say how documents are framed"; }
 vocab=$(/usr/bin/python3 -c "import json,sys; print(max(json.load(open(sys.argv[1]))['model']['vocab'].values()) + 1)" "$hf")
+# Shaped as Llama 3.2 is: tied embeddings and Llama 3.1's RoPE scaling.
 small_config "$WORK/config.json" "$vocab"
+sed -i 's/"rms_norm_eps": 1e-5}/"rms_norm_eps": 1e-5, "tie_word_embeddings": true, "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}/' "$WORK/config.json"
+grep -q llama3 "$WORK/config.json" || fail "the config has no rope_scaling"
 "$LOOM" train --data "$WORK/data" --config "$WORK/config.json" --steps 3 --batch 2 --seq 32 --eval-every 0 \
   --out "$WORK/run" 2>"$WORK/train.log" || { cat "$WORK/train.log"; fail "train"; }
 cmp -s "$hf" "$WORK/run/model/tokenizer.json" || fail "the model directory's tokenizer.json is not the data's"
@@ -46,6 +52,17 @@ grep -q "loss=" "$WORK/eval.log" || fail "eval printed no loss"
 [ "$(head -c 13 "$WORK/gen.txt")" = "The tokenizer" ] || fail "generate's text does not start with the prompt"
 "$LOOM" export --model "$WORK/run/model" --out "$WORK/hfdir" 2>"$WORK/export.log" || { cat "$WORK/export.log"; fail "export"; }
 cmp -s "$hf" "$WORK/hfdir/tokenizer.json" || fail "export --format hf did not keep the tokenizer.json"
-expect_error "Hugging Face tokenizer is not supported.*convert_hf_to_gguf" \
+/usr/bin/python3 - "$WORK/hfdir/config.json" <<'PY' || fail "the exported config lost its rope_scaling or tying"
+import json, sys
+c = json.load(open(sys.argv[1]))
+rs = c["rope_scaling"]
+assert c["tie_word_embeddings"] is True
+assert rs["rope_type"] == "llama3" and rs["factor"] == 32.0 and rs["original_max_position_embeddings"] == 8192, rs
+PY
+# and it fine-tunes from there (--init reads the directory, scaling and all)
+"$LOOM" train --init "$WORK/hfdir" --data "$WORK/data" --steps 1 --batch 2 --seq 32 --eval-every 0 \
+  --out "$WORK/again" 2>"$WORK/again.log" || { cat "$WORK/again.log"; fail "train --init the exported directory"; }
+cmp -s "$WORK/hfdir/config.json" "$WORK/again/model/config.json" || fail "the fine-tuned model's config differs"
+expect_error "is not supported.*convert_hf_to_gguf" \
   "$LOOM" export --model "$WORK/run/model" --format gguf --out "$WORK/m.gguf"
 echo "1 passed, 0 failed"
