@@ -10,7 +10,17 @@
 #include <stdlib.h>
 #include <string.h>
 
+static int generate(int argc, char **argv, string_list *stop_names);
+
+/* The --stop list the parser allocates is freed on every way out. */
 static int run(int argc, char **argv) {
+    string_list stop_names = {0};
+    int rc = generate(argc, argv, &stop_names);
+    free(stop_names.items);
+    return rc;
+}
+
+static int generate(int argc, char **argv, string_list *stop_names) {
     const char *model = NULL, *prompt = "", *precision = "fp32", *tok_path = NULL;
     int n_tokens = 128, seed = 1, threads = 0, top_k = 0;
     float temperature = 0.8f, top_p = 0.95f;
@@ -24,6 +34,7 @@ static int run(int argc, char **argv) {
         {"seed", FLAG_INT, &seed, "S", "sampling seed (default 1)"},
         {"precision", FLAG_STRING, &precision, "P", "compute dtype: fp32, bf16 or fp16 (default fp32)"},
         {"tokenizer", FLAG_STRING, &tok_path, "FILE", "tokenizer.json, loom's or a Hugging Face BPE (default: the model directory's)"},
+        {"stop", FLAG_LIST, stop_names, "TOKEN...", "also stop at these tokens, named by their text (e.g. <|eot_id|> for Llama 3's instruct models); the end-of-text token always stops"},
         {"threads", FLAG_INT, &threads, "N", "OpenMP threads (default: OMP_NUM_THREADS, else the cores this process may use)"},
     };
     int rc = cli_parse(&cmd_generate, flags, (int)(sizeof flags / sizeof flags[0]), argc, argv);
@@ -71,12 +82,24 @@ static int run(int argc, char **argv) {
         st = loom_tokenizer_encode(tok, prompt, plen, ids + n_ids, loom_tokenizer_max_ids(tok, plen) + 1, &n);
         n_ids += n;
     }
-    int n_out = 0;
+    int n_out = 0, n_stops = 0;
+    int32_t *stops = st == LOOM_OK ? malloc(((size_t)stop_names->n + 1) * sizeof *stops) : NULL;
+    if (st == LOOM_OK && !stops) st = loom_error(LOOM_ERR_NOMEM, "generate: out of memory");
+    if (st == LOOM_OK && loom_tokenizer_eot(tok) >= 0) stops[n_stops++] = loom_tokenizer_eot(tok);
+    for (int i = 0; st == LOOM_OK && i < stop_names->n; i++) {
+        int32_t id = loom_tokenizer_find(tok, stop_names->items[i], strlen(stop_names->items[i]));
+        if (id < 0)
+            st = loom_error(LOOM_ERR_INVALID, "generate: --stop %s: no token of %s is spelled so (give a token's "
+                            "exact text, such as a special token's name)", stop_names->items[i], tok_path);
+        else stops[n_stops++] = id;
+    }
     if (st == LOOM_OK) {
         loom_sampler sp = {temperature, top_p, (uint64_t)seed, loom_tokenizer_vocab_size(tok), top_k};
-        st = loom_llama_generate(m, ids, (int)n_ids, n_tokens, &sp, loom_tokenizer_eot(tok), out, &n_out);
+        st = loom_llama_generate_until(m, ids, (int)n_ids, n_tokens, &sp, stops, n_stops, out, &n_out);
     }
-    int ended = n_out > 0 && out[n_out - 1] == loom_tokenizer_eot(tok);
+    int ended = 0;
+    for (int k = 0; n_out > 0 && k < n_stops; k++) ended |= out[n_out - 1] == stops[k];
+    free(stops);
     if (st == LOOM_OK && n_out < n_tokens && !ended && (int)n_ids + n_out >= m->cfg.max_seq)
         fprintf(stderr, "generate: stopped after %d of %d tokens: the model's context (%d tokens) is full\n", n_out,
                 n_tokens, m->cfg.max_seq);
@@ -104,7 +127,7 @@ static int run(int argc, char **argv) {
 const command cmd_generate = {
     "generate",
     "generate text from a trained model (KV cache; greedy when --temperature 0)",
-    "generate --model DIR [--prompt TEXT] [--tokens N] [--temperature T] [--top-p P] [--seed S]",
+    "generate --model DIR [--prompt TEXT] [--tokens N] [--temperature T] [--top-p P] [--seed S] [--stop TOKEN...]",
     NULL,
     run,
 };

@@ -399,6 +399,9 @@ loom_status loom_tokenizer_decode(const loom_tokenizer *tok, const int32_t *ids,
 /* The bytes of one id (owned by tok). Errors: LOOM_ERR_INVALID. */
 loom_status loom_tokenizer_token_bytes(const loom_tokenizer *tok, int32_t id,
                                        const char **bytes, size_t *len);
+/* The id whose bytes are exactly bytes[0 .. len) (a special token's name,
+ * such as "<|eot_id|>", first), or -1 when none is. */
+int32_t loom_tokenizer_find(const loom_tokenizer *tok, const void *bytes, size_t len);
 /* Merge r's two parts (in rank order): for loom's tokenizers id 256 + r is
  * the concatenation of ids *a and *b.
  * Errors: LOOM_ERR_INVALID (r outside [0, loom_tokenizer_num_merges)). */

@@ -174,6 +174,13 @@ typedef struct loom_sampler {
  * n_new); *n_out how many. */
 loom_status loom_llama_generate(loom_llama *m, const int32_t *prompt, int n_prompt, int n_new,
                                 const loom_sampler *sampler, int stop_token, int32_t *out, int *n_out);
+/* loom_llama_generate stopping at any of stops[0 .. n_stops) (the stop is
+ * the last id in out): an instruct model's turn ends at its own token (Llama
+ * 3's "<|eot_id|>"), its text at the end-of-text one.
+ * Errors: those of loom_llama_generate; LOOM_ERR_INVALID (n_stops < 0). */
+loom_status loom_llama_generate_until(loom_llama *m, const int32_t *prompt, int n_prompt, int n_new,
+                                      const loom_sampler *sampler, const int32_t *stops, int n_stops, int32_t *out,
+                                      int *n_out);
 /* A token id drawn from logits (V floats, overwritten): the argmax when the
  * temperature is 0, else from softmax(logits / temperature) cut to the top_k
  * most probable, then to the top-p nucleus of those, ids below vocab_limit

@@ -601,6 +601,17 @@ loom_status loom_tokenizer_token_bytes(const loom_tokenizer *tok, int32_t id, co
     return LOOM_OK;
 }
 
+int32_t loom_tokenizer_find(const loom_tokenizer *tok, const void *bytes, size_t len) {
+    int32_t found = -1;
+    for (int32_t id = 0; tok && id < tok->vocab_size; id++) {
+        size_t n = tok->tok_off[id + 1] - tok->tok_off[id];
+        if (n != len || memcmp(tok->arena + tok->tok_off[id], bytes, len)) continue;
+        if (tok->special[id]) return id; /* a special token's name first */
+        if (found < 0) found = id;
+    }
+    return found;
+}
+
 loom_status loom_tokenizer_merge(const loom_tokenizer *tok, int r, int32_t *a, int32_t *b) {
     if (r < 0 || r >= tok->n_merges)
         return loom_error(LOOM_ERR_INVALID, "merge %d is outside the tokenizer's %d merges", r, tok->n_merges);

@@ -207,7 +207,16 @@ loom_status loom_llama_next_logits(loom_llama *m, const int32_t *tokens, int n, 
 
 loom_status loom_llama_generate(loom_llama *m, const int32_t *prompt, int n_prompt, int n_new,
                                 const loom_sampler *sampler, int stop_token, int32_t *out, int *n_out) {
+    int32_t stop = stop_token;
+    return loom_llama_generate_until(m, prompt, n_prompt, n_new, sampler, &stop, stop_token >= 0 ? 1 : 0, out, n_out);
+}
+
+loom_status loom_llama_generate_until(loom_llama *m, const int32_t *prompt, int n_prompt, int n_new,
+                                      const loom_sampler *sampler, const int32_t *stops, int n_stops, int32_t *out,
+                                      int *n_out) {
     *n_out = 0;
+    if (n_stops < 0 || (n_stops && !stops))
+        return loom_error(LOOM_ERR_INVALID, "generate: %d stop tokens and no array of them", n_stops);
     LOOM_TRY(check_tokens(m, prompt, n_prompt));
     if (!sampler || !(sampler->temperature >= 0.0f) || !isfinite(sampler->temperature) || isnan(sampler->top_p))
         return loom_error(LOOM_ERR_INVALID, "generate: the sampler's temperature must be a finite number >= 0 (0: "
@@ -232,7 +241,9 @@ loom_status loom_llama_generate(loom_llama *m, const int32_t *prompt, int n_prom
         if (st != LOOM_OK) break;
         int32_t next = loom_sample(s.logits, m->cfg.vocab_size, sampler, (uint64_t)i);
         out[(*n_out)++] = next;
-        if (next == stop_token || i + 1 == n_new || c.len >= c.cap) break;
+        int stopped = 0;
+        for (int k = 0; k < n_stops; k++) stopped |= next == stops[k];
+        if (stopped || i + 1 == n_new || c.len >= c.cap) break;
         st = forward_tokens(m, &c, &s, &next, 1);
     }
     state_free(m, &c, &s);

@@ -102,6 +102,10 @@ static void test_ids_and_merges(void **state) {
     assert_int_equal(loom_tokenizer_decode(t, ids, m, back, sizeof back, &n), LOOM_OK);
     assert_int_equal(n, 310);
     assert_memory_equal(back, s, 310);
+    /* a token by its text: a special token's name, merged bytes, nothing */
+    assert_int_equal(loom_tokenizer_find(t, "<|endoftext|>", 13), 259);
+    assert_int_equal(loom_tokenizer_find(t, "abc", 3), 257);
+    assert_int_equal(loom_tokenizer_find(t, "zzz", 3), -1);
     /* kept in its own file: never saved as a loom tokenizer */
     assert_int_equal(loom_tokenizer_save(t, io_path("x.json")), LOOM_ERR_INVALID);
     IO_ASSERT_MSG("copy that file");

@@ -86,6 +86,19 @@ static void test_greedy_matches_argmax(void **state) {
         assert_int_equal(out[i], best);
         seq[n_prompt + i] = out[i];
     }
+    /* Stops: the first generated id that is one of them ends the text, and
+     * is its last id; the ids before it are the unstopped run's. */
+    int32_t until[16], stops[2] = {49, out[4]};
+    int first = 0;
+    while (out[first] != stops[0] && out[first] != stops[1]) first++; /* at most 4 */
+    int n_until = 0;
+    assert_int_equal(loom_llama_generate_until(m, seq, n_prompt, 12, &greedy, stops, 2, until, &n_until), LOOM_OK);
+    assert_int_equal(n_until, first + 1);
+    assert_memory_equal(until, out, (size_t)n_until * sizeof *until);
+    assert_int_equal(loom_llama_generate_until(m, seq, n_prompt, 12, &greedy, NULL, 0, until, &n_until), LOOM_OK);
+    assert_int_equal(n_until, 12);
+    assert_int_equal(loom_llama_generate_until(m, seq, n_prompt, 12, &greedy, NULL, -1, until, &n_until),
+                     LOOM_ERR_INVALID);
     /* Sampling is reproducible from the seed and stays in the vocabulary. */
     loom_sampler hot = {1.0f, 0.9f, 42, 0, 0};
     int32_t s1[10], s2[10];

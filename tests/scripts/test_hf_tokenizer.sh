@@ -50,6 +50,10 @@ grep -q "loss=" "$WORK/eval.log" || fail "eval printed no loss"
 "$LOOM" generate --model "$WORK/run/model" --prompt "The tokenizer" --tokens 8 --temperature 0 \
   >"$WORK/gen.txt" 2>"$WORK/gen.log" || { cat "$WORK/gen.log"; fail "generate"; }
 [ "$(head -c 13 "$WORK/gen.txt")" = "The tokenizer" ] || fail "generate's text does not start with the prompt"
+"$LOOM" generate --model "$WORK/run/model" --prompt "The tokenizer" --tokens 8 --temperature 0 \
+  --stop "<|reserved_special_token_0|>" ">" >"$WORK/gen2.txt" 2>"$WORK/gen.log" || { cat "$WORK/gen.log"; fail "generate --stop"; }
+expect_error "stop no-such-token-anywhere: no token" "$LOOM" generate --model "$WORK/run/model" --tokens 2 \
+  --stop "no-such-token-anywhere"
 "$LOOM" export --model "$WORK/run/model" --out "$WORK/hfdir" 2>"$WORK/export.log" || { cat "$WORK/export.log"; fail "export"; }
 cmp -s "$hf" "$WORK/hfdir/tokenizer.json" || fail "export --format hf did not keep the tokenizer.json"
 /usr/bin/python3 - "$WORK/hfdir/config.json" <<'PY' || fail "the exported config lost its rope_scaling or tying"
