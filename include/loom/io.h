@@ -311,10 +311,10 @@ const char *loom_dataloader_shard_path(const loom_dataloader *dl, size_t i);
  * special tokens. A trained tokenizer has exactly one, "<|endoftext|>", with
  * the last id (vocab_size - 1): the document separator. Special tokens are
  * never produced by encode (text cannot inject them); decode writes their
- * name (an unused id of a Hugging Face file: nothing). Text is pre-split into chunks — letters (and bytes >= 0x80) with an
- * optional leading space, digits with an optional space, other symbols with
- * an optional space, runs of whitespace, at most 128 bytes each — and merges
- * never cross chunks. Any byte string round-trips: decode(encode(s)) == s.
+ * name (an unused id of a Hugging Face file: nothing). Text is pre-split
+ * into chunks — letters (and bytes >= 0x80) with an optional leading space,
+ * digits with an optional space, other symbols with an optional space, runs
+ * of whitespace, at most 128 bytes each — and merges never cross chunks. Any byte string round-trips: decode(encode(s)) == s.
  *
  * loom_tokenizer_load also reads a Hugging Face tokenizer.json of BPE, with
  * the file's ids (vocab_size is the largest + 1; an unused id is an empty

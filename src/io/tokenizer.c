@@ -400,7 +400,8 @@ static size_t sat_mul(size_t a, size_t b) { return b && a > SIZE_MAX / b ? SIZE_
 static size_t sp_cap(const loom_tokenizer *tok, size_t len) {
     size_t cap = len;
     for (int i = 0; i < tok->n_norm; i++)
-        cap = tok->norm[i].prepend ? sat_add(cap, tok->norm[i].na) : sat_mul(cap, tok->norm[i].nb > 1 ? tok->norm[i].nb : 1);
+        cap = tok->norm[i].prepend ? sat_add(cap, tok->norm[i].na)
+                                   : sat_mul(cap, tok->norm[i].nb > 1 ? tok->norm[i].nb : 1);
     return cap;
 }
 
@@ -524,7 +525,8 @@ static loom_status sp_piece(loom_tokenizer *tok, const unsigned char *a, size_t 
     }
     if (pending) ids[k++] = tok->unk;
     loom_status st = LOOM_OK;
-    if ((k = bpe_queue(tok, ids, k)) == SIZE_MAX) st = loom_error(LOOM_ERR_NOMEM, "out of memory encoding %zu bytes", n);
+    if ((k = bpe_queue(tok, ids, k)) == SIZE_MAX)
+        st = loom_error(LOOM_ERR_NOMEM, "out of memory encoding %zu bytes", n);
     for (size_t i = 0; st == LOOM_OK && i < k; i++, o->count++)
         if (o->count < o->capacity) o->ids[o->count] = ids[i];
     free(ids);

@@ -293,7 +293,8 @@ static loom_status token_bytes(hf_load *L, json_t *vocab, json_t *added) {
             t->id = (int32_t)id;
             t->normalized = nz ? json_is_true(nz) : 1;
             t->len = strlen(c);
-            t->bytes = t->normalized && L->sp ? (char *)bpe_sp_normalize(tok, (const unsigned char *)c, t->len, 0, &t->len)
+            t->bytes = t->normalized && L->sp
+                           ? (char *)bpe_sp_normalize(tok, (const unsigned char *)c, t->len, 0, &t->len)
                                               : strdup(c);
             if (!t->bytes || !t->len) {
                 st = t->bytes ? hf_bad(L->path, "added token \"%s\" normalizes to nothing", c)
@@ -309,7 +310,8 @@ static loom_status token_bytes(hf_load *L, json_t *vocab, json_t *added) {
     json_object_foreach(vocab, key, v) {
         if (st != LOOM_OK) break;
         size_t id = (size_t)json_integer_value(v);
-        if (src[id]) st = hf_bad(L->path, "vocabulary entries \"%s\" and \"%s\" have the same id %zu", src[id], key, id);
+        if (src[id])
+            st = hf_bad(L->path, "vocabulary entries \"%s\" and \"%s\" have the same id %zu", src[id], key, id);
         else if (L->sp || spell_bytes(L, key, strlen(key), NULL) >= 0) kind[id] = ID_SPELLED;
         else if (extra[id] && !strcmp(extra[id], key)) kind[id] = ID_RAW;
         else
@@ -326,9 +328,10 @@ static loom_status token_bytes(hf_load *L, json_t *vocab, json_t *added) {
             kind[id] = ID_RAW;
         }
         if (!src[id]) tok->special[id] = 1; /* no token: empty, never made */
-        size_t n = kind[id] == ID_SPELLED ? (L->sp ? sp_bytes(src[id], NULL) : (size_t)spell_bytes(L, src[id], strlen(src[id]), NULL))
-                   : kind[id] == ID_RAW  ? strlen(src[id])
-                                         : 0;
+        size_t n = kind[id] == ID_RAW ? strlen(src[id])
+                   : kind[id] != ID_SPELLED ? 0
+                   : L->sp ? sp_bytes(src[id], NULL)
+                           : (size_t)spell_bytes(L, src[id], strlen(src[id]), NULL);
         tok->tok_off[id + 1] = tok->tok_off[id] + n;
     }
     if (st == LOOM_OK && !(tok->arena = malloc(tok->tok_off[V] + 1)))
@@ -498,7 +501,7 @@ loom_status bpe_tokenizer_load_hf(const char *path, const void *root_v, loom_tok
     json_t *norm = json_object_get(root, "normalizer");
     if (!sp && !unset(root, "normalizer") &&
         !(!strcmp(type_of(norm), "Sequence") && json_array_size(json_object_get(norm, "normalizers")) == 0))
-        return hf_bad(path, "it has a normalizer (\"%s\"), which loom does not apply", type_of(json_object_get(root, "normalizer")));
+        return hf_bad(path, "it has a normalizer (\"%s\"), which loom does not apply", type_of(norm));
     if (!json_is_object(vocab) || !json_is_array(list))
         return hf_bad(path, "its model has no \"vocab\" object or no \"merges\" array");
     if (added && !json_is_array(added)) return hf_bad(path, "\"added_tokens\" is not an array");
