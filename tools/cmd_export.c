@@ -30,7 +30,7 @@ static int run(int argc, char **argv) {
         {"out", FLAG_STRING, &out, "PATH", "output: a directory (created) for hf, a file for gguf"},
         {"format", FLAG_STRING, &format, "F", "hf (config.json + model.safetensors, the default) or gguf (one file for llama.cpp)"},
         {"dtype", FLAG_STRING, &dtype, "D", "stored dtype: fp32, bf16 or fp16, for gguf also q8_0 (default fp32; gguf keeps norm weights fp32)"},
-        {"tokenizer", FLAG_STRING, &tokenizer, "FILE", "loom tokenizer to ship with the model (default: the model's tokenizer.json, if any)"},
+        {"tokenizer", FLAG_STRING, &tokenizer, "FILE", "tokenizer to ship with the model: loom's, or a Hugging Face BPE, copied; gguf needs loom's (default: the model's tokenizer.json, if any)"},
     };
     int rc = cli_parse(&cmd_export, flags, (int)(sizeof flags / sizeof flags[0]), argc, argv);
     if (rc) return rc > 0 ? 0 : 2;

@@ -34,7 +34,7 @@ static int generate(int argc, char **argv, string_list *stop_names) {
         {"seed", FLAG_INT, &seed, "S", "sampling seed (default 1)"},
         {"precision", FLAG_STRING, &precision, "P", "compute dtype: fp32, bf16 or fp16 (default fp32)"},
         {"tokenizer", FLAG_STRING, &tok_path, "FILE", "tokenizer.json, loom's or a Hugging Face BPE (default: the model directory's)"},
-        {"stop", FLAG_LIST, stop_names, "TOKEN...", "also stop at these tokens, named by their text (e.g. <|eot_id|> for Llama 3's instruct models); the end-of-text token always stops"},
+        {"stop", FLAG_LIST, stop_names, "TOKEN...", "also stop at these tokens, each named by the text it decodes to (e.g. <|eot_id|> for Llama 3's instruct models); the end-of-text token always stops"},
         {"threads", FLAG_INT, &threads, "N", "OpenMP threads (default: OMP_NUM_THREADS, else the cores this process may use)"},
     };
     int rc = cli_parse(&cmd_generate, flags, (int)(sizeof flags / sizeof flags[0]), argc, argv);

@@ -540,7 +540,7 @@ static int run(int argc, char **argv) {
 
 const command cmd_tokenize = {
     "tokenize",
-    "train a byte-level BPE tokenizer and encode text into token shards",
+    "train a byte-level BPE tokenizer (or take loom's or a Hugging Face one) and encode text into token shards",
     "tokenize --train FILE... --vocab N --out tok.json\n"
     "       loom tokenize --tokenizer tok.json --in FILE... --out DIR [--val-fraction F]\n"
     "       loom tokenize --train FILE... --vocab N --in FILE... --out DIR",

@@ -227,7 +227,8 @@ static loom_status open_data(trainer *t) {
         loom_tokenizer_free(tok);
         if (nv > mv)
             return loom_error(LOOM_ERR_INVALID, "%s has %d tokens but the model's vocabulary has %d: use a model "
-                              "with vocab_size >= %d (--preset small, or --config), or tokenize with --vocab %d",
+                              "with vocab_size >= %d (--preset small, or --config), or tokenize with --vocab %d (loom's "
+                              "tokenizers)",
                               t->tokenizer_path, nv, mv, nv, mv);
         if (nv < mv && t->leader)
             fprintf(stderr, "train: note: the tokenizer has %d tokens, the model's vocabulary %d; the other %d rows "

@@ -4,7 +4,8 @@
  *
  * A model directory holds `config.json` (Hugging Face LlamaConfig fields),
  * `model.safetensors` (Hugging Face LLaMA tensor names) and, when known,
- * `tokenizer.json` (loom's BPE). Standard LLaMA loaders read the first two.
+ * `tokenizer.json` (loom's BPE, or the Hugging Face tokenizer.json it was
+ * trained with, copied as it is). Standard LLaMA loaders read the first two.
  *
  * A training checkpoint is a model directory plus `state.safetensors`: fp32
  * masters, AdamW moments, and metadata (step, RNG, data position, loss
@@ -33,9 +34,11 @@ extern "C" {
  * Optional fields absent from the file take LlamaConfig's defaults:
  * num_key_value_heads = num_attention_heads, max_position_embeddings 2048,
  * rope_theta 10000, rms_norm_eps 1e-6, tie_word_embeddings false, no
- * rope_scaling. model_type may be "llama" or "mistral"; Mistral's
- * sliding_window (4096 when a "mistral" file leaves it out) caps the
- * context (max_seq), up to which it equals loom's full causal attention.
+ * rope_scaling. model_type may be "llama" or "mistral"; a sliding_window
+ * (Mistral's; 4096 when a "mistral" file leaves it out) shorter than
+ * max_position_embeddings caps the context (max_seq), up to which it equals
+ * loom's full causal attention, and a config saved from it is a LLaMA one
+ * whose max_position_embeddings is the window.
  * Save writes rope_scaling as Hugging Face's files do ("type": "linear" and
  * factor; "rope_type": "llama3" and its four numbers) when there is one.
  * Errors: LOOM_ERR_IO, LOOM_ERR_FORMAT (naming the file and the field),
@@ -102,8 +105,10 @@ const char *loom_gguf_type_name(loom_gguf_type type);
  * Errors: LOOM_ERR_INVALID (no tokenizer, one without "<|endoftext|>", one
  * with more tokens than the model, two tokens with the same bytes, which
  * llama.cpp cannot load; an unknown type), LOOM_ERR_FORMAT (a NaN or
- * infinite weight, named), LOOM_ERR_UNSUPPORTED (a tensor-parallel model),
- * LOOM_ERR_IO, LOOM_ERR_NOMEM. */
+ * infinite weight, named), LOOM_ERR_UNSUPPORTED (a tensor-parallel model, a
+ * model with rope_scaling, a Hugging Face tokenizer: export a Hugging Face
+ * directory and use llama.cpp's convert_hf_to_gguf.py), LOOM_ERR_IO,
+ * LOOM_ERR_NOMEM. */
 loom_status loom_llama_save_gguf(loom_llama *m, loom_gguf_type type, const loom_tokenizer *tok, const char *path);
 
 /* Everything besides weights that resuming needs. */

@@ -306,7 +306,7 @@ const char *loom_dataloader_shard_path(const loom_dataloader *dl, size_t i);
 
 /* ============================================================= tokenizer */
 
-/* Byte-level BPE. Ids 0..255 are the bytes; id 256 + r is the r-th merge
+/* loom's own tokenizers: byte-level BPE. Ids 0..255 are the bytes; id 256 + r is the r-th merge
  * (the concatenation of its two parts' bytes); after the merges come the
  * special tokens. A trained tokenizer has exactly one, "<|endoftext|>", with
  * the last id (vocab_size - 1): the document separator. Special tokens are
@@ -314,7 +314,8 @@ const char *loom_dataloader_shard_path(const loom_dataloader *dl, size_t i);
  * name (an unused id of a Hugging Face file: nothing). Text is pre-split
  * into chunks — letters (and bytes >= 0x80) with an optional leading space,
  * digits with an optional space, other symbols with an optional space, runs
- * of whitespace, at most 128 bytes each — and merges never cross chunks. Any byte string round-trips: decode(encode(s)) == s.
+ * of whitespace, at most 128 bytes each — and merges never cross chunks.
+ * Any byte string round-trips: decode(encode(s)) == s.
  *
  * loom_tokenizer_load also reads a Hugging Face tokenizer.json of BPE, with
  * the file's ids (vocab_size is the largest + 1; an unused id is an empty
@@ -326,19 +327,24 @@ const char *loom_dataloader_shard_path(const loom_dataloader *dl, size_t i);
  *    Bytes that are not UTF-8 are never matched and stay pieces of their
  *    own, so the round trip above holds for these too;
  *  - SentencePiece-style (byte_fallback: Llama 2, Mistral, Gemma): the
- *    normalizer's Prepend and Replace steps, then the text is one piece of
- *    characters, a character without a token as its bytes' <0xXX> tokens
- *    (or the unknown token). decode(encode(s)) is s normalized, U+2581 read
- *    as a space (Llama 2's adds a leading space).
+ *    normalizer's Prepend and Replace steps, or a Metaspace pre-tokenizer
+ *    (transformers' legacy=False files), then the text is one piece of
+ *    characters (with Metaspace's split, one per U+2581), a character
+ *    without a token as its bytes' <0xXX> tokens (or the unknown token).
+ *    decode(encode(s)) is s normalized, U+2581 read as a space (Llama 2's
+ *    adds a leading space).
  * Its added tokens that are not special are found in text before anything
  * else, as Hugging Face does (those it normalizes in normalized text, as
  * their normalized content); special ones never are (Hugging Face finds them
  * too; loom keeps text from making them), and no merge may make one. The one
  * special token encode gives is a SentencePiece-style file's unknown token,
  * for a character that neither a token nor its bytes' tokens spell.
- * Refused by name: other normalizers, a prefix space, other pre-tokenizers
- * and Split behaviours, added tokens that strip spaces. Such a tokenizer is
- * not saved (loom_tokenizer_save): its file is copied. */
+ * Refused by name: WordPiece and Unigram models, word affixes or dropout,
+ * other normalizers (NFC), ByteLevel's add_prefix_space, other
+ * pre-tokenizers, Split behaviours and decoders, ignore_merges in a
+ * SentencePiece-style file, added tokens that are not special and strip
+ * spaces or match single words only. Such a tokenizer is not saved
+ * (loom_tokenizer_save): its file is copied. */
 #define LOOM_TOKENIZER_EOT "<|endoftext|>"
 
 typedef struct loom_tokenizer loom_tokenizer;
@@ -408,12 +414,16 @@ int32_t loom_tokenizer_find(const loom_tokenizer *tok, const void *bytes, size_t
 loom_status loom_tokenizer_merge(const loom_tokenizer *tok, int r, int32_t *a, int32_t *b);
 
 /* Save as JSON, atomically: {"type":"loom-bpe","version":1,"vocab_size":N,
- * "merges":[[a,b],...],"special":{"<|endoftext|>":N-1}}. Errors: LOOM_ERR_IO. */
+ * "merges":[[a,b],...],"special":{"<|endoftext|>":N-1}}. Errors: LOOM_ERR_IO,
+ * LOOM_ERR_INVALID (a Hugging Face tokenizer: copy its file instead). */
 loom_status loom_tokenizer_save(const loom_tokenizer *tok, const char *path);
 /* Load and validate a saved tokenizer: JSON syntax, type, version, merges
  * (pairs of ids smaller than the id they create, no duplicates), vocab_size
- * == 256 + merges + specials, special ids right after the merges.
- * Errors: LOOM_ERR_IO, LOOM_ERR_FORMAT (the message names the file). */
+ * == 256 + merges + specials, special ids right after the merges; or a
+ * Hugging Face tokenizer.json of BPE (a JSON object with "model" and no
+ * "type"; see above). Errors: LOOM_ERR_IO, LOOM_ERR_FORMAT (the message
+ * names the file and what is wrong), LOOM_ERR_UNSUPPORTED (a NUL character
+ * in an object key, which the JSON parser cannot hold). */
 loom_status loom_tokenizer_load(const char *path, loom_tokenizer **out);
 
 #ifdef __cplusplus

@@ -138,6 +138,14 @@ struct loom_tokenizer {
      * characters, each the vocabulary's token for it or its bytes'
      * <0xXX> tokens; `whole` maps every vocabulary string to its entry. */
     int sp;
+    /* sp: a Metaspace pre-tokenizer (transformers' legacy=False files):
+     * spaces become meta_rep, which is put before a piece that does not
+     * start with it (every piece, or the text's first only), and with
+     * meta_split each meta_rep starts a piece of its own. */
+    enum { META_NONE, META_ALWAYS, META_FIRST, META_NEVER } meta;
+    char meta_rep[8];
+    size_t meta_rep_len;
+    int meta_split;
     int32_t unk;          /* sp: a character some of whose bytes have no token is this (-1: none) */
     int fuse_unk;         /* sp: consecutive unknown characters are one */
     int n_norm;

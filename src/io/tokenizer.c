@@ -339,7 +339,8 @@ static loom_status chunk_ids(loom_tokenizer *tok, const unsigned char *s, size_t
 typedef struct enc_out {
     int32_t *ids;
     size_t capacity, count;
-    int cont; /* the text continues another: no Prepend step on its first piece */
+    int cont;     /* the text continues another: no Prepend step on its first piece */
+    int at_start; /* nothing of the text is encoded yet (Metaspace's "first") */
 } enc_out;
 
 static loom_status emit_chunk(loom_tokenizer *tok, const unsigned char *s, size_t n, enc_out *o) {
@@ -410,7 +411,10 @@ size_t loom_tokenizer_max_ids(const loom_tokenizer *tok, size_t len) {
     /* at most one per normalized byte; the pieces between added tokens (at
      * most len + 1) are normalized apart, each with what the normalizer adds
      * to nothing (sp_cap(0)) */
-    return sat_add(sp_cap(tok, len), tok->n_added ? sat_mul(len, sp_cap(tok, 0)) : 0);
+    size_t ids = sat_add(sp_cap(tok, len), tok->n_added ? sat_mul(len, sp_cap(tok, 0)) : 0);
+    /* Metaspace: each byte may become the replacement, and each piece (at
+     * most len + 1) may get one in front */
+    return tok->meta ? sat_add(sat_mul(ids, tok->meta_rep_len), sat_mul(len + 1, tok->meta_rep_len)) : ids;
 }
 
 unsigned char *bpe_sp_normalize(const loom_tokenizer *tok, const unsigned char *s, size_t n, int cont, size_t *out) {
@@ -488,7 +492,7 @@ static loom_status split_added(loom_tokenizer *tok, const unsigned char *s, size
         if (i > start) LOOM_TRY(piece(tok, s + start, i - start, o));
         if (o->count < o->capacity) o->ids[o->count] = tok->added[t].id;
         o->count++;
-        o->cont = 0;
+        o->cont = o->at_start = 0;
         i += tok->added[t].len;
         start = i;
     }
@@ -533,6 +537,43 @@ static loom_status sp_piece(loom_tokenizer *tok, const unsigned char *a, size_t 
     return st;
 }
 
+/* Metaspace, on one piece between normalized added tokens: spaces become
+ * the replacement, which goes first unless the piece starts with it (when
+ * the scheme says so for this piece), then with split each replacement
+ * starts a piece of its own (Hugging Face's MergedWithNext). */
+static loom_status meta_piece(loom_tokenizer *tok, const unsigned char *s, size_t n, enc_out *o) {
+    const char *rep = tok->meta_rep;
+    size_t r = tok->meta_rep_len, cap = sat_add(sat_mul(n, r), r);
+    unsigned char *b = malloc(cap ? cap : 1);
+    if (!b) return loom_error(LOOM_ERR_NOMEM, "out of memory encoding %zu bytes", n);
+    size_t m = 0;
+    int first = o->at_start;
+    o->at_start = 0;
+    int starts = n && (s[0] == ' ' || (n >= r && !memcmp(s, rep, r)));
+    if (!starts && (tok->meta == META_ALWAYS || (tok->meta == META_FIRST && first))) {
+        memcpy(b, rep, r);
+        m = r;
+    }
+    for (size_t j = 0; j < n; j++) {
+        if (s[j] == ' ') {
+            memcpy(b + m, rep, r);
+            m += r;
+        } else {
+            b[m++] = s[j];
+        }
+    }
+    loom_status st = LOOM_OK;
+    size_t start = 0;
+    for (size_t j = 1; tok->meta_split && st == LOOM_OK && j + r <= m; j++)
+        if (!memcmp(b + j, rep, r)) {
+            st = sp_piece(tok, b + start, j - start, o);
+            start = j;
+        }
+    if (st == LOOM_OK && m > start) st = sp_piece(tok, b + start, m - start, o);
+    free(b);
+    return st;
+}
+
 /* SentencePiece-style, one piece of text between added tokens: normalize it
  * (each step in turn), then the normalized added tokens split it. */
 static loom_status sp_segment(loom_tokenizer *tok, const unsigned char *text, size_t len, enc_out *o) {
@@ -543,7 +584,7 @@ static loom_status sp_segment(loom_tokenizer *tok, const unsigned char *text, si
     if (!a) return loom_error(LOOM_ERR_NOMEM, "out of memory normalizing %zu bytes", len);
     loom_status st = n >= UINT32_MAX ? loom_error(LOOM_ERR_INVALID, "tokenizer: a text of %zu bytes is one piece "
                                                   "for this tokenizer, more than loom encodes (4 GiB)", n)
-                                     : split_added(tok, a, n, 1, o, sp_piece);
+                                     : split_added(tok, a, n, 1, o, tok->meta ? meta_piece : sp_piece);
     free(a);
     return st;
 }
@@ -564,7 +605,7 @@ static loom_status encode(loom_tokenizer *tok, const void *text, size_t len, int
     if (!tok || (len && !text))
         return loom_error(LOOM_ERR_INVALID, "loom_tokenizer_encode: NULL tokenizer or text");
     const unsigned char *s = text;
-    enc_out o = {out, capacity, 0, cont};
+    enc_out o = {out, capacity, 0, cont, !cont};
     if (tok->hf) {
         LOOM_TRY(split_added(tok, s, len, 0, &o, tok->sp ? sp_segment : bl_segment));
     } else {

@@ -11,8 +11,9 @@
  *    of regex Splits ("Isolated", or "Removed" inverted) and Digits ending in
  *    ByteLevel, a ByteLevel decoder; tokens spelled in GPT-2's byte alphabet;
  *  - SentencePiece-style (byte_fallback: Llama 2, Mistral, Gemma): Prepend
- *    and Replace normalizer steps, no pre-tokenizer, tokens as written with
- *    U+2581 for a space and <0xXX> for a byte.
+ *    and Replace normalizer steps, or a Metaspace pre-tokenizer (transformers'
+ *    legacy=False files), tokens as written with U+2581 for a space and
+ *    <0xXX> for a byte.
  * The begin-of-text token is the one the post-processor's template puts
  * first; without a template the special token "<|begin_of_text|>", "<s>",
  * "<bos>" or "<｜begin▁of▁sentence｜>"; the end-of-text token is the special
@@ -24,9 +25,8 @@
  *
  * Owns: the checks that make every id decodable and every merge's result a
  * vocabulary token. Must never: accept a file it would encode differently
- * from what it says (other normalizers, a prefix space, word affixes, added
- * tokens that strip spaces: all refused by name), or let text make a special
- * token (a merge that makes one is refused).
+ * from what it says (the refusals io.h lists, all by name), or let text make
+ * a special token (a merge that makes one is refused).
  */
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include "io/io_internal.h"
@@ -456,6 +456,29 @@ static int sp_split_is_noop(json_t *pre, json_t *norm) {
     return gone;
 }
 
+/* Metaspace (transformers' legacy=False conversions of SentencePiece
+ * models): the replacement (U+2581), where it goes first (prepend_scheme
+ * "always", "first" or "never"; the older add_prefix_space: always or
+ * never), and whether it splits the text (split, true when absent). */
+static loom_status metaspace(hf_load *L, json_t *pre) {
+    loom_tokenizer *tok = L->tok;
+    const char *rep = json_string_value(json_object_get(pre, "replacement"));
+    json_t *scheme = json_object_get(pre, "prepend_scheme"), *aps = json_object_get(pre, "add_prefix_space");
+    json_t *split = json_object_get(pre, "split");
+    const char *sc = json_string_value(scheme);
+    tok->meta = sc ? (!strcmp(sc, "always") ? META_ALWAYS : !strcmp(sc, "first") ? META_FIRST
+                      : !strcmp(sc, "never") ? META_NEVER : META_NONE)
+                   : json_is_boolean(aps) ? (json_is_true(aps) ? META_ALWAYS : META_NEVER) : META_ALWAYS;
+    if (!rep || !*rep || strlen(rep) >= sizeof tok->meta_rep || tok->meta == META_NONE ||
+        (split && !json_is_boolean(split)))
+        return hf_bad(L->path, "its Metaspace pre-tokenizer is not one loom reads (a replacement of at most %zu bytes, "
+                      "prepend_scheme always, first or never, split true or false)", sizeof tok->meta_rep - 1);
+    memcpy(tok->meta_rep, rep, strlen(rep) + 1);
+    tok->meta_rep_len = strlen(rep);
+    tok->meta_split = !split || json_is_true(split);
+    return LOOM_OK;
+}
+
 /* A SentencePiece-style normalizer: Prepend and Replace (of a String) steps,
  * alone or in a Sequence (Llama 2's: prepend "▁", then spaces to "▁"). */
 static loom_status sp_normalizer(hf_load *L, json_t *n) {
@@ -493,7 +516,8 @@ loom_status bpe_tokenizer_load_hf(const char *path, const void *root_v, loom_tok
     json_t *list = json_object_get(model, "merges"), *added = json_object_get(root, "added_tokens");
     json_t *pre = json_object_get(root, "pre_tokenizer"), *dec = json_object_get(root, "decoder");
     if (strcmp(type_of(model), "BPE"))
-        return hf_bad(path, "its model is \"%s\"; loom reads byte-level BPE only", type_of(model));
+        return hf_bad(path, "its model is \"%s\"; loom reads BPE only (byte-level or SentencePiece-style)",
+                      type_of(model));
     int sp = json_is_true(json_object_get(model, "byte_fallback"));
     if (!sp && !unset(model, "byte_fallback")) return hf_bad(path, "its \"byte_fallback\" is not true or false");
     if (!unset(model, "continuing_subword_prefix") || !unset(model, "end_of_word_suffix") || !unset(model, "dropout"))
@@ -505,10 +529,10 @@ loom_status bpe_tokenizer_load_hf(const char *path, const void *root_v, loom_tok
     if (!json_is_object(vocab) || !json_is_array(list))
         return hf_bad(path, "its model has no \"vocab\" object or no \"merges\" array");
     if (added && !json_is_array(added)) return hf_bad(path, "\"added_tokens\" is not an array");
-    if (sp) { /* SentencePiece-style: the normalizer does the spaces, no pre-tokenizer */
-        if (pre && !json_is_null(pre) && !sp_split_is_noop(pre, norm))
+    if (sp) { /* SentencePiece-style: the spaces are the normalizer's or a Metaspace pre-tokenizer's */
+        if (pre && !json_is_null(pre) && !sp_split_is_noop(pre, norm) && strcmp(type_of(pre), "Metaspace"))
             return hf_bad(path, "it is a SentencePiece-style BPE with a pre-tokenizer (\"%s\"); loom reads those "
-                          "with none (the normalizer's form, as Llama 2's file has now)", type_of(pre));
+                          "with none, a Metaspace, or a Split on what the normalizer has replaced", type_of(pre));
         if (json_is_true(json_object_get(model, "ignore_merges")))
             return hf_bad(path, "it is a SentencePiece-style BPE with ignore_merges, which loom does not support");
     } else {
@@ -539,6 +563,7 @@ loom_status bpe_tokenizer_load_hf(const char *path, const void *root_v, loom_tok
     if ((tok->ignore_merges || sp) && !(tok->whole_id = malloc((size_t)V * sizeof *tok->whole_id)))
         st = loom_error(LOOM_ERR_NOMEM, "out of memory loading '%s'", path);
     if (st == LOOM_OK && sp) st = sp_normalizer(&L, norm);
+    if (st == LOOM_OK && sp && !strcmp(type_of(pre), "Metaspace")) st = metaspace(&L, pre);
     if (st == LOOM_OK && !sp) st = pre_tokenizer(&L, pre);
     if (st == LOOM_OK && !sp && !tok->n_splits) /* a whole document would be one piece */
         st = hf_bad(path, "its pre-tokenizer does not split the text (ByteLevel without use_regex, and no Split)");

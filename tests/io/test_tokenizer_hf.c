@@ -296,6 +296,74 @@ static void test_sentencepiece_style(void **state) {
     loom_tokenizer_free(t);
 }
 
+/* One defect each; the message names it. */
+static void refused(json_t *root, const char *part) {
+    loom_tokenizer *t = (loom_tokenizer *)0x1;
+    assert_int_equal(load_json(root, &t), LOOM_ERR_FORMAT);
+    assert_null(t);
+    IO_ASSERT_MSG(part);
+    IO_ASSERT_MSG("hf-tok.json");
+}
+
+/* The Metaspace layout (transformers' legacy=False conversions): no
+ * normalizer, a pre-tokenizer that makes spaces U+2581, puts one first
+ * unless the text starts with it (scheme "first": the text's first piece
+ * only; "never"), and with split starts a piece at each. */
+static json_t *meta_file(const char *scheme, int split) {
+    json_t *root = sp_file();
+    json_object_set_new(root, "normalizer", json_null());
+    json_object_set_new(root, "pre_tokenizer", json_pack("{s:s, s:s, s:s, s:b}", "type", "Metaspace", "replacement", SP_,
+                                                         "prepend_scheme", scheme, "split", split));
+    return root;
+}
+
+static void test_metaspace(void **state) {
+    (void)state;
+    json_t *root = meta_file("first", 0);
+    loom_tokenizer *t;
+    assert_int_equal(load_json(root, &t), LOOM_OK);
+    int32_t ids[32];
+    size_t m = 0;
+    assert_int_equal(loom_tokenizer_encode(t, "ab ab", 5, ids, 32, &m), LOOM_OK);
+    assert_int_equal(m, 2);
+    assert_true(ids[0] == 264 && ids[1] == 264);
+    assert_int_equal(loom_tokenizer_encode(t, " ab", 3, ids, 32, &m), LOOM_OK); /* starts with one: none added */
+    assert_int_equal(m, 1);
+    assert_int_equal(ids[0], 264);
+    assert_int_equal(loom_tokenizer_encode_more(t, "ab ab", 5, ids, 32, &m), LOOM_OK); /* not the text's start */
+    assert_int_equal(m, 2);
+    assert_true(ids[0] == 263 && ids[1] == 264);
+    assert_true(loom_tokenizer_max_ids(t, 5) >= 2);
+    loom_tokenizer_free(t);
+
+    /* split: a merge across a U+2581 ("b\u2581", ranked first) is not made */
+    for (int split = 0; split < 2; split++) {
+        root = meta_file("always", split);
+        json_t *model = json_object_get(root, "model");
+        json_object_set_new(json_object_get(model, "vocab"), "b" SP_, json_integer(266));
+        json_array_insert_new(json_object_get(model, "merges"), 0, json_string("b " SP_));
+        assert_int_equal(load_json(root, &t), LOOM_OK);
+        assert_int_equal(loom_tokenizer_encode(t, "ab ab", 5, ids, 32, &m), LOOM_OK);
+        if (split) { /* "\u2581ab" "\u2581ab" */
+            assert_int_equal(m, 2);
+            assert_true(ids[0] == 264 && ids[1] == 264);
+        } else { /* "b\u2581" first: "\u2581a" "b\u2581" "ab" */
+            assert_int_equal(m, 3);
+            assert_true(ids[0] == 262 && ids[1] == 266 && ids[2] == 263);
+        }
+        loom_tokenizer_free(t);
+    }
+
+    root = meta_file("never", 0); /* nothing put first */
+    assert_int_equal(load_json(root, &t), LOOM_OK);
+    assert_int_equal(loom_tokenizer_encode(t, "ab", 2, ids, 32, &m), LOOM_OK);
+    assert_int_equal(m, 1);
+    assert_int_equal(ids[0], 263);
+    loom_tokenizer_free(t);
+
+    refused(meta_file("sometimes", 0), "Metaspace pre-tokenizer is not one loom reads");
+}
+
 /* Added tokens that are not special, as Hugging Face finds them: those not
  * normalized in the raw text first, then the normalized ones in each piece
  * of normalized text, as their normalized content (Llama 2's normalizer
@@ -381,14 +449,6 @@ static json_t *split_file(const char *pattern, const char *behavior) {
     return r;
 }
 
-/* One defect each; the message names it. */
-static void refused(json_t *root, const char *part) {
-    loom_tokenizer *t = (loom_tokenizer *)0x1;
-    assert_int_equal(load_json(root, &t), LOOM_ERR_FORMAT);
-    assert_null(t);
-    IO_ASSERT_MSG(part);
-    IO_ASSERT_MSG("hf-tok.json");
-}
 
 /* Layouts of real files: unused ids (GPT-4's), special tokens in the
  * vocabulary as written (DeepSeek's), an empty normalizer Sequence, a Split
@@ -448,8 +508,8 @@ static void test_refusals(void **state) {
     json_object_set_new(r, "normalizer", json_pack("{s:s}", "type", "NFC"));
     refused(r, "normalizer (\"NFC\")");
     r = sp_file();
-    json_object_set_new(r, "pre_tokenizer", json_pack("{s:s}", "type", "Metaspace"));
-    refused(r, "SentencePiece-style BPE with a pre-tokenizer (\"Metaspace\")");
+    json_object_set_new(r, "pre_tokenizer", json_pack("{s:s}", "type", "WhitespaceSplit"));
+    refused(r, "SentencePiece-style BPE with a pre-tokenizer (\"WhitespaceSplit\")");
     r = sp_file(); /* a split on what the normalizer no longer leaves is read (Gemma's); on anything else not */
     json_object_set_new(r, "pre_tokenizer", json_pack("{s:s, s:{s:s}, s:s}", "type", "Split", "pattern", "String", " ",
                                                       "behavior", "MergedWithPrevious"));
@@ -536,6 +596,7 @@ int main(void) {
         cmocka_unit_test(test_merge_order),
         cmocka_unit_test(test_sentencepiece_style),
         cmocka_unit_test(test_added_tokens_in_text),
+        cmocka_unit_test(test_metaspace),
         cmocka_unit_test(test_normalizer_edges),
         cmocka_unit_test(test_refusals),
     };

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Hugging Face tokenizer.json files (byte-level BPE) in loom.
+# Hugging Face tokenizer.json files (byte-level and SentencePiece-style BPE) in loom.
 #  - tests/python/hf_tokenizer_check.py: loom's ids equal those of an
 #    encoder written in the test, for GPT-2-, StarCoder-, Llama-3-style
 #    (shuffled ids, a Split expression, ignore_merges, a template's
