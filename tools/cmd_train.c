@@ -113,11 +113,7 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
         if (o->config) {
             LOOM_TRY(loom_llama_config_load(o->config, &want));
             if (!loom_llama_config_same_weights(&want, &cfg) || want.max_seq != cfg.max_seq ||
-                want.rope_theta != cfg.rope_theta || want.norm_eps != cfg.norm_eps ||
-                want.rope_type != cfg.rope_type || want.rope_factor != cfg.rope_factor ||
-                want.rope_low_freq_factor != cfg.rope_low_freq_factor ||
-                want.rope_high_freq_factor != cfg.rope_high_freq_factor ||
-                want.rope_original_max_pos != cfg.rope_original_max_pos)
+                want.norm_eps != cfg.norm_eps || !loom_llama_config_same_rope(&want, &cfg))
                 return loom_error(LOOM_ERR_INVALID, "--config %s describes another model than the checkpoint %s; "
                                   "drop --config when resuming", o->config, resume_dir);
         }

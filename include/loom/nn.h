@@ -52,6 +52,8 @@ loom_status loom_llama_config_validate(const loom_llama_config *cfg);
  * heads, ffn, vocabulary, tying), so weights of one load into the other;
  * max_seq, the RoPE and norm_eps are not compared. */
 int loom_llama_config_same_weights(const loom_llama_config *a, const loom_llama_config *b);
+/* 1 when a and b have the same RoPE: theta and every scaling field. */
+int loom_llama_config_same_rope(const loom_llama_config *a, const loom_llama_config *b);
 
 typedef struct loom_llama_layer {
     loom_param *attn_norm, *wq, *wk, *wv, *wo, *mlp_norm, *w_gate, *w_up, *w_down;

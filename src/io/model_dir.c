@@ -161,10 +161,7 @@ static loom_status get_rope(json_t *root, const char *path, loom_llama_config *c
     LOOM_TRY(get_float(rp, path, "rope_theta", &v5.rope_theta));
     LOOM_TRY(parse_rope_scaling(rp, path, "rope_parameters", &v5));
     int said = json_object_get(root, "rope_theta") || (rs && !json_is_null(rs));
-    if (said && (v5.rope_theta != c->rope_theta || v5.rope_type != c->rope_type || v5.rope_factor != c->rope_factor ||
-                 v5.rope_low_freq_factor != c->rope_low_freq_factor ||
-                 v5.rope_high_freq_factor != c->rope_high_freq_factor ||
-                 v5.rope_original_max_pos != c->rope_original_max_pos))
+    if (said && !loom_llama_config_same_rope(&v5, c))
         return loom_error(LOOM_ERR_FORMAT, "%s: rope_parameters and rope_theta/rope_scaling disagree", path);
     *c = v5;
     return LOOM_OK;

@@ -343,12 +343,17 @@ typedef struct enc_out {
     int at_start; /* nothing of the text is encoded yet (Metaspace's "first") */
 } enc_out;
 
+/* Append k ids (counted all, stored while there is room). */
+static void emit_ids(enc_out *o, const int32_t *ids, size_t k) {
+    for (size_t i = 0; i < k; i++, o->count++)
+        if (o->count < o->capacity) o->ids[o->count] = ids[i];
+}
+
 static loom_status emit_chunk(loom_tokenizer *tok, const unsigned char *s, size_t n, enc_out *o) {
     const int32_t *ids;
     size_t m;
     LOOM_TRY(chunk_ids(tok, s, n, &ids, &m));
-    for (size_t i = 0; i < m; i++, o->count++)
-        if (o->count < o->capacity) o->ids[o->count] = ids[i];
+    emit_ids(o, ids, m);
     return LOOM_OK;
 }
 
@@ -490,8 +495,7 @@ static loom_status split_added(loom_tokenizer *tok, const unsigned char *s, size
             continue;
         }
         if (i > start) LOOM_TRY(piece(tok, s + start, i - start, o));
-        if (o->count < o->capacity) o->ids[o->count] = tok->added[t].id;
-        o->count++;
+        emit_ids(o, &tok->added[t].id, 1);
         o->cont = o->at_start = 0;
         i += tok->added[t].len;
         start = i;
@@ -531,8 +535,7 @@ static loom_status sp_piece(loom_tokenizer *tok, const unsigned char *a, size_t 
     loom_status st = LOOM_OK;
     if ((k = bpe_queue(tok, ids, k)) == SIZE_MAX)
         st = loom_error(LOOM_ERR_NOMEM, "out of memory encoding %zu bytes", n);
-    for (size_t i = 0; st == LOOM_OK && i < k; i++, o->count++)
-        if (o->count < o->capacity) o->ids[o->count] = ids[i];
+    if (st == LOOM_OK) emit_ids(o, ids, k);
     free(ids);
     return st;
 }

@@ -262,13 +262,29 @@ static loom_status count_ids(hf_load *L, json_t *vocab, json_t *added, int *voca
  * Fills tok_off, arena, special, byte_id, and the whole-piece map. */
 enum { ID_NONE, ID_SPELLED, ID_RAW };
 
+/* The bytes of a token of this kind from its string: a vocabulary string
+ * decoded, an added token's as written, none for an unused id. Returns the
+ * count; dst NULL only counts. */
+static size_t token_text(const hf_load *L, int kind, const char *s, char *dst) {
+    if (kind == ID_RAW) {
+        size_t n = strlen(s);
+        if (dst) memcpy(dst, s, n);
+        return n;
+    }
+    if (kind != ID_SPELLED) return 0;
+    return L->sp ? sp_bytes(s, dst) : (size_t)spell_bytes(L, s, strlen(s), dst);
+}
+
 static loom_status token_bytes(hf_load *L, json_t *vocab, json_t *added) {
     loom_tokenizer *tok = L->tok;
     size_t V = (size_t)tok->vocab_size;
     const char **src = calloc(V, sizeof *src);   /* id -> its string in the file */
     const char **extra = calloc(V, sizeof *extra); /* id -> an added token's content */
     unsigned char *kind = calloc(V, 1);
-    loom_status st = src && extra && kind ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "out of memory loading '%s'", L->path);
+    if (json_array_size(added)) tok->added = calloc(json_array_size(added), sizeof *tok->added);
+    loom_status st = src && extra && kind && (tok->added || !json_array_size(added))
+                         ? LOOM_OK
+                         : loom_error(LOOM_ERR_NOMEM, "out of memory loading '%s'", L->path);
     size_t i;
     json_t *v;
     json_array_foreach(added, i, v) {
@@ -283,8 +299,6 @@ static loom_status token_bytes(hf_load *L, json_t *vocab, json_t *added) {
         if (!unset(v, "lstrip") || !unset(v, "rstrip") || !unset(v, "single_word"))
             st = hf_bad(L->path, "added token \"%s\" strips spaces or matches single words only, which loom does "
                         "not support", c);
-        else if (!(tok->added = tok->added ? tok->added : calloc(json_array_size(added), sizeof *tok->added)))
-            st = loom_error(LOOM_ERR_NOMEM, "out of memory loading '%s'", L->path);
         else {
             /* a normalized one is found in normalized text, as its content normalized (Hugging Face's
              * default for a token that is not special); without a normalizer that is the content */
@@ -328,20 +342,11 @@ static loom_status token_bytes(hf_load *L, json_t *vocab, json_t *added) {
             kind[id] = ID_RAW;
         }
         if (!src[id]) tok->special[id] = 1; /* no token: empty, never made */
-        size_t n = kind[id] == ID_RAW ? strlen(src[id])
-                   : kind[id] != ID_SPELLED ? 0
-                   : L->sp ? sp_bytes(src[id], NULL)
-                           : (size_t)spell_bytes(L, src[id], strlen(src[id]), NULL);
-        tok->tok_off[id + 1] = tok->tok_off[id] + n;
+        tok->tok_off[id + 1] = tok->tok_off[id] + token_text(L, kind[id], src[id], NULL);
     }
     if (st == LOOM_OK && !(tok->arena = malloc(tok->tok_off[V] + 1)))
         st = loom_error(LOOM_ERR_NOMEM, "out of memory loading '%s'", L->path);
-    for (size_t id = 0; st == LOOM_OK && id < V; id++) {
-        char *dst = tok->arena + tok->tok_off[id];
-        if (kind[id] == ID_SPELLED && L->sp) sp_bytes(src[id], dst);
-        else if (kind[id] == ID_SPELLED) spell_bytes(L, src[id], strlen(src[id]), dst);
-        else if (kind[id] == ID_RAW) memcpy(dst, src[id], strlen(src[id]));
-    }
+    for (size_t id = 0; st == LOOM_OK && id < V; id++) token_text(L, kind[id], src[id], tok->arena + tok->tok_off[id]);
     for (int b = 0; st == LOOM_OK && b < 256; b++) {
         char s[8] = {L->bc.s[b][0], L->bc.len[b] > 1 ? L->bc.s[b][1] : 0, 0};
         if (L->sp) snprintf(s, sizeof s, "<0x%02X>", b);

@@ -65,6 +65,12 @@ int loom_llama_config_same_weights(const loom_llama_config *a, const loom_llama_
            a->tie_embeddings == b->tie_embeddings;
 }
 
+int loom_llama_config_same_rope(const loom_llama_config *a, const loom_llama_config *b) {
+    return a->rope_theta == b->rope_theta && a->rope_type == b->rope_type && a->rope_factor == b->rope_factor &&
+           a->rope_low_freq_factor == b->rope_low_freq_factor &&
+           a->rope_high_freq_factor == b->rope_high_freq_factor && a->rope_original_max_pos == b->rope_original_max_pos;
+}
+
 loom_status loom_llama_config_validate(const loom_llama_config *c) {
     if (c->dim <= 0 || c->n_layers <= 0 || c->n_heads <= 0 || c->n_kv_heads <= 0 || c->ffn_dim <= 0 ||
         c->vocab_size <= 0 || c->max_seq <= 0)

@@ -22,6 +22,11 @@ small_config() { # $1 path, $2 vocab
  "rope_theta": 10000.0, "rms_norm_eps": 1e-5}
 JSON
 }
+# small_config's file $2 with more fields ($3, JSON members), written to $1.
+config_plus() {
+  sed "s/\"rms_norm_eps\": 1e-5}/\"rms_norm_eps\": 1e-5, $3}/" "$2" > "$1"
+  grep -qF "$3" "$1" || fail "config_plus: $2 is not small_config's"
+}
 make_data() { # $1 dir
   "$LOOM" tokenize --train $(corpus) --vocab 512 --in $(corpus) --out "$1" --val-fraction 0.1 2>"$WORK/tokenize.log"
 }

@@ -65,7 +65,7 @@ done
 
 # Tied embeddings (one parameter used at both ends of the model): the same
 # gradients under every recompute mode.
-sed 's/"rms_norm_eps": 1e-5}/"rms_norm_eps": 1e-5, "tie_word_embeddings": true}/' "$WORK/cfg.json" > "$WORK/tied.json"
+config_plus "$WORK/tied.json" "$WORK/cfg.json" '"tie_word_embeddings": true'
 grep -q '"tie_word_embeddings": true' "$WORK/tied.json" || fail "no tied config"
 for pm in "bf16 on" "fp16 off"; do
   ref=""

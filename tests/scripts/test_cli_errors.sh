@@ -64,26 +64,26 @@ echo '{"hidden_size": 64, "num_hidden_layers": 2' > "$WORK/broken.json"
 expect_error "broken.json" "$LOOM" train --data "$WORK/data" --config "$WORK/broken.json"
 echo '{"hidden_size": 65, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 8, "vocab_size": 512}' > "$WORK/odd.json"
 expect_error "heads" "$LOOM" train --data "$WORK/data" --config "$WORK/odd.json"
-sed 's/"rms_norm_eps": 1e-5}/"rms_norm_eps": 1e-5, "rope_scaling": {"type": "dynamic", "factor": 2.0}}/' "$WORK/cfg.json" > "$WORK/scaled.json"
+config_plus "$WORK/scaled.json" "$WORK/cfg.json" '"rope_scaling": {"type": "dynamic", "factor": 2.0}'
 expect_error 'rope_scaling "dynamic" is not supported' "$LOOM" train --data "$WORK/data" --config "$WORK/scaled.json"
-sed 's/"rms_norm_eps": 1e-5}/"rms_norm_eps": 1e-5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0, "original_max_position_embeddings": 64}}/' "$WORK/cfg.json" > "$WORK/scaled.json"
+config_plus "$WORK/scaled.json" "$WORK/cfg.json" '"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0, "original_max_position_embeddings": 64}'
 expect_error "rope_scaling: .*low_freq_factor" "$LOOM" train --data "$WORK/data" --config "$WORK/scaled.json"
-sed 's/"rms_norm_eps": 1e-5}/"rms_norm_eps": 1e-5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}/' "$WORK/cfg.json" > "$WORK/scaled.json"
+config_plus "$WORK/scaled.json" "$WORK/cfg.json" '"rope_scaling": {"rope_type": "llama3", "factor": 8.0}'
 expect_error "low_freq_factor" "$LOOM" train --data "$WORK/data" --config "$WORK/scaled.json"
-sed 's/"rms_norm_eps": 1e-5}/"rms_norm_eps": 1e-5, "model_type": "qwen2"}/' "$WORK/cfg.json" > "$WORK/qwen.json"
+config_plus "$WORK/qwen.json" "$WORK/cfg.json" '"model_type": "qwen2"'
 expect_error 'model_type "qwen2" is not a LLaMA model' "$LOOM" train --data "$WORK/data" --config "$WORK/qwen.json"
 # Mistral's sliding window caps the context (the same as full attention up to it).
-sed 's/"rms_norm_eps": 1e-5}/"rms_norm_eps": 1e-5, "model_type": "mistral", "sliding_window": 16}/' "$WORK/cfg.json" > "$WORK/mistral.json"
+config_plus "$WORK/mistral.json" "$WORK/cfg.json" '"model_type": "mistral", "sliding_window": 16'
 expect_usage "seq|context|16" "$LOOM" train --data "$WORK/data" --config "$WORK/mistral.json" --batch 2 --seq 32
 "$LOOM" train --data "$WORK/data" --config "$WORK/mistral.json" --batch 2 --seq 16 --steps 1 --eval-every 0 \
   --out "$WORK/mistral" >/dev/null 2>"$WORK/mistral.log" || { cat "$WORK/mistral.log"; fail "a Mistral config within its window"; }
 grep -q '"max_position_embeddings": 16' "$WORK/mistral/model/config.json" || fail "the window did not cap the context"
-sed 's/"rms_norm_eps": 1e-5}/"rms_norm_eps": 1e-5, "sliding_window": 1.5}/' "$WORK/cfg.json" > "$WORK/mistral.json"
+config_plus "$WORK/mistral.json" "$WORK/cfg.json" '"sliding_window": 1.5'
 expect_error "sliding_window must be a positive integer" "$LOOM" train --data "$WORK/data" --config "$WORK/mistral.json"
 # transformers v5 keeps theta and the scaling in rope_parameters; with the old fields too they must agree.
-sed 's/"rms_norm_eps": 1e-5}/"rms_norm_eps": 1e-5, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "yarn", "factor": 4.0}}/' "$WORK/cfg.json" > "$WORK/v5.json"
+config_plus "$WORK/v5.json" "$WORK/cfg.json" '"rope_parameters": {"rope_theta": 500000.0, "rope_type": "yarn", "factor": 4.0}'
 expect_error 'rope_parameters "yarn" is not supported' "$LOOM" train --data "$WORK/data" --config "$WORK/v5.json"
-sed 's/"rms_norm_eps": 1e-5}/"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}}/' "$WORK/cfg.json" > "$WORK/v5.json"
+config_plus "$WORK/v5.json" "$WORK/cfg.json" '"rope_theta": 10000.0, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}'
 expect_error "rope_parameters and rope_theta/rope_scaling disagree" "$LOOM" train --data "$WORK/data" --config "$WORK/v5.json"
 # Optional fields set to null take their defaults, as in Hugging Face's
 # LlamaConfig ("num_key_value_heads": null: one kv head per attention head);

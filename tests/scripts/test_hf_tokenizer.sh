@@ -38,9 +38,8 @@ grep -q "each document starts with <|begin_of_text|> (id [0-9]*) and ends with <
   { cat "$WORK/tok.log"; fail "tokenize does not say how documents are framed"; }
 vocab=$(/usr/bin/python3 -c "import json,sys; print(max(json.load(open(sys.argv[1]))['model']['vocab'].values()) + 1)" "$hf")
 # Shaped as Llama 3.2 is: tied embeddings and Llama 3.1's RoPE scaling.
-small_config "$WORK/config.json" "$vocab"
-sed -i 's/"rms_norm_eps": 1e-5}/"rms_norm_eps": 1e-5, "tie_word_embeddings": true, "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}/' "$WORK/config.json"
-grep -q llama3 "$WORK/config.json" || fail "the config has no rope_scaling"
+small_config "$WORK/plain.json" "$vocab"
+config_plus "$WORK/config.json" "$WORK/plain.json" '"tie_word_embeddings": true, "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}'
 "$LOOM" train --data "$WORK/data" --config "$WORK/config.json" --steps 3 --batch 2 --seq 32 --eval-every 0 \
   --out "$WORK/run" 2>"$WORK/train.log" || { cat "$WORK/train.log"; fail "train"; }
 cmp -s "$hf" "$WORK/run/model/tokenizer.json" || fail "the model directory's tokenizer.json is not the data's"
