@@ -146,6 +146,14 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
     if (o->init && !resume_dir) {
         LOOM_TRY(loom_model_dir_load_weights(t->m, o->init));
     }
+    if (o->lora) { /* after the weights, before the plan and the optimizer */
+        loom_lora_config lc = {o->lora, o->lora_alpha > 0.0f ? o->lora_alpha : (float)o->lora, o->lora_target_set};
+        loom_status st = loom_llama_add_lora(t->m, &lc, (uint64_t)o->seed);
+        if (st != LOOM_OK) {
+            t->usage = st == LOOM_ERR_INVALID;
+            return st;
+        }
+    }
     if (o->recompute_budget > 0.0f) { /* before the optimizer: its hooks must not see the probes */
         loom_recompute_plan plan;
         double bytes = (double)o->recompute_budget * 1048576.0;
@@ -168,7 +176,9 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
     }
     loom_adamw_config ac = loom_adamw_defaults();
     ac.weight_decay = o->weight_decay;
-    return loom_dist_optim_new(&ac, t->m->params, t->m->n_params, &t->dist, o->zero, (size_t)o->bucket_size, &t->opt);
+    int first = train_first_trainable(t->m);
+    return loom_dist_optim_new(&ac, t->m->params + first, t->m->n_params - first, &t->dist, o->zero,
+                               (size_t)o->bucket_size, &t->opt);
 }
 
 static loom_status open_data(trainer *t) {
@@ -620,6 +630,14 @@ static void print_summary(const trainer *t, loom_precision prec, loom_recompute_
             prec.master_grad ? "on" : "off", loom_recompute_mode_name(mode), blocks, o->grad_accum, o->batch, o->seq,
             loom_get_threads(), t->dist.world_size, t->dist.world_size == 1 ? "" : "s", t->dist.tp_size,
             t->dist.dp_size, o->zero ? ", ZeRO-1" : "");
+    if (t->m->lora.rank) {
+        char targets[64];
+        int64_t trainable = 0;
+        for (int i = t->m->n_base; i < t->m->n_params; i++) trainable += loom_param_numel(t->m->params[i]);
+        loom_lora_targets_format(t->m->lora.targets, targets, sizeof targets);
+        fprintf(stderr, "train: LoRA rank %d, alpha %g on %s: %lld trainable parameters, the model's own frozen\n",
+                t->m->lora.rank, (double)t->m->lora.alpha, targets, (long long)trainable);
+    }
     loom_mem_stats ms;
     loom_mem_get_stats(&ms);
     const double mib = 1 << 20;
@@ -669,7 +687,12 @@ static int run(int argc, char **argv) {
         {"recompute-budget", FLAG_FLOAT, &o->recompute_budget, "MIB",
          "recompute the fewest blocks (full, or --recompute selective) that keep a step's activations within MIB, "
          "measured by probe steps at start (default 0: no plan)"},
-        {"seed", FLAG_INT, &o->seed, "N", "seed for initialisation (default 1337)"},
+        {"lora", FLAG_INT, &o->lora, "R", "LoRA: freeze the model's weights and train rank-R adapters on the "
+                                          "--lora-targets linears; the saved model has them merged (default 0: off)"},
+        {"lora-alpha", FLAG_FLOAT, &o->lora_alpha, "A", "LoRA: the adapters' output is scaled by A/R (default R)"},
+        {"lora-targets", FLAG_STRING, &o->lora_targets, "LIST",
+         "LoRA: the linears adapted, from q,k,v,o,gate,up,down, or all (default all)"},
+        {"seed", FLAG_INT, &o->seed, "N", "seed for initialisation and LoRA's A (default 1337)"},
         {"threads", FLAG_INT, &o->threads, "N", "OpenMP threads (default: OMP_NUM_THREADS, else the cores this process may use)"},
         {"eval-every", FLAG_INT, &o->eval_every, "N", "validation loss every N steps; 0 disables (default 50)"},
         {"eval-batches", FLAG_INT, &o->eval_batches, "N", "validation batches per evaluation (default 4)"},
@@ -709,6 +732,16 @@ static int run(int argc, char **argv) {
     if (o->recompute_mode && strcmp(o->recompute, "full") && !(o->recompute_budget > 0.0f && !strcmp(o->recompute, "none")))
         fprintf(stderr, "train: note: --recompute-mode applies to --recompute full; with %s it changes nothing\n",
                 o->recompute);
+    if (o->lora < 0) return cli_usage_error("train", "--lora expects a rank >= 1 (0: off), got %d", o->lora);
+    if (!o->lora && (o->lora_alpha != 0.0f || o->lora_targets))
+        return cli_usage_error("train", "--%s applies to LoRA: give --lora RANK too",
+                               o->lora_targets ? "lora-targets" : "lora-alpha");
+    if (o->lora_alpha < 0.0f) return cli_usage_error("train", "--lora-alpha must be above 0, got %g", (double)o->lora_alpha);
+    if (o->lora && loom_lora_targets_parse(o->lora_targets ? o->lora_targets : "all", &o->lora_target_set) != LOOM_OK)
+        return cli_usage_error("train", "--lora-targets: %s", loom_last_error());
+    if (o->lora && o->tp > 1)
+        return cli_usage_error("train", "--lora with --tp %d: LoRA runs without tensor parallelism; data parallelism "
+                               "(more ranks, --tp 1) works", o->tp);
     if (!o->preset) o->preset = "tiny";
     if (!o->recompute_mode) o->recompute_mode = "nonreentrant";
     if (loom_lr_schedule_parse(o->schedule, &o->sched) != LOOM_OK)

@@ -22,6 +22,10 @@ typedef struct train_opts {
     double decay_frac;    /* wsd: the share of the steps that decays */
     loom_lr_schedule sched;
     float recompute_budget; /* MiB of activations a step may use; 0: no plan */
+    int lora;               /* LoRA rank; 0: train every weight */
+    float lora_alpha;       /* 0: the rank (a scale of 1) */
+    const char *lora_targets;
+    unsigned lora_target_set;
 } train_opts;
 
 typedef struct trainer {
@@ -46,6 +50,10 @@ typedef struct trainer {
     int interrupted;    /* the signal that stopped training early (checkpoint saved), or 0 */
     int usage;          /* the failure is a flag the model cannot take (exit 2, not 1) */
 } trainer;
+
+/* The optimizer's parameters are m->params[first ..): all of them, or a
+ * LoRA model's adapters (its own weights are frozen). */
+static inline int train_first_trainable(const loom_llama *m) { return m->lora.rank ? m->n_base : 0; }
 
 /* Write checkpoint <out>/ckpt-<step> (every rank takes part; the ranks of
  * data-parallel group 0 write), then prune to --keep. Nothing when this step

@@ -134,13 +134,14 @@ loom_status train_save_checkpoint(trainer *t) {
     loom_status st = mm && vv ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
     if (st == LOOM_OK) st = loom_dist_optim_unshard_masters(t->opt); /* ZeRO-1: whole masters for the file */
     if (st == LOOM_OK) st = check_masters_finite(t, dir);
-    for (int i = 0; i < m->n_params && st == LOOM_OK; i++) {
+    int first = train_first_trainable(m); /* frozen weights have no moments */
+    for (int i = first; i < m->n_params && st == LOOM_OK; i++) {
         size_t n = (size_t)loom_param_numel(m->params[i]);
         mm[i] = malloc(n * sizeof(float) + 1);
         vv[i] = malloc(n * sizeof(float) + 1);
         if (!mm[i] || !vv[i]) st = loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
     }
-    if (st == LOOM_OK) st = loom_dist_optim_get_moments(t->opt, mm, vv);
+    if (st == LOOM_OK) st = loom_dist_optim_get_moments(t->opt, mm + first, vv + first);
     if (st == LOOM_OK && t->dist.dp_rank == 0)
         st = loom_checkpoint_save(dir, m, mm, vv, loom_dist_optim_steps(t->opt), &t->state,
                                   t->has_tokenizer ? t->tokenizer_path : NULL);
@@ -161,7 +162,8 @@ loom_status train_restore(trainer *t, const char *dir) {
     loom_llama *m = t->m;
     float **mm = calloc((size_t)m->n_params, sizeof *mm), **vv = calloc((size_t)m->n_params, sizeof *vv);
     loom_status st = mm && vv ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "resume: out of memory");
-    for (int i = 0; i < m->n_params && st == LOOM_OK; i++) {
+    int first = train_first_trainable(m); /* frozen weights have no moments */
+    for (int i = first; i < m->n_params && st == LOOM_OK; i++) {
         size_t n = (size_t)loom_param_numel(m->params[i]);
         mm[i] = malloc(n * sizeof(float) + 1);
         vv[i] = malloc(n * sizeof(float) + 1);
@@ -171,7 +173,8 @@ loom_status train_restore(trainer *t, const char *dir) {
     if (st == LOOM_OK) st = loom_dist_optim_unshard_masters(t->opt);
     if (st == LOOM_OK) st = loom_checkpoint_load(dir, m, mm, vv, &adam_steps, &t->state);
     if (st == LOOM_OK) st = loom_dist_optim_reshard_masters(t->opt);
-    if (st == LOOM_OK) loom_dist_optim_set_moments(t->opt, (const float *const *)mm, (const float *const *)vv);
+    if (st == LOOM_OK)
+        loom_dist_optim_set_moments(t->opt, (const float *const *)(mm + first), (const float *const *)(vv + first));
     loom_dist_optim_set_steps(t->opt, adam_steps);
     for (int i = 0; i < m->n_params; i++) { if (mm) free(mm[i]); if (vv) free(vv[i]); }
     free(mm);

@@ -83,8 +83,14 @@ void *loom_param_grad_target(loom_param *p, loom_dtype *dt);
 /* Accumulate a gradient tensor g (any dtype, p's shape) into p. Counts one
  * contribution. */
 loom_status loom_param_accumulate(loom_param *p, const loom_tensor *g);
-/* Copy p's gradient out as n floats. */
+/* Copy p's gradient out as n floats (zeros for a frozen parameter). */
 void loom_param_read_grad(const loom_param *p, float *dst);
+/* Freeze p: it receives no gradient from now on (ops skip its gradient,
+ * the optimizer and the audit pass it by) and its gradient buffer is freed
+ * (grad becomes NULL). Values, compute copy and master stay. For a
+ * parameter whose gradient lives in a buffer someone else owns (data
+ * parallelism's flat buffer), LOOM_ERR_STATE: freeze before that is made. */
+loom_status loom_param_freeze(loom_param *p);
 
 /* ----------------------------------------------------- function interface */
 

@@ -48,11 +48,14 @@ loom_status loom_llama_config_load(const char *path, loom_llama_config *cfg);
 loom_status loom_llama_config_save(const loom_llama_config *cfg, loom_dtype weights_dtype, const char *path);
 
 /* Write weights as safetensors with Hugging Face names, stored in dtype dt
- * (from the fp32 masters, gathered over the TP group). Atomic. path NULL:
- * only take part in the gathers. */
+ * (from the fp32 masters, gathered over the TP group; a LoRA model's
+ * adapters merged into the weights they adapt, W + (alpha / rank) B A, and
+ * not written themselves). Atomic. path NULL: only take part in the
+ * gathers. */
 loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *path);
 /* Load weights (any float dtype in the file) into masters and compute
- * copies; every parameter must be present with the model's shape (the
+ * copies (a LoRA model's own weights; its adapters are left as they are);
+ * every parameter must be present with the model's shape (the
  * message names the tensor, the file and both shapes). lm_head.weight may be
  * absent when embeddings are tied. */
 loom_status loom_llama_load_weights(loom_llama *m, const char *path);
@@ -139,13 +142,20 @@ typedef struct loom_train_state {
  * LOOM_ERR_INVALID and nothing is written): a model directory plus
  * state.safetensors
  * with fp32 masters, the AdamW moments adam_m[i], adam_v[i] (this rank's
- * shard of parameter i, numel floats each) and the state. With tensor
+ * shard of parameter i, numel floats each; not read for a frozen
+ * parameter, which may pass NULL) and the state. A LoRA model's directory
+ * holds the merged weights, its state the unmerged masters, the adapters'
+ * masters and moments, and the LoRA setting (metadata "lora"). With tensor
  * parallelism every rank of the TP group calls it (tensors are gathered);
  * TP rank 0 writes. The files hold full tensors, whatever the layout. */
 loom_status loom_checkpoint_save(const char *dir, loom_llama *m, float *const *adam_m, float *const *adam_v,
                                  int adam_steps, const loom_train_state *st, const char *tokenizer_path);
 /* Restore masters, compute copies, moments and state from `dir` into a model
- * of the same configuration (any TP layout: each rank takes its shard). */
+ * of the same configuration (any TP layout: each rank takes its shard).
+ * Moments are not read for frozen parameters (adam_m[i] may be NULL). A
+ * checkpoint of a LoRA run loads only into a model with the same adapters
+ * (loom_llama_add_lora first), and one without into a model without:
+ * LOOM_ERR_INVALID, naming both settings. */
 loom_status loom_checkpoint_load(const char *dir, loom_llama *m, float *const *adam_m, float *const *adam_v,
                                  int *adam_steps, loom_train_state *st);
 

@@ -55,9 +55,41 @@ int loom_llama_config_same_weights(const loom_llama_config *a, const loom_llama_
 /* 1 when a and b have the same RoPE: theta and every scaling field. */
 int loom_llama_config_same_rope(const loom_llama_config *a, const loom_llama_config *b);
 
+/* The seven linears of a block that LoRA can adapt, in Hugging Face's
+ * order (PEFT's target_modules names: q_proj .. down_proj). */
+typedef enum loom_lora_target {
+    LOOM_LORA_Q, LOOM_LORA_K, LOOM_LORA_V, LOOM_LORA_O, LOOM_LORA_GATE, LOOM_LORA_UP, LOOM_LORA_DOWN, LOOM_LORA_N
+} loom_lora_target;
+
 typedef struct loom_llama_layer {
     loom_param *attn_norm, *wq, *wk, *wv, *wo, *mlp_norm, *w_gate, *w_up, *w_down;
+    /* LoRA adapters of the linears (NULL: none): A (rank, in), B (out, rank). */
+    loom_param *lora_a[LOOM_LORA_N], *lora_b[LOOM_LORA_N];
 } loom_llama_layer;
+
+/* The weight of linear t of a layer (wq .. w_down). */
+loom_param *loom_llama_layer_weight(const loom_llama_layer *y, loom_lora_target t);
+
+/* LoRA (Hu et al., 2021, as PEFT computes it): each targeted linear
+ * y = x W^T becomes y = x W^T + (alpha / rank) (x A^T) B^T with W frozen
+ * and A, B trained; A starts uniform in +-1/sqrt(in) (PEFT's Kaiming
+ * uniform), B at zero, so training starts from the base model exactly.
+ * targets is a bit set of (1 << loom_lora_target); rank 0 means no LoRA. */
+typedef struct loom_lora_config {
+    int rank;
+    float alpha;
+    unsigned targets;
+} loom_lora_config;
+
+#define LOOM_LORA_ALL ((1u << LOOM_LORA_N) - 1u)
+
+/* "q,k,v,o,gate,up,down" (any of them, comma-separated, or "all") into a
+ * target set. Errors: LOOM_ERR_INVALID naming the unknown entry. */
+loom_status loom_lora_targets_parse(const char *s, unsigned *targets);
+/* The set as that list ("q,v"), into buf (n bytes). */
+void loom_lora_targets_format(unsigned targets, char *buf, size_t n);
+/* "q_proj" .. "down_proj". */
+const char *loom_lora_target_name(loom_lora_target t);
 
 typedef struct loom_llama loom_llama;
 
@@ -90,8 +122,10 @@ struct loom_llama {
     loom_llama_recompute recompute;
     loom_param *embed, *final_norm, *lm_head; /* lm_head == embed when tied */
     loom_llama_layer *layers;
-    loom_param **params;  /* every parameter, in Hugging Face order */
+    loom_param **params;  /* every parameter: the base ones in Hugging Face order, then any LoRA adapters */
     int n_params;
+    int n_base;           /* params[0 .. n_base) are the model's own; the rest are LoRA adapters */
+    loom_lora_config lora; /* rank 0: no adapters */
     /* The blocks' region arguments, one set per (batch, sequence) shape a
      * forward has used, kept until the model is freed: a replay reads them
      * long after its forward. */
@@ -155,6 +189,24 @@ void loom_llama_zero_grad(loom_llama *m);
  * the message gives both peaks), LOOM_ERR_NOMEM. */
 loom_status loom_llama_plan_recompute(loom_llama *m, loom_recompute_mode mode, int B, int T, size_t budget,
                                       loom_recompute_plan *plan);
+
+/* Add LoRA adapters (cfg: rank >= 1, alpha > 0, a non-empty target set) to
+ * every block of m and freeze the model's own parameters: they keep their
+ * values and compute copy (and the fp32 master), lose their gradient
+ * buffers, and take no optimizer state; the adapters, appended to m->params
+ * after n_base, are the trainable parameters, in the model's precision
+ * (fp32 masters and main_grad under master-grad). A drawn from (seed,
+ * adapter index). Forward, backward, every recompute mode and generation
+ * use the adapters; loom_model_dir_save writes the merged weights
+ * W + (alpha / rank) B A. Once per model; not with tensor parallelism.
+ * Errors: LOOM_ERR_INVALID (bad config, already added, tensor parallel),
+ * LOOM_ERR_NOMEM (the model is left without adapters). */
+loom_status loom_llama_add_lora(loom_llama *m, const loom_lora_config *cfg, uint64_t seed);
+/* Base parameter i's full fp32 values with its adapter merged in (W +
+ * (alpha / rank) B A; the plain values for a parameter without one). */
+loom_status loom_llama_param_merged(loom_llama *m, int i, float *full);
+/* The adapter pair of base parameter i, or 0 (a, b untouched) when it has none. */
+int loom_llama_lora_of(const loom_llama *m, int i, loom_param **a, loom_param **b);
 
 /* ------------------------------------------------------------ generation */
 

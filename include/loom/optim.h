@@ -26,14 +26,16 @@ typedef struct loom_adamw loom_adamw;
 /* Defaults: beta1 0.9, beta2 0.95, eps 1e-8, weight decay 0.1. */
 loom_adamw_config loom_adamw_defaults(void);
 /* Moments for each of the n parameters (the array must stay the same,
- * in the same order, for every step). Free with loom_adamw_free. */
+ * in the same order, for every step); a frozen parameter gets none and is
+ * never stepped. Free with loom_adamw_free. */
 loom_status loom_adamw_new(const loom_adamw_config *cfg, loom_param *const *params, int n, loom_adamw **out);
 void loom_adamw_free(loom_adamw *opt);
 /* One step with learning rate lr; gradients are multiplied by
  * grad_multiplier first. Increments the step count. */
 loom_status loom_adamw_step(loom_adamw *opt, float lr, float grad_multiplier);
 int loom_adamw_steps(const loom_adamw *opt);
-/* Moments of parameter i (borrowed; numel floats each), for checkpoints. */
+/* Moments of parameter i (borrowed; numel floats each; NULL for a frozen
+ * one), for checkpoints. */
 float *loom_adamw_m(loom_adamw *opt, int i);
 float *loom_adamw_v(loom_adamw *opt, int i);
 void loom_adamw_set_steps(loom_adamw *opt, int steps);
@@ -58,6 +60,8 @@ void loom_adamw_set_steps(loom_adamw *opt, int steps);
  * already fold in 1/(dp_size) so that summed gradients are averages. */
 typedef struct loom_dist_optim loom_dist_optim;
 
+/* params: the trainable parameters only (a frozen one is refused,
+ * LOOM_ERR_INVALID: a LoRA model passes its adapters). */
 loom_status loom_dist_optim_new(const loom_adamw_config *cfg, loom_param *const *params, int n, const loom_dist *dist,
                                 int zero, size_t bucket_floats, loom_dist_optim **out);
 void loom_dist_optim_free(loom_dist_optim *o);

@@ -98,7 +98,7 @@ void loom_param_sync_from_master(loom_param *p) {
 }
 
 void loom_param_zero_grad(loom_param *p) {
-    memset(p->grad, 0, (size_t)loom_param_numel(p) * loom_dtype_size(p->grad_dtype));
+    if (p->grad) memset(p->grad, 0, (size_t)loom_param_numel(p) * loom_dtype_size(p->grad_dtype));
     p->uses = 0;
     p->contributions = 0;
     p->grad_written = 0;
@@ -127,7 +127,22 @@ loom_status loom_param_accumulate(loom_param *p, const loom_tensor *g) {
 }
 
 void loom_param_read_grad(const loom_param *p, float *dst) {
+    if (!p->grad) {
+        memset(dst, 0, (size_t)loom_param_numel(p) * sizeof(float));
+        return;
+    }
     loom_convert(dst, LOOM_F32, p->grad, p->grad_dtype, (size_t)loom_param_numel(p));
+}
+
+loom_status loom_param_freeze(loom_param *p) {
+    if (p->grad_borrowed)
+        return loom_error(LOOM_ERR_STATE, "parameter '%s': its gradient lives in a shared buffer (data "
+                          "parallelism); freeze it before that buffer is made", p->name);
+    p->trainable = 0;
+    loom_free(p->grad);
+    p->grad = NULL;
+    p->uses = p->contributions = p->grad_written = 0;
+    return LOOM_OK;
 }
 
 loom_status loom_grad_audit(loom_param *const *params, int n, char *report, size_t report_size) {

@@ -78,6 +78,14 @@ static loom_status gather_full(loom_llama *m, int i, const float *local, gathere
     return loom_llama_tp_gather(m, i, local, full);
 }
 
+/* A LoRA setting as train's flags spell it: "--lora 8 --lora-alpha 16
+ * --lora-targets q,v" (alpha in full, so equal settings compare equal). */
+static void lora_describe(const loom_lora_config *c, char *buf, size_t n) {
+    char targets[64];
+    loom_lora_targets_format(c->targets, targets, sizeof targets);
+    snprintf(buf, n, "--lora %d --lora-alpha %.9g --lora-targets %s", c->rank, (double)c->alpha, targets);
+}
+
 static loom_status write_state(const char *path, loom_llama *m, float *const *adam_m, float *const *adam_v,
                                int adam_steps, const loom_train_state *st) {
     loom_safetensors_writer *w;
@@ -92,7 +100,8 @@ static loom_status write_state(const char *path, loom_llama *m, float *const *ad
         int nd = p->tensor->ndim;
         const char *prefix[3] = {"master", "adam_m", "adam_v"};
         const float *local[3] = {loom_param_master(p), adam_m[i], adam_v[i]};
-        for (int k = 0; k < 3 && s == LOOM_OK; k++) {
+        int kinds = p->trainable ? 3 : 1; /* a frozen weight has no moments */
+        for (int k = 0; k < kinds && s == LOOM_OK; k++) {
             float *full = NULL;
             s = gather_full(m, i, local[k], &g, &full);
             snprintf(name, sizeof name, "%s.%s", prefix[k], p->name);
@@ -128,6 +137,11 @@ static loom_status write_state(const char *path, loom_llama *m, float *const *ad
     if (s == LOOM_OK && st->data_shard_name[0])
         s = loom_safetensors_writer_set_metadata(w, "data_shard_name", st->data_shard_name);
     if (s == LOOM_OK && st->optimizer[0]) s = loom_safetensors_writer_set_metadata(w, "optimizer", st->optimizer);
+    if (s == LOOM_OK && m->lora.rank) {
+        char lora[256];
+        lora_describe(&m->lora, lora, sizeof lora);
+        s = loom_safetensors_writer_set_metadata(w, "lora", lora);
+    }
     if (s == LOOM_OK && m->tp_rank == 0) s = loom_safetensors_writer_write(w, path);
     loom_safetensors_writer_free(w);
     gathered_free(&g);
@@ -213,15 +227,27 @@ loom_status loom_checkpoint_load(const char *dir, loom_llama *m, float *const *a
     loom_safetensors *sf;
     LOOM_TRY(loom_safetensors_open(path, &sf));
     loom_status s = LOOM_OK;
+    /* LoRA: the run must add the adapters the checkpoint was trained with. */
+    const char *saved = loom_safetensors_metadata(sf, "lora");
+    char mine[256] = "";
+    if (m->lora.rank) lora_describe(&m->lora, mine, sizeof mine);
+    if (saved && strcmp(saved, mine))
+        s = loom_error(LOOM_ERR_INVALID, "%s: the checkpoint trained LoRA adapters (%s) but this run %s%s; resume "
+                       "with the checkpoint's flags", path, saved, m->lora.rank ? "has " : "has none",
+                       m->lora.rank ? mine : "");
+    else if (!saved && m->lora.rank)
+        s = loom_error(LOOM_ERR_INVALID, "%s: the checkpoint has no LoRA adapters but this run has (%s); resume "
+                       "without --lora, or start a LoRA run from the checkpoint's weights with --init %s", path,
+                       mine, dir);
     char name[256];
     for (int i = 0; i < m->n_params && s == LOOM_OK; i++) {
         loom_param *p = m->params[i];
         snprintf(name, sizeof name, "master.%s", p->name);
         s = read_shard(sf, path, m, i, name, loom_param_master(p));
         snprintf(name, sizeof name, "adam_m.%s", p->name);
-        if (s == LOOM_OK) s = read_shard(sf, path, m, i, name, adam_m[i]);
+        if (s == LOOM_OK && p->trainable) s = read_shard(sf, path, m, i, name, adam_m[i]);
         snprintf(name, sizeof name, "adam_v.%s", p->name);
-        if (s == LOOM_OK) s = read_shard(sf, path, m, i, name, adam_v[i]);
+        if (s == LOOM_OK && p->trainable) s = read_shard(sf, path, m, i, name, adam_v[i]);
         if (s == LOOM_OK) loom_param_sync_from_master(p);
     }
     uint64_t v[10] = {0};

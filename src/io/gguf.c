@@ -398,7 +398,7 @@ loom_status loom_llama_save_gguf(loom_llama *m, loom_gguf_type type, const loom_
             st = loom_error(LOOM_ERR_NOMEM, "GGUF export: out of memory for %s", t[i].name);
             break;
         }
-        st = loom_llama_param_gather(m, t[i].param, 0, full);
+        st = loom_llama_param_merged(m, t[i].param, full); /* LoRA adapters merged in */
         if (st == LOOM_OK) st = io_check_finite(full, count, path, m->params[t[i].param]->name);
         const float *src = full;
         if (st == LOOM_OK && t[i].heads) {

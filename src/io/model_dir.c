@@ -245,12 +245,15 @@ loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *pa
     void **bufs = calloc((size_t)m->n_params, sizeof *bufs);
     float *full = NULL;
     loom_status st = bufs ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "save weights: out of memory");
-    for (int i = 0; i < m->n_params && st == LOOM_OK; i++) {
-        loom_param *p = m->params[i];
+    /* The model's own weights, LoRA adapters merged in (the adapters
+     * themselves are not Hugging Face tensors: a checkpoint keeps them). */
+    for (int i = 0; i < m->n_base && st == LOOM_OK; i++) {
+        loom_param *p = m->params[i], *a, *b;
         int64_t fs[2];
         loom_llama_param_full_shape(m, i, fs);
         size_t n = (size_t)(fs[0] * fs[1]);
-        if (m->tp_size == 1 && dt == LOOM_F32) { /* the fp32 masters as they are: borrowed until the write */
+        if (m->tp_size == 1 && dt == LOOM_F32 && !loom_llama_lora_of(m, i, &a, &b)) {
+            /* the fp32 masters as they are: borrowed until the write */
             st = loom_safetensors_writer_add(w, p->name, LOOM_SAFETENSORS_F32, fs, p->tensor->ndim,
                                              loom_param_master(p));
             continue;
@@ -258,7 +261,7 @@ loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *pa
         full = malloc(n * sizeof(float) + 1);
         bufs[i] = malloc(n * loom_dtype_size(dt) + 1);
         if (!full || !bufs[i]) { st = loom_error(LOOM_ERR_NOMEM, "save weights: out of memory"); break; }
-        st = loom_llama_param_gather(m, i, 0, full); /* collective over the TP group */
+        st = loom_llama_param_merged(m, i, full); /* collective over the TP group */
         if (st == LOOM_OK) loom_convert(bufs[i], dt, full, LOOM_F32, n);
         free(full);
         full = NULL;
@@ -296,7 +299,7 @@ loom_status loom_llama_load_weights(loom_llama *m, const char *path) {
     loom_safetensors *sf;
     LOOM_TRY(loom_safetensors_open(path, &sf));
     loom_status st = LOOM_OK;
-    for (int i = 0; i < m->n_params && st == LOOM_OK; i++) st = load_param(m, i, sf, path);
+    for (int i = 0; i < m->n_base && st == LOOM_OK; i++) st = load_param(m, i, sf, path);
     loom_safetensors_close(sf);
     return st;
 }
@@ -326,7 +329,7 @@ static loom_status load_sharded(loom_llama *m, const char *dir, const char *inde
     if (st == LOOM_OK && (!names || !files)) st = loom_error(LOOM_ERR_NOMEM, "load weights: out of memory");
     int n_files = 0;
     char path[4200];
-    for (int i = 0; i < m->n_params && st == LOOM_OK; i++) {
+    for (int i = 0; i < m->n_base && st == LOOM_OK; i++) {
         const char *name = m->params[i]->name;
         json_t *v = json_object_get(map, name);
         const char *file = json_is_string(v) ? json_string_value(v) : NULL;

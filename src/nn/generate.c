@@ -20,6 +20,7 @@ typedef struct kv_cache {
 
 typedef struct scratch {
     void *x, *h, *q, *k, *v, *att, *o, *g, *u; /* (T, ...) rows in dt */
+    void *lora;    /* (T, rank) in dt: x A^T of a LoRA adapter; NULL without adapters */
     float *rstd;  /* (T) */
     float *logits; /* (V) */
 } scratch;
@@ -28,8 +29,18 @@ typedef struct scratch {
 
 static void *row(void *base, int i, int width, loom_dtype dt) { return (char *)base + (size_t)i * (size_t)width * ELT(dt); }
 
-static loom_status linear(void *out, const void *x, const loom_param *w, int T, int K, int M, loom_dtype dt) {
-    return gemm(0, 1, T, M, K, 1.0f, x, K, loom_tensor_data(w->tensor), K, dt, 0.0f, out, M, dt, NULL, LOOM_F32);
+/* out (T, M) = x (T, K) W^T for linear t of layer y, plus (alpha / rank)
+ * (x A^T) B^T when it has a LoRA adapter. */
+static loom_status linear(const loom_llama *m, scratch *s, void *out, const void *x, const loom_llama_layer *y,
+                          loom_lora_target t, int T, int K, int M) {
+    loom_dtype dt = m->prec.compute;
+    const loom_param *w = loom_llama_layer_weight(y, t), *a = y->lora_a[t], *b = y->lora_b[t];
+    LOOM_TRY(gemm(0, 1, T, M, K, 1.0f, x, K, loom_tensor_data(w->tensor), K, dt, 0.0f, out, M, dt, NULL, LOOM_F32));
+    if (!a) return LOOM_OK;
+    int r = m->lora.rank;
+    LOOM_TRY(gemm(0, 1, T, r, K, 1.0f, x, K, loom_tensor_data(a->tensor), K, dt, 0.0f, s->lora, r, dt, NULL, LOOM_F32));
+    return gemm(0, 1, T, M, r, m->lora.alpha / (float)r, s->lora, r, loom_tensor_data(b->tensor), r, dt, 1.0f, out, M,
+                dt, NULL, LOOM_F32);
 }
 
 /* Run T new tokens at positions cache->len .. through every layer; leaves
@@ -45,20 +56,20 @@ static loom_status forward_tokens(loom_llama *m, kv_cache *c, scratch *s, const 
         const loom_llama_layer *y = &m->layers[l];
         float *rs = s->rstd;
         rmsnorm_fwd(s->h, rs, s->x, loom_tensor_data(y->attn_norm->tensor), T, C, cfg->norm_eps, dt);
-        LOOM_TRY(linear(s->q, s->h, y->wq, T, C, C, dt));
+        LOOM_TRY(linear(m, s, s->q, s->h, y, LOOM_LORA_Q, T, C, C));
         void *kdst = row(c->k[l], pos0, KV, dt), *vdst = row(c->v[l], pos0, KV, dt);
-        LOOM_TRY(linear(kdst, s->h, y->wk, T, C, KV, dt));
-        LOOM_TRY(linear(vdst, s->h, y->wv, T, C, KV, dt));
+        LOOM_TRY(linear(m, s, kdst, s->h, y, LOOM_LORA_K, T, C, KV));
+        LOOM_TRY(linear(m, s, vdst, s->h, y, LOOM_LORA_V, T, C, KV));
         rope_fwd(s->q, s->q, 1, T, NH, HS, pos0, &rope, dt);
         rope_fwd(kdst, kdst, 1, T, NKV, HS, pos0, &rope, dt);
         attention_fwd(s->att, NULL, s->q, c->k[l], c->v[l], 1, T, pos0 + T, NH, NKV, HS, pos0, dt);
-        LOOM_TRY(linear(s->o, s->att, y->wo, T, C, C, dt));
+        LOOM_TRY(linear(m, s, s->o, s->att, y, LOOM_LORA_O, T, C, C));
         add_fwd(s->x, s->x, s->o, (size_t)T * (size_t)C, dt);
         rmsnorm_fwd(s->h, rs, s->x, loom_tensor_data(y->mlp_norm->tensor), T, C, cfg->norm_eps, dt);
-        LOOM_TRY(linear(s->g, s->h, y->w_gate, T, C, F, dt));
-        LOOM_TRY(linear(s->u, s->h, y->w_up, T, C, F, dt));
+        LOOM_TRY(linear(m, s, s->g, s->h, y, LOOM_LORA_GATE, T, C, F));
+        LOOM_TRY(linear(m, s, s->u, s->h, y, LOOM_LORA_UP, T, C, F));
         swiglu_fwd(s->g, s->g, s->u, (size_t)T * (size_t)F, dt);
-        LOOM_TRY(linear(s->o, s->g, y->w_down, T, F, C, dt));
+        LOOM_TRY(linear(m, s, s->o, s->g, y, LOOM_LORA_DOWN, T, F, C));
         add_fwd(s->x, s->x, s->o, (size_t)T * (size_t)C, dt);
     }
     c->len += T;
@@ -77,7 +88,7 @@ static void state_free(loom_llama *m, kv_cache *c, scratch *s) {
     }
     free(c->k);
     free(c->v);
-    void *bufs[] = {s->x, s->h, s->q, s->k, s->v, s->att, s->o, s->g, s->u, s->rstd, s->logits};
+    void *bufs[] = {s->x, s->h, s->q, s->k, s->v, s->att, s->o, s->g, s->u, s->lora, s->rstd, s->logits};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) loom_free(bufs[i]);
 }
 
@@ -103,6 +114,7 @@ static loom_status state_init(loom_llama *m, int T, int cap, kv_cache *c, scratc
     if (ok) ok = (s->g = loom_alloc(t * F * ELT(dt), LOOM_MEM_WORKSPACE)) && (s->u = loom_alloc(t * F * ELT(dt), LOOM_MEM_WORKSPACE));
     if (ok) ok = (s->logits = loom_alloc((size_t)cfg->vocab_size * sizeof(float), LOOM_MEM_WORKSPACE)) != NULL;
     if (ok) ok = (s->rstd = loom_alloc(t * sizeof(float), LOOM_MEM_WORKSPACE)) != NULL;
+    if (ok && m->lora.rank) ok = (s->lora = loom_alloc(t * (size_t)m->lora.rank * ELT(dt), LOOM_MEM_WORKSPACE)) != NULL;
     if (!ok) {
         state_free(m, c, s);
         return loom_error(LOOM_ERR_NOMEM, "generate: out of memory for the KV cache");

@@ -153,6 +153,7 @@ loom_status loom_llama_new_tp(const loom_llama_config *cfg, loom_precision prec,
         else st = add_param(m, "lm_head.weight", dt, 2, cfg->vocab_size, C, -1, &m->lm_head);
     }
     if (st != LOOM_OK) { loom_llama_free(m); return st; }
+    m->n_base = m->n_params;
     *out = m;
     return LOOM_OK;
 }
@@ -225,7 +226,7 @@ loom_status loom_llama_param_gather(loom_llama *m, int i, int grad, float *full)
 
 void loom_llama_init_weights(loom_llama *m, uint64_t seed) {
     float resid_std = 0.02f / sqrtf(2.0f * (float)m->cfg.n_layers);
-    for (int i = 0; i < m->n_params; i++) {
+    for (int i = 0; i < m->n_base; i++) {
         loom_param *p = m->params[i];
         int64_t fs[2];
         loom_llama_param_full_shape(m, i, fs);
@@ -250,6 +251,137 @@ void loom_llama_init_weights(loom_llama *m, uint64_t seed) {
     }
 }
 
+/* ---------------------------------------------------------------- LoRA */
+
+static const char *const lora_module[LOOM_LORA_N] = {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                     "gate_proj", "up_proj", "down_proj"};
+static const char *const lora_short[LOOM_LORA_N] = {"q", "k", "v", "o", "gate", "up", "down"};
+
+const char *loom_lora_target_name(loom_lora_target t) { return (unsigned)t < LOOM_LORA_N ? lora_module[t] : "?"; }
+
+loom_param *loom_llama_layer_weight(const loom_llama_layer *y, loom_lora_target t) {
+    loom_param *const w[LOOM_LORA_N] = {y->wq, y->wk, y->wv, y->wo, y->w_gate, y->w_up, y->w_down};
+    return (unsigned)t < LOOM_LORA_N ? w[t] : NULL;
+}
+
+static int piece_is(const char *p, size_t n, const char *name) { return strlen(name) == n && !strncmp(p, name, n); }
+
+loom_status loom_lora_targets_parse(const char *s, unsigned *targets) {
+    *targets = 0;
+    if (s && !strcmp(s, "all")) {
+        *targets = LOOM_LORA_ALL;
+        return LOOM_OK;
+    }
+    for (const char *p = s ? s : ""; ; p++) {
+        size_t n = strcspn(p, ",");
+        int k = 0;
+        while (k < LOOM_LORA_N && !piece_is(p, n, lora_short[k]) && !piece_is(p, n, lora_module[k])) k++;
+        if (k == LOOM_LORA_N)
+            return loom_error(LOOM_ERR_INVALID, "LoRA target \"%.*s\" is not one of q, k, v, o, gate, up, down "
+                              "(or q_proj .. down_proj), comma-separated, or all", (int)n, p);
+        *targets |= 1u << k;
+        p += n;
+        if (!*p) return LOOM_OK;
+    }
+}
+
+void loom_lora_targets_format(unsigned targets, char *buf, size_t n) {
+    size_t k = 0;
+    if (n) buf[0] = '\0';
+    for (int t = 0; t < LOOM_LORA_N && k < n; t++)
+        if (targets & (1u << t)) {
+            int w = snprintf(buf + k, n - k, "%s%s", k ? "," : "", lora_short[t]);
+            if (w > 0) k += (size_t)w;
+        }
+}
+
+/* The adapters added so far (params[n_base ..)) freed, the layers' slots
+ * cleared: the model as it was before loom_llama_add_lora. */
+static void drop_adapters(loom_llama *m) {
+    for (int i = m->n_base; i < m->n_params; i++) loom_param_free(m->params[i]);
+    m->n_params = m->n_base;
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        memset(m->layers[l].lora_a, 0, sizeof m->layers[l].lora_a);
+        memset(m->layers[l].lora_b, 0, sizeof m->layers[l].lora_b);
+    }
+}
+
+loom_status loom_llama_add_lora(loom_llama *m, const loom_lora_config *cfg, uint64_t seed) {
+    if (m->lora.rank)
+        return loom_error(LOOM_ERR_INVALID, "LoRA: this model has adapters already (rank %d)", m->lora.rank);
+    if (m->tp_size > 1)
+        return loom_error(LOOM_ERR_INVALID, "LoRA is not supported with tensor parallelism (--tp %d); use data "
+                          "parallelism, whose ranks each hold the whole (frozen) model", m->tp_size);
+    if (cfg->rank < 1 || cfg->rank > m->cfg.dim)
+        return loom_error(LOOM_ERR_INVALID, "LoRA rank %d: must be 1..%d (the model's dim)", cfg->rank, m->cfg.dim);
+    if (!(cfg->alpha > 0.0f) || !isfinite(cfg->alpha))
+        return loom_error(LOOM_ERR_INVALID, "LoRA alpha %g: must be a finite number above 0", (double)cfg->alpha);
+    if (!cfg->targets || (cfg->targets & ~LOOM_LORA_ALL))
+        return loom_error(LOOM_ERR_INVALID, "LoRA targets 0x%x: must be a non-empty set of the %d linears",
+                          cfg->targets, LOOM_LORA_N);
+    for (int i = 0; i < m->n_base; i++)
+        if (m->params[i]->grad_borrowed)
+            return loom_error(LOOM_ERR_STATE, "LoRA: add the adapters before the optimizer is made (%s's gradient "
+                              "lives in its buffer)", m->params[i]->name);
+    int per = 0;
+    for (int t = 0; t < LOOM_LORA_N; t++) per += (cfg->targets >> t) & 1u;
+    loom_param **grown = realloc(m->params, (size_t)(m->n_base + 2 * per * m->cfg.n_layers) * sizeof *grown);
+    if (!grown) return loom_error(LOOM_ERR_NOMEM, "LoRA: out of memory");
+    m->params = grown;
+    loom_status st = LOOM_OK;
+    char name[160];
+    for (int l = 0; l < m->cfg.n_layers && st == LOOM_OK; l++) {
+        loom_llama_layer *y = &m->layers[l];
+        for (int t = 0; t < LOOM_LORA_N && st == LOOM_OK; t++) {
+            if (!(cfg->targets & (1u << t))) continue;
+            const loom_tensor *w = loom_llama_layer_weight(y, (loom_lora_target)t)->tensor;
+            int64_t out = w->shape[0], in = w->shape[1];
+            const char *group = t <= LOOM_LORA_O ? "self_attn" : "mlp";
+            snprintf(name, sizeof name, "model.layers.%d.%s.%s.lora_A.weight", l, group, lora_module[t]);
+            st = add_param(m, name, m->prec.compute, 2, cfg->rank, in, -1, &y->lora_a[t]);
+            snprintf(name, sizeof name, "model.layers.%d.%s.%s.lora_B.weight", l, group, lora_module[t]);
+            if (st == LOOM_OK) st = add_param(m, name, m->prec.compute, 2, out, cfg->rank, -1, &y->lora_b[t]);
+            if (st != LOOM_OK) break;
+            /* A: uniform in [-1/sqrt(in), 1/sqrt(in)), its own stream per adapter; B stays zero. */
+            loom_param *a = y->lora_a[t];
+            float *v = loom_param_master(a), bound = 1.0f / sqrtf((float)in);
+            size_t n = (size_t)loom_param_numel(a);
+            loom_rng_uniform(v, n, seed, (uint64_t)(m->n_params - 2) << 40);
+            for (size_t k = 0; k < n; k++) v[k] = (2.0f * v[k] - 1.0f) * bound;
+            loom_param_sync_from_master(a);
+        }
+    }
+    if (st != LOOM_OK) {
+        drop_adapters(m);
+        return st;
+    }
+    for (int i = 0; i < m->n_base; i++) LOOM_ASSERT(loom_param_freeze(m->params[i]) == LOOM_OK);
+    m->lora = *cfg;
+    return LOOM_OK;
+}
+
+int loom_llama_lora_of(const loom_llama *m, int i, loom_param **a, loom_param **b) {
+    if (!m->lora.rank || i < 0 || i >= m->n_base) return 0;
+    for (int l = 0; l < m->cfg.n_layers; l++)
+        for (int t = 0; t < LOOM_LORA_N; t++)
+            if (m->layers[l].lora_a[t] && loom_llama_layer_weight(&m->layers[l], (loom_lora_target)t) == m->params[i]) {
+                *a = m->layers[l].lora_a[t];
+                *b = m->layers[l].lora_b[t];
+                return 1;
+            }
+    return 0;
+}
+
+loom_status loom_llama_param_merged(loom_llama *m, int i, float *full) {
+    LOOM_TRY(loom_llama_param_gather(m, i, 0, full));
+    loom_param *a, *b;
+    if (!loom_llama_lora_of(m, i, &a, &b)) return LOOM_OK;
+    /* W (out, in) += (alpha / rank) B (out, r) A (r, in), in fp32 from the masters. */
+    int out = (int)b->tensor->shape[0], in = (int)a->tensor->shape[1], r = m->lora.rank;
+    return loom_gemm(0, 0, out, in, r, m->lora.alpha / (float)r, loom_param_master(b), r, loom_param_master(a), in,
+                     LOOM_F32, 1.0f, full, in, LOOM_F32, NULL, LOOM_F32);
+}
+
 void loom_llama_zero_grad(loom_llama *m) {
     for (int i = 0; i < m->n_params; i++) loom_param_zero_grad(m->params[i]);
 }
@@ -259,12 +391,29 @@ void loom_llama_zero_grad(loom_llama *m) {
 #define RELEASE(...) do { loom_tensor *r_[] = {__VA_ARGS__}; \
     for (size_t i_ = 0; i_ < sizeof r_ / sizeof r_[0]; i_++) loom_tensor_release(r_[i_]); } while (0)
 
+/* Linear t of block y: x W^T, plus (alpha / rank) (x A^T) B^T when it has
+ * a LoRA adapter (PEFT's order: B's output scaled, then added). */
+static loom_status block_linear(const loom_llama *m, const loom_llama_layer *y, loom_lora_target t, loom_tensor *x,
+                                loom_tensor **out) {
+    loom_status st = loom_fused_linear(x, loom_llama_layer_weight(y, t)->tensor, NULL, out);
+    if (st != LOOM_OK || !y->lora_a[t]) return st;
+    loom_tensor *base = *out, *xa = NULL, *xab = NULL, *scaled = NULL;
+    *out = NULL;
+    float scale = m->lora.alpha / (float)m->lora.rank;
+    st = loom_fused_linear(x, y->lora_a[t]->tensor, NULL, &xa);
+    if (st == LOOM_OK) st = loom_fused_linear(xa, y->lora_b[t]->tensor, NULL, &xab);
+    if (st == LOOM_OK) st = scale == 1.0f ? (scaled = loom_tensor_retain(xab), LOOM_OK) : loom_scale(xab, scale, &scaled);
+    if (st == LOOM_OK) st = loom_add(base, scaled, out);
+    RELEASE(base, xa, xab, scaled);
+    return st;
+}
+
 /* q/k/v projection then view as (B, T, heads, HS) and rotate (q, k). */
-static loom_status project_heads(loom_tensor *h, loom_param *w, int B, int T, int heads, int HS,
-                                 const loom_rope_freqs *rope, loom_tensor **out) {
+static loom_status project_heads(const loom_llama *m, const loom_llama_layer *ly, loom_lora_target t, loom_tensor *h,
+                                 int B, int T, int heads, int HS, const loom_rope_freqs *rope, loom_tensor **out) {
     loom_tensor *y = NULL, *y4 = NULL;
     int64_t shape[4] = {B, T, heads, HS};
-    loom_status st = loom_fused_linear(h, w->tensor, NULL, &y);
+    loom_status st = block_linear(m, ly, t, h, &y);
     if (st == LOOM_OK) st = loom_reshape(y, 4, shape, &y4);
     loom_tensor_release(y);
     if (st != LOOM_OK || !rope) { *out = y4; return st; }
@@ -286,12 +435,12 @@ static loom_status attention_part(const struct llama_block_args *a, loom_tensor 
     loom_status st = loom_rmsnorm(x, y->attn_norm->tensor, c->norm_eps, &hn);
     if (st == LOOM_OK) st = tp_copy(m->tp_comm, hn, &h);
     loom_rope_freqs rope = loom_llama_rope(c);
-    if (st == LOOM_OK) st = project_heads(h, y->wq, a->B, a->T, NH, HS, &rope, &q);
-    if (st == LOOM_OK) st = project_heads(h, y->wk, a->B, a->T, NKV, HS, &rope, &k);
-    if (st == LOOM_OK) st = project_heads(h, y->wv, a->B, a->T, NKV, HS, NULL, &v);
+    if (st == LOOM_OK) st = project_heads(m, y, LOOM_LORA_Q, h, a->B, a->T, NH, HS, &rope, &q);
+    if (st == LOOM_OK) st = project_heads(m, y, LOOM_LORA_K, h, a->B, a->T, NKV, HS, &rope, &k);
+    if (st == LOOM_OK) st = project_heads(m, y, LOOM_LORA_V, h, a->B, a->T, NKV, HS, NULL, &v);
     if (st == LOOM_OK) st = loom_attention(q, k, v, &att);
     if (st == LOOM_OK) st = loom_reshape(att, 2, flat, &att2);
-    if (st == LOOM_OK) st = loom_fused_linear(att2, y->wo->tensor, NULL, &o);
+    if (st == LOOM_OK) st = block_linear(m, y, LOOM_LORA_O, att2, &o);
     if (st == LOOM_OK) st = tp_reduce(m->tp_comm, o, out);
     RELEASE(hn, h, q, k, v, att, att2, o);
     return st;
@@ -304,10 +453,10 @@ static loom_status mlp_part(const struct llama_block_args *a, loom_tensor *x, lo
     loom_tensor *hn = NULL, *h = NULL, *g = NULL, *u = NULL, *s = NULL, *d = NULL;
     loom_status st = loom_rmsnorm(x, y->mlp_norm->tensor, c->norm_eps, &hn);
     if (st == LOOM_OK) st = tp_copy(m->tp_comm, hn, &h);
-    if (st == LOOM_OK) st = loom_fused_linear(h, y->w_gate->tensor, NULL, &g);
-    if (st == LOOM_OK) st = loom_fused_linear(h, y->w_up->tensor, NULL, &u);
+    if (st == LOOM_OK) st = block_linear(m, y, LOOM_LORA_GATE, h, &g);
+    if (st == LOOM_OK) st = block_linear(m, y, LOOM_LORA_UP, h, &u);
     if (st == LOOM_OK) st = loom_swiglu(g, u, &s);
-    if (st == LOOM_OK) st = loom_fused_linear(s, y->w_down->tensor, NULL, &d);
+    if (st == LOOM_OK) st = block_linear(m, y, LOOM_LORA_DOWN, s, &d);
     if (st == LOOM_OK) st = tp_reduce(m->tp_comm, d, out);
     RELEASE(hn, h, g, u, s, d);
     return st;

@@ -35,6 +35,7 @@ loom_status loom_adamw_new(const loom_adamw_config *cfg, loom_param *const *para
     if (!o->params || !o->m || !o->v) { loom_adamw_free(o); return loom_error(LOOM_ERR_NOMEM, "adamw: out of memory"); }
     for (int i = 0; i < n; i++) {
         o->params[i] = params[i];
+        if (!params[i]->trainable) continue; /* frozen: no moments (NULL) */
         size_t bytes = (size_t)loom_param_numel(params[i]) * sizeof(float);
         o->m[i] = loom_alloc_zeroed(bytes, LOOM_MEM_OPTIMIZER);
         o->v[i] = loom_alloc_zeroed(bytes, LOOM_MEM_OPTIMIZER);

@@ -127,6 +127,10 @@ loom_status loom_dist_optim_new(const loom_adamw_config *cfg, loom_param *const 
                                 int zero, size_t bucket_floats, loom_dist_optim **out) {
     *out = NULL;
     for (int i = 0; i < n; i++)
+        if (!params[i]->trainable)
+            return loom_error(LOOM_ERR_INVALID, "optimizer: parameter %s is frozen; give the optimizer the "
+                              "trainable parameters only", params[i]->name);
+    for (int i = 0; i < n; i++)
         if (params[i]->master_sharded)
             return loom_error(LOOM_ERR_STATE, "optimizer: parameter %s has no master weights (an earlier ZeRO "
                               "optimizer holds them sharded); call loom_dist_optim_unshard_masters before freeing "

@@ -228,6 +228,88 @@ static void test_checkpoint_refuses_bad_loss_scale(void **state) {
     loom_llama_free(m);
 }
 
+/* A LoRA model's checkpoint: the frozen weights without moments (NULL),
+ * the adapters with theirs; it loads back into a model with the same
+ * adapters only. Its model directory holds the merged weights and no
+ * adapter tensor. */
+static void test_lora_checkpoint(void **state) {
+    (void)state;
+    loom_llama *m = model(5), *back = model(6), *plain = model(5);
+    loom_lora_config lc = {2, 3.0f, (1u << LOOM_LORA_Q) | (1u << LOOM_LORA_DOWN)};
+    assert_int_equal(loom_llama_add_lora(m, &lc, 1), LOOM_OK);
+    assert_int_equal(loom_llama_add_lora(back, &lc, 2), LOOM_OK); /* other adapters: the load must replace them */
+    float *mm[32] = {0}, *vv[32] = {0}, *mb[32] = {0}, *vb[32] = {0};
+    assert_true(m->n_params <= 32);
+    for (int i = m->n_base; i < m->n_params; i++) {
+        size_t n = (size_t)loom_param_numel(m->params[i]);
+        mm[i] = malloc(n * sizeof(float)); vv[i] = malloc(n * sizeof(float));
+        mb[i] = calloc(n, sizeof(float)); vb[i] = calloc(n, sizeof(float));
+        tu_fill_uniform(mm[i], n, -1, 1, 10 + (uint64_t)i);
+        tu_fill_uniform(vv[i], n, 0, 1, 50 + (uint64_t)i);
+        float *b = loom_param_master(m->params[i]); /* B nonzero, so the merge shows */
+        if (strstr(m->params[i]->name, "lora_B")) tu_fill_uniform(b, n, -1, 1, 90 + (uint64_t)i);
+        loom_param_sync_from_master(m->params[i]);
+    }
+    loom_train_state st;
+    memset(&st, 0, sizeof st);
+    st.step = 4;
+    st.loss_scale = 1.0f;
+    assert_int_equal(loom_checkpoint_save(io_path("ckpt-lora"), m, mm, vv, 4, &st, NULL), LOOM_OK);
+    int adam_steps = 0;
+    loom_train_state got;
+    assert_int_equal(loom_checkpoint_load(io_path("ckpt-lora"), back, mb, vb, &adam_steps, &got), LOOM_OK);
+    for (int i = 0; i < m->n_params; i++) {
+        size_t bytes = (size_t)loom_param_numel(m->params[i]) * sizeof(float);
+        assert_memory_equal(loom_param_master(m->params[i]), loom_param_master(back->params[i]), bytes);
+        if (i >= m->n_base) {
+            assert_memory_equal(mm[i], mb[i], bytes);
+            assert_memory_equal(vv[i], vb[i], bytes);
+        }
+    }
+    /* The directory: merged weights (q_proj moved, v_proj as it was), no adapters. */
+    char path[512];
+    snprintf(path, sizeof path, "%s/model.safetensors", io_path("ckpt-lora"));
+    loom_safetensors *sf;
+    assert_int_equal(loom_safetensors_open(path, &sf), LOOM_OK);
+    assert_false(loom_safetensors_has(sf, "model.layers.0.self_attn.q_proj.lora_A.weight"));
+    loom_safetensors_close(sf);
+    assert_int_equal(loom_model_dir_load_weights(plain, io_path("ckpt-lora")), LOOM_OK);
+    loom_param *q = loom_llama_find_param(m, "model.layers.0.self_attn.q_proj.weight");
+    loom_param *v = loom_llama_find_param(m, "model.layers.0.self_attn.v_proj.weight");
+    size_t nq = (size_t)loom_param_numel(q);
+    float *merged = malloc(nq * sizeof *merged);
+    for (int i = 0; i < m->n_base; i++)
+        if (m->params[i] == q) assert_int_equal(loom_llama_param_merged(m, i, merged), LOOM_OK);
+    float *pq = loom_param_master(loom_llama_find_param(plain, q->name));
+    assert_memory_equal(pq, merged, nq * sizeof(float));
+    assert_memory_not_equal(pq, loom_param_master(q), nq * sizeof(float));
+    assert_memory_equal(loom_param_master(loom_llama_find_param(plain, v->name)), loom_param_master(v),
+                        (size_t)loom_param_numel(v) * sizeof(float));
+    free(merged);
+    /* Into a model without adapters, or with others: refused, naming the setting. */
+    float *pm[32] = {0}, *pv[32] = {0};
+    for (int i = 0; i < plain->n_params; i++) {
+        pm[i] = calloc((size_t)loom_param_numel(plain->params[i]), sizeof(float));
+        pv[i] = calloc((size_t)loom_param_numel(plain->params[i]), sizeof(float));
+    }
+    assert_int_equal(loom_checkpoint_load(io_path("ckpt-lora"), plain, pm, pv, &adam_steps, &got), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("--lora 2 --lora-alpha 3 --lora-targets q,down");
+    loom_llama *other = model(5);
+    loom_lora_config lo = {2, 3.0f, 1u << LOOM_LORA_Q};
+    assert_int_equal(loom_llama_add_lora(other, &lo, 1), LOOM_OK);
+    assert_int_equal(loom_checkpoint_load(io_path("ckpt-lora"), other, mb, vb, &adam_steps, &got), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("--lora-targets q;");
+    /* A checkpoint without adapters into a LoRA model: refused too. */
+    assert_int_equal(loom_checkpoint_save(io_path("ckpt-plain"), plain, pm, pv, 4, &st, NULL), LOOM_OK);
+    assert_int_equal(loom_checkpoint_load(io_path("ckpt-plain"), back, mb, vb, &adam_steps, &got), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("no LoRA adapters");
+    for (int i = 0; i < 32; i++) { free(mm[i]); free(vv[i]); free(mb[i]); free(vb[i]); free(pm[i]); free(pv[i]); }
+    loom_llama_free(other);
+    loom_llama_free(plain);
+    loom_llama_free(back);
+    loom_llama_free(m);
+}
+
 /* rope_scaling survives config.json: llama3 and linear, written in Hugging
  * Face's form and read back field for field; "default" is none. */
 static void test_rope_scaling_config(void **state) {
@@ -343,6 +425,7 @@ int main(void) {
         cmocka_unit_test(test_failed_save_keeps_old_directory),
         cmocka_unit_test(test_sharded_directory),
         cmocka_unit_test(test_checkpoint_refuses_bad_loss_scale),
+        cmocka_unit_test(test_lora_checkpoint),
         cmocka_unit_test(test_rope_scaling_config),
         cmocka_unit_test(test_gguf_refusals),
     };

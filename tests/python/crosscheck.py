@@ -7,7 +7,9 @@ directories, runs `loom train` on them and compares with llama_ref.py:
   2. bf16 with master-grad on: the same, against the exact (fp32) math of the
      bf16-rounded weights, with torch's own pure-bf16 model as a yardstick;
   3. a 20-step fp32 training run (AdamW, warmup + cosine, clipping, weight
-     decay): the loss curve step by step.
+     decay): the loss curve step by step;
+  4. LoRA (untied config): the adapters' gradients, a 20-step curve with the
+     model's weights frozen, and the saved model with the adapters merged.
 Prints a table of the errors and exits 1 on any mismatch.
 
 Usage: /usr/bin/python3 crosscheck.py --loom build/loom --workdir DIR
@@ -248,6 +250,14 @@ def check_curve(rep, loom, work, name, data_dir, model_dir):
     frozen = ref.eval_losses(cfg, params, tokens, B, T, a["steps"])
     t_losses = ref.train(cfg, params, tokens, B, T, a["steps"], a["lr"], a["min_lr"], a["warmup"],
                          a["weight_decay"], a["clip"])
+    compare_curves(rep, name, l_losses, t_losses, frozen)
+
+
+def compare_curves(rep, name, l_losses, t_losses, frozen):
+    """loom's losses step by step against the reference's, and a check that
+    training moved the reference's far beyond the tolerance (from `frozen`,
+    the untrained model's on the same batches)."""
+    a = TRAIN
     if len(l_losses) != len(t_losses):
         rep.failures.append(f"{name} curve: loom logged {len(l_losses)} losses, expected {len(t_losses)}")
         return
@@ -269,6 +279,89 @@ def check_curve(rep, loom, work, name, data_dir, model_dir):
                             f"strengthen the data or the learning rate")
 
 
+# LoRA: rank 4, alpha 8 (a scale of 2, so a missing scale shows), on five of
+# the seven linears (v and up stay plain).
+LORA = {"rank": 4, "alpha": 8.0, "targets": "q,k,o,gate,down"}
+LORA_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+                "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+
+
+def check_lora(rep, loom, work, data_dir, model_dir):
+    """loom train --lora against the reference with PEFT's LoRA math (frozen
+    weights, x W^T + alpha/rank (x A^T) B^T, AdamW on the adapters only):
+    the adapters' gradients with B nonzero, the 20-step loss curve, and the
+    saved (merged) model."""
+    a = TRAIN
+    flags = ["--init", model_dir, "--precision", "fp32", "--master-grad", "on", "--batch", B, "--seq", T,
+             "--lora", LORA["rank"], "--lora-alpha", LORA["alpha"], "--lora-targets", LORA["targets"]]
+    train_flags = ["--steps", a["steps"], "--lr", a["lr"], "--warmup", a["warmup"], "--min-lr", a["min_lr"],
+                   "--clip", a["clip"], "--weight-decay", a["weight_decay"]]
+    # A as drawn: a step without weight decay leaves it (its gradient is zero while B is).
+    out0 = os.path.join(work, "out-lora-init")
+    run_loom(loom, out0, "--data", data_dir, *flags, "--steps", 1, "--weight-decay", 0)
+    drawn, _ = ref.read_safetensors(os.path.join(out0, "ckpt-00000001", "state.safetensors"))
+    cfg, base = ref.load_model_dir(model_dir)
+    cfg.lora_scale = LORA["alpha"] / LORA["rank"]
+    names = [f"model.layers.{l}.{LORA_MODULES[t]}" for l in range(cfg.n_layers) for t in LORA["targets"].split(",")]
+
+    def model_with(adapters):
+        params = {k: v.detach() for k, v in base.items()}  # frozen
+        for k, v in adapters.items():
+            params[k] = v.float().clone().requires_grad_(True)
+        return params
+
+    start = {}
+    for n in names:
+        start[n + ".lora_A.weight"] = drawn[f"master.{n}.lora_A.weight"]
+        start[n + ".lora_B.weight"] = torch.zeros(base[n + ".weight"].shape[0], LORA["rank"])
+
+    out = os.path.join(work, "out-lora-train")
+    run_loom(loom, out, "--data", data_dir, *flags, *train_flags, "--ckpt-every", 5, "--keep", 10)
+
+    # Gradients at step 6, from step 5's adapters (B no longer zero).
+    gpath = os.path.join(work, "lora-grads.st")
+    run_loom(loom, os.path.join(work, "out-lora-dump"), "--data", data_dir, *flags, *train_flags,
+             "--resume", os.path.join(out, "ckpt-00000005"), "--dump-grads", gpath)
+    st5, _ = ref.read_safetensors(os.path.join(out, "ckpt-00000005", "state.safetensors"))
+    params = model_with({k: st5["master." + k] for k in start})
+    tokens = ref.read_shard(os.path.join(data_dir, "train_000000.bin"))
+    it = ref.batches(tokens, B, T)
+    for _ in range(5):
+        next(it)
+    inputs, targets = next(it)
+    _, loss, g = ref.grads(cfg, params, inputs, targets)
+    l_grads, meta = ref.read_safetensors(gpath)
+    rep.check("lora fp32 loss at step 6", abs(float(meta["loss"]) - loss) / abs(loss), TOL_FP32)
+    check_grads(rep, "lora fp32", {k: l_grads[k] for k in start}, {k: g[k] for k in start}, TOL_FP32)
+    nonzero = [k for k in base if l_grads[k].abs().max().item() != 0.0]
+    if nonzero:
+        rep.failures.append(f"lora: frozen weights got gradients: {nonzero[:3]}")
+
+    # The curve, and the saved model: the adapters merged, W + alpha/rank B A.
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        l_losses = [json.loads(line)["loss"] for line in f if '"loss"' in line]
+    params = model_with(start)
+    frozen = ref.eval_losses(cfg, params, tokens, B, T, a["steps"])
+    t_losses = ref.train(cfg, params, tokens, B, T, a["steps"], a["lr"], a["min_lr"], a["warmup"],
+                         a["weight_decay"], a["clip"], trainable=list(start))
+    compare_curves(rep, "lora", l_losses, t_losses, frozen)
+    saved, _ = ref.read_safetensors(os.path.join(out, "model", "model.safetensors"))
+    worst, moved = 0.0, 0.0
+    with torch.no_grad():
+        for k, w in base.items():
+            n = k[:-len(".weight")]
+            if n not in names:
+                if not torch.equal(saved[k].float(), w):
+                    rep.failures.append(f"lora: {k} is not adapted, but the saved model changed it")
+                continue
+            merged = w + cfg.lora_scale * params[n + ".lora_B.weight"] @ params[n + ".lora_A.weight"]
+            worst = max(worst, rel_err(saved[k].float(), merged))
+            moved = max(moved, rel_err(w, merged))
+    rep.check("lora saved model (merged)", worst, TOL_FP32, f"(the adapters moved the weights {moved:.2g})")
+    if moved < 100 * TOL_FP32:
+        rep.failures.append(f"lora: the adapters moved the merged weights by only {moved:.3g}: the check is blind")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loom", required=True, help="the loom executable")
@@ -288,6 +381,8 @@ def main():
         ref.make_model_dir(model_dir, config, rng)
         check_first_step(rep, args.loom, args.workdir, name, data_dir, model_dir, inputs, targets)
         check_curve(rep, args.loom, args.workdir, name, data_dir, model_dir)
+        if name == "untied":
+            check_lora(rep, args.loom, args.workdir, data_dir, model_dir)
     rep.print()
     print(f"crosscheck: {time.time() - t0:.1f} s")
     if rep.failures:

@@ -129,6 +129,7 @@ class Config:
         self.norm_eps = float(d.get("rms_norm_eps", 1e-6))
         self.tie = bool(d.get("tie_word_embeddings", False))
         self.head_size = self.dim // self.n_heads
+        self.lora_scale = None  # LoRA's alpha / rank, when params hold adapters
 
     def param_shapes(self):
         """{Hugging Face name: shape} in loom's parameter order."""
@@ -227,12 +228,23 @@ def rotate_half(x):
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
+def lin(x, params, name, cfg):
+    """x W^T for the weight `name`.weight, plus PEFT's LoRA term
+    lora_scale * (x A^T) B^T when params hold its adapter (`name`.lora_A.weight,
+    `name`.lora_B.weight) and cfg.lora_scale is set."""
+    y = F.linear(x, params[name + ".weight"])
+    a = params.get(name + ".lora_A.weight")
+    if a is None:
+        return y
+    return y + F.linear(F.linear(x, a), params[name + ".lora_B.weight"]) * cfg.lora_scale
+
+
 def attention(x, params, p, cfg, cos, sin):
     B, T, C = x.shape
     NH, NKV, HS = cfg.n_heads, cfg.n_kv_heads, cfg.head_size
-    q = F.linear(x, params[p + "self_attn.q_proj.weight"]).view(B, T, NH, HS).transpose(1, 2)  # (B, NH, T, HS)
-    k = F.linear(x, params[p + "self_attn.k_proj.weight"]).view(B, T, NKV, HS).transpose(1, 2)
-    v = F.linear(x, params[p + "self_attn.v_proj.weight"]).view(B, T, NKV, HS).transpose(1, 2)
+    q = lin(x, params, p + "self_attn.q_proj", cfg).view(B, T, NH, HS).transpose(1, 2)  # (B, NH, T, HS)
+    k = lin(x, params, p + "self_attn.k_proj", cfg).view(B, T, NKV, HS).transpose(1, 2)
+    v = lin(x, params, p + "self_attn.v_proj", cfg).view(B, T, NKV, HS).transpose(1, 2)
     cos, sin = cos.to(q.dtype), sin.to(q.dtype)
     q = q * cos + rotate_half(q) * sin
     k = k * cos + rotate_half(k) * sin
@@ -242,13 +254,13 @@ def attention(x, params, p, cfg, cos, sin):
     mask = torch.ones(T, T, dtype=torch.bool).triu(1)
     s = s.masked_fill(mask, float("-inf"))
     a = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v  # (B, NH, T, HS)
-    return F.linear(a.transpose(1, 2).reshape(B, T, C), params[p + "self_attn.o_proj.weight"])
+    return lin(a.transpose(1, 2).reshape(B, T, C), params, p + "self_attn.o_proj", cfg)
 
 
-def mlp(x, params, p):
-    g = F.linear(x, params[p + "mlp.gate_proj.weight"])
-    u = F.linear(x, params[p + "mlp.up_proj.weight"])
-    return F.linear(F.silu(g) * u, params[p + "mlp.down_proj.weight"])
+def mlp(x, params, p, cfg):
+    g = lin(x, params, p + "mlp.gate_proj", cfg)
+    u = lin(x, params, p + "mlp.up_proj", cfg)
+    return lin(F.silu(g) * u, params, p + "mlp.down_proj", cfg)
 
 
 def forward(cfg, params, inputs, targets, dtype=torch.float32):
@@ -262,7 +274,7 @@ def forward(cfg, params, inputs, targets, dtype=torch.float32):
     for l in range(cfg.n_layers):
         p = f"model.layers.{l}."
         x = x + attention(rms_norm(x, w[p + "input_layernorm.weight"], cfg.norm_eps), w, p, cfg, cos, sin)
-        x = x + mlp(rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.norm_eps), w, p)
+        x = x + mlp(rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.norm_eps), w, p, cfg)
     x = rms_norm(x, w["model.norm.weight"], cfg.norm_eps)
     head = w["model.embed_tokens.weight"] if cfg.tie else w["lm_head.weight"]
     logits = F.linear(x, head)  # (B, T, V)
@@ -271,12 +283,14 @@ def forward(cfg, params, inputs, targets, dtype=torch.float32):
 
 
 def grads(cfg, params, inputs, targets, dtype=torch.float32):
-    """(logits, loss, {name: fp32 gradient}) of one forward and backward."""
+    """(logits, loss, {name: fp32 gradient}) of one forward and backward, for
+    the parameters that require one."""
     for t in params.values():
         t.grad = None
     logits, loss = forward(cfg, params, inputs, targets, dtype)
     loss.backward()
-    return logits.detach(), loss.item(), {k: v.grad.detach().float().clone() for k, v in params.items()}
+    return logits.detach(), loss.item(), {k: v.grad.detach().float().clone() for k, v in params.items()
+                                         if v.requires_grad}
 
 
 # -------------------------------------------------------------- optimizer
@@ -346,10 +360,12 @@ def eval_losses(cfg, params, data, B, T, steps):
     return [forward(cfg, params, *next(it))[1].item() for _ in range(steps)]
 
 
-def train(cfg, params, data, B, T, steps, lr, min_lr, warmup, weight_decay, clip):
+def train(cfg, params, data, B, T, steps, lr, min_lr, warmup, weight_decay, clip, trainable=None):
     """loom train's loop, one micro-batch per step: returns the loss of each
-    step (before its update)."""
-    opt = AdamW(params, weight_decay)
+    step (before its update). trainable: the names the optimizer steps and
+    clipping sees (LoRA's adapters); default every parameter."""
+    stepped = {k: params[k] for k in (trainable or params)}
+    opt = AdamW(stepped, weight_decay)
     it = batches(data, B, T)
     losses = []
     for step in range(steps):
@@ -359,6 +375,6 @@ def train(cfg, params, data, B, T, steps, lr, min_lr, warmup, weight_decay, clip
         _, loss = forward(cfg, params, inputs, targets)
         loss.backward()
         losses.append(loss.item())
-        _, mult = clip_multiplier(params, clip)
+        _, mult = clip_multiplier(stepped, clip)
         opt.step(lr_cosine(step, warmup, steps, lr, min_lr), mult)
     return losses
