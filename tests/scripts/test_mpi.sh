@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Distributed training over Open MPI with 2 ranks: DP=2 vs DP=1 (also with
 # loss masks), TP=2 vs TP=1 (every precision setting and recompute mode),
-# ZeRO-1 vs plain DP, checkpoint/resume with 2 ranks, and a dying rank ending
-# the whole job.
+# ZeRO-1 vs plain DP (also with LoRA), checkpoint/resume with 2 ranks, and a
+# dying rank ending the whole job.
 source "$(dirname "$0")/lib.sh"
 command -v mpirun >/dev/null || fail "mpirun not found: run scripts/setup.sh (openmpi-bin)"
 # Open MPI's own allocations (its dlopened plugins) are never freed: in the
@@ -104,6 +104,20 @@ for pm in "bf16 off" "fp16 on" "fp16 off"; do
   [ "$1" = bf16 ] || grep -q '"skipped":1' "$WORK/h0/metrics.jsonl" || fail "fp16: no skipped step to compare ($pm)"
   rm -rf "$WORK/h0" "$WORK/hz"
 done
+# LoRA: the adapters' gradients averaged over 2 ranks are one process's at
+# the same global batch, and ZeRO-1 shards the adapters' state as plain DP
+# (the frozen weights are whole on every rank and take no state).
+LA=(--lora 4 --lora-alpha 8 --lora-targets q,v,down)
+"$LOOM" train "${D[@]}" "${LA[@]}" --batch 4 --precision fp32 --out "$WORK/lg1" --dump-grads "$WORK/lg1.st" 2>/dev/null
+timeout 300 $MPI "$LOOM" train "${D[@]}" "${LA[@]}" --batch 2 --precision fp32 --out "$WORK/lg2" \
+  --dump-grads "$WORK/lg2.st" 2>/dev/null
+$CMP "$WORK/lg2.st" "$WORK/lg1.st" --rtol 1e-5 >/dev/null || fail "LoRA: DP=2 gradient dump differs from one process's"
+LZ=("${D[@]}" "${LA[@]}" --batch 2 --steps 4 --precision bf16 --lr 1e-2)
+timeout 300 $MPI "$LOOM" train "${LZ[@]}" --out "$WORK/lp" 2>/dev/null
+timeout 300 $MPI "$LOOM" train "${LZ[@]}" --zero 1 --out "$WORK/lz" 2>/dev/null
+cmp -s "$WORK/lp/model/model.safetensors" "$WORK/lz/model/model.safetensors" ||
+  fail "LoRA: ZeRO-1 final weights differ from plain DP's"
+
 read -r pw po <<<"$(weights_opt "$WORK/p0.log")"
 read -r zw zo <<<"$(weights_opt "$WORK/z.log")"
 awk -v pw="$pw" -v po="$po" -v zw="$zw" -v zo="$zo" 'BEGIN { exit !(zw + zo <= 0.6 * (pw + po)) }' ||

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# loom train --lora end to end: fine-tuning a trained model's adapters only
+# (the weights not adapted stay the same bytes), the memory it saves, every
+# recompute mode giving the same final model, stop-and-resume equal to the
+# uninterrupted run, generation from the merged model, and the refusals.
+# (The math against PyTorch is in crosscheck.py, the unit tests in
+# tests/nn/test_lora.c.)
+source "$(dirname "$0")/lib.sh"
+make_data "$WORK/data"
+small_config "$WORK/cfg.json" 512
+PY=/usr/bin/python3
+common=(--data "$WORK/data" --batch 4 --seq 32 --eval-every 0)
+"$LOOM" train "${common[@]}" --config "$WORK/cfg.json" --steps 15 --lr 3e-3 --out "$WORK/base" 2>/dev/null
+L=(--init "$WORK/base/model" --lora 4 --lora-alpha 8 --lora-targets q,v,down --lr 1e-2)
+
+# Fine-tune: only q, v and down move; norms, embeddings and the other
+# linears are the base model's bytes.
+"$LOOM" train "${common[@]}" "${L[@]}" --precision fp32 --steps 12 --out "$WORK/a" 2>"$WORK/a.log"
+grep -q "LoRA rank 4, alpha 8 on q,v,down: 3328 trainable parameters" "$WORK/a.log" ||
+  { cat "$WORK/a.log"; fail "no LoRA summary line (or the wrong count: 2 layers x (4x64+64x4 q, 4x64+32x4 v, 4x128+64x4 down))"; }
+$PY - "$WORK/base/model/model.safetensors" "$WORK/a/model/model.safetensors" "$SRC" <<'PYEOF'
+import sys
+sys.path.insert(0, sys.argv[3] + "/tests/python")
+import llama_ref as ref
+base, _ = ref.read_safetensors(sys.argv[1])
+tuned, _ = ref.read_safetensors(sys.argv[2])
+assert set(base) == set(tuned), "the saved model's tensors are not the base model's (adapters saved apart?)"
+adapted = ("q_proj", "v_proj", "down_proj")
+for name, w in base.items():
+    same = bool((tuned[name] == w).all())
+    if any(a in name for a in adapted):
+        assert not same, f"{name} is adapted but did not change"
+    else:
+        assert same, f"{name} is frozen but changed"
+PYEOF
+[ $? -eq 0 ] || fail "the LoRA run's saved model is not the base with q, v and down merged"
+
+# Memory: gradients and optimizer state for the adapters only.
+mem() { sed -n 's/.*gradients \([0-9.]*\) MiB, optimizer \([0-9.]*\) MiB.*/\1 \2/p' "$1"; }
+"$LOOM" train "${common[@]}" --init "$WORK/base/model" --precision fp32 --steps 1 --out "$WORK/full" 2>"$WORK/full.log"
+read -r fg fo <<<"$(mem "$WORK/full.log")"
+read -r lg lo <<<"$(mem "$WORK/a.log")"
+awk -v fg="$fg" -v fo="$fo" -v lg="$lg" -v lo="$lo" 'BEGIN { exit !(lg * 10 < fg && lo * 10 < fo) }' ||
+  fail "LoRA keeps gradients $lg MiB and optimizer $lo MiB, full fine-tuning $fg and $fo: not a tenth"
+
+# Every recompute mode, bf16 with fp32 main_grad: the same final model.
+for rc in "full reentrant" "full nonreentrant" "selective nonreentrant" "none nonreentrant"; do
+  set -- $rc
+  "$LOOM" train "${common[@]}" "${L[@]}" --precision bf16 --steps 4 --recompute $1 --recompute-mode $2 \
+    --out "$WORK/r-$1-$2" 2>/dev/null
+  cmp -s "$WORK/r-full-reentrant/model/model.safetensors" "$WORK/r-$1-$2/model/model.safetensors" ||
+    fail "LoRA with recompute $1 ($2): the final model differs from full reentrant's"
+done
+
+# Stop at step 8 and resume: the same losses and final bytes as the run without a stop.
+losses() { grep -o '"step":[0-9]*,"loss":[0-9.e+-]*' "$1/metrics.jsonl"; }
+"$LOOM" train "${common[@]}" "${L[@]}" --precision fp32 --steps 12 --ckpt-every 4 --keep 5 --out "$WORK/b" 2>/dev/null
+"$LOOM" train "${common[@]}" "${L[@]}" --precision fp32 --steps 12 --resume "$WORK/b/ckpt-00000008" \
+  --out "$WORK/c" 2>/dev/null
+diff <(losses "$WORK/a" | tail -4) <(losses "$WORK/c") || fail "resumed LoRA losses differ"
+cmp -s "$WORK/a/model/model.safetensors" "$WORK/c/model/model.safetensors" ||
+  fail "the resumed LoRA run's final model differs from the uninterrupted run's"
+# The merged model evaluates like any other, and fits the training text
+# better than the base model did.
+ev() { "$LOOM" eval --model "$1" --data "$WORK/data" --split train --batches 8 2>&1 | sed -n 's/.* loss=\([0-9.]*\) .*/\1/p'; }
+before=$(ev "$WORK/base/model"); after=$(ev "$WORK/a/model")
+awk -v a="$before" -v b="$after" 'BEGIN { exit !(a != "" && b != "" && b < a) }' ||
+  fail "LoRA training did not lower the training loss (base ${before:-?}, tuned ${after:-?})"
+"$LOOM" generate --model "$WORK/a/model" --prompt "loom" --tokens 8 --temperature 0 >"$WORK/gen.txt" 2>/dev/null ||
+  fail "generate from the LoRA model failed"
+[ -s "$WORK/gen.txt" ] || fail "generate from the LoRA model printed nothing"
+
+# Refusals.
+expect_usage "lora-alpha applies to LoRA" "$LOOM" train "${common[@]}" --lora-alpha 8 --out "$WORK/x"
+expect_usage "lora-targets applies to LoRA" "$LOOM" train "${common[@]}" --lora-targets q --out "$WORK/x"
+expect_usage "rank >= 1" "$LOOM" train "${common[@]}" --lora -2 --out "$WORK/x"
+expect_usage "\"qq\" is not one of q, k, v" "$LOOM" train "${common[@]}" --lora 4 --lora-targets q,qq --out "$WORK/x"
+expect_usage "lora-alpha must be above 0" "$LOOM" train "${common[@]}" --lora 4 --lora-alpha -1 --out "$WORK/x"
+expect_usage "LoRA rank 65: must be 1..64" "$LOOM" train "${common[@]}" --init "$WORK/base/model" --lora 65 --out "$WORK/x"
+expect_usage "without tensor parallelism" "$LOOM" train "${common[@]}" --lora 4 --tp 2 --out "$WORK/x"
+# A LoRA checkpoint resumed without its flags, or with others: named.
+expect_error "trained LoRA adapters \(--lora 4 --lora-alpha 8 --lora-targets q,v,down\) but this run has none" \
+  "$LOOM" train "${common[@]}" --steps 12 --resume "$WORK/b/ckpt-00000008" --out "$WORK/x"
+expect_error "this run has --lora 4 --lora-alpha 8 --lora-targets q" "$LOOM" train "${common[@]}" --steps 12 \
+  --lora 4 --lora-alpha 8 --lora-targets q --resume "$WORK/b/ckpt-00000008" --out "$WORK/x"
+echo "lora: ok"
