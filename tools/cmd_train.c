@@ -546,6 +546,12 @@ static loom_status train_loop(trainer *t) {
                               "%s` writes the model without training further, or `loom export --model %s/ckpt-%08d "
                               "--out DIR` writes it elsewhere", loom_last_error(), o->out, o->out, t->state.step);
     }
+    if (t->m->lora.rank && t->dist.dp_rank == 0) { /* the adapters alone too, for PEFT */
+        char adapter_dir[4200];
+        snprintf(adapter_dir, sizeof adapter_dir, "%s/adapter", o->out);
+        LOOM_TRY(loom_lora_save_peft(t->m, adapter_dir, o->resume ? NULL : o->init));
+        if (t->leader) fprintf(stderr, "train: LoRA adapters (PEFT's layout) in %s\n", adapter_dir);
+    }
     if (t->leader) fprintf(stderr, "train: done; model in %s\n", model_dir);
     return LOOM_OK;
 }
@@ -688,7 +694,8 @@ static int run(int argc, char **argv) {
          "recompute the fewest blocks (full, or --recompute selective) that keep a step's activations within MIB, "
          "measured by probe steps at start (default 0: no plan)"},
         {"lora", FLAG_INT, &o->lora, "R", "LoRA: freeze the model's weights and train rank-R adapters on the "
-                                          "--lora-targets linears; the saved model has them merged (default 0: off)"},
+                                          "--lora-targets linears; DIR/model has them merged, DIR/adapter holds them for PEFT "
+                                          "(default 0: off)"},
         {"lora-alpha", FLAG_FLOAT, &o->lora_alpha, "A", "LoRA: the adapters' output is scaled by A/R (default R)"},
         {"lora-targets", FLAG_STRING, &o->lora_targets, "LIST",
          "LoRA: the linears adapted, from q,k,v,o,gate,up,down, or all (default all)"},

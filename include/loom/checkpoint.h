@@ -78,6 +78,14 @@ loom_status loom_model_dir_load_weights(loom_llama *m, const char *dir);
  * others. */
 loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokenizer_path, const char *dir);
 #define LOOM_MODEL_INCOMPLETE ".save-incomplete"
+/* A LoRA model's adapters as a PEFT adapter directory: adapter_model.safetensors
+ * (fp32 masters, named base_model.model.<tensor>, as PEFT saves them) and
+ * adapter_config.json (peft_type LORA, r, lora_alpha, target_modules,
+ * lora_dropout 0, base_model_name_or_path = base_model or null); each file
+ * written atomically, the directory created if needed. Not with tensor
+ * parallelism. Errors: LOOM_ERR_INVALID (no adapters), LOOM_ERR_IO,
+ * LOOM_ERR_NOMEM. */
+loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base_model);
 /* LOOM_ERR_STATE, naming what to do, when dir's files may be of two saves
  * (a writer stopped while replacing them). */
 loom_status loom_model_dir_check(const char *dir);

@@ -430,6 +430,49 @@ loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokeni
     return LOOM_OK;
 }
 
+loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base_model) {
+    if (!m->lora.rank) return loom_error(LOOM_ERR_INVALID, "save adapter: the model has no LoRA adapters");
+    char path[4200];
+    LOOM_TRY(loom_mkdir_p(dir));
+    loom_safetensors_writer *w;
+    LOOM_TRY(loom_safetensors_writer_init(&w));
+    loom_status st = LOOM_OK;
+    char name[256];
+    /* PEFT's names: the model's tensor names under base_model.model. */
+    for (int i = m->n_base; i < m->n_params && st == LOOM_OK; i++) {
+        loom_param *p = m->params[i];
+        int64_t fs[2];
+        loom_llama_param_full_shape(m, i, fs);
+        snprintf(name, sizeof name, "base_model.model.%s", p->name);
+        st = loom_safetensors_writer_add(w, name, LOOM_SAFETENSORS_F32, fs, 2, loom_param_master(p));
+    }
+    if (st == LOOM_OK) st = loom_safetensors_writer_set_metadata(w, "format", "pt");
+    if (st == LOOM_OK) st = join(path, sizeof path, dir, "adapter_model.safetensors");
+    if (st == LOOM_OK) st = loom_safetensors_writer_write(w, path);
+    loom_safetensors_writer_free(w);
+    LOOM_TRY(st);
+    json_t *targets = json_array();
+    for (int t = 0; t < LOOM_LORA_N && targets; t++)
+        if (m->lora.targets & (1u << t) && json_array_append_new(targets, json_string(loom_lora_target_name(t)))) {
+            json_decref(targets);
+            targets = NULL;
+        }
+    json_t *root = targets ? json_pack("{s:s, s:s, s:i, s:f, s:f, s:o, s:s, s:b, s:b, s:b, s:o}", "peft_type", "LORA",
+                                       "task_type", "CAUSAL_LM", "r", m->lora.rank, "lora_alpha",
+                                       (double)m->lora.alpha, "lora_dropout", 0.0, "target_modules", targets, "bias",
+                                       "none", "fan_in_fan_out", 0, "inference_mode", 1, "use_rslora", 0,
+                                       "base_model_name_or_path", base_model ? json_string(base_model) : json_null())
+                              : NULL;
+    if (!root) return loom_error(LOOM_ERR_NOMEM, "save adapter: cannot build adapter_config.json");
+    char *text = json_dumps(root, JSON_INDENT(2) | JSON_REAL_PRECISION(9));
+    json_decref(root);
+    if (!text) return loom_error(LOOM_ERR_NOMEM, "save adapter: cannot format adapter_config.json");
+    st = join(path, sizeof path, dir, "adapter_config.json");
+    if (st == LOOM_OK) st = loom_file_write_atomic(path, text, strlen(text));
+    free(text);
+    return st;
+}
+
 loom_status loom_model_dir_check(const char *dir) {
     char marker[4200];
     struct stat sb;

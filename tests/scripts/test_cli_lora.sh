@@ -18,20 +18,36 @@ L=(--init "$WORK/base/model" --lora 4 --lora-alpha 8 --lora-targets q,v,down --l
 "$LOOM" train "${common[@]}" "${L[@]}" --precision fp32 --steps 12 --out "$WORK/a" 2>"$WORK/a.log"
 grep -q "LoRA rank 4, alpha 8 on q,v,down: 3328 trainable parameters" "$WORK/a.log" ||
   { cat "$WORK/a.log"; fail "no LoRA summary line (or the wrong count: 2 layers x (4x64+64x4 q, 4x64+32x4 v, 4x128+64x4 down))"; }
-$PY - "$WORK/base/model/model.safetensors" "$WORK/a/model/model.safetensors" "$SRC" <<'PYEOF'
-import sys
+# The adapters alone, in PEFT's layout: the base plus alpha/r B A of them is
+# the merged model.
+$PY - "$WORK/base/model" "$WORK/a" "$SRC" <<'PYEOF'
+import json, sys
 sys.path.insert(0, sys.argv[3] + "/tests/python")
 import llama_ref as ref
-base, _ = ref.read_safetensors(sys.argv[1])
-tuned, _ = ref.read_safetensors(sys.argv[2])
-assert set(base) == set(tuned), "the saved model's tensors are not the base model's (adapters saved apart?)"
+base, _ = ref.read_safetensors(sys.argv[1] + "/model.safetensors")
+tuned, _ = ref.read_safetensors(sys.argv[2] + "/model/model.safetensors")
+lora, _ = ref.read_safetensors(sys.argv[2] + "/adapter/adapter_model.safetensors")
+cfg = json.load(open(sys.argv[2] + "/adapter/adapter_config.json"))
+assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["lora_alpha"] == 8 and cfg["lora_dropout"] == 0, cfg
+assert cfg["target_modules"] == ["q_proj", "v_proj", "down_proj"], cfg["target_modules"]
+assert cfg["base_model_name_or_path"] == sys.argv[1], cfg["base_model_name_or_path"]
+assert set(base) == set(tuned), "the saved model's tensors are not the base model's (adapters saved in it?)"
 adapted = ("q_proj", "v_proj", "down_proj")
+n_adapted = 0
 for name, w in base.items():
     same = bool((tuned[name] == w).all())
-    if any(a in name for a in adapted):
-        assert not same, f"{name} is adapted but did not change"
-    else:
+    if not any(a in name for a in adapted):
         assert same, f"{name} is frozen but changed"
+        continue
+    assert not same, f"{name} is adapted but did not change"
+    stem = "base_model.model." + name[:-len(".weight")]
+    a, b = lora[stem + ".lora_A.weight"], lora[stem + ".lora_B.weight"]
+    assert a.shape == (4, w.shape[1]) and b.shape == (w.shape[0], 4), (stem, a.shape, b.shape)
+    merged = w.double() + 2.0 * (b.double() @ a.double())
+    err = (tuned[name].double() - merged).abs().max().item() / merged.abs().max().item()
+    assert err < 1e-6, f"{name}: the saved model is not base + alpha/r B A of the adapter files ({err:.3g})"
+    n_adapted += 1
+assert n_adapted == 6 and len(lora) == 12, (n_adapted, len(lora))
 PYEOF
 [ $? -eq 0 ] || fail "the LoRA run's saved model is not the base with q, v and down merged"
 
