@@ -76,14 +76,16 @@ static void settings_record(const train_opts *o, const char *resume_dir, char *b
              "--recompute-mode %s\n--recompute-blocks %d\n--recompute-budget %a\n--seed %d\n--eval-every %d\n"
              "--eval-batches %d\n--ckpt-every %d\n--keep %d\n"
              "--tp %d\n--zero %d\n--overlap %d\n--bucket-size %d\n--preset %s\n--tie-embeddings %d\n"
-             "--check-grads %d\n--dump-grads %s\n--dump-logits %s\n--resume %s\n",
+             "--check-grads %d\n--dump-grads %s\n--dump-logits %s\n--resume %s\n"
+             "--lora %d\n--lora-alpha %a\n--lora-targets %u\n",
              o->batch, o->seq, o->grad_accum, o->steps, (double)o->lr, (double)o->min_lr, o->warmup, o->schedule,
              o->decay_frac,
              (double)o->weight_decay, (double)o->clip, o->precision, o->master_grad, o->recompute, o->recompute_mode,
              o->recompute_blocks, (double)o->recompute_budget, o->seed, o->eval_every, o->eval_batches, o->ckpt_every,
              o->keep, o->tp, o->zero, o->overlap,
              o->bucket_size, o->preset, o->tie, o->check_grads, o->dump_grads ? "given" : "no",
-             o->dump_logits ? "given" : "no", *resume_dir ? "given" : "no");
+             o->dump_logits ? "given" : "no", *resume_dir ? "given" : "no", o->lora, (double)o->lora_alpha,
+             o->lora_target_set);
 }
 
 static loom_status agree_on_settings(trainer *t, const char *resume_dir) {
@@ -147,7 +149,7 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
         LOOM_TRY(loom_model_dir_load_weights(t->m, o->init));
     }
     if (o->lora) { /* after the weights, before the plan and the optimizer */
-        loom_lora_config lc = {o->lora, o->lora_alpha > 0.0f ? o->lora_alpha : (float)o->lora, o->lora_target_set};
+        loom_lora_config lc = {o->lora, o->lora_alpha, o->lora_target_set};
         loom_status st = loom_llama_add_lora(t->m, &lc, (uint64_t)o->seed);
         if (st != LOOM_OK) {
             t->usage = st == LOOM_ERR_INVALID;
@@ -549,7 +551,10 @@ static loom_status train_loop(trainer *t) {
     if (t->m->lora.rank && t->dist.dp_rank == 0) { /* the adapters alone too, for PEFT */
         char adapter_dir[4200];
         snprintf(adapter_dir, sizeof adapter_dir, "%s/adapter", o->out);
-        LOOM_TRY(loom_lora_save_peft(t->m, adapter_dir, o->resume ? NULL : o->init));
+        /* The base model's directory as an absolute path (null when resumed: the checkpoint does not know it). */
+        char base[PATH_MAX];
+        const char *init = o->resume || !o->init ? NULL : realpath(o->init, base) ? base : o->init;
+        LOOM_TRY(loom_lora_save_peft(t->m, adapter_dir, init));
         if (t->leader) fprintf(stderr, "train: LoRA adapters (PEFT's layout) in %s\n", adapter_dir);
     }
     if (t->leader) fprintf(stderr, "train: done; model in %s\n", model_dir);
@@ -661,7 +666,8 @@ static int run(int argc, char **argv) {
                       .recompute = "none", .recompute_mode = NULL, .batch = 8, .seq = 0,
                       .grad_accum = 1, .tp = 1, .steps = 100, .warmup = 10, .seed = 1337, .threads = 0, .eval_every = 50,
                       .eval_batches = 4, .ckpt_every = 0, .keep = 2, .log_every = 1, .lr = 1e-3f, .min_lr = NAN,
-                      .weight_decay = 0.1f, .clip = 1.0f, .schedule = "cosine", .decay_frac = NAN};
+                      .weight_decay = 0.1f, .clip = 1.0f, .schedule = "cosine", .decay_frac = NAN,
+                      .lora_alpha = NAN};
     const flag flags[] = {
         {"data", FLAG_STRING, &o->data, "DIR", "token shards (train_*.bin, val_*.bin) and tokenizer.json (required)"},
         {"out", FLAG_STRING, &o->out, "DIR", "output: checkpoints, metrics, plot, final model (default out; with "
@@ -740,10 +746,12 @@ static int run(int argc, char **argv) {
         fprintf(stderr, "train: note: --recompute-mode applies to --recompute full; with %s it changes nothing\n",
                 o->recompute);
     if (o->lora < 0) return cli_usage_error("train", "--lora expects a rank >= 1 (0: off), got %d", o->lora);
-    if (!o->lora && (o->lora_alpha != 0.0f || o->lora_targets))
+    if (!o->lora && (!isnan(o->lora_alpha) || o->lora_targets))
         return cli_usage_error("train", "--%s applies to LoRA: give --lora RANK too",
                                o->lora_targets ? "lora-targets" : "lora-alpha");
-    if (o->lora_alpha < 0.0f) return cli_usage_error("train", "--lora-alpha must be above 0, got %g", (double)o->lora_alpha);
+    if (!isnan(o->lora_alpha) && !(o->lora_alpha > 0.0f))
+        return cli_usage_error("train", "--lora-alpha must be above 0, got %g", (double)o->lora_alpha);
+    if (isnan(o->lora_alpha)) o->lora_alpha = (float)o->lora; /* not given (the parser takes finite numbers only) */
     if (o->lora && loom_lora_targets_parse(o->lora_targets ? o->lora_targets : "all", &o->lora_target_set) != LOOM_OK)
         return cli_usage_error("train", "--lora-targets: %s", loom_last_error());
     if (o->lora && o->tp > 1)

@@ -23,7 +23,7 @@ typedef struct train_opts {
     loom_lr_schedule sched;
     float recompute_budget; /* MiB of activations a step may use; 0: no plan */
     int lora;               /* LoRA rank; 0: train every weight */
-    float lora_alpha;       /* 0: the rank (a scale of 1) */
+    float lora_alpha;       /* the rank (a scale of 1) when not given */
     const char *lora_targets;
     unsigned lora_target_set;
 } train_opts;

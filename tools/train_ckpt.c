@@ -101,7 +101,7 @@ static void note_changed_shards(const trainer *t) {
  * run would prune the good ones it follows. Every rank checks its part. */
 static loom_status check_masters_finite(trainer *t, const char *dir) {
     int bad = 0; /* 1 + the index of the first weight that is not finite */
-    for (int i = 0; i < t->m->n_params && !bad; i++) {
+    for (int i = train_first_trainable(t->m); i < t->m->n_params && !bad; i++) { /* frozen ones never change */
         loom_param *p = t->m->params[i];
         const float *v = loom_param_master(p);
         size_t n = (size_t)loom_param_numel(p);

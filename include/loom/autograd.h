@@ -35,10 +35,10 @@ struct loom_param {
     char name[160];
     loom_tensor *tensor;  /* compute copy (owned) */
     float *master;        /* fp32 master (owned) or NULL when tensor is f32 */
-    void *grad;           /* main_grad (f32) or gradient in grad_dtype (owned) */
+    void *grad;           /* main_grad (f32) or gradient in grad_dtype (owned); NULL once frozen */
     loom_dtype grad_dtype;
     int master_grad;      /* 1: grad is the fp32 main_grad */
-    int trainable;        /* 0: frozen, receives no gradient */
+    int trainable;        /* 0: frozen, receives no gradient (loom_param_freeze; one-way: grad is NULL) */
     int no_weight_decay;  /* norms and biases: AdamW skips decay */
     int uses;             /* forward uses recorded since the last zero_grad */
     int contributions;    /* gradient accumulations since the last zero_grad */
@@ -57,8 +57,14 @@ loom_status loom_param_new(const char *name, loom_dtype dt, int ndim, const int6
 void loom_param_free(loom_param *p);
 static inline int64_t loom_param_numel(const loom_param *p) { return loom_tensor_numel(p->tensor); }
 /* The fp32 master values (borrowed): `master`, or the compute copy when the
- * compute dtype is f32. */
+ * compute dtype is f32. Not for a frozen bf16 parameter, which has none
+ * (loom_param_freeze): read any parameter's values with loom_param_get_f32. */
 float *loom_param_master(loom_param *p);
+/* Whether p holds fp32 values loom_param_master can hand out. */
+int loom_param_has_master(const loom_param *p);
+/* p's values as numel floats into dst: the master, or a frozen bf16
+ * parameter's compute copy widened (exactly). */
+void loom_param_get_f32(const loom_param *p, float *dst);
 /* ZeRO-1: free the fp32 master (its owner keeps a shard of it elsewhere);
  * until loom_param_attach_master, loom_param_master must not be called.
  * No-op when the compute dtype is f32 (the compute copy is the master). */
@@ -70,7 +76,8 @@ loom_status loom_param_attach_master(loom_param *p, const float *full);
  * moves it back into memory the parameter owns. Data parallelism uses it to
  * lay every main_grad out in one buffer that is communicated in place. */
 loom_status loom_param_set_grad_buffer(loom_param *p, void *buf);
-/* Set master and compute copy from n floats (n must equal numel). */
+/* Set master and compute copy from n floats (n must equal numel); a frozen
+ * bf16 parameter, without a master, rounds them into its compute copy. */
 loom_status loom_param_set_f32(loom_param *p, const float *src, int64_t n);
 /* Refresh the compute copy from the master (after an optimizer step). */
 void loom_param_sync_from_master(loom_param *p);
@@ -85,9 +92,14 @@ void *loom_param_grad_target(loom_param *p, loom_dtype *dt);
 loom_status loom_param_accumulate(loom_param *p, const loom_tensor *g);
 /* Copy p's gradient out as n floats (zeros for a frozen parameter). */
 void loom_param_read_grad(const loom_param *p, float *dst);
-/* Freeze p: it receives no gradient from now on (ops skip its gradient,
- * the optimizer and the audit pass it by) and its gradient buffer is freed
- * (grad becomes NULL). Values, compute copy and master stay. For a
+/* Freeze p, for good: it receives no gradient from now on (ops skip its
+ * gradient, AdamW and the audit pass it by, and loom_dist_optim_new
+ * refuses it: give optimizers the trainable parameters; freeze before any
+ * optimizer is made) and its gradient buffer is freed
+ * (grad becomes NULL). Its values stay. A bf16 parameter's fp32 master is
+ * freed too: frozen, it is its bf16 compute copy, as a bf16 model is held
+ * for inference (2 bytes a weight instead of 6); fp16 keeps the master,
+ * whose values fp16's range may not hold. For a
  * parameter whose gradient lives in a buffer someone else owns (data
  * parallelism's flat buffer), LOOM_ERR_STATE: freeze before that is made. */
 loom_status loom_param_freeze(loom_param *p);

@@ -191,15 +191,18 @@ loom_status loom_llama_plan_recompute(loom_llama *m, loom_recompute_mode mode, i
                                       loom_recompute_plan *plan);
 
 /* Add LoRA adapters (cfg: rank >= 1, alpha > 0, a non-empty target set) to
- * every block of m and freeze the model's own parameters: they keep their
- * values and compute copy (and the fp32 master), lose their gradient
- * buffers, and take no optimizer state; the adapters, appended to m->params
+ * every block of m and freeze the model's own parameters
+ * (loom_param_freeze): they keep their values (bf16 ones as bf16 only, fp16
+ * and fp32 ones with their fp32 master), lose their gradient buffers, and
+ * take no optimizer state; the adapters, appended to m->params
  * after n_base, are the trainable parameters, in the model's precision
  * (fp32 masters and main_grad under master-grad). A drawn from (seed,
  * adapter index). Forward, backward, every recompute mode and generation
  * use the adapters; loom_model_dir_save writes the merged weights
- * W + (alpha / rank) B A. Once per model; not with tensor parallelism.
+ * W + (alpha / rank) B A. Once per model, before any optimizer is made
+ * over its parameters; not with tensor parallelism.
  * Errors: LOOM_ERR_INVALID (bad config, already added, tensor parallel),
+ * LOOM_ERR_STATE (a data-parallel optimizer holds the gradients already),
  * LOOM_ERR_NOMEM (the model is left without adapters). */
 loom_status loom_llama_add_lora(loom_llama *m, const loom_lora_config *cfg, uint64_t seed);
 /* Base parameter i's full fp32 values with its adapter merged in (W +

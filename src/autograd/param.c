@@ -48,9 +48,21 @@ void loom_param_free(loom_param *p) {
     free(p);
 }
 
+int loom_param_has_master(const loom_param *p) {
+    return !p->master_sharded && (p->master || p->tensor->dtype == LOOM_F32);
+}
+
 float *loom_param_master(loom_param *p) {
     LOOM_ASSERT(!p->master_sharded); /* ZeRO-1 holds it: attach it first */
+    LOOM_ASSERT(loom_param_has_master(p)); /* a frozen bf16 weight has none: loom_param_get_f32 */
     return p->master ? p->master : (float *)loom_tensor_data(p->tensor);
+}
+
+void loom_param_get_f32(const loom_param *p, float *dst) {
+    LOOM_ASSERT(!p->master_sharded);
+    size_t n = (size_t)loom_param_numel(p);
+    if (p->master) memcpy(dst, p->master, n * sizeof(float));
+    else loom_convert(dst, LOOM_F32, loom_tensor_data(p->tensor), p->tensor->dtype, n);
 }
 
 void loom_param_drop_master(loom_param *p) {
@@ -86,6 +98,10 @@ loom_status loom_param_set_f32(loom_param *p, const float *src, int64_t n) {
     if (n != loom_param_numel(p))
         return loom_error(LOOM_ERR_INVALID, "parameter '%s': %lld values given, it has %lld", p->name,
                           (long long)n, (long long)loom_param_numel(p));
+    if (!p->master_sharded && !loom_param_has_master(p)) { /* a frozen bf16 weight: its compute copy is all */
+        loom_convert(loom_tensor_data(p->tensor), p->tensor->dtype, src, LOOM_F32, (size_t)n);
+        return LOOM_OK;
+    }
     memcpy(loom_param_master(p), src, (size_t)n * sizeof(float));
     loom_param_sync_from_master(p);
     return LOOM_OK;
@@ -105,6 +121,7 @@ void loom_param_zero_grad(loom_param *p) {
 }
 
 void *loom_param_grad_target(loom_param *p, loom_dtype *dt) {
+    LOOM_ASSERT(p->grad != NULL); /* frozen for good (loom_param_freeze), then marked trainable */
     p->contributions++;
     p->grad_written = 1;
     *dt = p->grad_dtype;
@@ -141,6 +158,10 @@ loom_status loom_param_freeze(loom_param *p) {
     p->trainable = 0;
     loom_free(p->grad);
     p->grad = NULL;
+    if (p->tensor->dtype == LOOM_BF16 && p->master) {
+        loom_free(p->master);
+        p->master = NULL;
+    }
     p->uses = p->contributions = p->grad_written = 0;
     return LOOM_OK;
 }

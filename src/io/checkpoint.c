@@ -99,7 +99,16 @@ static loom_status write_state(const char *path, loom_llama *m, float *const *ad
         loom_llama_param_full_shape(m, i, fs);
         int nd = p->tensor->ndim;
         const char *prefix[3] = {"master", "adam_m", "adam_v"};
-        const float *local[3] = {loom_param_master(p), adam_m[i], adam_v[i]};
+        const float *local[3] = {NULL, adam_m[i], adam_v[i]};
+        if (!loom_param_has_master(p)) { /* a frozen bf16 weight: its bf16 values, as they are */
+            snprintf(name, sizeof name, "master.%s", p->name);
+            s = p->tp_split_dim < 0 ? loom_safetensors_writer_add(w, name, LOOM_SAFETENSORS_BF16, fs, nd,
+                                                                  loom_tensor_data(p->tensor))
+                                    : loom_error(LOOM_ERR_UNSUPPORTED, "checkpoint: %s is frozen and split over "
+                                                 "tensor-parallel ranks", p->name);
+            continue;
+        }
+        local[0] = loom_param_master(p);
         int kinds = p->trainable ? 3 : 1; /* a frozen weight has no moments */
         for (int k = 0; k < kinds && s == LOOM_OK; k++) {
             float *full = NULL;
@@ -243,7 +252,14 @@ loom_status loom_checkpoint_load(const char *dir, loom_llama *m, float *const *a
     for (int i = 0; i < m->n_params && s == LOOM_OK; i++) {
         loom_param *p = m->params[i];
         snprintf(name, sizeof name, "master.%s", p->name);
-        s = read_shard(sf, path, m, i, name, loom_param_master(p));
+        if (loom_param_has_master(p)) {
+            s = read_shard(sf, path, m, i, name, loom_param_master(p));
+        } else { /* a frozen bf16 weight (never split): into its compute copy */
+            float *v = malloc((size_t)loom_param_numel(p) * sizeof(float) + 1);
+            s = v ? read_shard(sf, path, m, i, name, v) : loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
+            if (s == LOOM_OK) s = loom_param_set_f32(p, v, loom_param_numel(p));
+            free(v);
+        }
         snprintf(name, sizeof name, "adam_m.%s", p->name);
         if (s == LOOM_OK && p->trainable) s = read_shard(sf, path, m, i, name, adam_m[i]);
         snprintf(name, sizeof name, "adam_v.%s", p->name);

@@ -252,7 +252,7 @@ loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *pa
         int64_t fs[2];
         loom_llama_param_full_shape(m, i, fs);
         size_t n = (size_t)(fs[0] * fs[1]);
-        if (m->tp_size == 1 && dt == LOOM_F32 && !loom_llama_lora_of(m, i, &a, &b)) {
+        if (m->tp_size == 1 && dt == LOOM_F32 && loom_param_has_master(p) && !loom_llama_lora_of(m, i, &a, &b)) {
             /* the fp32 masters as they are: borrowed until the write */
             st = loom_safetensors_writer_add(w, p->name, LOOM_SAFETENSORS_F32, fs, p->tensor->ndim,
                                              loom_param_master(p));

@@ -197,6 +197,11 @@ void loom_llama_param_full_shape(const loom_llama *m, int i, int64_t shape[2]) {
 
 void loom_llama_param_scatter(loom_llama *m, int i, const float *full) {
     loom_param *p = m->params[i];
+    if (!loom_param_has_master(p) && m->tp_size == 1) { /* a frozen bf16 weight: into its compute copy */
+        LOOM_ASSERT(loom_param_set_f32(p, full, loom_param_numel(p)) == LOOM_OK);
+        return;
+    }
+    LOOM_ASSERT(loom_param_has_master(p)); /* frozen bf16 weights are not split (LoRA refuses TP) */
     tp_take_shard(p, m->tp_rank, m->tp_size, full, loom_param_master(p));
     loom_param_sync_from_master(p);
 }
@@ -211,13 +216,16 @@ void loom_llama_tp_shard(const loom_llama *m, int i, const float *full, float *l
 
 loom_status loom_llama_param_gather(loom_llama *m, int i, int grad, float *full) {
     loom_param *p = m->params[i];
-    const float *src = loom_param_master(p);
+    const float *src = NULL;
     float *tmp = NULL;
-    if (grad) {
+    if (grad || !loom_param_has_master(p)) {
         tmp = malloc((size_t)loom_param_numel(p) * sizeof(float) + 1);
         if (!tmp) return loom_error(LOOM_ERR_NOMEM, "gather %s: out of memory", p->name);
-        loom_param_read_grad(p, tmp);
+        if (grad) loom_param_read_grad(p, tmp);
+        else loom_param_get_f32(p, tmp); /* a frozen bf16 weight, widened */
         src = tmp;
+    } else {
+        src = loom_param_master(p);
     }
     loom_status st = tp_gather(m->tp_comm, p, src, full);
     free(tmp);
@@ -233,7 +241,8 @@ void loom_llama_init_weights(loom_llama *m, uint64_t seed) {
         size_t n = (size_t)(fs[0] * fs[1]);
         /* The full tensor is drawn on every rank, then sliced: a TP model
          * starts from exactly the weights of the single-process one. */
-        float *w = p->tp_split_dim >= 0 ? malloc(n * sizeof *w) : loom_param_master(p);
+        int own = p->tp_split_dim < 0 && loom_param_has_master(p);
+        float *w = own ? loom_param_master(p) : malloc(n * sizeof *w);
         LOOM_ASSERT(w != NULL);
         if (p->tensor->ndim == 1) {
             for (size_t k = 0; k < n; k++) w[k] = 1.0f;
@@ -242,7 +251,7 @@ void loom_llama_init_weights(loom_llama *m, uint64_t seed) {
             /* Each parameter draws from its own stream: offset i << 40. */
             loom_rng_normal(w, n, 0.0f, resid ? resid_std : 0.02f, seed, (uint64_t)i << 40);
         }
-        if (p->tp_split_dim >= 0) {
+        if (!own) {
             loom_llama_param_scatter(m, i, w);
             free(w);
         } else {

@@ -310,6 +310,58 @@ static void test_lora_checkpoint(void **state) {
     loom_llama_free(m);
 }
 
+/* bf16: the frozen weights hold no fp32 master; the checkpoint stores them
+ * as their bf16 values, and loads them back into the compute copies bit
+ * for bit; the merged directory widens them. */
+static void test_lora_checkpoint_bf16(void **state) {
+    (void)state;
+    loom_llama *m = model(5), *ref = NULL;
+    loom_llama_config c = m->cfg;
+    loom_llama_free(m);
+    loom_precision prec = {LOOM_BF16, 1};
+    loom_llama *ms[2];
+    for (int k = 0; k < 2; k++) {
+        assert_int_equal(loom_llama_new(&c, prec, &ms[k]), LOOM_OK);
+        loom_llama_init_weights(ms[k], 20 + (uint64_t)k);
+        loom_lora_config lc = {2, 4.0f, LOOM_LORA_ALL};
+        assert_int_equal(loom_llama_add_lora(ms[k], &lc, 30 + (uint64_t)k), LOOM_OK);
+    }
+    m = ms[0];
+    ref = ms[1];
+    float *mm[64] = {0}, *vv[64] = {0};
+    assert_true(m->n_params <= 64);
+    for (int i = m->n_base; i < m->n_params; i++) {
+        size_t n = (size_t)loom_param_numel(m->params[i]);
+        mm[i] = calloc(n, sizeof(float));
+        vv[i] = calloc(n, sizeof(float));
+    }
+    loom_train_state st;
+    memset(&st, 0, sizeof st);
+    st.loss_scale = 1.0f;
+    assert_int_equal(loom_checkpoint_save(io_path("ckpt-bf16"), m, mm, vv, 1, &st, NULL), LOOM_OK);
+    char path[512];
+    snprintf(path, sizeof path, "%s/state.safetensors", io_path("ckpt-bf16"));
+    loom_safetensors *sf;
+    loom_safetensors_tensor t;
+    assert_int_equal(loom_safetensors_open(path, &sf), LOOM_OK);
+    assert_int_equal(loom_safetensors_get(sf, "master.model.layers.0.mlp.up_proj.weight", &t), LOOM_OK);
+    assert_int_equal(t.dtype, LOOM_SAFETENSORS_BF16);
+    assert_int_equal(loom_safetensors_get(sf, "master.model.layers.0.mlp.up_proj.lora_A.weight", &t), LOOM_OK);
+    assert_int_equal(t.dtype, LOOM_SAFETENSORS_F32);
+    assert_false(loom_safetensors_has(sf, "adam_m.model.layers.0.mlp.up_proj.weight"));
+    loom_safetensors_close(sf);
+    int adam_steps;
+    loom_train_state got;
+    assert_int_equal(loom_checkpoint_load(io_path("ckpt-bf16"), ref, mm, vv, &adam_steps, &got), LOOM_OK);
+    for (int i = 0; i < m->n_params; i++) {
+        const loom_tensor *a = m->params[i]->tensor, *b = ref->params[i]->tensor;
+        assert_memory_equal(loom_tensor_data(a), loom_tensor_data(b), (size_t)loom_tensor_numel(a) * 2);
+    }
+    for (int i = 0; i < 64; i++) { free(mm[i]); free(vv[i]); }
+    loom_llama_free(ref);
+    loom_llama_free(m);
+}
+
 /* rope_scaling survives config.json: llama3 and linear, written in Hugging
  * Face's form and read back field for field; "default" is none. */
 static void test_rope_scaling_config(void **state) {
@@ -426,6 +478,7 @@ int main(void) {
         cmocka_unit_test(test_sharded_directory),
         cmocka_unit_test(test_checkpoint_refuses_bad_loss_scale),
         cmocka_unit_test(test_lora_checkpoint),
+        cmocka_unit_test(test_lora_checkpoint_bf16),
         cmocka_unit_test(test_rope_scaling_config),
         cmocka_unit_test(test_gguf_refusals),
     };

@@ -22,8 +22,11 @@ static loom_llama_config config(void) {
     return c;
 }
 
+static int tie_next; /* the next model ties its embeddings */
+
 static loom_llama *new_model(loom_precision prec) {
     loom_llama_config c = config();
+    c.tie_embeddings = tie_next;
     loom_llama *m;
     assert_int_equal(loom_llama_new(&c, prec, &m), LOOM_OK);
     loom_llama_init_weights(m, 31);
@@ -40,8 +43,8 @@ static loom_llama *new_model(loom_precision prec) {
 
 /* Adapters of rank 3, alpha 5 (a scale of 5/3) on `targets`, with B drawn
  * too (b_scale 0: left at zero, as loom_llama_add_lora makes it). */
-static void add_adapters(loom_llama *m, unsigned targets, float b_scale) {
-    loom_lora_config lc = {3, 5.0f, targets};
+static void add_adapters_alpha(loom_llama *m, unsigned targets, float b_scale, float alpha) {
+    loom_lora_config lc = {3, alpha, targets};
     assert_int_equal(loom_llama_add_lora(m, &lc, 7), LOOM_OK);
     if (b_scale == 0.0f) return;
     for (int i = m->n_base; i < m->n_params; i++) {
@@ -53,6 +56,10 @@ static void add_adapters(loom_llama *m, unsigned targets, float b_scale) {
         assert_int_equal(loom_param_set_f32(p, v, (int64_t)n), LOOM_OK);
         free(v);
     }
+}
+
+static void add_adapters(loom_llama *m, unsigned targets, float b_scale) {
+    add_adapters_alpha(m, targets, b_scale, 5.0f);
 }
 
 static void tokens(int32_t *tok, int32_t *tgt, int V) {
@@ -125,14 +132,55 @@ static void test_refusals(void **state) {
     loom_llama_free(m);
 }
 
-/* B starts at zero: the adapted model computes the base model's logits
- * and loss bit for bit, in fp32 and bf16. */
-static void test_starts_at_base(void **state) {
+/* Frozen bf16 weights give up their fp32 master (4 of their 6 bytes) and
+ * keep their values as bf16; fp16 ones keep the master. */
+static void test_frozen_masters(void **state) {
     (void)state;
-    loom_dtype dts[] = {LOOM_F32, LOOM_BF16};
+    loom_dtype dts[] = {LOOM_BF16, LOOM_F16};
     for (int d = 0; d < 2; d++) {
         loom_precision prec = {dts[d], 1};
+        loom_llama *m = new_model(prec);
+        int64_t frozen = loom_llama_n_weights(m);
+        loom_mem_stats before, after;
+        loom_mem_get_stats(&before);
+        loom_lora_config lc = {2, 2.0f, 1u << LOOM_LORA_Q};
+        assert_int_equal(loom_llama_add_lora(m, &lc, 3), LOOM_OK);
+        loom_mem_get_stats(&after);
+        int64_t adapters = loom_llama_n_weights(m) - frozen;
+        /* adapters: compute copy + master + main_grad; frozen: minus the grads (and the bf16 masters) */
+        int64_t params_delta = (int64_t)after.current[LOOM_MEM_PARAMS] - (int64_t)before.current[LOOM_MEM_PARAMS];
+        int64_t want = adapters * (2 + 4) - (dts[d] == LOOM_BF16 ? frozen * 4 : 0);
+        assert_int_equal(params_delta, want);
+        for (int i = 0; i < m->n_base; i++) {
+            loom_param *p = m->params[i];
+            assert_int_equal(loom_param_has_master(p), dts[d] == LOOM_F16);
+            size_t n = (size_t)loom_param_numel(p);
+            float *v = malloc(n * sizeof *v), *w = malloc(n * sizeof *w);
+            loom_param_get_f32(p, v);
+            loom_convert(w, LOOM_F32, loom_tensor_data(p->tensor), p->tensor->dtype, n);
+            if (dts[d] == LOOM_BF16) assert_memory_equal(v, w, n * sizeof *v); /* the compute copy, widened */
+            /* set_f32 reaches the compute copy either way */
+            for (size_t k = 0; k < n; k++) v[k] = 0.5f;
+            assert_int_equal(loom_param_set_f32(p, v, (int64_t)n), LOOM_OK);
+            loom_convert(w, LOOM_F32, loom_tensor_data(p->tensor), p->tensor->dtype, n);
+            assert_true(w[0] == 0.5f && w[n - 1] == 0.5f);
+            free(v);
+            free(w);
+        }
+        loom_llama_free(m);
+    }
+}
+
+/* B starts at zero: the adapted model computes the base model's logits
+ * and loss bit for bit, in fp32, bf16 and fp16, and with tied embeddings. */
+static void test_starts_at_base(void **state) {
+    (void)state;
+    loom_dtype dts[] = {LOOM_F32, LOOM_BF16, LOOM_F16, LOOM_BF16};
+    for (int d = 0; d < 4; d++) {
+        loom_precision prec = {dts[d], 1};
+        tie_next = d == 3;
         loom_llama *base = new_model(prec), *m = new_model(prec);
+        tie_next = 0;
         add_adapters(m, LOOM_LORA_ALL, 0.0f);
         float *a, *b;
         float la = loss_of(base, 0, &a), lb = loss_of(m, 0, &b);
@@ -222,8 +270,7 @@ static void test_frozen_and_finite_differences(void **state) {
 
 /* Every recompute mode gives the adapters the no-recompute gradients, bit
  * for bit (bf16 compute, fp32 main_grad). */
-static void test_recompute_bit_identical(void **state) {
-    (void)state;
+static void recompute_bit_identical(float alpha) {
     loom_recompute_mode modes[] = {LOOM_RECOMPUTE_NONE, LOOM_RECOMPUTE_REENTRANT, LOOM_RECOMPUTE_NONREENTRANT,
                                    LOOM_RECOMPUTE_SELECTIVE};
     float ref_loss = 0.0f;
@@ -232,7 +279,7 @@ static void test_recompute_bit_identical(void **state) {
     for (int k = 0; k < 4; k++) {
         loom_precision prec = {LOOM_BF16, 1};
         loom_llama *m = new_model(prec);
-        add_adapters(m, LOOM_LORA_ALL, 0.2f);
+        add_adapters_alpha(m, LOOM_LORA_ALL, 0.2f, alpha);
         m->recompute.mode = modes[k];
         loom_llama_zero_grad(m);
         float l = loss_of(m, 1, NULL);
@@ -258,6 +305,13 @@ static void test_recompute_bit_identical(void **state) {
     }
     for (int i = base; i < n_ref; i++) free(ref[i]);
     free(ref);
+}
+
+/* alpha 5 (a scale op after B) and alpha 3 = rank (a scale of 1: no op) */
+static void test_recompute_bit_identical(void **state) {
+    (void)state;
+    recompute_bit_identical(5.0f);
+    recompute_bit_identical(3.0f);
 }
 
 /* The merged weights W + (alpha / rank) B A give the adapted model's
@@ -313,6 +367,23 @@ static void test_generation_uses_adapters(void **state) {
     assert_int_equal(loom_llama_next_logits(m, tok, T, next), LOOM_OK);
     TU_ASSERT_CLOSE(next, all + (size_t)(T - 1) * (size_t)V, (size_t)V, 1e-5, 1e-4);
     free(all);
+    /* Decoding token by token through the cache: each greedy pick is the
+     * argmax of the full forward over the text so far. */
+    loom_sampler greedy = {0.0f, 1.0f, 1, 0, 0};
+    int32_t out[6];
+    int n_out = 0;
+    assert_int_equal(loom_llama_generate(m, tok, 4, 6, &greedy, -1, out, &n_out), LOOM_OK);
+    assert_int_equal(n_out, 6);
+    int32_t seq[16];
+    memcpy(seq, tok, 4 * sizeof *seq);
+    memcpy(seq + 4, out, 6 * sizeof *seq);
+    for (int k = 0; k < 6; k++) {
+        assert_int_equal(loom_llama_next_logits(m, seq, 4 + k, next), LOOM_OK);
+        int best = 0;
+        for (int v = 1; v < V; v++)
+            if (next[v] > next[best]) best = v;
+        assert_int_equal(out[k], best);
+    }
     free(next);
     loom_llama_free(m);
 }
@@ -321,6 +392,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_targets),
         cmocka_unit_test(test_refusals),
+        cmocka_unit_test(test_frozen_masters),
         cmocka_unit_test(test_starts_at_base),
         cmocka_unit_test(test_frozen_and_finite_differences),
         cmocka_unit_test(test_recompute_bit_identical),

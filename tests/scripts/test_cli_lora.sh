@@ -30,7 +30,8 @@ lora, _ = ref.read_safetensors(sys.argv[2] + "/adapter/adapter_model.safetensors
 cfg = json.load(open(sys.argv[2] + "/adapter/adapter_config.json"))
 assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["lora_alpha"] == 8 and cfg["lora_dropout"] == 0, cfg
 assert cfg["target_modules"] == ["q_proj", "v_proj", "down_proj"], cfg["target_modules"]
-assert cfg["base_model_name_or_path"] == sys.argv[1], cfg["base_model_name_or_path"]
+import os
+assert cfg["base_model_name_or_path"] == os.path.realpath(sys.argv[1]), cfg["base_model_name_or_path"]
 assert set(base) == set(tuned), "the saved model's tensors are not the base model's (adapters saved in it?)"
 adapted = ("q_proj", "v_proj", "down_proj")
 n_adapted = 0
@@ -59,14 +60,23 @@ read -r lg lo <<<"$(mem "$WORK/a.log")"
 awk -v fg="$fg" -v fo="$fo" -v lg="$lg" -v lo="$lo" 'BEGIN { exit !(lg * 10 < fg && lo * 10 < fo) }' ||
   fail "LoRA keeps gradients $lg MiB and optimizer $lo MiB, full fine-tuning $fg and $fo: not a tenth"
 
-# Every recompute mode, bf16 with fp32 main_grad: the same final model.
-for rc in "full reentrant" "full nonreentrant" "selective nonreentrant" "none nonreentrant"; do
+# Every recompute mode, also of the first block only, bf16 with fp32
+# main_grad, the default alpha (the rank: a scale of 1) on every linear,
+# the gradient audit on: the same final model.
+R=(--init "$WORK/base/model" --lora 4 --lr 1e-2 --precision bf16 --steps 4 --check-grads)
+for rc in "full reentrant 0" "full nonreentrant 0" "selective nonreentrant 0" "full nonreentrant 1" \
+          "none nonreentrant 0"; do
   set -- $rc
-  "$LOOM" train "${common[@]}" "${L[@]}" --precision bf16 --steps 4 --recompute $1 --recompute-mode $2 \
-    --out "$WORK/r-$1-$2" 2>/dev/null
-  cmp -s "$WORK/r-full-reentrant/model/model.safetensors" "$WORK/r-$1-$2/model/model.safetensors" ||
-    fail "LoRA with recompute $1 ($2): the final model differs from full reentrant's"
+  "$LOOM" train "${common[@]}" "${R[@]}" --recompute $1 --recompute-mode $2 --recompute-blocks $3 \
+    --out "$WORK/r-$1-$2-$3" 2>"$WORK/r.log" || { cat "$WORK/r.log"; fail "LoRA with recompute $rc failed"; }
+  cmp -s "$WORK/r-full-reentrant-0/model/model.safetensors" "$WORK/r-$1-$2-$3/model/model.safetensors" ||
+    fail "LoRA with recompute $rc: the final model differs from full reentrant's"
 done
+grep -q "LoRA rank 4, alpha 4 on q,k,v,o,gate,up,down" "$WORK/r.log" || fail "the default alpha is not the rank"
+# fp16 (loss scaling; the frozen weights keep their fp32 masters) trains too.
+"$LOOM" train "${common[@]}" "${L[@]}" --precision fp16 --steps 4 --out "$WORK/h" 2>/dev/null ||
+  fail "LoRA in fp16 failed"
+[ -s "$WORK/h/adapter/adapter_model.safetensors" ] || fail "LoRA in fp16: no adapter written"
 
 # Stop at step 8 and resume: the same losses and final bytes as the run without a stop.
 losses() { grep -o '"step":[0-9]*,"loss":[0-9.e+-]*' "$1/metrics.jsonl"; }
