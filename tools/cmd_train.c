@@ -141,20 +141,21 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
         return loom_error(LOOM_ERR_INVALID, "--recompute-blocks %d is more than the model's %d blocks",
                           o->recompute_blocks, cfg.n_layers);
     }
-    LOOM_TRY(loom_llama_new_tp(&cfg, prec, t->dist.tp, &t->m));
+    if (o->lora) { /* the model's own weights frozen from the start: never a gradient or bf16 master */
+        loom_lora_config lc = {o->lora, o->lora_alpha, o->lora_target_set};
+        loom_status st = loom_llama_new_lora(&cfg, prec, &lc, (uint64_t)o->seed, &t->m);
+        if (st != LOOM_OK) {
+            t->usage = st == LOOM_ERR_INVALID;
+            return st;
+        }
+    } else {
+        LOOM_TRY(loom_llama_new_tp(&cfg, prec, t->dist.tp, &t->m));
+    }
     t->m->recompute.mode = mode;
     t->m->recompute.blocks = o->recompute_blocks;
     loom_llama_init_weights(t->m, (uint64_t)o->seed);
     if (o->init && !resume_dir) {
         LOOM_TRY(loom_model_dir_load_weights(t->m, o->init));
-    }
-    if (o->lora) { /* after the weights, before the plan and the optimizer */
-        loom_lora_config lc = {o->lora, o->lora_alpha, o->lora_target_set};
-        loom_status st = loom_llama_add_lora(t->m, &lc, (uint64_t)o->seed);
-        if (st != LOOM_OK) {
-            t->usage = st == LOOM_ERR_INVALID;
-            return st;
-        }
     }
     if (o->recompute_budget > 0.0f) { /* before the optimizer: its hooks must not see the probes */
         loom_recompute_plan plan;

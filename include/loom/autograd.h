@@ -54,6 +54,10 @@ struct loom_param {
  * dtype dt. Free with loom_param_free. */
 loom_status loom_param_new(const char *name, loom_dtype dt, int ndim, const int64_t *shape,
                            int master_grad, loom_param **out);
+/* A parameter created frozen (as loom_param_freeze leaves one), so that its
+ * gradient and, for bf16, its fp32 master never take memory: zero values. */
+loom_status loom_param_new_frozen(const char *name, loom_dtype dt, int ndim, const int64_t *shape,
+                                  loom_param **out);
 void loom_param_free(loom_param *p);
 static inline int64_t loom_param_numel(const loom_param *p) { return loom_tensor_numel(p->tensor); }
 /* The fp32 master values (borrowed): `master`, or the compute copy when the

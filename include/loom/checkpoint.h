@@ -50,8 +50,9 @@ loom_status loom_llama_config_save(const loom_llama_config *cfg, loom_dtype weig
 /* Write weights as safetensors with Hugging Face names, stored in dtype dt
  * (from the fp32 masters, gathered over the TP group; a LoRA model's
  * adapters merged into the weights they adapt, W + (alpha / rank) B A, and
- * not written themselves). Atomic. path NULL: only take part in the
- * gathers. */
+ * not written themselves; a frozen bf16 weight without an adapter, which
+ * has no master, as its exact bf16 values). Atomic. path NULL: only take
+ * part in the gathers. */
 loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *path);
 /* Load weights (any float dtype in the file) into masters and compute
  * copies (a LoRA model's own weights; its adapters are left as they are);

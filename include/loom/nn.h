@@ -205,6 +205,14 @@ loom_status loom_llama_plan_recompute(loom_llama *m, loom_recompute_mode mode, i
  * LOOM_ERR_STATE (a data-parallel optimizer holds the gradients already),
  * LOOM_ERR_NOMEM (the model is left without adapters). */
 loom_status loom_llama_add_lora(loom_llama *m, const loom_lora_config *cfg, uint64_t seed);
+/* loom_llama_new with LoRA adapters (as loom_llama_add_lora), the model's
+ * own parameters created frozen: their gradients and bf16 fp32 masters are
+ * never allocated, so a large model's peak memory stays at its compute
+ * copies (loom_llama_add_lora frees them after the fact). Weights zero,
+ * A drawn from seed; load or initialise the model's own weights after.
+ * Errors: those of both. */
+loom_status loom_llama_new_lora(const loom_llama_config *cfg, loom_precision prec, const loom_lora_config *lora,
+                                uint64_t seed, loom_llama **out);
 /* Base parameter i's full fp32 values with its adapter merged in (W +
  * (alpha / rank) B A; the plain values for a parameter without one). */
 loom_status loom_llama_param_merged(loom_llama *m, int i, float *full);

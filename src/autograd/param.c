@@ -37,6 +37,28 @@ loom_status loom_param_new(const char *name, loom_dtype dt, int ndim, const int6
     return LOOM_OK;
 }
 
+loom_status loom_param_new_frozen(const char *name, loom_dtype dt, int ndim, const int64_t *shape,
+                                  loom_param **out) {
+    *out = NULL;
+    loom_param *p = calloc(1, sizeof *p);
+    if (!p) return loom_error(LOOM_ERR_NOMEM, "parameter '%s': out of memory", name);
+    snprintf(p->name, sizeof p->name, "%s", name);
+    p->tensor = loom_tensor_zeros(dt, ndim, shape, LOOM_MEM_PARAMS);
+    if (!p->tensor) {
+        free(p);
+        return LOOM_ERR_NOMEM;
+    }
+    p->tensor->param = p;
+    if (dt == LOOM_F16) { /* as loom_param_freeze leaves it: fp16 keeps its master */
+        p->master = loom_alloc_zeroed((size_t)loom_tensor_numel(p->tensor) * sizeof(float), LOOM_MEM_PARAMS);
+        if (!p->master) { loom_param_free(p); return LOOM_ERR_NOMEM; }
+    }
+    p->grad_dtype = dt;
+    p->tp_split_dim = -1;
+    *out = p; /* trainable 0, grad NULL */
+    return LOOM_OK;
+}
+
 void loom_param_free(loom_param *p) {
     if (!p) return;
     if (p->tensor) {

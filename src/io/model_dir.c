@@ -252,7 +252,14 @@ loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *pa
         int64_t fs[2];
         loom_llama_param_full_shape(m, i, fs);
         size_t n = (size_t)(fs[0] * fs[1]);
-        if (m->tp_size == 1 && dt == LOOM_F32 && loom_param_has_master(p) && !loom_llama_lora_of(m, i, &a, &b)) {
+        int adapted = loom_llama_lora_of(m, i, &a, &b);
+        if (m->tp_size == 1 && !adapted && !loom_param_has_master(p) && (dt == LOOM_F32 || dt == LOOM_BF16)) {
+            /* a frozen bf16 weight: its exact bf16 values, borrowed (a wider copy would hold no more) */
+            st = loom_safetensors_writer_add(w, p->name, LOOM_SAFETENSORS_BF16, fs, p->tensor->ndim,
+                                             loom_tensor_data(p->tensor));
+            continue;
+        }
+        if (m->tp_size == 1 && dt == LOOM_F32 && !adapted) {
             /* the fp32 masters as they are: borrowed until the write */
             st = loom_safetensors_writer_add(w, p->name, LOOM_SAFETENSORS_F32, fs, p->tensor->ndim,
                                              loom_param_master(p));

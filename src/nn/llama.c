@@ -92,23 +92,40 @@ loom_status loom_llama_config_validate(const loom_llama_config *c) {
 
 /* split: -1 replicated, 0 rows split (column-parallel), 1 columns split
  * (row-parallel) across the TP group. Shapes given are full. */
-static loom_status add_param(loom_llama *m, const char *name, loom_dtype dt, int ndim, int64_t d0, int64_t d1,
-                             int split, loom_param **out) {
+/* A parameter of m; frozen: created frozen (no gradient, no bf16 master). */
+static loom_status add_param_as(loom_llama *m, const char *name, loom_dtype dt, int ndim, int64_t d0, int64_t d1,
+                                int split, int frozen, loom_param **out) {
     int64_t shape[2] = {d0, d1};
     if (split >= 0) shape[split] /= m->tp_size;
-    LOOM_TRY(loom_param_new(name, dt, ndim, shape, m->prec.master_grad, out));
+    LOOM_TRY(frozen ? loom_param_new_frozen(name, dt, ndim, shape, out)
+                    : loom_param_new(name, dt, ndim, shape, m->prec.master_grad, out));
     m->params[m->n_params++] = *out;
     (*out)->tp_split_dim = m->tp_size > 1 ? split : -1;
     if (ndim == 1) (*out)->no_weight_decay = 1;
     return LOOM_OK;
 }
 
+static loom_status add_param(loom_llama *m, const char *name, loom_dtype dt, int ndim, int64_t d0, int64_t d1,
+                             int split, loom_param **out) {
+    return add_param_as(m, name, dt, ndim, d0, d1, split, m->lora.rank > 0, out);
+}
+
 loom_status loom_llama_new(const loom_llama_config *cfg, loom_precision prec, loom_llama **out) {
     return loom_llama_new_tp(cfg, prec, NULL, out);
 }
 
+static loom_status llama_create(const loom_llama_config *cfg, loom_precision prec, loom_comm *tp_comm,
+                                const loom_lora_config *lora, loom_llama **out);
+
 loom_status loom_llama_new_tp(const loom_llama_config *cfg, loom_precision prec, loom_comm *tp_comm,
                               loom_llama **out) {
+    return llama_create(cfg, prec, tp_comm, NULL, out);
+}
+
+/* lora: the base parameters are created frozen (m->lora set while they are
+ * made), the adapters added by the caller. */
+static loom_status llama_create(const loom_llama_config *cfg, loom_precision prec, loom_comm *tp_comm,
+                                const loom_lora_config *lora, loom_llama **out) {
     *out = NULL;
     LOOM_TRY(loom_llama_config_validate(cfg));
     int T = tp_comm ? loom_comm_size(tp_comm) : 1;
@@ -119,6 +136,7 @@ loom_status loom_llama_new_tp(const loom_llama_config *cfg, loom_precision prec,
     if (!m) return loom_error(LOOM_ERR_NOMEM, "llama: out of memory");
     m->cfg = *cfg;
     m->prec = prec;
+    if (lora) m->lora = *lora;
     m->tp_comm = tp_comm;
     m->tp_size = T;
     m->tp_rank = tp_comm ? loom_comm_rank(tp_comm) : 0;
@@ -154,6 +172,7 @@ loom_status loom_llama_new_tp(const loom_llama_config *cfg, loom_precision prec,
     }
     if (st != LOOM_OK) { loom_llama_free(m); return st; }
     m->n_base = m->n_params;
+    memset(&m->lora, 0, sizeof m->lora); /* until the adapters are there */
     *out = m;
     return LOOM_OK;
 }
@@ -315,23 +334,53 @@ static void drop_adapters(loom_llama *m) {
     }
 }
 
-loom_status loom_llama_add_lora(loom_llama *m, const loom_lora_config *cfg, uint64_t seed) {
-    if (m->lora.rank)
-        return loom_error(LOOM_ERR_INVALID, "LoRA: this model has adapters already (rank %d)", m->lora.rank);
-    if (m->tp_size > 1)
+/* The checks of a LoRA setting for a model of config c over tp ranks. */
+static loom_status lora_check(const loom_llama_config *c, int tp, const loom_lora_config *cfg) {
+    if (tp > 1)
         return loom_error(LOOM_ERR_INVALID, "LoRA is not supported with tensor parallelism (--tp %d); use data "
-                          "parallelism, whose ranks each hold the whole (frozen) model", m->tp_size);
-    if (cfg->rank < 1 || cfg->rank > m->cfg.dim)
-        return loom_error(LOOM_ERR_INVALID, "LoRA rank %d: must be 1..%d (the model's dim)", cfg->rank, m->cfg.dim);
+                          "parallelism, whose ranks each hold the whole (frozen) model", tp);
+    if (cfg->rank < 1 || cfg->rank > c->dim)
+        return loom_error(LOOM_ERR_INVALID, "LoRA rank %d: must be 1..%d (the model's dim)", cfg->rank, c->dim);
     if (!(cfg->alpha > 0.0f) || !isfinite(cfg->alpha))
         return loom_error(LOOM_ERR_INVALID, "LoRA alpha %g: must be a finite number above 0", (double)cfg->alpha);
     if (!cfg->targets || (cfg->targets & ~LOOM_LORA_ALL))
         return loom_error(LOOM_ERR_INVALID, "LoRA targets 0x%x: must be a non-empty set of the %d linears",
                           cfg->targets, LOOM_LORA_N);
+    return LOOM_OK;
+}
+
+static loom_status append_adapters(loom_llama *m, const loom_lora_config *cfg, uint64_t seed);
+
+loom_status loom_llama_new_lora(const loom_llama_config *cfg, loom_precision prec, const loom_lora_config *lora,
+                                uint64_t seed, loom_llama **out) {
+    *out = NULL;
+    LOOM_TRY(loom_llama_config_validate(cfg));
+    LOOM_TRY(lora_check(cfg, 1, lora));
+    loom_llama *m;
+    LOOM_TRY(llama_create(cfg, prec, NULL, lora, &m));
+    loom_status st = append_adapters(m, lora, seed);
+    if (st != LOOM_OK) {
+        loom_llama_free(m);
+        return st;
+    }
+    *out = m;
+    return LOOM_OK;
+}
+
+loom_status loom_llama_add_lora(loom_llama *m, const loom_lora_config *cfg, uint64_t seed) {
+    if (m->lora.rank)
+        return loom_error(LOOM_ERR_INVALID, "LoRA: this model has adapters already (rank %d)", m->lora.rank);
+    LOOM_TRY(lora_check(&m->cfg, m->tp_size, cfg));
     for (int i = 0; i < m->n_base; i++)
         if (m->params[i]->grad_borrowed)
             return loom_error(LOOM_ERR_STATE, "LoRA: add the adapters before the optimizer is made (%s's gradient "
                               "lives in its buffer)", m->params[i]->name);
+    return append_adapters(m, cfg, seed);
+}
+
+/* The adapters appended after n_base, the base frozen, m->lora set; on
+ * failure the model is as it was. */
+static loom_status append_adapters(loom_llama *m, const loom_lora_config *cfg, uint64_t seed) {
     int per = 0;
     for (int t = 0; t < LOOM_LORA_N; t++) per += (cfg->targets >> t) & 1u;
     loom_param **grown = realloc(m->params, (size_t)(m->n_base + 2 * per * m->cfg.n_layers) * sizeof *grown);
@@ -347,9 +396,9 @@ loom_status loom_llama_add_lora(loom_llama *m, const loom_lora_config *cfg, uint
             int64_t out = w->shape[0], in = w->shape[1];
             const char *group = t <= LOOM_LORA_O ? "self_attn" : "mlp";
             snprintf(name, sizeof name, "model.layers.%d.%s.%s.lora_A.weight", l, group, lora_module[t]);
-            st = add_param(m, name, m->prec.compute, 2, cfg->rank, in, -1, &y->lora_a[t]);
+            st = add_param_as(m, name, m->prec.compute, 2, cfg->rank, in, -1, 0, &y->lora_a[t]);
             snprintf(name, sizeof name, "model.layers.%d.%s.%s.lora_B.weight", l, group, lora_module[t]);
-            if (st == LOOM_OK) st = add_param(m, name, m->prec.compute, 2, out, cfg->rank, -1, &y->lora_b[t]);
+            if (st == LOOM_OK) st = add_param_as(m, name, m->prec.compute, 2, out, cfg->rank, -1, 0, &y->lora_b[t]);
             if (st != LOOM_OK) break;
             /* A: uniform in [-1/sqrt(in), 1/sqrt(in)), its own stream per adapter; B stays zero. */
             loom_param *a = y->lora_a[t];

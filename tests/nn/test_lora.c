@@ -171,6 +171,51 @@ static void test_frozen_masters(void **state) {
     }
 }
 
+/* loom_llama_new_lora: the model's own weights never take a gradient or
+ * (bf16) a master, and with the same weights it computes what a model
+ * given its adapters by loom_llama_add_lora computes, bit for bit. */
+static void test_new_lora(void **state) {
+    (void)state;
+    loom_precision prec = {LOOM_BF16, 1};
+    loom_llama *a = new_model(prec);
+    add_adapters(a, LOOM_LORA_ALL, 0.0f);
+    loom_llama_config c = config();
+    loom_lora_config lc = {3, 5.0f, LOOM_LORA_ALL};
+    loom_mem_stats before, after;
+    loom_mem_get_stats(&before);
+    loom_llama *b;
+    assert_int_equal(loom_llama_new_lora(&c, prec, &lc, 7, &b), LOOM_OK);
+    loom_mem_get_stats(&after);
+    int64_t own = 0, adapters = 0;
+    for (int i = 0; i < b->n_params; i++) *(i < b->n_base ? &own : &adapters) += loom_param_numel(b->params[i]);
+    assert_int_equal((int64_t)(after.current[LOOM_MEM_PARAMS] - before.current[LOOM_MEM_PARAMS]),
+                     own * 2 + adapters * (2 + 4));
+    assert_int_equal((int64_t)(after.current[LOOM_MEM_GRADS] - before.current[LOOM_MEM_GRADS]), adapters * 4);
+    assert_int_equal(b->n_params, a->n_params);
+    assert_true(b->lora.rank == 3 && b->lora.alpha == 5.0f && b->lora.targets == LOOM_LORA_ALL);
+    for (int i = 0; i < b->n_params; i++) {
+        assert_string_equal(a->params[i]->name, b->params[i]->name);
+        assert_int_equal(b->params[i]->trainable, i >= b->n_base);
+        size_t n = (size_t)loom_param_numel(a->params[i]);
+        float *v = malloc(n * sizeof *v);
+        loom_param_get_f32(a->params[i], v);
+        if (i < b->n_base) assert_int_equal(loom_param_set_f32(b->params[i], v, (int64_t)n), LOOM_OK);
+        else assert_memory_equal(v, loom_param_master(b->params[i]), n * sizeof *v); /* the same A, the same B */
+        free(v);
+    }
+    float *x, *y;
+    float la = loss_of(a, 0, &x), lb = loss_of(b, 0, &y);
+    assert_true(la == lb);
+    assert_true(tu_bits_equal(x, y, (size_t)N_TOK * (size_t)c.vocab_size * sizeof *x, "logits"));
+    free(x);
+    free(y);
+    loom_llama_free(b);
+    loom_llama_free(a);
+    loom_lora_config bad = {0, 1.0f, LOOM_LORA_ALL};
+    assert_int_equal(loom_llama_new_lora(&c, prec, &bad, 7, &b), LOOM_ERR_INVALID);
+    assert_null(b);
+}
+
 /* B starts at zero: the adapted model computes the base model's logits
  * and loss bit for bit, in fp32, bf16 and fp16, and with tied embeddings. */
 static void test_starts_at_base(void **state) {
@@ -393,6 +438,7 @@ int main(void) {
         cmocka_unit_test(test_targets),
         cmocka_unit_test(test_refusals),
         cmocka_unit_test(test_frozen_masters),
+        cmocka_unit_test(test_new_lora),
         cmocka_unit_test(test_starts_at_base),
         cmocka_unit_test(test_frozen_and_finite_differences),
         cmocka_unit_test(test_recompute_bit_identical),

@@ -337,6 +337,27 @@ def check_lora(rep, loom, work, data_dir, model_dir):
     if nonzero:
         rep.failures.append(f"lora: frozen weights got gradients: {nonzero[:3]}")
 
+    # bf16 with fp32 main_grad, the same way: step 6's adapter gradients
+    # against the exact math of the bf16-rounded weights (the frozen ones are
+    # held in bf16 only), torch's pure-bf16 model as the yardstick.
+    bflags = [f if f != "fp32" else "bf16" for f in flags]
+    outb = os.path.join(work, "out-lora-bf16")
+    run_loom(loom, outb, "--data", data_dir, *bflags, *train_flags, "--ckpt-every", 5, "--keep", 10)
+    gpath = os.path.join(work, "lora-grads-bf16.st")
+    run_loom(loom, os.path.join(work, "out-lora-bf16-dump"), "--data", data_dir, *bflags, *train_flags,
+             "--resume", os.path.join(outb, "ckpt-00000005"), "--dump-grads", gpath)
+    st5b, _ = ref.read_safetensors(os.path.join(outb, "ckpt-00000005", "state.safetensors"))
+    with torch.no_grad():
+        rounded = {k: v.to(torch.bfloat16).float() for k, v in base.items()}
+        for k in start:
+            rounded[k] = st5b["master." + k].float().to(torch.bfloat16).float().requires_grad_(True)
+    _, _, g = ref.grads(cfg, rounded, inputs, targets)
+    _, _, t_g = ref.grads(cfg, rounded, inputs, targets, dtype=torch.bfloat16)
+    yard = {k: rel_err(t_g[k], g[k]) for k in start}
+    l_grads, _ = ref.read_safetensors(gpath)
+    check_grads(rep, "lora bf16", {k: l_grads[k] for k in start}, {k: g[k] for k in start}, TOL_BF16_GRAD, yard,
+                f" (torch bf16 worst: {max(yard.values()):.3g})")
+
     # The curve, and the saved model: the adapters merged, W + alpha/rank B A.
     with open(os.path.join(out, "metrics.jsonl")) as f:
         l_losses = [json.loads(line)["loss"] for line in f if '"loss"' in line]
