@@ -14,6 +14,10 @@
  * off), over every precision x master-grad on/off x 1 or 2 micro-batches x
  * every recompute mode, each layer its own region, and again with layers 1-2
  * inside an outer region of each mode holding inner regions of each mode.
+ * All of it again with layer 1's weight frozen (loom_param_freeze, as
+ * LoRA's base weights are): its saved slots still give back the very
+ * parameter, which gets no gradient and never moves, and bf16 holds it
+ * without a master.
  * Every step's gradients and the final masters and compute copies must be
  * the same bytes as the run without recompute, and the loss the same float.
  */
@@ -69,10 +73,13 @@ static loom_status linear_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, i
                            loom_tensor_data(gin[0]), K, x->dtype, NULL, LOOM_F32));
     }
     loom_dtype dt;
-    void *g = loom_param_grad_target(a->w, &dt);
-    LOOM_TRY(loom_gemm(1, 0, M, K, N, 1.0f, loom_tensor_data(dy), M, loom_tensor_data(x), K, x->dtype, 1.0f, g, K,
-                       dt, NULL, LOOM_F32));
-    if (b) {
+    void *g;
+    if (loom_ctx_needs_input_grad(ctx, 1)) { /* not for a frozen weight */
+        g = loom_param_grad_target(a->w, &dt);
+        LOOM_TRY(loom_gemm(1, 0, M, K, N, 1.0f, loom_tensor_data(dy), M, loom_tensor_data(x), K, x->dtype, 1.0f, g,
+                           K, dt, NULL, LOOM_F32));
+    }
+    if (b && loom_ctx_needs_input_grad(ctx, 2)) {
         g = loom_param_grad_target(a->b, &dt);
         for (int j = 0; j < M; j++) {
             float s = 0.0f;
@@ -141,7 +148,7 @@ static loom_status outer_region(void *user, loom_tensor *const *in, int n_in, lo
     return layers(m, m->inner, 1, loom_tensor_retain(in[0]), out);
 }
 
-static void model_init(model *m, loom_dtype dt, int master_grad) {
+static void model_init(model *m, loom_dtype dt, int master_grad, int frozen) {
     memset(m, 0, sizeof *m);
     const int fan_in[N_LAYERS] = {IN, HIDDEN, HIDDEN}, fan_out[N_LAYERS] = {HIDDEN, HIDDEN, CLASSES};
     for (int l = 0; l < N_LAYERS; l++) {
@@ -161,6 +168,7 @@ static void model_init(model *m, loom_dtype dt, int master_grad) {
         m->params[m->n_params++] = m->b[l];
     }
     for (int i = 0; i < m->n_params; i++) loom_param_sync_from_master(m->params[i]);
+    if (frozen) OK(loom_param_freeze(m->w[1])); /* bf16: its master goes, its values stay */
 }
 
 static void model_free(model *m) {
@@ -195,6 +203,7 @@ typedef struct setting {
     loom_dtype dt;
     int master_grad, micro;
     int nested;                 /* layers 1-2 in an outer region holding inner ones */
+    int frozen;                 /* layer 1's weight frozen (LoRA's base weights are) */
     loom_recompute_mode outer, inner;
 } setting;
 
@@ -208,7 +217,10 @@ static outcome train(const setting *s) {
     const float *x = data_x;
     const int32_t *targets = data_targets;
     model m;
-    model_init(&m, s->dt, s->master_grad);
+    model_init(&m, s->dt, s->master_grad, s->frozen);
+    size_t n_frozen = (size_t)loom_param_numel(m.w[1]);
+    float *frozen_before = malloc(n_frozen * sizeof(float)), *frozen_after = malloc(n_frozen * sizeof(float));
+    loom_param_get_f32(m.w[1], frozen_before);
     m.inner = s->inner;
     loom_adamw_config cfg = loom_adamw_defaults();
     loom_adamw *opt;
@@ -242,8 +254,11 @@ static outcome train(const setting *s) {
         }
         OK(loom_grad_audit(m.params, m.n_params, NULL, 0));
         for (int i = 0; i < m.n_params; i++)
-            o.hash = fnv1a(o.hash, m.params[i]->grad,
-                           (size_t)loom_param_numel(m.params[i]) * loom_dtype_size(m.params[i]->grad_dtype));
+            if (m.params[i]->trainable)
+                o.hash = fnv1a(o.hash, m.params[i]->grad,
+                               (size_t)loom_param_numel(m.params[i]) * loom_dtype_size(m.params[i]->grad_dtype));
+            else
+                assert_null(m.params[i]->grad);
         loom_step_info info;
         loom_amp_prepare_step(m.params, m.n_params, &scaler, 1.0f, &info);
         if (info.found_inf) o.skipped++;
@@ -252,9 +267,15 @@ static outcome train(const setting *s) {
     }
     for (int i = 0; i < m.n_params; i++) {
         loom_param *p = m.params[i];
-        o.hash = fnv1a(o.hash, loom_param_master(p), (size_t)loom_param_numel(p) * sizeof(float));
+        if (loom_param_has_master(p)) /* a frozen bf16 weight has none */
+            o.hash = fnv1a(o.hash, loom_param_master(p), (size_t)loom_param_numel(p) * sizeof(float));
         o.hash = fnv1a(o.hash, loom_tensor_data(p->tensor), loom_tensor_nbytes(p->tensor));
     }
+    loom_param_get_f32(m.w[1], frozen_after);
+    if (s->frozen) assert_memory_equal(frozen_before, frozen_after, n_frozen * sizeof(float)); /* never moved */
+    else assert_memory_not_equal(frozen_before, frozen_after, n_frozen * sizeof(float));
+    free(frozen_before);
+    free(frozen_after);
     loom_adamw_free(opt);
     model_free(&m);
     return o;
@@ -266,23 +287,26 @@ static const loom_recompute_mode modes[4] = {LOOM_RECOMPUTE_NONE, LOOM_RECOMPUTE
 static void check_precision(loom_dtype dt) {
     for (int mg = 0; mg <= 1; mg++) {
         for (int micro = 1; micro <= 2; micro++) {
-            setting s = {dt, mg, micro, 0, LOOM_RECOMPUTE_NONE, LOOM_RECOMPUTE_NONE};
-            outcome ref = train(&s);
-            assert_true(isfinite(ref.loss));
-            /* fp16 skips its first steps and still trains; the others skip none. */
-            assert_true(dt == LOOM_F16 ? ref.skipped > 0 && ref.skipped < STEPS : ref.skipped == 0);
-            for (int nested = 0; nested <= 1; nested++) {
-                for (int k = 0; k < 4; k++) {
-                    for (int ki = 0; ki < (nested ? 4 : 1); ki++) {
-                        s = (setting){dt, mg, micro, nested, modes[k], modes[ki]};
-                        outcome got = train(&s);
-                        if (got.hash != ref.hash || memcmp(&got.loss, &ref.loss, sizeof got.loss) ||
-                            got.skipped != ref.skipped)
-                            fail_msg("%s master-grad %d, %d micro-batches, %s %s/%s: differs from no recompute "
-                                     "(loss %.9g vs %.9g, %d vs %d skipped)", loom_dtype_name(dt), mg, micro,
-                                     nested ? "nested" : "flat", loom_recompute_mode_name(modes[k]),
-                                     nested ? loom_recompute_mode_name(modes[ki]) : "-", (double)got.loss,
-                                     (double)ref.loss, got.skipped, ref.skipped);
+            for (int frozen = 0; frozen <= 1; frozen++) {
+                setting s = {dt, mg, micro, 0, frozen, LOOM_RECOMPUTE_NONE, LOOM_RECOMPUTE_NONE};
+                outcome ref = train(&s);
+                assert_true(isfinite(ref.loss));
+                /* fp16 skips its first steps and still trains; the others skip none. */
+                assert_true(dt == LOOM_F16 ? ref.skipped > 0 && ref.skipped < STEPS : ref.skipped == 0);
+                for (int nested = 0; nested <= 1; nested++) {
+                    for (int k = 0; k < 4; k++) {
+                        for (int ki = 0; ki < (nested ? 4 : 1); ki++) {
+                            s = (setting){dt, mg, micro, nested, frozen, modes[k], modes[ki]};
+                            outcome got = train(&s);
+                            if (got.hash != ref.hash || memcmp(&got.loss, &ref.loss, sizeof got.loss) ||
+                                got.skipped != ref.skipped)
+                                fail_msg("%s master-grad %d, %d micro-batches, %s%s %s/%s: differs from no "
+                                         "recompute (loss %.9g vs %.9g, %d vs %d skipped)", loom_dtype_name(dt), mg,
+                                         micro, frozen ? "a frozen weight, " : "", nested ? "nested" : "flat",
+                                         loom_recompute_mode_name(modes[k]),
+                                         nested ? loom_recompute_mode_name(modes[ki]) : "-", (double)got.loss,
+                                         (double)ref.loss, got.skipped, ref.skipped);
+                        }
                     }
                 }
             }
