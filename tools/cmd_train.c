@@ -143,6 +143,7 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
     }
     if (o->lora) { /* the model's own weights frozen from the start: never a gradient or bf16 master */
         loom_lora_config lc = {o->lora, o->lora_alpha, o->lora_target_set};
+        LOOM_TRY(loom_llama_config_validate(&cfg)); /* so that what is refused below is the LoRA flags */
         loom_status st = loom_llama_new_lora(&cfg, prec, &lc, (uint64_t)o->seed, &t->m);
         if (st != LOOM_OK) {
             t->usage = st == LOOM_ERR_INVALID;

@@ -66,6 +66,9 @@ static inline int64_t loom_param_numel(const loom_param *p) { return loom_tensor
 float *loom_param_master(loom_param *p);
 /* Whether p holds fp32 values loom_param_master can hand out. */
 int loom_param_has_master(const loom_param *p);
+/* Whether p's values are its compute copy alone (a frozen bf16 parameter):
+ * no master, and none held elsewhere (ZeRO-1). */
+int loom_param_compute_only(const loom_param *p);
 /* p's values as numel floats into dst: the master, or a frozen bf16
  * parameter's compute copy widened (exactly). */
 void loom_param_get_f32(const loom_param *p, float *dst);

@@ -8,8 +8,8 @@
  * trained with, copied as it is). Standard LLaMA loaders read the first two.
  *
  * A training checkpoint is a model directory plus `state.safetensors`: fp32
- * masters, AdamW moments, and metadata (step, RNG, data position, loss
- * scaler). Every checkpoint is written into a temporary directory, each file
+ * masters (a frozen bf16 weight, which has none, as its bf16 values), AdamW
+ * moments, and metadata (step, RNG, data position, loss scaler). Every checkpoint is written into a temporary directory, each file
  * fsynced, then renamed into place: a crash or a full disk never leaves a
  * torn checkpoint, and an existing checkpoint is never modified.
  */
@@ -55,7 +55,8 @@ loom_status loom_llama_config_save(const loom_llama_config *cfg, loom_dtype weig
  * part in the gathers. */
 loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *path);
 /* Load weights (any float dtype in the file) into masters and compute
- * copies (a LoRA model's own weights; its adapters are left as they are);
+ * copies (a frozen bf16 weight's compute copy alone; a LoRA model's own
+ * weights, its adapters left as they are);
  * every parameter must be present with the model's shape (the
  * message names the tensor, the file and both shapes). lm_head.weight may be
  * absent when embeddings are tied. */
@@ -150,20 +151,23 @@ typedef struct loom_train_state {
  * LOOM_LOSS_SCALE_MIN, 1 for a run without loss scaling, else
  * LOOM_ERR_INVALID and nothing is written): a model directory plus
  * state.safetensors
- * with fp32 masters, the AdamW moments adam_m[i], adam_v[i] (this rank's
+ * with fp32 masters (a frozen bf16 weight's bf16 values), the AdamW
+ * moments adam_m[i], adam_v[i] (this rank's
  * shard of parameter i, numel floats each; not read for a frozen
  * parameter, which may pass NULL) and the state. A LoRA model's directory
- * holds the merged weights, its state the unmerged masters, the adapters'
+ * holds the merged weights, its state the unmerged weights, the adapters'
  * masters and moments, and the LoRA setting (metadata "lora"). With tensor
  * parallelism every rank of the TP group calls it (tensors are gathered);
  * TP rank 0 writes. The files hold full tensors, whatever the layout. */
 loom_status loom_checkpoint_save(const char *dir, loom_llama *m, float *const *adam_m, float *const *adam_v,
                                  int adam_steps, const loom_train_state *st, const char *tokenizer_path);
-/* Restore masters, compute copies, moments and state from `dir` into a model
- * of the same configuration (any TP layout: each rank takes its shard).
+/* Restore masters, compute copies (alone for a frozen bf16 weight), moments
+ * and state from `dir` into a model of the same configuration (any TP
+ * layout: each rank takes its shard).
  * Moments are not read for frozen parameters (adam_m[i] may be NULL). A
  * checkpoint of a LoRA run loads only into a model with the same adapters
- * (loom_llama_add_lora first), and one without into a model without:
+ * (loom_llama_new_lora, or loom_llama_add_lora first), and one without into
+ * a model without:
  * LOOM_ERR_INVALID, naming both settings. */
 loom_status loom_checkpoint_load(const char *dir, loom_llama *m, float *const *adam_m, float *const *adam_v,
                                  int *adam_steps, loom_train_state *st);

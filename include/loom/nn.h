@@ -146,10 +146,12 @@ loom_status loom_llama_new_tp(const loom_llama_config *cfg, loom_precision prec,
                               loom_llama **out);
 /* Full (unsplit) shape of parameter i (rows, cols; cols 1 for vectors). */
 void loom_llama_param_full_shape(const loom_llama *m, int i, int64_t shape[2]);
-/* Parameter i's full fp32 master values (or gradient, as fp32) into `full`
- * (rows*cols floats of the full shape). Collective over the TP group. */
+/* Parameter i's full fp32 values (its master, or a frozen bf16 weight's
+ * compute copy widened; or its gradient, as fp32) into `full` (rows*cols
+ * floats of the full shape). Collective over the TP group. */
 loom_status loom_llama_param_gather(loom_llama *m, int i, int grad, float *full);
-/* Set parameter i's master (and compute copy) from its full values. */
+/* Set parameter i's master and compute copy (a frozen bf16 weight's
+ * compute copy alone) from its full values. */
 void loom_llama_param_scatter(loom_llama *m, int i, const float *full);
 /* Any per-parameter fp32 array (e.g. an optimizer moment) of parameter i:
  * this rank's shard -> full (collective over the TP group), and back. */

@@ -74,6 +74,10 @@ int loom_param_has_master(const loom_param *p) {
     return !p->master_sharded && (p->master || p->tensor->dtype == LOOM_F32);
 }
 
+int loom_param_compute_only(const loom_param *p) {
+    return !p->master_sharded && !p->master && p->tensor->dtype != LOOM_F32;
+}
+
 float *loom_param_master(loom_param *p) {
     LOOM_ASSERT(!p->master_sharded); /* ZeRO-1 holds it: attach it first */
     LOOM_ASSERT(loom_param_has_master(p)); /* a frozen bf16 weight has none: loom_param_get_f32 */
@@ -120,7 +124,7 @@ loom_status loom_param_set_f32(loom_param *p, const float *src, int64_t n) {
     if (n != loom_param_numel(p))
         return loom_error(LOOM_ERR_INVALID, "parameter '%s': %lld values given, it has %lld", p->name,
                           (long long)n, (long long)loom_param_numel(p));
-    if (!p->master_sharded && !loom_param_has_master(p)) { /* a frozen bf16 weight: its compute copy is all */
+    if (loom_param_compute_only(p)) { /* a frozen bf16 weight: its compute copy is all */
         loom_convert(loom_tensor_data(p->tensor), p->tensor->dtype, src, LOOM_F32, (size_t)n);
         return LOOM_OK;
     }

@@ -100,7 +100,7 @@ static loom_status write_state(const char *path, loom_llama *m, float *const *ad
         int nd = p->tensor->ndim;
         const char *prefix[3] = {"master", "adam_m", "adam_v"};
         const float *local[3] = {NULL, adam_m[i], adam_v[i]};
-        if (!loom_param_has_master(p)) { /* a frozen bf16 weight: its bf16 values, as they are */
+        if (loom_param_compute_only(p)) { /* a frozen bf16 weight: its bf16 values, as they are */
             snprintf(name, sizeof name, "master.%s", p->name);
             s = p->tp_split_dim < 0 ? loom_safetensors_writer_add(w, name, LOOM_SAFETENSORS_BF16, fs, nd,
                                                                   loom_tensor_data(p->tensor))
@@ -252,7 +252,7 @@ loom_status loom_checkpoint_load(const char *dir, loom_llama *m, float *const *a
     for (int i = 0; i < m->n_params && s == LOOM_OK; i++) {
         loom_param *p = m->params[i];
         snprintf(name, sizeof name, "master.%s", p->name);
-        if (loom_param_has_master(p)) {
+        if (!loom_param_compute_only(p)) {
             s = read_shard(sf, path, m, i, name, loom_param_master(p));
         } else { /* a frozen bf16 weight (never split): into its compute copy */
             float *v = malloc((size_t)loom_param_numel(p) * sizeof(float) + 1);

@@ -253,7 +253,7 @@ loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *pa
         loom_llama_param_full_shape(m, i, fs);
         size_t n = (size_t)(fs[0] * fs[1]);
         int adapted = loom_llama_lora_of(m, i, &a, &b);
-        if (m->tp_size == 1 && !adapted && !loom_param_has_master(p) && (dt == LOOM_F32 || dt == LOOM_BF16)) {
+        if (m->tp_size == 1 && !adapted && loom_param_compute_only(p) && (dt == LOOM_F32 || dt == LOOM_BF16)) {
             /* a frozen bf16 weight: its exact bf16 values, borrowed (a wider copy would hold no more) */
             st = loom_safetensors_writer_add(w, p->name, LOOM_SAFETENSORS_BF16, fs, p->tensor->ndim,
                                              loom_tensor_data(p->tensor));
@@ -458,6 +458,9 @@ loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base
     if (st == LOOM_OK) st = loom_safetensors_writer_write(w, path);
     loom_safetensors_writer_free(w);
     LOOM_TRY(st);
+    /* A path that is not UTF-8 cannot be a JSON string: null then. */
+    json_t *base = base_model ? json_string(base_model) : NULL;
+    if (!base) base = json_null();
     json_t *targets = json_array();
     for (int t = 0; t < LOOM_LORA_N && targets; t++)
         if (m->lora.targets & (1u << t) && json_array_append_new(targets, json_string(loom_lora_target_name(t)))) {
@@ -468,7 +471,7 @@ loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base
                                        "task_type", "CAUSAL_LM", "r", m->lora.rank, "lora_alpha",
                                        (double)m->lora.alpha, "lora_dropout", 0.0, "target_modules", targets, "bias",
                                        "none", "fan_in_fan_out", 0, "inference_mode", 1, "use_rslora", 0,
-                                       "base_model_name_or_path", base_model ? json_string(base_model) : json_null())
+                                       "base_model_name_or_path", base)
                               : NULL;
     if (!root) return loom_error(LOOM_ERR_NOMEM, "save adapter: cannot build adapter_config.json");
     char *text = json_dumps(root, JSON_INDENT(2) | JSON_REAL_PRECISION(9));

@@ -68,9 +68,9 @@ loom_status loom_adamw_step(loom_adamw *o, float lr, float grad_multiplier) {
         if (p->trainable && p->grad_dtype != LOOM_F32 && n > widest) widest = n;
     }
     for (int i = 0; i < o->n; i++)
-        if (o->params[i]->trainable && !o->m[i])
-            return loom_error(LOOM_ERR_STATE, "adamw: parameter %s was frozen when this optimizer was made and is "
-                              "trainable now; freezing is one-way (the step was not taken)", o->params[i]->name);
+        if (o->params[i]->trainable && (!o->m[i] || !o->params[i]->grad))
+            return loom_error(LOOM_ERR_STATE, "adamw: parameter %s was frozen and is marked trainable now; "
+                              "freezing is one-way (the step was not taken)", o->params[i]->name);
     float *tmp = widest ? loom_alloc(widest * sizeof(float), LOOM_MEM_WORKSPACE) : NULL;
     if (widest && !tmp) return loom_error(LOOM_ERR_NOMEM, "adamw: out of memory (the step was not taken)");
     o->steps++;

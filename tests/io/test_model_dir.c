@@ -311,8 +311,9 @@ static void test_lora_checkpoint(void **state) {
 }
 
 /* bf16: the frozen weights hold no fp32 master; the checkpoint stores them
- * as their bf16 values, and loads them back into the compute copies bit
- * for bit; the merged directory widens them. */
+ * as their bf16 values (in its state and, those without an adapter, in its
+ * model directory), and loads them back into the compute copies bit for
+ * bit. */
 static void test_lora_checkpoint_bf16(void **state) {
     (void)state;
     loom_llama *m = model(5), *ref = NULL;

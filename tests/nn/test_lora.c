@@ -302,6 +302,11 @@ static void test_frozen_and_finite_differences(void **state) {
         free(before[i]);
     }
     free(before);
+    /* Freezing is one-way: a frozen weight marked trainable again is refused. */
+    m->params[0]->trainable = 1;
+    assert_int_equal(loom_adamw_step(opt, 1e-2f, 1.0f), LOOM_ERR_STATE);
+    assert_non_null(strstr(loom_last_error(), "one-way"));
+    m->params[0]->trainable = 0;
     loom_adamw_free(opt);
     /* The distributed optimizer takes the trainable parameters only. */
     loom_dist_optim *dopt;

@@ -78,6 +78,23 @@ grep -q "LoRA rank 4, alpha 4 on q,k,v,o,gate,up,down" "$WORK/r.log" || fail "th
   fail "LoRA in fp16 failed"
 [ -s "$WORK/h/adapter/adapter_model.safetensors" ] || fail "LoRA in fp16: no adapter written"
 
+# bf16: the model's own weights are held as bf16, and saved as such (the
+# unadapted ones as BF16 tensors, the bf16 roundings of the base's).
+$PY - "$WORK/base/model/model.safetensors" "$WORK/r-none-nonreentrant-0/model/model.safetensors" "$SRC" <<'PYEOF' ||
+import sys, torch
+sys.path.insert(0, sys.argv[3] + "/tests/python")
+import llama_ref as ref
+base, _ = ref.read_safetensors(sys.argv[1])
+tuned, _ = ref.read_safetensors(sys.argv[2])
+for name, w in base.items():
+    if "proj" in name:
+        assert tuned[name].dtype == torch.float32, f"{name}: the merged weight is not fp32"
+    else:
+        assert tuned[name].dtype == torch.bfloat16, f"{name}: {tuned[name].dtype}, not bf16"
+        assert torch.equal(tuned[name], w.to(torch.bfloat16)), f"{name}: not the base's bf16 rounding"
+PYEOF
+  fail "the bf16 LoRA run's saved model does not hold the base's bf16 weights"
+
 # Stop at step 8 and resume: the same losses and final bytes as the run without a stop.
 losses() { grep -o '"step":[0-9]*,"loss":[0-9.e+-]*' "$1/metrics.jsonl"; }
 "$LOOM" train "${common[@]}" "${L[@]}" --precision fp32 --steps 12 --ckpt-every 4 --keep 5 --out "$WORK/b" 2>/dev/null
@@ -86,6 +103,15 @@ losses() { grep -o '"step":[0-9]*,"loss":[0-9.e+-]*' "$1/metrics.jsonl"; }
 diff <(losses "$WORK/a" | tail -4) <(losses "$WORK/c") || fail "resumed LoRA losses differ"
 cmp -s "$WORK/a/model/model.safetensors" "$WORK/c/model/model.safetensors" ||
   fail "the resumed LoRA run's final model differs from the uninterrupted run's"
+# The same under bf16, where the frozen weights have no fp32 master and the
+# checkpoint keeps them as bf16.
+"$LOOM" train "${common[@]}" "${L[@]}" --precision bf16 --steps 6 --out "$WORK/ba" 2>/dev/null
+"$LOOM" train "${common[@]}" "${L[@]}" --precision bf16 --steps 6 --ckpt-every 3 --keep 5 --out "$WORK/bb" 2>/dev/null
+"$LOOM" train "${common[@]}" "${L[@]}" --precision bf16 --steps 6 --resume "$WORK/bb/ckpt-00000003" \
+  --out "$WORK/bc" 2>/dev/null
+cmp -s "$WORK/ba/model/model.safetensors" "$WORK/bc/model/model.safetensors" ||
+  fail "bf16: the resumed LoRA run's final model differs from the uninterrupted run's"
+
 # The merged model evaluates like any other, and fits the training text
 # better than the base model did.
 ev() { "$LOOM" eval --model "$1" --data "$WORK/data" --split train --batches 8 2>&1 | sed -n 's/.* loss=\([0-9.]*\) .*/\1/p'; }
@@ -102,6 +128,7 @@ expect_usage "lora-targets applies to LoRA" "$LOOM" train "${common[@]}" --lora-
 expect_usage "rank >= 1" "$LOOM" train "${common[@]}" --lora -2 --out "$WORK/x"
 expect_usage "\"qq\" is not one of q, k, v" "$LOOM" train "${common[@]}" --lora 4 --lora-targets q,qq --out "$WORK/x"
 expect_usage "lora-alpha must be above 0" "$LOOM" train "${common[@]}" --lora 4 --lora-alpha -1 --out "$WORK/x"
+expect_usage "lora-alpha must be above 0" "$LOOM" train "${common[@]}" --lora 4 --lora-alpha 0 --out "$WORK/x"
 expect_usage "LoRA rank 65: must be 1..64" "$LOOM" train "${common[@]}" --init "$WORK/base/model" --lora 65 --out "$WORK/x"
 expect_usage "without tensor parallelism" "$LOOM" train "${common[@]}" --lora 4 --tp 2 --out "$WORK/x"
 # A LoRA checkpoint resumed without its flags, or with others: named.
