@@ -1,8 +1,10 @@
 /*
  * fuzz_checkpoint.c — loom_checkpoint_load with any bytes as the
  * checkpoint's state.safetensors (a tiny model's checkpoint otherwise
- * whole): the state's tensors and metadata are taken or refused with a
- * status, never a fault. The corpus seed is that checkpoint's own state.
+ * whole), into that fp32 model and into a bf16 LoRA one (frozen weights
+ * without masters, stored as bf16): the state's tensors and metadata are
+ * taken or refused with a status, never a fault. The corpus seeds are the
+ * two models' own states.
  */
 #define _GNU_SOURCE /* nftw */
 #include "fuzz_util.h"
@@ -12,16 +14,19 @@
 #include <string.h>
 
 enum { N_MAX = 64 };
-static loom_llama *model;
+static loom_llama *model, *lora;
 static float *adam_m[N_MAX], *adam_v[N_MAX];
-static char dir[256];
+static char dir[256], lora_dir[256];
 
 static int remove_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
     (void)sb; (void)flag; (void)ftw;
     return remove(path);
 }
 
-static void remove_dir(void) { nftw(dir, remove_entry, 8, FTW_DEPTH | FTW_PHYS); }
+static void remove_dir(void) {
+    nftw(dir, remove_entry, 8, FTW_DEPTH | FTW_PHYS);
+    nftw(lora_dir, remove_entry, 8, FTW_DEPTH | FTW_PHYS);
+}
 
 /* Save a checkpoint of a model with 8-wide hidden states once (removed when
  * the process exits). */
@@ -46,6 +51,18 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
     atexit(remove_dir);
     int adam_steps; /* the unfuzzed checkpoint loads: the harness reaches the success path */
     if (loom_checkpoint_load(dir, model, adam_m, adam_v, &adam_steps, &st) != LOOM_OK || adam_steps != 3) abort();
+    /* The LoRA model: rank 2 on q and down; its moments are those of the adapters, after n_base. */
+    loom_precision half = {LOOM_BF16, 1};
+    loom_lora_config lc = {2, 4.0f, (1u << LOOM_LORA_Q) | (1u << LOOM_LORA_DOWN)};
+    if (loom_llama_new_lora(&cfg, half, &lc, 1, &lora) != LOOM_OK || lora->n_params > N_MAX) abort();
+    for (int i = model->n_params; i < lora->n_params; i++) {
+        adam_m[i] = calloc(64, sizeof(float)); /* the adapters are at most 16 x 2 */
+        adam_v[i] = calloc(64, sizeof(float));
+        if (!adam_m[i] || !adam_v[i]) abort();
+    }
+    snprintf(lora_dir, sizeof lora_dir, "/dev/shm/loom-fuzz-%ld-lora", (long)getpid());
+    if (loom_checkpoint_save(lora_dir, lora, adam_m, adam_v, 3, &st, NULL) != LOOM_OK) abort();
+    if (loom_checkpoint_load(lora_dir, lora, adam_m, adam_v, &adam_steps, &st) != LOOM_OK) abort();
     return 0;
 }
 
@@ -56,5 +73,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     int adam_steps;
     loom_train_state st;
     (void)loom_checkpoint_load(dir, model, adam_m, adam_v, &adam_steps, &st);
+    snprintf(path, sizeof path, "%s/state.safetensors", lora_dir);
+    fuzz_write_file(path, data, size);
+    (void)loom_checkpoint_load(lora_dir, lora, adam_m, adam_v, &adam_steps, &st);
     return 0;
 }
