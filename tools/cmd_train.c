@@ -77,7 +77,7 @@ static void settings_record(const train_opts *o, const char *resume_dir, char *b
              "--eval-batches %d\n--ckpt-every %d\n--keep %d\n"
              "--tp %d\n--zero %d\n--overlap %d\n--bucket-size %d\n--preset %s\n--tie-embeddings %d\n"
              "--check-grads %d\n--dump-grads %s\n--dump-logits %s\n--resume %s\n"
-             "--lora %d\n--lora-alpha %a\n--lora-targets %u\n",
+             "--lora %d\n--lora-alpha %a\n--lora-targets %u\n--lora-dropout %a\n",
              o->batch, o->seq, o->grad_accum, o->steps, (double)o->lr, (double)o->min_lr, o->warmup, o->schedule,
              o->decay_frac,
              (double)o->weight_decay, (double)o->clip, o->precision, o->master_grad, o->recompute, o->recompute_mode,
@@ -85,7 +85,7 @@ static void settings_record(const train_opts *o, const char *resume_dir, char *b
              o->keep, o->tp, o->zero, o->overlap,
              o->bucket_size, o->preset, o->tie, o->check_grads, o->dump_grads ? "given" : "no",
              o->dump_logits ? "given" : "no", *resume_dir ? "given" : "no", o->lora, (double)o->lora_alpha,
-             o->lora_target_set);
+             o->lora_target_set, (double)o->lora_dropout);
 }
 
 static loom_status agree_on_settings(trainer *t, const char *resume_dir) {
@@ -142,7 +142,7 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
                           o->recompute_blocks, cfg.n_layers);
     }
     if (o->lora) { /* the model's own weights frozen from the start: never a gradient or bf16 master */
-        loom_lora_config lc = {o->lora, o->lora_alpha, o->lora_target_set};
+        loom_lora_config lc = {o->lora, o->lora_alpha, o->lora_target_set, o->lora_dropout};
         LOOM_TRY(loom_llama_config_validate(&cfg)); /* so that what is refused below is the LoRA flags */
         loom_status st = loom_llama_new_lora(&cfg, prec, &lc, (uint64_t)o->seed, &t->m);
         if (st != LOOM_OK) {
@@ -702,11 +702,13 @@ static int run(int argc, char **argv) {
          "recompute the fewest blocks (full, or --recompute selective) that keep a step's activations within MIB, "
          "measured by probe steps at start (default 0: no plan)"},
         {"lora", FLAG_INT, &o->lora, "R", "LoRA: freeze the model's weights and train rank-R adapters on the "
-                                          "--lora-targets linears; DIR/model has them merged, DIR/adapter holds them for PEFT "
-                                          "(default 0: off)"},
+                                          "--lora-targets linears; DIR/model has them merged, DIR/adapter "
+                                          "holds them for PEFT (default 0: off)"},
         {"lora-alpha", FLAG_FLOAT, &o->lora_alpha, "A", "LoRA: the adapters' output is scaled by A/R (default R)"},
         {"lora-targets", FLAG_STRING, &o->lora_targets, "LIST",
          "LoRA: the linears adapted, from q,k,v,o,gate,up,down, or all (default all)"},
+        {"lora-dropout", FLAG_FLOAT, &o->lora_dropout, "P",
+         "LoRA: dropout on the adapters' inputs while training, in [0, 1) (default 0)"},
         {"seed", FLAG_INT, &o->seed, "N", "seed for initialisation and LoRA's A (default 1337)"},
         {"threads", FLAG_INT, &o->threads, "N", "OpenMP threads (default: OMP_NUM_THREADS, else the cores this process may use)"},
         {"eval-every", FLAG_INT, &o->eval_every, "N", "validation loss every N steps; 0 disables (default 50)"},
@@ -748,9 +750,13 @@ static int run(int argc, char **argv) {
         fprintf(stderr, "train: note: --recompute-mode applies to --recompute full; with %s it changes nothing\n",
                 o->recompute);
     if (o->lora < 0) return cli_usage_error("train", "--lora expects a rank >= 1 (0: off), got %d", o->lora);
-    if (!o->lora && (!isnan(o->lora_alpha) || o->lora_targets))
+    if (!o->lora && (!isnan(o->lora_alpha) || o->lora_targets || o->lora_dropout != 0.0f))
         return cli_usage_error("train", "--%s applies to LoRA: give --lora RANK too",
-                               o->lora_targets ? "lora-targets" : "lora-alpha");
+                               o->lora_targets            ? "lora-targets"
+                               : o->lora_dropout != 0.0f ? "lora-dropout"
+                                                          : "lora-alpha");
+    if (!(o->lora_dropout >= 0.0f && o->lora_dropout < 1.0f))
+        return cli_usage_error("train", "--lora-dropout must be in [0, 1), got %g", (double)o->lora_dropout);
     if (!isnan(o->lora_alpha) && !(o->lora_alpha > 0.0f))
         return cli_usage_error("train", "--lora-alpha must be above 0, got %g", (double)o->lora_alpha);
     if (isnan(o->lora_alpha)) o->lora_alpha = (float)o->lora; /* not given (the parser takes finite numbers only) */

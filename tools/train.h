@@ -26,6 +26,7 @@ typedef struct train_opts {
     float lora_alpha;       /* the rank (a scale of 1) when not given */
     const char *lora_targets;
     unsigned lora_target_set;
+    float lora_dropout;     /* on the adapters' inputs while training; 0: none */
 } train_opts;
 
 typedef struct trainer {

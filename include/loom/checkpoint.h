@@ -9,7 +9,8 @@
  *
  * A training checkpoint is a model directory plus `state.safetensors`: fp32
  * masters (a frozen bf16 weight, which has none, as its bf16 values), AdamW
- * moments, and metadata (step, RNG, data position, loss scaler). Every checkpoint is written into a temporary directory, each file
+ * moments, and metadata (step, RNG, data position, loss scaler). Every
+ * checkpoint is written into a temporary directory, each file
  * fsynced, then renamed into place: a crash or a full disk never leaves a
  * torn checkpoint, and an existing checkpoint is never modified.
  */

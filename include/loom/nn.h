@@ -74,11 +74,17 @@ loom_param *loom_llama_layer_weight(const loom_llama_layer *y, loom_lora_target 
  * y = x W^T becomes y = x W^T + (alpha / rank) (x A^T) B^T with W frozen
  * and A, B trained; A starts uniform in +-1/sqrt(in) (PEFT's Kaiming
  * uniform), B at zero, so training starts from the base model exactly.
- * targets is a bit set of (1 << loom_lora_target); rank 0 means no LoRA. */
+ * targets is a bit set of (1 << loom_lora_target); rank 0 means no LoRA.
+ * With dropout, the adapter's input is dropout(x). */
 typedef struct loom_lora_config {
     int rank;
     float alpha;
     unsigned targets;
+    /* PEFT's lora_dropout: inverted dropout with this probability, in [0, 1),
+     * on each adapter's input, in forwards that record gradients (training)
+     * only, not in no-grad ones (evaluation) nor in generation; replayed
+     * with the same mask by every recompute mode. 0: none. */
+    float dropout;
 } loom_lora_config;
 
 #define LOOM_LORA_ALL ((1u << LOOM_LORA_N) - 1u)

@@ -83,7 +83,9 @@ static loom_status gather_full(loom_llama *m, int i, const float *local, gathere
 static void lora_describe(const loom_lora_config *c, char *buf, size_t n) {
     char targets[64];
     loom_lora_targets_format(c->targets, targets, sizeof targets);
-    snprintf(buf, n, "--lora %d --lora-alpha %.9g --lora-targets %s", c->rank, (double)c->alpha, targets);
+    int w = snprintf(buf, n, "--lora %d --lora-alpha %.9g --lora-targets %s", c->rank, (double)c->alpha, targets);
+    if (c->dropout > 0.0f && w > 0 && (size_t)w < n)
+        snprintf(buf + w, n - (size_t)w, " --lora-dropout %.9g", (double)c->dropout);
 }
 
 static loom_status write_state(const char *path, loom_llama *m, float *const *adam_m, float *const *adam_v,

@@ -467,12 +467,12 @@ loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base
             json_decref(targets);
             targets = NULL;
         }
-    json_t *root = targets ? json_pack("{s:s, s:s, s:i, s:f, s:f, s:o, s:s, s:b, s:b, s:b, s:o}", "peft_type", "LORA",
-                                       "task_type", "CAUSAL_LM", "r", m->lora.rank, "lora_alpha",
-                                       (double)m->lora.alpha, "lora_dropout", 0.0, "target_modules", targets, "bias",
-                                       "none", "fan_in_fan_out", 0, "inference_mode", 1, "use_rslora", 0,
-                                       "base_model_name_or_path", base)
-                              : NULL;
+    json_t *root = !targets ? NULL
+                            : json_pack("{s:s, s:s, s:i, s:f, s:f, s:o, s:s, s:b, s:b, s:b, s:o}", "peft_type", "LORA",
+                                        "task_type", "CAUSAL_LM", "r", m->lora.rank, "lora_alpha",
+                                        (double)m->lora.alpha, "lora_dropout", (double)m->lora.dropout,
+                                        "target_modules", targets, "bias", "none", "fan_in_fan_out", 0,
+                                        "inference_mode", 1, "use_rslora", 0, "base_model_name_or_path", base);
     if (!root) return loom_error(LOOM_ERR_NOMEM, "save adapter: cannot build adapter_config.json");
     char *text = json_dumps(root, JSON_INDENT(2) | JSON_REAL_PRECISION(9));
     json_decref(root);

@@ -15,6 +15,7 @@ struct llama_block_args {
     loom_llama *m;
     int layer;
     int B, T;
+    int training; /* recorded with gradients: LoRA's dropout applies */
 };
 
 /* The arguments of every layer for one (B, T). Sets are never moved or
@@ -25,13 +26,13 @@ struct llama_arg_set {
     struct llama_block_args layer[]; /* n_layers (>= 1), all with the set's B, T */
 };
 
-static struct llama_arg_set *arg_set_for(loom_llama *m, int B, int T) {
+static struct llama_arg_set *arg_set_for(loom_llama *m, int B, int T, int training) {
     for (struct llama_arg_set *s = m->block_args; s; s = s->next)
-        if (s->layer[0].B == B && s->layer[0].T == T) return s;
+        if (s->layer[0].B == B && s->layer[0].T == T && s->layer[0].training == training) return s;
     int L = m->cfg.n_layers;
     struct llama_arg_set *s = malloc(sizeof *s + (size_t)L * sizeof s->layer[0]);
     if (!s) return NULL;
-    for (int l = 0; l < L; l++) s->layer[l] = (struct llama_block_args){m, l, B, T};
+    for (int l = 0; l < L; l++) s->layer[l] = (struct llama_block_args){m, l, B, T, training};
     s->next = m->block_args;
     m->block_args = s;
     return s;
@@ -343,6 +344,8 @@ static loom_status lora_check(const loom_llama_config *c, int tp, const loom_lor
         return loom_error(LOOM_ERR_INVALID, "LoRA rank %d: must be 1..%d (the model's dim)", cfg->rank, c->dim);
     if (!(cfg->alpha > 0.0f) || !isfinite(cfg->alpha))
         return loom_error(LOOM_ERR_INVALID, "LoRA alpha %g: must be a finite number above 0", (double)cfg->alpha);
+    if (!(cfg->dropout >= 0.0f && cfg->dropout < 1.0f))
+        return loom_error(LOOM_ERR_INVALID, "LoRA dropout %g: must be in [0, 1)", (double)cfg->dropout);
     if (!cfg->targets || (cfg->targets & ~LOOM_LORA_ALL))
         return loom_error(LOOM_ERR_INVALID, "LoRA targets 0x%x: must be a non-empty set of the %d linears",
                           cfg->targets, LOOM_LORA_N);
@@ -449,29 +452,34 @@ void loom_llama_zero_grad(loom_llama *m) {
 #define RELEASE(...) do { loom_tensor *r_[] = {__VA_ARGS__}; \
     for (size_t i_ = 0; i_ < sizeof r_ / sizeof r_[0]; i_++) loom_tensor_release(r_[i_]); } while (0)
 
-/* Linear t of block y: x W^T, plus (alpha / rank) (x A^T) B^T when it has
- * a LoRA adapter (PEFT's order: B's output scaled, then added). */
-static loom_status block_linear(const loom_llama *m, const loom_llama_layer *y, loom_lora_target t, loom_tensor *x,
+/* Linear t of the block: x W^T, plus (alpha / rank) (dropout(x) A^T) B^T
+ * when it has a LoRA adapter (PEFT's order: B's output scaled, then added;
+ * the dropout only in a training forward). */
+static loom_status block_linear(const struct llama_block_args *a, loom_lora_target t, loom_tensor *x,
                                 loom_tensor **out) {
+    const loom_llama *m = a->m;
+    const loom_llama_layer *y = &m->layers[a->layer];
     loom_status st = loom_fused_linear(x, loom_llama_layer_weight(y, t)->tensor, NULL, out);
     if (st != LOOM_OK || !y->lora_a[t]) return st;
-    loom_tensor *base = *out, *xa = NULL, *xab = NULL, *scaled = NULL;
+    loom_tensor *base = *out, *xd = NULL, *xa = NULL, *xab = NULL, *scaled = NULL;
     *out = NULL;
     float scale = m->lora.alpha / (float)m->lora.rank;
-    st = loom_fused_linear(x, y->lora_a[t]->tensor, NULL, &xa);
+    if (a->training && m->lora.dropout > 0.0f) st = loom_dropout(x, m->lora.dropout, &xd);
+    if (st == LOOM_OK) st = loom_fused_linear(xd ? xd : x, y->lora_a[t]->tensor, NULL, &xa);
     if (st == LOOM_OK) st = loom_fused_linear(xa, y->lora_b[t]->tensor, NULL, &xab);
-    if (st == LOOM_OK) st = scale == 1.0f ? (scaled = loom_tensor_retain(xab), LOOM_OK) : loom_scale(xab, scale, &scaled);
+    if (st == LOOM_OK && scale != 1.0f) st = loom_scale(xab, scale, &scaled);
+    else if (st == LOOM_OK) scaled = loom_tensor_retain(xab); /* alpha = rank: no pass */
     if (st == LOOM_OK) st = loom_add(base, scaled, out);
-    RELEASE(base, xa, xab, scaled);
+    RELEASE(base, xd, xa, xab, scaled);
     return st;
 }
 
 /* q/k/v projection then view as (B, T, heads, HS) and rotate (q, k). */
-static loom_status project_heads(const loom_llama *m, const loom_llama_layer *ly, loom_lora_target t, loom_tensor *h,
-                                 int B, int T, int heads, int HS, const loom_rope_freqs *rope, loom_tensor **out) {
+static loom_status project_heads(const struct llama_block_args *a, loom_lora_target t, loom_tensor *h, int heads,
+                                 int HS, const loom_rope_freqs *rope, loom_tensor **out) {
     loom_tensor *y = NULL, *y4 = NULL;
-    int64_t shape[4] = {B, T, heads, HS};
-    loom_status st = block_linear(m, ly, t, h, &y);
+    int64_t shape[4] = {a->B, a->T, heads, HS};
+    loom_status st = block_linear(a, t, h, &y);
     if (st == LOOM_OK) st = loom_reshape(y, 4, shape, &y4);
     loom_tensor_release(y);
     if (st != LOOM_OK || !rope) { *out = y4; return st; }
@@ -493,12 +501,12 @@ static loom_status attention_part(const struct llama_block_args *a, loom_tensor 
     loom_status st = loom_rmsnorm(x, y->attn_norm->tensor, c->norm_eps, &hn);
     if (st == LOOM_OK) st = tp_copy(m->tp_comm, hn, &h);
     loom_rope_freqs rope = loom_llama_rope(c);
-    if (st == LOOM_OK) st = project_heads(m, y, LOOM_LORA_Q, h, a->B, a->T, NH, HS, &rope, &q);
-    if (st == LOOM_OK) st = project_heads(m, y, LOOM_LORA_K, h, a->B, a->T, NKV, HS, &rope, &k);
-    if (st == LOOM_OK) st = project_heads(m, y, LOOM_LORA_V, h, a->B, a->T, NKV, HS, NULL, &v);
+    if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_Q, h, NH, HS, &rope, &q);
+    if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_K, h, NKV, HS, &rope, &k);
+    if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_V, h, NKV, HS, NULL, &v);
     if (st == LOOM_OK) st = loom_attention(q, k, v, &att);
     if (st == LOOM_OK) st = loom_reshape(att, 2, flat, &att2);
-    if (st == LOOM_OK) st = block_linear(m, y, LOOM_LORA_O, att2, &o);
+    if (st == LOOM_OK) st = block_linear(a, LOOM_LORA_O, att2, &o);
     if (st == LOOM_OK) st = tp_reduce(m->tp_comm, o, out);
     RELEASE(hn, h, q, k, v, att, att2, o);
     return st;
@@ -511,10 +519,10 @@ static loom_status mlp_part(const struct llama_block_args *a, loom_tensor *x, lo
     loom_tensor *hn = NULL, *h = NULL, *g = NULL, *u = NULL, *s = NULL, *d = NULL;
     loom_status st = loom_rmsnorm(x, y->mlp_norm->tensor, c->norm_eps, &hn);
     if (st == LOOM_OK) st = tp_copy(m->tp_comm, hn, &h);
-    if (st == LOOM_OK) st = block_linear(m, y, LOOM_LORA_GATE, h, &g);
-    if (st == LOOM_OK) st = block_linear(m, y, LOOM_LORA_UP, h, &u);
+    if (st == LOOM_OK) st = block_linear(a, LOOM_LORA_GATE, h, &g);
+    if (st == LOOM_OK) st = block_linear(a, LOOM_LORA_UP, h, &u);
     if (st == LOOM_OK) st = loom_swiglu(g, u, &s);
-    if (st == LOOM_OK) st = block_linear(m, y, LOOM_LORA_DOWN, s, &d);
+    if (st == LOOM_OK) st = block_linear(a, LOOM_LORA_DOWN, s, &d);
     if (st == LOOM_OK) st = tp_reduce(m->tp_comm, d, out);
     RELEASE(hn, h, g, u, s, d);
     return st;
@@ -545,7 +553,10 @@ loom_status loom_llama_forward(loom_llama *m, const int32_t *tokens, const int32
         return loom_error(LOOM_ERR_INVALID, "llama forward: recompute.blocks is %d (0: every block, or 1..%d)",
                           m->recompute.blocks, c->n_layers);
     int N = B * T;
-    struct llama_arg_set *args = arg_set_for(m, B, T);
+    /* Whether this forward trains is decided here, outside every region (a
+     * reentrant region runs its first forward without gradients), and kept
+     * in the arguments its replays read. */
+    struct llama_arg_set *args = arg_set_for(m, B, T, loom_grad_enabled());
     if (!args) return loom_error(LOOM_ERR_NOMEM, "llama forward: out of memory");
     loom_tensor *x = NULL, *h = NULL, *logits = NULL;
     LOOM_TRY(loom_embedding(m->embed->tensor, tokens, N, &x));

@@ -235,7 +235,7 @@ static void test_checkpoint_refuses_bad_loss_scale(void **state) {
 static void test_lora_checkpoint(void **state) {
     (void)state;
     loom_llama *m = model(5), *back = model(6), *plain = model(5);
-    loom_lora_config lc = {2, 3.0f, (1u << LOOM_LORA_Q) | (1u << LOOM_LORA_DOWN)};
+    loom_lora_config lc = {2, 3.0f, (1u << LOOM_LORA_Q) | (1u << LOOM_LORA_DOWN), 0.0f};
     assert_int_equal(loom_llama_add_lora(m, &lc, 1), LOOM_OK);
     assert_int_equal(loom_llama_add_lora(back, &lc, 2), LOOM_OK); /* other adapters: the load must replace them */
     float *mm[32] = {0}, *vv[32] = {0}, *mb[32] = {0}, *vb[32] = {0};
@@ -295,7 +295,7 @@ static void test_lora_checkpoint(void **state) {
     assert_int_equal(loom_checkpoint_load(io_path("ckpt-lora"), plain, pm, pv, &adam_steps, &got), LOOM_ERR_INVALID);
     IO_ASSERT_MSG("--lora 2 --lora-alpha 3 --lora-targets q,down");
     loom_llama *other = model(5);
-    loom_lora_config lo = {2, 3.0f, 1u << LOOM_LORA_Q};
+    loom_lora_config lo = {2, 3.0f, 1u << LOOM_LORA_Q, 0.0f};
     assert_int_equal(loom_llama_add_lora(other, &lo, 1), LOOM_OK);
     assert_int_equal(loom_checkpoint_load(io_path("ckpt-lora"), other, mb, vb, &adam_steps, &got), LOOM_ERR_INVALID);
     IO_ASSERT_MSG("--lora-targets q;");
@@ -324,7 +324,7 @@ static void test_lora_checkpoint_bf16(void **state) {
     for (int k = 0; k < 2; k++) {
         assert_int_equal(loom_llama_new(&c, prec, &ms[k]), LOOM_OK);
         loom_llama_init_weights(ms[k], 20 + (uint64_t)k);
-        loom_lora_config lc = {2, 4.0f, LOOM_LORA_ALL};
+        loom_lora_config lc = {2, 4.0f, LOOM_LORA_ALL, 0.0f};
         assert_int_equal(loom_llama_add_lora(ms[k], &lc, 30 + (uint64_t)k), LOOM_OK);
     }
     m = ms[0];

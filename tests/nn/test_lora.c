@@ -44,7 +44,7 @@ static loom_llama *new_model(loom_precision prec) {
 /* Adapters of rank 3, alpha 5 (a scale of 5/3) on `targets`, with B drawn
  * too (b_scale 0: left at zero, as loom_llama_add_lora makes it). */
 static void add_adapters_alpha(loom_llama *m, unsigned targets, float b_scale, float alpha) {
-    loom_lora_config lc = {3, alpha, targets};
+    loom_lora_config lc = {3, alpha, targets, 0.0f};
     assert_int_equal(loom_llama_add_lora(m, &lc, 7), LOOM_OK);
     if (b_scale == 0.0f) return;
     for (int i = m->n_base; i < m->n_params; i++) {
@@ -72,6 +72,7 @@ static void tokens(int32_t *tok, int32_t *tgt, int V) {
 static float loss_of(loom_llama *m, int grad, float **logits) {
     int32_t tok[N_TOK], tgt[N_TOK];
     tokens(tok, tgt, m->cfg.vocab_size);
+    loom_rng_init(loom_rng_default(), 42); /* LoRA's dropout draws the same masks every time */
     loom_tensor *loss = NULL, *lg = NULL;
     if (!grad) loom_no_grad_enter();
     assert_int_equal(loom_llama_forward(m, tok, tgt, 2, N_TOK / 2, &loss, logits ? &lg : NULL), LOOM_OK);
@@ -115,8 +116,10 @@ static void test_refusals(void **state) {
     loom_llama *m = new_model(prec);
     int n = m->n_params;
     const loom_lora_config bad[] = {
-        {0, 1.0f, LOOM_LORA_ALL}, {33, 1.0f, LOOM_LORA_ALL}, {2, 0.0f, LOOM_LORA_ALL}, {2, NAN, LOOM_LORA_ALL},
-        {2, INFINITY, LOOM_LORA_ALL}, {2, 1.0f, 0}, {2, 1.0f, 1u << LOOM_LORA_N},
+        {0, 1.0f, LOOM_LORA_ALL, 0.0f}, {33, 1.0f, LOOM_LORA_ALL, 0.0f}, {2, 0.0f, LOOM_LORA_ALL, 0.0f},
+        {2, NAN, LOOM_LORA_ALL, 0.0f}, {2, INFINITY, LOOM_LORA_ALL, 0.0f}, {2, 1.0f, 0, 0.0f},
+        {2, 1.0f, 1u << LOOM_LORA_N, 0.0f}, {2, 1.0f, LOOM_LORA_ALL, 1.0f}, {2, 1.0f, LOOM_LORA_ALL, -0.1f},
+        {2, 1.0f, LOOM_LORA_ALL, NAN},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         assert_int_equal(loom_llama_add_lora(m, &bad[i], 1), LOOM_ERR_INVALID);
@@ -124,7 +127,7 @@ static void test_refusals(void **state) {
         assert_int_equal(m->lora.rank, 0);
         for (int k = 0; k < n; k++) assert_true(m->params[k]->trainable && m->params[k]->grad);
     }
-    loom_lora_config ok = {2, 4.0f, 1u << LOOM_LORA_V};
+    loom_lora_config ok = {2, 4.0f, 1u << LOOM_LORA_V, 0.0f};
     assert_int_equal(loom_llama_add_lora(m, &ok, 1), LOOM_OK);
     assert_int_equal(m->n_params, n + 2 * m->cfg.n_layers);
     assert_int_equal(loom_llama_add_lora(m, &ok, 1), LOOM_ERR_INVALID);
@@ -143,7 +146,7 @@ static void test_frozen_masters(void **state) {
         int64_t frozen = loom_llama_n_weights(m);
         loom_mem_stats before, after;
         loom_mem_get_stats(&before);
-        loom_lora_config lc = {2, 2.0f, 1u << LOOM_LORA_Q};
+        loom_lora_config lc = {2, 2.0f, 1u << LOOM_LORA_Q, 0.0f};
         assert_int_equal(loom_llama_add_lora(m, &lc, 3), LOOM_OK);
         loom_mem_get_stats(&after);
         int64_t adapters = loom_llama_n_weights(m) - frozen;
@@ -180,7 +183,7 @@ static void test_new_lora(void **state) {
     loom_llama *a = new_model(prec);
     add_adapters(a, LOOM_LORA_ALL, 0.0f);
     loom_llama_config c = config();
-    loom_lora_config lc = {3, 5.0f, LOOM_LORA_ALL};
+    loom_lora_config lc = {3, 5.0f, LOOM_LORA_ALL, 0.0f};
     loom_mem_stats before, after;
     loom_mem_get_stats(&before);
     loom_llama *b;
@@ -211,7 +214,7 @@ static void test_new_lora(void **state) {
     free(y);
     loom_llama_free(b);
     loom_llama_free(a);
-    loom_lora_config bad = {0, 1.0f, LOOM_LORA_ALL};
+    loom_lora_config bad = {0, 1.0f, LOOM_LORA_ALL, 0.0f};
     assert_int_equal(loom_llama_new_lora(&c, prec, &bad, 7, &b), LOOM_ERR_INVALID);
     assert_null(b);
 }
@@ -320,7 +323,7 @@ static void test_frozen_and_finite_differences(void **state) {
 
 /* Every recompute mode gives the adapters the no-recompute gradients, bit
  * for bit (bf16 compute, fp32 main_grad). */
-static void recompute_bit_identical(float alpha) {
+static void recompute_bit_identical(float alpha, float dropout) {
     loom_recompute_mode modes[] = {LOOM_RECOMPUTE_NONE, LOOM_RECOMPUTE_REENTRANT, LOOM_RECOMPUTE_NONREENTRANT,
                                    LOOM_RECOMPUTE_SELECTIVE};
     float ref_loss = 0.0f;
@@ -330,6 +333,7 @@ static void recompute_bit_identical(float alpha) {
         loom_precision prec = {LOOM_BF16, 1};
         loom_llama *m = new_model(prec);
         add_adapters_alpha(m, LOOM_LORA_ALL, 0.2f, alpha);
+        m->lora.dropout = dropout;
         m->recompute.mode = modes[k];
         loom_llama_zero_grad(m);
         float l = loss_of(m, 1, NULL);
@@ -360,8 +364,62 @@ static void recompute_bit_identical(float alpha) {
 /* alpha 5 (a scale op after B) and alpha 3 = rank (a scale of 1: no op) */
 static void test_recompute_bit_identical(void **state) {
     (void)state;
-    recompute_bit_identical(5.0f);
-    recompute_bit_identical(3.0f);
+    recompute_bit_identical(5.0f, 0.0f);
+    recompute_bit_identical(3.0f, 0.0f);
+    recompute_bit_identical(5.0f, 0.25f); /* the replays draw the forward's dropout masks */
+}
+
+/* LoRA's dropout: in training forwards only. A no-grad forward (evaluation)
+ * computes what the model without dropout does, bit for bit; a training
+ * forward differs, and its adapters' gradients agree with central
+ * differences of training forwards that draw the same masks. */
+static void test_dropout(void **state) {
+    (void)state;
+    loom_precision prec = {LOOM_F32, 1};
+    loom_llama *m = new_model(prec), *plain = new_model(prec);
+    add_adapters(m, (1u << LOOM_LORA_V) | (1u << LOOM_LORA_UP), 0.3f);
+    add_adapters(plain, (1u << LOOM_LORA_V) | (1u << LOOM_LORA_UP), 0.3f);
+    m->lora.dropout = 0.4f;
+    float *x, *y;
+    float le = loss_of(m, 0, &x), lp = loss_of(plain, 0, &y);
+    assert_true(le == lp);
+    assert_true(tu_bits_equal(x, y, (size_t)N_TOK * (size_t)m->cfg.vocab_size * sizeof *x, "eval logits"));
+    free(x);
+    free(y);
+    loom_llama_zero_grad(m);
+    float lt = loss_of(m, 1, NULL);
+    assert_true(lt != lp);
+    int32_t tok[N_TOK], tgt[N_TOK];
+    tokens(tok, tgt, m->cfg.vocab_size);
+    for (int i = m->n_base; i < m->n_params; i++) {
+        loom_param *p = m->params[i];
+        size_t n = (size_t)loom_param_numel(p);
+        float *g = malloc(n * sizeof *g), *w = loom_param_master(p);
+        loom_param_read_grad(p, g);
+        size_t top = 0;
+        for (size_t k = 1; k < n; k++)
+            if (fabsf(g[k]) > fabsf(g[top])) top = k;
+        double l[2];
+        float keep = w[top], h = 1e-2f;
+        for (int side = 0; side < 2; side++) { /* a training forward, the same masks, no backward */
+            w[top] = keep + (side ? -h : h);
+            loom_param_sync_from_master(p);
+            loom_rng_init(loom_rng_default(), 42);
+            loom_tensor *loss = NULL;
+            assert_int_equal(loom_llama_forward(m, tok, tgt, 2, N_TOK / 2, &loss, NULL), LOOM_OK);
+            l[side] = loom_tensor_get(loss, 0);
+            loom_tensor_release(loss);
+            loom_tape_clear();
+        }
+        w[top] = keep;
+        loom_param_sync_from_master(p);
+        double fd = (l[0] - l[1]) / (2.0 * h), err = fabs(fd - g[top]) / fabs(fd);
+        if (err > 5e-3) fprintf(stderr, "%s[%zu]: backward %g, finite difference %g\n", p->name, top, g[top], fd);
+        assert_true(err <= 5e-3);
+        free(g);
+    }
+    loom_llama_free(plain);
+    loom_llama_free(m);
 }
 
 /* The merged weights W + (alpha / rank) B A give the adapted model's
@@ -447,6 +505,7 @@ int main(void) {
         cmocka_unit_test(test_starts_at_base),
         cmocka_unit_test(test_frozen_and_finite_differences),
         cmocka_unit_test(test_recompute_bit_identical),
+        cmocka_unit_test(test_dropout),
         cmocka_unit_test(test_merged_weights),
         cmocka_unit_test(test_generation_uses_adapters),
     };

@@ -111,6 +111,20 @@ cmp -s "$WORK/a/model/model.safetensors" "$WORK/c/model/model.safetensors" ||
   --out "$WORK/bc" 2>/dev/null
 cmp -s "$WORK/ba/model/model.safetensors" "$WORK/bc/model/model.safetensors" ||
   fail "bf16: the resumed LoRA run's final model differs from the uninterrupted run's"
+# With dropout on the adapters' inputs: the resumed run draws the same
+# masks (the RNG is in the checkpoint), and the dropout shows (another
+# model than without it); PEFT's config says it.
+DR=("${common[@]}" "${L[@]}" --precision bf16 --steps 6 --lora-dropout 0.2)
+"$LOOM" train "${DR[@]}" --out "$WORK/da" 2>/dev/null
+"$LOOM" train "${DR[@]}" --ckpt-every 3 --keep 5 --out "$WORK/db" 2>/dev/null
+"$LOOM" train "${DR[@]}" --resume "$WORK/db/ckpt-00000003" --out "$WORK/dc" 2>/dev/null
+cmp -s "$WORK/da/model/model.safetensors" "$WORK/dc/model/model.safetensors" ||
+  fail "LoRA dropout: the resumed run's final model differs from the uninterrupted run's"
+cmp -s "$WORK/da/model/model.safetensors" "$WORK/ba/model/model.safetensors" &&
+  fail "LoRA dropout: the same model as without dropout"
+grep -q '"lora_dropout": 0.2' "$WORK/da/adapter/adapter_config.json" || fail "LoRA dropout: not in adapter_config.json"
+expect_error "lora-dropout 0.2" "$LOOM" train "${common[@]}" "${L[@]}" --precision bf16 --steps 6 \
+  --resume "$WORK/db/ckpt-00000003" --out "$WORK/x"
 
 # The merged model evaluates like any other, and fits the training text
 # better than the base model did.
@@ -129,6 +143,8 @@ expect_usage "rank >= 1" "$LOOM" train "${common[@]}" --lora -2 --out "$WORK/x"
 expect_usage "\"qq\" is not one of q, k, v" "$LOOM" train "${common[@]}" --lora 4 --lora-targets q,qq --out "$WORK/x"
 expect_usage "lora-alpha must be above 0" "$LOOM" train "${common[@]}" --lora 4 --lora-alpha -1 --out "$WORK/x"
 expect_usage "lora-alpha must be above 0" "$LOOM" train "${common[@]}" --lora 4 --lora-alpha 0 --out "$WORK/x"
+expect_usage "lora-dropout must be in \[0, 1\)" "$LOOM" train "${common[@]}" --lora 4 --lora-dropout 1 --out "$WORK/x"
+expect_usage "lora-dropout applies to LoRA" "$LOOM" train "${common[@]}" --lora-dropout 0.1 --out "$WORK/x"
 expect_usage "LoRA rank 65: must be 1..64" "$LOOM" train "${common[@]}" --init "$WORK/base/model" --lora 65 --out "$WORK/x"
 expect_usage "without tensor parallelism" "$LOOM" train "${common[@]}" --lora 4 --tp 2 --out "$WORK/x"
 # A LoRA checkpoint resumed without its flags, or with others: named.
