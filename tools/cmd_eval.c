@@ -43,10 +43,11 @@ static loom_status same_tokenizer(const char *model, const loom_dataloader *dl) 
 }
 
 static int run(int argc, char **argv) {
-    const char *model = NULL, *data = NULL, *split = NULL, *precision = "fp32";
+    const char *model = NULL, *data = NULL, *split = NULL, *precision = "fp32", *adapter = NULL;
     int batch = 8, seq = 0, batches = 0, threads = 0;
     const flag flags[] = {
         {"model", FLAG_STRING, &model, "DIR", "model directory or checkpoint"},
+        {"adapter", FLAG_STRING, &adapter, "DIR", "a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) to apply"},
         {"data", FLAG_STRING, &data, "PATH", "token shards: a dataset directory, a glob or one file"},
         {"split", FLAG_STRING, &split, "S", "which shards of a dataset directory: val or train (default val)"},
         {"batch", FLAG_INT, &batch, "B", "sequences per batch (default 8)"},
@@ -80,6 +81,7 @@ static int run(int argc, char **argv) {
     loom_dataloader *dl = NULL;
     int32_t *inputs = NULL, *targets = NULL;
     loom_status st = loom_model_dir_load(model, prec, &m);
+    if (st == LOOM_OK && adapter) st = loom_lora_load_peft(m, adapter);
     if (st == LOOM_OK && seq == 0) seq = m->cfg.max_seq;
     if (st == LOOM_OK && seq > m->cfg.max_seq) {
         int max_seq = m->cfg.max_seq;
@@ -146,7 +148,7 @@ static int run(int argc, char **argv) {
 const command cmd_eval = {
     "eval",
     "the loss and perplexity of a model on token shards (a dataset's validation split)",
-    "eval --model DIR --data PATH [--split val|train] [--batch B] [--seq T] [--batches N] [--precision P] "
+    "eval --model DIR [--adapter DIR] --data PATH [--split val|train] [--batch B] [--seq T] [--batches N] [--precision P] "
     "[--threads N]",
     "Batches are read as training reads them: B rows of T+1 consecutive tokens from\n"
     "the first shard on; the loss is the mean over the batches' targets (the tokens a\n"

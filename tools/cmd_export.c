@@ -24,13 +24,14 @@ static loom_status load_tokenizer(const char *tok_path, const loom_llama *m, loo
 }
 
 static int run(int argc, char **argv) {
-    const char *model = NULL, *out = NULL, *dtype = "fp32", *format = "hf", *tokenizer = NULL;
+    const char *model = NULL, *out = NULL, *dtype = "fp32", *format = "hf", *tokenizer = NULL, *adapter = NULL;
     const flag flags[] = {
         {"model", FLAG_STRING, &model, "DIR", "model directory or checkpoint (config.json + model.safetensors or its shards' index)"},
         {"out", FLAG_STRING, &out, "PATH", "output: a directory (created) for hf, a file for gguf"},
         {"format", FLAG_STRING, &format, "F", "hf (config.json + model.safetensors, the default) or gguf (one file for llama.cpp)"},
         {"dtype", FLAG_STRING, &dtype, "D", "stored dtype: fp32, bf16 or fp16, for gguf also q8_0 (default fp32; gguf keeps norm weights fp32)"},
         {"tokenizer", FLAG_STRING, &tokenizer, "FILE", "tokenizer to ship with the model: loom's, or a Hugging Face BPE, copied; gguf needs loom's (default: the model's tokenizer.json, if any)"},
+        {"adapter", FLAG_STRING, &adapter, "DIR", "a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) to merge into the model's weights"},
     };
     int rc = cli_parse(&cmd_export, flags, (int)(sizeof flags / sizeof flags[0]), argc, argv);
     if (rc) return rc > 0 ? 0 : 2;
@@ -70,12 +71,15 @@ static int run(int argc, char **argv) {
     loom_llama *m = NULL;
     loom_tokenizer *tok = NULL;
     loom_status st = loom_model_dir_load(model, prec, &m);
+    int64_t n_weights = st == LOOM_OK ? loom_llama_n_weights(m) : 0;
+    if (st == LOOM_OK && adapter) st = loom_lora_load_peft(m, adapter); /* saved merged */
     if (st == LOOM_OK && tokenizer) st = load_tokenizer(tokenizer, m, &tok);
     if (st == LOOM_OK) st = gguf ? loom_llama_save_gguf(m, gt, tok, out) : loom_model_dir_save(m, dt, tokenizer, out);
     loom_tokenizer_free(tok);
     if (st == LOOM_OK)
-        fprintf(stderr, "export: %lld parameters as %s %s to %s%s\n", (long long)loom_llama_n_weights(m),
+        fprintf(stderr, "export: %lld parameters as %s %s to %s%s%s%s\n", (long long)n_weights,
                 gguf ? "GGUF" : "Hugging Face", gguf ? loom_gguf_type_name(gt) : loom_dtype_name(dt), out,
+                adapter ? ", the adapter " : "", adapter ? adapter : "",
                 tokenizer ? "" : " (no tokenizer: the model directory has no tokenizer.json)");
     loom_llama_free(m);
     return st == LOOM_OK ? 0 : cli_fail("export", st);
@@ -84,11 +88,14 @@ static int run(int argc, char **argv) {
 const command cmd_export = {
     "export",
     "export a model as a Hugging Face LLaMA directory or a GGUF file for llama.cpp",
-    "export --model DIR --out PATH [--format hf|gguf] [--dtype fp32|bf16|fp16|q8_0] [--tokenizer FILE]",
+    "export --model DIR --out PATH [--format hf|gguf] [--dtype fp32|bf16|fp16|q8_0] [--tokenizer FILE] "
+    "[--adapter DIR]",
     "--format gguf writes one GGUF file (version 3) that llama.cpp runs as a \"llama\"\n"
     "model: the weights under llama.cpp's names (q/k rows reordered for its RoPE), the\n"
     "tokenizer as a byte-level BPE vocabulary with <|endoftext|> as BOS and EOS;\n"
     "--dtype q8_0 stores the matrices in ggml's 8-bit blocks.\n"
+    "--adapter DIR merges a PEFT LoRA adapter (loom train --lora writes one in\n"
+    "RUN/adapter) into the weights it adapts: W + lora_alpha/r B A.\n"
     "Import needs no command: loom train --init DIR and loom generate --model DIR read\n"
     "Hugging Face LLaMA directories (config.json + model.safetensors, or the shards that\n"
     "model.safetensors.index.json names) directly; export writes one model.safetensors.",

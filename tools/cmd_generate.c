@@ -21,7 +21,7 @@ static int run(int argc, char **argv) {
 }
 
 static int generate(int argc, char **argv, string_list *stop_names) {
-    const char *model = NULL, *prompt = "", *precision = "fp32", *tok_path = NULL;
+    const char *model = NULL, *prompt = "", *precision = "fp32", *tok_path = NULL, *adapter = NULL;
     int n_tokens = 128, seed = 1, threads = 0, top_k = 0;
     float temperature = 0.8f, top_p = 0.95f;
     const flag flags[] = {
@@ -34,6 +34,7 @@ static int generate(int argc, char **argv, string_list *stop_names) {
         {"seed", FLAG_INT, &seed, "S", "sampling seed (default 1)"},
         {"precision", FLAG_STRING, &precision, "P", "compute dtype: fp32, bf16 or fp16 (default fp32)"},
         {"tokenizer", FLAG_STRING, &tok_path, "FILE", "tokenizer.json, loom's or a Hugging Face BPE (default: the model directory's)"},
+        {"adapter", FLAG_STRING, &adapter, "DIR", "a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) to apply"},
         {"stop", FLAG_LIST, stop_names, "TOKEN...", "also stop at these tokens, each named by the text it decodes to (e.g. <|eot_id|> for Llama 3's instruct models); the end-of-text token always stops"},
         {"threads", FLAG_INT, &threads, "N", "OpenMP threads (default: OMP_NUM_THREADS, else the cores this process may use)"},
     };
@@ -66,6 +67,7 @@ static int generate(int argc, char **argv, string_list *stop_names) {
     char *text = NULL;
     loom_status st = loom_tokenizer_load(tok_path, &tok);
     if (st == LOOM_OK) st = loom_model_dir_load(model, prec, &m);
+    if (st == LOOM_OK && adapter) st = loom_lora_load_peft(m, adapter);
     if (st == LOOM_OK && loom_tokenizer_vocab_size(tok) > m->cfg.vocab_size)
         st = loom_error(LOOM_ERR_FORMAT, "%s has %d tokens but the model only %d", tok_path,
                         loom_tokenizer_vocab_size(tok), m->cfg.vocab_size);
@@ -127,7 +129,8 @@ static int generate(int argc, char **argv, string_list *stop_names) {
 const command cmd_generate = {
     "generate",
     "generate text from a trained model (KV cache; greedy when --temperature 0)",
-    "generate --model DIR [--prompt TEXT] [--tokens N] [--temperature T] [--top-p P] [--seed S] [--stop TOKEN...]",
+    "generate --model DIR [--adapter DIR] [--prompt TEXT] [--tokens N] [--temperature T] [--top-p P] [--seed S] "
+    "[--stop TOKEN...]",
     NULL,
     run,
 };

@@ -89,6 +89,18 @@ loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokeni
  * parallelism. Errors: LOOM_ERR_INVALID (no adapters), LOOM_ERR_IO,
  * LOOM_ERR_NOMEM. */
 loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base_model);
+/* Apply a PEFT LoRA adapter directory (adapter_config.json,
+ * adapter_model.safetensors, any float dtype) to m, which must have no
+ * adapters: loom_llama_add_lora with its r, lora_alpha, target_modules (a
+ * list of q_proj .. down_proj, or "all-linear") and lora_dropout, then its
+ * A and B. Refused by name (LOOM_ERR_UNSUPPORTED): use_rslora, use_dora,
+ * fan_in_fan_out, a bias, modules_to_save, layers_to_transform, rank or
+ * alpha patterns, other modules, and tensors that are not those adapters.
+ * Errors also: LOOM_ERR_FORMAT (bad JSON, a missing tensor or one of
+ * another shape, NaN), LOOM_ERR_IO, those of loom_llama_add_lora. After an
+ * error past the setting's checks the model has adapters that may be
+ * partly loaded: free it. */
+loom_status loom_lora_load_peft(loom_llama *m, const char *dir);
 /* LOOM_ERR_STATE, naming what to do, when dir's files may be of two saves
  * (a writer stopped while replacing them). */
 loom_status loom_model_dir_check(const char *dir);

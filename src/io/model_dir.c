@@ -483,6 +483,109 @@ loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base
     return st;
 }
 
+/* adapter_config.json's LoRA setting; what loom does not compute (rsLoRA,
+ * DoRA, biases, patterns, other modules) is refused by name. */
+static loom_status peft_config(json_t *root, const char *path, loom_lora_config *c) {
+    memset(c, 0, sizeof *c);
+    json_t *type = json_object_get(root, "peft_type");
+    if (type && !(json_is_string(type) && !strcmp(json_string_value(type), "LORA")))
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: peft_type is not \"LORA\"; loom applies LoRA adapters only",
+                          path);
+    LOOM_TRY(get_int(root, path, "r", 1, &c->rank));
+    c->alpha = 8.0f; /* PEFT's LoraConfig default */
+    LOOM_TRY(get_float(root, path, "lora_alpha", &c->alpha));
+    json_t *d = json_object_get(root, "lora_dropout");
+    if (d && !json_is_null(d)) {
+        double v = json_is_number(d) ? json_number_value(d) : -1.0;
+        if (!(v >= 0.0 && v < 1.0)) return loom_error(LOOM_ERR_FORMAT, "%s: lora_dropout must be in [0, 1)", path);
+        c->dropout = (float)v;
+    }
+    static const char *const flags[] = {"use_rslora", "use_dora", "fan_in_fan_out"};
+    for (size_t k = 0; k < sizeof flags / sizeof flags[0]; k++)
+        if (json_is_true(json_object_get(root, flags[k])))
+            return loom_error(LOOM_ERR_UNSUPPORTED, "%s: %s is true; loom computes plain LoRA only", path, flags[k]);
+    json_t *bias = json_object_get(root, "bias");
+    if (bias && !json_is_null(bias) && !(json_is_string(bias) && !strcmp(json_string_value(bias), "none")))
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: bias is not \"none\"; loom's adapters have no biases", path);
+    static const char *const unset[] = {"modules_to_save", "layers_to_transform", "rank_pattern", "alpha_pattern"};
+    for (size_t k = 0; k < sizeof unset / sizeof unset[0]; k++) {
+        json_t *v = json_object_get(root, unset[k]);
+        if (v && !json_is_null(v) && !(json_is_array(v) && !json_array_size(v)) &&
+            !(json_is_object(v) && !json_object_size(v)))
+            return loom_error(LOOM_ERR_UNSUPPORTED, "%s: %s is set; loom applies one rank and alpha to whole "
+                              "linears of every layer", path, unset[k]);
+    }
+    json_t *t = json_object_get(root, "target_modules");
+    if (json_is_string(t) && !strcmp(json_string_value(t), "all-linear")) {
+        c->targets = LOOM_LORA_ALL;
+        return LOOM_OK;
+    }
+    if (!json_is_array(t) || !json_array_size(t))
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: target_modules must be a list of q_proj .. down_proj (or "
+                          "\"all-linear\"); loom does not match module names by pattern", path);
+    size_t i;
+    json_t *v;
+    json_array_foreach(t, i, v) {
+        unsigned one;
+        if (!json_is_string(v) || loom_lora_targets_parse(json_string_value(v), &one) != LOOM_OK)
+            return loom_error(LOOM_ERR_UNSUPPORTED, "%s: target_modules entry %s is not one of q_proj, k_proj, "
+                              "v_proj, o_proj, gate_proj, up_proj, down_proj", path,
+                              json_is_string(v) ? json_string_value(v) : "(not a string)");
+        c->targets |= one;
+    }
+    return LOOM_OK;
+}
+
+loom_status loom_lora_load_peft(loom_llama *m, const char *dir) {
+    char path[4200];
+    LOOM_TRY(join(path, sizeof path, dir, "adapter_config.json"));
+    void *text;
+    size_t len;
+    LOOM_TRY(io_read_file(path, "adapter config", &text, &len));
+    json_error_t err;
+    json_t *root = json_loadb(text, len, 0, &err);
+    free(text);
+    if (!root) return loom_error(LOOM_ERR_FORMAT, "%s: invalid JSON at line %d: %s", path, err.line, err.text);
+    loom_lora_config c;
+    loom_status st = json_is_object(root) ? peft_config(root, path, &c)
+                                          : loom_error(LOOM_ERR_FORMAT, "%s: expected a JSON object", path);
+    json_decref(root);
+    LOOM_TRY(st);
+    LOOM_TRY(loom_llama_add_lora(m, &c, 0));
+    LOOM_TRY(join(path, sizeof path, dir, "adapter_model.safetensors"));
+    loom_safetensors *sf;
+    LOOM_TRY(loom_safetensors_open(path, &sf));
+    char name[256];
+    for (int i = m->n_base; i < m->n_params && st == LOOM_OK; i++) {
+        loom_param *p = m->params[i];
+        int64_t fs[2];
+        loom_llama_param_full_shape(m, i, fs);
+        snprintf(name, sizeof name, "base_model.model.%s", p->name);
+        float *v = malloc((size_t)(fs[0] * fs[1]) * sizeof(float) + 1);
+        if (!v) st = loom_error(LOOM_ERR_NOMEM, "load adapter: out of memory");
+        else if (!loom_safetensors_has(sf, name))
+            st = loom_error(LOOM_ERR_FORMAT, "%s: tensor %s is missing (adapter_config.json names its module)", path,
+                            name);
+        else if ((st = loom_safetensors_read(sf, name, LOOM_F32, fs, 2, v)) != LOOM_OK)
+            st = loom_error(LOOM_ERR_FORMAT, "%s (adapter_config.json and the tensors disagree)", loom_last_error());
+        if (st == LOOM_OK) st = io_check_finite(v, (size_t)(fs[0] * fs[1]), path, name);
+        if (st == LOOM_OK) st = loom_param_set_f32(p, v, fs[0] * fs[1]);
+        free(v);
+    }
+    /* Every tensor of the file is one loom applies: none left out silently. */
+    size_t expected = (size_t)(m->n_params - m->n_base);
+    for (size_t k = 0; st == LOOM_OK && k < loom_safetensors_count(sf); k++) {
+        loom_safetensors_tensor t;
+        st = loom_safetensors_at(sf, k, &t);
+        if (st == LOOM_OK && (strncmp(t.name, "base_model.model.", 17) || !loom_llama_find_param(m, t.name + 17) ||
+                              !strstr(t.name, ".lora_")))
+            st = loom_error(LOOM_ERR_UNSUPPORTED, "%s: tensor %s is not one of the adapters adapter_config.json "
+                            "describes (%zu of them)", path, t.name, expected);
+    }
+    loom_safetensors_close(sf);
+    return st;
+}
+
 loom_status loom_model_dir_check(const char *dir) {
     char marker[4200];
     struct stat sb;

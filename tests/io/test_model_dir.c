@@ -363,6 +363,71 @@ static void test_lora_checkpoint_bf16(void **state) {
     loom_llama_free(m);
 }
 
+/* A PEFT adapter directory round-trips: loom_lora_save_peft, then
+ * loom_lora_load_peft into the base model, gives the same adapters and the
+ * same forward; settings loom does not compute, and files that do not
+ * match their config, are refused by name. */
+static void test_peft_adapter(void **state) {
+    (void)state;
+    loom_llama *m = model(5), *back = model(5);
+    loom_lora_config lc = {2, 3.0f, (1u << LOOM_LORA_V) | (1u << LOOM_LORA_UP), 0.1f};
+    assert_int_equal(loom_llama_add_lora(m, &lc, 9), LOOM_OK);
+    for (int i = m->n_base; i < m->n_params; i++) { /* B nonzero */
+        size_t n = (size_t)loom_param_numel(m->params[i]);
+        tu_fill_uniform(loom_param_master(m->params[i]), n, -1, 1, 60 + (uint64_t)i);
+    }
+    assert_int_equal(loom_lora_save_peft(m, io_path("adapter"), "/models/base"), LOOM_OK);
+    assert_int_equal(loom_lora_load_peft(back, io_path("adapter")), LOOM_OK);
+    assert_true(back->lora.rank == 2 && back->lora.alpha == 3.0f && back->lora.targets == lc.targets &&
+                back->lora.dropout == 0.1f);
+    assert_int_equal(back->n_params, m->n_params);
+    for (int i = 0; i < m->n_params; i++)
+        assert_memory_equal(loom_param_master(m->params[i]), loom_param_master(back->params[i]),
+                            (size_t)loom_param_numel(m->params[i]) * sizeof(float));
+    loom_llama_free(back);
+    /* Refusals: each config below, or file, against a fresh base model. */
+    char cfg_path[512], st_path[512];
+    snprintf(cfg_path, sizeof cfg_path, "%s/adapter_config.json", io_path("adapter"));
+    snprintf(st_path, sizeof st_path, "%s/adapter_model.safetensors", io_path("adapter"));
+    size_t n_cfg;
+    unsigned char *good = io_read_raw(cfg_path, &n_cfg);
+    static const struct { const char *json, *msg; loom_status st; } bad[] = {
+        {"{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 3, \"target_modules\": [\"v_proj\", \"up_proj\"], "
+         "\"use_rslora\": true}", "use_rslora", LOOM_ERR_UNSUPPORTED},
+        {"{\"peft_type\": \"LORA\", \"r\": 2, \"target_modules\": \".*proj\"}", "pattern", LOOM_ERR_UNSUPPORTED},
+        {"{\"peft_type\": \"PREFIX_TUNING\", \"r\": 2}", "peft_type", LOOM_ERR_UNSUPPORTED},
+        {"{\"peft_type\": \"LORA\", \"r\": 2, \"target_modules\": [\"v_proj\", \"lm_head\"]}", "lm_head",
+         LOOM_ERR_UNSUPPORTED},
+        {"{\"peft_type\": \"LORA\", \"r\": 2, \"target_modules\": [\"v_proj\"], \"bias\": \"all\"}", "bias",
+         LOOM_ERR_UNSUPPORTED},
+        {"{\"peft_type\": \"LORA\", \"r\": 2, \"target_modules\": [\"v_proj\"], \"modules_to_save\": "
+         "[\"lm_head\"]}", "modules_to_save", LOOM_ERR_UNSUPPORTED},
+        /* the file holds up_proj's adapters too, which this config does not name */
+        {"{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 3, \"target_modules\": [\"v_proj\"]}",
+         "up_proj.lora_A.weight is not one of the adapters", LOOM_ERR_UNSUPPORTED},
+        /* and a rank that does not match its tensors */
+        {"{\"peft_type\": \"LORA\", \"r\": 3, \"target_modules\": [\"v_proj\", \"up_proj\"]}", "v_proj.lora_A",
+         LOOM_ERR_FORMAT},
+        {"{\"r\": 2, ", "invalid JSON", LOOM_ERR_FORMAT},
+        {"{\"peft_type\": \"LORA\", \"target_modules\": [\"v_proj\"]}", "\"r\"", LOOM_ERR_FORMAT},
+    };
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        io_write_raw(cfg_path, bad[k].json, strlen(bad[k].json));
+        loom_llama *b = model(5);
+        assert_int_equal(loom_lora_load_peft(b, io_path("adapter")), bad[k].st);
+        IO_ASSERT_MSG(bad[k].msg);
+        loom_llama_free(b);
+    }
+    io_write_raw(cfg_path, good, n_cfg);
+    free(good);
+    unlink(st_path); /* a missing file */
+    loom_llama *b = model(5);
+    assert_int_equal(loom_lora_load_peft(b, io_path("adapter")), LOOM_ERR_IO);
+    IO_ASSERT_MSG("adapter_model.safetensors");
+    loom_llama_free(b);
+    loom_llama_free(m);
+}
+
 /* rope_scaling survives config.json: llama3 and linear, written in Hugging
  * Face's form and read back field for field; "default" is none. */
 static void test_rope_scaling_config(void **state) {
@@ -480,6 +545,7 @@ int main(void) {
         cmocka_unit_test(test_checkpoint_refuses_bad_loss_scale),
         cmocka_unit_test(test_lora_checkpoint),
         cmocka_unit_test(test_lora_checkpoint_bf16),
+        cmocka_unit_test(test_peft_adapter),
         cmocka_unit_test(test_rope_scaling_config),
         cmocka_unit_test(test_gguf_refusals),
     };

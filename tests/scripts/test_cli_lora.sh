@@ -52,6 +52,33 @@ assert n_adapted == 6 and len(lora) == 12, (n_adapted, len(lora))
 PYEOF
 [ $? -eq 0 ] || fail "the LoRA run's saved model is not the base with q, v and down merged"
 
+# The adapter applied to the base by export, eval and generate: export's
+# merge is the run's saved model, tensor for tensor; eval's loss with the
+# adapter unmerged is the merged model's.
+"$LOOM" export --model "$WORK/base/model" --adapter "$WORK/a/adapter" --out "$WORK/merged" 2>/dev/null ||
+  fail "export --adapter failed"
+$PY - "$WORK/merged/model.safetensors" "$WORK/a/model/model.safetensors" "$SRC" <<'PYEOF' ||
+import sys, torch
+sys.path.insert(0, sys.argv[3] + "/tests/python")
+import llama_ref as ref
+a, _ = ref.read_safetensors(sys.argv[1])
+b, _ = ref.read_safetensors(sys.argv[2])
+assert set(a) == set(b), sorted(set(a) ^ set(b))
+for k in a:
+    assert torch.equal(a[k], b[k]), k
+PYEOF
+  fail "export --adapter differs from the LoRA run's merged model"
+ev1() { "$LOOM" eval "$@" --data "$WORK/data" --batches 4 2>&1 | sed -n 's/.* loss=\([0-9.]*\) .*/\1/p'; }
+l1=$(ev1 --model "$WORK/base/model" --adapter "$WORK/a/adapter"); l2=$(ev1 --model "$WORK/a/model")
+awk -v a="$l1" -v b="$l2" 'BEGIN { d = a - b; exit !(a != "" && b != "" && d < 1e-5 && d > -1e-5) }' ||
+  fail "eval with the adapter ($l1) is not the merged model's ($l2)"
+"$LOOM" generate --model "$WORK/base/model" --adapter "$WORK/a/adapter" --prompt "loom" --tokens 4 \
+  --temperature 0 >/dev/null 2>&1 || fail "generate --adapter failed"
+expect_error "use_rslora is true" bash -c "sed 's/\"use_rslora\": false/\"use_rslora\": true/' \
+  '$WORK/a/adapter/adapter_config.json' > '$WORK/rs.json' && mkdir -p '$WORK/rs' && cp '$WORK/rs.json' \
+  '$WORK/rs/adapter_config.json' && cp '$WORK/a/adapter/adapter_model.safetensors' '$WORK/rs/' && \
+  '$LOOM' eval --model '$WORK/base/model' --adapter '$WORK/rs' --data '$WORK/data' --batches 1"
+
 # Memory: gradients and optimizer state for the adapters only.
 mem() { sed -n 's/.*gradients \([0-9.]*\) MiB, optimizer \([0-9.]*\) MiB.*/\1 \2/p' "$1"; }
 "$LOOM" train "${common[@]}" --init "$WORK/base/model" --precision fp32 --steps 1 --out "$WORK/full" 2>"$WORK/full.log"
