@@ -158,6 +158,9 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
     if (o->init && !resume_dir) {
         LOOM_TRY(loom_model_dir_load_weights(t->m, o->init));
     }
+    if (o->lora_init && !resume_dir) LOOM_TRY(loom_lora_load_peft(t->m, o->lora_init)); /* its A and B */
+    if (o->lora_init && resume_dir && t->leader)
+        fprintf(stderr, "train: --lora-init is ignored when resuming: the adapters come from the checkpoint\n");
     if (o->recompute_budget > 0.0f) { /* before the optimizer: its hooks must not see the probes */
         loom_recompute_plan plan;
         double bytes = (double)o->recompute_budget * 1048576.0;
@@ -630,6 +633,28 @@ static loom_status open_outputs(trainer *t, const char *resume_dir) {
     return LOOM_OK;
 }
 
+/* --lora-init: the LoRA setting is the adapter's; --lora flags given too
+ * must say the same. */
+static int lora_from_adapter(train_opts *o) {
+    loom_lora_config c;
+    if (loom_lora_peft_config(o->lora_init, &c) != LOOM_OK) return cli_fail("train", LOOM_ERR_FORMAT);
+    unsigned given = 0;
+    if (o->lora_targets && loom_lora_targets_parse(o->lora_targets, &given) != LOOM_OK)
+        return cli_usage_error("train", "--lora-targets: %s", loom_last_error());
+    if ((o->lora && o->lora != c.rank) || (!isnan(o->lora_alpha) && o->lora_alpha != c.alpha) ||
+        (o->lora_targets && given != c.targets) || (!isnan(o->lora_dropout) && o->lora_dropout != c.dropout))
+        return cli_usage_error("train", "--lora flags differ from the adapter %s's setting (r %d, lora_alpha %g, "
+                               "lora_dropout %g); drop them, --lora-init gives them", o->lora_init, c.rank,
+                               (double)c.alpha, (double)c.dropout);
+    o->lora = c.rank;
+    o->lora_alpha = c.alpha;
+    o->lora_dropout = c.dropout;
+    o->lora_target_set = c.targets;
+    o->lora_targets = NULL; /* the set is given */
+    o->lora_targets_given = 1;
+    return 0;
+}
+
 static void print_summary(const trainer *t, loom_precision prec, loom_recompute_mode mode) {
     const train_opts *o = &t->o;
     char blocks[48] = "";
@@ -669,7 +694,7 @@ static int run(int argc, char **argv) {
                       .grad_accum = 1, .tp = 1, .steps = 100, .warmup = 10, .seed = 1337, .threads = 0, .eval_every = 50,
                       .eval_batches = 4, .ckpt_every = 0, .keep = 2, .log_every = 1, .lr = 1e-3f, .min_lr = NAN,
                       .weight_decay = 0.1f, .clip = 1.0f, .schedule = "cosine", .decay_frac = NAN,
-                      .lora_alpha = NAN};
+                      .lora_alpha = NAN, .lora_dropout = NAN};
     const flag flags[] = {
         {"data", FLAG_STRING, &o->data, "DIR", "token shards (train_*.bin, val_*.bin) and tokenizer.json (required)"},
         {"out", FLAG_STRING, &o->out, "DIR", "output: checkpoints, metrics, plot, final model (default out; with "
@@ -708,7 +733,10 @@ static int run(int argc, char **argv) {
         {"lora-targets", FLAG_STRING, &o->lora_targets, "LIST",
          "LoRA: the linears adapted, from q,k,v,o,gate,up,down, or all (default all)"},
         {"lora-dropout", FLAG_FLOAT, &o->lora_dropout, "P",
-         "LoRA: dropout on the adapters' inputs while training, in [0, 1) (default 0)"},
+         "LoRA: dropout on the adapters' inputs while training, in [0, 1) (default 0, or --lora-init's)"},
+        {"lora-init", FLAG_STRING, &o->lora_init, "DIR",
+         "LoRA: start from this PEFT adapter directory (its r, alpha, targets and dropout, which --lora flags given "
+         "must match), on the --init model"},
         {"seed", FLAG_INT, &o->seed, "N", "seed for initialisation and LoRA's A (default 1337)"},
         {"threads", FLAG_INT, &o->threads, "N", "OpenMP threads (default: OMP_NUM_THREADS, else the cores this process may use)"},
         {"eval-every", FLAG_INT, &o->eval_every, "N", "validation loss every N steps; 0 disables (default 50)"},
@@ -750,17 +778,20 @@ static int run(int argc, char **argv) {
         fprintf(stderr, "train: note: --recompute-mode applies to --recompute full; with %s it changes nothing\n",
                 o->recompute);
     if (o->lora < 0) return cli_usage_error("train", "--lora expects a rank >= 1 (0: off), got %d", o->lora);
-    if (!o->lora && (!isnan(o->lora_alpha) || o->lora_targets || o->lora_dropout != 0.0f))
+    if (o->lora_init && (rc = lora_from_adapter(o))) return rc;
+    if (!o->lora && (!isnan(o->lora_alpha) || o->lora_targets || !isnan(o->lora_dropout)))
         return cli_usage_error("train", "--%s applies to LoRA: give --lora RANK too",
-                               o->lora_targets            ? "lora-targets"
-                               : o->lora_dropout != 0.0f ? "lora-dropout"
-                                                          : "lora-alpha");
+                               o->lora_targets           ? "lora-targets"
+                               : !isnan(o->lora_dropout) ? "lora-dropout"
+                                                         : "lora-alpha");
+    if (isnan(o->lora_dropout)) o->lora_dropout = 0.0f; /* not given */
     if (!(o->lora_dropout >= 0.0f && o->lora_dropout < 1.0f))
         return cli_usage_error("train", "--lora-dropout must be in [0, 1), got %g", (double)o->lora_dropout);
     if (!isnan(o->lora_alpha) && !(o->lora_alpha > 0.0f))
         return cli_usage_error("train", "--lora-alpha must be above 0, got %g", (double)o->lora_alpha);
     if (isnan(o->lora_alpha)) o->lora_alpha = (float)o->lora; /* not given (the parser takes finite numbers only) */
-    if (o->lora && loom_lora_targets_parse(o->lora_targets ? o->lora_targets : "all", &o->lora_target_set) != LOOM_OK)
+    if (o->lora && !o->lora_targets_given &&
+        loom_lora_targets_parse(o->lora_targets ? o->lora_targets : "all", &o->lora_target_set) != LOOM_OK)
         return cli_usage_error("train", "--lora-targets: %s", loom_last_error());
     if (o->lora && o->tp > 1)
         return cli_usage_error("train", "--lora with --tp %d: LoRA runs without tensor parallelism; data parallelism "

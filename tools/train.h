@@ -12,7 +12,7 @@
 #include <stdio.h>
 
 typedef struct train_opts {
-    const char *data, *out, *preset, *config, *init, *resume, *dump_grads, *dump_logits, *tokenizer;
+    const char *data, *out, *preset, *config, *init, *resume, *dump_grads, *dump_logits, *tokenizer, *lora_init;
     const char *precision, *master_grad, *recompute, *recompute_mode;
     int batch, seq, grad_accum, steps, warmup, seed, threads, eval_every, eval_batches, ckpt_every, keep;
     int log_every, check_grads, tie, tp, zero, overlap, bucket_size, recompute_blocks;
@@ -26,6 +26,7 @@ typedef struct train_opts {
     float lora_alpha;       /* the rank (a scale of 1) when not given */
     const char *lora_targets;
     unsigned lora_target_set;
+    int lora_targets_given; /* lora_target_set came from --lora-init's adapter */
     float lora_dropout;     /* on the adapters' inputs while training; 0: none */
 } train_opts;
 

@@ -89,11 +89,15 @@ loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokeni
  * parallelism. Errors: LOOM_ERR_INVALID (no adapters), LOOM_ERR_IO,
  * LOOM_ERR_NOMEM. */
 loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base_model);
+/* A PEFT LoRA adapter directory's setting, from its adapter_config.json:
+ * r, lora_alpha (PEFT's default 8), target_modules (a list of q_proj ..
+ * down_proj, or "all-linear") and lora_dropout. Refusals as below. */
+loom_status loom_lora_peft_config(const char *dir, loom_lora_config *c);
 /* Apply a PEFT LoRA adapter directory (adapter_config.json,
- * adapter_model.safetensors, any float dtype) to m, which must have no
- * adapters: loom_llama_add_lora with its r, lora_alpha, target_modules (a
- * list of q_proj .. down_proj, or "all-linear") and lora_dropout, then its
- * A and B. Refused by name (LOOM_ERR_UNSUPPORTED): use_rslora, use_dora,
+ * adapter_model.safetensors, any float dtype) to m: loom_llama_add_lora
+ * with its setting (loom_lora_peft_config), or, when m has adapters
+ * already (loom_llama_new_lora), that same setting (else LOOM_ERR_INVALID),
+ * then its A and B into them. Refused by name (LOOM_ERR_UNSUPPORTED): use_rslora, use_dora,
  * fan_in_fan_out, a bias, modules_to_save, layers_to_transform, rank or
  * alpha patterns, other modules, and tensors that are not those adapters.
  * Errors also: LOOM_ERR_FORMAT (bad JSON, a missing tensor or one of

@@ -536,7 +536,7 @@ static loom_status peft_config(json_t *root, const char *path, loom_lora_config 
     return LOOM_OK;
 }
 
-loom_status loom_lora_load_peft(loom_llama *m, const char *dir) {
+loom_status loom_lora_peft_config(const char *dir, loom_lora_config *c) {
     char path[4200];
     LOOM_TRY(join(path, sizeof path, dir, "adapter_config.json"));
     void *text;
@@ -546,15 +546,28 @@ loom_status loom_lora_load_peft(loom_llama *m, const char *dir) {
     json_t *root = json_loadb(text, len, 0, &err);
     free(text);
     if (!root) return loom_error(LOOM_ERR_FORMAT, "%s: invalid JSON at line %d: %s", path, err.line, err.text);
-    loom_lora_config c;
-    loom_status st = json_is_object(root) ? peft_config(root, path, &c)
+    loom_status st = json_is_object(root) ? peft_config(root, path, c)
                                           : loom_error(LOOM_ERR_FORMAT, "%s: expected a JSON object", path);
     json_decref(root);
-    LOOM_TRY(st);
-    LOOM_TRY(loom_llama_add_lora(m, &c, 0));
+    return st;
+}
+
+loom_status loom_lora_load_peft(loom_llama *m, const char *dir) {
+    loom_lora_config c;
+    LOOM_TRY(loom_lora_peft_config(dir, &c));
+    if (m->lora.rank) { /* adapters made already: they must be this setting's */
+        if (m->lora.rank != c.rank || m->lora.alpha != c.alpha || m->lora.targets != c.targets)
+            return loom_error(LOOM_ERR_INVALID, "%s: the adapter's setting (r %d, lora_alpha %g) is not the model's "
+                              "(rank %d, alpha %g), or its target_modules differ", dir, c.rank, (double)c.alpha,
+                              m->lora.rank, (double)m->lora.alpha);
+    } else {
+        LOOM_TRY(loom_llama_add_lora(m, &c, 0));
+    }
+    char path[4200];
     LOOM_TRY(join(path, sizeof path, dir, "adapter_model.safetensors"));
     loom_safetensors *sf;
     LOOM_TRY(loom_safetensors_open(path, &sf));
+    loom_status st = LOOM_OK;
     char name[256];
     for (int i = m->n_base; i < m->n_params && st == LOOM_OK; i++) {
         loom_param *p = m->params[i];

@@ -79,6 +79,20 @@ expect_error "use_rslora is true" bash -c "sed 's/\"use_rslora\": false/\"use_rs
   '$WORK/rs/adapter_config.json' && cp '$WORK/a/adapter/adapter_model.safetensors' '$WORK/rs/' && \
   '$LOOM' eval --model '$WORK/base/model' --adapter '$WORK/rs' --data '$WORK/data' --batches 1"
 
+# --lora-init: training starts from the adapter. Its first step's loss is
+# the loss of the base with that adapter on the same batch (eval reads the
+# first batch as training does), and the setting is the adapter's.
+"$LOOM" train "${common[@]}" --init "$WORK/base/model" --lora-init "$WORK/a/adapter" --precision fp32 --steps 2 \
+  --out "$WORK/li" 2>"$WORK/li.log" || { cat "$WORK/li.log"; fail "--lora-init failed"; }
+grep -q "LoRA rank 4, alpha 8 on q,v,down" "$WORK/li.log" || fail "--lora-init did not take the adapter's setting"
+first=$(grep -o '"step":1,"loss":[0-9.]*' "$WORK/li/metrics.jsonl" | cut -d: -f3)
+want=$("$LOOM" eval --model "$WORK/base/model" --adapter "$WORK/a/adapter" --data "$WORK/data" --split train \
+  --batch 4 --seq 32 --batches 1 2>&1 | sed -n 's/.* loss=\([0-9.]*\) .*/\1/p')
+awk -v a="$first" -v b="$want" 'BEGIN { d = a - b; exit !(a != "" && b != "" && d < 1e-5 && d > -1e-5) }' ||
+  fail "--lora-init: the first step's loss ($first) is not the adapted base's ($want)"
+expect_usage "lora flags differ from the adapter" "$LOOM" train "${common[@]}" --init "$WORK/base/model" \
+  --lora-init "$WORK/a/adapter" --lora 8 --out "$WORK/x"
+
 # Memory: gradients and optimizer state for the adapters only.
 mem() { sed -n 's/.*gradients \([0-9.]*\) MiB, optimizer \([0-9.]*\) MiB.*/\1 \2/p' "$1"; }
 "$LOOM" train "${common[@]}" --init "$WORK/base/model" --precision fp32 --steps 1 --out "$WORK/full" 2>"$WORK/full.log"
