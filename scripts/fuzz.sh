@@ -17,7 +17,7 @@ secs=60
 if [[ "${1:-}" =~ ^[0-9]+$ ]]; then secs=$1; shift; fi
 [ "$secs" -gt 0 ] || { echo "fuzz: SECONDS must be positive" >&2; exit 2; }
 names=("$@")
-[ ${#names[@]} -gt 0 ] || names=(safetensors tokenizer encode config shard checkpoint)
+[ ${#names[@]} -gt 0 ] || names=(safetensors tokenizer encode config shard checkpoint adapter)
 bash scripts/setup.sh --fuzz
 B=build-fuzz
 CC=clang cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_FUZZ=ON -DLOOM_BUILD_TESTS=OFF \

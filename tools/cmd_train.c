@@ -637,18 +637,21 @@ static loom_status open_outputs(trainer *t, const char *resume_dir) {
  * must say the same. */
 static int lora_from_adapter(train_opts *o) {
     loom_lora_config c;
-    if (loom_lora_peft_config(o->lora_init, &c) != LOOM_OK) return cli_fail("train", LOOM_ERR_FORMAT);
+    loom_status st = loom_lora_peft_config(o->lora_init, &c);
+    if (st != LOOM_OK) return cli_fail("train", st);
+    if (!o->init && !o->resume)
+        return cli_usage_error("train", "--lora-init %s: give the base model the adapter was trained on, --init DIR",
+                               o->lora_init);
     unsigned given = 0;
     if (o->lora_targets && loom_lora_targets_parse(o->lora_targets, &given) != LOOM_OK)
         return cli_usage_error("train", "--lora-targets: %s", loom_last_error());
     if ((o->lora && o->lora != c.rank) || (!isnan(o->lora_alpha) && o->lora_alpha != c.alpha) ||
-        (o->lora_targets && given != c.targets) || (!isnan(o->lora_dropout) && o->lora_dropout != c.dropout))
-        return cli_usage_error("train", "--lora flags differ from the adapter %s's setting (r %d, lora_alpha %g, "
-                               "lora_dropout %g); drop them, --lora-init gives them", o->lora_init, c.rank,
-                               (double)c.alpha, (double)c.dropout);
+        (o->lora_targets && given != c.targets))
+        return cli_usage_error("train", "--lora flags differ from the adapter %s's setting (r %d, lora_alpha %g); "
+                               "drop them, --lora-init gives them", o->lora_init, c.rank, (double)c.alpha);
     o->lora = c.rank;
     o->lora_alpha = c.alpha;
-    o->lora_dropout = c.dropout;
+    if (isnan(o->lora_dropout)) o->lora_dropout = c.dropout; /* a training setting: --lora-dropout may change it */
     o->lora_target_set = c.targets;
     o->lora_targets = NULL; /* the set is given */
     o->lora_targets_given = 1;
@@ -673,8 +676,9 @@ static void print_summary(const trainer *t, loom_precision prec, loom_recompute_
         int64_t trainable = 0;
         for (int i = t->m->n_base; i < t->m->n_params; i++) trainable += loom_param_numel(t->m->params[i]);
         loom_lora_targets_format(t->m->lora.targets, targets, sizeof targets);
-        fprintf(stderr, "train: LoRA rank %d, alpha %g on %s: %lld trainable parameters, the model's own frozen\n",
-                t->m->lora.rank, (double)t->m->lora.alpha, targets, (long long)trainable);
+        fprintf(stderr, "train: LoRA rank %d, alpha %g on %s, dropout %g: %lld trainable parameters, the model's "
+                "own frozen\n", t->m->lora.rank, (double)t->m->lora.alpha, targets, (double)t->m->lora.dropout,
+                (long long)trainable);
     }
     loom_mem_stats ms;
     loom_mem_get_stats(&ms);
@@ -735,8 +739,8 @@ static int run(int argc, char **argv) {
         {"lora-dropout", FLAG_FLOAT, &o->lora_dropout, "P",
          "LoRA: dropout on the adapters' inputs while training, in [0, 1) (default 0, or --lora-init's)"},
         {"lora-init", FLAG_STRING, &o->lora_init, "DIR",
-         "LoRA: start from this PEFT adapter directory (its r, alpha, targets and dropout, which --lora flags given "
-         "must match), on the --init model"},
+         "LoRA: start from this PEFT adapter directory on the --init model: its r, alpha and targets (--lora flags "
+         "given must match) and, unless --lora-dropout is given, its dropout"},
         {"seed", FLAG_INT, &o->seed, "N", "seed for initialisation and LoRA's A (default 1337)"},
         {"threads", FLAG_INT, &o->threads, "N", "OpenMP threads (default: OMP_NUM_THREADS, else the cores this process may use)"},
         {"eval-every", FLAG_INT, &o->eval_every, "N", "validation loss every N steps; 0 disables (default 50)"},

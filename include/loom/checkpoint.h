@@ -84,7 +84,7 @@ loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokeni
 /* A LoRA model's adapters as a PEFT adapter directory: adapter_model.safetensors
  * (fp32 masters, named base_model.model.<tensor>, as PEFT saves them) and
  * adapter_config.json (peft_type LORA, r, lora_alpha, target_modules,
- * lora_dropout 0, base_model_name_or_path = base_model or null); each file
+ * lora_dropout, base_model_name_or_path = base_model or null); each file
  * written atomically, the directory created if needed. Not with tensor
  * parallelism. Errors: LOOM_ERR_INVALID (no adapters), LOOM_ERR_IO,
  * LOOM_ERR_NOMEM. */
@@ -96,10 +96,12 @@ loom_status loom_lora_peft_config(const char *dir, loom_lora_config *c);
 /* Apply a PEFT LoRA adapter directory (adapter_config.json,
  * adapter_model.safetensors, any float dtype) to m: loom_llama_add_lora
  * with its setting (loom_lora_peft_config), or, when m has adapters
- * already (loom_llama_new_lora), that same setting (else LOOM_ERR_INVALID),
- * then its A and B into them. Refused by name (LOOM_ERR_UNSUPPORTED): use_rslora, use_dora,
- * fan_in_fan_out, a bias, modules_to_save, layers_to_transform, rank or
- * alpha patterns, other modules, and tensors that are not those adapters.
+ * already (loom_llama_new_lora), the same rank, alpha and targets (else
+ * LOOM_ERR_INVALID; the dropout, a training setting, may differ), then its
+ * A and B into them. Refused by name (LOOM_ERR_UNSUPPORTED): use_rslora, use_dora,
+ * fan_in_fan_out, a bias or lora_bias, modules_to_save, exclude_modules,
+ * layers_to_transform, layer_replication, rank or alpha patterns, other
+ * modules, and tensors that are not those adapters.
  * Errors also: LOOM_ERR_FORMAT (bad JSON, a missing tensor or one of
  * another shape, NaN), LOOM_ERR_IO, those of loom_llama_add_lora. After an
  * error past the setting's checks the model has adapters that may be

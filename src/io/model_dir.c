@@ -497,17 +497,19 @@ static loom_status peft_config(json_t *root, const char *path, loom_lora_config 
     json_t *d = json_object_get(root, "lora_dropout");
     if (d && !json_is_null(d)) {
         double v = json_is_number(d) ? json_number_value(d) : -1.0;
-        if (!(v >= 0.0 && v < 1.0)) return loom_error(LOOM_ERR_FORMAT, "%s: lora_dropout must be in [0, 1)", path);
-        c->dropout = (float)v;
+        c->dropout = (float)v; /* checked as the float it becomes */
+        if (!(c->dropout >= 0.0f && c->dropout < 1.0f))
+            return loom_error(LOOM_ERR_FORMAT, "%s: lora_dropout must be in [0, 1)", path);
     }
-    static const char *const flags[] = {"use_rslora", "use_dora", "fan_in_fan_out"};
+    static const char *const flags[] = {"use_rslora", "use_dora", "fan_in_fan_out", "lora_bias"};
     for (size_t k = 0; k < sizeof flags / sizeof flags[0]; k++)
         if (json_is_true(json_object_get(root, flags[k])))
             return loom_error(LOOM_ERR_UNSUPPORTED, "%s: %s is true; loom computes plain LoRA only", path, flags[k]);
     json_t *bias = json_object_get(root, "bias");
     if (bias && !json_is_null(bias) && !(json_is_string(bias) && !strcmp(json_string_value(bias), "none")))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: bias is not \"none\"; loom's adapters have no biases", path);
-    static const char *const unset[] = {"modules_to_save", "layers_to_transform", "rank_pattern", "alpha_pattern"};
+    static const char *const unset[] = {"modules_to_save", "layers_to_transform", "rank_pattern", "alpha_pattern",
+                                        "exclude_modules", "layer_replication"};
     for (size_t k = 0; k < sizeof unset / sizeof unset[0]; k++) {
         json_t *v = json_object_get(root, unset[k]);
         if (v && !json_is_null(v) && !(json_is_array(v) && !json_array_size(v)) &&
@@ -526,12 +528,15 @@ static loom_status peft_config(json_t *root, const char *path, loom_lora_config 
     size_t i;
     json_t *v;
     json_array_foreach(t, i, v) {
-        unsigned one;
-        if (!json_is_string(v) || loom_lora_targets_parse(json_string_value(v), &one) != LOOM_OK)
+        int one = 0; /* the module's name, exactly */
+        while (one < LOOM_LORA_N && !(json_is_string(v) && !strcmp(json_string_value(v),
+                                                                 loom_lora_target_name((loom_lora_target)one))))
+            one++;
+        if (one == LOOM_LORA_N)
             return loom_error(LOOM_ERR_UNSUPPORTED, "%s: target_modules entry %s is not one of q_proj, k_proj, "
                               "v_proj, o_proj, gate_proj, up_proj, down_proj", path,
                               json_is_string(v) ? json_string_value(v) : "(not a string)");
-        c->targets |= one;
+        c->targets |= 1u << one;
     }
     return LOOM_OK;
 }
@@ -556,7 +561,7 @@ loom_status loom_lora_load_peft(loom_llama *m, const char *dir) {
     loom_lora_config c;
     LOOM_TRY(loom_lora_peft_config(dir, &c));
     if (m->lora.rank) { /* adapters made already: they must be this setting's */
-        if (m->lora.rank != c.rank || m->lora.alpha != c.alpha || m->lora.targets != c.targets)
+        if (m->lora.rank != c.rank || m->lora.alpha != c.alpha || m->lora.targets != c.targets) /* not dropout */
             return loom_error(LOOM_ERR_INVALID, "%s: the adapter's setting (r %d, lora_alpha %g) is not the model's "
                               "(rank %d, alpha %g), or its target_modules differ", dir, c.rank, (double)c.alpha,
                               m->lora.rank, (double)m->lora.alpha);
@@ -579,7 +584,7 @@ loom_status loom_lora_load_peft(loom_llama *m, const char *dir) {
         else if (!loom_safetensors_has(sf, name))
             st = loom_error(LOOM_ERR_FORMAT, "%s: tensor %s is missing (adapter_config.json names its module)", path,
                             name);
-        else if ((st = loom_safetensors_read(sf, name, LOOM_F32, fs, 2, v)) != LOOM_OK)
+        else if ((st = loom_safetensors_read(sf, name, LOOM_F32, fs, 2, v)) == LOOM_ERR_INVALID) /* a shape */
             st = loom_error(LOOM_ERR_FORMAT, "%s (adapter_config.json and the tensors disagree)", loom_last_error());
         if (st == LOOM_OK) st = io_check_finite(v, (size_t)(fs[0] * fs[1]), path, name);
         if (st == LOOM_OK) st = loom_param_set_f32(p, v, fs[0] * fs[1]);

@@ -18,9 +18,10 @@ struct llama_block_args {
     int training; /* recorded with gradients: LoRA's dropout applies */
 };
 
-/* The arguments of every layer for one (B, T). Sets are never moved or
- * changed once made, so a region recorded by one forward replays with its
- * own shape even after forwards of other shapes. */
+/* The arguments of every layer for one (B, T) and one kind of forward
+ * (training or not). Sets are never moved or changed once made, so a region
+ * recorded by one forward replays with its own shape and kind even after
+ * forwards of other shapes or kinds. */
 struct llama_arg_set {
     struct llama_arg_set *next;
     struct llama_block_args layer[]; /* n_layers (>= 1), all with the set's B, T */

@@ -409,6 +409,13 @@ static void test_peft_adapter(void **state) {
         {"{\"peft_type\": \"LORA\", \"r\": 3, \"target_modules\": [\"v_proj\", \"up_proj\"]}", "v_proj.lora_A",
          LOOM_ERR_FORMAT},
         {"{\"r\": 2, ", "invalid JSON", LOOM_ERR_FORMAT},
+        {"{\"r\": 2, \"target_modules\": [\"v\", \"up_proj\"]}", "entry v is not", LOOM_ERR_UNSUPPORTED},
+        {"{\"r\": 2, \"target_modules\": [\"v_proj\", \"up_proj\"], \"lora_bias\": true}", "lora_bias",
+         LOOM_ERR_UNSUPPORTED},
+        {"{\"r\": 2, \"target_modules\": [\"v_proj\", \"up_proj\"], \"lora_dropout\": 0.99999999999}",
+         "lora_dropout", LOOM_ERR_FORMAT},
+        /* all-linear names every linear, and the file has two of them */
+        {"{\"r\": 2, \"target_modules\": \"all-linear\"}", "q_proj.lora_A.weight is missing", LOOM_ERR_FORMAT},
         {"{\"peft_type\": \"LORA\", \"target_modules\": [\"v_proj\"]}", "\"r\"", LOOM_ERR_FORMAT},
     };
     for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
@@ -418,6 +425,13 @@ static void test_peft_adapter(void **state) {
         IO_ASSERT_MSG(bad[k].msg);
         loom_llama_free(b);
     }
+    /* PEFT's default alpha (8) when the config leaves it out */
+    const char *no_alpha = "{\"r\": 2, \"target_modules\": [\"up_proj\", \"v_proj\"]}";
+    io_write_raw(cfg_path, no_alpha, strlen(no_alpha));
+    loom_llama *d = model(5);
+    assert_int_equal(loom_lora_load_peft(d, io_path("adapter")), LOOM_OK);
+    assert_true(d->lora.alpha == 8.0f && d->lora.dropout == 0.0f && d->lora.targets == lc.targets);
+    loom_llama_free(d);
     io_write_raw(cfg_path, good, n_cfg);
     free(good);
     unlink(st_path); /* a missing file */

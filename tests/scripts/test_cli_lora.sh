@@ -16,7 +16,7 @@ L=(--init "$WORK/base/model" --lora 4 --lora-alpha 8 --lora-targets q,v,down --l
 # Fine-tune: only q, v and down move; norms, embeddings and the other
 # linears are the base model's bytes.
 "$LOOM" train "${common[@]}" "${L[@]}" --precision fp32 --steps 12 --out "$WORK/a" 2>"$WORK/a.log"
-grep -q "LoRA rank 4, alpha 8 on q,v,down: 3328 trainable parameters" "$WORK/a.log" ||
+grep -q "LoRA rank 4, alpha 8 on q,v,down, dropout 0: 3328 trainable parameters" "$WORK/a.log" ||
   { cat "$WORK/a.log"; fail "no LoRA summary line (or the wrong count: 2 layers x (4x64+64x4 q, 4x64+32x4 v, 4x128+64x4 down))"; }
 # The adapters alone, in PEFT's layout: the base plus alpha/r B A of them is
 # the merged model.
@@ -92,6 +92,12 @@ awk -v a="$first" -v b="$want" 'BEGIN { d = a - b; exit !(a != "" && b != "" && 
   fail "--lora-init: the first step's loss ($first) is not the adapted base's ($want)"
 expect_usage "lora flags differ from the adapter" "$LOOM" train "${common[@]}" --init "$WORK/base/model" \
   --lora-init "$WORK/a/adapter" --lora 8 --out "$WORK/x"
+expect_usage "give the base model the adapter was trained on, --init DIR" "$LOOM" train "${common[@]}" \
+  --config "$WORK/cfg.json" --lora-init "$WORK/a/adapter" --out "$WORK/x"
+# the dropout is a training setting: --lora-dropout changes the adapter's
+"$LOOM" train "${common[@]}" --init "$WORK/base/model" --lora-init "$WORK/a/adapter" --lora-dropout 0.1 \
+  --steps 1 --out "$WORK/ld" 2>"$WORK/ld.log" || { cat "$WORK/ld.log"; fail "--lora-init with --lora-dropout failed"; }
+grep -q "LoRA rank 4, alpha 8 on q,v,down, dropout 0.1:" "$WORK/ld.log" || fail "--lora-dropout did not apply"
 
 # Memory: gradients and optimizer state for the adapters only.
 mem() { sed -n 's/.*gradients \([0-9.]*\) MiB, optimizer \([0-9.]*\) MiB.*/\1 \2/p' "$1"; }
@@ -163,7 +169,8 @@ cmp -s "$WORK/da/model/model.safetensors" "$WORK/dc/model/model.safetensors" ||
   fail "LoRA dropout: the resumed run's final model differs from the uninterrupted run's"
 cmp -s "$WORK/da/model/model.safetensors" "$WORK/ba/model/model.safetensors" &&
   fail "LoRA dropout: the same model as without dropout"
-grep -q '"lora_dropout": 0.2' "$WORK/da/adapter/adapter_config.json" || fail "LoRA dropout: not in adapter_config.json"
+$PY -c "import json, sys; d = json.load(open(sys.argv[1]))['lora_dropout']; sys.exit(abs(d - 0.2) > 1e-6)" \
+  "$WORK/da/adapter/adapter_config.json" || fail "LoRA dropout: not 0.2 in adapter_config.json"
 expect_error "lora-dropout 0.2" "$LOOM" train "${common[@]}" "${L[@]}" --precision bf16 --steps 6 \
   --resume "$WORK/db/ckpt-00000003" --out "$WORK/x"
 
