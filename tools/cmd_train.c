@@ -884,6 +884,9 @@ const command cmd_train = {
     "SIGINT/SIGTERM with SIGKILL after a second). --resume continues bit-for-bit with\n"
     "the same flags; other batch or optimizer flags are named, and this run's are used.\n"
     "Under mpirun every rank must get the same training flags (checked at start).\n"
-    "--recompute selective always uses the non-reentrant machinery.",
+    "--recompute selective always uses the non-reentrant machinery.\n"
+    "--lora R fine-tunes rank-R adapters with the model's own weights frozen (bf16\n"
+    "ones held as bf16 alone): --out gets model/ (merged) and adapter/ (PEFT's layout),\n"
+    "which eval, generate and export take with --adapter DIR.",
     run,
 };
