@@ -135,18 +135,21 @@ loom_status train_save_checkpoint(trainer *t) {
     if (st == LOOM_OK) st = loom_dist_optim_unshard_masters(t->opt); /* ZeRO-1: whole masters for the file */
     if (st == LOOM_OK) st = check_masters_finite(t, dir);
     int first = train_first_trainable(m); /* frozen weights have no moments */
-    for (int i = first; i < m->n_params && st == LOOM_OK; i++) {
+    /* The optimizer's own moments, borrowed (a large model has no room for
+     * a copy), or, sharded by ZeRO, gathered into copies. */
+    int borrowed = st == LOOM_OK && loom_dist_optim_moments_view(t->opt, mm + first, vv + first);
+    for (int i = first; i < m->n_params && st == LOOM_OK && !borrowed; i++) {
         size_t n = (size_t)loom_param_numel(m->params[i]);
         mm[i] = malloc(n * sizeof(float) + 1);
         vv[i] = malloc(n * sizeof(float) + 1);
         if (!mm[i] || !vv[i]) st = loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
     }
-    if (st == LOOM_OK) st = loom_dist_optim_get_moments(t->opt, mm + first, vv + first);
+    if (st == LOOM_OK && !borrowed) st = loom_dist_optim_get_moments(t->opt, mm + first, vv + first);
     if (st == LOOM_OK && t->dist.dp_rank == 0)
         st = loom_checkpoint_save(dir, m, mm, vv, loom_dist_optim_steps(t->opt), &t->state,
                                   t->has_tokenizer ? t->tokenizer_path : NULL);
     if (st == LOOM_OK) st = loom_dist_optim_reshard_masters(t->opt);
-    for (int i = 0; i < m->n_params; i++) { if (mm) free(mm[i]); if (vv) free(vv[i]); }
+    for (int i = 0; i < m->n_params && !borrowed; i++) { if (mm) free(mm[i]); if (vv) free(vv[i]); }
     free(mm);
     free(vv);
     LOOM_TRY(st);
@@ -163,7 +166,10 @@ loom_status train_restore(trainer *t, const char *dir) {
     float **mm = calloc((size_t)m->n_params, sizeof *mm), **vv = calloc((size_t)m->n_params, sizeof *vv);
     loom_status st = mm && vv ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "resume: out of memory");
     int first = train_first_trainable(m); /* frozen weights have no moments */
-    for (int i = first; i < m->n_params && st == LOOM_OK; i++) {
+    /* Straight into the optimizer's own moments (no copy), or, with ZeRO,
+     * into copies it takes its shards from. */
+    int borrowed = st == LOOM_OK && loom_dist_optim_moments_view(t->opt, mm + first, vv + first);
+    for (int i = first; i < m->n_params && st == LOOM_OK && !borrowed; i++) {
         size_t n = (size_t)loom_param_numel(m->params[i]);
         mm[i] = malloc(n * sizeof(float) + 1);
         vv[i] = malloc(n * sizeof(float) + 1);
@@ -173,10 +179,10 @@ loom_status train_restore(trainer *t, const char *dir) {
     if (st == LOOM_OK) st = loom_dist_optim_unshard_masters(t->opt);
     if (st == LOOM_OK) st = loom_checkpoint_load(dir, m, mm, vv, &adam_steps, &t->state);
     if (st == LOOM_OK) st = loom_dist_optim_reshard_masters(t->opt);
-    if (st == LOOM_OK)
+    if (st == LOOM_OK && !borrowed)
         loom_dist_optim_set_moments(t->opt, (const float *const *)(mm + first), (const float *const *)(vv + first));
     loom_dist_optim_set_steps(t->opt, adam_steps);
-    for (int i = 0; i < m->n_params; i++) { if (mm) free(mm[i]); if (vv) free(vv[i]); }
+    for (int i = 0; i < m->n_params && !borrowed; i++) { if (mm) free(mm[i]); if (vv) free(vv[i]); }
     free(mm);
     free(vv);
     LOOM_TRY(st);

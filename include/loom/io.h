@@ -169,6 +169,16 @@ void loom_safetensors_writer_free(loom_safetensors_writer *w);
 loom_status loom_safetensors_writer_add(loom_safetensors_writer *w, const char *name,
                                         loom_safetensors_dtype dtype, const int64_t *shape,
                                         int ndim, const void *data);
+/* Add a tensor whose bytes a function makes when the file is written:
+ * fill(user, dst, n_bytes) fills dst (n_elements * dtype_size bytes) and
+ * returns LOOM_OK, or an error that stops the write (the old file stays).
+ * Filled tensors pass through one buffer, one at a time, so a file of
+ * computed tensors never holds them all in memory. Errors as
+ * loom_safetensors_writer_add. */
+typedef loom_status (*loom_safetensors_fill_fn)(void *user, void *dst, size_t n_bytes);
+loom_status loom_safetensors_writer_add_fill(loom_safetensors_writer *w, const char *name,
+                                             loom_safetensors_dtype dtype, const int64_t *shape, int ndim,
+                                             loom_safetensors_fill_fn fill, void *user);
 /* Set a __metadata__ entry (copied; a second set of the same key replaces). */
 loom_status loom_safetensors_writer_set_metadata(loom_safetensors_writer *w, const char *key,
                                                  const char *value);

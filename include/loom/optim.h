@@ -93,6 +93,11 @@ void loom_dist_optim_set_steps(loom_dist_optim *o, int steps);
  * two all-gathers in all) and write. */
 loom_status loom_dist_optim_get_moments(loom_dist_optim *o, float *const *m, float *const *v);
 void loom_dist_optim_set_moments(loom_dist_optim *o, const float *const *m, const float *const *v);
+/* Without ZeRO: m[i], v[i] point at the optimizer's own moments of
+ * parameter i (borrowed: read them, or write them to restore), so that a
+ * checkpoint needs no copy of them; returns 1. With ZeRO (sharded moments):
+ * returns 0 and sets nothing; use get/set_moments. */
+int loom_dist_optim_moments_view(loom_dist_optim *o, float **m, float **v);
 
 /* Linear warmup over `warmup` steps to max_lr, then cosine decay to min_lr
  * at `total` steps. step counts from 0. */

@@ -239,12 +239,33 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
 
 /* ------------------------------------------------------------- weights */
 
+/* A weight computed as the file is written (tp_size 1: no collective):
+ * merged with its adapter and/or converted to dt, one at a time. */
+typedef struct lazy_weight {
+    loom_llama *m;
+    int i;
+    loom_dtype dt;
+} lazy_weight;
+
+static loom_status fill_weight(void *user, void *dst, size_t n_bytes) {
+    const lazy_weight *l = user;
+    size_t n = n_bytes / loom_dtype_size(l->dt);
+    if (l->dt == LOOM_F32) return loom_llama_param_merged(l->m, l->i, dst);
+    float *full = malloc(n * sizeof(float) + 1);
+    if (!full) return loom_error(LOOM_ERR_NOMEM, "save weights: out of memory");
+    loom_status st = loom_llama_param_merged(l->m, l->i, full);
+    if (st == LOOM_OK) loom_convert(dst, l->dt, full, LOOM_F32, n);
+    free(full);
+    return st;
+}
+
 loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *path) {
     loom_safetensors_writer *w;
     LOOM_TRY(loom_safetensors_writer_init(&w));
     void **bufs = calloc((size_t)m->n_params, sizeof *bufs);
+    lazy_weight *lazy = calloc((size_t)m->n_params, sizeof *lazy);
     float *full = NULL;
-    loom_status st = bufs ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "save weights: out of memory");
+    loom_status st = bufs && lazy ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "save weights: out of memory");
     /* The model's own weights, LoRA adapters merged in (the adapters
      * themselves are not Hugging Face tensors: a checkpoint keeps them). */
     for (int i = 0; i < m->n_base && st == LOOM_OK; i++) {
@@ -265,6 +286,12 @@ loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *pa
                                              loom_param_master(p));
             continue;
         }
+        if (m->tp_size == 1) { /* merged and/or converted when written: one such copy at a time */
+            lazy[i] = (lazy_weight){m, i, dt};
+            st = loom_safetensors_writer_add_fill(w, p->name, loom_safetensors_dtype_of(dt), fs, p->tensor->ndim,
+                                                  fill_weight, &lazy[i]);
+            continue;
+        }
         full = malloc(n * sizeof(float) + 1);
         bufs[i] = malloc(n * loom_dtype_size(dt) + 1);
         if (!full || !bufs[i]) { st = loom_error(LOOM_ERR_NOMEM, "save weights: out of memory"); break; }
@@ -280,6 +307,7 @@ loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *pa
     if (st == LOOM_OK && path) st = loom_safetensors_writer_write(w, path);
     for (int i = 0; bufs && i < m->n_params; i++) free(bufs[i]);
     free(bufs);
+    free(lazy);
     loom_safetensors_writer_free(w);
     return st;
 }

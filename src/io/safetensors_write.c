@@ -1,8 +1,9 @@
 /*
  * safetensors_write.c — the safetensors writer: collects (name, dtype,
- * shape, borrowed data) entries and metadata, then writes the header (JSON,
- * space-padded to a multiple of 8 bytes) and the tensors in the order given,
- * through the atomic file writer.
+ * shape, borrowed data or a function that fills it) entries and metadata,
+ * then writes the header (JSON, space-padded to a multiple of 8 bytes) and
+ * the tensors in the order given, through the atomic file writer; filled
+ * tensors pass through one buffer, the size of the largest, one at a time.
  *
  * Must never: copy tensor data (it is borrowed until write returns), or
  * write a file the reader would reject.
@@ -20,6 +21,8 @@ typedef struct entry {
     int64_t shape[LOOM_SAFETENSORS_MAX_DIMS];
     size_t n_bytes;
     const void *data;
+    loom_safetensors_fill_fn fill; /* or NULL: data is borrowed */
+    void *fill_user;
 } entry;
 
 struct loom_safetensors_writer {
@@ -58,9 +61,9 @@ static int grow(void **p, size_t *cap, size_t need, size_t elem) {
     return 1;
 }
 
-loom_status loom_safetensors_writer_add(loom_safetensors_writer *w, const char *name,
-                                        loom_safetensors_dtype dtype, const int64_t *shape,
-                                        int ndim, const void *data) {
+static loom_status add_entry(loom_safetensors_writer *w, const char *name, loom_safetensors_dtype dtype,
+                             const int64_t *shape, int ndim, const void *data, loom_safetensors_fill_fn fill,
+                             void *fill_user) {
     if (!w || !name || !*name)
         return loom_error(LOOM_ERR_INVALID, "safetensors writer: a tensor needs a non-empty name");
     if (!strcmp(name, "__metadata__"))
@@ -89,9 +92,11 @@ loom_status loom_safetensors_writer_add(loom_safetensors_writer *w, const char *
         n *= (size_t)shape[d];
     }
     e.n_bytes = n * loom_safetensors_dtype_size(dtype);
-    if (e.n_bytes > 0 && !data)
+    if (e.n_bytes > 0 && !data && !fill)
         return loom_error(LOOM_ERR_INVALID, "safetensors writer: tensor \"%s\" has NULL data", name);
     e.data = data;
+    e.fill = fill;
+    e.fill_user = fill_user;
     e.name = strdup(name);
     if (!e.name || !grow((void **)&w->entries, &w->cap, w->n + 1, sizeof *w->entries)) {
         free(e.name);
@@ -99,6 +104,20 @@ loom_status loom_safetensors_writer_add(loom_safetensors_writer *w, const char *
     }
     w->entries[w->n++] = e;
     return LOOM_OK;
+}
+
+loom_status loom_safetensors_writer_add(loom_safetensors_writer *w, const char *name,
+                                        loom_safetensors_dtype dtype, const int64_t *shape,
+                                        int ndim, const void *data) {
+    return add_entry(w, name, dtype, shape, ndim, data, NULL, NULL);
+}
+
+loom_status loom_safetensors_writer_add_fill(loom_safetensors_writer *w, const char *name,
+                                             loom_safetensors_dtype dtype, const int64_t *shape, int ndim,
+                                             loom_safetensors_fill_fn fill, void *user) {
+    if (!fill) return loom_error(LOOM_ERR_INVALID, "safetensors writer: tensor \"%s\" has no fill function",
+                                 name ? name : "");
+    return add_entry(w, name, dtype, shape, ndim, NULL, fill, user);
 }
 
 loom_status loom_safetensors_writer_set_metadata(loom_safetensors_writer *w, const char *key,
@@ -176,13 +195,22 @@ loom_status loom_safetensors_writer_write(loom_safetensors_writer *w, const char
     size_t padded = (len + 7) / 8 * 8;
     uint64_t hlen = padded;
     static const char spaces[8] = "        ";
+    size_t widest = 0; /* the buffer filled tensors pass through */
+    for (size_t i = 0; i < w->n; i++)
+        if (w->entries[i].fill && w->entries[i].n_bytes > widest) widest = w->entries[i].n_bytes;
+    void *buf = widest ? malloc(widest) : NULL;
+    loom_status s = widest && !buf ? loom_error(LOOM_ERR_NOMEM, "out of memory writing '%s'", path) : LOOM_OK;
     loom_atomic_file *f = NULL;
-    loom_status s = loom_atomic_file_open(path, &f);
+    if (s == LOOM_OK) s = loom_atomic_file_open(path, &f);
     if (s == LOOM_OK) s = loom_atomic_file_write(f, &hlen, 8);
     if (s == LOOM_OK) s = loom_atomic_file_write(f, json, len);
     if (s == LOOM_OK) s = loom_atomic_file_write(f, spaces, padded - len);
-    for (size_t i = 0; s == LOOM_OK && i < w->n; i++)
-        s = loom_atomic_file_write(f, w->entries[i].data, w->entries[i].n_bytes);
+    for (size_t i = 0; s == LOOM_OK && i < w->n; i++) {
+        const entry *e = &w->entries[i];
+        if (e->fill && e->n_bytes) s = e->fill(e->fill_user, buf, e->n_bytes);
+        if (s == LOOM_OK) s = loom_atomic_file_write(f, e->fill ? buf : e->data, e->n_bytes);
+    }
+    free(buf);
     free(json);
     if (s == LOOM_OK) return loom_atomic_file_commit(f);
     if (f) loom_atomic_file_abort(f);

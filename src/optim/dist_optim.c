@@ -449,6 +449,15 @@ loom_status loom_dist_optim_get_moments(loom_dist_optim *o, float *const *m, flo
     return LOOM_OK;
 }
 
+int loom_dist_optim_moments_view(loom_dist_optim *o, float **m, float **v) {
+    if (o->zero) return 0; /* sharded: only a gather makes whole moments */
+    for (int i = 0; i < o->n; i++) {
+        m[i] = loom_adamw_m(o->plain, i);
+        v[i] = loom_adamw_v(o->plain, i);
+    }
+    return 1;
+}
+
 void loom_dist_optim_set_moments(loom_dist_optim *o, const float *const *m, const float *const *v) {
     for (int i = 0; i < o->n; i++) {
         size_t k = (size_t)loom_param_numel(o->params[i]), s, t, lo = o->offset[i];

@@ -351,6 +351,62 @@ static void test_writer_rejects_bad_entries(void **state) {
     loom_safetensors_close(st);
 }
 
+/* A filled tensor: value k is base + k; `fail` stops the write. */
+typedef struct fill_user {
+    float base;
+    int fail, calls;
+} fill_user;
+
+static loom_status fill_values(void *user, void *dst, size_t n_bytes) {
+    fill_user *u = user;
+    u->calls++;
+    if (u->fail) return loom_error(LOOM_ERR_IO, "fill failed on purpose");
+    float *v = dst;
+    for (size_t k = 0; k < n_bytes / sizeof *v; k++) v[k] = u->base + (float)k;
+    return LOOM_OK;
+}
+
+/* Tensors filled at write time sit among borrowed ones, in order, through
+ * one buffer (a small one filled after a larger keeps only its own bytes);
+ * a fill that fails leaves the old file as it was. */
+static void test_writer_fill(void **state) {
+    (void)state;
+    loom_safetensors_writer *w;
+    float mid[3] = {-1.0f, -2.0f, -3.0f};
+    int64_t big[1] = {6}, small[1] = {2}, three[1] = {3};
+    fill_user a = {100.0f, 0, 0}, b = {200.0f, 0, 0};
+    assert_int_equal(loom_safetensors_writer_init(&w), LOOM_OK);
+    assert_int_equal(loom_safetensors_writer_add_fill(w, "a", LOOM_SAFETENSORS_F32, big, 1, fill_values, &a), LOOM_OK);
+    assert_int_equal(loom_safetensors_writer_add(w, "mid", LOOM_SAFETENSORS_F32, three, 1, mid), LOOM_OK);
+    assert_int_equal(loom_safetensors_writer_add_fill(w, "b", LOOM_SAFETENSORS_F32, small, 1, fill_values, &b),
+                     LOOM_OK);
+    assert_int_equal(loom_safetensors_writer_add_fill(w, "c", LOOM_SAFETENSORS_F32, small, 1, NULL, NULL),
+                     LOOM_ERR_INVALID);
+    assert_int_equal(loom_safetensors_writer_write(w, io_path("fill.safetensors")), LOOM_OK);
+    assert_true(a.calls == 1 && b.calls == 1);
+    loom_safetensors *st;
+    float got[6];
+    assert_int_equal(loom_safetensors_open(io_path("fill.safetensors"), &st), LOOM_OK);
+    assert_int_equal(loom_safetensors_read(st, "a", LOOM_F32, big, 1, got), LOOM_OK);
+    for (int k = 0; k < 6; k++) assert_true(got[k] == 100.0f + (float)k);
+    assert_int_equal(loom_safetensors_read(st, "mid", LOOM_F32, three, 1, got), LOOM_OK);
+    assert_memory_equal(got, mid, sizeof mid);
+    assert_int_equal(loom_safetensors_read(st, "b", LOOM_F32, small, 1, got), LOOM_OK);
+    assert_true(got[0] == 200.0f && got[1] == 201.0f);
+    loom_safetensors_close(st);
+    size_t n_before, n_after;
+    unsigned char *before = io_read_raw(io_path("fill.safetensors"), &n_before);
+    b.fail = 1;
+    assert_int_equal(loom_safetensors_writer_write(w, io_path("fill.safetensors")), LOOM_ERR_IO);
+    IO_ASSERT_MSG("on purpose");
+    unsigned char *after = io_read_raw(io_path("fill.safetensors"), &n_after);
+    assert_true(n_before == n_after && memcmp(before, after, n_before) == 0);
+    assert_int_equal(io_count_files(".tmp."), 0);
+    free(before);
+    free(after);
+    loom_safetensors_writer_free(w);
+}
+
 /* Write a small safetensors file holding one F32 tensor of `n` values. */
 static loom_status write_st(const char *path, const float *v, int64_t n) {
     loom_safetensors_writer *w;
@@ -497,6 +553,7 @@ int main(void) {
         cmocka_unit_test(test_corrupt_headers),
         cmocka_unit_test(test_truncation_and_fuzz),
         cmocka_unit_test(test_writer_rejects_bad_entries),
+        cmocka_unit_test(test_writer_fill),
         cmocka_unit_test(test_atomic_failures_keep_old_file),
         cmocka_unit_test(test_atomic_file_api),
     };
