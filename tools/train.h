@@ -64,7 +64,9 @@ static inline int train_first_trainable(const loom_llama *m) { return m->lora.ra
  * (LOOM_ERR_NUMERIC: nothing written, the earlier checkpoints kept), I/O. */
 loom_status train_save_checkpoint(trainer *t);
 /* Resume from checkpoint dir: weights, moments, step, RNG, data position,
- * loss scaler; notes on stderr what differs from the run that wrote it. */
+ * loss scaler; notes on stderr what differs from the run that wrote it.
+ * Weights and (without ZeRO) moments are read in place: after an error the
+ * model and optimizer are partly overwritten, and the run must stop. */
 loom_status train_restore(trainer *t, const char *dir);
 
 #endif

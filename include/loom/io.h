@@ -172,8 +172,9 @@ loom_status loom_safetensors_writer_add(loom_safetensors_writer *w, const char *
 /* Add a tensor whose bytes a function makes when the file is written:
  * fill(user, dst, n_bytes) fills dst (n_elements * dtype_size bytes) and
  * returns LOOM_OK, or an error that stops the write (the old file stays).
- * Filled tensors pass through one buffer, one at a time, so a file of
- * computed tensors never holds them all in memory. Errors as
+ * Filled tensors pass through one writer buffer, one at a time, so a file
+ * of computed tensors never holds them all in memory. `user` is borrowed:
+ * it must stay valid until the last write returns. Errors as
  * loom_safetensors_writer_add. */
 typedef loom_status (*loom_safetensors_fill_fn)(void *user, void *dst, size_t n_bytes);
 loom_status loom_safetensors_writer_add_fill(loom_safetensors_writer *w, const char *name,
