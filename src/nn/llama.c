@@ -92,9 +92,9 @@ loom_status loom_llama_config_validate(const loom_llama_config *c) {
     return LOOM_OK;
 }
 
-/* split: -1 replicated, 0 rows split (column-parallel), 1 columns split
- * (row-parallel) across the TP group. Shapes given are full. */
-/* A parameter of m; frozen: created frozen (no gradient, no bf16 master). */
+/* A parameter of m. split: -1 replicated, 0 rows split (column-parallel),
+ * 1 columns split (row-parallel) across the TP group; shapes given are
+ * full. frozen: created frozen (no gradient, no bf16 master). */
 static loom_status add_param_as(loom_llama *m, const char *name, loom_dtype dt, int ndim, int64_t d0, int64_t d1,
                                 int split, int frozen, loom_param **out) {
     int64_t shape[2] = {d0, d1};
