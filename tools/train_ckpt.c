@@ -136,15 +136,19 @@ loom_status train_save_checkpoint(trainer *t) {
     if (st == LOOM_OK) st = check_masters_finite(t, dir);
     int first = train_first_trainable(m); /* frozen weights have no moments */
     /* The optimizer's own moments, borrowed (a large model has no room for
-     * a copy), or, sharded by ZeRO, gathered into copies. */
+     * a copy), or, sharded by ZeRO, gathered into copies: on the ranks
+     * that write only (data-parallel group 0), the others taking part in
+     * the gathers alone. */
     int borrowed = st == LOOM_OK && loom_dist_optim_moments_view(t->opt, mm + first, vv + first);
-    for (int i = first; i < m->n_params && st == LOOM_OK && !borrowed; i++) {
+    int writes = t->dist.dp_rank == 0;
+    for (int i = first; i < m->n_params && st == LOOM_OK && !borrowed && writes; i++) {
         size_t n = (size_t)loom_param_numel(m->params[i]);
         mm[i] = malloc(n * sizeof(float) + 1);
         vv[i] = malloc(n * sizeof(float) + 1);
         if (!mm[i] || !vv[i]) st = loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
     }
-    if (st == LOOM_OK && !borrowed) st = loom_dist_optim_get_moments(t->opt, mm + first, vv + first);
+    if (st == LOOM_OK && !borrowed)
+        st = loom_dist_optim_get_moments(t->opt, writes ? mm + first : NULL, writes ? vv + first : NULL);
     if (st == LOOM_OK && t->dist.dp_rank == 0)
         st = loom_checkpoint_save(dir, m, mm, vv, loom_dist_optim_steps(t->opt), &t->state,
                                   t->has_tokenizer ? t->tokenizer_path : NULL);

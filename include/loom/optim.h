@@ -90,7 +90,8 @@ int loom_dist_optim_buckets(const loom_dist_optim *o, int *early);
 void loom_dist_optim_set_steps(loom_dist_optim *o, int steps);
 /* Every parameter's moments, m[i] and v[i] for parameter i (this rank's TP
  * shard, numel floats each): read (collective over the DP group with ZeRO:
- * two all-gathers in all) and write. */
+ * two all-gathers in all; m and v NULL: take part in them, copy nothing)
+ * and write. */
 loom_status loom_dist_optim_get_moments(loom_dist_optim *o, float *const *m, float *const *v);
 void loom_dist_optim_set_moments(loom_dist_optim *o, const float *const *m, const float *const *v);
 /* Without ZeRO: m[i], v[i] point at the optimizer's own moments of

@@ -425,11 +425,11 @@ loom_status loom_dist_optim_reshard_masters(loom_dist_optim *o) {
 }
 
 /* ZeRO: moment array `src` (shard) -> every parameter's out[i], through the
- * flat buffer: one all-gather. */
+ * flat buffer: one all-gather (out NULL: the gather alone). */
 static loom_status gather_moment(loom_dist_optim *o, const float *src, float *const *out) {
     memcpy(o->flat + o->own_begin, src, o->shard * sizeof(float));
     LOOM_TRY(loom_comm_allgather_f32(o->dist.dp, o->flat + o->own_begin, o->flat, o->shard));
-    for (int i = 0; i < o->n; i++)
+    for (int i = 0; out && i < o->n; i++)
         memcpy(out[i], o->flat + o->offset[i], (size_t)loom_param_numel(o->params[i]) * sizeof(float));
     return LOOM_OK;
 }
@@ -441,7 +441,7 @@ loom_status loom_dist_optim_get_moments(loom_dist_optim *o, float *const *m, flo
         memset(o->flat, 0, o->padded * sizeof(float)); /* the gathers borrowed it */
         return LOOM_OK;
     }
-    for (int i = 0; i < o->n; i++) {
+    for (int i = 0; m && v && i < o->n; i++) {
         size_t k = (size_t)loom_param_numel(o->params[i]);
         memcpy(m[i], loom_adamw_m(o->plain, i), k * sizeof(float));
         memcpy(v[i], loom_adamw_v(o->plain, i), k * sizeof(float));
