@@ -10,8 +10,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-loom_status loom_param_new(const char *name, loom_dtype dt, int ndim, const int64_t *shape,
-                           int master_grad, loom_param **out) {
+/* A frozen parameter of compute dtype dt keeps an fp32 master only for
+ * fp16, whose range may not hold every weight; bf16 is held as itself. */
+static int frozen_keeps_master(loom_dtype dt) { return dt == LOOM_F16; }
+
+/* The parameter without its gradient: name, zero compute copy and, with
+ * master, a zero fp32 master (not for f32: the copy is its own). */
+static loom_status param_alloc(const char *name, loom_dtype dt, int ndim, const int64_t *shape, int master,
+                               loom_param **out) {
     *out = NULL;
     loom_param *p = calloc(1, sizeof *p);
     if (!p) return loom_error(LOOM_ERR_NOMEM, "parameter '%s': out of memory", name);
@@ -22,40 +28,34 @@ loom_status loom_param_new(const char *name, loom_dtype dt, int ndim, const int6
         return LOOM_ERR_NOMEM;
     }
     p->tensor->param = p;
-    size_t n = (size_t)loom_tensor_numel(p->tensor);
-    if (dt != LOOM_F32) {
-        p->master = loom_alloc_zeroed(n * sizeof(float), LOOM_MEM_PARAMS);
+    p->tp_split_dim = -1;
+    if (master && dt != LOOM_F32) {
+        p->master = loom_alloc_zeroed((size_t)loom_tensor_numel(p->tensor) * sizeof(float), LOOM_MEM_PARAMS);
         if (!p->master) { loom_param_free(p); return LOOM_ERR_NOMEM; }
     }
+    *out = p;
+    return LOOM_OK;
+}
+
+loom_status loom_param_new(const char *name, loom_dtype dt, int ndim, const int64_t *shape,
+                           int master_grad, loom_param **out) {
+    loom_param *p;
+    LOOM_TRY(param_alloc(name, dt, ndim, shape, 1, &p));
     p->master_grad = master_grad;
     p->grad_dtype = master_grad ? LOOM_F32 : dt;
-    p->grad = loom_alloc_zeroed(n * loom_dtype_size(p->grad_dtype), LOOM_MEM_GRADS);
+    p->grad = loom_alloc_zeroed((size_t)loom_param_numel(p) * loom_dtype_size(p->grad_dtype), LOOM_MEM_GRADS);
     if (!p->grad) { loom_param_free(p); return LOOM_ERR_NOMEM; }
     p->trainable = 1;
-    p->tp_split_dim = -1;
     *out = p;
     return LOOM_OK;
 }
 
 loom_status loom_param_new_frozen(const char *name, loom_dtype dt, int ndim, const int64_t *shape,
                                   loom_param **out) {
-    *out = NULL;
-    loom_param *p = calloc(1, sizeof *p);
-    if (!p) return loom_error(LOOM_ERR_NOMEM, "parameter '%s': out of memory", name);
-    snprintf(p->name, sizeof p->name, "%s", name);
-    p->tensor = loom_tensor_zeros(dt, ndim, shape, LOOM_MEM_PARAMS);
-    if (!p->tensor) {
-        free(p);
-        return LOOM_ERR_NOMEM;
-    }
-    p->tensor->param = p;
-    if (dt == LOOM_F16) { /* as loom_param_freeze leaves it: fp16 keeps its master */
-        p->master = loom_alloc_zeroed((size_t)loom_tensor_numel(p->tensor) * sizeof(float), LOOM_MEM_PARAMS);
-        if (!p->master) { loom_param_free(p); return LOOM_ERR_NOMEM; }
-    }
+    loom_param *p;
+    LOOM_TRY(param_alloc(name, dt, ndim, shape, frozen_keeps_master(dt), &p));
     p->grad_dtype = dt;
-    p->tp_split_dim = -1;
-    *out = p; /* trainable 0, grad NULL */
+    *out = p; /* as loom_param_freeze leaves one: trainable 0, grad NULL */
     return LOOM_OK;
 }
 
@@ -184,7 +184,7 @@ loom_status loom_param_freeze(loom_param *p) {
     p->trainable = 0;
     loom_free(p->grad);
     p->grad = NULL;
-    if (p->tensor->dtype == LOOM_BF16 && p->master) {
+    if (!frozen_keeps_master(p->tensor->dtype) && p->master) {
         loom_free(p->master);
         p->master = NULL;
     }

@@ -41,6 +41,19 @@ loom_status loom_mkdir_p(const char *dir) {
 
 /* ----------------------------------------------------------- config.json */
 
+/* A JSON file (`what` names it in errors) parsed into *root (the caller
+ * decrefs it). A regular file only: a FIFO would block. */
+static loom_status read_json(const char *path, const char *what, json_t **root) {
+    void *text;
+    size_t len;
+    LOOM_TRY(io_read_file(path, what, &text, &len));
+    json_error_t err;
+    *root = json_loadb(text, len, 0, &err);
+    free(text);
+    if (!*root) return loom_error(LOOM_ERR_FORMAT, "%s: invalid JSON at line %d: %s", path, err.line, err.text);
+    return LOOM_OK;
+}
+
 /* An optional field that is null is absent (Hugging Face writes
  * "num_key_value_heads": null for "as many as the attention heads"). */
 static loom_status get_int(json_t *root, const char *path, const char *key, int required, int *out) {
@@ -168,13 +181,8 @@ static loom_status get_rope(json_t *root, const char *path, loom_llama_config *c
 }
 
 loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
-    json_error_t err;
-    void *text;
-    size_t len;
-    LOOM_TRY(io_read_file(path, "config", &text, &len)); /* a regular file: a FIFO would block */
-    json_t *root = json_loadb(text, len, 0, &err);
-    free(text);
-    if (!root) return loom_error(LOOM_ERR_FORMAT, "%s: invalid JSON at line %d: %s", path, err.line, err.text);
+    json_t *root;
+    LOOM_TRY(read_json(path, "config", &root));
     loom_status st = LOOM_OK;
     if (!json_is_object(root)) st = loom_error(LOOM_ERR_FORMAT, "%s: expected a JSON object", path);
     memset(c, 0, sizeof *c);
@@ -349,13 +357,8 @@ static loom_status join(char *buf, size_t n, const char *dir, const char *file) 
  * {"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors", ...}},
  * the files beside it. Each file is opened once, when a tensor first needs it. */
 static loom_status load_sharded(loom_llama *m, const char *dir, const char *index) {
-    void *text;
-    size_t len;
-    LOOM_TRY(io_read_file(index, "weight index", &text, &len));
-    json_error_t err;
-    json_t *root = json_loadb(text, len, 0, &err);
-    free(text);
-    if (!root) return loom_error(LOOM_ERR_FORMAT, "%s: invalid JSON at line %d: %s", index, err.line, err.text);
+    json_t *root;
+    LOOM_TRY(read_json(index, "weight index", &root));
     json_t *map = json_object_get(root, "weight_map");
     loom_status st = json_is_object(map) ? LOOM_OK
                                          : loom_error(LOOM_ERR_FORMAT, "%s: no \"weight_map\" object", index);
@@ -465,6 +468,9 @@ loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokeni
     return LOOM_OK;
 }
 
+/* PEFT's tensor names: the model's under this prefix. */
+#define PEFT_PREFIX "base_model.model."
+
 loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base_model) {
     if (!m->lora.rank) return loom_error(LOOM_ERR_INVALID, "save adapter: the model has no LoRA adapters");
     char path[4200];
@@ -473,12 +479,11 @@ loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base
     LOOM_TRY(loom_safetensors_writer_init(&w));
     loom_status st = LOOM_OK;
     char name[256];
-    /* PEFT's names: the model's tensor names under base_model.model. */
     for (int i = m->n_base; i < m->n_params && st == LOOM_OK; i++) {
         loom_param *p = m->params[i];
         int64_t fs[2];
         loom_llama_param_full_shape(m, i, fs);
-        snprintf(name, sizeof name, "base_model.model.%s", p->name);
+        snprintf(name, sizeof name, PEFT_PREFIX "%s", p->name);
         st = loom_safetensors_writer_add(w, name, LOOM_SAFETENSORS_F32, fs, 2, loom_param_master(p));
     }
     if (st == LOOM_OK) st = loom_safetensors_writer_set_metadata(w, "format", "pt");
@@ -572,13 +577,8 @@ static loom_status peft_config(json_t *root, const char *path, loom_lora_config 
 loom_status loom_lora_peft_config(const char *dir, loom_lora_config *c) {
     char path[4200];
     LOOM_TRY(join(path, sizeof path, dir, "adapter_config.json"));
-    void *text;
-    size_t len;
-    LOOM_TRY(io_read_file(path, "adapter config", &text, &len));
-    json_error_t err;
-    json_t *root = json_loadb(text, len, 0, &err);
-    free(text);
-    if (!root) return loom_error(LOOM_ERR_FORMAT, "%s: invalid JSON at line %d: %s", path, err.line, err.text);
+    json_t *root;
+    LOOM_TRY(read_json(path, "adapter config", &root));
     loom_status st = json_is_object(root) ? peft_config(root, path, c)
                                           : loom_error(LOOM_ERR_FORMAT, "%s: expected a JSON object", path);
     json_decref(root);
@@ -606,7 +606,7 @@ loom_status loom_lora_load_peft(loom_llama *m, const char *dir) {
         loom_param *p = m->params[i];
         int64_t fs[2];
         loom_llama_param_full_shape(m, i, fs);
-        snprintf(name, sizeof name, "base_model.model.%s", p->name);
+        snprintf(name, sizeof name, PEFT_PREFIX "%s", p->name);
         float *v = malloc((size_t)(fs[0] * fs[1]) * sizeof(float) + 1);
         if (!v) st = loom_error(LOOM_ERR_NOMEM, "load adapter: out of memory");
         else if (!loom_safetensors_has(sf, name))
@@ -623,7 +623,8 @@ loom_status loom_lora_load_peft(loom_llama *m, const char *dir) {
     for (size_t k = 0; st == LOOM_OK && k < loom_safetensors_count(sf); k++) {
         loom_safetensors_tensor t;
         st = loom_safetensors_at(sf, k, &t);
-        if (st == LOOM_OK && (strncmp(t.name, "base_model.model.", 17) || !loom_llama_find_param(m, t.name + 17) ||
+        if (st == LOOM_OK && (strncmp(t.name, PEFT_PREFIX, strlen(PEFT_PREFIX)) ||
+                              !loom_llama_find_param(m, t.name + strlen(PEFT_PREFIX)) ||
                               !strstr(t.name, ".lora_")))
             st = loom_error(LOOM_ERR_UNSUPPORTED, "%s: tensor %s is not one of the adapters adapter_config.json "
                             "describes (%zu of them)", path, t.name, expected);

@@ -95,8 +95,8 @@ loom_status loom_llama_config_validate(const loom_llama_config *c) {
 /* A parameter of m. split: -1 replicated, 0 rows split (column-parallel),
  * 1 columns split (row-parallel) across the TP group; shapes given are
  * full. frozen: created frozen (no gradient, no bf16 master). */
-static loom_status add_param_as(loom_llama *m, const char *name, loom_dtype dt, int ndim, int64_t d0, int64_t d1,
-                                int split, int frozen, loom_param **out) {
+static loom_status add_param(loom_llama *m, const char *name, loom_dtype dt, int ndim, int64_t d0, int64_t d1,
+                             int split, int frozen, loom_param **out) {
     int64_t shape[2] = {d0, d1};
     if (split >= 0) shape[split] /= m->tp_size;
     LOOM_TRY(frozen ? loom_param_new_frozen(name, dt, ndim, shape, out)
@@ -107,27 +107,22 @@ static loom_status add_param_as(loom_llama *m, const char *name, loom_dtype dt, 
     return LOOM_OK;
 }
 
-static loom_status add_param(loom_llama *m, const char *name, loom_dtype dt, int ndim, int64_t d0, int64_t d1,
-                             int split, loom_param **out) {
-    return add_param_as(m, name, dt, ndim, d0, d1, split, m->lora.rank > 0, out);
-}
-
 loom_status loom_llama_new(const loom_llama_config *cfg, loom_precision prec, loom_llama **out) {
     return loom_llama_new_tp(cfg, prec, NULL, out);
 }
 
-static loom_status llama_create(const loom_llama_config *cfg, loom_precision prec, loom_comm *tp_comm,
-                                const loom_lora_config *lora, loom_llama **out);
+static loom_status llama_create(const loom_llama_config *cfg, loom_precision prec, loom_comm *tp_comm, int frozen,
+                                loom_llama **out);
 
 loom_status loom_llama_new_tp(const loom_llama_config *cfg, loom_precision prec, loom_comm *tp_comm,
                               loom_llama **out) {
-    return llama_create(cfg, prec, tp_comm, NULL, out);
+    return llama_create(cfg, prec, tp_comm, 0, out);
 }
 
-/* lora: the base parameters are created frozen (m->lora set while they are
- * made), the adapters added by the caller. */
-static loom_status llama_create(const loom_llama_config *cfg, loom_precision prec, loom_comm *tp_comm,
-                                const loom_lora_config *lora, loom_llama **out) {
+/* frozen: the model's parameters are created frozen (LoRA's base; the
+ * caller adds the adapters). */
+static loom_status llama_create(const loom_llama_config *cfg, loom_precision prec, loom_comm *tp_comm, int frozen,
+                                loom_llama **out) {
     *out = NULL;
     LOOM_TRY(loom_llama_config_validate(cfg));
     int T = tp_comm ? loom_comm_size(tp_comm) : 1;
@@ -138,7 +133,6 @@ static loom_status llama_create(const loom_llama_config *cfg, loom_precision pre
     if (!m) return loom_error(LOOM_ERR_NOMEM, "llama: out of memory");
     m->cfg = *cfg;
     m->prec = prec;
-    if (lora) m->lora = *lora;
     m->tp_comm = tp_comm;
     m->tp_size = T;
     m->tp_rank = tp_comm ? loom_comm_rank(tp_comm) : 0;
@@ -148,7 +142,7 @@ static loom_status llama_create(const loom_llama_config *cfg, loom_precision pre
     if (!m->layers || !m->params) { loom_llama_free(m); return LOOM_ERR_NOMEM; }
     loom_dtype dt = prec.compute;
     char name[160];
-    loom_status st = add_param(m, "model.embed_tokens.weight", dt, 2, cfg->vocab_size, C, -1, &m->embed);
+    loom_status st = add_param(m, "model.embed_tokens.weight", dt, 2, cfg->vocab_size, C, -1, frozen, &m->embed);
     for (int l = 0; l < L && st == LOOM_OK; l++) {
         loom_llama_layer *y = &m->layers[l];
         struct { const char *suffix; int ndim; int64_t d0, d1; int split; loom_param **slot; } spec[] = {
@@ -164,17 +158,17 @@ static loom_status llama_create(const loom_llama_config *cfg, loom_precision pre
         };
         for (size_t i = 0; i < sizeof spec / sizeof spec[0] && st == LOOM_OK; i++) {
             snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[i].suffix);
-            st = add_param(m, name, dt, spec[i].ndim, spec[i].d0, spec[i].d1, spec[i].split, spec[i].slot);
+            st = add_param(m, name, dt, spec[i].ndim, spec[i].d0, spec[i].d1, spec[i].split, frozen,
+                           spec[i].slot);
         }
     }
-    if (st == LOOM_OK) st = add_param(m, "model.norm.weight", dt, 1, C, 0, -1, &m->final_norm);
+    if (st == LOOM_OK) st = add_param(m, "model.norm.weight", dt, 1, C, 0, -1, frozen, &m->final_norm);
     if (st == LOOM_OK) {
         if (cfg->tie_embeddings) m->lm_head = m->embed;
-        else st = add_param(m, "lm_head.weight", dt, 2, cfg->vocab_size, C, -1, &m->lm_head);
+        else st = add_param(m, "lm_head.weight", dt, 2, cfg->vocab_size, C, -1, frozen, &m->lm_head);
     }
     if (st != LOOM_OK) { loom_llama_free(m); return st; }
     m->n_base = m->n_params;
-    memset(&m->lora, 0, sizeof m->lora); /* until the adapters are there */
     *out = m;
     return LOOM_OK;
 }
@@ -361,7 +355,7 @@ loom_status loom_llama_new_lora(const loom_llama_config *cfg, loom_precision pre
     LOOM_TRY(loom_llama_config_validate(cfg));
     LOOM_TRY(lora_check(cfg, 1, lora));
     loom_llama *m;
-    LOOM_TRY(llama_create(cfg, prec, NULL, lora, &m));
+    LOOM_TRY(llama_create(cfg, prec, NULL, 1, &m));
     loom_status st = append_adapters(m, lora, seed);
     if (st != LOOM_OK) {
         loom_llama_free(m);
@@ -400,9 +394,9 @@ static loom_status append_adapters(loom_llama *m, const loom_lora_config *cfg, u
             int64_t out = w->shape[0], in = w->shape[1];
             const char *group = t <= LOOM_LORA_O ? "self_attn" : "mlp";
             snprintf(name, sizeof name, "model.layers.%d.%s.%s.lora_A.weight", l, group, lora_module[t]);
-            st = add_param_as(m, name, m->prec.compute, 2, cfg->rank, in, -1, 0, &y->lora_a[t]);
+            st = add_param(m, name, m->prec.compute, 2, cfg->rank, in, -1, 0, &y->lora_a[t]);
             snprintf(name, sizeof name, "model.layers.%d.%s.%s.lora_B.weight", l, group, lora_module[t]);
-            if (st == LOOM_OK) st = add_param_as(m, name, m->prec.compute, 2, out, cfg->rank, -1, 0, &y->lora_b[t]);
+            if (st == LOOM_OK) st = add_param(m, name, m->prec.compute, 2, out, cfg->rank, -1, 0, &y->lora_b[t]);
             if (st != LOOM_OK) break;
             /* A: uniform in [-1/sqrt(in), 1/sqrt(in)), its own stream per adapter; B stays zero. */
             loom_param *a = y->lora_a[t];

@@ -88,6 +88,46 @@ static float loss_of(loom_llama *m, int grad, float **logits) {
     return l;
 }
 
+static double eval_loss(loom_llama *m) { return loss_of(m, 0, NULL); }
+
+/* The loss of a training forward (dropout on, the same masks each time:
+ * the RNG starts alike), its graph dropped without a backward. */
+static double train_loss(loom_llama *m) {
+    int32_t tok[N_TOK], tgt[N_TOK];
+    tokens(tok, tgt, m->cfg.vocab_size);
+    loom_rng_init(loom_rng_default(), 42);
+    loom_tensor *loss = NULL;
+    assert_int_equal(loom_llama_forward(m, tok, tgt, 2, N_TOK / 2, &loss, NULL), LOOM_OK);
+    double l = loom_tensor_get(loss, 0);
+    loom_tensor_release(loss);
+    loom_tape_clear();
+    return l;
+}
+
+/* The relative error of p's largest gradient entry (*g_top) against the
+ * central difference of loss(m) there (step 1e-2 on the fp32 master). */
+static double fd_error(loom_llama *m, loom_param *p, double (*loss)(loom_llama *), float *g_top) {
+    size_t n = (size_t)loom_param_numel(p), top = 0;
+    float *g = malloc(n * sizeof *g), *w = loom_param_master(p);
+    loom_param_read_grad(p, g);
+    for (size_t k = 1; k < n; k++)
+        if (fabsf(g[k]) > fabsf(g[top])) top = k;
+    float keep = w[top], h = 1e-2f;
+    double l[2];
+    for (int side = 0; side < 2; side++) {
+        w[top] = keep + (side ? -h : h);
+        loom_param_sync_from_master(p);
+        l[side] = loss(m);
+    }
+    w[top] = keep;
+    loom_param_sync_from_master(p);
+    double fd = (l[0] - l[1]) / (2.0 * h), err = fabs(fd - g[top]) / fabs(fd);
+    if (err > 5e-3) fprintf(stderr, "%s[%zu]: backward %g, finite difference %g\n", p->name, top, g[top], fd);
+    *g_top = g[top];
+    free(g);
+    return err;
+}
+
 static void test_targets(void **state) {
     (void)state;
     unsigned t;
@@ -262,28 +302,11 @@ static void test_frozen_and_finite_differences(void **state) {
     assert_int_equal(loom_grad_audit(m->params, m->n_params, NULL, 0), LOOM_OK);
     float worst = 0.0f;
     for (int i = m->n_base; i < m->n_params; i++) {
-        loom_param *p = m->params[i];
-        size_t n = (size_t)loom_param_numel(p);
-        float *g = malloc(n * sizeof *g), *w = loom_param_master(p);
-        loom_param_read_grad(p, g);
-        size_t top = 0;
-        for (size_t k = 1; k < n; k++)
-            if (fabsf(g[k]) > fabsf(g[top])) top = k;
-        assert_true(fabsf(g[top]) > 1e-4f); /* a gradient that means something */
-        float keep = w[top], h = 1e-2f;
-        w[top] = keep + h;
-        loom_param_sync_from_master(p);
-        double up = loss_of(m, 0, NULL);
-        w[top] = keep - h;
-        loom_param_sync_from_master(p);
-        double down = loss_of(m, 0, NULL);
-        w[top] = keep;
-        loom_param_sync_from_master(p);
-        double fd = (up - down) / (2.0 * h), err = fabs(fd - g[top]) / fabs(fd);
-        if (err > 5e-3) fprintf(stderr, "%s[%zu]: backward %g, finite difference %g\n", p->name, top, g[top], fd);
+        float g_top;
+        double err = fd_error(m, m->params[i], eval_loss, &g_top);
+        assert_true(fabsf(g_top) > 1e-4f); /* a gradient that means something */
         assert_true(err <= 5e-3);
         if (err > worst) worst = (float)err;
-        free(g);
     }
     fprintf(stderr, "lora: worst relative error against finite differences %.3g\n", (double)worst);
     /* A step moves the adapters only. */
@@ -389,35 +412,12 @@ static void test_dropout(void **state) {
     loom_llama_zero_grad(m);
     float lt = loss_of(m, 1, NULL);
     assert_true(lt != lp);
+    for (int i = m->n_base; i < m->n_params; i++) {
+        float g_top;
+        assert_true(fd_error(m, m->params[i], train_loss, &g_top) <= 5e-3);
+    }
     int32_t tok[N_TOK], tgt[N_TOK];
     tokens(tok, tgt, m->cfg.vocab_size);
-    for (int i = m->n_base; i < m->n_params; i++) {
-        loom_param *p = m->params[i];
-        size_t n = (size_t)loom_param_numel(p);
-        float *g = malloc(n * sizeof *g), *w = loom_param_master(p);
-        loom_param_read_grad(p, g);
-        size_t top = 0;
-        for (size_t k = 1; k < n; k++)
-            if (fabsf(g[k]) > fabsf(g[top])) top = k;
-        double l[2];
-        float keep = w[top], h = 1e-2f;
-        for (int side = 0; side < 2; side++) { /* a training forward, the same masks, no backward */
-            w[top] = keep + (side ? -h : h);
-            loom_param_sync_from_master(p);
-            loom_rng_init(loom_rng_default(), 42);
-            loom_tensor *loss = NULL;
-            assert_int_equal(loom_llama_forward(m, tok, tgt, 2, N_TOK / 2, &loss, NULL), LOOM_OK);
-            l[side] = loom_tensor_get(loss, 0);
-            loom_tensor_release(loss);
-            loom_tape_clear();
-        }
-        w[top] = keep;
-        loom_param_sync_from_master(p);
-        double fd = (l[0] - l[1]) / (2.0 * h), err = fabs(fd - g[top]) / fabs(fd);
-        if (err > 5e-3) fprintf(stderr, "%s[%zu]: backward %g, finite difference %g\n", p->name, top, g[top], fd);
-        assert_true(err <= 5e-3);
-        free(g);
-    }
     loom_llama_free(plain);
     loom_llama_free(m);
     /* An evaluation between a training forward and its backward (the same
