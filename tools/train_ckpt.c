@@ -130,32 +130,18 @@ loom_status train_save_checkpoint(trainer *t) {
                           "remove that checkpoint", dir);
     capture_state(t);
     loom_llama *m = t->m;
-    float **mm = calloc((size_t)m->n_params, sizeof *mm), **vv = calloc((size_t)m->n_params, sizeof *vv);
-    loom_status st = mm && vv ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
-    if (st == LOOM_OK) st = loom_dist_optim_unshard_masters(t->opt); /* ZeRO-1: whole masters for the file */
+    loom_status st = loom_dist_optim_unshard_masters(t->opt); /* ZeRO-1: whole masters for the file */
     if (st == LOOM_OK) st = check_masters_finite(t, dir);
-    int first = train_first_trainable(m); /* frozen weights have no moments */
-    /* The optimizer's own moments, borrowed (a large model has no room for
-     * a copy), or, sharded by ZeRO, gathered into copies: on the ranks
-     * that write only (data-parallel group 0), the others taking part in
-     * the gathers alone. */
-    int borrowed = st == LOOM_OK && loom_dist_optim_moments_view(t->opt, mm + first, vv + first);
-    int writes = t->dist.dp_rank == 0;
-    for (int i = first; i < m->n_params && st == LOOM_OK && !borrowed && writes; i++) {
-        size_t n = (size_t)loom_param_numel(m->params[i]);
-        mm[i] = malloc(n * sizeof(float) + 1);
-        vv[i] = malloc(n * sizeof(float) + 1);
-        if (!mm[i] || !vv[i]) st = loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
-    }
-    if (st == LOOM_OK && !borrowed)
-        st = loom_dist_optim_get_moments(t->opt, writes ? mm + first : NULL, writes ? vv + first : NULL);
-    if (st == LOOM_OK && t->dist.dp_rank == 0)
-        st = loom_checkpoint_save(dir, m, mm, vv, loom_dist_optim_steps(t->opt), &t->state,
-                                  t->has_tokenizer ? t->tokenizer_path : NULL);
+    /* The optimizer's own moments (frozen weights have none), read where
+     * they lie (a large model has no room for a copy), or, sharded by ZeRO,
+     * gathered tensor by tensor as the file is written: the ranks of
+     * data-parallel group 0 write, the others take part in the gathers. */
+    loom_moments_io io = loom_dist_optim_moments_io(t->opt, train_first_trainable(m));
+    if (st == LOOM_OK)
+        st = t->dist.dp_rank == 0 ? loom_checkpoint_save_io(dir, m, &io, loom_dist_optim_steps(t->opt), &t->state,
+                                                             t->has_tokenizer ? t->tokenizer_path : NULL)
+                                  : loom_dist_optim_serve_moments(t->opt);
     if (st == LOOM_OK) st = loom_dist_optim_reshard_masters(t->opt);
-    for (int i = 0; i < m->n_params && !borrowed; i++) { if (mm) free(mm[i]); if (vv) free(vv[i]); }
-    free(mm);
-    free(vv);
     LOOM_TRY(st);
     t->last_saved = t->state.step;
     if (t->leader) {
@@ -167,28 +153,14 @@ loom_status train_save_checkpoint(trainer *t) {
 
 loom_status train_restore(trainer *t, const char *dir) {
     loom_llama *m = t->m;
-    float **mm = calloc((size_t)m->n_params, sizeof *mm), **vv = calloc((size_t)m->n_params, sizeof *vv);
-    loom_status st = mm && vv ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "resume: out of memory");
-    int first = train_first_trainable(m); /* frozen weights have no moments */
-    /* Straight into the optimizer's own moments (no copy), or, with ZeRO,
-     * into copies it takes its shards from. */
-    int borrowed = st == LOOM_OK && loom_dist_optim_moments_view(t->opt, mm + first, vv + first);
-    for (int i = first; i < m->n_params && st == LOOM_OK && !borrowed; i++) {
-        size_t n = (size_t)loom_param_numel(m->params[i]);
-        mm[i] = malloc(n * sizeof(float) + 1);
-        vv[i] = malloc(n * sizeof(float) + 1);
-        if (!mm[i] || !vv[i]) st = loom_error(LOOM_ERR_NOMEM, "resume: out of memory");
-    }
+    /* Straight into the optimizer's own moments, or, with ZeRO, each
+     * rank's part of them, one tensor at a time. */
+    loom_moments_io io = loom_dist_optim_moments_io(t->opt, train_first_trainable(m));
     int adam_steps = 0;
-    if (st == LOOM_OK) st = loom_dist_optim_unshard_masters(t->opt);
-    if (st == LOOM_OK) st = loom_checkpoint_load(dir, m, mm, vv, &adam_steps, &t->state);
+    loom_status st = loom_dist_optim_unshard_masters(t->opt);
+    if (st == LOOM_OK) st = loom_checkpoint_load_io(dir, m, &io, &adam_steps, &t->state);
     if (st == LOOM_OK) st = loom_dist_optim_reshard_masters(t->opt);
-    if (st == LOOM_OK && !borrowed)
-        loom_dist_optim_set_moments(t->opt, (const float *const *)(mm + first), (const float *const *)(vv + first));
     loom_dist_optim_set_steps(t->opt, adam_steps);
-    for (int i = 0; i < m->n_params && !borrowed; i++) { if (mm) free(mm[i]); if (vv) free(vv[i]); }
-    free(mm);
-    free(vv);
     LOOM_TRY(st);
     loom_rng *rng = loom_rng_default();
     rng->seed = t->state.rng_seed;

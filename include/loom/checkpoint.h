@@ -52,8 +52,9 @@ loom_status loom_llama_config_save(const loom_llama_config *cfg, loom_dtype weig
  * (from the fp32 masters, gathered over the TP group; a LoRA model's
  * adapters merged into the weights they adapt, W + (alpha / rank) B A, and
  * not written themselves; a frozen bf16 weight without an adapter, which
- * has no master, as its exact bf16 values). Atomic. path NULL: only take
- * part in the gathers. */
+ * has no master, as its exact bf16 values), one tensor at a time as the
+ * file is written. Atomic. path NULL: only take part in the gathers (a
+ * rank that writes the file joins them all even when it fails). */
 loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *path);
 /* Load weights (any float dtype in the file) into masters and compute
  * copies (a frozen bf16 weight's compute copy alone; a LoRA model's own
@@ -180,6 +181,13 @@ typedef struct loom_train_state {
  * TP rank 0 writes. The files hold full tensors, whatever the layout. */
 loom_status loom_checkpoint_save(const char *dir, loom_llama *m, float *const *adam_m, float *const *adam_v,
                                  int adam_steps, const loom_train_state *st, const char *tokenizer_path);
+/* The same with the moments read through io (loom_dist_optim_moments_io):
+ * each tensor of the state is fetched as it is written, so no rank holds a
+ * second copy of the training state, whatever the layout. With ZeRO only
+ * DP rank 0 of each TP rank calls it; the other DP ranks call
+ * loom_dist_optim_serve_moments at the same time. */
+loom_status loom_checkpoint_save_io(const char *dir, loom_llama *m, const loom_moments_io *io, int adam_steps,
+                                    const loom_train_state *st, const char *tokenizer_path);
 /* Restore masters, compute copies (alone for a frozen bf16 weight), moments
  * and state from `dir` into a model of the same configuration (any TP
  * layout: each rank takes its shard).
@@ -190,6 +198,11 @@ loom_status loom_checkpoint_save(const char *dir, loom_llama *m, float *const *a
  * LOOM_ERR_INVALID, naming both settings. */
 loom_status loom_checkpoint_load(const char *dir, loom_llama *m, float *const *adam_m, float *const *adam_v,
                                  int *adam_steps, loom_train_state *st);
+/* The same with the moments written through io: into the optimizer's own
+ * where it lends them, else one tensor at a time through io->set. Every
+ * rank reads the files itself (no communication). */
+loom_status loom_checkpoint_load_io(const char *dir, loom_llama *m, const loom_moments_io *io, int *adam_steps,
+                                    loom_train_state *st);
 
 /* Checkpoints in `out_dir` are named ckpt-NNNNNNNN (the step, zero-padded).
  * Remove all but the newest `keep`. */

@@ -88,17 +88,34 @@ int loom_dist_optim_steps(const loom_dist_optim *o);
  * last step started during backward. */
 int loom_dist_optim_buckets(const loom_dist_optim *o, int *early);
 void loom_dist_optim_set_steps(loom_dist_optim *o, int steps);
-/* Every parameter's moments, m[i] and v[i] for parameter i (this rank's TP
- * shard, numel floats each): read (collective over the DP group with ZeRO:
- * two all-gathers in all; m and v NULL: take part in them, copy nothing)
- * and write. */
-loom_status loom_dist_optim_get_moments(loom_dist_optim *o, float *const *m, float *const *v);
-void loom_dist_optim_set_moments(loom_dist_optim *o, const float *const *m, const float *const *v);
-/* Without ZeRO: m[i], v[i] point at the optimizer's own moments of
- * parameter i (borrowed: read them, or write them to restore), so that a
- * checkpoint needs no copy of them; returns 1. With ZeRO (sharded moments):
- * returns 0 and sets nothing; use get/set_moments. */
-int loom_dist_optim_moments_view(loom_dist_optim *o, float **m, float **v);
+/* A checkpoint's access to the AdamW moments, one parameter and one moment
+ * at a time (kind 0: m, 1: v; i indexes the model's parameters; values are
+ * this rank's tensor-parallel shard, numel floats), so that saving or
+ * restoring never holds a second copy of the optimizer state. */
+typedef struct loom_moments_io {
+    /* The moment itself (read it to save, write it to restore), or NULL
+     * when this rank does not hold it whole (ZeRO): then get and set. */
+    float *(*view)(void *user, int i, int kind);
+    /* Copy it into out. With ZeRO a collective over the data-parallel
+     * group (a gather to DP rank 0): every DP rank calls it for the same i
+     * and kind in the same order, and out is written on DP rank 0 only
+     * (the others may pass NULL). */
+    loom_status (*get)(void *user, int i, int kind, float *out);
+    /* Take it from in (each rank keeps what it holds; no communication). */
+    void (*set)(void *user, int i, int kind, const float *in);
+    void *user;
+} loom_moments_io;
+
+/* The optimizer's moments as a loom_moments_io over the model's
+ * parameters, the optimizer's parameter j being the model's first + j
+ * (first: how many frozen parameters precede the trainable ones; they have
+ * no moments). Borrows o. */
+loom_moments_io loom_dist_optim_moments_io(loom_dist_optim *o, int first);
+/* What a checkpoint save asks of the ranks that do not write (DP rank
+ * other than 0): with ZeRO, take part in the gathers of every moment, in
+ * the order a checkpoint reads them (parameter by parameter, m then v);
+ * without ZeRO nothing. */
+loom_status loom_dist_optim_serve_moments(loom_dist_optim *o);
 
 /* Linear warmup over `warmup` steps to max_lr, then cosine decay to min_lr
  * at `total` steps. step counts from 0. */

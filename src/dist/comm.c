@@ -194,6 +194,28 @@ loom_status loom_comm_allgather_f32(loom_comm *c, const float *send, float *recv
     return LOOM_OK;
 }
 
+loom_status loom_comm_gatherv_f32(loom_comm *c, const float *send, float *recv, const int *counts, int root) {
+#if LOOM_HAVE_MPI
+    if (c->size > 1) {
+        int *displs = malloc((size_t)c->size * sizeof *displs);
+        if (!displs) return loom_error(LOOM_ERR_NOMEM, "gatherv: out of memory");
+        long long at = 0;
+        for (int r = 0; r < c->size; r++) {
+            displs[r] = (int)at;
+            at += counts[r];
+        }
+        loom_status st = at > INT_MAX ? loom_error(LOOM_ERR_DIST, "gatherv: %lld elements in all is too many", at)
+                                      : mpi_check(MPI_Gatherv(send, counts[c->rank], MPI_FLOAT, recv, counts,
+                                                              displs, MPI_FLOAT, root, c->mpi), "MPI_Gatherv");
+        free(displs);
+        return st;
+    }
+#endif
+    (void)root;
+    if (recv && recv != send) memmove(recv, send, (size_t)counts[0] * sizeof *recv);
+    return LOOM_OK;
+}
+
 #if LOOM_HAVE_MPI
 _Static_assert(sizeof(MPI_Request) <= sizeof(((loom_comm_request *)0)->impl), "MPI_Request does not fit");
 static MPI_Request *mpi_request(loom_comm_request *req) { return (MPI_Request *)(void *)req->impl; }

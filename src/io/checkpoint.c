@@ -50,32 +50,43 @@ typedef struct meta_kv {
     char value[64];
 } meta_kv;
 
-/* Full fp32 copies of what a TP shard holds, gathered over the TP group. */
-typedef struct gathered {
-    float **bufs;
-    int n;
-} gathered;
+/* One tensor of the state: parameter i's master (kind 0) or one of its
+ * moments (1: m, 2: v). */
+typedef struct state_tensor {
+    loom_llama *m;
+    const loom_moments_io *io;
+    int i, kind;
+    int fill;       /* produced when written (gathered), not borrowed */
+    int done;       /* produced (its gathers are over) */
+    float *scratch; /* this rank's shard, when the io cannot lend it */
+} state_tensor;
 
-static void gathered_free(gathered *g) {
-    for (int i = 0; i < g->n; i++) free(g->bufs[i]);
-    free(g->bufs);
+/* This rank's values of the tensor: borrowed where they are held whole,
+ * else fetched into into (which may be NULL on a rank that only takes part
+ * in fetching them) and returned. */
+static loom_status state_local(const state_tensor *t, float *into, const float **out) {
+    loom_param *p = t->m->params[t->i];
+    const float *v = t->kind == 0 ? loom_param_master(p) : t->io->view(t->io->user, t->i, t->kind - 1);
+    if (!v) {
+        LOOM_TRY(t->io->get(t->io->user, t->i, t->kind - 1, into));
+        v = into;
+    }
+    *out = v;
+    return LOOM_OK;
 }
 
-/* Parameter i's full values of `local` (this rank's shard): the shard
- * itself without tensor parallelism (the writer only borrows it until it
- * writes: no copy of the training state), else a gathered copy kept in g. */
-static loom_status gather_full(loom_llama *m, int i, const float *local, gathered *g, float **out) {
-    if (m->tp_size == 1) {
-        *out = (float *)(uintptr_t)local;
-        return LOOM_OK;
-    }
-    int64_t fs[2];
-    loom_llama_param_full_shape(m, i, fs);
-    float *full = malloc((size_t)(fs[0] * fs[1]) * sizeof(float) + 1);
-    if (!full) return loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
-    g->bufs[g->n++] = full;
-    *out = full;
-    return loom_llama_tp_gather(m, i, local, full);
+/* The tensor's full values into dst (n_bytes): this rank's shard, gathered
+ * over the tensor-parallel group (every TP rank calls it, in the same
+ * order). */
+static loom_status state_fill(void *user, void *dst, size_t n_bytes) {
+    state_tensor *t = user;
+    t->done = 1;
+    const float *local;
+    int tp = t->m->tp_size > 1;
+    LOOM_TRY(state_local(t, tp ? t->scratch : dst, &local));
+    if (tp) return loom_llama_tp_gather(t->m, t->i, local, dst);
+    if (local != dst) memcpy(dst, local, n_bytes);
+    return LOOM_OK;
 }
 
 /* A LoRA setting as train's flags spell it: "--lora 8 --lora-alpha 16
@@ -88,36 +99,104 @@ static void lora_describe(const loom_lora_config *c, char *buf, size_t n) {
         snprintf(buf + w, n - (size_t)w, " --lora-dropout %.9g", (double)c->dropout);
 }
 
-static loom_status write_state(const char *path, loom_llama *m, float *const *adam_m, float *const *adam_v,
-                               int adam_steps, const loom_train_state *st) {
-    loom_safetensors_writer *w;
-    LOOM_TRY(loom_safetensors_writer_init(&w));
-    gathered g = {calloc((size_t)(3 * m->n_params + 1), sizeof(float *)), 0};
-    loom_status s = g.bufs ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
+/* The state's tensors, in the order they are written: each parameter's
+ * master, then its moments unless it is frozen. A tensor that this rank
+ * holds whole without tensor parallelism is borrowed; the others are
+ * filled one at a time as the file is written (gathered over ZeRO's DP
+ * group and the TP group), so that saving never holds a second copy of
+ * the training state. Every tensor is listed in ts even when adding one to
+ * w fails: its gathers are still to be joined. */
+static loom_status add_state_tensors(loom_safetensors_writer *w, loom_llama *m, const loom_moments_io *io,
+                                     state_tensor *ts, int *n_tensors, float *scratch) {
     char name[256];
-    for (int i = 0; i < m->n_params && s == LOOM_OK; i++) {
+    int n = 0;
+    loom_status s = LOOM_OK;
+    for (int i = 0; i < m->n_params; i++) {
         loom_param *p = m->params[i];
         int64_t fs[2];
         loom_llama_param_full_shape(m, i, fs);
         int nd = p->tensor->ndim;
-        const char *prefix[3] = {"master", "adam_m", "adam_v"};
-        const float *local[3] = {NULL, adam_m[i], adam_v[i]};
         if (loom_param_compute_only(p)) { /* a frozen bf16 weight: its bf16 values, as they are */
             snprintf(name, sizeof name, "master.%s", p->name);
-            s = p->tp_split_dim < 0 ? loom_safetensors_writer_add(w, name, LOOM_SAFETENSORS_BF16, fs, nd,
-                                                                  loom_tensor_data(p->tensor))
-                                    : loom_error(LOOM_ERR_UNSUPPORTED, "checkpoint: %s is frozen and split over "
-                                                 "tensor-parallel ranks", p->name);
+            if (p->tp_split_dim >= 0 && s == LOOM_OK) /* never made: LoRA refuses tensor parallelism */
+                s = loom_error(LOOM_ERR_UNSUPPORTED, "checkpoint: %s is frozen and split over tensor-parallel "
+                               "ranks", p->name);
+            if (w && s == LOOM_OK)
+                s = loom_safetensors_writer_add(w, name, LOOM_SAFETENSORS_BF16, fs, nd, loom_tensor_data(p->tensor));
             continue;
         }
-        local[0] = loom_param_master(p);
+        static const char *const prefix[3] = {"master", "adam_m", "adam_v"};
         int kinds = p->trainable ? 3 : 1; /* a frozen weight has no moments */
-        for (int k = 0; k < kinds && s == LOOM_OK; k++) {
-            float *full = NULL;
-            s = gather_full(m, i, local[k], &g, &full);
+        for (int k = 0; k < kinds; k++) {
+            const float *whole = k == 0 ? loom_param_master(p) : io->view(io->user, i, k - 1);
+            state_tensor *t = &ts[n++];
+            *t = (state_tensor){m, io, i, k, !(m->tp_size == 1 && whole), 0, scratch};
             snprintf(name, sizeof name, "%s.%s", prefix[k], p->name);
-            if (s == LOOM_OK) s = loom_safetensors_writer_add(w, name, LOOM_SAFETENSORS_F32, fs, nd, full);
+            if (!w || s != LOOM_OK) continue;
+            if (t->fill)
+                s = loom_safetensors_writer_add_fill(w, name, LOOM_SAFETENSORS_F32, fs, nd, state_fill, t);
+            else
+                s = loom_safetensors_writer_add(w, name, LOOM_SAFETENSORS_F32, fs, nd, whole);
         }
+    }
+    *n_tensors = n;
+    return s;
+}
+
+/* The widest full tensor, in floats. */
+static size_t widest_tensor(const loom_llama *m) {
+    size_t most = 1;
+    for (int i = 0; i < m->n_params; i++) {
+        int64_t fs[2];
+        loom_llama_param_full_shape(m, i, fs);
+        size_t n = (size_t)(fs[0] * fs[1]);
+        if (n > most) most = n;
+    }
+    return most;
+}
+
+/* The gathers of every state tensor not written (all of them when this
+ * rank writes no file, the rest after a failed write), joined all the
+ * same: the other ranks are in them. */
+static loom_status join_gathers(loom_llama *m, state_tensor *ts, int n_tensors) {
+    float *spare = NULL;
+    loom_status s = LOOM_OK;
+    for (int k = 0; k < n_tensors; k++) {
+        if (!ts[k].fill || ts[k].done) continue;
+        size_t n = widest_tensor(m);
+        if (!spare && !(spare = malloc(n * sizeof(float))))
+            return loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
+        int64_t fs[2];
+        loom_llama_param_full_shape(m, ts[k].i, fs);
+        loom_status g = state_fill(&ts[k], spare, (size_t)(fs[0] * fs[1]) * sizeof(float));
+        if (s == LOOM_OK) s = g;
+    }
+    free(spare);
+    return s;
+}
+
+/* path NULL: take part in the gathers of what another rank writes (a TP
+ * rank other than 0, or rank 0 after an earlier failure), in the same
+ * order. */
+static loom_status write_state(const char *path, loom_llama *m, const loom_moments_io *io, int adam_steps,
+                               const loom_train_state *st) {
+    loom_safetensors_writer *w = NULL;
+    int n_tensors = 0;
+    state_tensor *ts = calloc((size_t)(3 * m->n_params + 1), sizeof *ts);
+    float *scratch = m->tp_size > 1 ? malloc(widest_tensor(m) * sizeof(float)) : NULL;
+    if (!ts || (m->tp_size > 1 && !scratch)) {
+        free(ts);
+        free(scratch);
+        return loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
+    }
+    loom_status s = path ? loom_safetensors_writer_init(&w) : LOOM_OK;
+    loom_status listed = add_state_tensors(s == LOOM_OK ? w : NULL, m, io, ts, &n_tensors, scratch);
+    if (s == LOOM_OK) s = listed;
+    if (!w) {
+        loom_status g = join_gathers(m, ts, n_tensors);
+        free(ts);
+        free(scratch);
+        return s == LOOM_OK ? g : s;
     }
     meta_kv meta[] = {
         {"loom_checkpoint_version", ""}, {"step", ""}, {"adam_steps", ""}, {"rng_seed", ""}, {"rng_offset", ""},
@@ -153,14 +232,34 @@ static loom_status write_state(const char *path, loom_llama *m, float *const *ad
         lora_describe(&m->lora, lora, sizeof lora);
         s = loom_safetensors_writer_set_metadata(w, "lora", lora);
     }
-    if (s == LOOM_OK && m->tp_rank == 0) s = loom_safetensors_writer_write(w, path);
+    if (s == LOOM_OK) s = loom_safetensors_writer_write(w, path);
+    loom_status g = join_gathers(m, ts, n_tensors);
+    if (s == LOOM_OK) s = g;
     loom_safetensors_writer_free(w);
-    gathered_free(&g);
+    free(ts);
+    free(scratch);
     return s;
+}
+
+/* Moments given as arrays, adam_m[i] and adam_v[i]. */
+typedef struct moment_arrays {
+    float *const *m, *const *v;
+} moment_arrays;
+
+static float *arrays_view(void *user, int i, int kind) {
+    const moment_arrays *a = user;
+    return kind ? a->v[i] : a->m[i];
 }
 
 loom_status loom_checkpoint_save(const char *dir, loom_llama *m, float *const *adam_m, float *const *adam_v,
                                  int adam_steps, const loom_train_state *st, const char *tokenizer_path) {
+    moment_arrays a = {adam_m, adam_v};
+    loom_moments_io io = {arrays_view, NULL, NULL, &a};
+    return loom_checkpoint_save_io(dir, m, &io, adam_steps, st, tokenizer_path);
+}
+
+loom_status loom_checkpoint_save_io(const char *dir, loom_llama *m, const loom_moments_io *io, int adam_steps,
+                                    const loom_train_state *st, const char *tokenizer_path) {
     struct stat sb;
     /* What loom_checkpoint_load would refuse is never written. */
     if (!isfinite(st->loss_scale) || !(st->loss_scale >= LOOM_LOSS_SCALE_MIN))
@@ -169,19 +268,26 @@ loom_status loom_checkpoint_save(const char *dir, loom_llama *m, float *const *a
     if (m->tp_rank != 0) {
         /* Take part in the gathers; TP rank 0 writes. */
         LOOM_TRY(loom_model_dir_save(m, LOOM_F32, NULL, NULL));
-        return write_state(NULL, m, adam_m, adam_v, adam_steps, st);
+        return write_state(NULL, m, io, adam_steps, st);
     }
-    if (stat(dir, &sb) == 0)
-        return loom_error(LOOM_ERR_IO, "checkpoint %s already exists; refusing to overwrite it", dir);
     char tmp[4096], path[4200];
-    if (snprintf(tmp, sizeof tmp, "%s.tmp.%d", dir, (int)getpid()) >= (int)sizeof tmp)
-        return loom_error(LOOM_ERR_INVALID, "checkpoint path too long: %s", dir);
-    remove_tree(tmp); /* a stale temporary from a crashed run of this pid */
-    loom_status s = loom_model_dir_save(m, LOOM_F32, tokenizer_path, tmp);
-    if (s == LOOM_OK) {
-        snprintf(path, sizeof path, "%s/state.safetensors", tmp);
-        s = write_state(path, m, adam_m, adam_v, adam_steps, st);
+    loom_status s = LOOM_OK;
+    if (stat(dir, &sb) == 0)
+        s = loom_error(LOOM_ERR_IO, "checkpoint %s already exists; refusing to overwrite it", dir);
+    else if (snprintf(tmp, sizeof tmp, "%s.tmp.%d", dir, (int)getpid()) >= (int)sizeof tmp)
+        s = loom_error(LOOM_ERR_INVALID, "checkpoint path too long: %s", dir);
+    if (s != LOOM_OK) { /* the other ranks are in the gathers all the same */
+        char msg[1024];
+        snprintf(msg, sizeof msg, "%s", loom_last_error());
+        (void)loom_model_dir_save(m, LOOM_F32, NULL, NULL);
+        (void)write_state(NULL, m, io, adam_steps, st);
+        return loom_error(s, "%s", msg);
     }
+    remove_tree(tmp); /* a stale temporary from a crashed run of this pid */
+    s = loom_model_dir_save(m, LOOM_F32, tokenizer_path, tmp);
+    snprintf(path, sizeof path, "%s/state.safetensors", tmp);
+    loom_status ws = write_state(s == LOOM_OK ? path : NULL, m, io, adam_steps, st); /* NULL: the gathers only */
+    if (s == LOOM_OK) s = ws;
     if (s == LOOM_OK && rename(tmp, dir) != 0)
         s = loom_error(LOOM_ERR_IO, "cannot rename %s to %s: %s", tmp, dir, strerror(errno));
     if (s != LOOM_OK) {
@@ -228,6 +334,30 @@ static loom_status read_shard(loom_safetensors *sf, const char *path, loom_llama
 
 loom_status loom_checkpoint_load(const char *dir, loom_llama *m, float *const *adam_m, float *const *adam_v,
                                  int *adam_steps, loom_train_state *st) {
+    moment_arrays a = {adam_m, adam_v};
+    loom_moments_io io = {arrays_view, NULL, NULL, &a};
+    return loom_checkpoint_load_io(dir, m, &io, adam_steps, st);
+}
+
+/* Moment kind of parameter i from the file: straight into the optimizer's
+ * own when the io lends it, else through a copy of this rank's shard and
+ * set. */
+static loom_status read_moment(loom_safetensors *sf, const char *path, loom_llama *m, const loom_moments_io *io,
+                               int i, int kind) {
+    char name[256];
+    snprintf(name, sizeof name, "%s.%s", kind ? "adam_v" : "adam_m", m->params[i]->name);
+    float *into = io->view(io->user, i, kind);
+    if (into) return read_shard(sf, path, m, i, name, into);
+    float *copy = malloc((size_t)loom_param_numel(m->params[i]) * sizeof(float) + 1);
+    if (!copy) return loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
+    loom_status s = read_shard(sf, path, m, i, name, copy);
+    if (s == LOOM_OK) io->set(io->user, i, kind, copy);
+    free(copy);
+    return s;
+}
+
+loom_status loom_checkpoint_load_io(const char *dir, loom_llama *m, const loom_moments_io *io, int *adam_steps,
+                                    loom_train_state *st) {
     char path[4200];
     loom_llama_config cfg;
     snprintf(path, sizeof path, "%s/config.json", dir);
@@ -262,10 +392,7 @@ loom_status loom_checkpoint_load(const char *dir, loom_llama *m, float *const *a
             if (s == LOOM_OK) s = loom_param_set_f32(p, v, loom_param_numel(p));
             free(v);
         }
-        snprintf(name, sizeof name, "adam_m.%s", p->name);
-        if (s == LOOM_OK && p->trainable) s = read_shard(sf, path, m, i, name, adam_m[i]);
-        snprintf(name, sizeof name, "adam_v.%s", p->name);
-        if (s == LOOM_OK && p->trainable) s = read_shard(sf, path, m, i, name, adam_v[i]);
+        for (int kind = 0; kind < 2 && s == LOOM_OK && p->trainable; kind++) s = read_moment(sf, path, m, io, i, kind);
         if (s == LOOM_OK) loom_param_sync_from_master(p);
     }
     uint64_t v[10] = {0};

@@ -247,16 +247,20 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
 
 /* ------------------------------------------------------------- weights */
 
-/* A weight computed as the file is written (tp_size 1: no collective):
- * merged with its adapter and/or converted to dt, one at a time. */
+/* A weight computed as the file is written, one at a time: merged with its
+ * adapter, converted to dt, and with tensor parallelism gathered over the
+ * TP group (a collective: every TP rank fills its weights in the same
+ * order). */
 typedef struct lazy_weight {
     loom_llama *m;
     int i;
     loom_dtype dt;
+    int fill, done; /* written through fill_weight; filled already */
 } lazy_weight;
 
 static loom_status fill_weight(void *user, void *dst, size_t n_bytes) {
-    const lazy_weight *l = user;
+    lazy_weight *l = user;
+    l->done = 1;
     size_t n = n_bytes / loom_dtype_size(l->dt);
     if (l->dt == LOOM_F32) return loom_llama_param_merged(l->m, l->i, dst);
     float *full = malloc(n * sizeof(float) + 1);
@@ -267,54 +271,66 @@ static loom_status fill_weight(void *user, void *dst, size_t n_bytes) {
     return st;
 }
 
+/* With tensor parallelism, the gathers of every weight not written (all
+ * of them on a rank that writes no file, the rest after a failed write)
+ * are joined all the same: the other ranks of the group are in them. */
+static loom_status join_weight_gathers(loom_llama *m, lazy_weight *lazy) {
+    if (m->tp_size == 1) return LOOM_OK;
+    size_t widest = 1;
+    for (int i = 0; i < m->n_base; i++) {
+        int64_t fs[2];
+        loom_llama_param_full_shape(m, i, fs);
+        if ((size_t)(fs[0] * fs[1]) > widest) widest = (size_t)(fs[0] * fs[1]);
+    }
+    void *spare = NULL;
+    loom_status st = LOOM_OK;
+    for (int i = 0; i < m->n_base; i++) {
+        if (!lazy[i].fill || lazy[i].done) continue;
+        if (!spare && !(spare = malloc(widest * sizeof(float))))
+            return loom_error(LOOM_ERR_NOMEM, "save weights: out of memory");
+        int64_t fs[2];
+        loom_llama_param_full_shape(m, i, fs);
+        loom_status g = fill_weight(&lazy[i], spare, (size_t)(fs[0] * fs[1]) * loom_dtype_size(lazy[i].dt));
+        if (st == LOOM_OK) st = g;
+    }
+    free(spare);
+    return st;
+}
+
 loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *path) {
-    loom_safetensors_writer *w;
-    LOOM_TRY(loom_safetensors_writer_init(&w));
-    void **bufs = calloc((size_t)m->n_params, sizeof *bufs);
-    lazy_weight *lazy = calloc((size_t)m->n_params, sizeof *lazy);
-    float *full = NULL;
-    loom_status st = bufs && lazy ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "save weights: out of memory");
+    loom_safetensors_writer *w = NULL;
+    lazy_weight *lazy = calloc((size_t)m->n_params + 1, sizeof *lazy);
+    if (!lazy) return loom_error(LOOM_ERR_NOMEM, "save weights: out of memory");
+    loom_status st = path ? loom_safetensors_writer_init(&w) : LOOM_OK;
     /* The model's own weights, LoRA adapters merged in (the adapters
-     * themselves are not Hugging Face tensors: a checkpoint keeps them). */
-    for (int i = 0; i < m->n_base && st == LOOM_OK; i++) {
+     * themselves are not Hugging Face tensors: a checkpoint keeps them).
+     * Every weight is listed in lazy even when adding one to w fails: its
+     * gathers are still to be joined. */
+    for (int i = 0; i < m->n_base; i++) {
         loom_param *p = m->params[i], *a, *b;
         int64_t fs[2];
         loom_llama_param_full_shape(m, i, fs);
-        size_t n = (size_t)(fs[0] * fs[1]);
-        int adapted = loom_llama_lora_of(m, i, &a, &b);
+        int adapted = loom_llama_lora_of(m, i, &a, &b), add = w && st == LOOM_OK;
         if (m->tp_size == 1 && !adapted && loom_param_compute_only(p) && (dt == LOOM_F32 || dt == LOOM_BF16)) {
             /* a frozen bf16 weight: its exact bf16 values, borrowed (a wider copy would hold no more) */
-            st = loom_safetensors_writer_add(w, p->name, LOOM_SAFETENSORS_BF16, fs, p->tensor->ndim,
-                                             loom_tensor_data(p->tensor));
+            if (add) st = loom_safetensors_writer_add(w, p->name, LOOM_SAFETENSORS_BF16, fs, p->tensor->ndim,
+                                                      loom_tensor_data(p->tensor));
             continue;
         }
         if (m->tp_size == 1 && dt == LOOM_F32 && !adapted) {
             /* the fp32 masters as they are: borrowed until the write */
-            st = loom_safetensors_writer_add(w, p->name, LOOM_SAFETENSORS_F32, fs, p->tensor->ndim,
-                                             loom_param_master(p));
+            if (add) st = loom_safetensors_writer_add(w, p->name, LOOM_SAFETENSORS_F32, fs, p->tensor->ndim,
+                                                      loom_param_master(p));
             continue;
         }
-        if (m->tp_size == 1) { /* merged and/or converted when written: one such copy at a time */
-            lazy[i] = (lazy_weight){m, i, dt};
-            st = loom_safetensors_writer_add_fill(w, p->name, loom_safetensors_dtype_of(dt), fs, p->tensor->ndim,
-                                                  fill_weight, &lazy[i]);
-            continue;
-        }
-        full = malloc(n * sizeof(float) + 1);
-        bufs[i] = malloc(n * loom_dtype_size(dt) + 1);
-        if (!full || !bufs[i]) { st = loom_error(LOOM_ERR_NOMEM, "save weights: out of memory"); break; }
-        st = loom_llama_param_merged(m, i, full); /* collective over the TP group */
-        if (st == LOOM_OK) loom_convert(bufs[i], dt, full, LOOM_F32, n);
-        free(full);
-        full = NULL;
-        if (st == LOOM_OK)
-            st = loom_safetensors_writer_add(w, p->name, loom_safetensors_dtype_of(dt), fs, p->tensor->ndim, bufs[i]);
+        lazy[i] = (lazy_weight){m, i, dt, 1, 0};
+        if (add) st = loom_safetensors_writer_add_fill(w, p->name, loom_safetensors_dtype_of(dt), fs, p->tensor->ndim,
+                                                       fill_weight, &lazy[i]);
     }
-    free(full);
-    if (st == LOOM_OK) st = loom_safetensors_writer_set_metadata(w, "format", "pt");
-    if (st == LOOM_OK && path) st = loom_safetensors_writer_write(w, path);
-    for (int i = 0; bufs && i < m->n_params; i++) free(bufs[i]);
-    free(bufs);
+    if (st == LOOM_OK && w) st = loom_safetensors_writer_set_metadata(w, "format", "pt");
+    if (st == LOOM_OK && w) st = loom_safetensors_writer_write(w, path);
+    loom_status g = join_weight_gathers(m, lazy);
+    if (st == LOOM_OK) st = g;
     free(lazy);
     loom_safetensors_writer_free(w);
     return st;

@@ -47,6 +47,7 @@ struct loom_dist_optim {
     loom_adamw *plain;    /* without ZeRO: full moments */
     float *m, *v;         /* ZeRO: (shard) moments */
     int steps;
+    int io_first;         /* loom_dist_optim_moments_io: model index of params[0] */
 };
 
 /* Is parameter i's master held (sharded) by the optimizer? ZeRO-1 with a
@@ -424,49 +425,61 @@ loom_status loom_dist_optim_reshard_masters(loom_dist_optim *o) {
     return LOOM_OK;
 }
 
-/* ZeRO: moment array `src` (shard) -> every parameter's out[i], through the
- * flat buffer: one all-gather (out NULL: the gather alone). */
-static loom_status gather_moment(loom_dist_optim *o, const float *src, float *const *out) {
-    memcpy(o->flat + o->own_begin, src, o->shard * sizeof(float));
-    LOOM_TRY(loom_comm_allgather_f32(o->dist.dp, o->flat + o->own_begin, o->flat, o->shard));
-    for (int i = 0; out && i < o->n; i++)
-        memcpy(out[i], o->flat + o->offset[i], (size_t)loom_param_numel(o->params[i]) * sizeof(float));
+/* -------------------------------------------- moments, for checkpoints */
+
+static float *moment_base(loom_dist_optim *o, int kind) { return kind ? o->v : o->m; }
+
+static float *io_view(void *user, int i, int kind) {
+    loom_dist_optim *o = user;
+    i -= o->io_first;
+    if (o->zero) return NULL; /* sharded: only a gather makes it whole */
+    return kind ? loom_adamw_v(o->plain, i) : loom_adamw_m(o->plain, i);
+}
+
+/* ZeRO: gather parameter j's moment from the ranks that own its parts
+ * (contiguous, in rank order) to DP rank 0. */
+static loom_status gather_moment(loom_dist_optim *o, int j, int kind, float *out) {
+    int D = o->dist.dp_size;
+    int *counts = calloc((size_t)D, sizeof *counts);
+    if (!counts) return loom_error(LOOM_ERR_NOMEM, "optimizer: out of memory");
+    size_t lo = o->offset[j], hi = lo + (size_t)loom_param_numel(o->params[j]);
+    for (int r = 0; r < D; r++) {
+        size_t b = (size_t)r * o->shard, e = b + o->shard;
+        size_t s = lo > b ? lo : b, t = hi < e ? hi : e;
+        counts[r] = t > s ? (int)(t - s) : 0; /* at most a shard: fits (make_buckets) */
+    }
+    size_t s, t;
+    const float *mine = own_part(o, j, &s, &t) ? moment_base(o, kind) + (s - o->own_begin) : moment_base(o, kind);
+    loom_status st = loom_comm_gatherv_f32(o->dist.dp, mine, out, counts, 0);
+    free(counts);
+    return st;
+}
+
+static loom_status io_get(void *user, int i, int kind, float *out) {
+    loom_dist_optim *o = user;
+    int j = i - o->io_first;
+    if (o->zero) return gather_moment(o, j, kind, out);
+    if (out) memcpy(out, io_view(user, i, kind), (size_t)loom_param_numel(o->params[j]) * sizeof(float));
     return LOOM_OK;
 }
 
-loom_status loom_dist_optim_get_moments(loom_dist_optim *o, float *const *m, float *const *v) {
-    if (o->zero) {
-        LOOM_TRY(gather_moment(o, o->m, m));
-        LOOM_TRY(gather_moment(o, o->v, v));
-        memset(o->flat, 0, o->padded * sizeof(float)); /* the gathers borrowed it */
-        return LOOM_OK;
-    }
-    for (int i = 0; m && v && i < o->n; i++) {
-        size_t k = (size_t)loom_param_numel(o->params[i]);
-        memcpy(m[i], loom_adamw_m(o->plain, i), k * sizeof(float));
-        memcpy(v[i], loom_adamw_v(o->plain, i), k * sizeof(float));
-    }
+static void io_set(void *user, int i, int kind, const float *in) {
+    loom_dist_optim *o = user;
+    int j = i - o->io_first;
+    size_t s, t;
+    if (!o->zero)
+        memcpy(io_view(user, i, kind), in, (size_t)loom_param_numel(o->params[j]) * sizeof(float));
+    else if (own_part(o, j, &s, &t))
+        memcpy(moment_base(o, kind) + (s - o->own_begin), in + (s - o->offset[j]), (t - s) * sizeof(float));
+}
+
+loom_moments_io loom_dist_optim_moments_io(loom_dist_optim *o, int first) {
+    o->io_first = first;
+    return (loom_moments_io){io_view, io_get, io_set, o};
+}
+
+loom_status loom_dist_optim_serve_moments(loom_dist_optim *o) {
+    for (int j = 0; o->zero && j < o->n; j++)
+        for (int kind = 0; kind < 2; kind++) LOOM_TRY(gather_moment(o, j, kind, NULL));
     return LOOM_OK;
-}
-
-int loom_dist_optim_moments_view(loom_dist_optim *o, float **m, float **v) {
-    if (o->zero) return 0; /* sharded: only a gather makes whole moments */
-    for (int i = 0; i < o->n; i++) {
-        m[i] = loom_adamw_m(o->plain, i);
-        v[i] = loom_adamw_v(o->plain, i);
-    }
-    return 1;
-}
-
-void loom_dist_optim_set_moments(loom_dist_optim *o, const float *const *m, const float *const *v) {
-    for (int i = 0; i < o->n; i++) {
-        size_t k = (size_t)loom_param_numel(o->params[i]), s, t, lo = o->offset[i];
-        if (!o->zero) {
-            memcpy(loom_adamw_m(o->plain, i), m[i], k * sizeof(float));
-            memcpy(loom_adamw_v(o->plain, i), v[i], k * sizeof(float));
-        } else if (own_part(o, i, &s, &t)) {
-            memcpy(o->m + (s - o->own_begin), m[i] + (s - lo), (t - s) * sizeof(float));
-            memcpy(o->v + (s - o->own_begin), v[i] + (s - lo), (t - s) * sizeof(float));
-        }
-    }
 }

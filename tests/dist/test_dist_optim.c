@@ -52,22 +52,20 @@ static void run_case(int zero) {
         const float *m = loom_param_master(p);
         for (int i = 0; i < N; i++) assert_true(isfinite(m[i]) && m[i] != w[i]);
     }
-    /* The moments: borrowed without ZeRO (the very values get_moments
-     * copies, moved by a step taken; a write through them is what the
-     * optimizer holds), none to borrow with it. */
-    float gm[N], gv[N], *mv[1] = {NULL}, *vv[1] = {NULL}, *gmp[1] = {gm}, *gvp[1] = {gv};
-    assert_int_equal(loom_dist_optim_get_moments(o, gmp, gvp), LOOM_OK);
-    int viewed = loom_dist_optim_moments_view(o, mv, vv);
-    assert_int_equal(viewed, !(zero && dist.dp_size > 1));
-    if (viewed) {
-        assert_memory_equal(mv[0], gm, sizeof gm);
-        assert_memory_equal(vv[0], gv, sizeof gv);
+    /* The moments: lent without ZeRO (the very values get copies, moved by
+     * a step taken; a write through them is what the optimizer holds),
+     * none to lend with it. */
+    loom_moments_io io = loom_dist_optim_moments_io(o, 0);
+    float gm[N];
+    assert_int_equal(io.get(io.user, 0, 0, gm), LOOM_OK);
+    float *mv = io.view(io.user, 0, 0);
+    assert_int_equal(mv != NULL, !(zero && dist.dp_size > 1));
+    if (mv) {
+        assert_memory_equal(mv, gm, sizeof gm);
         assert_true((gm[0] != 0.0f) == !info.found_inf);
-        mv[0][0] = 12345.0f;
-        assert_int_equal(loom_dist_optim_get_moments(o, gmp, gvp), LOOM_OK);
+        mv[0] = 12345.0f;
+        assert_int_equal(io.get(io.user, 0, 0, gm), LOOM_OK);
         assert_true(gm[0] == 12345.0f);
-    } else {
-        assert_null(mv[0]);
     }
     loom_dist_optim_free(o);
     loom_param_free(p);
@@ -178,6 +176,89 @@ static void test_parameter_inside_reentrant_and_after(void **state) {
     }
 }
 
+/* The moments one tensor at a time (what checkpoints read and write):
+ * with ZeRO, each gathered from the ranks that own its parts to DP rank 0,
+ * equal bit for bit to plain data parallelism's whole moments after the
+ * same steps; a set keeps each rank's part, which a get gives back whole.
+ * Three parameters whose sizes make the shards of 2 ranks split the middle
+ * one; the io's index is the model's, here one past the optimizer's. */
+#define NP 3
+static const int64_t io_sizes[NP] = {5, 37, 22};
+
+static void moments_after_steps(int zero, float *out) {
+    loom_param *ps[NP];
+    for (int i = 0; i < NP; i++) {
+        char name[8];
+        snprintf(name, sizeof name, "w%d", i);
+        assert_int_equal(loom_param_new(name, LOOM_BF16, 1, &io_sizes[i], 1, &ps[i]), LOOM_OK);
+        float w[64];
+        for (int k = 0; k < io_sizes[i]; k++) w[k] = 0.01f * (float)(k - 7 * i);
+        assert_int_equal(loom_param_set_f32(ps[i], w, io_sizes[i]), LOOM_OK);
+    }
+    loom_adamw_config ac = loom_adamw_defaults();
+    loom_dist_optim *o = NULL;
+    assert_int_equal(loom_dist_optim_new(&ac, ps, NP, &dist, zero, 0, &o), LOOM_OK);
+    loom_loss_scaler sc;
+    loom_loss_scaler_init(&sc, 0);
+    for (int step = 0; step < 2; step++) {
+        for (int i = 0; i < NP; i++) {
+            loom_dtype gdt;
+            void *g = loom_param_grad_target(ps[i], &gdt);
+            float local[64];
+            for (int k = 0; k < io_sizes[i]; k++) local[k] = 0.1f * (float)(dist.dp_rank + 1) * (float)(k % 9 - 4) + 0.01f * (float)step;
+            loom_convert(g, gdt, local, LOOM_F32, (size_t)io_sizes[i]);
+        }
+        loom_step_info info;
+        assert_int_equal(loom_dist_optim_prepare(o, &sc, 1.0f, &info), LOOM_OK);
+        assert_int_equal(loom_dist_optim_step(o, 1e-2f, info.grad_multiplier), LOOM_OK);
+    }
+    loom_moments_io io = loom_dist_optim_moments_io(o, 1);
+    int lent = io.view(io.user, 1, 0) != NULL;
+    assert_int_equal(lent, !(zero && dist.dp_size > 1));
+    {
+        float *at = out;
+        for (int i = 0; i < NP; i++)
+            for (int kind = 0; kind < 2; kind++, at += io_sizes[i])
+                assert_int_equal(io.get(io.user, i + 1, kind, dist.dp_rank == 0 ? at : NULL), LOOM_OK);
+    }
+    if (zero) { /* set, then get back: each rank kept its part */
+        float pattern[64], back[64];
+        for (int i = 0; i < NP; i++)
+            for (int kind = 0; kind < 2; kind++) {
+                for (int k = 0; k < io_sizes[i]; k++) pattern[k] = (float)(1000 * i + 100 * kind + k);
+                io.set(io.user, i + 1, kind, pattern);
+            }
+        if (dist.dp_rank != 0) {
+            assert_int_equal(loom_dist_optim_serve_moments(o), LOOM_OK); /* what a checkpoint's non-writers do */
+        } else {
+            for (int i = 0; i < NP; i++)
+                for (int kind = 0; kind < 2; kind++) {
+                    for (int k = 0; k < io_sizes[i]; k++) pattern[k] = (float)(1000 * i + 100 * kind + k);
+                    memset(back, 0, sizeof back);
+                    assert_int_equal(io.get(io.user, i + 1, kind, back), LOOM_OK);
+                    assert_memory_equal(back, pattern, (size_t)io_sizes[i] * sizeof(float));
+                }
+        }
+    }
+    assert_int_equal(loom_dist_optim_unshard_masters(o), LOOM_OK);
+    loom_dist_optim_free(o);
+    for (int i = 0; i < NP; i++) loom_param_free(ps[i]);
+}
+
+static void test_moments_one_tensor_at_a_time(void **state) {
+    (void)state;
+    float plain[128], zero[128];
+    memset(plain, 0, sizeof plain);
+    memset(zero, 0, sizeof zero);
+    moments_after_steps(0, plain);
+    moments_after_steps(1, zero);
+    if (dist.dp_rank != 0) return;
+    assert_memory_equal(zero, plain, sizeof plain);
+    int moved = 0;
+    for (int k = 0; k < 128; k++) moved += plain[k] != 0.0f;
+    assert_true(moved > 100);
+}
+
 int main(int argc, char **argv) {
     loom_comm *world = NULL;
     if (loom_dist_init(&argc, &argv, &world) != LOOM_OK || loom_dist_layout(world, 1, &dist) != LOOM_OK) {
@@ -189,6 +270,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_fp16_gradient_sum_zero),
         cmocka_unit_test(test_late_gradient_stops_every_rank),
         cmocka_unit_test(test_parameter_inside_reentrant_and_after),
+        cmocka_unit_test(test_moments_one_tensor_at_a_time),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     loom_dist_layout_free(&dist);

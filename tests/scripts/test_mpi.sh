@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Distributed training over Open MPI with 2 ranks: DP=2 vs DP=1 (also with
 # loss masks), TP=2 vs TP=1 (every precision setting and recompute mode),
-# ZeRO-1 vs plain DP (also with LoRA), checkpoint/resume with 2 ranks, and a
-# dying rank ending the whole job.
+# ZeRO-1 vs plain DP (also with LoRA), checkpoint/resume with 2 ranks (and a
+# 4-rank TP x ZeRO layout), and a dying rank ending the whole job.
 source "$(dirname "$0")/lib.sh"
 command -v mpirun >/dev/null || fail "mpirun not found: run scripts/setup.sh (openmpi-bin)"
 # Open MPI's own allocations (its dlopened plugins) are never freed: in the
@@ -24,6 +24,11 @@ close() { # $1 $2 files of numbers, $3 relative tolerance
 # (tests/dist/test_dist_optim.c: an fp16 sum that overflows is a skipped step).
 timeout 120 $MPI "$LOOM_BINARY_DIR/tests/test_dist_optim" >"$WORK/dopt.log" 2>&1 ||
   { cat "$WORK/dopt.log"; fail "test_dist_optim under 2 ranks"; }
+# Checkpoints through the optimizer's moments, tensor by tensor, with TP=2 and
+# with ZeRO-1 (tests/dist/test_checkpoint_dist.c): exact round trips, and a
+# save that fails on the writer leaves no rank waiting in a gather.
+timeout 120 $MPI "$LOOM_BINARY_DIR/tests/test_checkpoint_dist" >"$WORK/ckd.log" 2>&1 ||
+  { cat "$WORK/ckd.log"; fail "test_checkpoint_dist under 2 ranks"; }
 
 # DP=2 equals DP=1 at the same global batch (5 fp32 steps, 1e-5 relative).
 "$LOOM" train "${D[@]}" --batch 4 --steps 5 --precision fp32 --out "$WORK/dp1" 2>/dev/null
@@ -213,6 +218,26 @@ for layout in "--tp 1" "--tp 2" "--zero 1" "--zero 1 --precision bf16" \
   cmp -s "$WORK/full/model/model.safetensors" "$WORK/res/model/model.safetensors" ||
     fail "resume with 2 ranks ($layout): final weights differ"
   rm -rf "$WORK/full" "$WORK/part" "$WORK/res"
+done
+
+# A ZeRO-1 checkpoint's state (each moment gathered to the writer tensor by
+# tensor as the file is written) equals plain data parallelism's bit for bit,
+# with 2 ranks and with 4 (TP=2 x DP=2, bf16: sharded masters, and each
+# tensor gathered over DP, then TP); and the 4-rank ZeRO run resumes exactly.
+for np_layout in "2:--tp 1" "4:--tp 2 --precision bf16"; do
+  n=${np_layout%%:*} layout=${np_layout#*:}
+  C=("${D[@]}" --batch 2 --steps 6 --precision fp32 $layout --ckpt-every 3 --keep 3)
+  timeout 300 mpirun -np "$n" --oversubscribe "$LOOM" train "${C[@]}" --zero 0 --out "$WORK/zp" 2>/dev/null
+  timeout 300 mpirun -np "$n" --oversubscribe "$LOOM" train "${C[@]}" --zero 1 --out "$WORK/zs" 2>/dev/null
+  $CMP "$WORK/zs/ckpt-00000003/state.safetensors" "$WORK/zp/ckpt-00000003/state.safetensors" --rtol 0 >/dev/null ||
+    fail "$n ranks ($layout): the ZeRO-1 checkpoint's state differs from plain DP's"
+  if [ "$n" = 4 ]; then
+    timeout 300 mpirun -np 4 --oversubscribe "$LOOM" train "${C[@]}" --zero 1 --out "$WORK/zr" \
+      --resume "$WORK/zs/ckpt-00000003" 2>"$WORK/zr.log" || { cat "$WORK/zr.log"; fail "4 ranks ($layout), ZeRO-1: the resume failed"; }
+    cmp -s "$WORK/zs/model/model.safetensors" "$WORK/zr/model/model.safetensors" ||
+      fail "4 ranks ($layout), ZeRO-1: the resumed run's final weights differ"
+  fi
+  rm -rf "$WORK/zp" "$WORK/zs" "$WORK/zr"
 done
 
 # A rank that fails (bad data on rank 1) ends the whole job with a message.
