@@ -144,7 +144,7 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
     if (o->lora) { /* the model's own weights frozen from the start: never a gradient or bf16 master */
         loom_lora_config lc = {o->lora, o->lora_alpha, o->lora_target_set, o->lora_dropout};
         LOOM_TRY(loom_llama_config_validate(&cfg)); /* so that what is refused below is the LoRA flags */
-        loom_status st = loom_llama_new_lora(&cfg, prec, &lc, (uint64_t)o->seed, &t->m);
+        loom_status st = loom_llama_new_lora_tp(&cfg, prec, &lc, (uint64_t)o->seed, t->dist.tp, &t->m);
         if (st != LOOM_OK) {
             t->usage = st == LOOM_ERR_INVALID;
             return st;
@@ -797,9 +797,6 @@ static int run(int argc, char **argv) {
     if (o->lora && !o->lora_targets_given &&
         loom_lora_targets_parse(o->lora_targets ? o->lora_targets : "all", &o->lora_target_set) != LOOM_OK)
         return cli_usage_error("train", "--lora-targets: %s", loom_last_error());
-    if (o->lora && o->tp > 1)
-        return cli_usage_error("train", "--lora with --tp %d: LoRA runs without tensor parallelism; data parallelism "
-                               "(more ranks, --tp 1) works", o->tp);
     if (!o->preset) o->preset = "tiny";
     if (!o->recompute_mode) o->recompute_mode = "nonreentrant";
     if (loom_lr_schedule_parse(o->schedule, &o->sched) != LOOM_OK)

@@ -86,9 +86,10 @@ loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokeni
  * (fp32 masters, named base_model.model.<tensor>, as PEFT saves them) and
  * adapter_config.json (peft_type LORA, r, lora_alpha, target_modules,
  * lora_dropout, base_model_name_or_path = base_model or null); each file
- * written atomically, the directory created if needed. Not with tensor
- * parallelism. Errors: LOOM_ERR_INVALID (no adapters), LOOM_ERR_IO,
- * LOOM_ERR_NOMEM. */
+ * written atomically, the directory created if needed. With tensor
+ * parallelism every rank of the TP group calls it (the adapters are
+ * gathered whole) and TP rank 0 writes. Errors: LOOM_ERR_INVALID (no
+ * adapters), LOOM_ERR_IO, LOOM_ERR_NOMEM. */
 loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base_model);
 /* A PEFT LoRA adapter directory's setting, from its adapter_config.json:
  * r, lora_alpha (PEFT's default 8), target_modules (a list of q_proj ..
@@ -106,7 +107,8 @@ loom_status loom_lora_peft_config(const char *dir, loom_lora_config *c);
  * Errors also: LOOM_ERR_FORMAT (bad JSON, a missing tensor or one of
  * another shape, NaN), LOOM_ERR_IO, those of loom_llama_add_lora. After an
  * error past the setting's checks the model has adapters that may be
- * partly loaded: free it. */
+ * partly loaded: free it. Under tensor parallelism each rank reads the
+ * files and keeps its part (no communication). */
 loom_status loom_lora_load_peft(loom_llama *m, const char *dir);
 /* LOOM_ERR_STATE, naming what to do, when dir's files may be of two saves
  * (a writer stopped while replacing them). */

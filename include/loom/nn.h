@@ -208,8 +208,11 @@ loom_status loom_llama_plan_recompute(loom_llama *m, loom_recompute_mode mode, i
  * adapter index). Forward, backward, every recompute mode and generation
  * use the adapters; loom_model_dir_save writes the merged weights
  * W + (alpha / rank) B A. Once per model, before any optimizer is made
- * over its parameters; not with tensor parallelism.
- * Errors: LOOM_ERR_INVALID (bad config, already added, tensor parallel),
+ * over its parameters. With tensor parallelism the adapters are split as
+ * in loom_llama_new_lora_tp, and dropout is refused on o and down (their
+ * split input would need a slice of a whole row's mask).
+ * Errors: LOOM_ERR_INVALID (bad config, already added, dropout on a
+ * row-parallel target under tensor parallelism),
  * LOOM_ERR_STATE (a data-parallel optimizer holds the gradients already),
  * LOOM_ERR_NOMEM (the model is left without adapters). */
 loom_status loom_llama_add_lora(loom_llama *m, const loom_lora_config *cfg, uint64_t seed);
@@ -221,6 +224,11 @@ loom_status loom_llama_add_lora(loom_llama *m, const loom_lora_config *cfg, uint
  * Errors: those of both. */
 loom_status loom_llama_new_lora(const loom_llama_config *cfg, loom_precision prec, const loom_lora_config *lora,
                                 uint64_t seed, loom_llama **out);
+/* The same, split over the ranks of tp_comm as loom_llama_new_tp splits a
+ * model; the adapters are split as their weights: B's rows where W's rows
+ * are (q, k, v, gate, up), A's columns where W's columns are (o, down). */
+loom_status loom_llama_new_lora_tp(const loom_llama_config *cfg, loom_precision prec, const loom_lora_config *lora,
+                                   uint64_t seed, loom_comm *tp_comm, loom_llama **out);
 /* Base parameter i's full fp32 values with its adapter merged in (W +
  * (alpha / rank) B A; the plain values for a parameter without one). */
 loom_status loom_llama_param_merged(loom_llama *m, int i, float *full);

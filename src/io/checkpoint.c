@@ -50,8 +50,11 @@ typedef struct meta_kv {
     char value[64];
 } meta_kv;
 
-/* One tensor of the state: parameter i's master (kind 0) or one of its
- * moments (1: m, 2: v). */
+/* One tensor of the state: parameter i's master (kind 0), one of its
+ * moments (1: m, 2: v), or a frozen bf16 weight's compute copy
+ * (STATE_FROZEN), which has no master. */
+enum { STATE_FROZEN = 3 };
+
 typedef struct state_tensor {
     loom_llama *m;
     const loom_moments_io *io;
@@ -83,6 +86,16 @@ static loom_status state_fill(void *user, void *dst, size_t n_bytes) {
     t->done = 1;
     const float *local;
     int tp = t->m->tp_size > 1;
+    if (t->kind == STATE_FROZEN) { /* split (tp > 1): widened, gathered, rounded back (exactly) */
+        size_t n = n_bytes / sizeof(uint16_t);
+        float *whole = malloc(n * sizeof *whole);
+        if (!whole) return loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
+        loom_param_get_f32(t->m->params[t->i], t->scratch);
+        loom_status st = loom_llama_tp_gather(t->m, t->i, t->scratch, whole);
+        if (st == LOOM_OK) loom_convert(dst, LOOM_BF16, whole, LOOM_F32, n);
+        free(whole);
+        return st;
+    }
     LOOM_TRY(state_local(t, tp ? t->scratch : dst, &local));
     if (tp) return loom_llama_tp_gather(t->m, t->i, local, dst);
     if (local != dst) memcpy(dst, local, n_bytes);
@@ -117,11 +130,13 @@ static loom_status add_state_tensors(loom_safetensors_writer *w, loom_llama *m, 
         loom_llama_param_full_shape(m, i, fs);
         int nd = p->tensor->ndim;
         if (loom_param_compute_only(p)) { /* a frozen bf16 weight: its bf16 values, as they are */
+            state_tensor *t = &ts[n++];
+            *t = (state_tensor){m, io, i, STATE_FROZEN, m->tp_size > 1, 0, scratch};
             snprintf(name, sizeof name, "master.%s", p->name);
-            if (p->tp_split_dim >= 0 && s == LOOM_OK) /* never made: LoRA refuses tensor parallelism */
-                s = loom_error(LOOM_ERR_UNSUPPORTED, "checkpoint: %s is frozen and split over tensor-parallel "
-                               "ranks", p->name);
-            if (w && s == LOOM_OK)
+            if (!w || s != LOOM_OK) continue;
+            if (t->fill)
+                s = loom_safetensors_writer_add_fill(w, name, LOOM_SAFETENSORS_BF16, fs, nd, state_fill, t);
+            else
                 s = loom_safetensors_writer_add(w, name, LOOM_SAFETENSORS_BF16, fs, nd, loom_tensor_data(p->tensor));
             continue;
         }
@@ -168,7 +183,8 @@ static loom_status join_gathers(loom_llama *m, state_tensor *ts, int n_tensors) 
             return loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
         int64_t fs[2];
         loom_llama_param_full_shape(m, ts[k].i, fs);
-        loom_status g = state_fill(&ts[k], spare, (size_t)(fs[0] * fs[1]) * sizeof(float));
+        size_t elt = ts[k].kind == STATE_FROZEN ? sizeof(uint16_t) : sizeof(float);
+        loom_status g = state_fill(&ts[k], spare, (size_t)(fs[0] * fs[1]) * elt);
         if (s == LOOM_OK) s = g;
     }
     free(spare);
@@ -386,7 +402,7 @@ loom_status loom_checkpoint_load_io(const char *dir, loom_llama *m, const loom_m
         snprintf(name, sizeof name, "master.%s", p->name);
         if (!loom_param_compute_only(p)) {
             s = read_shard(sf, path, m, i, name, loom_param_master(p));
-        } else { /* a frozen bf16 weight (never split): into its compute copy */
+        } else { /* a frozen bf16 weight: its shard into its compute copy */
             float *v = malloc((size_t)loom_param_numel(p) * sizeof(float) + 1);
             s = v ? read_shard(sf, path, m, i, name, v) : loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
             if (s == LOOM_OK) s = loom_param_set_f32(p, v, loom_param_numel(p));

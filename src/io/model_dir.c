@@ -487,8 +487,9 @@ loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokeni
 /* PEFT's tensor names: the model's under this prefix. */
 #define PEFT_PREFIX "base_model.model."
 
-loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base_model) {
-    if (!m->lora.rank) return loom_error(LOOM_ERR_INVALID, "save adapter: the model has no LoRA adapters");
+/* The adapter files, from each adapter's whole fp32 values (whole[k] for
+ * parameter n_base + k). */
+static loom_status write_peft(loom_llama *m, const char *dir, const char *base_model, float *const *whole) {
     char path[4200];
     LOOM_TRY(loom_mkdir_p(dir));
     loom_safetensors_writer *w;
@@ -496,11 +497,10 @@ loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base
     loom_status st = LOOM_OK;
     char name[256];
     for (int i = m->n_base; i < m->n_params && st == LOOM_OK; i++) {
-        loom_param *p = m->params[i];
         int64_t fs[2];
         loom_llama_param_full_shape(m, i, fs);
-        snprintf(name, sizeof name, PEFT_PREFIX "%s", p->name);
-        st = loom_safetensors_writer_add(w, name, LOOM_SAFETENSORS_F32, fs, 2, loom_param_master(p));
+        snprintf(name, sizeof name, PEFT_PREFIX "%s", m->params[i]->name);
+        st = loom_safetensors_writer_add(w, name, LOOM_SAFETENSORS_F32, fs, 2, whole[i - m->n_base]);
     }
     if (st == LOOM_OK) st = loom_safetensors_writer_set_metadata(w, "format", "pt");
     if (st == LOOM_OK) st = join(path, sizeof path, dir, "adapter_model.safetensors");
@@ -529,6 +529,27 @@ loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base
     st = join(path, sizeof path, dir, "adapter_config.json");
     if (st == LOOM_OK) st = loom_file_write_atomic(path, text, strlen(text));
     free(text);
+    return st;
+}
+
+loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base_model) {
+    if (!m->lora.rank) return loom_error(LOOM_ERR_INVALID, "save adapter: the model has no LoRA adapters");
+    /* Every adapter whole first (gathered over the TP group, whose every
+     * rank calls this; they are small), then TP rank 0 writes. */
+    int n = m->n_params - m->n_base;
+    float **whole = calloc((size_t)n, sizeof *whole);
+    if (!whole) return loom_error(LOOM_ERR_NOMEM, "save adapter: out of memory");
+    loom_status st = LOOM_OK;
+    for (int k = 0; k < n && st == LOOM_OK; k++) {
+        int64_t fs[2];
+        loom_llama_param_full_shape(m, m->n_base + k, fs);
+        whole[k] = malloc((size_t)(fs[0] * fs[1]) * sizeof(float));
+        st = whole[k] ? loom_llama_param_gather(m, m->n_base + k, 0, whole[k])
+                      : loom_error(LOOM_ERR_NOMEM, "save adapter: out of memory");
+    }
+    if (st == LOOM_OK && m->tp_rank == 0) st = write_peft(m, dir, base_model, whole);
+    for (int k = 0; k < n; k++) free(whole[k]);
+    free(whole);
     return st;
 }
 
@@ -631,7 +652,7 @@ loom_status loom_lora_load_peft(loom_llama *m, const char *dir) {
         else if ((st = loom_safetensors_read(sf, name, LOOM_F32, fs, 2, v)) == LOOM_ERR_INVALID) /* a shape */
             st = loom_error(LOOM_ERR_FORMAT, "%s (adapter_config.json and the tensors disagree)", loom_last_error());
         if (st == LOOM_OK) st = io_check_finite(v, (size_t)(fs[0] * fs[1]), path, name);
-        if (st == LOOM_OK) st = loom_param_set_f32(p, v, fs[0] * fs[1]);
+        if (st == LOOM_OK) loom_llama_param_scatter(m, i, v); /* this rank's part of it */
         free(v);
     }
     /* Every tensor of the file is one loom applies: none left out silently. */

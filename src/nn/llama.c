@@ -212,11 +212,14 @@ void loom_llama_param_full_shape(const loom_llama *m, int i, int64_t shape[2]) {
 
 void loom_llama_param_scatter(loom_llama *m, int i, const float *full) {
     loom_param *p = m->params[i];
-    if (!loom_param_has_master(p) && m->tp_size == 1) { /* a frozen bf16 weight: into its compute copy */
-        LOOM_ASSERT(loom_param_set_f32(p, full, loom_param_numel(p)) == LOOM_OK);
+    if (!loom_param_has_master(p)) { /* a frozen bf16 weight: its shard into its compute copy */
+        float *shard = m->tp_size == 1 ? (float *)(uintptr_t)full : malloc((size_t)loom_param_numel(p) * sizeof *shard);
+        LOOM_ASSERT(shard != NULL);
+        if (shard != full) tp_take_shard(p, m->tp_rank, m->tp_size, full, shard);
+        LOOM_ASSERT(loom_param_set_f32(p, shard, loom_param_numel(p)) == LOOM_OK);
+        if (shard != full) free(shard);
         return;
     }
-    LOOM_ASSERT(loom_param_has_master(p)); /* frozen bf16 weights are not split (LoRA refuses TP) */
     tp_take_shard(p, m->tp_rank, m->tp_size, full, loom_param_master(p));
     loom_param_sync_from_master(p);
 }
@@ -332,9 +335,13 @@ static void drop_adapters(loom_llama *m) {
 
 /* The checks of a LoRA setting for a model of config c over tp ranks. */
 static loom_status lora_check(const loom_llama_config *c, int tp, const loom_lora_config *cfg) {
-    if (tp > 1)
-        return loom_error(LOOM_ERR_INVALID, "LoRA is not supported with tensor parallelism (--tp %d); use data "
-                          "parallelism, whose ranks each hold the whole (frozen) model", tp);
+    /* Under tensor parallelism o and down read a split input: its dropout
+     * mask would have to be the slice of a whole row's. */
+    unsigned row_parallel = (1u << LOOM_LORA_O) | (1u << LOOM_LORA_DOWN);
+    if (tp > 1 && cfg->dropout > 0.0f && (cfg->targets & row_parallel))
+        return loom_error(LOOM_ERR_INVALID, "LoRA dropout on o and down is not supported with tensor parallelism "
+                          "(--tp %d: their input is split across ranks); leave them out of the targets, or use no "
+                          "dropout", tp);
     if (cfg->rank < 1 || cfg->rank > c->dim)
         return loom_error(LOOM_ERR_INVALID, "LoRA rank %d: must be 1..%d (the model's dim)", cfg->rank, c->dim);
     if (!(cfg->alpha > 0.0f) || !isfinite(cfg->alpha))
@@ -351,11 +358,16 @@ static loom_status append_adapters(loom_llama *m, const loom_lora_config *cfg, u
 
 loom_status loom_llama_new_lora(const loom_llama_config *cfg, loom_precision prec, const loom_lora_config *lora,
                                 uint64_t seed, loom_llama **out) {
+    return loom_llama_new_lora_tp(cfg, prec, lora, seed, NULL, out);
+}
+
+loom_status loom_llama_new_lora_tp(const loom_llama_config *cfg, loom_precision prec, const loom_lora_config *lora,
+                                   uint64_t seed, loom_comm *tp_comm, loom_llama **out) {
     *out = NULL;
     LOOM_TRY(loom_llama_config_validate(cfg));
-    LOOM_TRY(lora_check(cfg, 1, lora));
+    LOOM_TRY(lora_check(cfg, tp_comm ? loom_comm_size(tp_comm) : 1, lora));
     loom_llama *m;
-    LOOM_TRY(llama_create(cfg, prec, NULL, 1, &m));
+    LOOM_TRY(llama_create(cfg, prec, tp_comm, 1, &m));
     loom_status st = append_adapters(m, lora, seed);
     if (st != LOOM_OK) {
         loom_llama_free(m);
@@ -390,21 +402,29 @@ static loom_status append_adapters(loom_llama *m, const loom_lora_config *cfg, u
         loom_llama_layer *y = &m->layers[l];
         for (int t = 0; t < LOOM_LORA_N && st == LOOM_OK; t++) {
             if (!(cfg->targets & (1u << t))) continue;
-            const loom_tensor *w = loom_llama_layer_weight(y, (loom_lora_target)t)->tensor;
-            int64_t out = w->shape[0], in = w->shape[1];
+            const loom_param *w = loom_llama_layer_weight(y, (loom_lora_target)t);
+            int64_t fs[2];
+            tp_full_shape(w, m->tp_size, fs);
+            int64_t out = fs[0], in = fs[1];
+            /* Split as W is: a column-parallel W (rows split) splits B's
+             * rows, a row-parallel one (columns split) A's columns. */
+            int split_a = w->tp_split_dim == 1 ? 1 : -1, split_b = w->tp_split_dim == 0 ? 0 : -1;
             const char *group = t <= LOOM_LORA_O ? "self_attn" : "mlp";
             snprintf(name, sizeof name, "model.layers.%d.%s.%s.lora_A.weight", l, group, lora_module[t]);
-            st = add_param(m, name, m->prec.compute, 2, cfg->rank, in, -1, 0, &y->lora_a[t]);
+            st = add_param(m, name, m->prec.compute, 2, cfg->rank, in, split_a, 0, &y->lora_a[t]);
             snprintf(name, sizeof name, "model.layers.%d.%s.%s.lora_B.weight", l, group, lora_module[t]);
-            if (st == LOOM_OK) st = add_param(m, name, m->prec.compute, 2, out, cfg->rank, -1, 0, &y->lora_b[t]);
+            if (st == LOOM_OK) st = add_param(m, name, m->prec.compute, 2, out, cfg->rank, split_b, 0, &y->lora_b[t]);
             if (st != LOOM_OK) break;
-            /* A: uniform in [-1/sqrt(in), 1/sqrt(in)), its own stream per adapter; B stays zero. */
-            loom_param *a = y->lora_a[t];
-            float *v = loom_param_master(a), bound = 1.0f / sqrtf((float)in);
-            size_t n = (size_t)loom_param_numel(a);
+            /* A: uniform in [-1/sqrt(in), 1/sqrt(in)), its own stream per
+             * adapter, drawn whole and sliced (the same A on any number of
+             * ranks); B stays zero. */
+            size_t n = (size_t)(cfg->rank * in);
+            float *v = malloc(n * sizeof *v), bound = 1.0f / sqrtf((float)in);
+            if (!v) { st = loom_error(LOOM_ERR_NOMEM, "LoRA: out of memory"); break; }
             loom_rng_uniform(v, n, seed, (uint64_t)(m->n_params - 2) << 40);
             for (size_t k = 0; k < n; k++) v[k] = (2.0f * v[k] - 1.0f) * bound;
-            loom_param_sync_from_master(a);
+            loom_llama_param_scatter(m, m->n_params - 2, v);
+            free(v);
         }
     }
     if (st != LOOM_OK) {
@@ -432,10 +452,28 @@ loom_status loom_llama_param_merged(loom_llama *m, int i, float *full) {
     LOOM_TRY(loom_llama_param_gather(m, i, 0, full));
     loom_param *a, *b;
     if (!loom_llama_lora_of(m, i, &a, &b)) return LOOM_OK;
-    /* W (out, in) += (alpha / rank) B (out, r) A (r, in), in fp32 from the masters. */
-    int out = (int)b->tensor->shape[0], in = (int)a->tensor->shape[1], r = m->lora.rank;
-    return loom_gemm(0, 0, out, in, r, m->lora.alpha / (float)r, loom_param_master(b), r, loom_param_master(a), in,
-                     LOOM_F32, 1.0f, full, in, LOOM_F32, NULL, LOOM_F32);
+    /* W (out, in) += (alpha / rank) B (out, r) A (r, in), in fp32 from the
+     * masters (gathered whole under tensor parallelism). */
+    int64_t fa[2], fb[2];
+    tp_full_shape(a, m->tp_size, fa);
+    tp_full_shape(b, m->tp_size, fb);
+    int out = (int)fb[0], in = (int)fa[1], r = m->lora.rank;
+    float *wa = loom_param_master(a), *wb = loom_param_master(b), *ga = NULL, *gb = NULL;
+    loom_status st = LOOM_OK;
+    if (m->tp_size > 1) {
+        ga = malloc((size_t)(fa[0] * fa[1]) * sizeof *ga);
+        gb = malloc((size_t)(fb[0] * fb[1]) * sizeof *gb);
+        st = ga && gb ? tp_gather(m->tp_comm, a, wa, ga) : loom_error(LOOM_ERR_NOMEM, "LoRA merge: out of memory");
+        if (st == LOOM_OK) st = tp_gather(m->tp_comm, b, wb, gb);
+        wa = ga;
+        wb = gb;
+    }
+    if (st == LOOM_OK)
+        st = loom_gemm(0, 0, out, in, r, m->lora.alpha / (float)r, wb, r, wa, in, LOOM_F32, 1.0f, full, in, LOOM_F32,
+                       NULL, LOOM_F32);
+    free(ga);
+    free(gb);
+    return st;
 }
 
 void loom_llama_zero_grad(loom_llama *m) {
@@ -449,32 +487,52 @@ void loom_llama_zero_grad(loom_llama *m) {
 
 /* Linear t of the block: x W^T, plus (alpha / rank) (dropout(x) A^T) B^T
  * when it has a LoRA adapter (PEFT's order: B's output scaled, then added;
- * the dropout only in a training forward). */
+ * the dropout only in a training forward).
+ *
+ * Under tensor parallelism (Megatron's f = tp_copy, g = tp_reduce):
+ *  - column-parallel t (q, k, v, gate, up; B's rows split): x is f(xr),
+ *    and the adapter reads xr itself: f(xr A^T) B^T. Its gradient reaches
+ *    A and xr whole on every rank (f sums x A^T's over the ranks' B
+ *    slices), never through x's f, which sums the ranks' partial W paths;
+ *  - row-parallel t (o, down; A's columns split): the output is already
+ *    g-reduced, then g(x A^T) B^T is added: B and its gradient whole on
+ *    every rank, A's slice and x's from the ranks' own columns.
+ * Without tensor parallelism f and g are the identity and xr is x. */
 static loom_status block_linear(const struct llama_block_args *a, loom_lora_target t, loom_tensor *x,
-                                loom_tensor **out) {
+                                loom_tensor *xr, loom_tensor **out) {
     const loom_llama *m = a->m;
     const loom_llama_layer *y = &m->layers[a->layer];
-    loom_status st = loom_fused_linear(x, loom_llama_layer_weight(y, t)->tensor, NULL, out);
-    if (st != LOOM_OK || !y->lora_a[t]) return st;
-    loom_tensor *base = *out, *xd = NULL, *xa = NULL, *xab = NULL, *scaled = NULL;
+    const loom_param *w = loom_llama_layer_weight(y, t);
+    int row = w->tp_split_dim == 1;
+    loom_tensor *base = NULL, *xd = NULL, *xa = NULL, *xaf = NULL, *xab = NULL, *scaled = NULL;
+    loom_status st = loom_fused_linear(x, w->tensor, NULL, row ? &xab : &base);
+    if (st == LOOM_OK && row) st = tp_reduce(m->tp_comm, xab, &base);
+    loom_tensor_release(xab);
+    xab = NULL;
+    if (st != LOOM_OK || !y->lora_a[t]) {
+        *out = base;
+        return st;
+    }
     *out = NULL;
+    loom_tensor *in = row || !xr ? x : xr;
     float scale = m->lora.alpha / (float)m->lora.rank;
-    if (a->training && m->lora.dropout > 0.0f) st = loom_dropout(x, m->lora.dropout, &xd);
-    if (st == LOOM_OK) st = loom_fused_linear(xd ? xd : x, y->lora_a[t]->tensor, NULL, &xa);
-    if (st == LOOM_OK) st = loom_fused_linear(xa, y->lora_b[t]->tensor, NULL, &xab);
+    if (a->training && m->lora.dropout > 0.0f) st = loom_dropout(in, m->lora.dropout, &xd);
+    if (st == LOOM_OK) st = loom_fused_linear(xd ? xd : in, y->lora_a[t]->tensor, NULL, &xa);
+    if (st == LOOM_OK) st = row ? tp_reduce(m->tp_comm, xa, &xaf) : tp_copy(m->tp_comm, xa, &xaf);
+    if (st == LOOM_OK) st = loom_fused_linear(xaf, y->lora_b[t]->tensor, NULL, &xab);
     if (st == LOOM_OK && scale != 1.0f) st = loom_scale(xab, scale, &scaled);
     else if (st == LOOM_OK) scaled = loom_tensor_retain(xab); /* alpha = rank: no pass */
     if (st == LOOM_OK) st = loom_add(base, scaled, out);
-    RELEASE(base, xd, xa, xab, scaled);
+    RELEASE(base, xd, xa, xaf, xab, scaled);
     return st;
 }
 
 /* q/k/v projection then view as (B, T, heads, HS) and rotate (q, k). */
-static loom_status project_heads(const struct llama_block_args *a, loom_lora_target t, loom_tensor *h, int heads,
-                                 int HS, const loom_rope_freqs *rope, loom_tensor **out) {
+static loom_status project_heads(const struct llama_block_args *a, loom_lora_target t, loom_tensor *h,
+                                 loom_tensor *hn, int heads, int HS, const loom_rope_freqs *rope, loom_tensor **out) {
     loom_tensor *y = NULL, *y4 = NULL;
     int64_t shape[4] = {a->B, a->T, heads, HS};
-    loom_status st = block_linear(a, t, h, &y);
+    loom_status st = block_linear(a, t, h, hn, &y);
     if (st == LOOM_OK) st = loom_reshape(y, 4, shape, &y4);
     loom_tensor_release(y);
     if (st != LOOM_OK || !rope) { *out = y4; return st; }
@@ -491,19 +549,18 @@ static loom_status attention_part(const struct llama_block_args *a, loom_tensor 
     const loom_llama_config *c = &m->cfg;
     const loom_llama_layer *y = &m->layers[a->layer];
     int HS = c->dim / c->n_heads, NH = c->n_heads / m->tp_size, NKV = c->n_kv_heads / m->tp_size;
-    loom_tensor *hn = NULL, *h = NULL, *q = NULL, *k = NULL, *v = NULL, *att = NULL, *att2 = NULL, *o = NULL;
+    loom_tensor *hn = NULL, *h = NULL, *q = NULL, *k = NULL, *v = NULL, *att = NULL, *att2 = NULL;
     int64_t flat[2] = {(int64_t)a->B * a->T, (int64_t)NH * HS};
     loom_status st = loom_rmsnorm(x, y->attn_norm->tensor, c->norm_eps, &hn);
     if (st == LOOM_OK) st = tp_copy(m->tp_comm, hn, &h);
     loom_rope_freqs rope = loom_llama_rope(c);
-    if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_Q, h, NH, HS, &rope, &q);
-    if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_K, h, NKV, HS, &rope, &k);
-    if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_V, h, NKV, HS, NULL, &v);
+    if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_Q, h, hn, NH, HS, &rope, &q);
+    if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_K, h, hn, NKV, HS, &rope, &k);
+    if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_V, h, hn, NKV, HS, NULL, &v);
     if (st == LOOM_OK) st = loom_attention(q, k, v, &att);
     if (st == LOOM_OK) st = loom_reshape(att, 2, flat, &att2);
-    if (st == LOOM_OK) st = block_linear(a, LOOM_LORA_O, att2, &o);
-    if (st == LOOM_OK) st = tp_reduce(m->tp_comm, o, out);
-    RELEASE(hn, h, q, k, v, att, att2, o);
+    if (st == LOOM_OK) st = block_linear(a, LOOM_LORA_O, att2, NULL, out); /* g-reduced inside */
+    RELEASE(hn, h, q, k, v, att, att2);
     return st;
 }
 
@@ -511,15 +568,14 @@ static loom_status mlp_part(const struct llama_block_args *a, loom_tensor *x, lo
     const loom_llama *m = a->m;
     const loom_llama_config *c = &m->cfg;
     const loom_llama_layer *y = &m->layers[a->layer];
-    loom_tensor *hn = NULL, *h = NULL, *g = NULL, *u = NULL, *s = NULL, *d = NULL;
+    loom_tensor *hn = NULL, *h = NULL, *g = NULL, *u = NULL, *s = NULL;
     loom_status st = loom_rmsnorm(x, y->mlp_norm->tensor, c->norm_eps, &hn);
     if (st == LOOM_OK) st = tp_copy(m->tp_comm, hn, &h);
-    if (st == LOOM_OK) st = block_linear(a, LOOM_LORA_GATE, h, &g);
-    if (st == LOOM_OK) st = block_linear(a, LOOM_LORA_UP, h, &u);
+    if (st == LOOM_OK) st = block_linear(a, LOOM_LORA_GATE, h, hn, &g);
+    if (st == LOOM_OK) st = block_linear(a, LOOM_LORA_UP, h, hn, &u);
     if (st == LOOM_OK) st = loom_swiglu(g, u, &s);
-    if (st == LOOM_OK) st = block_linear(a, LOOM_LORA_DOWN, s, &d);
-    if (st == LOOM_OK) st = tp_reduce(m->tp_comm, d, out);
-    RELEASE(hn, h, g, u, s, d);
+    if (st == LOOM_OK) st = block_linear(a, LOOM_LORA_DOWN, s, NULL, out); /* g-reduced inside */
+    RELEASE(hn, h, g, u, s);
     return st;
 }
 

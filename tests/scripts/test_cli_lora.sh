@@ -197,7 +197,6 @@ expect_usage "lora-alpha must be above 0" "$LOOM" train "${common[@]}" --lora 4 
 expect_usage "lora-dropout must be in \[0, 1\)" "$LOOM" train "${common[@]}" --lora 4 --lora-dropout 1 --out "$WORK/x"
 expect_usage "lora-dropout applies to LoRA" "$LOOM" train "${common[@]}" --lora-dropout 0.1 --out "$WORK/x"
 expect_usage "LoRA rank 65: must be 1..64" "$LOOM" train "${common[@]}" --init "$WORK/base/model" --lora 65 --out "$WORK/x"
-expect_usage "without tensor parallelism" "$LOOM" train "${common[@]}" --lora 4 --tp 2 --out "$WORK/x"
 # A LoRA checkpoint resumed without its flags, or with others: named.
 expect_error "trained LoRA adapters \(--lora 4 --lora-alpha 8 --lora-targets q,v,down\) but this run has none" \
   "$LOOM" train "${common[@]}" --steps 12 --resume "$WORK/b/ckpt-00000008" --out "$WORK/x"

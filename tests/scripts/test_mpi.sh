@@ -142,6 +142,72 @@ cmp -s "$WORK/lp/model/model.safetensors" "$WORK/lz/model/model.safetensors" ||
 cmp -s "$WORK/lp/adapter/adapter_model.safetensors" "$WORK/lz/adapter/adapter_model.safetensors" ||
   fail "LoRA: ZeRO-1 adapters differ from plain DP's"
 
+# LoRA under TP=2, the adapters split as their weights (B's rows for q, k,
+# v, gate and up; A's columns for o and down), trains as one process does:
+#  - fp32: the same losses, the same adapter gradients at step 4 (dumped by
+#    a resume from step 3: B is not zero by then, so A's count too), the
+#    same PEFT adapters;
+#  - bf16, whose frozen weights are split bf16 copies with no master: close
+#    losses and the same first gradients (B's; A's are zero while B is).
+#    Later ones are not compared: Adam's first steps move each adapter
+#    value by about lr whatever its gradient's size, so bf16's rounding
+#    flips the sign of some steps and the runs part by more than rounding;
+#  - a TP=2 resume is exact (in bf16 through the split frozen weights);
+#  - the gradients agree in every recompute mode.
+LT=(--lora 4 --lora-alpha 8 --lora-targets all --lr 1e-2 --steps 6 --warmup 0 --batch 2)
+for pt in "fp32 1e-5 1e-4" "bf16 2e-2 3e-2"; do
+  set -- $pt
+  "$LOOM" train "${D[@]}" "${LT[@]}" --precision $1 --ckpt-every 3 --out "$WORK/lt1" 2>/dev/null
+  timeout 300 $MPI "$LOOM" train "${D[@]}" "${LT[@]}" --precision $1 --tp 2 --ckpt-every 3 --out "$WORK/lt2" \
+    2>"$WORK/lt2.log" || { cat "$WORK/lt2.log"; fail "LoRA, TP=2, $1: training failed"; }
+  close <(losses "$WORK/lt1") <(losses "$WORK/lt2") $2 || fail "LoRA, $1: TP=2 losses differ from one process's"
+  from=(); [ $1 = fp32 ] && from=(--resume "$WORK/lt1/ckpt-00000003")
+  "$LOOM" train "${D[@]}" "${LT[@]}" --precision $1 "${from[@]}" --out "$WORK/ltg1" --dump-grads "$WORK/ltg1.st" \
+    2>/dev/null
+  from=(); [ $1 = fp32 ] && from=(--resume "$WORK/lt2/ckpt-00000003")
+  timeout 300 $MPI "$LOOM" train "${D[@]}" "${LT[@]}" --precision $1 --tp 2 "${from[@]}" --out "$WORK/ltg2" \
+    --dump-grads "$WORK/ltg2.st" 2>/dev/null
+  $PY - "$WORK/ltg1.st" "$SRC" $1 <<'PYEOF' || fail "LoRA, $1: no adapter gradients to compare"
+import sys
+sys.path.insert(0, sys.argv[2] + "/tests/python")
+import llama_ref as ref
+g, _ = ref.read_safetensors(sys.argv[1])
+lora = [k for k in g if ".lora_" in k and (sys.argv[3] == "fp32" or ".lora_B" in k)]
+assert len(lora) == (2 if sys.argv[3] == "fp32" else 1) * 7 * 2, sorted(lora)[:4]
+assert all(g[k].abs().max() > 0 for k in lora), "an adapter gradient is zero"
+PYEOF
+  $CMP "$WORK/ltg2.st" "$WORK/ltg1.st" --rtol $3 >/dev/null || fail "LoRA, $1: TP=2 gradients differ"
+  [ $1 = bf16 ] || $CMP "$WORK/lt2/adapter/adapter_model.safetensors" "$WORK/lt1/adapter/adapter_model.safetensors" \
+    --rtol $3 >/dev/null || fail "LoRA, $1: TP=2 PEFT adapters differ from one process's"
+  timeout 300 $MPI "$LOOM" train "${D[@]}" "${LT[@]}" --precision $1 --tp 2 --resume "$WORK/lt2/ckpt-00000003" \
+    --out "$WORK/ltr" 2>/dev/null
+  cmp -s "$WORK/ltr/adapter/adapter_model.safetensors" "$WORK/lt2/adapter/adapter_model.safetensors" ||
+    fail "LoRA, $1: a TP=2 resume differs from the uninterrupted run"
+  rm -rf "$WORK/lt1" "$WORK/lt2" "$WORK/ltg1" "$WORK/ltg2" "$WORK/ltr"
+done
+for rc in "full reentrant" "full nonreentrant" "selective nonreentrant"; do
+  set -- $rc
+  "$LOOM" train "${D[@]}" "${LT[@]}" --precision fp32 --out "$WORK/lr1" --dump-grads "$WORK/lr1.st" 2>/dev/null
+  timeout 300 $MPI "$LOOM" train "${D[@]}" "${LT[@]}" --precision fp32 --tp 2 --recompute $1 --recompute-mode $2 \
+    --check-grads --out "$WORK/lr2" --dump-grads "$WORK/lr2.st" 2>"$WORK/lr2.log" ||
+    { cat "$WORK/lr2.log"; fail "LoRA, TP=2, $rc: failed"; }
+  $CMP "$WORK/lr2.st" "$WORK/lr1.st" --rtol 1e-4 >/dev/null || fail "LoRA, TP=2, recompute $rc: gradients differ"
+  rm -rf "$WORK/lr1" "$WORK/lr2"
+done
+# Dropout: refused on o and down (their input is split); on the
+# column-parallel targets it draws one process's masks.
+set +e
+timeout 120 $MPI "$LOOM" train "${D[@]}" "${LT[@]}" --tp 2 --lora-dropout 0.1 --out "$WORK/x" 2>"$WORK/x.log"
+rc=$?
+set -e
+[ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -q "LoRA dropout on o and down is not supported with tensor parallelism" \
+  "$WORK/x.log" || { cat "$WORK/x.log"; fail "LoRA, TP=2: dropout on o and down not refused (exit $rc)"; }
+LD=("${D[@]}" "${LT[@]}" --precision fp32 --lora-targets q,v,gate --lora-dropout 0.1 --steps 3)
+"$LOOM" train "${LD[@]}" --out "$WORK/ld1" 2>/dev/null
+timeout 300 $MPI "$LOOM" train "${LD[@]}" --tp 2 --out "$WORK/ld2" 2>"$WORK/ld.log" ||
+  { cat "$WORK/ld.log"; fail "LoRA, TP=2: dropout on column-parallel targets failed"; }
+close <(losses "$WORK/ld1") <(losses "$WORK/ld2") 1e-5 || fail "LoRA, TP=2: losses with dropout differ"
+
 read -r pw po <<<"$(weights_opt "$WORK/p0.log")"
 read -r zw zo <<<"$(weights_opt "$WORK/z.log")"
 awk -v pw="$pw" -v po="$po" -v zw="$zw" -v zo="$zo" 'BEGIN { exit !(zw + zo <= 0.6 * (pw + po)) }' ||
