@@ -47,6 +47,7 @@ struct loom_param {
     int tp_split_dim;
     int grad_borrowed;    /* grad lives in a buffer someone else owns */
     int master_sharded;   /* ZeRO-1 holds the master; `master` is NULL */
+    int master_borrowed;  /* `master` lives in a buffer someone else owns (ZeRO-1's, lent whole) */
 };
 
 /* Create a parameter of the given shape, zero-initialised, with compute dtype
@@ -78,6 +79,10 @@ void loom_param_get_f32(const loom_param *p, float *dst);
 void loom_param_drop_master(loom_param *p);
 /* Give a dropped master back, from numel floats. */
 loom_status loom_param_attach_master(loom_param *p, const float *full);
+/* Give a dropped master back as buf itself (numel floats, borrowed, kept
+ * alive and left alone by the caller until loom_param_drop_master): no
+ * copy, no allocation. */
+void loom_param_lend_master(loom_param *p, float *buf);
 /* Let the gradient live at buf (numel elements of grad_dtype, borrowed, kept
  * alive by the caller): the current gradient is copied there. buf = NULL
  * moves it back into memory the parameter owns. Data parallelism uses it to

@@ -185,9 +185,12 @@ loom_status loom_checkpoint_save(const char *dir, loom_llama *m, float *const *a
                                  int adam_steps, const loom_train_state *st, const char *tokenizer_path);
 /* The same with the moments read through io (loom_dist_optim_moments_io):
  * each tensor of the state is fetched as it is written, so no rank holds a
- * second copy of the training state, whatever the layout. With ZeRO only
- * DP rank 0 of each TP rank calls it; the other DP ranks call
- * loom_dist_optim_serve_moments at the same time. */
+ * second copy of the training state, whatever the layout. With ZeRO the
+ * masters must be whole (loom_dist_optim_unshard_masters), only DP rank 0
+ * of each TP rank calls it, and the other DP ranks call
+ * loom_dist_optim_serve_moments at the same time. A save that fails on the
+ * writing rank still takes part in every gather, so that no other rank is
+ * left waiting in one. */
 loom_status loom_checkpoint_save_io(const char *dir, loom_llama *m, const loom_moments_io *io, int adam_steps,
                                     const loom_train_state *st, const char *tokenizer_path);
 /* Restore masters, compute copies (alone for a frozen bf16 weight), moments

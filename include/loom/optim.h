@@ -78,9 +78,12 @@ void loom_dist_optim_watch_backward(loom_dist_optim *o);
  * the gradients are zero afterwards. */
 loom_status loom_dist_optim_step(loom_dist_optim *o, float lr, float grad_multiplier);
 /* ZeRO-1: give every parameter its whole fp32 master again (collective over
- * the DP group; between steps, e.g. to save or load a checkpoint; zeroes
- * the gradients), and take them back (keep this rank's shard, free the
- * rest). No-ops without sharded masters. */
+ * the DP group; between steps, e.g. to save or load a checkpoint), and
+ * take them back (keep this rank's shard). The whole masters live in the
+ * gradient buffer, lent to the parameters (no new memory): no backward may
+ * run until they are taken back, which zeroes the gradients (prepare
+ * refuses to run before, LOOM_ERR_STATE); freeing the optimizer gives
+ * the parameters their own copies. No-ops without sharded masters. */
 loom_status loom_dist_optim_unshard_masters(loom_dist_optim *o);
 loom_status loom_dist_optim_reshard_masters(loom_dist_optim *o);
 int loom_dist_optim_steps(const loom_dist_optim *o);

@@ -65,7 +65,7 @@ void loom_param_free(loom_param *p) {
         p->tensor->param = NULL;
         loom_tensor_release(p->tensor);
     }
-    loom_free(p->master);
+    if (!p->master_borrowed) loom_free(p->master);
     if (!p->grad_borrowed) loom_free(p->grad);
     free(p);
 }
@@ -93,9 +93,17 @@ void loom_param_get_f32(const loom_param *p, float *dst) {
 
 void loom_param_drop_master(loom_param *p) {
     if (!p->master) return;
-    loom_free(p->master);
+    if (!p->master_borrowed) loom_free(p->master);
     p->master = NULL;
+    p->master_borrowed = 0;
     p->master_sharded = 1;
+}
+
+void loom_param_lend_master(loom_param *p, float *buf) {
+    if (!p->master_sharded) return;
+    p->master = buf;
+    p->master_borrowed = 1;
+    p->master_sharded = 0;
 }
 
 loom_status loom_param_attach_master(loom_param *p, const float *full) {
@@ -185,8 +193,9 @@ loom_status loom_param_freeze(loom_param *p) {
     loom_free(p->grad);
     p->grad = NULL;
     if (!frozen_keeps_master(p->tensor->dtype) && p->master) {
-        loom_free(p->master);
+        if (!p->master_borrowed) loom_free(p->master);
         p->master = NULL;
+        p->master_borrowed = 0;
     }
     p->uses = p->contributions = p->grad_written = 0;
     return LOOM_OK;

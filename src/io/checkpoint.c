@@ -86,15 +86,16 @@ static loom_status state_fill(void *user, void *dst, size_t n_bytes) {
     t->done = 1;
     const float *local;
     int tp = t->m->tp_size > 1;
-    if (t->kind == STATE_FROZEN) { /* split (tp > 1): widened, gathered, rounded back (exactly) */
+    if (t->kind == STATE_FROZEN) {
+        /* Split over T >= 2 ranks: this rank's values widened in dst (a
+         * shard's floats fit in the whole tensor's bf16 bytes), gathered
+         * whole into scratch, rounded back into dst (exactly: they were
+         * bf16). */
         size_t n = n_bytes / sizeof(uint16_t);
-        float *whole = malloc(n * sizeof *whole);
-        if (!whole) return loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
-        loom_param_get_f32(t->m->params[t->i], t->scratch);
-        loom_status st = loom_llama_tp_gather(t->m, t->i, t->scratch, whole);
-        if (st == LOOM_OK) loom_convert(dst, LOOM_BF16, whole, LOOM_F32, n);
-        free(whole);
-        return st;
+        loom_param_get_f32(t->m->params[t->i], dst);
+        LOOM_TRY(loom_llama_tp_gather(t->m, t->i, dst, t->scratch));
+        loom_convert(dst, LOOM_BF16, t->scratch, LOOM_F32, n);
+        return LOOM_OK;
     }
     LOOM_TRY(state_local(t, tp ? t->scratch : dst, &local));
     if (tp) return loom_llama_tp_gather(t->m, t->i, local, dst);
@@ -131,7 +132,7 @@ static loom_status add_state_tensors(loom_safetensors_writer *w, loom_llama *m, 
         int nd = p->tensor->ndim;
         if (loom_param_compute_only(p)) { /* a frozen bf16 weight: its bf16 values, as they are */
             state_tensor *t = &ts[n++];
-            *t = (state_tensor){m, io, i, STATE_FROZEN, m->tp_size > 1, 0, scratch};
+            *t = (state_tensor){m, io, i, STATE_FROZEN, p->tp_split_dim >= 0, 0, scratch}; /* split: gathered */
             snprintf(name, sizeof name, "master.%s", p->name);
             if (!w || s != LOOM_OK) continue;
             if (t->fill)
@@ -173,21 +174,16 @@ static size_t widest_tensor(const loom_llama *m) {
 /* The gathers of every state tensor not written (all of them when this
  * rank writes no file, the rest after a failed write), joined all the
  * same: the other ranks are in them. */
-static loom_status join_gathers(loom_llama *m, state_tensor *ts, int n_tensors) {
-    float *spare = NULL;
+static loom_status join_gathers(loom_llama *m, state_tensor *ts, int n_tensors, float *spare) {
     loom_status s = LOOM_OK;
     for (int k = 0; k < n_tensors; k++) {
         if (!ts[k].fill || ts[k].done) continue;
-        size_t n = widest_tensor(m);
-        if (!spare && !(spare = malloc(n * sizeof(float))))
-            return loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
         int64_t fs[2];
         loom_llama_param_full_shape(m, ts[k].i, fs);
         size_t elt = ts[k].kind == STATE_FROZEN ? sizeof(uint16_t) : sizeof(float);
         loom_status g = state_fill(&ts[k], spare, (size_t)(fs[0] * fs[1]) * elt);
         if (s == LOOM_OK) s = g;
     }
-    free(spare);
     return s;
 }
 
@@ -199,19 +195,25 @@ static loom_status write_state(const char *path, loom_llama *m, const loom_momen
     loom_safetensors_writer *w = NULL;
     int n_tensors = 0;
     state_tensor *ts = calloc((size_t)(3 * m->n_params + 1), sizeof *ts);
-    float *scratch = m->tp_size > 1 ? malloc(widest_tensor(m) * sizeof(float)) : NULL;
-    if (!ts || (m->tp_size > 1 && !scratch)) {
+    /* Allocated before any gather (a failure later cannot leave this rank
+     * out of one); pages only touched when used. spare: a whole tensor
+     * whose gathers are joined without writing it. */
+    size_t widest = widest_tensor(m);
+    float *scratch = m->tp_size > 1 ? malloc(widest * sizeof(float)) : NULL, *spare = malloc(widest * sizeof(float));
+    if (!ts || (m->tp_size > 1 && !scratch) || !spare) {
         free(ts);
         free(scratch);
+        free(spare);
         return loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
     }
     loom_status s = path ? loom_safetensors_writer_init(&w) : LOOM_OK;
     loom_status listed = add_state_tensors(s == LOOM_OK ? w : NULL, m, io, ts, &n_tensors, scratch);
     if (s == LOOM_OK) s = listed;
     if (!w) {
-        loom_status g = join_gathers(m, ts, n_tensors);
+        loom_status g = join_gathers(m, ts, n_tensors, spare);
         free(ts);
         free(scratch);
+        free(spare);
         return s == LOOM_OK ? g : s;
     }
     meta_kv meta[] = {
@@ -249,11 +251,12 @@ static loom_status write_state(const char *path, loom_llama *m, const loom_momen
         s = loom_safetensors_writer_set_metadata(w, "lora", lora);
     }
     if (s == LOOM_OK) s = loom_safetensors_writer_write(w, path);
-    loom_status g = join_gathers(m, ts, n_tensors);
+    loom_status g = join_gathers(m, ts, n_tensors, spare);
     if (s == LOOM_OK) s = g;
     loom_safetensors_writer_free(w);
     free(ts);
     free(scratch);
+    free(spare);
     return s;
 }
 
@@ -267,37 +270,40 @@ static float *arrays_view(void *user, int i, int kind) {
     return kind ? a->v[i] : a->m[i];
 }
 
+static loom_status arrays_get(void *user, int i, int kind, float *out) {
+    (void)user; (void)out;
+    return loom_error(LOOM_ERR_INVALID, "checkpoint: no %s given for trainable parameter %d", kind ? "adam_v" : "adam_m", i);
+}
+
 loom_status loom_checkpoint_save(const char *dir, loom_llama *m, float *const *adam_m, float *const *adam_v,
                                  int adam_steps, const loom_train_state *st, const char *tokenizer_path) {
     moment_arrays a = {adam_m, adam_v};
-    loom_moments_io io = {arrays_view, NULL, NULL, &a};
+    loom_moments_io io = {arrays_view, arrays_get, NULL, &a};
     return loom_checkpoint_save_io(dir, m, &io, adam_steps, st, tokenizer_path);
 }
 
 loom_status loom_checkpoint_save_io(const char *dir, loom_llama *m, const loom_moments_io *io, int adam_steps,
                                     const loom_train_state *st, const char *tokenizer_path) {
     struct stat sb;
-    /* What loom_checkpoint_load would refuse is never written. */
-    if (!isfinite(st->loss_scale) || !(st->loss_scale >= LOOM_LOSS_SCALE_MIN))
-        return loom_error(LOOM_ERR_INVALID, "checkpoint %s: loss_scale %g is not a finite number from 2^-16 up (1 "
-                          "when the run does not scale its loss)", dir, (double)st->loss_scale);
-    if (m->tp_rank != 0) {
-        /* Take part in the gathers; TP rank 0 writes. */
-        LOOM_TRY(loom_model_dir_save(m, LOOM_F32, NULL, NULL));
-        return write_state(NULL, m, io, adam_steps, st);
-    }
     char tmp[4096], path[4200];
     loom_status s = LOOM_OK;
-    if (stat(dir, &sb) == 0)
+    /* What loom_checkpoint_load would refuse is never written. */
+    if (!isfinite(st->loss_scale) || !(st->loss_scale >= LOOM_LOSS_SCALE_MIN))
+        s = loom_error(LOOM_ERR_INVALID, "checkpoint %s: loss_scale %g is not a finite number from 2^-16 up (1 when "
+                       "the run does not scale its loss)", dir, (double)st->loss_scale);
+    else if (m->tp_rank == 0 && stat(dir, &sb) == 0)
         s = loom_error(LOOM_ERR_IO, "checkpoint %s already exists; refusing to overwrite it", dir);
-    else if (snprintf(tmp, sizeof tmp, "%s.tmp.%d", dir, (int)getpid()) >= (int)sizeof tmp)
+    else if (m->tp_rank == 0 && snprintf(tmp, sizeof tmp, "%s.tmp.%d", dir, (int)getpid()) >= (int)sizeof tmp)
         s = loom_error(LOOM_ERR_INVALID, "checkpoint path too long: %s", dir);
-    if (s != LOOM_OK) { /* the other ranks are in the gathers all the same */
+    if (m->tp_rank != 0 || s != LOOM_OK) {
+        /* The gathers of what TP rank 0 writes, taken part in all the same
+         * when this save fails here: the other ranks are in them. */
         char msg[1024];
-        snprintf(msg, sizeof msg, "%s", loom_last_error());
-        (void)loom_model_dir_save(m, LOOM_F32, NULL, NULL);
-        (void)write_state(NULL, m, io, adam_steps, st);
-        return loom_error(s, "%s", msg);
+        snprintf(msg, sizeof msg, "%s", s != LOOM_OK ? loom_last_error() : "");
+        loom_status g = loom_model_dir_save(m, LOOM_F32, NULL, NULL);
+        loom_status w = write_state(NULL, m, io, adam_steps, st);
+        if (s != LOOM_OK) return loom_error(s, "%s", msg);
+        return g != LOOM_OK ? g : w;
     }
     remove_tree(tmp); /* a stale temporary from a crashed run of this pid */
     s = loom_model_dir_save(m, LOOM_F32, tokenizer_path, tmp);
@@ -364,6 +370,7 @@ static loom_status read_moment(loom_safetensors *sf, const char *path, loom_llam
     snprintf(name, sizeof name, "%s.%s", kind ? "adam_v" : "adam_m", m->params[i]->name);
     float *into = io->view(io->user, i, kind);
     if (into) return read_shard(sf, path, m, i, name, into);
+    if (!io->set) return loom_error(LOOM_ERR_INVALID, "checkpoint: nowhere to load %s to", name);
     float *copy = malloc((size_t)loom_param_numel(m->params[i]) * sizeof(float) + 1);
     if (!copy) return loom_error(LOOM_ERR_NOMEM, "checkpoint: out of memory");
     loom_status s = read_shard(sf, path, m, i, name, copy);

@@ -274,33 +274,40 @@ static loom_status fill_weight(void *user, void *dst, size_t n_bytes) {
 /* With tensor parallelism, the gathers of every weight not written (all
  * of them on a rank that writes no file, the rest after a failed write)
  * are joined all the same: the other ranks of the group are in them. */
-static loom_status join_weight_gathers(loom_llama *m, lazy_weight *lazy) {
-    if (m->tp_size == 1) return LOOM_OK;
-    size_t widest = 1;
-    for (int i = 0; i < m->n_base; i++) {
-        int64_t fs[2];
-        loom_llama_param_full_shape(m, i, fs);
-        if ((size_t)(fs[0] * fs[1]) > widest) widest = (size_t)(fs[0] * fs[1]);
-    }
-    void *spare = NULL;
+static loom_status join_weight_gathers(loom_llama *m, lazy_weight *lazy, void *spare) {
     loom_status st = LOOM_OK;
-    for (int i = 0; i < m->n_base; i++) {
+    for (int i = 0; m->tp_size > 1 && i < m->n_base; i++) {
         if (!lazy[i].fill || lazy[i].done) continue;
-        if (!spare && !(spare = malloc(widest * sizeof(float))))
-            return loom_error(LOOM_ERR_NOMEM, "save weights: out of memory");
         int64_t fs[2];
         loom_llama_param_full_shape(m, i, fs);
         loom_status g = fill_weight(&lazy[i], spare, (size_t)(fs[0] * fs[1]) * loom_dtype_size(lazy[i].dt));
         if (st == LOOM_OK) st = g;
     }
-    free(spare);
     return st;
+}
+
+/* The widest of m's own weights, in floats. */
+static size_t widest_weight(const loom_llama *m) {
+    size_t most = 1;
+    for (int i = 0; i < m->n_base; i++) {
+        int64_t fs[2];
+        loom_llama_param_full_shape(m, i, fs);
+        if ((size_t)(fs[0] * fs[1]) > most) most = (size_t)(fs[0] * fs[1]);
+    }
+    return most;
 }
 
 loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *path) {
     loom_safetensors_writer *w = NULL;
     lazy_weight *lazy = calloc((size_t)m->n_params + 1, sizeof *lazy);
-    if (!lazy) return loom_error(LOOM_ERR_NOMEM, "save weights: out of memory");
+    /* Before any gather (pages only touched when used): a whole weight
+     * whose gathers are joined without writing it. */
+    void *spare = m->tp_size > 1 ? malloc(widest_weight(m) * sizeof(float)) : NULL;
+    if (!lazy || (m->tp_size > 1 && !spare)) {
+        free(lazy);
+        free(spare);
+        return loom_error(LOOM_ERR_NOMEM, "save weights: out of memory");
+    }
     loom_status st = path ? loom_safetensors_writer_init(&w) : LOOM_OK;
     /* The model's own weights, LoRA adapters merged in (the adapters
      * themselves are not Hugging Face tensors: a checkpoint keeps them).
@@ -329,9 +336,10 @@ loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *pa
     }
     if (st == LOOM_OK && w) st = loom_safetensors_writer_set_metadata(w, "format", "pt");
     if (st == LOOM_OK && w) st = loom_safetensors_writer_write(w, path);
-    loom_status g = join_weight_gathers(m, lazy);
+    loom_status g = join_weight_gathers(m, lazy, spare);
     if (st == LOOM_OK) st = g;
     free(lazy);
+    free(spare);
     loom_safetensors_writer_free(w);
     return st;
 }

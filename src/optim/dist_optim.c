@@ -48,6 +48,8 @@ struct loom_dist_optim {
     float *m, *v;         /* ZeRO: (shard) moments */
     int steps;
     int io_first;         /* loom_dist_optim_moments_io: model index of params[0] */
+    int *part_counts;     /* ZeRO: (dp_size) scratch of gather_moment, made with the optimizer */
+    int masters_lent;     /* ZeRO: the whole masters live in flat (unshard_masters) */
 };
 
 /* Is parameter i's master held (sharded) by the optimizer? ZeRO-1 with a
@@ -80,9 +82,19 @@ void loom_dist_optim_free(loom_dist_optim *o) {
     }
     free(o->buckets);
     free(o->base);
+    free(o->part_counts);
     /* Parameters outlive the optimizer: their gradients move back into
      * their own memory (a local copy; sharded masters stay dropped: that
      * would take a collective, see loom_dist_optim_unshard_masters). */
+    /* Masters lent from flat become the parameters' own, and flat holds
+     * gradients (zero) again. */
+    for (int i = 0; o->masters_lent && i < o->n; i++) {
+        loom_param *p = o->params[i];
+        if (!p->master_borrowed) continue;
+        loom_param_drop_master(p);
+        LOOM_ASSERT(loom_param_attach_master(p, o->flat + o->offset[i]) == LOOM_OK);
+    }
+    if (o->masters_lent) memset(o->flat, 0, o->padded * sizeof(float));
     for (int i = 0; i < o->n; i++)
         if (grad_in_flat(o, i)) LOOM_ASSERT(loom_param_set_grad_buffer(o->params[i], NULL) == LOOM_OK);
     loom_adamw_free(o->plain);
@@ -170,10 +182,11 @@ loom_status loom_dist_optim_new(const loom_adamw_config *cfg, loom_param *const 
         o->own_grad = o->flat + o->own_begin;
         o->m = loom_alloc_zeroed(o->shard * sizeof(float), LOOM_MEM_OPTIMIZER);
         o->v = loom_alloc_zeroed(o->shard * sizeof(float), LOOM_MEM_OPTIMIZER);
+        o->part_counts = calloc((size_t)D, sizeof *o->part_counts);
         int half = 0; /* fp32 compute copies are their own masters: nothing to shard */
         for (int i = 0; i < n; i++) half |= master_sharded(o, i);
         if (half) o->own_master = loom_alloc_zeroed(o->shard * sizeof(float), LOOM_MEM_PARAMS);
-        if (!o->m || !o->v || (half && !o->own_master)) st = LOOM_ERR_NOMEM;
+        if (!o->m || !o->v || !o->part_counts || (half && !o->own_master)) st = LOOM_ERR_NOMEM;
         if (st == LOOM_OK) st = loom_dist_optim_reshard_masters(o);
     } else if (st == LOOM_OK) {
         st = loom_adamw_new(cfg, params, n, &o->plain);
@@ -287,6 +300,10 @@ loom_status loom_dist_optim_prepare(loom_dist_optim *o, const loom_loss_scaler *
                                     loom_step_info *info) {
     double ss = 0.0;
     int bad = 0;
+    if (o->masters_lent)
+        return loom_error(LOOM_ERR_STATE, "optimizer: the whole masters live in the gradient buffer "
+                          "(loom_dist_optim_unshard_masters); call loom_dist_optim_reshard_masters before the next "
+                          "step's backward");
     if (!o->distributed) {
         loom_amp_prepare_step(o->params, o->n, scaler, max_norm, info);
         return LOOM_OK;
@@ -399,6 +416,9 @@ void loom_dist_optim_set_steps(loom_dist_optim *o, int steps) {
 
 /* ---------------------------------------------------- masters and moments */
 
+/* The whole masters are gathered into the flat gradient buffer (which
+ * holds no gradients between steps) and lent to the parameters from there:
+ * no memory beyond what the optimizer holds already. */
 loom_status loom_dist_optim_unshard_masters(loom_dist_optim *o) {
     if (!o->own_master) return LOOM_OK;
     int any = 0;
@@ -406,10 +426,9 @@ loom_status loom_dist_optim_unshard_masters(loom_dist_optim *o) {
     if (!any) return LOOM_OK;
     own_masters_to_flat(o);
     LOOM_TRY(loom_comm_allgather_f32(o->dist.dp, o->flat + o->own_begin, o->flat, o->shard));
-    loom_status st = LOOM_OK;
-    for (int i = 0; i < o->n && st == LOOM_OK; i++) st = loom_param_attach_master(o->params[i], o->flat + o->offset[i]);
-    memset(o->flat, 0, o->padded * sizeof(float));
-    return st;
+    for (int i = 0; i < o->n; i++) loom_param_lend_master(o->params[i], o->flat + o->offset[i]);
+    o->masters_lent = 1;
+    return LOOM_OK;
 }
 
 loom_status loom_dist_optim_reshard_masters(loom_dist_optim *o) {
@@ -422,6 +441,8 @@ loom_status loom_dist_optim_reshard_masters(loom_dist_optim *o) {
                    (t - s) * sizeof(float));
         loom_param_drop_master(o->params[i]);
     }
+    if (o->masters_lent) memset(o->flat, 0, o->padded * sizeof(float)); /* gradients again */
+    o->masters_lent = 0;
     return LOOM_OK;
 }
 
@@ -439,9 +460,7 @@ static float *io_view(void *user, int i, int kind) {
 /* ZeRO: gather parameter j's moment from the ranks that own its parts
  * (contiguous, in rank order) to DP rank 0. */
 static loom_status gather_moment(loom_dist_optim *o, int j, int kind, float *out) {
-    int D = o->dist.dp_size;
-    int *counts = calloc((size_t)D, sizeof *counts);
-    if (!counts) return loom_error(LOOM_ERR_NOMEM, "optimizer: out of memory");
+    int D = o->dist.dp_size, *counts = o->part_counts; /* made beforehand: no failure before the gather */
     size_t lo = o->offset[j], hi = lo + (size_t)loom_param_numel(o->params[j]);
     for (int r = 0; r < D; r++) {
         size_t b = (size_t)r * o->shard, e = b + o->shard;
@@ -450,9 +469,7 @@ static loom_status gather_moment(loom_dist_optim *o, int j, int kind, float *out
     }
     size_t s, t;
     const float *mine = own_part(o, j, &s, &t) ? moment_base(o, kind) + (s - o->own_begin) : moment_base(o, kind);
-    loom_status st = loom_comm_gatherv_f32(o->dist.dp, mine, out, counts, 0);
-    free(counts);
-    return st;
+    return loom_comm_gatherv_f32(o->dist.dp, mine, out, counts, 0);
 }
 
 static loom_status io_get(void *user, int i, int kind, float *out) {

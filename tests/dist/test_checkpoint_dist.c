@@ -10,9 +10,10 @@
  *  - A save, then a load into a fresh model and optimizer, gives back every
  *    master and moment bit for bit.
  *  - A save that fails on the writing rank (the checkpoint exists; its
- *    directory cannot be made) returns the error there, and every other
- *    rank still finishes its part: no rank is left in a gather (a barrier
- *    after it meets, and a save after it succeeds).
+ *    directory cannot be made; the state file's write stops partway)
+ *    returns the error there, and every other rank still finishes its
+ *    part: no rank is left in a gather (a barrier after it meets, and a
+ *    load after it gathers the same way).
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -21,6 +22,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "loom/loom.h"
@@ -39,7 +43,9 @@ static void run_open(run *r, int tp, int zero, loom_dtype dtype, uint64_t seed) 
     assert_int_equal(loom_dist_layout(world, tp, &r->dist), LOOM_OK);
     loom_llama_config c;
     memset(&c, 0, sizeof c);
-    c.dim = 16; c.n_layers = 1; c.n_heads = 2; c.n_kv_heads = 2; c.ffn_dim = 24; c.vocab_size = 40;
+    /* A state of about 800 KiB: more than the file writer's buffer, so
+     * that a write can fail before the last tensors are gathered. */
+    c.dim = 32; c.n_layers = 1; c.n_heads = 2; c.n_kv_heads = 2; c.ffn_dim = 48; c.vocab_size = 1024;
     c.max_seq = 8; c.rope_theta = 10000.0f; c.norm_eps = 1e-5f;
     loom_precision p = {dtype, dtype != LOOM_F32};
     assert_int_equal(loom_llama_new_tp(&c, p, r->dist.tp, &r->m), LOOM_OK);
@@ -138,6 +144,31 @@ static void check_layout(int tp, int zero, loom_dtype dtype, const char *tag) {
     loom_status s = save(&a, bad);
     if (writer) assert_int_not_equal(s, LOOM_OK);
     else assert_int_equal(s, LOOM_OK);
+    assert_int_equal(loom_comm_barrier(world), LOOM_OK);
+    /* A write that stops partway through the state (a file size limit
+     * standing in for a full disk, on the writer only): the tensors after
+     * it are still gathered. */
+    struct rlimit old, lim;
+    if (writer) {
+        char state[300];
+        struct stat sb;
+        snprintf(state, sizeof state, "%s/state.safetensors", dir);
+        assert_int_equal(stat(state, &sb), 0);
+        signal(SIGXFSZ, SIG_IGN);
+        assert_int_equal(getrlimit(RLIMIT_FSIZE, &old), 0);
+        lim = old;
+        lim.rlim_cur = (rlim_t)sb.st_size / 2; /* above the weights' file, a third of the state's */
+        assert_int_equal(setrlimit(RLIMIT_FSIZE, &lim), 0);
+    }
+    snprintf(bad, sizeof bad, "%s/%s-partial", scratch, tag);
+    s = save(&a, bad);
+    if (writer) {
+        assert_int_equal(setrlimit(RLIMIT_FSIZE, &old), 0);
+        assert_int_equal(s, LOOM_ERR_IO);
+        assert_non_null(strstr(loom_last_error(), "state.safetensors"));
+    } else {
+        assert_int_equal(s, LOOM_OK);
+    }
     assert_int_equal(loom_comm_barrier(world), LOOM_OK);
 
     /* Back, bit for bit, into a model and optimizer that start elsewhere. */

@@ -259,6 +259,51 @@ static void test_moments_one_tensor_at_a_time(void **state) {
     assert_true(moved > 100);
 }
 
+/* ZeRO-1's whole masters (unshard) live in the gradient buffer, lent to
+ * the parameters: no memory of their own, a step refused until they are
+ * taken back (which leaves zero gradients), and their own copies, of the
+ * same values, once the optimizer is freed. */
+static void test_masters_lent_from_gradient_buffer(void **state) {
+    (void)state;
+    loom_param *ps[NP];
+    for (int i = 0; i < NP; i++) {
+        char name[8];
+        snprintf(name, sizeof name, "w%d", i);
+        assert_int_equal(loom_param_new(name, LOOM_BF16, 1, &io_sizes[i], 1, &ps[i]), LOOM_OK);
+        float w[64];
+        for (int k = 0; k < io_sizes[i]; k++) w[k] = 0.02f * (float)(k + i);
+        assert_int_equal(loom_param_set_f32(ps[i], w, io_sizes[i]), LOOM_OK);
+    }
+    loom_adamw_config ac = loom_adamw_defaults();
+    loom_dist_optim *o = NULL;
+    assert_int_equal(loom_dist_optim_new(&ac, ps, NP, &dist, 1, 0, &o), LOOM_OK);
+    int zero = dist.dp_size > 1;
+    loom_loss_scaler sc;
+    loom_loss_scaler_init(&sc, 0);
+    loom_step_info info;
+    assert_int_equal(loom_dist_optim_unshard_masters(o), LOOM_OK);
+    for (int i = 0; i < NP; i++) assert_int_equal(loom_param_master(ps[i]) == (float *)ps[i]->grad, zero);
+    assert_int_equal(loom_dist_optim_prepare(o, &sc, 0.0f, &info), zero ? LOOM_ERR_STATE : LOOM_OK);
+    assert_int_equal(loom_dist_optim_reshard_masters(o), LOOM_OK);
+    float g[64], m[NP][64];
+    for (int i = 0; i < NP; i++) {
+        loom_param_read_grad(ps[i], g);
+        for (int k = 0; k < io_sizes[i]; k++) assert_true(g[k] == 0.0f);
+    }
+    assert_int_equal(loom_dist_optim_prepare(o, &sc, 0.0f, &info), LOOM_OK);
+    assert_int_equal(loom_dist_optim_step(o, 1e-2f, info.grad_multiplier), LOOM_OK);
+    assert_int_equal(loom_dist_optim_unshard_masters(o), LOOM_OK);
+    for (int i = 0; i < NP; i++) memcpy(m[i], loom_param_master(ps[i]), (size_t)io_sizes[i] * sizeof(float));
+    loom_dist_optim_free(o);
+    for (int i = 0; i < NP; i++) {
+        assert_false(ps[i]->master_borrowed);
+        assert_memory_equal(loom_param_master(ps[i]), m[i], (size_t)io_sizes[i] * sizeof(float));
+        loom_param_read_grad(ps[i], g);
+        for (int k = 0; k < io_sizes[i]; k++) assert_true(g[k] == 0.0f);
+        loom_param_free(ps[i]);
+    }
+}
+
 int main(int argc, char **argv) {
     loom_comm *world = NULL;
     if (loom_dist_init(&argc, &argv, &world) != LOOM_OK || loom_dist_layout(world, 1, &dist) != LOOM_OK) {
@@ -271,6 +316,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_late_gradient_stops_every_rank),
         cmocka_unit_test(test_parameter_inside_reentrant_and_after),
         cmocka_unit_test(test_moments_one_tensor_at_a_time),
+        cmocka_unit_test(test_masters_lent_from_gradient_buffer),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     loom_dist_layout_free(&dist);
