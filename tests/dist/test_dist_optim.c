@@ -185,8 +185,8 @@ static void test_parameter_inside_reentrant_and_after(void **state) {
 #define NP 3
 static const int64_t io_sizes[NP] = {5, 37, 22};
 
-static void moments_after_steps(int zero, float *out) {
-    loom_param *ps[NP];
+/* NP bf16 parameters (master-grad) of io_sizes, with nonzero values. */
+static void make_params(loom_param **ps) {
     for (int i = 0; i < NP; i++) {
         char name[8];
         snprintf(name, sizeof name, "w%d", i);
@@ -195,6 +195,11 @@ static void moments_after_steps(int zero, float *out) {
         for (int k = 0; k < io_sizes[i]; k++) w[k] = 0.01f * (float)(k - 7 * i);
         assert_int_equal(loom_param_set_f32(ps[i], w, io_sizes[i]), LOOM_OK);
     }
+}
+
+static void moments_after_steps(int zero, float *out) {
+    loom_param *ps[NP];
+    make_params(ps);
     loom_adamw_config ac = loom_adamw_defaults();
     loom_dist_optim *o = NULL;
     assert_int_equal(loom_dist_optim_new(&ac, ps, NP, &dist, zero, 0, &o), LOOM_OK);
@@ -266,14 +271,7 @@ static void test_moments_one_tensor_at_a_time(void **state) {
 static void test_masters_lent_from_gradient_buffer(void **state) {
     (void)state;
     loom_param *ps[NP];
-    for (int i = 0; i < NP; i++) {
-        char name[8];
-        snprintf(name, sizeof name, "w%d", i);
-        assert_int_equal(loom_param_new(name, LOOM_BF16, 1, &io_sizes[i], 1, &ps[i]), LOOM_OK);
-        float w[64];
-        for (int k = 0; k < io_sizes[i]; k++) w[k] = 0.02f * (float)(k + i);
-        assert_int_equal(loom_param_set_f32(ps[i], w, io_sizes[i]), LOOM_OK);
-    }
+    make_params(ps);
     loom_adamw_config ac = loom_adamw_defaults();
     loom_dist_optim *o = NULL;
     assert_int_equal(loom_dist_optim_new(&ac, ps, NP, &dist, 1, 0, &o), LOOM_OK);
