@@ -92,8 +92,15 @@ loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokeni
  * adapters), LOOM_ERR_IO, LOOM_ERR_NOMEM. */
 loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base_model);
 /* A PEFT LoRA adapter directory's setting, from its adapter_config.json:
- * r, lora_alpha (PEFT's default 8), target_modules (a list of q_proj ..
- * down_proj, or "all-linear") and lora_dropout. Refusals as below. */
+ * r, lora_alpha (PEFT's default 8), target_modules and lora_dropout.
+ * target_modules selects modules by name as PEFT does: "all-linear"; a
+ * list of names, each matching the modules it equals or ends after a '.'
+ * ("v_proj", "self_attn.v_proj"); or a regular expression matching whole
+ * names (model\.layers\.[0-9]+\.self_attn\.(q|v)_proj: the syntax
+ * Python's and POSIX extended ones share; Python's escapes such as \d,
+ * (?...) groups and counted repeats are refused). It must select each of
+ * q_proj .. down_proj in every layer or in none (layers 0..127 checked).
+ * Refusals as below. */
 loom_status loom_lora_peft_config(const char *dir, loom_lora_config *c);
 /* Apply a PEFT LoRA adapter directory (adapter_config.json,
  * adapter_model.safetensors, any float dtype) to m: loom_llama_add_lora
@@ -103,7 +110,8 @@ loom_status loom_lora_peft_config(const char *dir, loom_lora_config *c);
  * A and B into them. Refused by name (LOOM_ERR_UNSUPPORTED): use_rslora, use_dora,
  * fan_in_fan_out, a bias or lora_bias, modules_to_save, exclude_modules,
  * layers_to_transform, layer_replication, rank or alpha patterns, other
- * modules, and tensors that are not those adapters.
+ * modules or some layers only (target_modules), and tensors that are not
+ * those adapters.
  * Errors also: LOOM_ERR_FORMAT (bad JSON, a missing tensor or one of
  * another shape, NaN), LOOM_ERR_IO, those of loom_llama_add_lora. After an
  * error past the setting's checks the model has adapters that may be

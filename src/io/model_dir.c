@@ -9,10 +9,12 @@
 #include "loom/checkpoint.h"
 #include "io/io_internal.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <float.h>
 #include <math.h>
 #include <jansson.h>
+#include <regex.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -561,8 +563,108 @@ loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base
     return st;
 }
 
+/* PEFT's target_modules selects modules by their full names: a list entry
+ * names the modules it equals or ends (after a '.'), a string is a Python
+ * regular expression that must match a whole name. loom adapts a linear
+ * in every layer or in none, so a selection is checked against the names
+ * of layers 0 .. PEFT_LAYERS - 1 (more than any LLaMA has): each linear
+ * must be chosen in all of them or in none. */
+#define PEFT_LAYERS 128
+
+/* The module name of linear t in layer l, as Hugging Face's LlamaForCausalLM
+ * names it (PEFT's keys). */
+static void peft_module_name(int l, int t, char *buf, size_t n) {
+    snprintf(buf, n, "model.layers.%d.%s.%s", l, t <= LOOM_LORA_O ? "self_attn" : "mlp",
+             loom_lora_target_name((loom_lora_target)t));
+}
+
+typedef int (*peft_match_fn)(const void *how, const char *name);
+
+/* The linears `match` selects, into *targets; refused unless each is
+ * selected in every layer or in none, and unless something is. */
+static loom_status peft_select(peft_match_fn match, const void *how, const char *what, const char *path,
+                               unsigned *targets) {
+    char name[96];
+    unsigned chosen = 0;
+    for (int t = 0; t < LOOM_LORA_N; t++) {
+        int in = 0;
+        for (int l = 0; l < PEFT_LAYERS; l++) {
+            peft_module_name(l, t, name, sizeof name);
+            in += match(how, name) != 0;
+        }
+        if (in && in < PEFT_LAYERS) {
+            peft_module_name(0, t, name, sizeof name);
+            return loom_error(LOOM_ERR_UNSUPPORTED, "%s: target_modules %s selects %s in some layers only; loom "
+                              "adapts a linear in every layer or in none", path, what,
+                              loom_lora_target_name((loom_lora_target)t));
+        }
+        if (in) chosen |= 1u << t;
+    }
+    if (!chosen)
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: target_modules %s selects none of q_proj, k_proj, v_proj, "
+                          "o_proj, gate_proj, up_proj, down_proj (the linears loom adapts)", path, what);
+    *targets |= chosen;
+    return LOOM_OK;
+}
+
+/* A list entry: the name itself, or the end of a name after a '.'. */
+static int name_ends_with(const void *how, const char *name) {
+    const char *key = how;
+    size_t n = strlen(name), k = strlen(key);
+    return !strcmp(name, key) || (n > k && name[n - k - 1] == '.' && !strcmp(name + n - k, key));
+}
+
+static loom_status peft_name_targets(const char *entry, const char *path, unsigned *targets) {
+    char what[160];
+    snprintf(what, sizeof what, "entry \"%.120s\"", entry);
+    return peft_select(name_ends_with, entry, what, path, targets);
+}
+
+/* A whole-name match of a POSIX extended regular expression. */
+static int regex_matches(const void *how, const char *name) {
+    regmatch_t at;
+    return regexec(how, name, 1, &at, 0) == 0 && at.rm_so == 0 && name[at.rm_eo] == '\0';
+}
+
+/* A pattern: Python's re.fullmatch, for the syntax Python's regular
+ * expressions share with POSIX extended ones (literals, '.', classes,
+ * groups, alternation, the quantifiers * + ?, anchors); Python's own
+ * escapes (\d, \w, \s, \b ...), (?...) groups and counted repeats are
+ * refused rather than read another way. */
+static loom_status peft_pattern_targets(const char *pattern, const char *path, unsigned *targets) {
+    char what[160];
+    snprintf(what, sizeof what, "pattern \"%.120s\"", pattern);
+    if (strlen(pattern) > 512)
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: target_modules %s is longer than the 512 characters loom reads",
+                          path, what);
+    int run = 0; /* quantifiers in a row; Python reads a second '?' as lazy, the same whole matches */
+    for (const char *q = pattern; *q; q++) {
+        run = strchr("*+?", *q) ? run + 1 : 0;
+        if (run > 2 || (run == 2 && *q != '?'))
+            return loom_error(LOOM_ERR_UNSUPPORTED, "%s: target_modules %s repeats a repeat, which loom's patterns "
+                              "do not read", path, what);
+        if (*q == '\\' && q[1] && isalnum((unsigned char)q[1]))
+            return loom_error(LOOM_ERR_UNSUPPORTED, "%s: target_modules %s uses \\%c, which loom's patterns do not "
+                              "read; write it with classes such as [0-9]", path, what, q[1]);
+        if (*q == '(' && q[1] == '?')
+            return loom_error(LOOM_ERR_UNSUPPORTED, "%s: target_modules %s uses a (?...) group, which loom's "
+                              "patterns do not read", path, what);
+        if (*q == '{') /* nested counts can make a compiled pattern explode */
+            return loom_error(LOOM_ERR_UNSUPPORTED, "%s: target_modules %s uses a counted repeat {m,n}, which "
+                              "loom's patterns do not read; write it with + or *", path, what);
+        if (*q == '\\' && q[1]) q++;
+    }
+    regex_t re;
+    if (regcomp(&re, pattern, REG_EXTENDED) != 0)
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: target_modules %s is not a regular expression loom reads",
+                          path, what);
+    loom_status st = peft_select(regex_matches, &re, what, path, targets);
+    regfree(&re);
+    return st;
+}
+
 /* adapter_config.json's LoRA setting; what loom does not compute (rsLoRA,
- * DoRA, biases, patterns, other modules) is refused by name. */
+ * DoRA, biases, other modules, some layers only) is refused by name. */
 static loom_status peft_config(json_t *root, const char *path, loom_lora_config *c) {
     memset(c, 0, sizeof *c);
     json_t *type = json_object_get(root, "peft_type");
@@ -600,21 +702,16 @@ static loom_status peft_config(json_t *root, const char *path, loom_lora_config 
         c->targets = LOOM_LORA_ALL;
         return LOOM_OK;
     }
+    if (json_is_string(t)) return peft_pattern_targets(json_string_value(t), path, &c->targets);
     if (!json_is_array(t) || !json_array_size(t))
-        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: target_modules must be a list of q_proj .. down_proj (or "
-                          "\"all-linear\"); loom does not match module names by pattern", path);
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: target_modules must be a list of module names, a pattern, or "
+                          "\"all-linear\"", path);
     size_t i;
     json_t *v;
     json_array_foreach(t, i, v) {
-        int one = 0; /* the module's name, exactly */
-        while (one < LOOM_LORA_N && !(json_is_string(v) && !strcmp(json_string_value(v),
-                                                                 loom_lora_target_name((loom_lora_target)one))))
-            one++;
-        if (one == LOOM_LORA_N)
-            return loom_error(LOOM_ERR_UNSUPPORTED, "%s: target_modules entry %s is not one of q_proj, k_proj, "
-                              "v_proj, o_proj, gate_proj, up_proj, down_proj", path,
-                              json_is_string(v) ? json_string_value(v) : "(not a string)");
-        c->targets |= 1u << one;
+        if (!json_is_string(v))
+            return loom_error(LOOM_ERR_FORMAT, "%s: target_modules entry %zu is not a string", path, i);
+        LOOM_TRY(peft_name_targets(json_string_value(v), path, &c->targets));
     }
     return LOOM_OK;
 }

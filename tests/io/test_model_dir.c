@@ -394,7 +394,26 @@ static void test_peft_adapter(void **state) {
     static const struct { const char *json, *msg; loom_status st; } bad[] = {
         {"{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 3, \"target_modules\": [\"v_proj\", \"up_proj\"], "
          "\"use_rslora\": true}", "use_rslora", LOOM_ERR_UNSUPPORTED},
-        {"{\"peft_type\": \"LORA\", \"r\": 2, \"target_modules\": \".*proj\"}", "pattern", LOOM_ERR_UNSUPPORTED},
+        /* a pattern that selects every linear, where the file has two */
+        {"{\"peft_type\": \"LORA\", \"r\": 2, \"target_modules\": \".*proj\"}", "q_proj.lora_A.weight is missing",
+         LOOM_ERR_FORMAT},
+        {"{\"r\": 2, \"target_modules\": \"model\\\\.layers\\\\.\\\\d+\\\\.self_attn\\\\.v_proj\"}", "uses \\d",
+         LOOM_ERR_UNSUPPORTED},
+        {"{\"r\": 2, \"target_modules\": \"(?:v|up)_proj\"}", "(?...) group", LOOM_ERR_UNSUPPORTED},
+        {"{\"r\": 2, \"target_modules\": \"model.layers.[0-9]{1,3}.self_attn.v_proj\"}", "counted repeat",
+         LOOM_ERR_UNSUPPORTED},
+        {"{\"r\": 2, \"target_modules\": \"model.layers.[0-9]++.self_attn.v_proj\"}", "repeats a repeat",
+         LOOM_ERR_UNSUPPORTED},
+        {"{\"r\": 2, \"target_modules\": \"model.layers.0.self_attn.v_proj\"}", "v_proj in some layers only",
+         LOOM_ERR_UNSUPPORTED},
+        {"{\"r\": 2, \"target_modules\": \"model.layers.[0-9].mlp.up_proj\"}", "up_proj in some layers only",
+         LOOM_ERR_UNSUPPORTED},
+        {"{\"r\": 2, \"target_modules\": [\"v_proj\", \"model.layers.1.mlp.up_proj\"]}",
+         "up_proj in some layers only", LOOM_ERR_UNSUPPORTED},
+        {"{\"r\": 2, \"target_modules\": \"(v_proj\"}", "not a regular expression", LOOM_ERR_UNSUPPORTED},
+        {"{\"r\": 2, \"target_modules\": \"lm_head\"}", "selects none of q_proj", LOOM_ERR_UNSUPPORTED},
+        /* a pattern matches whole names: "v_proj" alone names no module */
+        {"{\"r\": 2, \"target_modules\": \"v_proj\"}", "selects none of q_proj", LOOM_ERR_UNSUPPORTED},
         {"{\"peft_type\": \"PREFIX_TUNING\", \"r\": 2}", "peft_type", LOOM_ERR_UNSUPPORTED},
         {"{\"peft_type\": \"LORA\", \"r\": 2, \"target_modules\": [\"v_proj\", \"lm_head\"]}", "lm_head",
          LOOM_ERR_UNSUPPORTED},
@@ -409,7 +428,8 @@ static void test_peft_adapter(void **state) {
         {"{\"peft_type\": \"LORA\", \"r\": 3, \"target_modules\": [\"v_proj\", \"up_proj\"]}", "v_proj.lora_A",
          LOOM_ERR_FORMAT},
         {"{\"r\": 2, ", "invalid JSON", LOOM_ERR_FORMAT},
-        {"{\"r\": 2, \"target_modules\": [\"v\", \"up_proj\"]}", "entry v is not", LOOM_ERR_UNSUPPORTED},
+        {"{\"r\": 2, \"target_modules\": [\"v\", \"up_proj\"]}", "entry \"v\" selects none", LOOM_ERR_UNSUPPORTED},
+        {"{\"r\": 2, \"target_modules\": [\"v_proj\", 3]}", "entry 1 is not a string", LOOM_ERR_FORMAT},
         {"{\"r\": 2, \"target_modules\": [\"v_proj\", \"up_proj\"], \"lora_bias\": true}", "lora_bias",
          LOOM_ERR_UNSUPPORTED},
         {"{\"r\": 2, \"target_modules\": [\"v_proj\", \"up_proj\"], \"lora_dropout\": 0.99999999999}",
@@ -424,6 +444,21 @@ static void test_peft_adapter(void **state) {
         assert_int_equal(loom_lora_load_peft(b, io_path("adapter")), bad[k].st);
         IO_ASSERT_MSG(bad[k].msg);
         loom_llama_free(b);
+    }
+    /* The same two linears named by the ends of their names, and by
+     * patterns (PEFT's re.fullmatch over the module names). */
+    static const char *const same[] = {
+        "{\"r\": 2, \"lora_alpha\": 3, \"target_modules\": [\"self_attn.v_proj\", \"mlp.up_proj\"]}",
+        "{\"r\": 2, \"lora_alpha\": 3, \"target_modules\": \".*\\\\.(v_proj|up_proj)\"}",
+        "{\"r\": 2, \"lora_alpha\": 3, \"target_modules\": \"model\\\\.layers\\\\.[0-9]+\\\\.(self_attn\\\\.v|mlp\\\\.up)_proj\"}",
+        "{\"r\": 2, \"lora_alpha\": 3, \"target_modules\": \"^.*?(v|up)_proj$\"}",
+    };
+    for (size_t k = 0; k < sizeof same / sizeof same[0]; k++) {
+        io_write_raw(cfg_path, same[k], strlen(same[k]));
+        loom_llama *e = model(5);
+        assert_int_equal(loom_lora_load_peft(e, io_path("adapter")), LOOM_OK);
+        assert_true(e->lora.targets == lc.targets);
+        loom_llama_free(e);
     }
     /* PEFT's default alpha (8) when the config leaves it out */
     const char *no_alpha = "{\"r\": 2, \"target_modules\": [\"up_proj\", \"v_proj\"]}";
