@@ -88,7 +88,9 @@ loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokeni
  * lora_dropout, base_model_name_or_path = base_model or null); each file
  * written atomically, the directory created if needed. With tensor
  * parallelism every rank of the TP group calls it (the adapters are
- * gathered whole) and TP rank 0 writes. Errors: LOOM_ERR_INVALID (no
+ * gathered whole) and TP rank 0 writes: the write's errors are returned
+ * there only. With ZeRO the masters must be whole
+ * (loom_dist_optim_unshard_masters). Errors: LOOM_ERR_INVALID (no
  * adapters), LOOM_ERR_IO, LOOM_ERR_NOMEM. */
 loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base_model);
 /* A PEFT LoRA adapter directory's setting, from its adapter_config.json:
@@ -213,7 +215,9 @@ loom_status loom_checkpoint_load(const char *dir, loom_llama *m, float *const *a
                                  int *adam_steps, loom_train_state *st);
 /* The same with the moments written through io: into the optimizer's own
  * where it lends them, else one tensor at a time through io->set. Every
- * rank reads the files itself (no communication). */
+ * rank reads the files itself (no communication). With ZeRO the masters
+ * must be whole while it runs (loom_dist_optim_unshard_masters before,
+ * loom_dist_optim_reshard_masters after). */
 loom_status loom_checkpoint_load_io(const char *dir, loom_llama *m, const loom_moments_io *io, int *adam_steps,
                                     loom_train_state *st);
 

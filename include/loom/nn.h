@@ -206,7 +206,7 @@ loom_status loom_llama_plan_recompute(loom_llama *m, loom_recompute_mode mode, i
  * after n_base, are the trainable parameters, in the model's precision
  * (fp32 masters and main_grad under master-grad). A drawn from (seed,
  * adapter index). Forward, backward, every recompute mode and generation
- * use the adapters; loom_model_dir_save writes the merged weights
+ * (which refuses tensor parallelism) use the adapters; loom_model_dir_save writes the merged weights
  * W + (alpha / rank) B A. Once per model, before any optimizer is made
  * over its parameters. With tensor parallelism the adapters are split as
  * in loom_llama_new_lora_tp, and dropout is refused on o and down (their
@@ -230,7 +230,8 @@ loom_status loom_llama_new_lora(const loom_llama_config *cfg, loom_precision pre
 loom_status loom_llama_new_lora_tp(const loom_llama_config *cfg, loom_precision prec, const loom_lora_config *lora,
                                    uint64_t seed, loom_comm *tp_comm, loom_llama **out);
 /* Base parameter i's full fp32 values with its adapter merged in (W +
- * (alpha / rank) B A; the plain values for a parameter without one). */
+ * (alpha / rank) B A; the plain values for a parameter without one).
+ * Collective over the TP group (W, A and B are gathered whole). */
 loom_status loom_llama_param_merged(loom_llama *m, int i, float *full);
 /* The adapter pair of base parameter i, or 0 (a, b untouched) when it has none. */
 int loom_llama_lora_of(const loom_llama *m, int i, loom_param **a, loom_param **b);

@@ -147,8 +147,15 @@ void loom_param_sync_from_master(loom_param *p) {
                      (size_t)loom_param_numel(p));
 }
 
+/* ZeRO-1 lends the whole master in the gradient's own memory between
+ * steps (loom_dist_optim_unshard_masters): the gradient is zero then, and
+ * taking the master back zeroes that memory. */
+static int grad_holds_master(const loom_param *p) {
+    return p->master_borrowed && (void *)p->master == p->grad;
+}
+
 void loom_param_zero_grad(loom_param *p) {
-    if (p->grad) memset(p->grad, 0, (size_t)loom_param_numel(p) * loom_dtype_size(p->grad_dtype));
+    if (p->grad && !grad_holds_master(p)) memset(p->grad, 0, (size_t)loom_param_numel(p) * loom_dtype_size(p->grad_dtype));
     p->uses = 0;
     p->contributions = 0;
     p->grad_written = 0;
@@ -156,6 +163,7 @@ void loom_param_zero_grad(loom_param *p) {
 
 void *loom_param_grad_target(loom_param *p, loom_dtype *dt) {
     LOOM_ASSERT(p->grad != NULL); /* frozen for good (loom_param_freeze), then marked trainable */
+    LOOM_ASSERT(!grad_holds_master(p)); /* a backward between unshard and reshard of ZeRO-1's masters */
     p->contributions++;
     p->grad_written = 1;
     *dt = p->grad_dtype;
@@ -178,7 +186,7 @@ loom_status loom_param_accumulate(loom_param *p, const loom_tensor *g) {
 }
 
 void loom_param_read_grad(const loom_param *p, float *dst) {
-    if (!p->grad) {
+    if (!p->grad || grad_holds_master(p)) {
         memset(dst, 0, (size_t)loom_param_numel(p) * sizeof(float));
         return;
     }

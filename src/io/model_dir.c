@@ -550,13 +550,13 @@ loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base
     float **whole = calloc((size_t)n, sizeof *whole);
     if (!whole) return loom_error(LOOM_ERR_NOMEM, "save adapter: out of memory");
     loom_status st = LOOM_OK;
-    for (int k = 0; k < n && st == LOOM_OK; k++) {
+    for (int k = 0; k < n && st == LOOM_OK; k++) { /* all of them before the first gather */
         int64_t fs[2];
         loom_llama_param_full_shape(m, m->n_base + k, fs);
         whole[k] = malloc((size_t)(fs[0] * fs[1]) * sizeof(float));
-        st = whole[k] ? loom_llama_param_gather(m, m->n_base + k, 0, whole[k])
-                      : loom_error(LOOM_ERR_NOMEM, "save adapter: out of memory");
+        if (!whole[k]) st = loom_error(LOOM_ERR_NOMEM, "save adapter: out of memory");
     }
+    for (int k = 0; k < n && st == LOOM_OK; k++) st = loom_llama_param_gather(m, m->n_base + k, 0, whole[k]);
     if (st == LOOM_OK && m->tp_rank == 0) st = write_peft(m, dir, base_model, whole);
     for (int k = 0; k < n; k++) free(whole[k]);
     free(whole);

@@ -83,11 +83,11 @@ void loom_dist_optim_free(loom_dist_optim *o) {
     free(o->buckets);
     free(o->base);
     free(o->part_counts);
-    /* Parameters outlive the optimizer: their gradients move back into
-     * their own memory (a local copy; sharded masters stay dropped: that
-     * would take a collective, see loom_dist_optim_unshard_masters). */
-    /* Masters lent from flat become the parameters' own, and flat holds
-     * gradients (zero) again. */
+    /* Parameters outlive the optimizer. Masters lent from flat (whole,
+     * after loom_dist_optim_unshard_masters) become their own, and flat
+     * holds gradients (zero) again; sharded masters stay dropped (giving
+     * them back would take a collective). Then the gradients move back into
+     * their own memory (a local copy). */
     for (int i = 0; o->masters_lent && i < o->n; i++) {
         loom_param *p = o->params[i];
         if (!p->master_borrowed) continue;

@@ -265,9 +265,10 @@ static void test_moments_one_tensor_at_a_time(void **state) {
 }
 
 /* ZeRO-1's whole masters (unshard) live in the gradient buffer, lent to
- * the parameters: no memory of their own, a step refused until they are
- * taken back (which leaves zero gradients), and their own copies, of the
- * same values, once the optimizer is freed. */
+ * the parameters: no memory of their own, gradients that read as zero and
+ * a zero_grad that leaves them be, a step refused until they are taken
+ * back (which leaves zero gradients), and their own copies, of the same
+ * values, once the optimizer is freed. */
 static void test_masters_lent_from_gradient_buffer(void **state) {
     (void)state;
     loom_param *ps[NP];
@@ -280,10 +281,19 @@ static void test_masters_lent_from_gradient_buffer(void **state) {
     loom_loss_scaler_init(&sc, 0);
     loom_step_info info;
     assert_int_equal(loom_dist_optim_unshard_masters(o), LOOM_OK);
-    for (int i = 0; i < NP; i++) assert_int_equal(loom_param_master(ps[i]) == (float *)ps[i]->grad, zero);
+    float g[64], m[NP][64];
+    for (int i = 0; i < NP; i++) {
+        assert_int_equal(loom_param_master(ps[i]) == (float *)ps[i]->grad, zero);
+        /* while lent: the gradient reads as zero, and zero_grad leaves the master be */
+        memcpy(m[i], loom_param_master(ps[i]), (size_t)io_sizes[i] * sizeof(float));
+        loom_param_zero_grad(ps[i]);
+        assert_memory_equal(loom_param_master(ps[i]), m[i], (size_t)io_sizes[i] * sizeof(float));
+        loom_param_read_grad(ps[i], g);
+        for (int k = 0; k < io_sizes[i]; k++) assert_true(g[k] == 0.0f);
+        assert_true(m[i][1] != 0.0f);
+    }
     assert_int_equal(loom_dist_optim_prepare(o, &sc, 0.0f, &info), zero ? LOOM_ERR_STATE : LOOM_OK);
     assert_int_equal(loom_dist_optim_reshard_masters(o), LOOM_OK);
-    float g[64], m[NP][64];
     for (int i = 0; i < NP; i++) {
         loom_param_read_grad(ps[i], g);
         for (int k = 0; k < io_sizes[i]; k++) assert_true(g[k] == 0.0f);
