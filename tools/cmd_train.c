@@ -487,6 +487,9 @@ static loom_status trim_metrics(const char *path, int step, train_report *report
 }
 
 static void cleanup(trainer *t) {
+    /* Masters a save left lent (ZeRO-1) are taken back rather than copied
+     * out by the free: the model is freed next, and a copy could not fit. */
+    if (t->opt) (void)loom_dist_optim_reshard_masters(t->opt);
     loom_dist_optim_free(t->opt);
     loom_dist_layout_free(&t->dist);
     loom_llama_free(t->m);

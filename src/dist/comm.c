@@ -211,7 +211,7 @@ loom_status loom_comm_gatherv_f32(loom_comm *c, const float *send, float *recv, 
         return st;
     }
 #endif
-    (void)root;
+    (void)c; (void)root;
     if (recv && recv != send) memmove(recv, send, (size_t)counts[0] * sizeof *recv);
     return LOOM_OK;
 }
