@@ -206,13 +206,11 @@ loom_status loom_llama_plan_recompute(loom_llama *m, loom_recompute_mode mode, i
  * after n_base, are the trainable parameters, in the model's precision
  * (fp32 masters and main_grad under master-grad). A drawn from (seed,
  * adapter index). Forward, backward, every recompute mode and generation
- * (which refuses tensor parallelism) use the adapters; loom_model_dir_save writes the merged weights
- * W + (alpha / rank) B A. Once per model, before any optimizer is made
- * over its parameters. With tensor parallelism the adapters are split as
- * in loom_llama_new_lora_tp, and dropout is refused on o and down (their
- * split input would need a slice of a whole row's mask).
- * Errors: LOOM_ERR_INVALID (bad config, already added, dropout on a
- * row-parallel target under tensor parallelism),
+ * (which refuses tensor parallelism) use the adapters; loom_model_dir_save
+ * writes the merged weights W + (alpha / rank) B A. Once per model, before
+ * any optimizer is made over its parameters. With tensor parallelism the adapters are split as
+ * in loom_llama_new_lora_tp, and dropout draws one process's masks.
+ * Errors: LOOM_ERR_INVALID (bad config, already added),
  * LOOM_ERR_STATE (a data-parallel optimizer holds the gradients already),
  * LOOM_ERR_NOMEM (the model is left without adapters). */
 loom_status loom_llama_add_lora(loom_llama *m, const loom_lora_config *cfg, uint64_t seed);

@@ -30,6 +30,11 @@ loom_status loom_swiglu(loom_tensor *gate, loom_tensor *up, loom_tensor **out);
  * (loom_rng_default): the mask is regenerated in backward from the
  * (seed, offset) reserved in forward, never stored. */
 loom_status loom_dropout(loom_tensor *x, float p, loom_tensor **out);
+/* The same for x holding columns [col0, col0 + cols) of rows `width` wide
+ * (cols: x's last dimension), such as a tensor-parallel rank's slice: each
+ * element gets the mask it has in the whole tensor, whose draws the RNG
+ * moves past. width 0: loom_dropout. */
+loom_status loom_dropout_window(loom_tensor *x, float p, int64_t col0, int64_t width, loom_tensor **out);
 /* Convert to dtype dt (gradient converted back). */
 loom_status loom_cast(loom_tensor *x, loom_dtype dt, loom_tensor **out);
 /* Differentiable reshape of a contiguous tensor (shares storage). */

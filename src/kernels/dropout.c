@@ -5,6 +5,8 @@
  * lane i % 4 of Philox(seed, offset + i / 4) mapped to [0, 1). Backward
  * regenerates the same mask from the same (seed, offset), so forward,
  * backward and a recomputed forward all agree bit for bit.
+ * A column window of a wider tensor (tensor parallelism's split input)
+ * takes the wider tensor's mask, element by element.
  * Must never: draw random numbers from anything but (seed, offset, i), or
  * depend on the thread count.
  */
@@ -41,4 +43,28 @@ void dropout_fwd(void *out, const void *in, size_t n, float p, uint64_t seed,
 void dropout_bwd(void *din, const void *dout, size_t n, float p, uint64_t seed,
                  uint64_t offset, loom_dtype dt) {
     dropout_apply(din, dout, n, p, seed, offset, dt);
+}
+
+void dropout_window(void *out, const void *in, size_t rows, size_t cols, size_t col0, size_t width, float p,
+                    uint64_t seed, uint64_t offset, loom_dtype dt) {
+    if (col0 == 0 && width == cols) {
+        dropout_apply(out, in, rows * cols, p, seed, offset, dt);
+        return;
+    }
+    if (p <= 0.0f) {
+        if (out != in) memmove(out, in, rows * cols * loom_dtype_size(dt));
+        return;
+    }
+    float scale = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f;
+    #pragma omp parallel for schedule(static) if (rows * cols > 4 * PARALLEL_MIN_BLOCKS)
+    for (size_t r = 0; r < rows; r++) {
+        uint32_t u[4];
+        uint64_t have = UINT64_MAX; /* the Philox block u holds */
+        for (size_t c = 0; c < cols; c++) {
+            size_t g = r * width + col0 + c, i = r * cols + c;
+            if (g / 4 != have) loom_philox4x32(seed, offset + (have = g / 4), u);
+            int keep = loom_u32_to_unit(u[g % 4]) >= p;
+            loom_store(out, i, dt, keep ? loom_load(in, i, dt) * scale : 0.0f);
+        }
+    }
 }

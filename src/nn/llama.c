@@ -334,14 +334,7 @@ static void drop_adapters(loom_llama *m) {
 }
 
 /* The checks of a LoRA setting for a model of config c over tp ranks. */
-static loom_status lora_check(const loom_llama_config *c, int tp, const loom_lora_config *cfg) {
-    /* Under tensor parallelism o and down read a split input: its dropout
-     * mask would have to be the slice of a whole row's. */
-    unsigned row_parallel = (1u << LOOM_LORA_O) | (1u << LOOM_LORA_DOWN);
-    if (tp > 1 && cfg->dropout > 0.0f && (cfg->targets & row_parallel))
-        return loom_error(LOOM_ERR_INVALID, "LoRA dropout on o and down is not supported with tensor parallelism "
-                          "(--tp %d: their input is split across ranks); leave them out of the targets, or use no "
-                          "dropout", tp);
+static loom_status lora_check(const loom_llama_config *c, const loom_lora_config *cfg) {
     if (cfg->rank < 1 || cfg->rank > c->dim)
         return loom_error(LOOM_ERR_INVALID, "LoRA rank %d: must be 1..%d (the model's dim)", cfg->rank, c->dim);
     if (!(cfg->alpha > 0.0f) || !isfinite(cfg->alpha))
@@ -365,7 +358,7 @@ loom_status loom_llama_new_lora_tp(const loom_llama_config *cfg, loom_precision 
                                    uint64_t seed, loom_comm *tp_comm, loom_llama **out) {
     *out = NULL;
     LOOM_TRY(loom_llama_config_validate(cfg));
-    LOOM_TRY(lora_check(cfg, tp_comm ? loom_comm_size(tp_comm) : 1, lora));
+    LOOM_TRY(lora_check(cfg, lora));
     loom_llama *m;
     LOOM_TRY(llama_create(cfg, prec, tp_comm, 1, &m));
     loom_status st = append_adapters(m, lora, seed);
@@ -380,7 +373,7 @@ loom_status loom_llama_new_lora_tp(const loom_llama_config *cfg, loom_precision 
 loom_status loom_llama_add_lora(loom_llama *m, const loom_lora_config *cfg, uint64_t seed) {
     if (m->lora.rank)
         return loom_error(LOOM_ERR_INVALID, "LoRA: this model has adapters already (rank %d)", m->lora.rank);
-    LOOM_TRY(lora_check(&m->cfg, m->tp_size, cfg));
+    LOOM_TRY(lora_check(&m->cfg, cfg));
     for (int i = 0; i < m->n_base; i++)
         if (m->params[i]->grad_borrowed)
             return loom_error(LOOM_ERR_STATE, "LoRA: add the adapters before the optimizer is made (%s's gradient "
@@ -496,7 +489,8 @@ void loom_llama_zero_grad(loom_llama *m) {
  *    slices), never through x's f, which sums the ranks' partial W paths;
  *  - row-parallel t (o, down; A's columns split): the output is already
  *    g-reduced, then g(x A^T) B^T is added: B and its gradient whole on
- *    every rank, A's slice and x's from the ranks' own columns.
+ *    every rank, A's slice and x's from the ranks' own columns; dropout
+ *    takes the rank's columns of the whole rows' mask.
  * Without tensor parallelism f and g are the identity and xr is x. */
 static loom_status block_linear(const struct llama_block_args *a, loom_lora_target t, loom_tensor *x,
                                 loom_tensor *xr, loom_tensor **out) {
@@ -516,7 +510,11 @@ static loom_status block_linear(const struct llama_block_args *a, loom_lora_targ
     *out = NULL;
     loom_tensor *in = row || !xr ? x : xr;
     float scale = m->lora.alpha / (float)m->lora.rank;
-    if (a->training && m->lora.dropout > 0.0f) st = loom_dropout(in, m->lora.dropout, &xd);
+    if (a->training && m->lora.dropout > 0.0f) { /* a row-parallel input: its slice of the whole rows' mask */
+        int64_t cols = in->shape[in->ndim - 1];
+        st = row ? loom_dropout_window(in, m->lora.dropout, m->tp_rank * cols, m->tp_size * cols, &xd)
+                 : loom_dropout(in, m->lora.dropout, &xd);
+    }
     if (st == LOOM_OK) st = loom_fused_linear(xd ? xd : in, y->lora_a[t]->tensor, NULL, &xa);
     if (st == LOOM_OK) st = row ? tp_reduce(m->tp_comm, xa, &xaf) : tp_copy(m->tp_comm, xa, &xaf);
     if (st == LOOM_OK) st = loom_fused_linear(xaf, y->lora_b[t]->tensor, NULL, &xab);

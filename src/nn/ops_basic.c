@@ -170,38 +170,65 @@ typedef struct dropout_state {
     uint64_t seed, offset;
 } dropout_state;
 
+/* A dropout over x's last dimension as columns [col0, col0 + cols) of rows
+ * width wide (width 0: the whole tensor, col0 0). */
+typedef struct dropout_args {
+    float p;
+    int64_t col0, width;
+} dropout_args;
+
+static void dropout_shape(const loom_tensor *x, const dropout_args *a, size_t *rows, size_t *cols, size_t *width) {
+    *cols = x->ndim ? (size_t)x->shape[x->ndim - 1] : 1;
+    *rows = *cols ? (size_t)loom_tensor_numel(x) / *cols : 0;
+    *width = a->width ? (size_t)a->width : *cols;
+}
+
 static loom_status dropout_forward(loom_fn_ctx *ctx, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
     (void)n_in; (void)n_out;
-    const float *p = loom_ctx_args(ctx);
-    size_t n = (size_t)loom_tensor_numel(in[0]);
+    const dropout_args *a = loom_ctx_args(ctx);
+    size_t rows, cols, width;
+    dropout_shape(in[0], a, &rows, &cols, &width);
     loom_rng *rng = loom_rng_default();
     dropout_state *s = loom_ctx_state(ctx, sizeof *s);
     s->seed = rng->seed;
-    s->offset = loom_rng_reserve(rng, dropout_blocks(n));
+    s->offset = loom_rng_reserve(rng, dropout_blocks(rows * width)); /* the whole tensor's draws */
     out[0] = op_new_like(in[0], in[0]->dtype);
     if (!out[0]) return LOOM_ERR_NOMEM;
-    dropout_fwd(loom_tensor_data(out[0]), loom_tensor_data(in[0]), n, *p, s->seed, s->offset, in[0]->dtype);
+    dropout_window(loom_tensor_data(out[0]), loom_tensor_data(in[0]), rows, cols, (size_t)a->col0, width, a->p,
+                   s->seed, s->offset, in[0]->dtype);
     return LOOM_OK;
 }
 
 static loom_status dropout_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, int n_out, loom_tensor **gin, int n_in) {
     (void)n_out; (void)n_in;
-    const float *p = loom_ctx_args(ctx);
+    const dropout_args *a = loom_ctx_args(ctx);
     const dropout_state *s = loom_ctx_state(ctx, sizeof *s);
+    size_t rows, cols, width;
+    dropout_shape(gout[0], a, &rows, &cols, &width);
     gin[0] = op_new_like(gout[0], gout[0]->dtype);
     if (!gin[0]) return LOOM_ERR_NOMEM;
-    dropout_bwd(loom_tensor_data(gin[0]), loom_tensor_data(gout[0]), (size_t)loom_tensor_numel(gout[0]), *p, s->seed,
-                s->offset, gout[0]->dtype);
+    dropout_window(loom_tensor_data(gin[0]), loom_tensor_data(gout[0]), rows, cols, (size_t)a->col0, width, a->p,
+                   s->seed, s->offset, gout[0]->dtype);
     return LOOM_OK;
 }
 
 static const loom_function dropout_function = {"dropout", 1, 1, 0, dropout_forward, dropout_backward};
 
 loom_status loom_dropout(loom_tensor *x, float p, loom_tensor **out) {
+    return loom_dropout_window(x, p, 0, 0, out);
+}
+
+loom_status loom_dropout_window(loom_tensor *x, float p, int64_t col0, int64_t width, loom_tensor **out) {
     LOOM_TRY(op_check_contiguous("dropout", "x", x));
     if (!(p >= 0.0f && p < 1.0f))
         return loom_error(LOOM_ERR_INVALID, "dropout: probability %g must be in [0, 1)", (double)p);
-    return apply1(&dropout_function, x, NULL, &p, sizeof p, out);
+    int64_t cols = x->ndim ? x->shape[x->ndim - 1] : 1;
+    if (width && (col0 < 0 || width < col0 + cols))
+        return loom_error(LOOM_ERR_INVALID, "dropout: columns %lld..%lld do not lie in rows %lld wide",
+                          (long long)col0, (long long)(col0 + cols), (long long)width);
+    if (!width && col0) return loom_error(LOOM_ERR_INVALID, "dropout: a column offset needs a row width");
+    dropout_args a = {p, col0, width};
+    return apply1(&dropout_function, x, NULL, &a, sizeof a, out);
 }
 
 /* ------------------------------------------------------------------ cast */

@@ -182,6 +182,39 @@ static void test_dropout_mask(void **state) {
     }
 }
 
+/* A column window of a wider tensor takes the wider tensor's mask: the
+ * slices of T ranks, put side by side, are the whole tensor's dropout, bit
+ * for bit, for windows whose starts fall anywhere in a Philox block, and
+ * in parallel (many rows). */
+static void test_dropout_window(void **state) {
+    (void)state;
+    const float p = 0.4f;
+    static const size_t shapes[][3] = {{3, 10, 2}, {7, 6, 3}, {5000, 9, 3}}; /* rows, width, T */
+    for (int d = 0; d < 3; d++) {
+        loom_dtype dt = dtypes[d];
+        size_t es = loom_dtype_size(dt);
+        for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
+            size_t rows = shapes[k][0], width = shapes[k][1], T = shapes[k][2], cols = width / T;
+            size_t n = rows * width;
+            void *x = random_dt(n, dt, 0.5f, 1.5f, 70 + k), *whole = malloc(n * es), *slices = malloc(n * es);
+            void *in = malloc(rows * cols * es), *out = malloc(rows * cols * es);
+            dropout_fwd(whole, x, n, p, 5, 300, dt);
+            for (size_t t = 0; t < T; t++) {
+                for (size_t r = 0; r < rows; r++)
+                    memcpy((char *)in + r * cols * es, (char *)x + (r * width + t * cols) * es, cols * es);
+                dropout_window(out, in, rows, cols, t * cols, width, p, 5, 300, dt);
+                for (size_t r = 0; r < rows; r++)
+                    memcpy((char *)slices + (r * width + t * cols) * es, (char *)out + r * cols * es, cols * es);
+            }
+            assert_true(tu_bits_equal(slices, whole, n * es, "dropout window"));
+            memset(slices, 0, n * es);
+            dropout_window(slices, x, rows, width, 0, width, p, 5, 300, dt); /* the whole: dropout_fwd */
+            assert_true(tu_bits_equal(slices, whole, n * es, "dropout window, whole"));
+            free(x); free(whole); free(slices); free(in); free(out);
+        }
+    }
+}
+
 /* Backward with the same (seed, offset) drops the same elements; a
  * different offset gives a different mask; replay and thread count do not
  * change a bit. */
@@ -310,6 +343,7 @@ int main(void) {
         cmocka_unit_test(test_has_nonfinite),
         cmocka_unit_test(test_dropout_mask),
         cmocka_unit_test(test_dropout_replay),
+        cmocka_unit_test(test_dropout_window),
         cmocka_unit_test(test_dropout_edges),
         cmocka_unit_test(test_adamw),
         cmocka_unit_test(test_paths_agree),
