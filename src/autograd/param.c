@@ -155,7 +155,8 @@ static int grad_holds_master(const loom_param *p) {
 }
 
 void loom_param_zero_grad(loom_param *p) {
-    if (p->grad && !grad_holds_master(p)) memset(p->grad, 0, (size_t)loom_param_numel(p) * loom_dtype_size(p->grad_dtype));
+    if (p->grad && !grad_holds_master(p))
+        memset(p->grad, 0, (size_t)loom_param_numel(p) * loom_dtype_size(p->grad_dtype));
     p->uses = 0;
     p->contributions = 0;
     p->grad_written = 0;

@@ -272,7 +272,8 @@ static float *arrays_view(void *user, int i, int kind) {
 
 static loom_status arrays_get(void *user, int i, int kind, float *out) {
     (void)user; (void)out;
-    return loom_error(LOOM_ERR_INVALID, "checkpoint: no %s given for trainable parameter %d", kind ? "adam_v" : "adam_m", i);
+    return loom_error(LOOM_ERR_INVALID, "checkpoint: no %s given for trainable parameter %d",
+                      kind ? "adam_v" : "adam_m", i);
 }
 
 loom_status loom_checkpoint_save(const char *dir, loom_llama *m, float *const *adam_m, float *const *adam_v,

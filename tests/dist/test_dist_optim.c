@@ -210,7 +210,8 @@ static void moments_after_steps(int zero, float *out) {
             loom_dtype gdt;
             void *g = loom_param_grad_target(ps[i], &gdt);
             float local[64];
-            for (int k = 0; k < io_sizes[i]; k++) local[k] = 0.1f * (float)(dist.dp_rank + 1) * (float)(k % 9 - 4) + 0.01f * (float)step;
+            for (int k = 0; k < io_sizes[i]; k++)
+                local[k] = 0.1f * (float)(dist.dp_rank + 1) * (float)(k % 9 - 4) + 0.01f * (float)step;
             loom_convert(g, gdt, local, LOOM_F32, (size_t)io_sizes[i]);
         }
         loom_step_info info;
