@@ -20,6 +20,11 @@ extern "C" {
  * (x, W, b) with b possibly NULL. */
 loom_status loom_fused_linear(loom_tensor *x, loom_tensor *w, loom_tensor *b, loom_tensor **out);
 const loom_function *loom_fused_linear_function(void);
+/* y = base + scale · x · W^T with base (..., M) of x's dtype: one GEMM
+ * (alpha = scale, beta = 1) into a copy of base, rounded once. Backward:
+ * d base = dy, dx = scale dy · W, and scale dy^T · x into W's gradient as
+ * loom_fused_linear does. Saves (x, W). */
+loom_status loom_fused_linear_add(loom_tensor *x, loom_tensor *w, float scale, loom_tensor *base, loom_tensor **out);
 
 /* ------------------------------------------------------------------ LLaMA */
 

@@ -479,8 +479,9 @@ void loom_llama_zero_grad(loom_llama *m) {
     for (size_t i_ = 0; i_ < sizeof r_ / sizeof r_[0]; i_++) loom_tensor_release(r_[i_]); } while (0)
 
 /* Linear t of the block: x W^T, plus (alpha / rank) (dropout(x) A^T) B^T
- * when it has a LoRA adapter (PEFT's order: B's output scaled, then added;
- * the dropout only in a training forward).
+ * when it has a LoRA adapter (the dropout only in a training forward); B's
+ * GEMM scales its product and adds it to x W^T in one rounding
+ * (loom_fused_linear_add), as the KV-cache path does.
  *
  * Under tensor parallelism (Megatron's f = tp_copy, g = tp_reduce):
  *  - column-parallel t (q, k, v, gate, up; B's rows split): x is f(xr),
@@ -498,11 +499,10 @@ static loom_status block_linear(const struct llama_block_args *a, loom_lora_targ
     const loom_llama_layer *y = &m->layers[a->layer];
     const loom_param *w = loom_llama_layer_weight(y, t);
     int row = w->tp_split_dim == 1;
-    loom_tensor *base = NULL, *xd = NULL, *xa = NULL, *xaf = NULL, *xab = NULL, *scaled = NULL;
-    loom_status st = loom_fused_linear(x, w->tensor, NULL, row ? &xab : &base);
-    if (st == LOOM_OK && row) st = tp_reduce(m->tp_comm, xab, &base);
-    loom_tensor_release(xab);
-    xab = NULL;
+    loom_tensor *base = NULL, *partial = NULL, *xd = NULL, *xa = NULL, *xaf = NULL;
+    loom_status st = loom_fused_linear(x, w->tensor, NULL, row ? &partial : &base);
+    if (st == LOOM_OK && row) st = tp_reduce(m->tp_comm, partial, &base);
+    loom_tensor_release(partial);
     if (st != LOOM_OK || !y->lora_a[t]) {
         *out = base;
         return st;
@@ -517,11 +517,8 @@ static loom_status block_linear(const struct llama_block_args *a, loom_lora_targ
     }
     if (st == LOOM_OK) st = loom_fused_linear(xd ? xd : in, y->lora_a[t]->tensor, NULL, &xa);
     if (st == LOOM_OK) st = row ? tp_reduce(m->tp_comm, xa, &xaf) : tp_copy(m->tp_comm, xa, &xaf);
-    if (st == LOOM_OK) st = loom_fused_linear(xaf, y->lora_b[t]->tensor, NULL, &xab);
-    if (st == LOOM_OK && scale != 1.0f) st = loom_scale(xab, scale, &scaled);
-    else if (st == LOOM_OK) scaled = loom_tensor_retain(xab); /* alpha = rank: no pass */
-    if (st == LOOM_OK) st = loom_add(base, scaled, out);
-    RELEASE(base, xd, xa, xaf, xab, scaled);
+    if (st == LOOM_OK) st = loom_fused_linear_add(xaf, y->lora_b[t]->tensor, scale, base, out); /* one GEMM */
+    RELEASE(base, xd, xa, xaf);
     return st;
 }
 

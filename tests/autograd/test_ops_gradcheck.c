@@ -123,6 +123,14 @@ static loom_status op_attention(loom_tensor **in, void *u, loom_tensor **out) { 
 static loom_status op_cast_f32(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_cast(in[0], LOOM_F32, out); }
 static loom_status op_dropout(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_dropout(in[0], 0.3f, out); }
 static loom_status op_fused_linear(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_fused_linear(in[0], in[1], in[2], out); }
+static loom_status op_fused_linear_add(loom_tensor **in, void *u, loom_tensor **out) {
+    (void)u;
+    return loom_fused_linear_add(in[0], in[1], -1.3f, in[2], out);
+}
+static loom_status op_dropout_window(loom_tensor **in, void *u, loom_tensor **out) {
+    (void)u;
+    return loom_dropout_window(in[0], 0.3f, 3, 11, out); /* columns 3..8 of rows 11 wide */
+}
 static loom_status op_reshape(loom_tensor **in, void *u, loom_tensor **out) {
     (void)u;
     loom_tensor *r = NULL, *s = NULL;
@@ -154,6 +162,8 @@ static void test_elementwise(void **state) {
     run_gradcheck(&sw, "swiglu");
     gradcheck d = {op_dropout, NULL, 1, {rand_tensor(2, SHAPE(5, 8), -1, 1, 9)}, NULL};
     run_gradcheck(&d, "dropout");
+    gradcheck dw = {op_dropout_window, NULL, 1, {rand_tensor(2, SHAPE(5, 6), -1, 1, 10)}, NULL};
+    run_gradcheck(&dw, "dropout_window");
     gradcheck r = {op_reshape, NULL, 1, {rand_tensor(3, SHAPE(2, 3, 4), -1, 1, 10)}, NULL};
     run_gradcheck(&r, "reshape");
     gradcheck c = {op_cast_f32, NULL, 1, {rand_tensor(2, SHAPE(3, 4), -1, 1, 30)}, NULL};
@@ -207,6 +217,10 @@ static void test_linear_ops(void **state) {
     gradcheck fln = {op_fused_linear, NULL, 3,
                      {rand_tensor(2, SHAPE(6, 5), -1, 1, 18), rand_tensor(2, SHAPE(4, 5), -1, 1, 19), NULL}, NULL};
     run_gradcheck(&fln, "fused_linear (no bias)");
+    gradcheck fla = {op_fused_linear_add, NULL, 3,
+                     {rand_tensor(3, SHAPE(2, 3, 5), -1, 1, 20), rand_tensor(2, SHAPE(4, 5), -1, 1, 21),
+                      rand_tensor(3, SHAPE(2, 3, 4), -1, 1, 22)}, NULL};
+    run_gradcheck(&fla, "fused_linear_add");
 }
 
 static void test_llama_ops(void **state) {
