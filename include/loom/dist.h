@@ -50,10 +50,15 @@ loom_status loom_comm_allreduce_max_int(loom_comm *c, int *buf, size_t n);
 loom_status loom_comm_reduce_scatter_f32(loom_comm *c, const float *send, float *recv, size_t n);
 /* recv (size * n floats) = every rank's send (n floats), in rank order. */
 loom_status loom_comm_allgather_f32(loom_comm *c, const float *send, float *recv, size_t n);
-/* On rank `root`, recv = every rank's send (counts[r] floats from rank r),
- * in rank order; counts is the same on every rank, recv is read on root
+/* On rank `root`, recv + displs[r] = rank r's send (counts[r] floats);
+ * counts and displs are the same on every rank, recv is written on root
  * only (others may pass NULL). */
-loom_status loom_comm_gatherv_f32(loom_comm *c, const float *send, float *recv, const int *counts, int root);
+loom_status loom_comm_gatherv_f32(loom_comm *c, const float *send, float *recv, const int *counts,
+                                  const int *displs, int root);
+/* recv (rows, cols * size) = every rank's send (rows, cols), rank r's in
+ * columns [r cols, (r + 1) cols) of each row: a tensor split by columns
+ * made whole, with no staging copy. */
+loom_status loom_comm_allgather_cols_f32(loom_comm *c, const float *send, float *recv, size_t rows, size_t cols);
 /* Nonblocking collectives: start one, then test or wait on its request.
  * Every rank must start the same collectives in the same order; the buffers
  * stay untouched until the request completes. The single-process backend

@@ -194,25 +194,46 @@ loom_status loom_comm_allgather_f32(loom_comm *c, const float *send, float *recv
     return LOOM_OK;
 }
 
-loom_status loom_comm_gatherv_f32(loom_comm *c, const float *send, float *recv, const int *counts, int root) {
+loom_status loom_comm_gatherv_f32(loom_comm *c, const float *send, float *recv, const int *counts,
+                                  const int *displs, int root) {
+#if LOOM_HAVE_MPI
+    if (c->size > 1)
+        return mpi_check(MPI_Gatherv(send, counts[c->rank], MPI_FLOAT, recv, counts, displs, MPI_FLOAT, root, c->mpi),
+                         "MPI_Gatherv");
+#endif
+    (void)c; (void)root;
+    if (recv && recv + displs[0] != send) memmove(recv + displs[0], send, (size_t)counts[0] * sizeof *recv);
+    return LOOM_OK;
+}
+
+loom_status loom_comm_allgather_cols_f32(loom_comm *c, const float *send, float *recv, size_t rows, size_t cols) {
 #if LOOM_HAVE_MPI
     if (c->size > 1) {
-        int *displs = malloc((size_t)c->size * sizeof *displs);
-        if (!displs) return loom_error(LOOM_ERR_NOMEM, "gatherv: out of memory");
-        long long at = 0;
-        for (int r = 0; r < c->size; r++) {
-            displs[r] = (int)at;
-            at += counts[r];
+        size_t size = (size_t)c->size;
+        if (rows > (size_t)INT_MAX || rows * cols > (size_t)INT_MAX || cols * size > (size_t)INT_MAX)
+            return loom_error(LOOM_ERR_DIST, "allgather: %zu x %zu columns per rank is too many", rows, cols);
+        /* Rank r's (rows, cols) block lands in columns [r cols, (r + 1) cols)
+         * of every row: a strided type, its extent one block's width, so
+         * that rank r's starts r blocks in. No staging copy. */
+        MPI_Datatype strided, block;
+        loom_status st = mpi_check(MPI_Type_vector((int)rows, (int)cols, (int)(cols * size), MPI_FLOAT, &strided),
+                                   "MPI_Type_vector");
+        if (st != LOOM_OK) return st;
+        st = mpi_check(MPI_Type_create_resized(strided, 0, (MPI_Aint)(cols * sizeof(float)), &block),
+                       "MPI_Type_create_resized");
+        if (st == LOOM_OK) {
+            st = mpi_check(MPI_Type_commit(&block), "MPI_Type_commit");
+            if (st == LOOM_OK)
+                st = mpi_check(MPI_Allgather(send, (int)(rows * cols), MPI_FLOAT, recv, 1, block, c->mpi),
+                               "MPI_Allgather");
+            MPI_Type_free(&block);
         }
-        loom_status st = at > INT_MAX ? loom_error(LOOM_ERR_DIST, "gatherv: %lld elements in all is too many", at)
-                                      : mpi_check(MPI_Gatherv(send, counts[c->rank], MPI_FLOAT, recv, counts,
-                                                              displs, MPI_FLOAT, root, c->mpi), "MPI_Gatherv");
-        free(displs);
+        MPI_Type_free(&strided);
         return st;
     }
 #endif
-    (void)c; (void)root;
-    if (recv && recv != send) memmove(recv, send, (size_t)counts[0] * sizeof *recv);
+    (void)c; (void)rows;
+    if (recv != send) memmove(recv, send, rows * cols * sizeof *recv);
     return LOOM_OK;
 }
 

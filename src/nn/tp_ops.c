@@ -103,13 +103,5 @@ loom_status tp_gather(loom_comm *comm, const loom_param *p, const float *shard, 
         return LOOM_OK;
     }
     if (p->tp_split_dim == 0) return loom_comm_allgather_f32(comm, shard, full, n);
-    float *blocks = malloc(n * (size_t)T * sizeof(float));
-    if (!blocks) return loom_error(LOOM_ERR_NOMEM, "tensor parallel: out of memory gathering %s", p->name);
-    loom_status st = loom_comm_allgather_f32(comm, shard, blocks, n);
-    int64_t R = p->tensor->shape[0], cols = p->tensor->shape[1];
-    for (int r = 0; st == LOOM_OK && r < T; r++)
-        for (int64_t i = 0; i < R; i++)
-            memcpy(full + i * cols * T + r * cols, blocks + (size_t)r * n + (size_t)(i * cols), (size_t)cols * sizeof(float));
-    free(blocks);
-    return st;
+    return loom_comm_allgather_cols_f32(comm, shard, full, (size_t)p->tensor->shape[0], (size_t)p->tensor->shape[1]);
 }

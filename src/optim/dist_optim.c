@@ -48,7 +48,7 @@ struct loom_dist_optim {
     float *m, *v;         /* ZeRO: (shard) moments */
     int steps;
     int io_first;         /* loom_dist_optim_moments_io: model index of params[0] */
-    int *part_counts;     /* ZeRO: (dp_size) scratch of gather_moment, made with the optimizer */
+    int *part_counts;     /* ZeRO: (2 dp_size) counts and displacements of gather_moment, made with it */
     int masters_lent;     /* ZeRO: the whole masters live in flat (unshard_masters) */
 };
 
@@ -182,7 +182,7 @@ loom_status loom_dist_optim_new(const loom_adamw_config *cfg, loom_param *const 
         o->own_grad = o->flat + o->own_begin;
         o->m = loom_alloc_zeroed(o->shard * sizeof(float), LOOM_MEM_OPTIMIZER);
         o->v = loom_alloc_zeroed(o->shard * sizeof(float), LOOM_MEM_OPTIMIZER);
-        o->part_counts = calloc((size_t)D, sizeof *o->part_counts);
+        o->part_counts = calloc(2 * (size_t)D, sizeof *o->part_counts);
         int half = 0; /* fp32 compute copies are their own masters: nothing to shard */
         for (int i = 0; i < n; i++) half |= master_sharded(o, i);
         if (half) o->own_master = loom_alloc_zeroed(o->shard * sizeof(float), LOOM_MEM_PARAMS);
@@ -460,16 +460,17 @@ static float *io_view(void *user, int i, int kind) {
 /* ZeRO: gather parameter j's moment from the ranks that own its parts
  * (contiguous, in rank order) to DP rank 0. */
 static loom_status gather_moment(loom_dist_optim *o, int j, int kind, float *out) {
-    int D = o->dist.dp_size, *counts = o->part_counts; /* made beforehand: no failure before the gather */
+    int D = o->dist.dp_size, *counts = o->part_counts, *displs = counts + D; /* made beforehand: no failure */
     size_t lo = o->offset[j], hi = lo + (size_t)loom_param_numel(o->params[j]);
     for (int r = 0; r < D; r++) {
         size_t b = (size_t)r * o->shard, e = b + o->shard;
         size_t s = lo > b ? lo : b, t = hi < e ? hi : e;
         counts[r] = t > s ? (int)(t - s) : 0; /* at most a shard: fits (make_buckets) */
+        displs[r] = t > s ? (int)(s - lo) : 0; /* within one parameter: fits too */
     }
     size_t s, t;
     const float *mine = own_part(o, j, &s, &t) ? moment_base(o, kind) + (s - o->own_begin) : moment_base(o, kind);
-    return loom_comm_gatherv_f32(o->dist.dp, mine, out, counts, 0);
+    return loom_comm_gatherv_f32(o->dist.dp, mine, out, counts, displs, 0);
 }
 
 static loom_status io_get(void *user, int i, int kind, float *out) {

@@ -1,5 +1,7 @@
 /*
- * test_dist_optim.c — the data-parallel optimizer's found-inf rule. Run
+ * test_dist_optim.c — the data-parallel optimizer's found-inf rule (and,
+ * below, its overlap, its moments one tensor at a time, its lent masters,
+ * and the column gather of split tensors). Run
  * alone it checks one process; tests/scripts/test_mpi.sh also runs it under
  * `mpirun -np 2`, where the gradients of the two ranks are summed.
  *
@@ -313,6 +315,25 @@ static void test_masters_lent_from_gradient_buffer(void **state) {
     }
 }
 
+/* A tensor split by columns, made whole: rank r's (rows, cols) block lands
+ * in columns [r cols, (r + 1) cols) of every row, straight from the
+ * collective (a strided MPI type, no staging copy). */
+static void test_allgather_cols(void **state) {
+    (void)state;
+    enum { ROWS = 3, COLS = 2 };
+    int T = loom_comm_size(dist.world), me = loom_comm_rank(dist.world);
+    float send[ROWS * COLS], recv[ROWS * COLS * 8];
+    assert_true(T <= 8);
+    for (int r = 0; r < ROWS; r++)
+        for (int c = 0; c < COLS; c++) send[r * COLS + c] = (float)(100 * me + 10 * r + c);
+    memset(recv, 0, sizeof recv);
+    assert_int_equal(loom_comm_allgather_cols_f32(dist.world, send, recv, ROWS, COLS), LOOM_OK);
+    for (int r = 0; r < ROWS; r++)
+        for (int t = 0; t < T; t++)
+            for (int c = 0; c < COLS; c++)
+                assert_true(recv[r * COLS * T + t * COLS + c] == (float)(100 * t + 10 * r + c));
+}
+
 int main(int argc, char **argv) {
     loom_comm *world = NULL;
     if (loom_dist_init(&argc, &argv, &world) != LOOM_OK || loom_dist_layout(world, 1, &dist) != LOOM_OK) {
@@ -326,6 +347,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_parameter_inside_reentrant_and_after),
         cmocka_unit_test(test_moments_one_tensor_at_a_time),
         cmocka_unit_test(test_masters_lent_from_gradient_buffer),
+        cmocka_unit_test(test_allgather_cols),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     loom_dist_layout_free(&dist);
