@@ -462,11 +462,14 @@ static float *io_view(void *user, int i, int kind) {
 static loom_status gather_moment(loom_dist_optim *o, int j, int kind, float *out) {
     int D = o->dist.dp_size, *counts = o->part_counts, *displs = counts + D; /* made beforehand: no failure */
     size_t lo = o->offset[j], hi = lo + (size_t)loom_param_numel(o->params[j]);
-    for (int r = 0; r < D; r++) {
+    if (hi - lo > (size_t)INT_MAX) /* the same on every rank */
+        return loom_error(LOOM_ERR_DIST, "ZeRO: %s has %zu elements, more than MPI can count in one call",
+                          o->params[j]->name, hi - lo);
+    for (int r = 0; r < D; r++) { /* counts and offsets within the parameter: they fit in an int */
         size_t b = (size_t)r * o->shard, e = b + o->shard;
         size_t s = lo > b ? lo : b, t = hi < e ? hi : e;
-        counts[r] = t > s ? (int)(t - s) : 0; /* at most a shard: fits (make_buckets) */
-        displs[r] = t > s ? (int)(s - lo) : 0; /* within one parameter: fits too */
+        counts[r] = t > s ? (int)(t - s) : 0;
+        displs[r] = t > s ? (int)(s - lo) : 0;
     }
     size_t s, t;
     const float *mine = own_part(o, j, &s, &t) ? moment_base(o, kind) + (s - o->own_begin) : moment_base(o, kind);
