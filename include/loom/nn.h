@@ -167,6 +167,11 @@ void loom_llama_param_scatter(loom_llama *m, int i, const float *full);
 /* Any per-parameter fp32 array (e.g. an optimizer moment) of parameter i:
  * this rank's shard -> full (collective over the TP group), and back. */
 loom_status loom_llama_tp_gather(loom_llama *m, int i, const float *local, float *full);
+/* Whether every rank of the TP group got this far (collective): st where it
+ * failed here, an error naming another rank's failure where it failed
+ * there, else LOOM_OK. A rank that cannot take part in a collective (out
+ * of memory for its buffer) says so first, so that no rank waits in it. */
+loom_status loom_llama_tp_agree(loom_llama *m, loom_status st);
 void loom_llama_tp_shard(const loom_llama *m, int i, const float *full, float *local);
 void loom_llama_free(loom_llama *m);
 /* Normal(0, 0.02) weights, residual projections (o_proj, down_proj) scaled

@@ -81,11 +81,12 @@ loom_status loom_dist_optim_step(loom_dist_optim *o, float lr, float grad_multip
  * the DP group; between steps, e.g. to save or load a checkpoint), and
  * take them back (keep this rank's shard). The whole masters live in the
  * gradient buffer, lent to the parameters (no new memory). Until they are
- * taken back the gradients read as zero and zero_grad leaves them be, but
- * no backward may run (a gradient written then asserts) and prepare
- * refuses (LOOM_ERR_STATE); taking them back zeroes the buffer; freeing
- * the optimizer gives the parameters their own copies. No-ops without
- * sharded masters. */
+ * taken back no backward may run (a gradient written asserts, whatever its
+ * dtype), watch_backward starts nothing and prepare refuses
+ * (LOOM_ERR_STATE); fp32 gradients, which live in that buffer, read as
+ * zero and zero_grad leaves them be. Taking the masters back zeroes the
+ * buffer; freeing the optimizer gives the parameters their own copies.
+ * No-ops without sharded masters. */
 loom_status loom_dist_optim_unshard_masters(loom_dist_optim *o);
 loom_status loom_dist_optim_reshard_masters(loom_dist_optim *o);
 int loom_dist_optim_steps(const loom_dist_optim *o);

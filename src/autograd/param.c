@@ -164,7 +164,7 @@ void loom_param_zero_grad(loom_param *p) {
 
 void *loom_param_grad_target(loom_param *p, loom_dtype *dt) {
     LOOM_ASSERT(p->grad != NULL); /* frozen for good (loom_param_freeze), then marked trainable */
-    LOOM_ASSERT(!grad_holds_master(p)); /* a backward between unshard and reshard of ZeRO-1's masters */
+    LOOM_ASSERT(!p->master_borrowed); /* a backward between unshard and reshard of ZeRO-1's masters */
     p->contributions++;
     p->grad_written = 1;
     *dt = p->grad_dtype;

@@ -548,17 +548,17 @@ loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base
      * rank calls this; they are small), then TP rank 0 writes. */
     int n = m->n_params - m->n_base;
     float **whole = calloc((size_t)n, sizeof *whole);
-    if (!whole) return loom_error(LOOM_ERR_NOMEM, "save adapter: out of memory");
-    loom_status st = LOOM_OK;
+    loom_status st = whole ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "save adapter: out of memory");
     for (int k = 0; k < n && st == LOOM_OK; k++) { /* all of them before the first gather */
         int64_t fs[2];
         loom_llama_param_full_shape(m, m->n_base + k, fs);
         whole[k] = malloc((size_t)(fs[0] * fs[1]) * sizeof(float));
         if (!whole[k]) st = loom_error(LOOM_ERR_NOMEM, "save adapter: out of memory");
     }
+    st = loom_llama_tp_agree(m, st); /* every rank gathers, or none */
     for (int k = 0; k < n && st == LOOM_OK; k++) st = loom_llama_param_gather(m, m->n_base + k, 0, whole[k]);
     if (st == LOOM_OK && m->tp_rank == 0) st = write_peft(m, dir, base_model, whole);
-    for (int k = 0; k < n; k++) free(whole[k]);
+    for (int k = 0; whole && k < n; k++) free(whole[k]);
     free(whole);
     return st;
 }
@@ -568,7 +568,10 @@ loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base
  * regular expression that must match a whole name. loom adapts a linear
  * in every layer or in none, so a selection is checked against the names
  * of layers 0 .. PEFT_LAYERS - 1 (more than any LLaMA has): each linear
- * must be chosen in all of them or in none. */
+ * must be chosen in all of them or in none. (So a pattern that spells out
+ * exactly a model's own layers, 0..31 say, is refused, though PEFT would
+ * adapt every layer of that model: the setting is read before the model
+ * is known.) */
 #define PEFT_LAYERS 128
 
 /* The module name of linear t in layer l, as Hugging Face's LlamaForCausalLM
@@ -626,38 +629,84 @@ static int regex_matches(const void *how, const char *name) {
     return regexec(how, name, 1, &at, 0) == 0 && at.rm_so == 0 && name[at.rm_eo] == '\0';
 }
 
+/* Groups nested deeper than this are refused. */
+#define PATTERN_DEPTH 8
+
+/* What in pattern Python's regular expressions and POSIX extended ones
+ * (glibc's regcomp) would read differently, or what could make regcomp's
+ * compiled form explode; NULL: nothing. Inside [...] only a backslash
+ * (Python's escape, POSIX's literal) and POSIX's [:class:], [.x.] and
+ * [=x=] differ; outside, only escapes of punctuation are the same, and
+ * glibc writes X+ as X X*, so a group holding a repeat is not repeated
+ * with + (each level would double the compiled size). */
+static const char *pattern_unread(const char *q, char *buf, size_t n) {
+    int depth = 0, run = 0, holds[PATTERN_DEPTH + 1] = {0}; /* holds[d]: a repeat inside group d */
+    for (; *q; q++) {
+        if (*q == '[') { /* a bracket expression: one atom */
+            q += q[1] == '^' ? 2 : 1;
+            if (*q == ']') q++;
+            for (; *q && *q != ']'; q++) {
+                if (*q == '\\') return "a backslash inside [...], an escape in Python and itself in POSIX";
+                if (*q == '[' && (q[1] == ':' || q[1] == '.' || q[1] == '='))
+                    return "a POSIX [:class:], [.x.] or [=x=], which Python does not have";
+            }
+            if (!*q) return NULL; /* unterminated: regcomp refuses it */
+            run = 0;
+        } else if (*q == '\\') {
+            if (!q[1]) return NULL;
+            if (!strchr(".[](){}*+?|^$\\/-", q[1])) {
+                snprintf(buf, n, "\\%c, an escape other than of punctuation (Python's \\d, \\w, \\b; glibc's "
+                         "\\<, \\>)", q[1]);
+                return buf;
+            }
+            q++;
+            run = 0;
+        } else if (*q == '(') {
+            if (q[1] == '?') return "a (?...) group";
+            if (++depth > PATTERN_DEPTH) return "groups nested more than 8 deep";
+            holds[depth] = 0;
+            run = 0;
+        } else if (*q == ')') {
+            if (depth > 0) {
+                int inner = holds[depth--];
+                if (inner && q[1] == '+') return "a group holding a repeat, repeated with +";
+                holds[depth] |= inner;
+            }
+            run = 0;
+        } else if (*q == '{') {
+            return "a counted repeat {m,n}";
+        } else if (strchr("*+?", *q)) { /* a second ? makes Python's repeat lazy: the same whole matches */
+            if (++run > 2 || (run == 2 && *q != '?')) return "a repeat of a repeat";
+            holds[depth] = 1;
+        } else {
+            run = 0;
+        }
+    }
+    return NULL;
+}
+
 /* A pattern: Python's re.fullmatch, for the syntax Python's regular
- * expressions share with POSIX extended ones (literals, '.', classes,
- * groups, alternation, the quantifiers * + ?, anchors); Python's own
- * escapes (\d, \w, \s, \b ...), (?...) groups and counted repeats are
- * refused rather than read another way. */
+ * expressions share with POSIX extended ones (pattern_unread refuses the
+ * rest by name rather than read it another way). */
 static loom_status peft_pattern_targets(const char *pattern, const char *path, unsigned *targets) {
     char what[160];
     snprintf(what, sizeof what, "pattern \"%.120s\"", pattern);
     if (strlen(pattern) > 512)
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: target_modules %s is longer than the 512 characters loom reads",
                           path, what);
-    int run = 0; /* quantifiers in a row; Python reads a second '?' as lazy, the same whole matches */
-    for (const char *q = pattern; *q; q++) {
-        run = strchr("*+?", *q) ? run + 1 : 0;
-        if (run > 2 || (run == 2 && *q != '?'))
-            return loom_error(LOOM_ERR_UNSUPPORTED, "%s: target_modules %s repeats a repeat, which loom's patterns "
-                              "do not read", path, what);
-        if (*q == '\\' && q[1] && isalnum((unsigned char)q[1]))
-            return loom_error(LOOM_ERR_UNSUPPORTED, "%s: target_modules %s uses \\%c, which loom's patterns do not "
-                              "read; write it with classes such as [0-9]", path, what, q[1]);
-        if (*q == '(' && q[1] == '?')
-            return loom_error(LOOM_ERR_UNSUPPORTED, "%s: target_modules %s uses a (?...) group, which loom's "
-                              "patterns do not read", path, what);
-        if (*q == '{') /* nested counts can make a compiled pattern explode */
-            return loom_error(LOOM_ERR_UNSUPPORTED, "%s: target_modules %s uses a counted repeat {m,n}, which "
-                              "loom's patterns do not read; write it with + or *", path, what);
-        if (*q == '\\' && q[1]) q++;
-    }
+    char buf[128];
+    const char *unread = pattern_unread(pattern, buf, sizeof buf);
+    if (unread)
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: target_modules %s uses %s, which loom's patterns do not read",
+                          path, what, unread);
     regex_t re;
-    if (regcomp(&re, pattern, REG_EXTENDED) != 0)
-        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: target_modules %s is not a regular expression loom reads",
-                          path, what);
+    int rc = regcomp(&re, pattern, REG_EXTENDED);
+    if (rc != 0) {
+        char why[128];
+        regerror(rc, &re, why, sizeof why);
+        return loom_error(rc == REG_ESPACE ? LOOM_ERR_NOMEM : LOOM_ERR_UNSUPPORTED, "%s: target_modules %s is not "
+                          "a regular expression loom reads (%s)", path, what, why);
+    }
     loom_status st = peft_select(regex_matches, &re, what, path, targets);
     regfree(&re);
     return st;

@@ -232,20 +232,31 @@ void loom_llama_tp_shard(const loom_llama *m, int i, const float *full, float *l
     tp_take_shard(m->params[i], m->tp_rank, m->tp_size, full, local);
 }
 
+loom_status loom_llama_tp_agree(loom_llama *m, loom_status st) {
+    if (m->tp_size == 1) return st;
+    int failed = st != LOOM_OK;
+    loom_status a = loom_comm_allreduce_max_int(m->tp_comm, &failed, 1);
+    if (st != LOOM_OK || a != LOOM_OK) return st != LOOM_OK ? st : a;
+    return failed ? loom_error(LOOM_ERR_NOMEM, "another tensor-parallel rank failed (out of memory) before a gather")
+                  : LOOM_OK;
+}
+
 loom_status loom_llama_param_gather(loom_llama *m, int i, int grad, float *full) {
     loom_param *p = m->params[i];
     const float *src = NULL;
     float *tmp = NULL;
+    loom_status st = LOOM_OK;
     if (grad || !loom_param_has_master(p)) {
         tmp = malloc((size_t)loom_param_numel(p) * sizeof(float) + 1);
-        if (!tmp) return loom_error(LOOM_ERR_NOMEM, "gather %s: out of memory", p->name);
-        if (grad) loom_param_read_grad(p, tmp);
+        if (!tmp) st = loom_error(LOOM_ERR_NOMEM, "gather %s: out of memory", p->name);
+        else if (grad) loom_param_read_grad(p, tmp);
         else loom_param_get_f32(p, tmp); /* a frozen bf16 weight, widened */
         src = tmp;
+        st = loom_llama_tp_agree(m, st); /* every rank gathers, or none */
     } else {
         src = loom_param_master(p);
     }
-    loom_status st = tp_gather(m->tp_comm, p, src, full);
+    if (st == LOOM_OK) st = tp_gather(m->tp_comm, p, src, full);
     free(tmp);
     return st;
 }
@@ -456,7 +467,8 @@ loom_status loom_llama_param_merged(loom_llama *m, int i, float *full) {
     if (m->tp_size > 1) {
         ga = malloc((size_t)(fa[0] * fa[1]) * sizeof *ga);
         gb = malloc((size_t)(fb[0] * fb[1]) * sizeof *gb);
-        st = ga && gb ? tp_gather(m->tp_comm, a, wa, ga) : loom_error(LOOM_ERR_NOMEM, "LoRA merge: out of memory");
+        st = loom_llama_tp_agree(m, ga && gb ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "LoRA merge: out of memory"));
+        if (st == LOOM_OK) st = tp_gather(m->tp_comm, a, wa, ga);
         if (st == LOOM_OK) st = tp_gather(m->tp_comm, b, wb, gb);
         wa = ga;
         wb = gb;

@@ -252,7 +252,9 @@ static loom_status on_backward_node(void *user) {
 }
 
 void loom_dist_optim_watch_backward(loom_dist_optim *o) {
-    if (!o->distributed || o->dist.dp_size < 2) return;
+    /* Lent masters live where buckets would be reduced: no bucket starts
+     * (prepare refuses the step, naming why). */
+    if (!o->distributed || o->dist.dp_size < 2 || o->masters_lent) return;
     /* A failed step may have left reductions in flight: finish them before
      * their requests are reused (ranks stay in step). */
     for (int k = 0; k < o->nb; k++) (void)loom_comm_wait(&o->buckets[k].req);

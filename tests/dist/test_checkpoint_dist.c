@@ -13,7 +13,8 @@
  *    directory cannot be made; the state file's write stops partway)
  *    returns the error there, and every other rank still finishes its
  *    part: no rank is left in a gather (a barrier after it meets, and a
- *    load after it gathers the same way).
+ *    load after it gathers the same way). A rank short of memory for a
+ *    gather tells the others first (loom_llama_tp_agree).
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -190,6 +191,14 @@ static void check_layout(int tp, int zero, loom_dtype dtype, const char *tag) {
     }
     free(sa);
     free(sb);
+    /* A rank that cannot take part in a gather says so first: every rank
+     * of the TP group learns it, and none gathers. */
+    if (a.m->tp_size > 1) {
+        loom_status mine = a.m->tp_rank == 1 ? loom_error(LOOM_ERR_NOMEM, "out of memory here") : LOOM_OK;
+        assert_int_equal(loom_llama_tp_agree(a.m, mine), LOOM_ERR_NOMEM);
+        if (a.m->tp_rank != 1) assert_non_null(strstr(loom_last_error(), "another tensor-parallel rank"));
+        assert_int_equal(loom_llama_tp_agree(a.m, LOOM_OK), LOOM_OK);
+    }
     run_close(&b);
     run_close(&a);
 }

@@ -187,12 +187,13 @@ static void test_parameter_inside_reentrant_and_after(void **state) {
 #define NP 3
 static const int64_t io_sizes[NP] = {5, 37, 22};
 
-/* NP bf16 parameters (master-grad) of io_sizes, with nonzero values. */
-static void make_params(loom_param **ps) {
+/* NP bf16 parameters of io_sizes, with nonzero values; master_grad 1:
+ * fp32 gradients (in the optimizer's flat buffer), 0: bf16 ones. */
+static void make_params(loom_param **ps, int master_grad) {
     for (int i = 0; i < NP; i++) {
         char name[8];
         snprintf(name, sizeof name, "w%d", i);
-        assert_int_equal(loom_param_new(name, LOOM_BF16, 1, &io_sizes[i], 1, &ps[i]), LOOM_OK);
+        assert_int_equal(loom_param_new(name, LOOM_BF16, 1, &io_sizes[i], master_grad, &ps[i]), LOOM_OK);
         float w[64];
         for (int k = 0; k < io_sizes[i]; k++) w[k] = 0.01f * (float)(k - 7 * i);
         assert_int_equal(loom_param_set_f32(ps[i], w, io_sizes[i]), LOOM_OK);
@@ -201,7 +202,7 @@ static void make_params(loom_param **ps) {
 
 static void moments_after_steps(int zero, float *out) {
     loom_param *ps[NP];
-    make_params(ps);
+    make_params(ps, 1);
     loom_adamw_config ac = loom_adamw_defaults();
     loom_dist_optim *o = NULL;
     assert_int_equal(loom_dist_optim_new(&ac, ps, NP, &dist, zero, 0, &o), LOOM_OK);
@@ -272,10 +273,9 @@ static void test_moments_one_tensor_at_a_time(void **state) {
  * a zero_grad that leaves them be, a step refused until they are taken
  * back (which leaves zero gradients), and their own copies, of the same
  * values, once the optimizer is freed. */
-static void test_masters_lent_from_gradient_buffer(void **state) {
-    (void)state;
+static void masters_lent(int master_grad) {
     loom_param *ps[NP];
-    make_params(ps);
+    make_params(ps, master_grad);
     loom_adamw_config ac = loom_adamw_defaults();
     loom_dist_optim *o = NULL;
     assert_int_equal(loom_dist_optim_new(&ac, ps, NP, &dist, 1, 0, &o), LOOM_OK);
@@ -286,7 +286,8 @@ static void test_masters_lent_from_gradient_buffer(void **state) {
     assert_int_equal(loom_dist_optim_unshard_masters(o), LOOM_OK);
     float g[64], m[NP][64];
     for (int i = 0; i < NP; i++) {
-        assert_int_equal(loom_param_master(ps[i]) == (float *)ps[i]->grad, zero);
+        assert_int_equal(ps[i]->master_borrowed, zero);
+        assert_int_equal(loom_param_master(ps[i]) == (float *)ps[i]->grad, zero && master_grad);
         /* while lent: the gradient reads as zero, and zero_grad leaves the master be */
         memcpy(m[i], loom_param_master(ps[i]), (size_t)io_sizes[i] * sizeof(float));
         loom_param_zero_grad(ps[i]);
@@ -313,6 +314,12 @@ static void test_masters_lent_from_gradient_buffer(void **state) {
         for (int k = 0; k < io_sizes[i]; k++) assert_true(g[k] == 0.0f);
         loom_param_free(ps[i]);
     }
+}
+
+static void test_masters_lent_from_gradient_buffer(void **state) {
+    (void)state;
+    masters_lent(1); /* fp32 gradients, in the buffer that holds the masters */
+    masters_lent(0); /* bf16 gradients apart from it */
 }
 
 /* A tensor split by columns, made whole: rank r's (rows, cols) block lands

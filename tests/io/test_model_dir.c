@@ -402,7 +402,18 @@ static void test_peft_adapter(void **state) {
         {"{\"r\": 2, \"target_modules\": \"(?:v|up)_proj\"}", "(?...) group", LOOM_ERR_UNSUPPORTED},
         {"{\"r\": 2, \"target_modules\": \"model.layers.[0-9]{1,3}.self_attn.v_proj\"}", "counted repeat",
          LOOM_ERR_UNSUPPORTED},
-        {"{\"r\": 2, \"target_modules\": \"model.layers.[0-9]++.self_attn.v_proj\"}", "repeats a repeat",
+        {"{\"r\": 2, \"target_modules\": \"model.layers.[0-9]++.self_attn.v_proj\"}", "a repeat of a repeat",
+         LOOM_ERR_UNSUPPORTED},
+        /* glibc's regcomp doubles a +-repeated group per level of nesting */
+        {"{\"r\": 2, \"target_modules\": \"((((((((a+)+)+)+)+)+)+)+)+\"}", "repeated with +",
+         LOOM_ERR_UNSUPPORTED},
+        {"{\"r\": 2, \"target_modules\": \"(((((((((v_proj)))))))))\"}", "nested more than 8 deep",
+         LOOM_ERR_UNSUPPORTED},
+        /* what glibc and Python read differently */
+        {"{\"r\": 2, \"target_modules\": \".*\\\\<v_proj\"}", "uses \\<", LOOM_ERR_UNSUPPORTED},
+        {"{\"r\": 2, \"target_modules\": \"model.layers.[[:digit:]]+.self_attn.v_proj\"}", "[:class:]",
+         LOOM_ERR_UNSUPPORTED},
+        {"{\"r\": 2, \"target_modules\": \"model.layers.[\\\\d]+.self_attn.v_proj\"}", "backslash inside",
          LOOM_ERR_UNSUPPORTED},
         {"{\"r\": 2, \"target_modules\": \"model.layers.0.self_attn.v_proj\"}", "v_proj in some layers only",
          LOOM_ERR_UNSUPPORTED},
@@ -452,6 +463,7 @@ static void test_peft_adapter(void **state) {
         "{\"r\": 2, \"lora_alpha\": 3, \"target_modules\": \".*\\\\.(v_proj|up_proj)\"}",
         "{\"r\": 2, \"lora_alpha\": 3, \"target_modules\": \"model\\\\.layers\\\\.[0-9]+\\\\.(self_attn\\\\.v|mlp\\\\.up)_proj\"}",
         "{\"r\": 2, \"lora_alpha\": 3, \"target_modules\": \"^.*?(v|up)_proj$\"}",
+        "{\"r\": 2, \"lora_alpha\": 3, \"target_modules\": \"(.*[.*+?{(])?(v|up)_proj\"}",
     };
     for (size_t k = 0; k < sizeof same / sizeof same[0]; k++) {
         io_write_raw(cfg_path, same[k], strlen(same[k]));
