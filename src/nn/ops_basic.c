@@ -223,7 +223,7 @@ loom_status loom_dropout_window(loom_tensor *x, float p, int64_t col0, int64_t w
     if (!(p >= 0.0f && p < 1.0f))
         return loom_error(LOOM_ERR_INVALID, "dropout: probability %g must be in [0, 1)", (double)p);
     int64_t cols = x->ndim ? x->shape[x->ndim - 1] : 1;
-    if (width && (col0 < 0 || width < col0 + cols))
+    if (width && (col0 < 0 || cols > width || col0 > width - cols))
         return loom_error(LOOM_ERR_INVALID, "dropout: columns %lld..%lld do not lie in rows %lld wide",
                           (long long)col0, (long long)(col0 + cols), (long long)width);
     if (!width && col0) return loom_error(LOOM_ERR_INVALID, "dropout: a column offset needs a row width");

@@ -339,6 +339,7 @@ static void test_allgather_cols(void **state) {
         for (int t = 0; t < T; t++)
             for (int c = 0; c < COLS; c++)
                 assert_true(recv[r * COLS * T + t * COLS + c] == (float)(100 * t + 10 * r + c));
+    for (int k = ROWS * COLS * T; k < ROWS * COLS * 8; k++) assert_true(recv[k] == 0.0f); /* nothing past it */
 }
 
 int main(int argc, char **argv) {
