@@ -323,9 +323,10 @@ for np_layout in "2:--tp 1" "4:--tp 2 --precision bf16"; do
 done
 
 # A checkpoint resumes on another layout (its tensors are whole): ZeRO-1's
-# with 2 ranks in one process, and one process's under ZeRO-1 with 2 ranks
-# (bf16: sharded masters; each rank takes its part of every moment), at
-# the same global batch, continue as the run they came from.
+# with 2 ranks in one process, one process's under ZeRO-1 with 2 ranks
+# (bf16: sharded masters; each rank takes its part of every moment), and
+# TP=2's in one process, at the same global batch, continue as the run
+# they came from.
 X=("${D[@]}" --precision bf16 --steps 8)
 timeout 300 $MPI "$LOOM" train "${X[@]}" --batch 2 --zero 1 --ckpt-every 4 --out "$WORK/x2" 2>/dev/null
 "$LOOM" train "${X[@]}" --batch 4 --resume "$WORK/x2/ckpt-00000004" --out "$WORK/x21" 2>/dev/null
@@ -334,7 +335,10 @@ close <(losses "$WORK/x2" | tail -4) <(losses "$WORK/x21") 2e-4 || fail "ZeRO-1 
 timeout 300 $MPI "$LOOM" train "${X[@]}" --batch 2 --zero 1 --resume "$WORK/x1/ckpt-00000004" --out "$WORK/x12" \
   2>/dev/null
 close <(losses "$WORK/x1" | tail -4) <(losses "$WORK/x12") 2e-4 || fail "one process's checkpoint resumed under ZeRO-1 differs"
-rm -rf "$WORK/x2" "$WORK/x21" "$WORK/x1" "$WORK/x12"
+timeout 300 $MPI "$LOOM" train "${X[@]}" --batch 2 --tp 2 --ckpt-every 4 --out "$WORK/x3" 2>/dev/null
+"$LOOM" train "${X[@]}" --batch 2 --resume "$WORK/x3/ckpt-00000004" --out "$WORK/x31" 2>/dev/null
+close <(losses "$WORK/x3" | tail -4) <(losses "$WORK/x31") 2e-4 || fail "a TP=2 checkpoint resumed in one process differs"
+rm -rf "$WORK/x2" "$WORK/x21" "$WORK/x1" "$WORK/x12" "$WORK/x3" "$WORK/x31"
 
 # A rank that fails (bad data on rank 1) ends the whole job with a message.
 mkdir -p "$WORK/bad" && printf 'not a shard' > "$WORK/bad/train_000000.bin"
