@@ -640,7 +640,15 @@ static loom_status open_outputs(trainer *t, const char *resume_dir) {
  * must say the same. */
 static int lora_from_adapter(train_opts *o) {
     loom_lora_config c;
-    loom_status st = loom_lora_peft_config(o->lora_init, &c);
+    /* The base's layers, when its config can be read here (a pattern is
+     * checked against them; else against layers 0..127). */
+    int n_layers = 0;
+    char cfg_path[4200];
+    loom_llama_config base;
+    if (o->init && snprintf(cfg_path, sizeof cfg_path, "%s/config.json", o->init) < (int)sizeof cfg_path &&
+        loom_llama_config_load(cfg_path, &base) == LOOM_OK)
+        n_layers = base.n_layers;
+    loom_status st = loom_lora_peft_config_layers(o->lora_init, n_layers, &c);
     if (st != LOOM_OK) return cli_fail("train", st);
     if (!o->init && !o->resume)
         return cli_usage_error("train", "--lora-init %s: give the base model the adapter was trained on, --init DIR",

@@ -100,10 +100,13 @@ loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base
  * ("v_proj", "self_attn.v_proj"); or a regular expression matching whole
  * names (model\.layers\.[0-9]+\.self_attn\.(q|v)_proj: the syntax
  * Python's and POSIX extended ones share; Python's escapes such as \d,
- * (?...) groups and counted repeats are refused). It must select each of
- * q_proj .. down_proj in every layer or in none (layers 0..127 checked).
- * Refusals as below. */
+ * (?...) groups and counted repeats are refused, with what could make
+ * the compiled pattern explode). It must select each of q_proj ..
+ * down_proj in every layer or in none: here layers 0..127 are checked
+ * (the model is not known); loom_lora_peft_config_layers checks a model of
+ * n_layers, as loom_lora_load_peft does. Refusals as below. */
 loom_status loom_lora_peft_config(const char *dir, loom_lora_config *c);
+loom_status loom_lora_peft_config_layers(const char *dir, int n_layers, loom_lora_config *c);
 /* Apply a PEFT LoRA adapter directory (adapter_config.json,
  * adapter_model.safetensors, any float dtype) to m: loom_llama_add_lora
  * with its setting (loom_lora_peft_config), or, when m has adapters

@@ -567,11 +567,9 @@ loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base
  * names the modules it equals or ends (after a '.'), a string is a Python
  * regular expression that must match a whole name. loom adapts a linear
  * in every layer or in none, so a selection is checked against the names
- * of layers 0 .. PEFT_LAYERS - 1 (more than any LLaMA has): each linear
- * must be chosen in all of them or in none. (So a pattern that spells out
- * exactly a model's own layers, 0..31 say, is refused, though PEFT would
- * adapt every layer of that model: the setting is read before the model
- * is known.) */
+ * of the model's layers (n_layers; 0, a model not known yet: layers
+ * 0 .. PEFT_LAYERS - 1, more than any LLaMA has): each linear must be
+ * chosen in all of them or in none. */
 #define PEFT_LAYERS 128
 
 /* The module name of linear t in layer l, as Hugging Face's LlamaForCausalLM
@@ -586,16 +584,17 @@ typedef int (*peft_match_fn)(const void *how, const char *name);
 /* The linears `match` selects, into *targets; refused unless each is
  * selected in every layer or in none, and unless something is. */
 static loom_status peft_select(peft_match_fn match, const void *how, const char *what, const char *path,
-                               unsigned *targets) {
+                               int n_layers, unsigned *targets) {
+    int layers = n_layers > 0 ? n_layers : PEFT_LAYERS;
     char name[96];
     unsigned chosen = 0;
     for (int t = 0; t < LOOM_LORA_N; t++) {
         int in = 0;
-        for (int l = 0; l < PEFT_LAYERS; l++) {
+        for (int l = 0; l < layers; l++) {
             peft_module_name(l, t, name, sizeof name);
             in += match(how, name) != 0;
         }
-        if (in && in < PEFT_LAYERS) {
+        if (in && in < layers) {
             peft_module_name(0, t, name, sizeof name);
             return loom_error(LOOM_ERR_UNSUPPORTED, "%s: target_modules %s selects %s in some layers only; loom "
                               "adapts a linear in every layer or in none", path, what,
@@ -617,10 +616,10 @@ static int name_ends_with(const void *how, const char *name) {
     return !strcmp(name, key) || (n > k && name[n - k - 1] == '.' && !strcmp(name + n - k, key));
 }
 
-static loom_status peft_name_targets(const char *entry, const char *path, unsigned *targets) {
+static loom_status peft_name_targets(const char *entry, const char *path, int n_layers, unsigned *targets) {
     char what[160];
     snprintf(what, sizeof what, "entry \"%.120s\"", entry);
-    return peft_select(name_ends_with, entry, what, path, targets);
+    return peft_select(name_ends_with, entry, what, path, n_layers, targets);
 }
 
 /* A whole-name match of a POSIX extended regular expression. */
@@ -688,7 +687,7 @@ static const char *pattern_unread(const char *q, char *buf, size_t n) {
 /* A pattern: Python's re.fullmatch, for the syntax Python's regular
  * expressions share with POSIX extended ones (pattern_unread refuses the
  * rest by name rather than read it another way). */
-static loom_status peft_pattern_targets(const char *pattern, const char *path, unsigned *targets) {
+static loom_status peft_pattern_targets(const char *pattern, const char *path, int n_layers, unsigned *targets) {
     char what[160];
     snprintf(what, sizeof what, "pattern \"%.120s\"", pattern);
     if (strlen(pattern) > 512)
@@ -707,14 +706,14 @@ static loom_status peft_pattern_targets(const char *pattern, const char *path, u
         return loom_error(rc == REG_ESPACE ? LOOM_ERR_NOMEM : LOOM_ERR_UNSUPPORTED, "%s: target_modules %s is not "
                           "a regular expression loom reads (%s)", path, what, why);
     }
-    loom_status st = peft_select(regex_matches, &re, what, path, targets);
+    loom_status st = peft_select(regex_matches, &re, what, path, n_layers, targets);
     regfree(&re);
     return st;
 }
 
 /* adapter_config.json's LoRA setting; what loom does not compute (rsLoRA,
  * DoRA, biases, other modules, some layers only) is refused by name. */
-static loom_status peft_config(json_t *root, const char *path, loom_lora_config *c) {
+static loom_status peft_config(json_t *root, const char *path, int n_layers, loom_lora_config *c) {
     memset(c, 0, sizeof *c);
     json_t *type = json_object_get(root, "peft_type");
     if (type && !(json_is_string(type) && !strcmp(json_string_value(type), "LORA")))
@@ -751,7 +750,7 @@ static loom_status peft_config(json_t *root, const char *path, loom_lora_config 
         c->targets = LOOM_LORA_ALL;
         return LOOM_OK;
     }
-    if (json_is_string(t)) return peft_pattern_targets(json_string_value(t), path, &c->targets);
+    if (json_is_string(t)) return peft_pattern_targets(json_string_value(t), path, n_layers, &c->targets);
     if (!json_is_array(t) || !json_array_size(t))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: target_modules must be a list of module names, a pattern, or "
                           "\"all-linear\"", path);
@@ -760,17 +759,21 @@ static loom_status peft_config(json_t *root, const char *path, loom_lora_config 
     json_array_foreach(t, i, v) {
         if (!json_is_string(v))
             return loom_error(LOOM_ERR_FORMAT, "%s: target_modules entry %zu is not a string", path, i);
-        LOOM_TRY(peft_name_targets(json_string_value(v), path, &c->targets));
+        LOOM_TRY(peft_name_targets(json_string_value(v), path, n_layers, &c->targets));
     }
     return LOOM_OK;
 }
 
 loom_status loom_lora_peft_config(const char *dir, loom_lora_config *c) {
+    return loom_lora_peft_config_layers(dir, 0, c);
+}
+
+loom_status loom_lora_peft_config_layers(const char *dir, int n_layers, loom_lora_config *c) {
     char path[4200];
     LOOM_TRY(join(path, sizeof path, dir, "adapter_config.json"));
     json_t *root;
     LOOM_TRY(read_json(path, "adapter config", &root));
-    loom_status st = json_is_object(root) ? peft_config(root, path, c)
+    loom_status st = json_is_object(root) ? peft_config(root, path, n_layers, c)
                                           : loom_error(LOOM_ERR_FORMAT, "%s: expected a JSON object", path);
     json_decref(root);
     return st;
@@ -778,7 +781,7 @@ loom_status loom_lora_peft_config(const char *dir, loom_lora_config *c) {
 
 loom_status loom_lora_load_peft(loom_llama *m, const char *dir) {
     loom_lora_config c;
-    LOOM_TRY(loom_lora_peft_config(dir, &c));
+    LOOM_TRY(loom_lora_peft_config_layers(dir, m->cfg.n_layers, &c));
     if (m->lora.rank) { /* adapters made already: they must be this setting's */
         if (m->lora.rank != c.rank || m->lora.alpha != c.alpha || m->lora.targets != c.targets) /* not dropout */
             return loom_error(LOOM_ERR_INVALID, "%s: the adapter's setting (r %d, lora_alpha %g) is not the model's "

@@ -415,12 +415,9 @@ static void test_peft_adapter(void **state) {
          LOOM_ERR_UNSUPPORTED},
         {"{\"r\": 2, \"target_modules\": \"model.layers.[\\\\d]+.self_attn.v_proj\"}", "backslash inside",
          LOOM_ERR_UNSUPPORTED},
-        {"{\"r\": 2, \"target_modules\": \"model.layers.0.self_attn.v_proj\"}", "v_proj in some layers only",
-         LOOM_ERR_UNSUPPORTED},
-        {"{\"r\": 2, \"target_modules\": \"model.layers.[0-9].mlp.up_proj\"}", "up_proj in some layers only",
-         LOOM_ERR_UNSUPPORTED},
+        /* layer 1 of a model of one layer */
         {"{\"r\": 2, \"target_modules\": [\"v_proj\", \"model.layers.1.mlp.up_proj\"]}",
-         "up_proj in some layers only", LOOM_ERR_UNSUPPORTED},
+         "entry \"model.layers.1.mlp.up_proj\" selects none", LOOM_ERR_UNSUPPORTED},
         {"{\"r\": 2, \"target_modules\": \"(v_proj\"}", "not a regular expression", LOOM_ERR_UNSUPPORTED},
         {"{\"r\": 2, \"target_modules\": \"lm_head\"}", "selects none of q_proj", LOOM_ERR_UNSUPPORTED},
         /* a pattern matches whole names: "v_proj" alone names no module */
@@ -472,6 +469,30 @@ static void test_peft_adapter(void **state) {
         assert_true(e->lora.targets == lc.targets);
         loom_llama_free(e);
     }
+    /* Some layers only: refused against a model of two layers, and with
+     * no model known (layers 0..127); the one layer of this model is all
+     * of them. */
+    static const struct { const char *json; int layers; const char *msg; } some[] = {
+        {"{\"r\": 2, \"target_modules\": \"model.layers.0.self_attn.v_proj\"}", 2, "v_proj in some layers only"},
+        {"{\"r\": 2, \"target_modules\": \"model.layers.[0-9].mlp.up_proj\"}", 0, "up_proj in some layers only"},
+        {"{\"r\": 2, \"target_modules\": [\"v_proj\", \"model.layers.1.mlp.up_proj\"]}", 2,
+         "up_proj in some layers only"},
+    };
+    for (size_t k = 0; k < sizeof some / sizeof some[0]; k++) {
+        loom_lora_config sc;
+        io_write_raw(cfg_path, some[k].json, strlen(some[k].json));
+        assert_int_equal(some[k].layers ? loom_lora_peft_config_layers(io_path("adapter"), some[k].layers, &sc)
+                                        : loom_lora_peft_config(io_path("adapter"), &sc),
+                         LOOM_ERR_UNSUPPORTED);
+        IO_ASSERT_MSG(some[k].msg);
+    }
+    const char *exact = "{\"r\": 2, \"lora_alpha\": 3, \"target_modules\": "
+                        "\"model\\\\.layers\\\\.0\\\\.(self_attn\\\\.v|mlp\\\\.up)_proj\"}";
+    io_write_raw(cfg_path, exact, strlen(exact));
+    loom_llama *x = model(5);
+    assert_int_equal(loom_lora_load_peft(x, io_path("adapter")), LOOM_OK);
+    assert_true(x->lora.targets == lc.targets);
+    loom_llama_free(x);
     /* PEFT's default alpha (8) when the config leaves it out */
     const char *no_alpha = "{\"r\": 2, \"target_modules\": [\"up_proj\", \"v_proj\"]}";
     io_write_raw(cfg_path, no_alpha, strlen(no_alpha));
