@@ -159,18 +159,6 @@ static loom_status add_state_tensors(loom_safetensors_writer *w, loom_llama *m, 
     return s;
 }
 
-/* The widest full tensor, in floats. */
-static size_t widest_tensor(const loom_llama *m) {
-    size_t most = 1;
-    for (int i = 0; i < m->n_params; i++) {
-        int64_t fs[2];
-        loom_llama_param_full_shape(m, i, fs);
-        size_t n = (size_t)(fs[0] * fs[1]);
-        if (n > most) most = n;
-    }
-    return most;
-}
-
 /* The gathers of every state tensor not written (all of them when this
  * rank writes no file, the rest after a failed write), joined all the
  * same: the other ranks are in them. */
@@ -198,7 +186,7 @@ static loom_status write_state(const char *path, loom_llama *m, const loom_momen
     /* Allocated before any gather (a failure later cannot leave this rank
      * out of one); pages only touched when used. spare: a whole tensor
      * whose gathers are joined without writing it. */
-    size_t widest = widest_tensor(m);
+    size_t widest = io_widest_param(m, m->n_params);
     float *scratch = m->tp_size > 1 ? malloc(widest * sizeof(float)) : NULL, *spare = malloc(widest * sizeof(float));
     if (!ts || (m->tp_size > 1 && !scratch) || !spare) {
         free(ts);

@@ -64,6 +64,11 @@ loom_status io_read_file(const char *path, const char *what, void **data, size_t
 
 loom_status io_check_finite(const float *v, size_t n, const char *path, const char *name);
 
+typedef struct loom_llama loom_llama;
+/* The widest full (unsplit) tensor among m->params[0 .. n), in elements
+ * (at least 1): the size of a buffer any of them can be gathered into. */
+size_t io_widest_param(const loom_llama *m, int n);
+
 /* loom_dataloader_fingerprint with another budget of tokens hashed whole
  * (the tests' way to the sampled shards without 256 MiB of them). */
 loom_status dataloader_fingerprint_budget(const loom_dataloader *dl, size_t full_tokens, uint64_t *out);

@@ -288,10 +288,9 @@ static loom_status join_weight_gathers(loom_llama *m, lazy_weight *lazy, void *s
     return st;
 }
 
-/* The widest of m's own weights, in floats. */
-static size_t widest_weight(const loom_llama *m) {
+size_t io_widest_param(const loom_llama *m, int n) {
     size_t most = 1;
-    for (int i = 0; i < m->n_base; i++) {
+    for (int i = 0; i < n; i++) {
         int64_t fs[2];
         loom_llama_param_full_shape(m, i, fs);
         if ((size_t)(fs[0] * fs[1]) > most) most = (size_t)(fs[0] * fs[1]);
@@ -304,7 +303,7 @@ loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *pa
     lazy_weight *lazy = calloc((size_t)m->n_params + 1, sizeof *lazy);
     /* Before any gather (pages only touched when used): a whole weight
      * whose gathers are joined without writing it. */
-    void *spare = m->tp_size > 1 ? malloc(widest_weight(m) * sizeof(float)) : NULL;
+    void *spare = m->tp_size > 1 ? malloc(io_widest_param(m, m->n_base) * sizeof(float)) : NULL;
     if (!lazy || (m->tp_size > 1 && !spare)) {
         free(lazy);
         free(spare);

@@ -315,14 +315,19 @@ def check_lora(rep, loom, work, data_dir, model_dir):
         start[n + ".lora_A.weight"] = drawn[f"master.{n}.lora_A.weight"]
         start[n + ".lora_B.weight"] = torch.zeros(base[n + ".weight"].shape[0], LORA["rank"])
 
-    out = os.path.join(work, "out-lora-train")
-    run_loom(loom, out, "--data", data_dir, *flags, *train_flags, "--ckpt-every", 5, "--keep", 10)
+    def train_then_dump(tag, run_flags):
+        """Train (checkpoints every 5 steps), then dump step 6's gradients,
+        from step 5's adapters (B no longer zero): the run's directory, step
+        5's state and the dumped gradients with their metadata."""
+        out = os.path.join(work, f"out-{tag}")
+        run_loom(loom, out, "--data", data_dir, *run_flags, *train_flags, "--ckpt-every", 5, "--keep", 10)
+        gpath = os.path.join(work, f"{tag}-grads.st")
+        run_loom(loom, os.path.join(work, f"out-{tag}-dump"), "--data", data_dir, *run_flags, *train_flags,
+                 "--resume", os.path.join(out, "ckpt-00000005"), "--dump-grads", gpath)
+        st5, _ = ref.read_safetensors(os.path.join(out, "ckpt-00000005", "state.safetensors"))
+        return (out, st5, *ref.read_safetensors(gpath))
 
-    # Gradients at step 6, from step 5's adapters (B no longer zero).
-    gpath = os.path.join(work, "lora-grads.st")
-    run_loom(loom, os.path.join(work, "out-lora-dump"), "--data", data_dir, *flags, *train_flags,
-             "--resume", os.path.join(out, "ckpt-00000005"), "--dump-grads", gpath)
-    st5, _ = ref.read_safetensors(os.path.join(out, "ckpt-00000005", "state.safetensors"))
+    out, st5, l_grads, meta = train_then_dump("lora", flags)
     params = model_with({k: st5["master." + k] for k in start})
     tokens = ref.read_shard(os.path.join(data_dir, "train_000000.bin"))
     it = ref.batches(tokens, B, T)
@@ -330,7 +335,6 @@ def check_lora(rep, loom, work, data_dir, model_dir):
         next(it)
     inputs, targets = next(it)
     _, loss, g = ref.grads(cfg, params, inputs, targets)
-    l_grads, meta = ref.read_safetensors(gpath)
     rep.check("lora fp32 loss at step 6", abs(float(meta["loss"]) - loss) / abs(loss), TOL_FP32)
     check_grads(rep, "lora fp32", {k: l_grads[k] for k in start}, {k: g[k] for k in start}, TOL_FP32)
     nonzero = [k for k in base if l_grads[k].abs().max().item() != 0.0]
@@ -340,13 +344,7 @@ def check_lora(rep, loom, work, data_dir, model_dir):
     # bf16 with fp32 main_grad, the same way: step 6's adapter gradients
     # against the exact math of the bf16-rounded weights (the frozen ones are
     # held in bf16 only), torch's pure-bf16 model as the yardstick.
-    bflags = [f if f != "fp32" else "bf16" for f in flags]
-    outb = os.path.join(work, "out-lora-bf16")
-    run_loom(loom, outb, "--data", data_dir, *bflags, *train_flags, "--ckpt-every", 5, "--keep", 10)
-    gpath = os.path.join(work, "lora-grads-bf16.st")
-    run_loom(loom, os.path.join(work, "out-lora-bf16-dump"), "--data", data_dir, *bflags, *train_flags,
-             "--resume", os.path.join(outb, "ckpt-00000005"), "--dump-grads", gpath)
-    st5b, _ = ref.read_safetensors(os.path.join(outb, "ckpt-00000005", "state.safetensors"))
+    _, st5b, l_grads, _ = train_then_dump("lora-bf16", [f if f != "fp32" else "bf16" for f in flags])
     with torch.no_grad():
         rounded = {k: v.to(torch.bfloat16).float() for k, v in base.items()}
         for k in start:
@@ -354,7 +352,6 @@ def check_lora(rep, loom, work, data_dir, model_dir):
     _, _, g = ref.grads(cfg, rounded, inputs, targets)
     _, _, t_g = ref.grads(cfg, rounded, inputs, targets, dtype=torch.bfloat16)
     yard = {k: rel_err(t_g[k], g[k]) for k in start}
-    l_grads, _ = ref.read_safetensors(gpath)
     check_grads(rep, "lora bf16", {k: l_grads[k] for k in start}, {k: g[k] for k in start}, TOL_BF16_GRAD, yard,
                 f" (torch bf16 worst: {max(yard.values()):.3g})")
 
