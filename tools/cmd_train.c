@@ -152,6 +152,7 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
     } else {
         LOOM_TRY(loom_llama_new_tp(&cfg, prec, t->dist.tp, &t->m));
     }
+    LOOM_TRY(loom_llama_set_data_parallel(t->m, t->dist.dp_rank, t->dist.dp_size)); /* its rows of dropout's masks */
     t->m->recompute.mode = mode;
     t->m->recompute.blocks = o->recompute_blocks;
     loom_llama_init_weights(t->m, (uint64_t)o->seed);

@@ -146,6 +146,7 @@ struct loom_llama {
      * tp_comm; embeddings, norms and lm_head replicated. */
     loom_comm *tp_comm;  /* borrowed; NULL or size 1: no tensor parallelism */
     int tp_rank, tp_size;
+    int dp_rank, dp_size; /* the replica's place among data-parallel ones (0 of 1 unless set) */
 };
 
 /* Allocate a model with zero weights. Free with loom_llama_free. */
@@ -155,6 +156,13 @@ loom_status loom_llama_new(const loom_llama_config *cfg, loom_precision prec, lo
  * by the group size. */
 loom_status loom_llama_new_tp(const loom_llama_config *cfg, loom_precision prec, loom_comm *tp_comm,
                               loom_llama **out);
+/* Make m data-parallel replica `rank` of `size`, each training on its
+ * equal share of a global batch in rank order (loom's data loader gives
+ * rank r rows r B .. r B + B - 1): its dropout then draws its rows of the
+ * global batch's masks, so the replicas together draw the masks one
+ * process draws at the global batch, and train as it does. Not
+ * collective. Errors: LOOM_ERR_INVALID (rank not in [0, size)). */
+loom_status loom_llama_set_data_parallel(loom_llama *m, int rank, int size);
 /* Full (unsplit) shape of parameter i (rows, cols; cols 1 for vectors). */
 void loom_llama_param_full_shape(const loom_llama *m, int i, int64_t shape[2]);
 /* Parameter i's full fp32 values (its master, or a frozen bf16 weight's
@@ -219,7 +227,8 @@ loom_status loom_llama_plan_recompute(loom_llama *m, loom_recompute_mode mode, i
  * (which refuses tensor parallelism) use the adapters; loom_model_dir_save
  * writes the merged weights W + (alpha / rank) B A. Once per model, before
  * any optimizer is made over its parameters. With tensor parallelism the adapters are split as
- * in loom_llama_new_lora_tp, and dropout draws one process's masks.
+ * in loom_llama_new_lora_tp, and dropout draws one process's masks (also
+ * over data-parallel ranks: loom_llama_set_data_parallel).
  * Errors: LOOM_ERR_INVALID (bad config, already added),
  * LOOM_ERR_STATE (a data-parallel optimizer holds the gradients already),
  * LOOM_ERR_NOMEM (the model is left without adapters). */

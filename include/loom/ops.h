@@ -30,11 +30,21 @@ loom_status loom_swiglu(loom_tensor *gate, loom_tensor *up, loom_tensor **out);
  * (loom_rng_default): the mask is regenerated in backward from the
  * (seed, offset) reserved in forward, never stored. */
 loom_status loom_dropout(loom_tensor *x, float p, loom_tensor **out);
-/* The same for x holding columns [col0, col0 + cols) of rows `width` wide
- * (cols: x's last dimension), such as a tensor-parallel rank's slice: each
- * element gets the mask it has in the whole tensor, whose draws the RNG
- * moves past. width 0: loom_dropout. */
-loom_status loom_dropout_window(loom_tensor *x, float p, int64_t col0, int64_t width, loom_tensor **out);
+/* Where a tensor lies in a larger one, both seen as matrices (rows: every
+ * dimension but the last, flattened): its rows are rows [row0, row0 + its
+ * rows) of `rows`, its columns [col0, col0 + its columns) of `cols`. rows
+ * 0 (cols 0): the larger one has the tensor's own rows (columns), and row0
+ * (col0) must be 0. */
+typedef struct loom_window {
+    int64_t row0, rows;
+    int64_t col0, cols;
+} loom_window;
+/* The same for x lying at w (NULL: x is the whole), such as a
+ * tensor-parallel rank's columns or a data-parallel rank's rows of a
+ * global batch: each element gets the mask it has in the larger tensor,
+ * whose draws the RNG moves past, so the ranks together draw one
+ * process's masks. */
+loom_status loom_dropout_window(loom_tensor *x, float p, const loom_window *w, loom_tensor **out);
 /* Convert to dtype dt (gradient converted back). */
 loom_status loom_cast(loom_tensor *x, loom_dtype dt, loom_tensor **out);
 /* Differentiable reshape of a contiguous tensor (shares storage). */

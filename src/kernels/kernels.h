@@ -179,12 +179,13 @@ void dropout_fwd(void *out, const void *in, size_t n, float p,
                  uint64_t seed, uint64_t offset, loom_dtype dt);
 void dropout_bwd(void *din, const void *dout, size_t n, float p,
                  uint64_t seed, uint64_t offset, loom_dtype dt);
-/* The same over a column window: in and out are (rows, cols), columns
- * [col0, col0 + cols) of a (rows, width) tensor, and element (r, c) takes
- * the mask of that tensor's element r * width + col0 + c. With col0 0 and
- * width cols it is dropout_fwd / dropout_bwd over rows * cols. */
-void dropout_window(void *out, const void *in, size_t rows, size_t cols, size_t col0, size_t width, float p,
-                    uint64_t seed, uint64_t offset, loom_dtype dt);
+/* The same over a window: in and out are (rows, cols), rows [row0, row0 +
+ * rows) and columns [col0, col0 + cols) of a tensor `width` wide, and
+ * element (r, c) takes the mask of that tensor's element (row0 + r) *
+ * width + col0 + c. With row0 and col0 0 and width cols it is dropout_fwd /
+ * dropout_bwd over rows * cols. */
+void dropout_window(void *out, const void *in, size_t rows, size_t cols, size_t row0, size_t col0, size_t width,
+                    float p, uint64_t seed, uint64_t offset, loom_dtype dt);
 /* Number of Philox blocks a dropout over n elements consumes. */
 static inline uint64_t dropout_blocks(size_t n) { return (uint64_t)((n + 3) / 4); }
 

@@ -119,6 +119,14 @@ loom_status loom_llama_new_tp(const loom_llama_config *cfg, loom_precision prec,
     return llama_create(cfg, prec, tp_comm, 0, out);
 }
 
+loom_status loom_llama_set_data_parallel(loom_llama *m, int rank, int size) {
+    if (!m || size < 1 || rank < 0 || rank >= size)
+        return loom_error(LOOM_ERR_INVALID, "llama: data-parallel rank %d of %d (0 <= rank < size)", rank, size);
+    m->dp_rank = rank;
+    m->dp_size = size;
+    return LOOM_OK;
+}
+
 /* frozen: the model's parameters are created frozen (LoRA's base; the
  * caller adds the adapters). */
 static loom_status llama_create(const loom_llama_config *cfg, loom_precision prec, loom_comm *tp_comm, int frozen,
@@ -136,6 +144,7 @@ static loom_status llama_create(const loom_llama_config *cfg, loom_precision pre
     m->tp_comm = tp_comm;
     m->tp_size = T;
     m->tp_rank = tp_comm ? loom_comm_rank(tp_comm) : 0;
+    m->dp_size = 1;
     int L = cfg->n_layers, C = cfg->dim, HS = cfg->dim / cfg->n_heads, KV = cfg->n_kv_heads * HS;
     m->layers = calloc((size_t)L, sizeof *m->layers);
     m->params = calloc(9 * (size_t)L + 3, sizeof *m->params);
@@ -504,6 +513,8 @@ void loom_llama_zero_grad(loom_llama *m) {
  *    g-reduced, then g(x A^T) B^T is added: B and its gradient whole on
  *    every rank, A's slice and x's from the ranks' own columns; dropout
  *    takes the rank's columns of the whole rows' mask.
+ * A data-parallel rank's dropout takes its rows of the global batch's
+ * mask (loom_llama_set_data_parallel).
  * Without tensor parallelism f and g are the identity and xr is x. */
 static loom_status block_linear(const struct llama_block_args *a, loom_lora_target t, loom_tensor *x,
                                 loom_tensor *xr, loom_tensor **out) {
@@ -522,10 +533,12 @@ static loom_status block_linear(const struct llama_block_args *a, loom_lora_targ
     *out = NULL;
     loom_tensor *in = row || !xr ? x : xr;
     float scale = m->lora.alpha / (float)m->lora.rank;
-    if (a->training && m->lora.dropout > 0.0f) { /* a row-parallel input: its slice of the whole rows' mask */
-        int64_t cols = in->shape[in->ndim - 1];
-        st = row ? loom_dropout_window(in, m->lora.dropout, m->tp_rank * cols, m->tp_size * cols, &xd)
-                 : loom_dropout(in, m->lora.dropout, &xd);
+    if (a->training && m->lora.dropout > 0.0f) {
+        /* this data-parallel rank's rows of the global batch's mask; a
+         * row-parallel input's columns of the whole rows' */
+        int64_t cols = in->shape[in->ndim - 1], rows = loom_tensor_numel(in) / cols;
+        loom_window w = {m->dp_rank * rows, m->dp_size * rows, row ? m->tp_rank * cols : 0, row ? m->tp_size * cols : 0};
+        st = loom_dropout_window(in, m->lora.dropout, &w, &xd);
     }
     if (st == LOOM_OK) st = loom_fused_linear(xd ? xd : in, y->lora_a[t]->tensor, NULL, &xa);
     if (st == LOOM_OK) st = row ? tp_reduce(m->tp_comm, xa, &xaf) : tp_copy(m->tp_comm, xa, &xaf);

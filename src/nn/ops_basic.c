@@ -170,32 +170,35 @@ typedef struct dropout_state {
     uint64_t seed, offset;
 } dropout_state;
 
-/* A dropout over x's last dimension as columns [col0, col0 + cols) of rows
- * width wide (width 0: the whole tensor, col0 0). */
+/* A dropout over x as a window of a larger tensor (loom_window; zeros:
+ * the whole). */
 typedef struct dropout_args {
     float p;
-    int64_t col0, width;
+    loom_window w;
 } dropout_args;
 
-static void dropout_shape(const loom_tensor *x, const dropout_args *a, size_t *rows, size_t *cols, size_t *width) {
+/* x as a matrix, and the larger tensor's row count and width. */
+static void dropout_shape(const loom_tensor *x, const dropout_args *a, size_t *rows, size_t *cols, size_t *all_rows,
+                          size_t *width) {
     *cols = x->ndim ? (size_t)x->shape[x->ndim - 1] : 1;
     *rows = *cols ? (size_t)loom_tensor_numel(x) / *cols : 0;
-    *width = a->width ? (size_t)a->width : *cols;
+    *all_rows = a->w.rows ? (size_t)a->w.rows : *rows;
+    *width = a->w.cols ? (size_t)a->w.cols : *cols;
 }
 
 static loom_status dropout_forward(loom_fn_ctx *ctx, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
     (void)n_in; (void)n_out;
     const dropout_args *a = loom_ctx_args(ctx);
-    size_t rows, cols, width;
-    dropout_shape(in[0], a, &rows, &cols, &width);
+    size_t rows, cols, all_rows, width;
+    dropout_shape(in[0], a, &rows, &cols, &all_rows, &width);
     loom_rng *rng = loom_rng_default();
     dropout_state *s = loom_ctx_state(ctx, sizeof *s);
     s->seed = rng->seed;
-    s->offset = loom_rng_reserve(rng, dropout_blocks(rows * width)); /* the whole tensor's draws */
+    s->offset = loom_rng_reserve(rng, dropout_blocks(all_rows * width)); /* the whole tensor's draws */
     out[0] = op_new_like(in[0], in[0]->dtype);
     if (!out[0]) return LOOM_ERR_NOMEM;
-    dropout_window(loom_tensor_data(out[0]), loom_tensor_data(in[0]), rows, cols, (size_t)a->col0, width, a->p,
-                   s->seed, s->offset, in[0]->dtype);
+    dropout_window(loom_tensor_data(out[0]), loom_tensor_data(in[0]), rows, cols, (size_t)a->w.row0,
+                   (size_t)a->w.col0, width, a->p, s->seed, s->offset, in[0]->dtype);
     return LOOM_OK;
 }
 
@@ -203,31 +206,44 @@ static loom_status dropout_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, 
     (void)n_out; (void)n_in;
     const dropout_args *a = loom_ctx_args(ctx);
     const dropout_state *s = loom_ctx_state(ctx, sizeof *s);
-    size_t rows, cols, width;
-    dropout_shape(gout[0], a, &rows, &cols, &width);
+    size_t rows, cols, all_rows, width;
+    dropout_shape(gout[0], a, &rows, &cols, &all_rows, &width);
     gin[0] = op_new_like(gout[0], gout[0]->dtype);
     if (!gin[0]) return LOOM_ERR_NOMEM;
-    dropout_window(loom_tensor_data(gin[0]), loom_tensor_data(gout[0]), rows, cols, (size_t)a->col0, width, a->p,
-                   s->seed, s->offset, gout[0]->dtype);
+    dropout_window(loom_tensor_data(gin[0]), loom_tensor_data(gout[0]), rows, cols, (size_t)a->w.row0,
+                   (size_t)a->w.col0, width, a->p, s->seed, s->offset, gout[0]->dtype);
     return LOOM_OK;
 }
 
 static const loom_function dropout_function = {"dropout", 1, 1, 0, dropout_forward, dropout_backward};
 
 loom_status loom_dropout(loom_tensor *x, float p, loom_tensor **out) {
-    return loom_dropout_window(x, p, 0, 0, out);
+    return loom_dropout_window(x, p, NULL, out);
 }
 
-loom_status loom_dropout_window(loom_tensor *x, float p, int64_t col0, int64_t width, loom_tensor **out) {
+/* Whether [start, start + n) lies in [0, all) (all 0: is [0, n)). */
+static int window_fits(int64_t start, int64_t n, int64_t all) {
+    if (!all) return start == 0;
+    return all > 0 && start >= 0 && n <= all && start <= all - n;
+}
+
+loom_status loom_dropout_window(loom_tensor *x, float p, const loom_window *w, loom_tensor **out) {
     LOOM_TRY(op_check_contiguous("dropout", "x", x));
     if (!(p >= 0.0f && p < 1.0f))
         return loom_error(LOOM_ERR_INVALID, "dropout: probability %g must be in [0, 1)", (double)p);
-    int64_t cols = x->ndim ? x->shape[x->ndim - 1] : 1;
-    if (width && (col0 < 0 || cols > width || col0 > width - cols))
-        return loom_error(LOOM_ERR_INVALID, "dropout: columns %lld..%lld do not lie in rows %lld wide",
-                          (long long)col0, (long long)(col0 + cols), (long long)width);
-    if (!width && col0) return loom_error(LOOM_ERR_INVALID, "dropout: a column offset needs a row width");
-    dropout_args a = {p, col0, width};
+    dropout_args a = {p, {0, 0, 0, 0}};
+    if (w) a.w = *w;
+    int64_t cols = x->ndim ? x->shape[x->ndim - 1] : 1, rows = cols ? loom_tensor_numel(x) / cols : 0;
+    if (!window_fits(a.w.row0, rows, a.w.rows) || !window_fits(a.w.col0, cols, a.w.cols))
+        return loom_error(LOOM_ERR_INVALID,
+                          "dropout: rows %lld..%lld, columns %lld..%lld do not lie in a %lld x %lld tensor "
+                          "(0: x's own)",
+                          (long long)a.w.row0, (long long)(a.w.row0 + rows), (long long)a.w.col0,
+                          (long long)(a.w.col0 + cols), (long long)a.w.rows, (long long)a.w.cols);
+    int64_t all_rows = a.w.rows ? a.w.rows : rows, width = a.w.cols ? a.w.cols : cols;
+    if (width && all_rows > INT64_MAX / width)
+        return loom_error(LOOM_ERR_INVALID, "dropout: a %lld x %lld tensor is too large", (long long)all_rows,
+                          (long long)width);
     return apply1(&dropout_function, x, NULL, &a, sizeof a, out);
 }
 

@@ -129,7 +129,8 @@ static loom_status op_fused_linear_add(loom_tensor **in, void *u, loom_tensor **
 }
 static loom_status op_dropout_window(loom_tensor **in, void *u, loom_tensor **out) {
     (void)u;
-    return loom_dropout_window(in[0], 0.3f, 3, 11, out); /* columns 3..8 of rows 11 wide */
+    loom_window w = {2, 9, 3, 11}; /* rows 2..6 of 9, columns 3..8 of 11 */
+    return loom_dropout_window(in[0], 0.3f, &w, out);
 }
 static loom_status op_reshape(loom_tensor **in, void *u, loom_tensor **out) {
     (void)u;

@@ -182,35 +182,41 @@ static void test_dropout_mask(void **state) {
     }
 }
 
-/* A column window of a wider tensor takes the wider tensor's mask: the
- * slices of T ranks, put side by side, are the whole tensor's dropout, bit
- * for bit, for windows whose starts fall anywhere in a Philox block, and
- * in parallel (many rows). */
+/* A window of a larger tensor takes the larger tensor's mask: the windows
+ * of D x T ranks (D row blocks, data parallelism's; T column blocks, tensor
+ * parallelism's), put back in place, are the whole tensor's dropout, bit for
+ * bit, for windows whose starts fall anywhere in a Philox block (whole-row
+ * windows too, T 1), and in parallel (many rows). */
 static void test_dropout_window(void **state) {
     (void)state;
     const float p = 0.4f;
-    static const size_t shapes[][3] = {{3, 10, 2}, {7, 6, 3}, {6000, 9, 3}}; /* rows, width, T; the last parallel */
+    /* all rows, width, D, T; the last two run in parallel */
+    static const size_t shapes[][4] = {{3, 10, 1, 2}, {7, 6, 1, 3}, {6, 7, 3, 1}, {10, 6, 5, 2},
+                                       {6000, 9, 1, 3}, {6002, 9, 2, 1}};
     for (int d = 0; d < 3; d++) {
         loom_dtype dt = dtypes[d];
         size_t es = loom_dtype_size(dt);
         for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
-            size_t rows = shapes[k][0], width = shapes[k][1], T = shapes[k][2], cols = width / T;
-            size_t n = rows * width;
-            void *x = random_dt(n, dt, 0.5f, 1.5f, 70 + k), *whole = malloc(n * es), *slices = malloc(n * es);
+            size_t all = shapes[k][0], width = shapes[k][1], D = shapes[k][2], T = shapes[k][3];
+            size_t rows = all / D, cols = width / T, n = all * width;
+            void *x = random_dt(n, dt, 0.5f, 1.5f, 70 + k), *whole = malloc(n * es), *pieces = malloc(n * es);
             void *in = malloc(rows * cols * es), *out = malloc(rows * cols * es);
             dropout_fwd(whole, x, n, p, 5, 300, dt);
-            for (size_t t = 0; t < T; t++) {
-                for (size_t r = 0; r < rows; r++)
-                    memcpy((char *)in + r * cols * es, (char *)x + (r * width + t * cols) * es, cols * es);
-                dropout_window(out, in, rows, cols, t * cols, width, p, 5, 300, dt);
-                for (size_t r = 0; r < rows; r++)
-                    memcpy((char *)slices + (r * width + t * cols) * es, (char *)out + r * cols * es, cols * es);
-            }
-            assert_true(tu_bits_equal(slices, whole, n * es, "dropout window"));
-            memset(slices, 0, n * es);
-            dropout_window(slices, x, rows, width, 0, width, p, 5, 300, dt); /* the whole: dropout_fwd */
-            assert_true(tu_bits_equal(slices, whole, n * es, "dropout window, whole"));
-            free(x); free(whole); free(slices); free(in); free(out);
+            for (size_t q = 0; q < D; q++)
+                for (size_t t = 0; t < T; t++) {
+                    size_t row0 = q * rows, col0 = t * cols;
+                    for (size_t r = 0; r < rows; r++)
+                        memcpy((char *)in + r * cols * es, (char *)x + ((row0 + r) * width + col0) * es, cols * es);
+                    dropout_window(out, in, rows, cols, row0, col0, width, p, 5, 300, dt);
+                    for (size_t r = 0; r < rows; r++)
+                        memcpy((char *)pieces + ((row0 + r) * width + col0) * es, (char *)out + r * cols * es,
+                               cols * es);
+                }
+            assert_true(tu_bits_equal(pieces, whole, n * es, "dropout window"));
+            memset(pieces, 0, n * es);
+            dropout_window(pieces, x, all, width, 0, 0, width, p, 5, 300, dt); /* the whole: dropout_fwd */
+            assert_true(tu_bits_equal(pieces, whole, n * es, "dropout window, whole"));
+            free(x); free(whole); free(pieces); free(in); free(out);
         }
     }
 }

@@ -459,6 +459,61 @@ static void test_dropout(void **state) {
     }
 }
 
+/* A training forward's logits (dropout on, the RNG started alike), its
+ * graph dropped. */
+static float *train_logits(loom_llama *m, const int32_t *tok, const int32_t *tgt, int B, int T) {
+    loom_rng_init(loom_rng_default(), 42);
+    loom_tensor *loss = NULL, *lg = NULL;
+    assert_int_equal(loom_llama_forward(m, tok, tgt, B, T, &loss, &lg), LOOM_OK);
+    float *logits = malloc((size_t)loom_tensor_numel(lg) * sizeof *logits);
+    loom_tensor_read_f32(lg, logits);
+    loom_tensor_release(lg);
+    loom_tensor_release(loss);
+    loom_tape_clear();
+    return logits;
+}
+
+/* Data-parallel replicas draw their rows of the global batch's dropout
+ * masks: rank r of 2, given row r of a batch of 2 alone, computes the
+ * logits the model computes for that row in the whole batch, at every
+ * adapter (o and down included). Back at rank 0 of 1, the same row alone
+ * draws other masks. */
+static void test_dropout_data_parallel(void **state) {
+    (void)state;
+    loom_precision prec = {LOOM_F32, 1};
+    loom_llama *m = new_model(prec);
+    add_adapters(m, LOOM_LORA_ALL, 0.3f);
+    m->lora.dropout = 0.4f;
+    int T = N_TOK / 2, V = m->cfg.vocab_size;
+    size_t row = (size_t)T * (size_t)V;
+    int32_t tok[N_TOK], tgt[N_TOK];
+    tokens(tok, tgt, V);
+    float *whole = train_logits(m, tok, tgt, 2, T);
+    double top = 0;
+    for (size_t k = 0; k < 2 * row; k++) top = fmax(top, fabs(whole[k]));
+    for (int r = 0; r < 2; r++) {
+        assert_int_equal(loom_llama_set_data_parallel(m, r, 2), LOOM_OK);
+        float *part = train_logits(m, tok + r * T, tgt + r * T, 1, T);
+        double diff = 0;
+        for (size_t k = 0; k < row; k++) diff = fmax(diff, fabs(part[k] - whole[r * row + k]));
+        if (diff > 1e-5 * top) fprintf(stderr, "rank %d: logits differ by %g (largest %g)\n", r, diff, top);
+        assert_true(diff <= 1e-5 * top);
+        free(part);
+    }
+    assert_int_equal(loom_llama_set_data_parallel(m, 0, 1), LOOM_OK);
+    float *alone = train_logits(m, tok + T, tgt + T, 1, T);
+    double diff = 0;
+    for (size_t k = 0; k < row; k++) diff = fmax(diff, fabs(alone[k] - whole[row + k]));
+    assert_true(diff > 1e-3 * top); /* the dropout shows in the logits */
+    assert_int_equal(loom_llama_set_data_parallel(m, 2, 2), LOOM_ERR_INVALID);
+    assert_int_equal(loom_llama_set_data_parallel(m, 0, 0), LOOM_ERR_INVALID);
+    assert_int_equal(m->dp_rank, 0);
+    assert_int_equal(m->dp_size, 1);
+    free(alone);
+    free(whole);
+    loom_llama_free(m);
+}
+
 /* The merged weights W + (alpha / rank) B A give the adapted model's
  * logits; a weight without an adapter merges to itself. */
 static void test_merged_weights(void **state) {
@@ -543,6 +598,7 @@ int main(void) {
         cmocka_unit_test(test_frozen_and_finite_differences),
         cmocka_unit_test(test_recompute_bit_identical),
         cmocka_unit_test(test_dropout),
+        cmocka_unit_test(test_dropout_data_parallel),
         cmocka_unit_test(test_merged_weights),
         cmocka_unit_test(test_generation_uses_adapters),
     };

@@ -223,6 +223,15 @@ LD=("${D[@]}" "${LT[@]}" --precision fp32 --lora-dropout 0.1 --steps 5)
 timeout 300 $MPI "$LOOM" train "${LD[@]}" --tp 2 --out "$WORK/ld2" 2>"$WORK/ld.log" ||
   { cat "$WORK/ld.log"; fail "LoRA, TP=2: dropout failed"; }
 close <(losses "$WORK/ld1") <(losses "$WORK/ld2") 1e-5 || fail "LoRA, TP=2: losses with dropout differ"
+# and over data-parallel ranks, each drawing its rows of the global batch's
+# masks: DP=2 and TP=2 x DP=2 (4 ranks) train as one process at the global
+# batch (with one seed and no rows, each rank would draw the same masks).
+timeout 300 $MPI "$LOOM" train "${LD[@]}" --batch 1 --out "$WORK/ld3" 2>"$WORK/ld.log" ||
+  { cat "$WORK/ld.log"; fail "LoRA, DP=2: dropout failed"; }
+close <(losses "$WORK/ld1") <(losses "$WORK/ld3") 1e-5 || fail "LoRA, DP=2: losses with dropout differ"
+timeout 300 mpirun -np 4 --oversubscribe "$LOOM" train "${LD[@]}" --tp 2 --batch 1 --out "$WORK/ld4" 2>"$WORK/ld.log" ||
+  { cat "$WORK/ld.log"; fail "LoRA, TP=2 x DP=2: dropout failed"; }
+close <(losses "$WORK/ld1") <(losses "$WORK/ld4") 1e-5 || fail "LoRA, TP=2 x DP=2: losses with dropout differ"
 
 read -r pw po <<<"$(weights_opt "$WORK/p0.log")"
 read -r zw zo <<<"$(weights_opt "$WORK/z.log")"
