@@ -7,7 +7,9 @@
  * normalised after every step so it always names a step that fits, which
  * makes a saved position mean the same thing on every rank and after a
  * restart. A shard with a loss mask beside it (NAME.mask) gets target -1
- * where the mask is 0. Owns: shard discovery (directory, glob or file), the
+ * where the mask is 0. The pages of a mapped shard behind the position are
+ * handed back as it moves, so resident memory does not grow with the
+ * shard. Owns: shard discovery (directory, glob or file), the
  * position. Must never: return a token >= vocab_size, or advance on a
  * failed step.
  */
@@ -33,6 +35,7 @@ struct loom_dataloader {
     loom_shard *current; /* the open shard, index current_index */
     loom_mask *current_mask; /* its loss mask, when it has one */
     size_t current_index;
+    size_t dropped;    /* the open shard's tokens below this were handed back (io_shard_drop) */
     unsigned char *has_mask; /* per shard: a NAME.mask beside it */
     size_t n_masked;
     int32_t *buf;      /* (B*T+1) */
@@ -248,6 +251,7 @@ loom_status loom_dataloader_next(loom_dataloader *dl, int32_t *inputs, int32_t *
         dl->current_mask = NULL;
         LOOM_TRY(loom_shard_open(dl->paths[dl->pos.shard], &dl->current));
         dl->current_index = (size_t)dl->pos.shard;
+        dl->dropped = 0;
         loom_status st = LOOM_OK;
         if (loom_shard_count(dl->current) != dl->counts[dl->pos.shard])
             st = loom_error(LOOM_ERR_IO, "token shard '%s' changed while training (%zu tokens, was %zu)",
@@ -262,6 +266,11 @@ loom_status loom_dataloader_next(loom_dataloader *dl, int32_t *inputs, int32_t *
     size_t bt = dl->span - 1;
     size_t start = (size_t)dl->pos.offset + (size_t)dl->opt.rank * bt;
     LOOM_TRY(loom_shard_read(dl->current, start, dl->span, dl->buf));
+    if (start > dl->dropped) { /* what this rank has read before start: RSS stays flat through a large shard */
+        io_shard_drop(dl->current, dl->dropped, start);
+        io_mask_drop(dl->current_mask, dl->dropped, start);
+    }
+    dl->dropped = start;
     for (size_t i = 0; i < dl->span; i++) {
         if (dl->buf[i] >= dl->opt.vocab_size)
             return loom_error(LOOM_ERR_FORMAT, "token shard '%s': the token at position %zu is %d, not below the "

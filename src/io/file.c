@@ -168,6 +168,22 @@ loom_status io_map_file(const char *path, const char *what, io_mapped *m) {
     return LOOM_OK;
 }
 
+void io_mapped_drop(const io_mapped *m, const void *p, size_t n) {
+    if (!m->is_mmap || n == 0) return;
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), a = (uintptr_t)p, b = a + n;
+    if (page == 0 || page & (page - 1)) return;
+    a = (a + page - 1) & ~(page - 1); /* whole pages only: a neighbour's part may still be read */
+    b &= ~(page - 1);
+    if (b > a) (void)madvise((void *)a, b - a, MADV_DONTNEED); /* advice: a failure leaves the pages */
+}
+
+void io_mapped_drop_to(const io_mapped *m, const void *p, const void *end) {
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), a = (uintptr_t)p, b = (uintptr_t)end;
+    if (!m->is_mmap || b <= a || page == 0 || page & (page - 1)) return;
+    a &= ~(page - 1); /* a mapping starts on a page: this stays inside it */
+    io_mapped_drop(m, (const void *)a, b - a);
+}
+
 void io_unmap_file(io_mapped *m) {
     if (m->is_mmap) munmap((void *)m->data, m->size);
     else free((void *)m->data);

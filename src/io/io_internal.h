@@ -45,6 +45,20 @@ typedef struct io_mapped {
  * expected, e.g. "safetensors file"). */
 loom_status io_map_file(const char *path, const char *what, io_mapped *m);
 void io_unmap_file(io_mapped *m);
+/* Hand back the whole pages of [p, p + n) (inside m's data) that the
+ * process holds of a mapped file: what was read from them has been copied
+ * out, and reading them again faults them back in from the file. So a
+ * reader's resident memory counts what it keeps, not every page of the
+ * file it went through. Nothing for a file read into memory. */
+void io_mapped_drop(const io_mapped *m, const void *p, size_t n);
+/* io_mapped_drop of m's data from the page holding p (all read) to end. */
+void io_mapped_drop_to(const io_mapped *m, const void *p, const void *end);
+/* Hand back the pages of a shard's tokens (a mask's bytes) before end,
+ * from the page holding first on: the data loader's, behind its position,
+ * where everything before end has been read (so the page where first
+ * lies, begun before it, is done with too). */
+void io_shard_drop(const loom_shard *s, size_t first, size_t end);
+void io_mask_drop(const loom_mask *m, size_t first, size_t end);
 
 /* fsync the directory holding `path`, so a rename in it is durable: 0, or
  * the errno (file systems that cannot sync a directory count as 0). */

@@ -394,6 +394,7 @@ loom_status loom_safetensors_read(const loom_safetensors *st, const char *name, 
             loom_store(dst, i, dt, (float)v);
         }
     }
+    io_mapped_drop(&st->file, t.data, t.n_bytes); /* copied out: a large file's reader keeps one copy */
     return LOOM_OK;
 }
 

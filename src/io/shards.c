@@ -163,6 +163,12 @@ loom_status loom_shard_read(const loom_shard *s, size_t start, size_t n, int32_t
     return LOOM_OK;
 }
 
+void io_shard_drop(const loom_shard *s, size_t first, size_t end) {
+    if (!s || end > s->count || first >= end) return;
+    const unsigned char *tokens = s->file.data + LOOM_SHARD_HEADER_BYTES;
+    io_mapped_drop_to(&s->file, tokens + first * (size_t)s->token_bytes, tokens + end * (size_t)s->token_bytes);
+}
+
 /* ------------------------------------------------------------ loss masks */
 
 struct loom_mask {
@@ -231,3 +237,9 @@ void loom_mask_close(loom_mask *m) {
 size_t loom_mask_count(const loom_mask *m) { return m ? m->count : 0; }
 
 const uint8_t *loom_mask_bytes(const loom_mask *m) { return m->file.data + LOOM_SHARD_HEADER_BYTES; }
+
+void io_mask_drop(const loom_mask *m, size_t first, size_t end) {
+    if (!m || end > m->count || first >= end) return;
+    io_mapped_drop_to(&m->file, m->file.data + LOOM_SHARD_HEADER_BYTES + first,
+                      m->file.data + LOOM_SHARD_HEADER_BYTES + end);
+}

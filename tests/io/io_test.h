@@ -45,6 +45,19 @@ static inline const char *io_path(const char *name) {
     return b;
 }
 
+/* The process's resident pages of mapped files, in KiB (/proc/self/status). */
+static inline long io_rss_file_kib(void) {
+    FILE *f = fopen("/proc/self/status", "r");
+    assert_non_null(f);
+    char line[256];
+    long kib = -1;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "RssFile: %ld kB", &kib) == 1) break;
+    fclose(f);
+    assert_true(kib >= 0);
+    return kib;
+}
+
 static inline void io_write_raw(const char *path, const void *data, size_t n) {
     FILE *f = fopen(path, "wb");
     assert_non_null(f);

@@ -519,6 +519,47 @@ static void test_loader_masks(void **state) {
     free(raw);
 }
 
+/* Going through a large masked shard, the loader hands back the pages
+ * behind its position: the process's resident file pages grow by a third
+ * at most of the 12 MiB of tokens and mask it reads (without, by all of
+ * them; with, about 2 MiB here, the kernel's large page-cache folios), and
+ * a second epoch reads the handed-back pages again from the file, the same
+ * tokens. */
+static void test_loader_hands_back_pages(void **state) {
+    (void)state;
+    enum { N = 4 << 20, B = 8, T = 512 };
+    int32_t *t = malloc((size_t)N * sizeof *t);
+    uint8_t *mk = malloc(N);
+    for (size_t i = 0; i < N; i++) {
+        t[i] = (int32_t)(rnd(7, i) % VOCAB);
+        mk[i] = (uint8_t)(i % 5 != 0);
+    }
+    assert_int_equal(loom_mkdir_p(io_path("large")), LOOM_OK);
+    char shard[512], mask[512];
+    snprintf(shard, sizeof shard, "%s", io_path("large/train_000000.bin"));
+    assert_int_equal(loom_mask_path(shard, mask, sizeof mask), LOOM_OK);
+    assert_int_equal(loom_shard_write(shard, t, N, VOCAB), LOOM_OK);
+    assert_int_equal(loom_mask_write(mask, mk, N), LOOM_OK);
+    loom_dataloader *dl = open_loader(io_path("large"), B, T, 0, 1);
+    int32_t *in = malloc(B * T * sizeof *in), *tg = malloc(B * T * sizeof *tg);
+    long before = io_rss_file_kib(), most = 0;
+    size_t steps = (N - 1) / (B * T);
+    for (size_t s = 0; s < steps + 1; s++) { /* an epoch, and the first step of the next */
+        assert_int_equal(loom_dataloader_next(dl, in, tg), LOOM_OK);
+        size_t start = (s % steps) * B * T;
+        for (int i = 0; i < B * T; i += 97) {
+            assert_int_equal(in[i], t[start + (size_t)i]);
+            assert_int_equal(tg[i], mk[start + (size_t)i + 1] ? t[start + (size_t)i + 1] : -1);
+        }
+        long now = io_rss_file_kib() - before;
+        if (now > most) most = now;
+    }
+    if (most > 4096) fprintf(stderr, "resident file pages grew by %ld KiB reading 12 MiB\n", most);
+    assert_true(most <= 4096);
+    loom_dataloader_close(dl);
+    free(in); free(tg); free(t); free(mk);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_shard_round_trip),
@@ -529,6 +570,7 @@ int main(void) {
         cmocka_unit_test(test_loader_fingerprint),
         cmocka_unit_test(test_loader_errors),
         cmocka_unit_test(test_loader_masks),
+        cmocka_unit_test(test_loader_hands_back_pages),
     };
     return cmocka_run_group_tests(tests, io_scratch_setup, io_scratch_teardown);
 }
