@@ -89,7 +89,8 @@ loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokeni
  * written atomically, the directory created if needed. With tensor
  * parallelism every rank of the TP group calls it (the adapters are
  * gathered whole) and TP rank 0 writes: the write's errors are returned
- * there only. With ZeRO the masters must be whole
+ * on every rank of the group (the others' name rank 0 and give its
+ * message). With ZeRO the masters must be whole
  * (loom_dist_optim_unshard_masters). Errors: LOOM_ERR_INVALID (no
  * adapters), LOOM_ERR_IO, LOOM_ERR_NOMEM. */
 loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base_model);

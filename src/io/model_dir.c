@@ -555,10 +555,20 @@ loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base
         if (!whole[k]) st = loom_error(LOOM_ERR_NOMEM, "save adapter: out of memory");
     }
     st = loom_llama_tp_agree(m, st); /* every rank gathers, or none */
+    int joined = st == LOOM_OK;
     for (int k = 0; k < n && st == LOOM_OK; k++) st = loom_llama_param_gather(m, m->n_base + k, 0, whole[k]);
     if (st == LOOM_OK && m->tp_rank == 0) st = write_peft(m, dir, base_model, whole);
     for (int k = 0; whole && k < n; k++) free(whole[k]);
     free(whole);
+    if (joined && m->tp_size > 1) { /* the writer's outcome, and its message, on every rank */
+        struct { int status; char msg[768]; } out = {st, ""};
+        if (m->tp_rank == 0 && st != LOOM_OK) snprintf(out.msg, sizeof out.msg, "%s", loom_last_error());
+        loom_status b = loom_comm_broadcast(m->tp_comm, &out, sizeof out, 0);
+        if (st == LOOM_OK && b != LOOM_OK) st = b;
+        else if (st == LOOM_OK && out.status != LOOM_OK)
+            st = loom_error((loom_status)out.status, "save adapter: tensor-parallel rank 0 did not write %s: %s", dir,
+                            out.msg);
+    }
     return st;
 }
 

@@ -15,6 +15,7 @@
  *    part: no rank is left in a gather (a barrier after it meets, and a
  *    load after it gathers the same way). A rank short of memory for a
  *    gather tells the others first (loom_llama_tp_agree).
+ *  - A PEFT adapter's write that fails on TP rank 0 fails on every rank.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -218,6 +219,39 @@ static void test_zero_fp32(void **state) {
     check_layout(1, 1, LOOM_F32, "zero-fp32");
 }
 
+/* A PEFT adapter saved under TP: TP rank 0 writes what every rank
+ * gathered, and a write that fails there (a directory below a regular file)
+ * fails on every rank, the others naming rank 0 and its message. */
+static void test_peft_save_errors(void **state) {
+    (void)state;
+    loom_dist dist;
+    assert_int_equal(loom_dist_layout(world, loom_comm_size(world), &dist), LOOM_OK);
+    loom_llama_config c;
+    memset(&c, 0, sizeof c);
+    c.dim = 32; c.n_layers = 1; c.n_heads = 2; c.n_kv_heads = 2; c.ffn_dim = 48; c.vocab_size = 64;
+    c.max_seq = 8; c.rope_theta = 10000.0f; c.norm_eps = 1e-5f;
+    loom_precision p = {LOOM_F32, 0};
+    loom_lora_config lc = {4, 8.0f, LOOM_LORA_ALL, 0.0f};
+    loom_llama *m;
+    assert_int_equal(loom_llama_new_lora_tp(&c, p, &lc, 5, dist.tp, &m), LOOM_OK);
+    char dir[256], adapter[300];
+    snprintf(dir, sizeof dir, "%s/peft", scratch);
+    assert_int_equal(loom_lora_save_peft(m, dir, NULL), LOOM_OK);
+    assert_int_equal(loom_comm_barrier(world), LOOM_OK);
+    struct stat sb;
+    snprintf(adapter, sizeof adapter, "%s/adapter_model.safetensors", dir);
+    assert_int_equal(stat(adapter, &sb), 0);
+    snprintf(dir, sizeof dir, "%s/file/peft", scratch);
+    assert_int_not_equal(loom_lora_save_peft(m, dir, NULL), LOOM_OK);
+    if (m->tp_rank != 0) {
+        assert_non_null(strstr(loom_last_error(), "tensor-parallel rank 0 did not write"));
+        assert_non_null(strstr(loom_last_error(), "file/peft"));
+    }
+    assert_int_equal(loom_comm_barrier(world), LOOM_OK);
+    loom_llama_free(m);
+    loom_dist_layout_free(&dist);
+}
+
 int main(int argc, char **argv) {
     if (loom_dist_init(&argc, &argv, &world) != LOOM_OK) {
         fprintf(stderr, "test_checkpoint_dist: %s\n", loom_last_error());
@@ -235,6 +269,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_one_process_or_tensor_parallel),
         cmocka_unit_test(test_zero_bf16),
         cmocka_unit_test(test_zero_fp32),
+        cmocka_unit_test(test_peft_save_errors),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     loom_comm_barrier(world);
