@@ -79,7 +79,9 @@ loom_status loom_model_dir_load_weights(loom_llama *m, const char *dir);
  * there leaves a directory loom_model_dir_check refuses, never one read as
  * a mix of two saves. With tensor parallelism every TP rank calls it
  * (weights are gathered) and TP rank 0 writes; dir may be NULL on the
- * others. */
+ * others, and the write's errors are returned on rank 0 alone (the others
+ * return LOOM_OK once their part of the gathers is done), unlike
+ * loom_lora_save_peft's. */
 loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokenizer_path, const char *dir);
 #define LOOM_MODEL_INCOMPLETE ".save-incomplete"
 /* A LoRA model's adapters as a PEFT adapter directory: adapter_model.safetensors
@@ -204,7 +206,9 @@ loom_status loom_checkpoint_save(const char *dir, loom_llama *m, float *const *a
  * of each TP rank calls it, and the other DP ranks call
  * loom_dist_optim_serve_moments at the same time. A save that fails on the
  * writing rank still takes part in every gather, so that no other rank is
- * left waiting in one. */
+ * left waiting in one; the error is returned there alone (the others
+ * return LOOM_OK once their part is done: a caller that must know on every
+ * rank shares it, as loom train ends the job with MPI_Abort). */
 loom_status loom_checkpoint_save_io(const char *dir, loom_llama *m, const loom_moments_io *io, int adam_steps,
                                     const loom_train_state *st, const char *tokenizer_path);
 /* Restore masters, compute copies (alone for a frozen bf16 weight), moments

@@ -142,8 +142,12 @@ int loom_safetensors_has(const loom_safetensors *st, const char *name);
  * converting (round to nearest even) from the stored type. `shape`/`ndim`
  * are what the caller expects; a different shape is LOOM_ERR_INVALID with a
  * message giving both shapes. Pass shape == NULL to skip the check (then dst
- * must hold n_elements). Errors: LOOM_ERR_INVALID (no such tensor, shape
- * mismatch), LOOM_ERR_UNSUPPORTED (an FP8 tensor). */
+ * must hold n_elements). Once copied, the tensor's whole mapped pages are
+ * handed back (madvise), so reading a large file tensor by tensor holds
+ * one copy of it, not two; a `data` pointer from loom_safetensors_get
+ * stays valid (its pages fault back in from the file). Errors:
+ * LOOM_ERR_INVALID (no such tensor, shape mismatch), LOOM_ERR_UNSUPPORTED
+ * (an FP8 tensor). */
 loom_status loom_safetensors_read(const loom_safetensors *st, const char *name, loom_dtype dt,
                                   const int64_t *shape, int ndim, void *dst);
 

@@ -365,6 +365,7 @@ static loom_status hash_shard(const loom_shard *sh, size_t count, int32_t *buf, 
     for (size_t at = 0; at < count; at += FP_CHUNK) {
         size_t n = count - at < FP_CHUNK ? count - at : FP_CHUNK;
         LOOM_TRY(loom_shard_read(sh, at, n, buf));
+        io_shard_drop(sh, at, at + n); /* hashed: a large shard's pages are not all held at once */
         *h = fnv1a_tokens(*h, buf, n);
     }
     return LOOM_OK;
@@ -380,7 +381,11 @@ static loom_status hash_mask(const loom_dataloader *dl, size_t i, int full, uint
     const uint8_t *b = loom_mask_bytes(m);
     size_t count = loom_mask_count(m);
     *h = fnv1a(*h, "mask", 4);
-    if (full) *h = fnv1a(*h, b, count);
+    for (size_t at = 0; full && at < count; at += FP_CHUNK) {
+        size_t n = count - at < FP_CHUNK ? count - at : FP_CHUNK;
+        *h = fnv1a(*h, b + at, n); /* the same hash as all the bytes at once */
+        io_mask_drop(m, at, at + n);
+    }
     for (size_t k = 0; !full && count > 0 && k < FP_SPANS; k++) {
         size_t len, at = span_start(count, k, &len);
         *h = fnv1a(*h, b + at, len);

@@ -236,10 +236,10 @@ loom_status loom_dropout_window(loom_tensor *x, float p, const loom_window *w, l
     int64_t cols = x->ndim ? x->shape[x->ndim - 1] : 1, rows = cols ? loom_tensor_numel(x) / cols : 0;
     if (!window_fits(a.w.row0, rows, a.w.rows) || !window_fits(a.w.col0, cols, a.w.cols))
         return loom_error(LOOM_ERR_INVALID,
-                          "dropout: rows %lld..%lld, columns %lld..%lld do not lie in a %lld x %lld tensor "
-                          "(0: x's own)",
-                          (long long)a.w.row0, (long long)(a.w.row0 + rows), (long long)a.w.col0,
-                          (long long)(a.w.col0 + cols), (long long)a.w.rows, (long long)a.w.cols);
+                          "dropout: %lld rows from row %lld and %lld columns from column %lld do not lie in a "
+                          "%lld x %lld tensor (0: x's own)",
+                          (long long)rows, (long long)a.w.row0, (long long)cols, (long long)a.w.col0,
+                          (long long)a.w.rows, (long long)a.w.cols);
     int64_t all_rows = a.w.rows ? a.w.rows : rows, width = a.w.cols ? a.w.cols : cols;
     if (width && all_rows > INT64_MAX / width)
         return loom_error(LOOM_ERR_INVALID, "dropout: a %lld x %lld tensor is too large", (long long)all_rows,

@@ -176,6 +176,31 @@ static void test_elementwise(void **state) {
  * through: z = cast(cast(x, t), fp32), L = sum(z R) gives z = round_t(x)
  * and dL/dx = round_t(R) (the gradient is held in the half type between
  * the casts), exactly. */
+/* A dropout window that does not place x inside the larger tensor, or a
+ * larger tensor too large to count, is refused by name. */
+static void test_dropout_window_refusals(void **state) {
+    (void)state;
+    loom_tensor *x = rand_tensor(2, SHAPE(5, 6), -1, 1, 11), *y = NULL;
+    static const loom_window bad[] = {
+        {1, 0, 0, 0},                   /* a row offset in x's own rows */
+        {-1, 9, 0, 0}, {5, 9, 0, 0},    /* before the first row, past the last */
+        {0, 4, 0, 0},                   /* fewer rows than x's */
+        {0, 0, 1, 6}, {0, 0, 0, -3},    /* past the last column, a negative width */
+        {INT64_MAX - 5, INT64_MAX, 0, 0}, /* inside, but the whole cannot be counted */
+    };
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        assert_int_equal(loom_dropout_window(x, 0.3f, &bad[k], &y), LOOM_ERR_INVALID);
+        assert_null(y);
+        assert_non_null(strstr(loom_last_error(), k + 1 < sizeof bad / sizeof bad[0] ? "do not lie in" : "too large"));
+    }
+    loom_window fits = {4, 9, 2, 8}; /* the last rows, the last columns */
+    assert_int_equal(loom_dropout_window(x, 0.3f, &fits, &y), LOOM_OK);
+    loom_tensor_release(y);
+    assert_int_equal(loom_dropout_window(x, 1.0f, NULL, &y), LOOM_ERR_INVALID);
+    loom_tensor_release(x);
+    loom_tape_clear();
+}
+
 static void test_cast_half(void **state) {
     (void)state;
     const loom_dtype half[2] = {LOOM_BF16, LOOM_F16};
@@ -244,6 +269,7 @@ int main(void) {
     loom_set_threads(2);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_elementwise),
+        cmocka_unit_test(test_dropout_window_refusals),
         cmocka_unit_test(test_cast_half),
         cmocka_unit_test(test_linear_ops),
         cmocka_unit_test(test_llama_ops),

@@ -45,16 +45,21 @@ static inline const char *io_path(const char *name) {
     return b;
 }
 
-/* The process's resident pages of mapped files, in KiB (/proc/self/status). */
-static inline long io_rss_file_kib(void) {
+/* The process's resident pages of mapped files, in KiB (/proc/self/status:
+ * RssFile, plus RssShmem, where a file on tmpfs counts). */
+static inline long io_rss_mapped_kib(void) {
     FILE *f = fopen("/proc/self/status", "r");
     assert_non_null(f);
     char line[256];
-    long kib = -1;
+    long kib = 0, v;
+    int found = 0;
     while (fgets(line, sizeof line, f))
-        if (sscanf(line, "RssFile: %ld kB", &kib) == 1) break;
+        if (sscanf(line, "RssFile: %ld kB", &v) == 1 || sscanf(line, "RssShmem: %ld kB", &v) == 1) {
+            kib += v;
+            found++;
+        }
     fclose(f);
-    assert_true(kib >= 0);
+    assert_true(found == 2);
     return kib;
 }
 

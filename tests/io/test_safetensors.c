@@ -409,8 +409,9 @@ static void test_writer_fill(void **state) {
 
 /* Reading a large file tensor by tensor, the reader hands back each
  * tensor's pages once copied out: the process's resident file pages grow
- * by a third at most of the 12 MiB read (without, by all of it), and a
- * tensor read again comes back from the file the same. */
+ * by a third at most of the 12 MiB read (without, by all of it, as reading
+ * them through views after shows), and a tensor read again comes back from
+ * the file the same. */
 static void test_read_hands_back_pages(void **state) {
     (void)state;
     enum { K = 12, N = 1 << 18 }; /* 12 tensors of 1 MiB */
@@ -430,17 +431,31 @@ static void test_read_hands_back_pages(void **state) {
     loom_safetensors *st;
     assert_int_equal(loom_safetensors_open(io_path("large.safetensors"), &st), LOOM_OK);
     float *got = malloc(N * sizeof *got);
-    long before = io_rss_file_kib(), most = 0;
+    long before = io_rss_mapped_kib(), most = 0;
     for (int k = 0; k <= K; k++) { /* every tensor, then the first again */
         assert_int_equal(loom_safetensors_read(st, name[k % K], LOOM_F32, shape, 1, got), LOOM_OK);
         for (int i = 0; i < N; i += 4099) assert_true(got[i] == 1000.0f * (float)(k % K) + (float)i);
-        long now = io_rss_file_kib() - before;
+        long now = io_rss_mapped_kib() - before;
         if (now > most) most = now;
+    }
+    /* The instrument: the same pages touched through views, which hand
+     * nothing back, show (else this kernel does not count them: skip). */
+    long touched = 0;
+    for (int k = 0; k < K; k++) {
+        loom_safetensors_tensor t;
+        assert_int_equal(loom_safetensors_get(st, name[k], &t), LOOM_OK);
+        for (size_t b = 0; b < t.n_bytes; b += 1024) touched += ((const unsigned char *)t.data)[b];
+    }
+    long shown = io_rss_mapped_kib() - before;
+    loom_safetensors_close(st);
+    free(got);
+    if (shown < 8192) {
+        fprintf(stderr, "mapped pages touched show as %ld KiB of 12 MiB (sum %ld): not measurable here\n", shown,
+                touched);
+        skip();
     }
     if (most > 4096) fprintf(stderr, "resident file pages grew by %ld KiB reading 12 MiB\n", most);
     assert_true(most <= 4096);
-    loom_safetensors_close(st);
-    free(got);
 }
 
 /* Write a small safetensors file holding one F32 tensor of `n` values. */
