@@ -50,7 +50,7 @@ loom_status loom_llama_config_save(const loom_llama_config *cfg, loom_dtype weig
 
 /* Write weights as safetensors with Hugging Face names, stored in dtype dt
  * (from the fp32 masters, gathered over the TP group; a LoRA model's
- * adapters merged into the weights they adapt, W + (alpha / rank) B A, and
+ * adapters merged into the weights they adapt, W + s B A (s: loom_lora_scale), and
  * not written themselves; a frozen bf16 weight without an adapter, which
  * has no master, as its exact bf16 values), one tensor at a time as the
  * file is written. Atomic. path NULL: only take part in the gathers (a
@@ -113,9 +113,10 @@ loom_status loom_lora_peft_config_layers(const char *dir, int n_layers, loom_lor
 /* Apply a PEFT LoRA adapter directory (adapter_config.json,
  * adapter_model.safetensors, any float dtype) to m: loom_llama_add_lora
  * with its setting (loom_lora_peft_config), or, when m has adapters
- * already (loom_llama_new_lora), the same rank, alpha and targets (else
- * LOOM_ERR_INVALID; the dropout, a training setting, may differ), then its
- * A and B into them. Refused by name (LOOM_ERR_UNSUPPORTED): use_rslora, use_dora,
+ * already (loom_llama_new_lora), the same rank, alpha, targets and
+ * use_rslora (else LOOM_ERR_INVALID; the dropout, a training setting, may
+ * differ), then its A and B into them. use_rslora true is rsLoRA (the
+ * config's rslora). Refused by name (LOOM_ERR_UNSUPPORTED): use_dora,
  * fan_in_fan_out, a bias or lora_bias, modules_to_save, exclude_modules,
  * layers_to_transform, layer_replication, rank or alpha patterns, other
  * modules or some layers only (target_modules), and tensors that are not

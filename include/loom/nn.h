@@ -80,7 +80,9 @@ loom_param *loom_llama_layer_weight(const loom_llama_layer *y, loom_lora_target 
  * and A, B trained; A starts uniform in +-1/sqrt(in) (PEFT's Kaiming
  * uniform), B at zero, so training starts from the base model exactly.
  * targets is a bit set of (1 << loom_lora_target); rank 0 means no LoRA.
- * With dropout, the adapter's input is dropout(x). */
+ * With dropout, the adapter's input is dropout(x). With rslora the factor
+ * is alpha / sqrt(rank) (rank-stabilised LoRA, Kalajdzievski 2023: PEFT's
+ * use_rslora), which keeps the update's scale as the rank grows. */
 typedef struct loom_lora_config {
     int rank;
     float alpha;
@@ -90,7 +92,13 @@ typedef struct loom_lora_config {
      * only, not in no-grad ones (evaluation) nor in generation; replayed
      * with the same mask by every recompute mode. 0: none. */
     float dropout;
+    int rslora; /* 1: alpha / sqrt(rank) */
 } loom_lora_config;
+
+/* The factor of the adapters' product: alpha / rank, or alpha / sqrt(rank)
+ * with rslora (rounded once to float, as PyTorch rounds PEFT's Python
+ * float). */
+float loom_lora_scale(const loom_lora_config *c);
 
 #define LOOM_LORA_ALL ((1u << LOOM_LORA_N) - 1u)
 
@@ -225,7 +233,7 @@ loom_status loom_llama_plan_recompute(loom_llama *m, loom_recompute_mode mode, i
  * (fp32 masters and main_grad under master-grad). A drawn from (seed,
  * adapter index). Forward, backward, every recompute mode and generation
  * (which refuses tensor parallelism) use the adapters; loom_model_dir_save
- * writes the merged weights W + (alpha / rank) B A. Once per model, before
+ * writes the merged weights W + s B A (s: loom_lora_scale). Once per model, before
  * any optimizer is made over its parameters. With tensor parallelism the adapters are split as
  * in loom_llama_new_lora_tp, and dropout draws one process's masks (also
  * over data-parallel ranks: loom_llama_set_data_parallel).
@@ -247,7 +255,7 @@ loom_status loom_llama_new_lora(const loom_llama_config *cfg, loom_precision pre
 loom_status loom_llama_new_lora_tp(const loom_llama_config *cfg, loom_precision prec, const loom_lora_config *lora,
                                    uint64_t seed, loom_comm *tp_comm, loom_llama **out);
 /* Base parameter i's full fp32 values with its adapter merged in (W +
- * (alpha / rank) B A; the plain values for a parameter without one).
+ * s B A, s = loom_lora_scale; the plain values for a parameter without one).
  * Collective over the TP group (W, A and B are gathered whole). */
 loom_status loom_llama_param_merged(loom_llama *m, int i, float *full);
 /* The adapter pair of base parameter i, or 0 (a, b untouched) when it has none. */

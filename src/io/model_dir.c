@@ -530,7 +530,7 @@ static loom_status write_peft(loom_llama *m, const char *dir, const char *base_m
                                         "task_type", "CAUSAL_LM", "r", m->lora.rank, "lora_alpha",
                                         (double)m->lora.alpha, "lora_dropout", (double)m->lora.dropout,
                                         "target_modules", targets, "bias", "none", "fan_in_fan_out", 0,
-                                        "inference_mode", 1, "use_rslora", 0, "base_model_name_or_path", base);
+                                        "inference_mode", 1, "use_rslora", m->lora.rslora != 0, "base_model_name_or_path", base);
     if (!root) return loom_error(LOOM_ERR_NOMEM, "save adapter: cannot build adapter_config.json");
     char *text = json_dumps(root, JSON_INDENT(2) | JSON_REAL_PRECISION(9));
     json_decref(root);
@@ -720,8 +720,8 @@ static loom_status peft_pattern_targets(const char *pattern, const char *path, i
     return st;
 }
 
-/* adapter_config.json's LoRA setting; what loom does not compute (rsLoRA,
- * DoRA, biases, other modules, some layers only) is refused by name. */
+/* adapter_config.json's LoRA setting; what loom does not compute (DoRA,
+ * biases, other modules, some layers only) is refused by name. */
 static loom_status peft_config(json_t *root, const char *path, int n_layers, loom_lora_config *c) {
     memset(c, 0, sizeof *c);
     json_t *type = json_object_get(root, "peft_type");
@@ -738,7 +738,11 @@ static loom_status peft_config(json_t *root, const char *path, int n_layers, loo
         if (!(c->dropout >= 0.0f && c->dropout < 1.0f))
             return loom_error(LOOM_ERR_FORMAT, "%s: lora_dropout must be in [0, 1)", path);
     }
-    static const char *const flags[] = {"use_rslora", "use_dora", "fan_in_fan_out", "lora_bias"};
+    json_t *rs = json_object_get(root, "use_rslora");
+    if (rs && !json_is_boolean(rs) && !json_is_null(rs))
+        return loom_error(LOOM_ERR_FORMAT, "%s: use_rslora must be true or false", path);
+    c->rslora = json_is_true(rs);
+    static const char *const flags[] = {"use_dora", "fan_in_fan_out", "lora_bias"};
     for (size_t k = 0; k < sizeof flags / sizeof flags[0]; k++)
         if (json_is_true(json_object_get(root, flags[k])))
             return loom_error(LOOM_ERR_UNSUPPORTED, "%s: %s is true; loom computes plain LoRA only", path, flags[k]);
@@ -792,10 +796,12 @@ loom_status loom_lora_load_peft(loom_llama *m, const char *dir) {
     loom_lora_config c;
     LOOM_TRY(loom_lora_peft_config_layers(dir, m->cfg.n_layers, &c));
     if (m->lora.rank) { /* adapters made already: they must be this setting's */
-        if (m->lora.rank != c.rank || m->lora.alpha != c.alpha || m->lora.targets != c.targets) /* not dropout */
-            return loom_error(LOOM_ERR_INVALID, "%s: the adapter's setting (r %d, lora_alpha %g) is not the model's "
-                              "(rank %d, alpha %g), or its target_modules differ", dir, c.rank, (double)c.alpha,
-                              m->lora.rank, (double)m->lora.alpha);
+        if (m->lora.rank != c.rank || m->lora.alpha != c.alpha || m->lora.targets != c.targets ||
+            !m->lora.rslora != !c.rslora) /* not dropout */
+            return loom_error(LOOM_ERR_INVALID, "%s: the adapter's setting (r %d, lora_alpha %g%s) is not the model's "
+                              "(rank %d, alpha %g%s), or its target_modules differ", dir, c.rank, (double)c.alpha,
+                              c.rslora ? ", use_rslora" : "", m->lora.rank, (double)m->lora.alpha,
+                              m->lora.rslora ? ", rslora" : "");
     } else {
         LOOM_TRY(loom_llama_add_lora(m, &c, 0));
     }

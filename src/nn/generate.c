@@ -39,7 +39,7 @@ static loom_status linear(const loom_llama *m, scratch *s, void *out, const void
     if (!a) return LOOM_OK;
     int r = m->lora.rank;
     LOOM_TRY(gemm(0, 1, T, r, K, 1.0f, x, K, loom_tensor_data(a->tensor), K, dt, 0.0f, s->lora, r, dt, NULL, LOOM_F32));
-    return gemm(0, 1, T, M, r, m->lora.alpha / (float)r, s->lora, r, loom_tensor_data(b->tensor), r, dt, 1.0f, out, M,
+    return gemm(0, 1, T, M, r, loom_lora_scale(&m->lora), s->lora, r, loom_tensor_data(b->tensor), r, dt, 1.0f, out, M,
                 dt, NULL, LOOM_F32);
 }
 

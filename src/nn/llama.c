@@ -313,6 +313,11 @@ loom_param *loom_llama_layer_weight(const loom_llama_layer *y, loom_lora_target 
 
 static int piece_is(const char *p, size_t n, const char *name) { return strlen(name) == n && !strncmp(p, name, n); }
 
+float loom_lora_scale(const loom_lora_config *c) {
+    double r = (double)c->rank;
+    return (float)((double)c->alpha / (c->rslora ? sqrt(r) : r));
+}
+
 loom_status loom_lora_targets_parse(const char *s, unsigned *targets) {
     *targets = 0;
     if (s && !strcmp(s, "all")) {
@@ -483,7 +488,7 @@ loom_status loom_llama_param_merged(loom_llama *m, int i, float *full) {
         wb = gb;
     }
     if (st == LOOM_OK)
-        st = loom_gemm(0, 0, out, in, r, m->lora.alpha / (float)r, wb, r, wa, in, LOOM_F32, 1.0f, full, in, LOOM_F32,
+        st = loom_gemm(0, 0, out, in, r, loom_lora_scale(&m->lora), wb, r, wa, in, LOOM_F32, 1.0f, full, in, LOOM_F32,
                        NULL, LOOM_F32);
     free(ga);
     free(gb);
@@ -532,7 +537,7 @@ static loom_status block_linear(const struct llama_block_args *a, loom_lora_targ
     }
     *out = NULL;
     loom_tensor *in = row || !xr ? x : xr;
-    float scale = m->lora.alpha / (float)m->lora.rank;
+    float scale = loom_lora_scale(&m->lora);
     if (a->training && m->lora.dropout > 0.0f) {
         /* this data-parallel rank's rows of the global batch's mask; a
          * row-parallel input's columns of the whole rows' */

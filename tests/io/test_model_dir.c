@@ -235,7 +235,7 @@ static void test_checkpoint_refuses_bad_loss_scale(void **state) {
 static void test_lora_checkpoint(void **state) {
     (void)state;
     loom_llama *m = model(5), *back = model(6), *plain = model(5);
-    loom_lora_config lc = {2, 3.0f, (1u << LOOM_LORA_Q) | (1u << LOOM_LORA_DOWN), 0.0f};
+    loom_lora_config lc = {2, 3.0f, (1u << LOOM_LORA_Q) | (1u << LOOM_LORA_DOWN), 0.0f, 0};
     assert_int_equal(loom_llama_add_lora(m, &lc, 1), LOOM_OK);
     assert_int_equal(loom_llama_add_lora(back, &lc, 2), LOOM_OK); /* other adapters: the load must replace them */
     float *mm[32] = {0}, *vv[32] = {0}, *mb[32] = {0}, *vb[32] = {0};
@@ -295,7 +295,7 @@ static void test_lora_checkpoint(void **state) {
     assert_int_equal(loom_checkpoint_load(io_path("ckpt-lora"), plain, pm, pv, &adam_steps, &got), LOOM_ERR_INVALID);
     IO_ASSERT_MSG("--lora 2 --lora-alpha 3 --lora-targets q,down");
     loom_llama *other = model(5);
-    loom_lora_config lo = {2, 3.0f, 1u << LOOM_LORA_Q, 0.0f};
+    loom_lora_config lo = {2, 3.0f, 1u << LOOM_LORA_Q, 0.0f, 0};
     assert_int_equal(loom_llama_add_lora(other, &lo, 1), LOOM_OK);
     assert_int_equal(loom_checkpoint_load(io_path("ckpt-lora"), other, mb, vb, &adam_steps, &got), LOOM_ERR_INVALID);
     IO_ASSERT_MSG("--lora-targets q;");
@@ -324,7 +324,7 @@ static void test_lora_checkpoint_bf16(void **state) {
     for (int k = 0; k < 2; k++) {
         assert_int_equal(loom_llama_new(&c, prec, &ms[k]), LOOM_OK);
         loom_llama_init_weights(ms[k], 20 + (uint64_t)k);
-        loom_lora_config lc = {2, 4.0f, LOOM_LORA_ALL, 0.0f};
+        loom_lora_config lc = {2, 4.0f, LOOM_LORA_ALL, 0.0f, 0};
         assert_int_equal(loom_llama_add_lora(ms[k], &lc, 30 + (uint64_t)k), LOOM_OK);
     }
     m = ms[0];
@@ -370,7 +370,7 @@ static void test_lora_checkpoint_bf16(void **state) {
 static void test_peft_adapter(void **state) {
     (void)state;
     loom_llama *m = model(5), *back = model(5);
-    loom_lora_config lc = {2, 3.0f, (1u << LOOM_LORA_V) | (1u << LOOM_LORA_UP), 0.1f};
+    loom_lora_config lc = {2, 3.0f, (1u << LOOM_LORA_V) | (1u << LOOM_LORA_UP), 0.1f, 1}; /* rsLoRA */
     assert_int_equal(loom_llama_add_lora(m, &lc, 9), LOOM_OK);
     for (int i = m->n_base; i < m->n_params; i++) { /* B nonzero */
         size_t n = (size_t)loom_param_numel(m->params[i]);
@@ -379,7 +379,7 @@ static void test_peft_adapter(void **state) {
     assert_int_equal(loom_lora_save_peft(m, io_path("adapter"), "/models/base"), LOOM_OK);
     assert_int_equal(loom_lora_load_peft(back, io_path("adapter")), LOOM_OK);
     assert_true(back->lora.rank == 2 && back->lora.alpha == 3.0f && back->lora.targets == lc.targets &&
-                back->lora.dropout == 0.1f);
+                back->lora.dropout == 0.1f && back->lora.rslora == 1);
     assert_int_equal(back->n_params, m->n_params);
     for (int i = 0; i < m->n_params; i++)
         assert_memory_equal(loom_param_master(m->params[i]), loom_param_master(back->params[i]),
@@ -391,9 +391,21 @@ static void test_peft_adapter(void **state) {
     snprintf(st_path, sizeof st_path, "%s/adapter_model.safetensors", io_path("adapter"));
     size_t n_cfg;
     unsigned char *good = io_read_raw(cfg_path, &n_cfg);
+    char *text = strndup((const char *)good, n_cfg);
+    assert_non_null(strstr(text, "\"use_rslora\": true")); /* as PEFT reads it */
+    free(text);
+    loom_llama *plain = model(5); /* adapters made already, without rsLoRA: not this adapter's setting */
+    loom_lora_config pc = lc;
+    pc.rslora = 0;
+    assert_int_equal(loom_llama_add_lora(plain, &pc, 9), LOOM_OK);
+    assert_int_equal(loom_lora_load_peft(plain, io_path("adapter")), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("use_rslora");
+    loom_llama_free(plain);
     static const struct { const char *json, *msg; loom_status st; } bad[] = {
         {"{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 3, \"target_modules\": [\"v_proj\", \"up_proj\"], "
-         "\"use_rslora\": true}", "use_rslora", LOOM_ERR_UNSUPPORTED},
+         "\"use_dora\": true}", "use_dora", LOOM_ERR_UNSUPPORTED},
+        {"{\"r\": 2, \"target_modules\": [\"v_proj\", \"up_proj\"], \"use_rslora\": 1}", "use_rslora must be true or false",
+         LOOM_ERR_FORMAT},
         /* a pattern that selects every linear, where the file has two */
         {"{\"peft_type\": \"LORA\", \"r\": 2, \"target_modules\": \".*proj\"}", "q_proj.lora_A.weight is missing",
          LOOM_ERR_FORMAT},

@@ -44,7 +44,7 @@ static loom_llama *new_model(loom_precision prec) {
 /* Adapters of rank 3, alpha 5 (a scale of 5/3) on `targets`, with B drawn
  * too (b_scale 0: left at zero, as loom_llama_add_lora makes it). */
 static void add_adapters_alpha(loom_llama *m, unsigned targets, float b_scale, float alpha) {
-    loom_lora_config lc = {3, alpha, targets, 0.0f};
+    loom_lora_config lc = {3, alpha, targets, 0.0f, 0};
     assert_int_equal(loom_llama_add_lora(m, &lc, 7), LOOM_OK);
     if (b_scale == 0.0f) return;
     for (int i = m->n_base; i < m->n_params; i++) {
@@ -156,10 +156,10 @@ static void test_refusals(void **state) {
     loom_llama *m = new_model(prec);
     int n = m->n_params;
     const loom_lora_config bad[] = {
-        {0, 1.0f, LOOM_LORA_ALL, 0.0f}, {33, 1.0f, LOOM_LORA_ALL, 0.0f}, {2, 0.0f, LOOM_LORA_ALL, 0.0f},
-        {2, NAN, LOOM_LORA_ALL, 0.0f}, {2, INFINITY, LOOM_LORA_ALL, 0.0f}, {2, 1.0f, 0, 0.0f},
-        {2, 1.0f, 1u << LOOM_LORA_N, 0.0f}, {2, 1.0f, LOOM_LORA_ALL, 1.0f}, {2, 1.0f, LOOM_LORA_ALL, -0.1f},
-        {2, 1.0f, LOOM_LORA_ALL, NAN},
+        {0, 1.0f, LOOM_LORA_ALL, 0.0f, 0}, {33, 1.0f, LOOM_LORA_ALL, 0.0f, 0}, {2, 0.0f, LOOM_LORA_ALL, 0.0f, 0},
+        {2, NAN, LOOM_LORA_ALL, 0.0f, 0}, {2, INFINITY, LOOM_LORA_ALL, 0.0f, 0}, {2, 1.0f, 0, 0.0f, 0},
+        {2, 1.0f, 1u << LOOM_LORA_N, 0.0f, 0}, {2, 1.0f, LOOM_LORA_ALL, 1.0f, 0}, {2, 1.0f, LOOM_LORA_ALL, -0.1f, 0},
+        {2, 1.0f, LOOM_LORA_ALL, NAN, 0},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         assert_int_equal(loom_llama_add_lora(m, &bad[i], 1), LOOM_ERR_INVALID);
@@ -167,7 +167,7 @@ static void test_refusals(void **state) {
         assert_int_equal(m->lora.rank, 0);
         for (int k = 0; k < n; k++) assert_true(m->params[k]->trainable && m->params[k]->grad);
     }
-    loom_lora_config ok = {2, 4.0f, 1u << LOOM_LORA_V, 0.0f};
+    loom_lora_config ok = {2, 4.0f, 1u << LOOM_LORA_V, 0.0f, 0};
     assert_int_equal(loom_llama_add_lora(m, &ok, 1), LOOM_OK);
     assert_int_equal(m->n_params, n + 2 * m->cfg.n_layers);
     assert_int_equal(loom_llama_add_lora(m, &ok, 1), LOOM_ERR_INVALID);
@@ -186,7 +186,7 @@ static void test_frozen_masters(void **state) {
         int64_t frozen = loom_llama_n_weights(m);
         loom_mem_stats before, after;
         loom_mem_get_stats(&before);
-        loom_lora_config lc = {2, 2.0f, 1u << LOOM_LORA_Q, 0.0f};
+        loom_lora_config lc = {2, 2.0f, 1u << LOOM_LORA_Q, 0.0f, 0};
         assert_int_equal(loom_llama_add_lora(m, &lc, 3), LOOM_OK);
         loom_mem_get_stats(&after);
         int64_t adapters = loom_llama_n_weights(m) - frozen;
@@ -223,7 +223,7 @@ static void test_new_lora(void **state) {
     loom_llama *a = new_model(prec);
     add_adapters(a, LOOM_LORA_ALL, 0.0f);
     loom_llama_config c = config();
-    loom_lora_config lc = {3, 5.0f, LOOM_LORA_ALL, 0.0f};
+    loom_lora_config lc = {3, 5.0f, LOOM_LORA_ALL, 0.0f, 0};
     loom_mem_stats before, after;
     loom_mem_get_stats(&before);
     loom_llama *b;
@@ -254,7 +254,7 @@ static void test_new_lora(void **state) {
     free(y);
     loom_llama_free(b);
     loom_llama_free(a);
-    loom_lora_config bad = {0, 1.0f, LOOM_LORA_ALL, 0.0f};
+    loom_lora_config bad = {0, 1.0f, LOOM_LORA_ALL, 0.0f, 0};
     assert_int_equal(loom_llama_new_lora(&c, prec, &bad, 7, &b), LOOM_ERR_INVALID);
     assert_null(b);
 }
@@ -459,6 +459,44 @@ static void test_dropout(void **state) {
     }
 }
 
+/* rsLoRA scales the adapters by alpha / sqrt(rank): at rank 4, alpha 3 is
+ * plain LoRA's alpha 6, bit for bit (a factor of 1.5 both ways), in the
+ * forward and the merged weights; without the flag alpha 3 is another
+ * model. */
+static void test_rslora(void **state) {
+    (void)state;
+    loom_lora_config r8 = {8, 16.0f, LOOM_LORA_ALL, 0.0f, 1}, p8 = {8, 16.0f, LOOM_LORA_ALL, 0.0f, 0};
+    assert_true(loom_lora_scale(&r8) == (float)(16.0 / sqrt(8.0)) && loom_lora_scale(&p8) == 2.0f);
+    loom_precision prec = {LOOM_F32, 1};
+    const loom_lora_config cfg[3] = {{4, 3.0f, LOOM_LORA_ALL, 0.0f, 1}, {4, 6.0f, LOOM_LORA_ALL, 0.0f, 0},
+                                     {4, 3.0f, LOOM_LORA_ALL, 0.0f, 0}};
+    float *logits[3], *merged[3];
+    for (int k = 0; k < 3; k++) {
+        loom_llama *m = new_model(prec);
+        assert_int_equal(loom_llama_add_lora(m, &cfg[k], 7), LOOM_OK);
+        for (int i = m->n_base; i < m->n_params; i++) { /* B (and A) the same in each */
+            size_t n = (size_t)loom_param_numel(m->params[i]);
+            tu_fill_uniform(loom_param_master(m->params[i]), n, -0.3f, 0.3f, 90 + (uint64_t)i);
+            loom_param_sync_from_master(m->params[i]);
+        }
+        loss_of(m, 0, &logits[k]);
+        int wq = 2; /* layer 0's q_proj, adapted */
+        assert_true(strstr(m->params[wq]->name, "q_proj") != NULL);
+        merged[k] = malloc((size_t)loom_param_numel(m->params[wq]) * sizeof(float));
+        assert_int_equal(loom_llama_param_merged(m, wq, merged[k]), LOOM_OK);
+        loom_llama_free(m);
+    }
+    size_t nl = (size_t)N_TOK * (size_t)config().vocab_size * sizeof(float);
+    size_t nw = (size_t)config().dim * (size_t)config().dim * sizeof(float);
+    assert_true(tu_bits_equal(logits[0], logits[1], nl, "rsLoRA logits"));
+    assert_true(tu_bits_equal(merged[0], merged[1], nw, "rsLoRA merged weights"));
+    assert_true(memcmp(logits[0], logits[2], nl) != 0 && memcmp(merged[0], merged[2], nw) != 0);
+    for (int k = 0; k < 3; k++) {
+        free(logits[k]);
+        free(merged[k]);
+    }
+}
+
 /* A training forward's logits (dropout on, the RNG started alike), its
  * graph dropped. */
 static float *train_logits(loom_llama *m, const int32_t *tok, const int32_t *tgt, int B, int T) {
@@ -599,6 +637,7 @@ int main(void) {
         cmocka_unit_test(test_recompute_bit_identical),
         cmocka_unit_test(test_dropout),
         cmocka_unit_test(test_dropout_data_parallel),
+        cmocka_unit_test(test_rslora),
         cmocka_unit_test(test_merged_weights),
         cmocka_unit_test(test_generation_uses_adapters),
     };

@@ -74,10 +74,38 @@ awk -v a="$l1" -v b="$l2" 'BEGIN { d = a - b; exit !(a != "" && b != "" && d < 1
   fail "eval with the adapter ($l1) is not the merged model's ($l2)"
 "$LOOM" generate --model "$WORK/base/model" --adapter "$WORK/a/adapter" --prompt "loom" --tokens 4 \
   --temperature 0 >/dev/null 2>&1 || fail "generate --adapter failed"
-expect_error "use_rslora is true" bash -c "sed 's/\"use_rslora\": false/\"use_rslora\": true/' \
-  '$WORK/a/adapter/adapter_config.json' > '$WORK/rs.json' && mkdir -p '$WORK/rs' && cp '$WORK/rs.json' \
-  '$WORK/rs/adapter_config.json' && cp '$WORK/a/adapter/adapter_model.safetensors' '$WORK/rs/' && \
-  '$LOOM' eval --model '$WORK/base/model' --adapter '$WORK/rs' --data '$WORK/data' --batches 1"
+# rsLoRA (--lora-rslora, PEFT's use_rslora): alpha / sqrt(r), here 8 / 2. The
+# merged model is the base plus 4 B A of the adapter files, which say
+# use_rslora; eval applies the adapter as the merge does; --lora-init takes
+# the setting with the adapter, and a plain adapter refuses the flag.
+"$LOOM" train "${common[@]}" "${L[@]}" --lora-rslora --precision fp32 --steps 4 --out "$WORK/rs" 2>"$WORK/rs.log" ||
+  { cat "$WORK/rs.log"; fail "--lora-rslora failed"; }
+grep -q "LoRA rank 4, alpha 8 (rsLoRA) on q,v,down" "$WORK/rs.log" || fail "no rsLoRA in the LoRA summary line"
+$PY - "$WORK/base/model" "$WORK/rs" "$SRC" <<'PYEOF' || fail "the rsLoRA run's model is not the base plus alpha/sqrt(r) B A"
+import json, sys
+sys.path.insert(0, sys.argv[3] + "/tests/python")
+import llama_ref as ref
+base, _ = ref.read_safetensors(sys.argv[1] + "/model.safetensors")
+tuned, _ = ref.read_safetensors(sys.argv[2] + "/model/model.safetensors")
+lora, _ = ref.read_safetensors(sys.argv[2] + "/adapter/adapter_model.safetensors")
+cfg = json.load(open(sys.argv[2] + "/adapter/adapter_config.json"))
+assert cfg["use_rslora"] is True and cfg["r"] == 4 and cfg["lora_alpha"] == 8, cfg
+name = "model.layers.1.mlp.down_proj.weight"
+stem = "base_model.model." + name[:-len(".weight")]
+delta = lora[stem + ".lora_B.weight"].double() @ lora[stem + ".lora_A.weight"].double()
+got = tuned[name].double() - base[name].double()
+err = (got - 4.0 * delta).abs().max().item() / (4.0 * delta).abs().max().item()
+assert err < 1e-5, f"merged - base is not 4 B A ({err:.3g}; 2 B A would be plain LoRA's)"
+PYEOF
+l1=$(ev1 --model "$WORK/base/model" --adapter "$WORK/rs/adapter"); l2=$(ev1 --model "$WORK/rs/model")
+awk -v a="$l1" -v b="$l2" 'BEGIN { d = a - b; exit !(a != "" && b != "" && d < 1e-5 && d > -1e-5) }' ||
+  fail "eval with the rsLoRA adapter ($l1) is not the merged model's ($l2)"
+"$LOOM" train "${common[@]}" --init "$WORK/base/model" --lora-init "$WORK/rs/adapter" --steps 1 \
+  --out "$WORK/rsi" 2>"$WORK/rsi.log" || { cat "$WORK/rsi.log"; fail "--lora-init of an rsLoRA adapter failed"; }
+grep -q "alpha 8 (rsLoRA)" "$WORK/rsi.log" || fail "--lora-init did not take the adapter's use_rslora"
+expect_usage "lora flags differ from the adapter" "$LOOM" train "${common[@]}" --init "$WORK/base/model" \
+  --lora-init "$WORK/a/adapter" --lora-rslora --out "$WORK/x"
+expect_usage "lora-rslora applies to LoRA" "$LOOM" train "${common[@]}" --lora-rslora --out "$WORK/x"
 
 # --lora-init: training starts from the adapter. Its first step's loss is
 # the loss of the base with that adapter on the same batch (eval reads the

@@ -178,8 +178,11 @@ assert all(g[k].abs().max() > 0 for k in lora), "an adapter gradient is zero"
 PYEOF
   $CMP "$WORK/ltg2.st" "$WORK/ltg1.st" --rtol $3 >/dev/null || fail "LoRA, $1: TP=2 gradients differ"
   if [ $1 = fp32 ]; then
+    # (atol 1e-4, a hundredth of one AdamW step at lr 1e-2: an element whose
+    # gradient is near zero moves by a normalised step that the sums' order
+    # shifts by ~1e-5, past rtol of a B tensor whose largest value is ~0.04)
     $CMP "$WORK/lt2/adapter/adapter_model.safetensors" "$WORK/lt1/adapter/adapter_model.safetensors" --rtol $3 \
-      >/dev/null || fail "LoRA, $1: TP=2 PEFT adapters differ from one process's"
+      --atol 1e-4 >/dev/null || fail "LoRA, $1: TP=2 PEFT adapters differ from one process's"
     $CMP "$WORK/lt2/model/model.safetensors" "$WORK/lt1/model/model.safetensors" --rtol $3 >/dev/null ||
       fail "LoRA, $1: TP=2 merged model differs from one process's"
   fi
