@@ -106,6 +106,11 @@ grep -q "alpha 8 (rsLoRA)" "$WORK/rsi.log" || fail "--lora-init did not take the
 expect_usage "lora flags differ from the adapter" "$LOOM" train "${common[@]}" --init "$WORK/base/model" \
   --lora-init "$WORK/a/adapter" --lora-rslora --out "$WORK/x"
 expect_usage "lora-rslora applies to LoRA" "$LOOM" train "${common[@]}" --lora-rslora --out "$WORK/x"
+# its checkpoint resumes with the flag, and names it to a run without
+expect_error "the checkpoint trained LoRA adapters \(.*--lora-rslora\)" "$LOOM" train "${common[@]}" "${L[@]}" \
+  --precision fp32 --steps 5 --resume "$WORK/rs/ckpt-00000004" --out "$WORK/rsr"
+"$LOOM" train "${common[@]}" "${L[@]}" --lora-rslora --precision fp32 --steps 5 --resume "$WORK/rs/ckpt-00000004" \
+  --out "$WORK/rsr" 2>/dev/null || fail "an rsLoRA checkpoint does not resume with --lora-rslora"
 
 # --lora-init: training starts from the adapter. Its first step's loss is
 # the loss of the base with that adapter on the same batch (eval reads the
