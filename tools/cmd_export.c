@@ -75,6 +75,7 @@ static int run(int argc, char **argv) {
     if (st == LOOM_OK && adapter) st = loom_lora_load_peft(m, adapter); /* saved merged */
     if (st == LOOM_OK && tokenizer) st = load_tokenizer(tokenizer, m, &tok);
     if (st == LOOM_OK) st = gguf ? loom_llama_save_gguf(m, gt, tok, out) : loom_model_dir_save(m, dt, tokenizer, out);
+    if (st == LOOM_OK && !gguf) st = loom_model_dir_copy_generation_config(model, out); /* where generation stops */
     loom_tokenizer_free(tok);
     if (st == LOOM_OK)
         fprintf(stderr, "export: %lld parameters as %s %s to %s%s%s%s\n", (long long)n_weights,
@@ -95,7 +96,9 @@ const command cmd_export = {
     "tokenizer as a byte-level BPE vocabulary with <|endoftext|> as BOS and EOS;\n"
     "--dtype q8_0 stores the matrices in ggml's 8-bit blocks.\n"
     "--adapter DIR merges a PEFT LoRA adapter (loom train --lora writes one in\n"
-    "RUN/adapter) into the weights it adapts: W + lora_alpha/r B A.\n"
+    "RUN/adapter) into the weights it adapts: W + lora_alpha/r B A (/sqrt(r) with\n"
+    "use_rslora). A generation_config.json beside the model is copied (its\n"
+    "eos_token_id tells generators where to stop).\n"
     "Import needs no command: loom train --init DIR and loom generate --model DIR read\n"
     "Hugging Face LLaMA directories (config.json + model.safetensors, or the shards that\n"
     "model.safetensors.index.json names) directly; export writes one model.safetensors.",

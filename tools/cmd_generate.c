@@ -35,7 +35,7 @@ static int generate(int argc, char **argv, string_list *stop_names) {
         {"precision", FLAG_STRING, &precision, "P", "compute dtype: fp32, bf16 or fp16 (default fp32)"},
         {"tokenizer", FLAG_STRING, &tok_path, "FILE", "tokenizer.json, loom's or a Hugging Face BPE (default: the model directory's)"},
         {"adapter", FLAG_STRING, &adapter, "DIR", "a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) to apply"},
-        {"stop", FLAG_LIST, stop_names, "TOKEN...", "also stop at these tokens, each named by the text it decodes to (e.g. <|eot_id|> for Llama 3's instruct models); the end-of-text token always stops"},
+        {"stop", FLAG_LIST, stop_names, "TOKEN...", "also stop at these tokens, each named by the text it decodes to (e.g. <|eot_id|>); the end-of-text token, and the eos_token_id of the model directory's generation_config.json (as Hugging Face's generate), always stop"},
         {"threads", FLAG_INT, &threads, "N", "OpenMP threads (default: OMP_NUM_THREADS, else the cores this process may use)"},
     };
     int rc = cli_parse(&cmd_generate, flags, (int)(sizeof flags / sizeof flags[0]), argc, argv);
@@ -84,10 +84,13 @@ static int generate(int argc, char **argv, string_list *stop_names) {
         st = loom_tokenizer_encode(tok, prompt, plen, ids + n_ids, loom_tokenizer_max_ids(tok, plen) + 1, &n);
         n_ids += n;
     }
-    int n_out = 0, n_stops = 0;
-    int32_t *stops = st == LOOM_OK ? malloc(((size_t)stop_names->n + 1) * sizeof *stops) : NULL;
+    int n_out = 0, n_stops = 0, n_eos = 0;
+    int32_t eos[LOOM_EOS_IDS_MAX];
+    if (st == LOOM_OK) st = loom_model_dir_eos_ids(model, eos, LOOM_EOS_IDS_MAX, &n_eos); /* generation_config.json's */
+    int32_t *stops = st == LOOM_OK ? malloc(((size_t)stop_names->n + 1 + (size_t)n_eos) * sizeof *stops) : NULL;
     if (st == LOOM_OK && !stops) st = loom_error(LOOM_ERR_NOMEM, "generate: out of memory");
     if (st == LOOM_OK && loom_tokenizer_eot(tok) >= 0) stops[n_stops++] = loom_tokenizer_eot(tok);
+    for (int i = 0; st == LOOM_OK && i < n_eos; i++) stops[n_stops++] = eos[i]; /* one the sampler never draws: no stop */
     for (int i = 0; st == LOOM_OK && i < stop_names->n; i++) {
         int32_t id = loom_tokenizer_find(tok, stop_names->items[i], strlen(stop_names->items[i]));
         if (id < 0)

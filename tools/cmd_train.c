@@ -552,6 +552,8 @@ static loom_status train_loop(trainer *t) {
     LOOM_TRY(loom_dist_optim_unshard_masters(t->opt));
     if (t->dist.dp_rank == 0) {
         loom_status st = loom_model_dir_save(t->m, LOOM_F32, t->has_tokenizer ? t->tokenizer_path : NULL, model_dir);
+        if (st == LOOM_OK && o->init && t->dist.tp_rank == 0) /* where the base stops generating */
+            st = loom_model_dir_copy_generation_config(o->init, model_dir);
         if (st != LOOM_OK) /* the training is not lost: the final checkpoint holds it */
             return loom_error(st, "%s; the final checkpoint is saved: once that is fixed, `loom train ... --resume "
                               "%s` writes the model without training further, or `loom export --model %s/ckpt-%08d "

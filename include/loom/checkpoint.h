@@ -130,6 +130,22 @@ loom_status loom_lora_load_peft(loom_llama *m, const char *dir);
 /* LOOM_ERR_STATE, naming what to do, when dir's files may be of two saves
  * (a writer stopped while replacing them). */
 loom_status loom_model_dir_check(const char *dir);
+/* The end-of-sequence token ids that dir's generation_config.json names
+ * (eos_token_id: one id or a list, as Hugging Face writes it; Llama 3's
+ * instruct models list <|eot_id|> there), into ids (room for cap), *n of
+ * them: *n 0 when dir has no such file or it names none. Hugging Face's
+ * generate stops at each; so does loom generate. Errors: LOOM_ERR_FORMAT
+ * (not JSON, an id that is not an integer in [0, 2^31), more than cap),
+ * LOOM_ERR_IO. */
+loom_status loom_model_dir_eos_ids(const char *dir, int32_t *ids, int cap, int *n);
+#define LOOM_GENERATION_CONFIG "generation_config.json"
+#define LOOM_EOS_IDS_MAX 64 /* the most ids loom's readers take */
+/* Give to_dir from_dir's generation_config.json (checked as above): a copy,
+ * written atomically, or, when from_dir has none, none (a stale one is
+ * removed). For a model directory made from another (a fine-tune of it,
+ * an export), so that generation stops where the original's does.
+ * Errors: those above, LOOM_ERR_IO. */
+loom_status loom_model_dir_copy_generation_config(const char *from_dir, const char *to_dir);
 /* Create a model from a directory (config.json + model.safetensors, or the
  * shards of model.safetensors.index.json) with the given precision (after
  * loom_model_dir_check). */

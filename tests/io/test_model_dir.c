@@ -565,6 +565,66 @@ static void test_rope_scaling_config(void **state) {
     assert_int_equal(back.max_seq, 4096);
 }
 
+/* generation_config.json's eos_token_id, one id or a list; none without
+ * the file; refusals by name; a copy into another directory, byte for
+ * byte, or a stale one removed when the source has none. */
+static void test_generation_config(void **state) {
+    (void)state;
+    int32_t ids[LOOM_EOS_IDS_MAX];
+    int n = -1;
+    assert_int_equal(loom_mkdir_p(io_path("gc")), LOOM_OK);
+    assert_int_equal(loom_mkdir_p(io_path("gc2")), LOOM_OK);
+    assert_int_equal(loom_model_dir_eos_ids(io_path("gc"), ids, LOOM_EOS_IDS_MAX, &n), LOOM_OK);
+    assert_int_equal(n, 0);
+    char gc[512];
+    snprintf(gc, sizeof gc, "%s/generation_config.json", io_path("gc"));
+    static const struct { const char *json; int n; int32_t first, last; } good[] = {
+        {"{\"eos_token_id\": 7}", 1, 7, 7},
+        {"{\"bos_token_id\": 1, \"eos_token_id\": [128001, 128008, 128009], \"do_sample\": true}", 3, 128001, 128009},
+        {"{\"eos_token_id\": null}", 0, 0, 0},
+        {"{\"temperature\": 0.6}", 0, 0, 0},
+    };
+    for (size_t k = 0; k < sizeof good / sizeof good[0]; k++) {
+        io_write_raw(gc, good[k].json, strlen(good[k].json));
+        assert_int_equal(loom_model_dir_eos_ids(io_path("gc"), ids, LOOM_EOS_IDS_MAX, &n), LOOM_OK);
+        assert_int_equal(n, good[k].n);
+        if (n) assert_true(ids[0] == good[k].first && ids[n - 1] == good[k].last);
+    }
+    static const struct { const char *json, *msg; } bad[] = {
+        {"{\"eos_token_id\": \"</s>\"}", "eos_token_id must be a token id"},
+        {"{\"eos_token_id\": [2, -1]}", "eos_token_id must be a token id"},
+        {"{\"eos_token_id\": 2.5}", "eos_token_id must be a token id"},
+        {"{\"eos_token_id\": [1, 2, 3]}", "lists 3 ids, more than 2"},
+        {"[2]", "expected a JSON object"},
+        {"{\"eos_token_id\": ", "invalid JSON"},
+    };
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        io_write_raw(gc, bad[k].json, strlen(bad[k].json));
+        assert_int_equal(loom_model_dir_eos_ids(io_path("gc"), ids, 2, &n), LOOM_ERR_FORMAT);
+        assert_int_equal(n, 0);
+        IO_ASSERT_MSG(bad[k].msg);
+        /* and a copy of it is refused, the destination as it was */
+        assert_int_equal(loom_model_dir_copy_generation_config(io_path("gc"), io_path("gc2")),
+                         k == 3 ? LOOM_OK : LOOM_ERR_FORMAT); /* 3 ids are within the copy's bound */
+    }
+    char gc2[512];
+    snprintf(gc2, sizeof gc2, "%s/generation_config.json", io_path("gc2"));
+    size_t na, nb;
+    unsigned char *kept = io_read_raw(gc2, &na); /* the copy of bad[3]; the later failures left it */
+    assert_true(na == strlen(bad[3].json) && memcmp(kept, bad[3].json, na) == 0);
+    free(kept);
+    io_write_raw(gc, good[1].json, strlen(good[1].json));
+    assert_int_equal(loom_model_dir_copy_generation_config(io_path("gc"), io_path("gc2")), LOOM_OK);
+    unsigned char *a = io_read_raw(gc, &na), *b = io_read_raw(gc2, &nb);
+    assert_true(na == nb && memcmp(a, b, na) == 0);
+    free(a);
+    free(b);
+    assert_int_equal(remove(gc), 0);
+    assert_int_equal(loom_model_dir_copy_generation_config(io_path("gc"), io_path("gc2")), LOOM_OK);
+    struct stat sb;
+    assert_int_not_equal(stat(gc2, &sb), 0); /* stale: removed */
+}
+
 static void test_gguf_refusals(void **state) {
     (void)state;
     loom_llama *m = model(4); /* vocabulary 40 */
@@ -641,6 +701,7 @@ int main(void) {
         cmocka_unit_test(test_lora_checkpoint_bf16),
         cmocka_unit_test(test_peft_adapter),
         cmocka_unit_test(test_rope_scaling_config),
+        cmocka_unit_test(test_generation_config),
         cmocka_unit_test(test_gguf_refusals),
     };
     return cmocka_run_group_tests(tests, io_scratch_setup, io_scratch_teardown);

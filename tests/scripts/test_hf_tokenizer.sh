@@ -9,8 +9,10 @@
 #  - The whole path with the Llama-3-style file and a model shaped as Llama
 #    3.2 (tied, llama3 RoPE scaling): tokenize, train, the model directory
 #    keeps the file byte for byte, eval, generate (whose output starts with
-#    the prompt), export --format hf keeps it and the config's scaling, train
-#    --init from that export, and --format gguf is refused by name.
+#    the prompt, and which stops at generation_config.json's eos_token_id),
+#    export --format hf keeps it, the config's scaling and the generation
+#    config, train --init from that export, and --format gguf is refused by
+#    name.
 source "$(dirname "$0")/lib.sh"
 /usr/bin/python3 -c "import regex" 2>/dev/null || fail "/usr/bin/python3 cannot import regex; install it with \
 scripts/setup.sh (Debian package python3-regex)"
@@ -53,7 +55,35 @@ grep -q "loss=" "$WORK/eval.log" || fail "eval printed no loss"
   --stop "<|reserved_special_token_0|>" ">" >"$WORK/gen2.txt" 2>"$WORK/gen.log" || { cat "$WORK/gen.log"; fail "generate --stop"; }
 expect_error "stop no-such-token-anywhere: no token" "$LOOM" generate --model "$WORK/run/model" --tokens 2 \
   --stop "no-such-token-anywhere"
+# generation_config.json's eos_token_id stops generation (Llama 3's instruct
+# models list <|eot_id|> there): listing the id of greedy decoding's first
+# token leaves nothing after the prompt. export and train --init carry the
+# file to the directories they write.
+"$LOOM" generate --model "$WORK/run/model" --prompt "The tokenizer" --tokens 1 --temperature 0 >"$WORK/one.txt" \
+  2>/dev/null || fail "generate one token"
+/usr/bin/python3 - "$hf" "$WORK/one.txt" "$WORK/run/model/generation_config.json" <<'PY' || fail "no id for the first token"
+import json, sys
+vocab = json.load(open(sys.argv[1]))["model"]["vocab"]
+text = open(sys.argv[2], "rb").read()
+assert text.startswith(b"The tokenizer") and text.endswith(b"\n"), text
+first = text[len(b"The tokenizer"):-1]
+assert first, "the first token is the end of text: nothing to stop at"
+# GPT-2's byte alphabet: printable bytes as themselves, the others from U+0100 on
+keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+alpha = {b: chr(b) for b in keep}
+alpha.update({b: chr(256 + k) for k, b in enumerate(x for x in range(256) if x not in keep)})
+tid = vocab["".join(alpha[b] for b in first)]
+json.dump({"bos_token_id": 0, "eos_token_id": [len(vocab) + 5, tid]}, open(sys.argv[3], "w"))
+PY
+"$LOOM" generate --model "$WORK/run/model" --prompt "The tokenizer" --tokens 8 --temperature 0 >"$WORK/eos.txt" \
+  2>/dev/null || fail "generate with a generation_config.json"
+[ "$(cat "$WORK/eos.txt")" = "The tokenizer" ] || fail "generation_config.json's eos_token_id did not stop generation"
+echo '{"eos_token_id": "x"}' >"$WORK/bad.json" && mkdir -p "$WORK/badgc" && cp "$WORK/run/model/"{config.json,model.safetensors,tokenizer.json} "$WORK/badgc/" &&
+  cp "$WORK/bad.json" "$WORK/badgc/generation_config.json"
+expect_error "generation_config.json: eos_token_id must be a token id" "$LOOM" generate --model "$WORK/badgc" --tokens 2
 "$LOOM" export --model "$WORK/run/model" --out "$WORK/hfdir" 2>"$WORK/export.log" || { cat "$WORK/export.log"; fail "export"; }
+cmp -s "$WORK/run/model/generation_config.json" "$WORK/hfdir/generation_config.json" ||
+  fail "export did not copy generation_config.json"
 cmp -s "$hf" "$WORK/hfdir/tokenizer.json" || fail "export --format hf did not keep the tokenizer.json"
 /usr/bin/python3 - "$WORK/hfdir/config.json" <<'PY' || fail "the exported config lost its rope_scaling or tying"
 import json, sys
@@ -66,6 +96,8 @@ PY
 "$LOOM" train --init "$WORK/hfdir" --data "$WORK/data" --steps 1 --batch 2 --seq 32 --eval-every 0 \
   --out "$WORK/again" 2>"$WORK/again.log" || { cat "$WORK/again.log"; fail "train --init the exported directory"; }
 cmp -s "$WORK/hfdir/config.json" "$WORK/again/model/config.json" || fail "the fine-tuned model's config differs"
+cmp -s "$WORK/hfdir/generation_config.json" "$WORK/again/model/generation_config.json" ||
+  fail "train --init did not carry generation_config.json to the fine-tuned model"
 expect_error "is not supported.*convert_hf_to_gguf" \
   "$LOOM" export --model "$WORK/run/model" --format gguf --out "$WORK/m.gguf"
 echo "1 passed, 0 failed"
