@@ -169,6 +169,28 @@ void accumulate(void *dst, loom_dtype dst_dt, const void *src, loom_dtype src_dt
     FOR_CHUNKS(n, lo, hi, PICK(accumulate_avx512, accumulate_avx2, accumulate_c)(dst, dst_dt, src, src_dt, scale, lo, hi));
 }
 
+void colscale(void *out, const void *x, const float *s, size_t rows, size_t cols, loom_dtype dt) {
+    #pragma omp parallel for schedule(static) if (rows * cols > 65536)
+    for (size_t r = 0; r < rows; r++)
+        for (size_t c = 0; c < cols; c++) loom_store(out, r * cols + c, dt, loom_load(x, r * cols + c, dt) * s[c]);
+}
+
+void coldot(float *dst, const void *x, const void *g, size_t rows, size_t cols, loom_dtype dt) {
+    enum { BLOCK = 64 }; /* columns per task: each column's sum in row order */
+    size_t nb = (cols + BLOCK - 1) / BLOCK;
+    #pragma omp parallel for schedule(dynamic, 1) if (rows * cols > 65536)
+    for (size_t b = 0; b < nb; b++) {
+        double acc[BLOCK] = {0};
+        size_t c0 = b * BLOCK, n = cols - c0 < BLOCK ? cols - c0 : BLOCK;
+        for (size_t r = 0; r < rows; r++)
+            for (size_t c = 0; c < n; c++) {
+                size_t i = r * cols + c0 + c;
+                acc[c] += (double)loom_load(x, i, dt) * (double)loom_load(g, i, dt);
+            }
+        for (size_t c = 0; c < n; c++) dst[c0 + c] = (float)acc[c];
+    }
+}
+
 /* --------------------------------------------------------------- reductions */
 
 #define SUMSQ_CHUNKS 256        /* partial sums, added in order at the end */

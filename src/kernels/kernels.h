@@ -169,6 +169,12 @@ void scale_fwd(void *out, const void *a, float s, size_t n, loom_dtype dt);
 /* dst (dst_dt) += scale * src (src_dt): gradient accumulation. */
 void accumulate(void *dst, loom_dtype dst_dt, const void *src, loom_dtype src_dt,
                 float scale, size_t n);
+/* Columns scaled: out[r][c] = x[r][c] * s[c], x and out (rows, cols) of
+ * dtype dt (out may alias x), s fp32. */
+void colscale(void *out, const void *x, const float *s, size_t rows, size_t cols, loom_dtype dt);
+/* Column dot products: dst[c] = sum over r of x[r][c] * g[r][c], in fp64
+ * in row order (the same bits for any thread count), rounded to fp32. */
+void coldot(float *dst, const void *x, const void *g, size_t rows, size_t cols, loom_dtype dt);
 
 /* --------------------------------------------------------------- dropout */
 

@@ -422,6 +422,79 @@ loom_status loom_matmul(loom_tensor *x, loom_tensor *w, loom_tensor **out) {
     return apply1(&matmul_function, x, w, NULL, 0, out);
 }
 
+/* ------------------------------------------------------------- dora_scale */
+
+/* s = m / n in fp32, C of them (a workspace buffer). */
+static float *dora_factors(const loom_tensor *m, const loom_tensor *n) {
+    int64_t C = m->shape[0];
+    float *s = loom_alloc((size_t)C * sizeof *s + 1, LOOM_MEM_WORKSPACE);
+    if (!s) return NULL;
+    const float *nv = loom_tensor_data(n);
+    for (int64_t c = 0; c < C; c++) s[c] = loom_load(loom_tensor_data(m), (size_t)c, m->dtype) / nv[c];
+    return s;
+}
+
+static loom_status dora_scale_forward(loom_fn_ctx *ctx, loom_tensor *const *in, int n_in, loom_tensor **out,
+                                      int n_out) {
+    (void)n_in; (void)n_out;
+    loom_tensor *x = in[0], *m = in[1], *n = in[2];
+    float *s = dora_factors(m, n);
+    out[0] = op_new_like(x, x->dtype);
+    if (!s || !out[0]) { loom_free(s); return LOOM_ERR_NOMEM; }
+    colscale(loom_tensor_data(out[0]), loom_tensor_data(x), s, (size_t)op_rows(x), (size_t)op_last_dim(x), x->dtype);
+    loom_free(s);
+    loom_tensor *save[3] = {x, m, n};
+    return loom_ctx_save(ctx, save, 3);
+}
+
+static loom_status dora_scale_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, int n_out, loom_tensor **gin,
+                                       int n_in) {
+    (void)n_out; (void)n_in;
+    loom_tensor *x, *m, *n, *g = gout[0];
+    OP_SAVED(ctx, 0, x);
+    OP_SAVED(ctx, 1, m);
+    OP_SAVED(ctx, 2, n);
+    size_t rows = (size_t)op_rows(x), cols = (size_t)op_last_dim(x);
+    loom_status st = LOOM_OK;
+    if (loom_ctx_needs_input_grad(ctx, 1)) { /* before x's: that may take g's storage */
+        float *dm = loom_alloc(cols * sizeof *dm + 1, LOOM_MEM_WORKSPACE);
+        if (!dm) return LOOM_ERR_NOMEM;
+        coldot(dm, loom_tensor_data(x), loom_tensor_data(g), rows, cols, x->dtype);
+        const float *nv = loom_tensor_data(n);
+        for (size_t c = 0; c < cols; c++) dm[c] /= nv[c];
+        st = op_grad_from_f32(m, dm, &gin[1]);
+        loom_free(dm);
+    }
+    if (st == LOOM_OK && loom_ctx_needs_input_grad(ctx, 0)) {
+        float *s = dora_factors(m, n);
+        gin[0] = op_grad_in_place(g); /* colscale reads each element before writing it */
+        if (!s || !gin[0]) st = LOOM_ERR_NOMEM;
+        else colscale(loom_tensor_data(gin[0]), loom_tensor_data(g), s, rows, cols, g->dtype);
+        loom_free(s);
+    }
+    return st;
+}
+
+static const loom_function dora_scale_function = {"dora_scale", 3, 1, 0, dora_scale_forward, dora_scale_backward};
+
+loom_status loom_dora_scale(loom_tensor *x, loom_tensor *m, loom_tensor *n, loom_tensor **out) {
+    char d1[96], d2[96];
+    *out = NULL;
+    LOOM_TRY(op_check_contiguous("dora_scale", "x", x));
+    LOOM_TRY(op_check_contiguous("dora_scale", "m", m));
+    LOOM_TRY(op_check_contiguous("dora_scale", "n", n));
+    LOOM_TRY(op_check_dtype("dora_scale", x, m));
+    if (m->ndim != 1 || m->shape[0] != op_last_dim(x) || n->ndim != 1 || n->shape[0] != m->shape[0] ||
+        n->dtype != LOOM_F32)
+        return loom_error(LOOM_ERR_INVALID, "dora_scale: magnitudes %s and fp32 norms must match the last dimension "
+                          "of x %s", loom_tensor_describe(m, d1, sizeof d1), loom_tensor_describe(x, d2, sizeof d2));
+    if (loom_tensor_requires_grad(n))
+        return loom_error(LOOM_ERR_INVALID, "dora_scale: the norms are a constant (DoRA detaches them): pass a "
+                          "tensor without a gradient");
+    loom_tensor *in[3] = {x, m, n};
+    return loom_function_apply(&dora_scale_function, in, 3, out, 1, NULL, 0);
+}
+
 /* -------------------------------------------------------------- add_bias */
 
 static loom_status add_bias_forward(loom_fn_ctx *ctx, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {

@@ -117,6 +117,16 @@ static loom_status op_silu(loom_tensor **in, void *u, loom_tensor **out) { (void
 static loom_status op_swiglu(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_swiglu(in[0], in[1], out); }
 static loom_status op_matmul(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_matmul(in[0], in[1], out); }
 static loom_status op_add_bias(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_add_bias(in[0], in[1], out); }
+static loom_status op_dora_scale(loom_tensor **in, void *u, loom_tensor **out) {
+    (void)u;
+    static const float norms[4] = {1.5f, 0.7f, 2.0f, 1.1f};
+    int64_t c = 4;
+    loom_tensor *n = loom_tensor_from_f32(norms, LOOM_F32, 1, &c, LOOM_MEM_ACTIVATIONS);
+    if (!n) return LOOM_ERR_NOMEM;
+    loom_status st = loom_dora_scale(in[0], in[1], n, out);
+    loom_tensor_release(n);
+    return st;
+}
 static loom_status op_rmsnorm(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_rmsnorm(in[0], in[1], 1e-5f, out); }
 static loom_status op_rope(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_rope(in[0], 10000.0f, 3, out); }
 static loom_status op_attention(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_attention(in[0], in[1], in[2], out); }
@@ -236,6 +246,8 @@ static void test_linear_ops(void **state) {
     run_gradcheck(&mm, "matmul");
     gradcheck ab = {op_add_bias, NULL, 2, {rand_tensor(2, SHAPE(3, 4), -1, 1, 13), rand_tensor(1, SHAPE(4), -1, 1, 14)}, NULL};
     run_gradcheck(&ab, "add_bias");
+    gradcheck ds = {op_dora_scale, NULL, 2, {rand_tensor(2, SHAPE(3, 4), -1, 1, 15), rand_tensor(1, SHAPE(4), 0.5, 2, 16)}, NULL};
+    run_gradcheck(&ds, "dora_scale");
     gradcheck fl = {op_fused_linear, NULL, 3,
                     {rand_tensor(2, SHAPE(6, 5), -1, 1, 15), rand_tensor(2, SHAPE(4, 5), -1, 1, 16),
                      rand_tensor(1, SHAPE(4), -1, 1, 17)}, NULL};

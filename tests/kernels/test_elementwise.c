@@ -221,6 +221,40 @@ static void test_dropout_window(void **state) {
     }
 }
 
+/* DoRA's column kernels against plain loops: colscale scales each column
+ * (in place too), coldot's fp64 column sums in row order are the loops'
+ * bits, with one thread or many. */
+static void test_column_kernels(void **state) {
+    (void)state;
+    const size_t rows = 700, cols = 131; /* more than one 64-column block, and a partial one */
+    for (int d = 0; d < 3; d++) {
+        loom_dtype dt = dtypes[d];
+        size_t es = loom_dtype_size(dt), n = rows * cols;
+        void *x = random_dt(n, dt, -1.0f, 1.0f, 80), *g = random_dt(n, dt, -1.0f, 1.0f, 81);
+        void *out = malloc(n * es), *ref = malloc(n * es);
+        float s[131], dot[131], dot1[131];
+        tu_fill_uniform(s, cols, -2.0f, 2.0f, 82);
+        colscale(out, x, s, rows, cols, dt);
+        for (size_t r = 0; r < rows; r++)
+            for (size_t c = 0; c < cols; c++) loom_store(ref, r * cols + c, dt, loom_load(x, r * cols + c, dt) * s[c]);
+        assert_true(tu_bits_equal(out, ref, n * es, "colscale"));
+        memcpy(out, x, n * es);
+        colscale(out, out, s, rows, cols, dt);
+        assert_true(tu_bits_equal(out, ref, n * es, "colscale in place"));
+        coldot(dot, x, g, rows, cols, dt);
+        loom_set_threads(1);
+        coldot(dot1, x, g, rows, cols, dt);
+        loom_set_threads(0);
+        for (size_t c = 0; c < cols; c++) {
+            double acc = 0;
+            for (size_t r = 0; r < rows; r++)
+                acc += (double)loom_load(x, r * cols + c, dt) * (double)loom_load(g, r * cols + c, dt);
+            assert_true(dot[c] == (float)acc && dot1[c] == dot[c]);
+        }
+        free(x); free(g); free(out); free(ref);
+    }
+}
+
 /* Backward with the same (seed, offset) drops the same elements; a
  * different offset gives a different mask; replay and thread count do not
  * change a bit. */
@@ -350,6 +384,7 @@ int main(void) {
         cmocka_unit_test(test_dropout_mask),
         cmocka_unit_test(test_dropout_replay),
         cmocka_unit_test(test_dropout_window),
+        cmocka_unit_test(test_column_kernels),
         cmocka_unit_test(test_dropout_edges),
         cmocka_unit_test(test_adamw),
         cmocka_unit_test(test_paths_agree),
