@@ -207,14 +207,23 @@ $PY -c "import json, sys; d = json.load(open(sys.argv[1]))['lora_dropout']; sys.
 expect_error "lora-dropout 0.2" "$LOOM" train "${common[@]}" "${L[@]}" --precision bf16 --steps 6 \
   --resume "$WORK/db/ckpt-00000003" --out "$WORK/x"
 
-# The merged model evaluates like any other, and fits the batches it was
-# trained on better than the base model did (eval reads them as training
-# did: 12 batches of 4 x 32; the corpus is this tree's sources, so other
-# batches would make the margin depend on the sources of the day).
-ev() { "$LOOM" eval --model "$1" --data "$WORK/data" --split train --batch 4 --seq 32 --batches 12 2>&1 |
+# The merged model evaluates like any other, and fits what it was trained on
+# better than the base model did: one batch, the one every step reads (a
+# corpus of this tree's sources changes with every edit, and whether a few
+# steps over as many batches lower their loss depends on the day's sources).
+mkdir -p "$WORK/one" && cp "$WORK/data/tokenizer.json" "$WORK/one/"
+$PY - "$WORK/data/train_000000.bin" "$WORK/one/train_000000.bin" "$SRC" <<'PYEOF'
+import sys
+sys.path.insert(0, sys.argv[3] + "/tests/python")
+import llama_ref as ref
+ref.write_shard(sys.argv[2], ref.read_shard(sys.argv[1])[:4 * 32 + 1])
+PYEOF
+"$LOOM" train --data "$WORK/one" --batch 4 --seq 32 --eval-every 0 "${L[@]}" --precision fp32 --steps 12 \
+  --out "$WORK/fit" 2>/dev/null || fail "LoRA on one batch failed"
+ev() { "$LOOM" eval --model "$1" --data "$WORK/one" --split train --batch 4 --seq 32 --batches 1 2>&1 |
   sed -n 's/.* loss=\([0-9.]*\) .*/\1/p'; }
-before=$(ev "$WORK/base/model"); after=$(ev "$WORK/a/model")
-awk -v a="$before" -v b="$after" 'BEGIN { exit !(a != "" && b != "" && b < a) }' ||
+before=$(ev "$WORK/base/model"); after=$(ev "$WORK/fit/model")
+awk -v a="$before" -v b="$after" 'BEGIN { exit !(a != "" && b != "" && b < a - 0.05) }' ||
   fail "LoRA training did not lower the training loss (base ${before:-?}, tuned ${after:-?})"
 "$LOOM" generate --model "$WORK/a/model" --prompt "loom" --tokens 8 --temperature 0 >"$WORK/gen.txt" 2>/dev/null ||
   fail "generate from the LoRA model failed"

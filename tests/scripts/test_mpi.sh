@@ -155,7 +155,15 @@ cmp -s "$WORK/lp/adapter/adapter_model.safetensors" "$WORK/lz/adapter/adapter_mo
 #  - a TP=2 resume is exact (in bf16 through the split frozen weights);
 #  - the gradients agree in every recompute mode.
 LT=(--lora 4 --lora-alpha 8 --lora-targets all --lr 1e-2 --steps 6 --warmup 0 --batch 2)
-for pt in "fp32 1e-5 1e-4" "bf16 2e-2 3e-2"; do
+# Runs that start apart compare their losses only: AdamW's first step moves
+# each value by lr whatever its gradient's size, so an element whose
+# gradient is near zero can step either way by the sums' order, which parts
+# the runs (by how much depends on the corpus, this tree's sources); fp32
+# losses stay within 1e-4 (a wrong split moves them by 1e-2 and more). The
+# gradients, adapters and merged model are compared from one state: the
+# one-process checkpoint at step 3, resumed by both (checkpoints are whole
+# tensors, read on any layout).
+for pt in "fp32 1e-4 1e-4" "bf16 2e-2 3e-2"; do
   set -- $pt
   "$LOOM" train "${D[@]}" "${LT[@]}" --precision $1 --ckpt-every 3 --out "$WORK/lt1" 2>/dev/null
   timeout 300 $MPI "$LOOM" train "${D[@]}" "${LT[@]}" --precision $1 --tp 2 --ckpt-every 3 --out "$WORK/lt2" \
@@ -164,7 +172,6 @@ for pt in "fp32 1e-5 1e-4" "bf16 2e-2 3e-2"; do
   from=(); [ $1 = fp32 ] && from=(--resume "$WORK/lt1/ckpt-00000003")
   "$LOOM" train "${D[@]}" "${LT[@]}" --precision $1 "${from[@]}" --out "$WORK/ltg1" --dump-grads "$WORK/ltg1.st" \
     2>/dev/null
-  from=(); [ $1 = fp32 ] && from=(--resume "$WORK/lt2/ckpt-00000003")
   timeout 300 $MPI "$LOOM" train "${D[@]}" "${LT[@]}" --precision $1 --tp 2 "${from[@]}" --out "$WORK/ltg2" \
     --dump-grads "$WORK/ltg2.st" 2>/dev/null
   $PY - "$WORK/ltg1.st" "$SRC" $1 <<'PYEOF' || fail "LoRA, $1: no adapter gradients to compare"
@@ -177,13 +184,12 @@ assert len(lora) == (2 if sys.argv[3] == "fp32" else 1) * 7 * 2, sorted(lora)[:4
 assert all(g[k].abs().max() > 0 for k in lora), "an adapter gradient is zero"
 PYEOF
   $CMP "$WORK/ltg2.st" "$WORK/ltg1.st" --rtol $3 >/dev/null || fail "LoRA, $1: TP=2 gradients differ"
-  if [ $1 = fp32 ]; then
-    # (atol 1e-4, a hundredth of one AdamW step at lr 1e-2: an element whose
-    # gradient is near zero moves by a normalised step that the sums' order
-    # shifts by ~1e-5, past rtol of a B tensor whose largest value is ~0.04)
-    $CMP "$WORK/lt2/adapter/adapter_model.safetensors" "$WORK/lt1/adapter/adapter_model.safetensors" --rtol $3 \
-      --atol 1e-4 >/dev/null || fail "LoRA, $1: TP=2 PEFT adapters differ from one process's"
-    $CMP "$WORK/lt2/model/model.safetensors" "$WORK/lt1/model/model.safetensors" --rtol $3 >/dev/null ||
+  if [ $1 = fp32 ]; then # steps 4 to 6 from the one-process checkpoint, TP=2: its adapters and merged model
+    timeout 300 $MPI "$LOOM" train "${D[@]}" "${LT[@]}" --precision $1 --tp 2 "${from[@]}" --out "$WORK/ltx" \
+      2>/dev/null || fail "LoRA, TP=2: resuming the one-process checkpoint failed"
+    $CMP "$WORK/ltx/adapter/adapter_model.safetensors" "$WORK/lt1/adapter/adapter_model.safetensors" --rtol $3 \
+      >/dev/null || fail "LoRA, $1: TP=2 PEFT adapters differ from one process's"
+    $CMP "$WORK/ltx/model/model.safetensors" "$WORK/lt1/model/model.safetensors" --rtol $3 >/dev/null ||
       fail "LoRA, $1: TP=2 merged model differs from one process's"
   fi
   timeout 300 $MPI "$LOOM" train "${D[@]}" "${LT[@]}" --precision $1 --tp 2 --resume "$WORK/lt2/ckpt-00000003" \
@@ -191,15 +197,15 @@ PYEOF
   cmp -s "$WORK/ltr/adapter/adapter_model.safetensors" "$WORK/lt2/adapter/adapter_model.safetensors" ||
     fail "LoRA, $1: a TP=2 resume differs from the uninterrupted run"
   [ $1 = fp32 ] && mv "$WORK/lt1" "$WORK/lf1" && mv "$WORK/lt2" "$WORK/lf2" && mv "$WORK/ltg1.st" "$WORK/lfg1.st"
-  rm -rf "$WORK/lt1" "$WORK/lt2" "$WORK/ltg1" "$WORK/ltg2" "$WORK/ltr"
+  rm -rf "$WORK/lt1" "$WORK/lt2" "$WORK/ltg1" "$WORK/ltg2" "$WORK/ltr" "$WORK/ltx"
 done
-# Each recompute mode, resumed from the TP=2 fp32 checkpoint at step 3 (B
+# Each recompute mode under TP=2, resumed from the one-process fp32 checkpoint at step 3 (B
 # not zero: A's gradients and the adapters' own f and g run in the
 # replays), gives one process's step-4 gradients.
 for rc in "full reentrant" "full nonreentrant" "selective nonreentrant"; do
   set -- $rc
   timeout 300 $MPI "$LOOM" train "${D[@]}" "${LT[@]}" --precision fp32 --tp 2 --recompute $1 --recompute-mode $2 \
-    --check-grads --resume "$WORK/lf2/ckpt-00000003" --out "$WORK/lr2" --dump-grads "$WORK/lr2.st" 2>"$WORK/lr2.log" ||
+    --check-grads --resume "$WORK/lf1/ckpt-00000003" --out "$WORK/lr2" --dump-grads "$WORK/lr2.st" 2>"$WORK/lr2.log" ||
     { cat "$WORK/lr2.log"; fail "LoRA, TP=2, $rc: failed"; }
   $CMP "$WORK/lr2.st" "$WORK/lfg1.st" --rtol 1e-4 >/dev/null || fail "LoRA, TP=2, recompute $rc: gradients differ"
   rm -rf "$WORK/lr2"
@@ -209,7 +215,7 @@ done
 # keeping its part) starts where one process starts.
 timeout 300 mpirun -np 4 --oversubscribe "$LOOM" train "${D[@]}" "${LT[@]}" --precision fp32 --tp 2 --zero 1 \
   --batch 1 --out "$WORK/l4" 2>"$WORK/l4.log" || { cat "$WORK/l4.log"; fail "LoRA, TP=2 x ZeRO-1: failed"; }
-close <(losses "$WORK/lf1") <(losses "$WORK/l4") 1e-5 || fail "LoRA, TP=2 x ZeRO-1: losses differ from one process's"
+close <(losses "$WORK/lf1") <(losses "$WORK/l4") 1e-4 || fail "LoRA, TP=2 x ZeRO-1: losses differ from one process's"
 LI=(--data "$WORK/data" --seq 16 --eval-every 0 --threads 1 "${LT[@]}" --precision fp32 --steps 2 --init "$WORK/lf1/model"
     --lora-init "$WORK/lf1/adapter")
 "$LOOM" train "${LI[@]}" --out "$WORK/li1" 2>/dev/null
