@@ -64,7 +64,8 @@ int main(int argc, char **argv) {
     cfg.dim = 64; cfg.n_layers = 2; cfg.n_heads = 4; cfg.n_kv_heads = 2; cfg.ffn_dim = 128;
     cfg.vocab_size = 97; cfg.max_seq = T; cfg.rope_theta = 10000.0f; cfg.norm_eps = 1e-5f;
     loom_precision prec = {LOOM_BF16, 1};
-    loom_lora_config lora = {4, 8.0f, (1u << LOOM_LORA_Q) | (1u << LOOM_LORA_V) | (1u << LOOM_LORA_DOWN), 0.0f, 0};
+    loom_lora_config lora = {.rank = 4, .alpha = 8.0f,
+                             .targets = (1u << LOOM_LORA_Q) | (1u << LOOM_LORA_V) | (1u << LOOM_LORA_DOWN)};
 
     /* The base model, saved, and the model to fine-tune: its own weights are
      * created frozen (no gradient, no fp32 master in bf16), then set to the

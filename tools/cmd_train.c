@@ -77,7 +77,7 @@ static void settings_record(const train_opts *o, const char *resume_dir, char *b
              "--eval-batches %d\n--ckpt-every %d\n--keep %d\n"
              "--tp %d\n--zero %d\n--overlap %d\n--bucket-size %d\n--preset %s\n--tie-embeddings %d\n"
              "--check-grads %d\n--dump-grads %s\n--dump-logits %s\n--resume %s\n"
-             "--lora %d\n--lora-alpha %a\n--lora-targets %u\n--lora-dropout %a\n--lora-rslora %d\n",
+             "--lora %d\n--lora-alpha %a\n--lora-targets %u\n--lora-dropout %a\n--lora-rslora %d\n--lora-dora %d\n",
              o->batch, o->seq, o->grad_accum, o->steps, (double)o->lr, (double)o->min_lr, o->warmup, o->schedule,
              o->decay_frac,
              (double)o->weight_decay, (double)o->clip, o->precision, o->master_grad, o->recompute, o->recompute_mode,
@@ -85,7 +85,7 @@ static void settings_record(const train_opts *o, const char *resume_dir, char *b
              o->keep, o->tp, o->zero, o->overlap,
              o->bucket_size, o->preset, o->tie, o->check_grads, o->dump_grads ? "given" : "no",
              o->dump_logits ? "given" : "no", *resume_dir ? "given" : "no", o->lora, (double)o->lora_alpha,
-             o->lora_target_set, (double)o->lora_dropout, o->lora_rslora);
+             o->lora_target_set, (double)o->lora_dropout, o->lora_rslora, o->lora_dora);
 }
 
 static loom_status agree_on_settings(trainer *t, const char *resume_dir) {
@@ -142,7 +142,8 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
                           o->recompute_blocks, cfg.n_layers);
     }
     if (o->lora) { /* the model's own weights frozen from the start: never a gradient or bf16 master */
-        loom_lora_config lc = {o->lora, o->lora_alpha, o->lora_target_set, o->lora_dropout, o->lora_rslora};
+        loom_lora_config lc = {.rank = o->lora, .alpha = o->lora_alpha, .targets = o->lora_target_set,
+                               .dropout = o->lora_dropout, .rslora = o->lora_rslora, .dora = o->lora_dora};
         LOOM_TRY(loom_llama_config_validate(&cfg)); /* so that what is refused below is the LoRA flags */
         loom_status st = loom_llama_new_lora_tp(&cfg, prec, &lc, (uint64_t)o->seed, t->dist.tp, &t->m);
         if (st != LOOM_OK) {
@@ -660,12 +661,13 @@ static int lora_from_adapter(train_opts *o) {
     if (o->lora_targets && loom_lora_targets_parse(o->lora_targets, &given) != LOOM_OK)
         return cli_usage_error("train", "--lora-targets: %s", loom_last_error());
     if ((o->lora && o->lora != c.rank) || (!isnan(o->lora_alpha) && o->lora_alpha != c.alpha) ||
-        (o->lora_targets && given != c.targets) || (o->lora_rslora && !c.rslora))
-        return cli_usage_error("train", "--lora flags differ from the adapter %s's setting (r %d, lora_alpha %g%s); "
+        (o->lora_targets && given != c.targets) || (o->lora_rslora && !c.rslora) || (o->lora_dora && !c.dora))
+        return cli_usage_error("train", "--lora flags differ from the adapter %s's setting (r %d, lora_alpha %g%s%s); "
                                "drop them, --lora-init gives them", o->lora_init, c.rank, (double)c.alpha,
-                               c.rslora ? ", use_rslora" : "");
+                               c.rslora ? ", use_rslora" : "", c.dora ? ", use_dora" : "");
     o->lora = c.rank;
     o->lora_rslora = c.rslora;
+    o->lora_dora = c.dora;
     o->lora_alpha = c.alpha;
     if (isnan(o->lora_dropout)) o->lora_dropout = c.dropout; /* a training setting: --lora-dropout may change it */
     o->lora_target_set = c.targets;
@@ -692,9 +694,9 @@ static void print_summary(const trainer *t, loom_precision prec, loom_recompute_
         int64_t trainable = 0;
         for (int i = t->m->n_base; i < t->m->n_params; i++) trainable += loom_param_numel(t->m->params[i]);
         loom_lora_targets_format(t->m->lora.targets, targets, sizeof targets);
-        fprintf(stderr, "train: LoRA rank %d, alpha %g%s on %s, dropout %g: %lld trainable parameters, the model's "
-                "own frozen\n", t->m->lora.rank, (double)t->m->lora.alpha, t->m->lora.rslora ? " (rsLoRA)" : "",
-                targets, (double)t->m->lora.dropout, (long long)trainable);
+        fprintf(stderr, "train: %s rank %d, alpha %g%s on %s, dropout %g: %lld trainable parameters, the model's "
+                "own frozen\n", t->m->lora.dora ? "DoRA" : "LoRA", t->m->lora.rank, (double)t->m->lora.alpha,
+                t->m->lora.rslora ? " (rsLoRA)" : "", targets, (double)t->m->lora.dropout, (long long)trainable);
     }
     loom_mem_stats ms;
     loom_mem_get_stats(&ms);
@@ -752,6 +754,9 @@ static int run(int argc, char **argv) {
         {"lora-alpha", FLAG_FLOAT, &o->lora_alpha, "A", "LoRA: the adapters' output is scaled by A/R (default R)"},
         {"lora-rslora", FLAG_BOOL, &o->lora_rslora, NULL,
          "LoRA: scale by A/sqrt(R) instead (rank-stabilised LoRA, PEFT's use_rslora; or --lora-init's)"},
+        {"lora-dora", FLAG_BOOL, &o->lora_dora, NULL,
+         "LoRA: DoRA, a trained magnitude per output of each adapted linear (PEFT's use_dora; or --lora-init's; "
+         "not with --tp)"},
         {"lora-targets", FLAG_STRING, &o->lora_targets, "LIST",
          "LoRA: the linears adapted, from q,k,v,o,gate,up,down, or all (default all)"},
         {"lora-dropout", FLAG_FLOAT, &o->lora_dropout, "P",
@@ -801,11 +806,13 @@ static int run(int argc, char **argv) {
                 o->recompute);
     if (o->lora < 0) return cli_usage_error("train", "--lora expects a rank >= 1 (0: off), got %d", o->lora);
     if (o->lora_init && (rc = lora_from_adapter(o))) return rc;
-    if (!o->lora && (!isnan(o->lora_alpha) || o->lora_targets || !isnan(o->lora_dropout) || o->lora_rslora))
+    if (!o->lora &&
+        (!isnan(o->lora_alpha) || o->lora_targets || !isnan(o->lora_dropout) || o->lora_rslora || o->lora_dora))
         return cli_usage_error("train", "--%s applies to LoRA: give --lora RANK too",
                                o->lora_targets           ? "lora-targets"
                                : !isnan(o->lora_dropout) ? "lora-dropout"
                                : o->lora_rslora          ? "lora-rslora"
+                               : o->lora_dora            ? "lora-dora"
                                                          : "lora-alpha");
     if (isnan(o->lora_dropout)) o->lora_dropout = 0.0f; /* not given */
     if (!(o->lora_dropout >= 0.0f && o->lora_dropout < 1.0f))

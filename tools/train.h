@@ -29,6 +29,7 @@ typedef struct train_opts {
     int lora_targets_given; /* lora_target_set came from --lora-init's adapter */
     float lora_dropout;     /* on the adapters' inputs while training; 0: none */
     int lora_rslora;        /* alpha / sqrt(rank) (PEFT's use_rslora) */
+    int lora_dora;          /* DoRA's magnitudes (PEFT's use_dora) */
 } train_opts;
 
 typedef struct trainer {

@@ -68,8 +68,9 @@ typedef enum loom_lora_target {
 
 typedef struct loom_llama_layer {
     loom_param *attn_norm, *wq, *wk, *wv, *wo, *mlp_norm, *w_gate, *w_up, *w_down;
-    /* LoRA adapters of the linears (NULL: none): A (rank, in), B (out, rank). */
-    loom_param *lora_a[LOOM_LORA_N], *lora_b[LOOM_LORA_N];
+    /* LoRA adapters of the linears (NULL: none): A (rank, in), B (out, rank);
+     * with DoRA the magnitudes m (out) too. */
+    loom_param *lora_a[LOOM_LORA_N], *lora_b[LOOM_LORA_N], *lora_m[LOOM_LORA_N];
 } loom_llama_layer;
 
 /* The weight of linear t of a layer (wq .. w_down). */
@@ -82,7 +83,14 @@ loom_param *loom_llama_layer_weight(const loom_llama_layer *y, loom_lora_target 
  * targets is a bit set of (1 << loom_lora_target); rank 0 means no LoRA.
  * With dropout, the adapter's input is dropout(x). With rslora the factor
  * is alpha / sqrt(rank) (rank-stabilised LoRA, Kalajdzievski 2023: PEFT's
- * use_rslora), which keeps the update's scale as the rank grows. */
+ * use_rslora), which keeps the update's scale as the rank grows.
+ * With dora (weight-decomposed LoRA, Liu et al. 2024: PEFT's use_dora) each
+ * adapted linear also trains a magnitude per output, m (out), and computes
+ * y = (m / n) (x W^T + s (x A^T) B^T), n the norms of the rows of
+ * W + s B A, a constant in the backward (PEFT detaches it); m starts at the
+ * norms of W's rows, so training starts from the base model exactly. With
+ * dropout in training, y = x W^T + (m / n) (x' W^T + s (x' A^T) B^T) - x' W^T,
+ * x' = dropout(x), as PEFT computes it. */
 typedef struct loom_lora_config {
     int rank;
     float alpha;
@@ -93,6 +101,7 @@ typedef struct loom_lora_config {
      * with the same mask by every recompute mode. 0: none. */
     float dropout;
     int rslora; /* 1: alpha / sqrt(rank) */
+    int dora;   /* 1: DoRA's magnitudes too */
 } loom_lora_config;
 
 /* The factor of the adapters' product: alpha / rank, or alpha / sqrt(rank)
@@ -260,6 +269,16 @@ loom_status loom_llama_new_lora_tp(const loom_llama_config *cfg, loom_precision 
 loom_status loom_llama_param_merged(loom_llama *m, int i, float *full);
 /* The adapter pair of base parameter i, or 0 (a, b untouched) when it has none. */
 int loom_llama_lora_of(const loom_llama *m, int i, loom_param **a, loom_param **b);
+/* DoRA's norms of linear t of layer l: n[o] = | W[o] + s (B A)[o] | (the
+ * rows of the compute copies, summed in fp64; at least FLT_MIN), out of
+ * them. Errors: LOOM_ERR_INVALID (no DoRA adapter there), LOOM_ERR_NOMEM. */
+loom_status loom_llama_dora_norms(const loom_llama *m, int l, loom_lora_target t, float *n);
+/* Set every DoRA magnitude to its norms (loom_llama_dora_norms): each factor
+ * m / n is then 1, and with B zero (a new adapter) the model computes the
+ * base model exactly, PEFT's start. loom_llama_add_lora,
+ * loom_llama_init_weights and loom_llama_load_weights call it (the last
+ * two after the model's own weights change). */
+loom_status loom_llama_dora_reset(loom_llama *m);
 
 /* ------------------------------------------------------------ generation */
 

@@ -110,6 +110,7 @@ static void lora_describe(const loom_lora_config *c, char *buf, size_t n) {
     loom_lora_targets_format(c->targets, targets, sizeof targets);
     int w = snprintf(buf, n, "--lora %d --lora-alpha %.9g --lora-targets %s", c->rank, (double)c->alpha, targets);
     if (c->rslora && w > 0 && (size_t)w < n) w += snprintf(buf + w, n - (size_t)w, " --lora-rslora");
+    if (c->dora && w > 0 && (size_t)w < n) w += snprintf(buf + w, n - (size_t)w, " --lora-dora");
     if (c->dropout > 0.0f && w > 0 && (size_t)w < n)
         snprintf(buf + w, n - (size_t)w, " --lora-dropout %.9g", (double)c->dropout);
 }

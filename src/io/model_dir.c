@@ -369,6 +369,7 @@ loom_status loom_llama_load_weights(loom_llama *m, const char *path) {
     loom_status st = LOOM_OK;
     for (int i = 0; i < m->n_base && st == LOOM_OK; i++) st = load_param(m, i, sf, path);
     loom_safetensors_close(sf);
+    if (st == LOOM_OK) st = loom_llama_dora_reset(m); /* DoRA's magnitudes follow the weights */
     return st;
 }
 
@@ -418,6 +419,7 @@ static loom_status load_sharded(loom_llama *m, const char *dir, const char *inde
     free(files);
     free(names);
     json_decref(root);
+    if (st == LOOM_OK) st = loom_llama_dora_reset(m); /* DoRA's magnitudes follow the weights */
     return st;
 }
 
@@ -509,7 +511,8 @@ static loom_status write_peft(loom_llama *m, const char *dir, const char *base_m
         int64_t fs[2];
         loom_llama_param_full_shape(m, i, fs);
         snprintf(name, sizeof name, PEFT_PREFIX "%s", m->params[i]->name);
-        st = loom_safetensors_writer_add(w, name, LOOM_SAFETENSORS_F32, fs, 2, whole[i - m->n_base]);
+        st = loom_safetensors_writer_add(w, name, LOOM_SAFETENSORS_F32, fs, m->params[i]->tensor->ndim,
+                                         whole[i - m->n_base]); /* DoRA's magnitudes are vectors */
     }
     if (st == LOOM_OK) st = loom_safetensors_writer_set_metadata(w, "format", "pt");
     if (st == LOOM_OK) st = join(path, sizeof path, dir, "adapter_model.safetensors");
@@ -526,11 +529,12 @@ static loom_status write_peft(loom_llama *m, const char *dir, const char *base_m
             targets = NULL;
         }
     json_t *root = !targets ? NULL
-                            : json_pack("{s:s, s:s, s:i, s:f, s:f, s:o, s:s, s:b, s:b, s:b, s:o}", "peft_type", "LORA",
+                            : json_pack("{s:s, s:s, s:i, s:f, s:f, s:o, s:s, s:b, s:b, s:b, s:b, s:o}", "peft_type", "LORA",
                                         "task_type", "CAUSAL_LM", "r", m->lora.rank, "lora_alpha",
                                         (double)m->lora.alpha, "lora_dropout", (double)m->lora.dropout,
                                         "target_modules", targets, "bias", "none", "fan_in_fan_out", 0,
-                                        "inference_mode", 1, "use_rslora", m->lora.rslora != 0, "base_model_name_or_path", base);
+                                        "inference_mode", 1, "use_rslora", m->lora.rslora != 0, "use_dora", m->lora.dora != 0,
+                                        "base_model_name_or_path", base);
     if (!root) return loom_error(LOOM_ERR_NOMEM, "save adapter: cannot build adapter_config.json");
     char *text = json_dumps(root, JSON_INDENT(2) | JSON_REAL_PRECISION(9));
     json_decref(root);
@@ -720,8 +724,8 @@ static loom_status peft_pattern_targets(const char *pattern, const char *path, i
     return st;
 }
 
-/* adapter_config.json's LoRA setting; what loom does not compute (DoRA,
- * biases, other modules, some layers only) is refused by name. */
+/* adapter_config.json's LoRA setting; what loom does not compute (biases,
+ * other modules, some layers only) is refused by name. */
 static loom_status peft_config(json_t *root, const char *path, int n_layers, loom_lora_config *c) {
     memset(c, 0, sizeof *c);
     json_t *type = json_object_get(root, "peft_type");
@@ -742,7 +746,11 @@ static loom_status peft_config(json_t *root, const char *path, int n_layers, loo
     if (rs && !json_is_boolean(rs) && !json_is_null(rs))
         return loom_error(LOOM_ERR_FORMAT, "%s: use_rslora must be true or false", path);
     c->rslora = json_is_true(rs);
-    static const char *const flags[] = {"use_dora", "fan_in_fan_out", "lora_bias"};
+    json_t *dora = json_object_get(root, "use_dora");
+    if (dora && !json_is_boolean(dora) && !json_is_null(dora))
+        return loom_error(LOOM_ERR_FORMAT, "%s: use_dora must be true or false", path);
+    c->dora = json_is_true(dora);
+    static const char *const flags[] = {"fan_in_fan_out", "lora_bias"};
     for (size_t k = 0; k < sizeof flags / sizeof flags[0]; k++)
         if (json_is_true(json_object_get(root, flags[k])))
             return loom_error(LOOM_ERR_UNSUPPORTED, "%s: %s is true; loom computes plain LoRA only", path, flags[k]);
@@ -797,11 +805,12 @@ loom_status loom_lora_load_peft(loom_llama *m, const char *dir) {
     LOOM_TRY(loom_lora_peft_config_layers(dir, m->cfg.n_layers, &c));
     if (m->lora.rank) { /* adapters made already: they must be this setting's */
         if (m->lora.rank != c.rank || m->lora.alpha != c.alpha || m->lora.targets != c.targets ||
-            !m->lora.rslora != !c.rslora) /* not dropout */
-            return loom_error(LOOM_ERR_INVALID, "%s: the adapter's setting (r %d, lora_alpha %g%s) is not the model's "
-                              "(rank %d, alpha %g%s), or its target_modules differ", dir, c.rank, (double)c.alpha,
-                              c.rslora ? ", use_rslora" : "", m->lora.rank, (double)m->lora.alpha,
-                              m->lora.rslora ? ", rslora" : "");
+            !m->lora.rslora != !c.rslora || !m->lora.dora != !c.dora) /* not dropout */
+            return loom_error(LOOM_ERR_INVALID, "%s: the adapter's setting (r %d, lora_alpha %g%s%s) is not the "
+                              "model's (rank %d, alpha %g%s%s), or its target_modules differ", dir, c.rank,
+                              (double)c.alpha, c.rslora ? ", use_rslora" : "", c.dora ? ", use_dora" : "",
+                              m->lora.rank, (double)m->lora.alpha, m->lora.rslora ? ", rslora" : "",
+                              m->lora.dora ? ", dora" : "");
     } else {
         LOOM_TRY(loom_llama_add_lora(m, &c, 0));
     }
@@ -821,7 +830,7 @@ loom_status loom_lora_load_peft(loom_llama *m, const char *dir) {
         else if (!loom_safetensors_has(sf, name))
             st = loom_error(LOOM_ERR_FORMAT, "%s: tensor %s is missing (adapter_config.json names its module)", path,
                             name);
-        else if ((st = loom_safetensors_read(sf, name, LOOM_F32, fs, 2, v)) == LOOM_ERR_INVALID) /* a shape */
+        else if ((st = loom_safetensors_read(sf, name, LOOM_F32, fs, p->tensor->ndim, v)) == LOOM_ERR_INVALID)
             st = loom_error(LOOM_ERR_FORMAT, "%s (adapter_config.json and the tensors disagree)", loom_last_error());
         if (st == LOOM_OK) st = io_check_finite(v, (size_t)(fs[0] * fs[1]), path, name);
         if (st == LOOM_OK) loom_llama_param_scatter(m, i, v); /* this rank's part of it */

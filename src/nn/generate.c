@@ -21,6 +21,7 @@ typedef struct kv_cache {
 typedef struct scratch {
     void *x, *h, *q, *k, *v, *att, *o, *g, *u; /* (T, ...) rows in dt */
     void *lora;    /* (T, rank) in dt: x A^T of a LoRA adapter; NULL without adapters */
+    float **dora;  /* per layer and linear: DoRA's m / n (out), fixed while generating; NULL without DoRA */
     float *rstd;  /* (T) */
     float *logits; /* (V) */
 } scratch;
@@ -39,8 +40,11 @@ static loom_status linear(const loom_llama *m, scratch *s, void *out, const void
     if (!a) return LOOM_OK;
     int r = m->lora.rank;
     LOOM_TRY(gemm(0, 1, T, r, K, 1.0f, x, K, loom_tensor_data(a->tensor), K, dt, 0.0f, s->lora, r, dt, NULL, LOOM_F32));
-    return gemm(0, 1, T, M, r, loom_lora_scale(&m->lora), s->lora, r, loom_tensor_data(b->tensor), r, dt, 1.0f, out, M,
-                dt, NULL, LOOM_F32);
+    LOOM_TRY(gemm(0, 1, T, M, r, loom_lora_scale(&m->lora), s->lora, r, loom_tensor_data(b->tensor), r, dt, 1.0f, out,
+                  M, dt, NULL, LOOM_F32));
+    const float *f = s->dora ? s->dora[(y - m->layers) * LOOM_LORA_N + t] : NULL;
+    if (f) colscale(out, out, f, (size_t)T, (size_t)M, dt); /* DoRA: (m / n) (x W^T + s x A^T B^T) */
+    return LOOM_OK;
 }
 
 /* Run T new tokens at positions cache->len .. through every layer; leaves
@@ -90,6 +94,32 @@ static void state_free(loom_llama *m, kv_cache *c, scratch *s) {
     free(c->v);
     void *bufs[] = {s->x, s->h, s->q, s->k, s->v, s->att, s->o, s->g, s->u, s->lora, s->rstd, s->logits};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) loom_free(bufs[i]);
+    for (int i = 0; s->dora && i < m->cfg.n_layers * LOOM_LORA_N; i++) free(s->dora[i]);
+    free(s->dora);
+}
+
+/* DoRA's factors m / n of every adapted linear, once: the adapters do not
+ * change while generating. */
+static loom_status dora_factors(loom_llama *m, scratch *s) {
+    s->dora = calloc((size_t)m->cfg.n_layers * LOOM_LORA_N, sizeof *s->dora);
+    if (!s->dora) return loom_error(LOOM_ERR_NOMEM, "generate: out of memory");
+    for (int l = 0; l < m->cfg.n_layers; l++)
+        for (int t = 0; t < LOOM_LORA_N; t++) {
+            const loom_param *mag = m->layers[l].lora_m[t];
+            if (!mag) continue;
+            size_t out = (size_t)loom_param_numel(mag);
+            float *f = s->dora[l * LOOM_LORA_N + t] = malloc(out * sizeof *f + 1);
+            float *n = malloc(out * sizeof *n + 1);
+            loom_status st = f && n ? loom_llama_dora_norms(m, l, (loom_lora_target)t, n)
+                                    : loom_error(LOOM_ERR_NOMEM, "generate: out of memory");
+            if (st == LOOM_OK) {
+                loom_convert(f, LOOM_F32, loom_tensor_data(mag->tensor), mag->tensor->dtype, out); /* as training */
+                for (size_t o = 0; o < out; o++) f[o] /= n[o];
+            }
+            free(n);
+            LOOM_TRY(st);
+        }
+    return LOOM_OK;
 }
 
 /* A cache for cap positions, scratch for T tokens at once. */
@@ -119,7 +149,9 @@ static loom_status state_init(loom_llama *m, int T, int cap, kv_cache *c, scratc
         state_free(m, c, s);
         return loom_error(LOOM_ERR_NOMEM, "generate: out of memory for the KV cache");
     }
-    return LOOM_OK;
+    loom_status st = m->lora.dora ? dora_factors(m, s) : LOOM_OK;
+    if (st != LOOM_OK) state_free(m, c, s);
+    return st;
 }
 
 /* The k-th largest of p[0 .. V) (non-negative floats, at most 1), exactly:

@@ -6,6 +6,7 @@
 #include "loom/loom.h"
 #include "nn/tp.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -296,6 +297,7 @@ void loom_llama_init_weights(loom_llama *m, uint64_t seed) {
             loom_param_sync_from_master(p);
         }
     }
+    LOOM_ASSERT(loom_llama_dora_reset(m) == LOOM_OK); /* DoRA's magnitudes follow the weights */
 }
 
 /* ---------------------------------------------------------------- LoRA */
@@ -355,6 +357,7 @@ static void drop_adapters(loom_llama *m) {
     for (int l = 0; l < m->cfg.n_layers; l++) {
         memset(m->layers[l].lora_a, 0, sizeof m->layers[l].lora_a);
         memset(m->layers[l].lora_b, 0, sizeof m->layers[l].lora_b);
+        memset(m->layers[l].lora_m, 0, sizeof m->layers[l].lora_m);
     }
 }
 
@@ -411,7 +414,11 @@ loom_status loom_llama_add_lora(loom_llama *m, const loom_lora_config *cfg, uint
 static loom_status append_adapters(loom_llama *m, const loom_lora_config *cfg, uint64_t seed) {
     int per = 0;
     for (int t = 0; t < LOOM_LORA_N; t++) per += (cfg->targets >> t) & 1u;
-    loom_param **grown = realloc(m->params, (size_t)(m->n_base + 2 * per * m->cfg.n_layers) * sizeof *grown);
+    if (cfg->dora && m->tp_size > 1)
+        return loom_error(LOOM_ERR_UNSUPPORTED, "DoRA with tensor parallelism (--tp %d) is not supported yet: train "
+                          "DoRA with data parallelism, or plain LoRA under --tp", m->tp_size);
+    int each = cfg->dora ? 3 : 2; /* A, B and DoRA's m */
+    loom_param **grown = realloc(m->params, (size_t)(m->n_base + each * per * m->cfg.n_layers) * sizeof *grown);
     if (!grown) return loom_error(LOOM_ERR_NOMEM, "LoRA: out of memory");
     m->params = grown;
     loom_status st = LOOM_OK;
@@ -432,6 +439,9 @@ static loom_status append_adapters(loom_llama *m, const loom_lora_config *cfg, u
             st = add_param(m, name, m->prec.compute, 2, cfg->rank, in, split_a, 0, &y->lora_a[t]);
             snprintf(name, sizeof name, "model.layers.%d.%s.%s.lora_B.weight", l, group, lora_module[t]);
             if (st == LOOM_OK) st = add_param(m, name, m->prec.compute, 2, out, cfg->rank, split_b, 0, &y->lora_b[t]);
+            snprintf(name, sizeof name, "model.layers.%d.%s.%s.lora_magnitude_vector", l, group, lora_module[t]);
+            if (st == LOOM_OK && cfg->dora) /* set below, from the norms */
+                st = add_param(m, name, m->prec.compute, 1, out, 0, -1, 0, &y->lora_m[t]);
             if (st != LOOM_OK) break;
             /* A: uniform in [-1/sqrt(in), 1/sqrt(in)), its own stream per
              * adapter, drawn whole and sliced (the same A on any number of
@@ -439,9 +449,10 @@ static loom_status append_adapters(loom_llama *m, const loom_lora_config *cfg, u
             size_t n = (size_t)(cfg->rank * in);
             float *v = malloc(n * sizeof *v), bound = 1.0f / sqrtf((float)in);
             if (!v) { st = loom_error(LOOM_ERR_NOMEM, "LoRA: out of memory"); break; }
-            loom_rng_uniform(v, n, seed, (uint64_t)(m->n_params - 2) << 40);
+            int ia = m->n_params - (cfg->dora ? 3 : 2); /* A's index: its stream as without DoRA */
+            loom_rng_uniform(v, n, seed, (uint64_t)ia << 40);
             for (size_t k = 0; k < n; k++) v[k] = (2.0f * v[k] - 1.0f) * bound;
-            loom_llama_param_scatter(m, m->n_params - 2, v);
+            loom_llama_param_scatter(m, ia, v);
             free(v);
         }
     }
@@ -451,7 +462,60 @@ static loom_status append_adapters(loom_llama *m, const loom_lora_config *cfg, u
     }
     for (int i = 0; i < m->n_base; i++) LOOM_ASSERT(loom_param_freeze(m->params[i]) == LOOM_OK);
     m->lora = *cfg;
+    st = loom_llama_dora_reset(m);
+    if (st != LOOM_OK) { /* out of memory for the norms: the model as it was */
+        drop_adapters(m);
+        memset(&m->lora, 0, sizeof m->lora);
+    }
+    return st;
+}
+
+loom_status loom_llama_dora_norms(const loom_llama *m, int l, loom_lora_target t, float *n) {
+    const loom_llama_layer *y = l >= 0 && l < m->cfg.n_layers && (unsigned)t < LOOM_LORA_N ? &m->layers[l] : NULL;
+    if (!y || !y->lora_m[t]) return loom_error(LOOM_ERR_INVALID, "DoRA: layer %d has no DoRA adapter on linear %d", l, t);
+    const loom_param *w = loom_llama_layer_weight(y, t);
+    loom_tensor *a = y->lora_a[t]->tensor, *b = y->lora_b[t]->tensor;
+    int out = (int)w->tensor->shape[0], in = (int)w->tensor->shape[1], r = m->lora.rank;
+    float *full = loom_alloc((size_t)out * (size_t)in * sizeof *full, LOOM_MEM_WORKSPACE);
+    if (!full) return loom_error(LOOM_ERR_NOMEM, "DoRA: out of memory for the norms of %s", w->name);
+    /* W + s B A in fp32 from the compute copies: the weights the forward multiplies by */
+    loom_convert(full, LOOM_F32, loom_tensor_data(w->tensor), w->tensor->dtype, (size_t)out * (size_t)in);
+    loom_status st = loom_gemm(0, 0, out, in, r, loom_lora_scale(&m->lora), loom_tensor_data(b), r,
+                               loom_tensor_data(a), in, a->dtype, 1.0f, full, in, LOOM_F32, NULL, LOOM_F32);
+    #pragma omp parallel for schedule(static) if (st == LOOM_OK && (size_t)out * (size_t)in > 65536)
+    for (int o = 0; o < out; o++) {
+        double ss = 0.0;
+        const float *row = full + (size_t)o * (size_t)in;
+        for (int k = 0; k < in; k++) ss += (double)row[k] * (double)row[k];
+        float v = (float)sqrt(ss);
+        n[o] = v > FLT_MIN ? v : FLT_MIN; /* a zero row: its output is zero whatever the factor */
+    }
+    loom_free(full);
+    return st;
+}
+
+loom_status loom_llama_dora_reset(loom_llama *m) {
+    for (int l = 0; l < m->cfg.n_layers; l++)
+        for (int t = 0; t < LOOM_LORA_N; t++) {
+            loom_param *p = m->layers[l].lora_m[t];
+            if (!p) continue;
+            float *n = malloc((size_t)loom_param_numel(p) * sizeof *n + 1);
+            loom_status st = n ? loom_llama_dora_norms(m, l, (loom_lora_target)t, n)
+                               : loom_error(LOOM_ERR_NOMEM, "DoRA: out of memory");
+            if (st == LOOM_OK) st = loom_param_set_f32(p, n, loom_param_numel(p));
+            free(n);
+            LOOM_TRY(st);
+        }
     return LOOM_OK;
+}
+
+/* DoRA's magnitudes of base parameter i, or NULL. */
+static const loom_param *dora_magnitude_of(const loom_llama *m, int i) {
+    for (int l = 0; m->lora.dora && l < m->cfg.n_layers; l++)
+        for (int t = 0; t < LOOM_LORA_N; t++)
+            if (m->layers[l].lora_m[t] && loom_llama_layer_weight(&m->layers[l], (loom_lora_target)t) == m->params[i])
+                return m->layers[l].lora_m[t];
+    return NULL;
 }
 
 int loom_llama_lora_of(const loom_llama *m, int i, loom_param **a, loom_param **b) {
@@ -492,6 +556,17 @@ loom_status loom_llama_param_merged(loom_llama *m, int i, float *full) {
                        NULL, LOOM_F32);
     free(ga);
     free(gb);
+    const loom_param *mag = dora_magnitude_of(m, i);
+    if (st == LOOM_OK && mag) { /* DoRA: each row times m / |row| (no tensor parallelism) */
+        const float *mv = loom_param_master((loom_param *)mag);
+        for (int o = 0; o < out; o++) {
+            float *row = full + (size_t)o * (size_t)in;
+            double ss = 0.0;
+            for (int k = 0; k < in; k++) ss += (double)row[k] * (double)row[k];
+            float n = (float)sqrt(ss), f = mv[o] / (n > FLT_MIN ? n : FLT_MIN);
+            for (int k = 0; k < in; k++) row[k] *= f;
+        }
+    }
     return st;
 }
 
@@ -503,6 +578,9 @@ void loom_llama_zero_grad(loom_llama *m) {
 
 #define RELEASE(...) do { loom_tensor *r_[] = {__VA_ARGS__}; \
     for (size_t i_ = 0; i_ < sizeof r_ / sizeof r_[0]; i_++) loom_tensor_release(r_[i_]); } while (0)
+
+static loom_status dora_output(const struct llama_block_args *a, loom_lora_target t, loom_tensor *xd, loom_tensor *xa,
+                               loom_tensor *base, float scale, loom_tensor **out);
 
 /* Linear t of the block: x W^T, plus (alpha / rank) (dropout(x) A^T) B^T
  * when it has a LoRA adapter (the dropout only in a training forward); B's
@@ -547,8 +625,29 @@ static loom_status block_linear(const struct llama_block_args *a, loom_lora_targ
     }
     if (st == LOOM_OK) st = loom_fused_linear(xd ? xd : in, y->lora_a[t]->tensor, NULL, &xa);
     if (st == LOOM_OK) st = row ? tp_reduce(m->tp_comm, xa, &xaf) : tp_copy(m->tp_comm, xa, &xaf);
-    if (st == LOOM_OK) st = loom_fused_linear_add(xaf, y->lora_b[t]->tensor, scale, base, out); /* one GEMM */
+    if (st == LOOM_OK && y->lora_m[t]) st = dora_output(a, t, xd, xaf, base, scale, out);
+    else if (st == LOOM_OK) st = loom_fused_linear_add(xaf, y->lora_b[t]->tensor, scale, base, out); /* one GEMM */
     RELEASE(base, xd, xa, xaf);
+    return st;
+}
+
+/* DoRA (no tensor parallelism): (m / n) (base + s xa B^T), n the norms of
+ * W + s B A, a constant; with dropout (xd) base + (m / n) (xd W^T + s xa B^T)
+ * - xd W^T. */
+static loom_status dora_output(const struct llama_block_args *a, loom_lora_target t, loom_tensor *xd, loom_tensor *xa,
+                               loom_tensor *base, float scale, loom_tensor **out) {
+    const loom_llama_layer *y = &a->m->layers[a->layer];
+    const loom_param *w = loom_llama_layer_weight(y, t);
+    loom_tensor *n = loom_tensor_new_1d(LOOM_F32, w->tensor->shape[0], LOOM_MEM_ACTIVATIONS);
+    loom_tensor *bd = NULL, *sum = NULL, *scaled = NULL, *neg = NULL, *part = NULL;
+    loom_status st = n ? loom_llama_dora_norms(a->m, a->layer, t, loom_tensor_data(n)) : LOOM_ERR_NOMEM;
+    if (st == LOOM_OK && xd) st = loom_fused_linear(xd, w->tensor, NULL, &bd); /* x' W^T */
+    if (st == LOOM_OK) st = loom_fused_linear_add(xa, y->lora_b[t]->tensor, scale, xd ? bd : base, &sum);
+    if (st == LOOM_OK) st = loom_dora_scale(sum, y->lora_m[t]->tensor, n, xd ? &scaled : out);
+    if (st == LOOM_OK && xd) st = loom_scale(bd, -1.0f, &neg);
+    if (st == LOOM_OK && xd) st = loom_add(base, scaled, &part);
+    if (st == LOOM_OK && xd) st = loom_add(part, neg, out);
+    RELEASE(n, bd, sum, scaled, neg, part);
     return st;
 }
 

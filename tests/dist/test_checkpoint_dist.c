@@ -231,7 +231,7 @@ static void test_peft_save_errors(void **state) {
     c.dim = 32; c.n_layers = 1; c.n_heads = 2; c.n_kv_heads = 2; c.ffn_dim = 48; c.vocab_size = 64;
     c.max_seq = 8; c.rope_theta = 10000.0f; c.norm_eps = 1e-5f;
     loom_precision p = {LOOM_F32, 0};
-    loom_lora_config lc = {4, 8.0f, LOOM_LORA_ALL, 0.0f, 0};
+    loom_lora_config lc = {.rank = 4, .alpha = 8.0f, .targets = LOOM_LORA_ALL};
     loom_llama *m;
     assert_int_equal(loom_llama_new_lora_tp(&c, p, &lc, 5, dist.tp, &m), LOOM_OK);
     char dir[256], adapter[300];

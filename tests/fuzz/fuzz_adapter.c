@@ -36,7 +36,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
     loom_set_threads(1);
     snprintf(dir, sizeof dir, "/dev/shm/loom-fuzz-%ld-adapter", (long)getpid());
     loom_llama *m = base_model();
-    loom_lora_config lc = {2, 4.0f, (1u << LOOM_LORA_V) | (1u << LOOM_LORA_UP), 0.0f, 0};
+    loom_lora_config lc = {.rank = 2, .alpha = 4.0f, .targets = (1u << LOOM_LORA_V) | (1u << LOOM_LORA_UP)};
     if (loom_llama_add_lora(m, &lc, 1) != LOOM_OK || loom_lora_save_peft(m, dir, NULL) != LOOM_OK) abort();
     atexit(remove_dir);
     loom_llama_free(m);

@@ -53,7 +53,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
     if (loom_checkpoint_load(dir, model, adam_m, adam_v, &adam_steps, &st) != LOOM_OK || adam_steps != 3) abort();
     /* The LoRA model: rank 2 on q and down; its moments are those of the adapters, after n_base. */
     loom_precision half = {LOOM_BF16, 1};
-    loom_lora_config lc = {2, 4.0f, (1u << LOOM_LORA_Q) | (1u << LOOM_LORA_DOWN), 0.0f, 0};
+    loom_lora_config lc = {.rank = 2, .alpha = 4.0f, .targets = (1u << LOOM_LORA_Q) | (1u << LOOM_LORA_DOWN)};
     if (loom_llama_new_lora(&cfg, half, &lc, 1, &lora) != LOOM_OK || lora->n_params > N_MAX) abort();
     for (int i = model->n_params; i < lora->n_params; i++) {
         adam_m[i] = calloc(64, sizeof(float)); /* the adapters are at most 16 x 2 */

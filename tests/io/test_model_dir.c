@@ -235,7 +235,7 @@ static void test_checkpoint_refuses_bad_loss_scale(void **state) {
 static void test_lora_checkpoint(void **state) {
     (void)state;
     loom_llama *m = model(5), *back = model(6), *plain = model(5);
-    loom_lora_config lc = {2, 3.0f, (1u << LOOM_LORA_Q) | (1u << LOOM_LORA_DOWN), 0.0f, 0};
+    loom_lora_config lc = {.rank = 2, .alpha = 3.0f, .targets = (1u << LOOM_LORA_Q) | (1u << LOOM_LORA_DOWN)};
     assert_int_equal(loom_llama_add_lora(m, &lc, 1), LOOM_OK);
     assert_int_equal(loom_llama_add_lora(back, &lc, 2), LOOM_OK); /* other adapters: the load must replace them */
     float *mm[32] = {0}, *vv[32] = {0}, *mb[32] = {0}, *vb[32] = {0};
@@ -295,7 +295,7 @@ static void test_lora_checkpoint(void **state) {
     assert_int_equal(loom_checkpoint_load(io_path("ckpt-lora"), plain, pm, pv, &adam_steps, &got), LOOM_ERR_INVALID);
     IO_ASSERT_MSG("--lora 2 --lora-alpha 3 --lora-targets q,down");
     loom_llama *other = model(5);
-    loom_lora_config lo = {2, 3.0f, 1u << LOOM_LORA_Q, 0.0f, 0};
+    loom_lora_config lo = {.rank = 2, .alpha = 3.0f, .targets = 1u << LOOM_LORA_Q};
     assert_int_equal(loom_llama_add_lora(other, &lo, 1), LOOM_OK);
     assert_int_equal(loom_checkpoint_load(io_path("ckpt-lora"), other, mb, vb, &adam_steps, &got), LOOM_ERR_INVALID);
     IO_ASSERT_MSG("--lora-targets q;");
@@ -324,7 +324,7 @@ static void test_lora_checkpoint_bf16(void **state) {
     for (int k = 0; k < 2; k++) {
         assert_int_equal(loom_llama_new(&c, prec, &ms[k]), LOOM_OK);
         loom_llama_init_weights(ms[k], 20 + (uint64_t)k);
-        loom_lora_config lc = {2, 4.0f, LOOM_LORA_ALL, 0.0f, 0};
+        loom_lora_config lc = {.rank = 2, .alpha = 4.0f, .targets = LOOM_LORA_ALL};
         assert_int_equal(loom_llama_add_lora(ms[k], &lc, 30 + (uint64_t)k), LOOM_OK);
     }
     m = ms[0];
@@ -370,7 +370,8 @@ static void test_lora_checkpoint_bf16(void **state) {
 static void test_peft_adapter(void **state) {
     (void)state;
     loom_llama *m = model(5), *back = model(5);
-    loom_lora_config lc = {2, 3.0f, (1u << LOOM_LORA_V) | (1u << LOOM_LORA_UP), 0.1f, 1}; /* rsLoRA */
+    loom_lora_config lc = {.rank = 2, .alpha = 3.0f, .targets = (1u << LOOM_LORA_V) | (1u << LOOM_LORA_UP),
+                           .dropout = 0.1f, .rslora = 1}; /* rsLoRA */
     assert_int_equal(loom_llama_add_lora(m, &lc, 9), LOOM_OK);
     for (int i = m->n_base; i < m->n_params; i++) { /* B nonzero */
         size_t n = (size_t)loom_param_numel(m->params[i]);
@@ -403,7 +404,12 @@ static void test_peft_adapter(void **state) {
     loom_llama_free(plain);
     static const struct { const char *json, *msg; loom_status st; } bad[] = {
         {"{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 3, \"target_modules\": [\"v_proj\", \"up_proj\"], "
-         "\"use_dora\": true}", "use_dora", LOOM_ERR_UNSUPPORTED},
+         "\"fan_in_fan_out\": true}", "fan_in_fan_out", LOOM_ERR_UNSUPPORTED},
+        /* DoRA's magnitudes named by the config, which the file lacks */
+        {"{\"r\": 2, \"lora_alpha\": 3, \"target_modules\": [\"v_proj\", \"up_proj\"], \"use_rslora\": true, "
+         "\"use_dora\": true}", "v_proj.lora_magnitude_vector is missing", LOOM_ERR_FORMAT},
+        {"{\"r\": 2, \"target_modules\": [\"v_proj\", \"up_proj\"], \"use_dora\": \"yes\"}",
+         "use_dora must be true or false", LOOM_ERR_FORMAT},
         {"{\"r\": 2, \"target_modules\": [\"v_proj\", \"up_proj\"], \"use_rslora\": 1}", "use_rslora must be true or false",
          LOOM_ERR_FORMAT},
         /* a pattern that selects every linear, where the file has two */
@@ -565,6 +571,52 @@ static void test_rope_scaling_config(void **state) {
     assert_int_equal(back.max_seq, 4096);
 }
 
+/* A DoRA adapter round-trips as PEFT saves one: use_dora in the config,
+ * each linear's magnitudes a vector (base_model.model.<module>.
+ * lora_magnitude_vector) beside A and B; loaded into the base model, the
+ * same values and logits. */
+static void test_peft_dora(void **state) {
+    (void)state;
+    loom_llama *m = model(5), *back = model(5);
+    loom_lora_config lc = {.rank = 2, .alpha = 3.0f, .targets = (1u << LOOM_LORA_Q) | (1u << LOOM_LORA_DOWN),
+                           .dora = 1};
+    assert_int_equal(loom_llama_add_lora(m, &lc, 9), LOOM_OK);
+    assert_int_equal(m->n_params - m->n_base, 3 * 2 * m->cfg.n_layers);
+    for (int i = m->n_base; i < m->n_params; i++) { /* B nonzero, m moved */
+        size_t n = (size_t)loom_param_numel(m->params[i]);
+        float *v = loom_param_master(m->params[i]);
+        if (strstr(m->params[i]->name, "lora_magnitude_vector"))
+            for (size_t k = 0; k < n; k++) v[k] *= 0.75f + 0.01f * (float)k;
+        else
+            tu_fill_uniform(v, n, -1, 1, 70 + (uint64_t)i);
+        loom_param_sync_from_master(m->params[i]);
+    }
+    assert_int_equal(loom_lora_save_peft(m, io_path("dora"), NULL), LOOM_OK);
+    char p[512];
+    snprintf(p, sizeof p, "%s/adapter_config.json", io_path("dora"));
+    size_t n;
+    unsigned char *raw = io_read_raw(p, &n);
+    char *text = strndup((const char *)raw, n);
+    assert_non_null(strstr(text, "\"use_dora\": true"));
+    free(text);
+    free(raw);
+    loom_safetensors *sf;
+    snprintf(p, sizeof p, "%s/adapter_model.safetensors", io_path("dora"));
+    assert_int_equal(loom_safetensors_open(p, &sf), LOOM_OK);
+    loom_safetensors_tensor t;
+    assert_int_equal(loom_safetensors_get(sf, "base_model.model.model.layers.0.mlp.down_proj.lora_magnitude_vector", &t),
+                     LOOM_OK);
+    assert_true(t.ndim == 1 && t.shape[0] == m->cfg.dim);
+    loom_safetensors_close(sf);
+    assert_int_equal(loom_lora_load_peft(back, io_path("dora")), LOOM_OK);
+    assert_true(back->lora.dora == 1 && back->n_params == m->n_params);
+    for (int i = 0; i < m->n_params; i++)
+        assert_memory_equal(loom_param_master(m->params[i]), loom_param_master(back->params[i]),
+                            (size_t)loom_param_numel(m->params[i]) * sizeof(float));
+    loom_llama_free(back);
+    loom_llama_free(m);
+}
+
 /* generation_config.json's eos_token_id, one id or a list; none without
  * the file; refusals by name; a copy into another directory, byte for
  * byte, or a stale one removed when the source has none. */
@@ -701,6 +753,7 @@ int main(void) {
         cmocka_unit_test(test_lora_checkpoint_bf16),
         cmocka_unit_test(test_peft_adapter),
         cmocka_unit_test(test_rope_scaling_config),
+        cmocka_unit_test(test_peft_dora),
         cmocka_unit_test(test_generation_config),
         cmocka_unit_test(test_gguf_refusals),
     };

@@ -41,20 +41,31 @@ static loom_llama *new_model(loom_precision prec) {
     return m;
 }
 
+static int dora_next; /* the next adapters are DoRA's */
+
 /* Adapters of rank 3, alpha 5 (a scale of 5/3) on `targets`, with B drawn
- * too (b_scale 0: left at zero, as loom_llama_add_lora makes it). */
+ * too (b_scale 0: left at zero, as loom_llama_add_lora makes it), and with
+ * dora_next DoRA's magnitudes, each then moved by a factor in [0.5, 1.5)
+ * (b_scale not 0: so that m / n is not 1). */
 static void add_adapters_alpha(loom_llama *m, unsigned targets, float b_scale, float alpha) {
-    loom_lora_config lc = {3, alpha, targets, 0.0f, 0};
+    loom_lora_config lc = {.rank = 3, .alpha = alpha, .targets = targets, .dora = dora_next};
     assert_int_equal(loom_llama_add_lora(m, &lc, 7), LOOM_OK);
     if (b_scale == 0.0f) return;
     for (int i = m->n_base; i < m->n_params; i++) {
         loom_param *p = m->params[i];
-        if (!strstr(p->name, "lora_B")) continue;
+        int mag = strstr(p->name, "lora_magnitude_vector") != NULL;
+        if (!strstr(p->name, "lora_B") && !mag) continue;
         size_t n = (size_t)loom_param_numel(p);
-        float *v = malloc(n * sizeof *v);
+        float *v = malloc(n * sizeof *v), *u = malloc(n * sizeof *u);
         tu_fill_uniform(v, n, -b_scale, b_scale, 100 + (uint64_t)i);
+        if (mag) {
+            loom_param_get_f32(p, u);
+            tu_fill_uniform(v, n, 0.5f, 1.5f, 100 + (uint64_t)i);
+            for (size_t k = 0; k < n; k++) v[k] *= u[k];
+        }
         assert_int_equal(loom_param_set_f32(p, v, (int64_t)n), LOOM_OK);
         free(v);
+        free(u);
     }
 }
 
@@ -156,10 +167,16 @@ static void test_refusals(void **state) {
     loom_llama *m = new_model(prec);
     int n = m->n_params;
     const loom_lora_config bad[] = {
-        {0, 1.0f, LOOM_LORA_ALL, 0.0f, 0}, {33, 1.0f, LOOM_LORA_ALL, 0.0f, 0}, {2, 0.0f, LOOM_LORA_ALL, 0.0f, 0},
-        {2, NAN, LOOM_LORA_ALL, 0.0f, 0}, {2, INFINITY, LOOM_LORA_ALL, 0.0f, 0}, {2, 1.0f, 0, 0.0f, 0},
-        {2, 1.0f, 1u << LOOM_LORA_N, 0.0f, 0}, {2, 1.0f, LOOM_LORA_ALL, 1.0f, 0}, {2, 1.0f, LOOM_LORA_ALL, -0.1f, 0},
-        {2, 1.0f, LOOM_LORA_ALL, NAN, 0},
+        {.rank = 0, .alpha = 1.0f, .targets = LOOM_LORA_ALL},
+        {.rank = 33, .alpha = 1.0f, .targets = LOOM_LORA_ALL},
+        {.rank = 2, .alpha = 0.0f, .targets = LOOM_LORA_ALL},
+        {.rank = 2, .alpha = NAN, .targets = LOOM_LORA_ALL},
+        {.rank = 2, .alpha = INFINITY, .targets = LOOM_LORA_ALL},
+        {.rank = 2, .alpha = 1.0f, .targets = 0},
+        {.rank = 2, .alpha = 1.0f, .targets = 1u << LOOM_LORA_N},
+        {.rank = 2, .alpha = 1.0f, .targets = LOOM_LORA_ALL, .dropout = 1.0f},
+        {.rank = 2, .alpha = 1.0f, .targets = LOOM_LORA_ALL, .dropout = -0.1f},
+        {.rank = 2, .alpha = 1.0f, .targets = LOOM_LORA_ALL, .dropout = NAN},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         assert_int_equal(loom_llama_add_lora(m, &bad[i], 1), LOOM_ERR_INVALID);
@@ -167,7 +184,7 @@ static void test_refusals(void **state) {
         assert_int_equal(m->lora.rank, 0);
         for (int k = 0; k < n; k++) assert_true(m->params[k]->trainable && m->params[k]->grad);
     }
-    loom_lora_config ok = {2, 4.0f, 1u << LOOM_LORA_V, 0.0f, 0};
+    loom_lora_config ok = {.rank = 2, .alpha = 4.0f, .targets = 1u << LOOM_LORA_V};
     assert_int_equal(loom_llama_add_lora(m, &ok, 1), LOOM_OK);
     assert_int_equal(m->n_params, n + 2 * m->cfg.n_layers);
     assert_int_equal(loom_llama_add_lora(m, &ok, 1), LOOM_ERR_INVALID);
@@ -186,7 +203,7 @@ static void test_frozen_masters(void **state) {
         int64_t frozen = loom_llama_n_weights(m);
         loom_mem_stats before, after;
         loom_mem_get_stats(&before);
-        loom_lora_config lc = {2, 2.0f, 1u << LOOM_LORA_Q, 0.0f, 0};
+        loom_lora_config lc = {.rank = 2, .alpha = 2.0f, .targets = 1u << LOOM_LORA_Q};
         assert_int_equal(loom_llama_add_lora(m, &lc, 3), LOOM_OK);
         loom_mem_get_stats(&after);
         int64_t adapters = loom_llama_n_weights(m) - frozen;
@@ -223,7 +240,7 @@ static void test_new_lora(void **state) {
     loom_llama *a = new_model(prec);
     add_adapters(a, LOOM_LORA_ALL, 0.0f);
     loom_llama_config c = config();
-    loom_lora_config lc = {3, 5.0f, LOOM_LORA_ALL, 0.0f, 0};
+    loom_lora_config lc = {.rank = 3, .alpha = 5.0f, .targets = LOOM_LORA_ALL};
     loom_mem_stats before, after;
     loom_mem_get_stats(&before);
     loom_llama *b;
@@ -254,7 +271,7 @@ static void test_new_lora(void **state) {
     free(y);
     loom_llama_free(b);
     loom_llama_free(a);
-    loom_lora_config bad = {0, 1.0f, LOOM_LORA_ALL, 0.0f, 0};
+    loom_lora_config bad = {.rank = 0, .alpha = 1.0f, .targets = LOOM_LORA_ALL};
     assert_int_equal(loom_llama_new_lora(&c, prec, &bad, 7, &b), LOOM_ERR_INVALID);
     assert_null(b);
 }
@@ -465,11 +482,13 @@ static void test_dropout(void **state) {
  * model. */
 static void test_rslora(void **state) {
     (void)state;
-    loom_lora_config r8 = {8, 16.0f, LOOM_LORA_ALL, 0.0f, 1}, p8 = {8, 16.0f, LOOM_LORA_ALL, 0.0f, 0};
+    loom_lora_config r8 = {.rank = 8, .alpha = 16.0f, .targets = LOOM_LORA_ALL, .rslora = 1};
+    loom_lora_config p8 = {.rank = 8, .alpha = 16.0f, .targets = LOOM_LORA_ALL};
     assert_true(loom_lora_scale(&r8) == (float)(16.0 / sqrt(8.0)) && loom_lora_scale(&p8) == 2.0f);
     loom_precision prec = {LOOM_F32, 1};
-    const loom_lora_config cfg[3] = {{4, 3.0f, LOOM_LORA_ALL, 0.0f, 1}, {4, 6.0f, LOOM_LORA_ALL, 0.0f, 0},
-                                     {4, 3.0f, LOOM_LORA_ALL, 0.0f, 0}};
+    const loom_lora_config cfg[3] = {{.rank = 4, .alpha = 3.0f, .targets = LOOM_LORA_ALL, .rslora = 1},
+                                     {.rank = 4, .alpha = 6.0f, .targets = LOOM_LORA_ALL},
+                                     {.rank = 4, .alpha = 3.0f, .targets = LOOM_LORA_ALL}};
     float *logits[3], *merged[3];
     for (int k = 0; k < 3; k++) {
         loom_llama *m = new_model(prec);
@@ -495,6 +514,135 @@ static void test_rslora(void **state) {
         free(logits[k]);
         free(merged[k]);
     }
+}
+
+/* A copy of parameter p's fp32 values (malloc'd). */
+static float *values_of(const loom_param *p) {
+    float *v = malloc((size_t)loom_param_numel(p) * sizeof *v);
+    loom_param_get_f32(p, v);
+    return v;
+}
+
+/* DoRA (y = (m / n) (x W^T + s (x A^T) B^T), n the detached norms of the
+ * rows of W + s B A):
+ *  - with B zero it computes the base model, bit for bit, each m its n;
+ *  - m's gradients agree with central differences (n does not depend on
+ *    m), with and without dropout;
+ *  - A's and B's are those of plain LoRA on W' = c W and B' = c B (c = m / n
+ *    per row), B's times c: the detached norm's gradient, computed another
+ *    way;
+ *  - the merged weights give its logits, and so does the KV-cache path;
+ *  - every recompute mode gives the gradients' bits. */
+static void test_dora(void **state) {
+    (void)state;
+    loom_precision prec = {LOOM_F32, 1};
+    dora_next = 1;
+    loom_llama *d = new_model(prec), *plain = new_model(prec);
+    add_adapters(d, LOOM_LORA_ALL, 0.0f);
+    float *x, *y;
+    loss_of(d, 0, &x);
+    loss_of(plain, 0, &y);
+    size_t nl = (size_t)N_TOK * (size_t)d->cfg.vocab_size;
+    assert_true(tu_bits_equal(x, y, nl * sizeof *x, "DoRA at the start"));
+    free(x);
+    free(y);
+    loom_llama_free(d);
+
+    d = new_model(prec);
+    add_adapters(d, LOOM_LORA_ALL, 0.3f);
+    assert_int_equal(d->n_params - d->n_base, 3 * LOOM_LORA_N * d->cfg.n_layers);
+    loom_llama_zero_grad(d);
+    float ld = loss_of(d, 1, NULL);
+    for (int dropout = 0; dropout <= 1; dropout++) {
+        d->lora.dropout = dropout ? 0.3f : 0.0f;
+        if (dropout) {
+            loom_llama_zero_grad(d);
+            loss_of(d, 1, NULL);
+        }
+        for (int i = d->n_base; i < d->n_params; i++) {
+            if (!strstr(d->params[i]->name, "lora_magnitude_vector")) continue;
+            float g_top;
+            assert_true(fd_error(d, d->params[i], train_loss, &g_top) <= 5e-3 && g_top != 0.0f);
+        }
+    }
+    d->lora.dropout = 0.0f;
+    loom_llama_zero_grad(d);
+    assert_true(loss_of(d, 1, NULL) == ld);
+
+    /* Plain LoRA on c W, c B: the same loss, A's gradients, B's over c. */
+    dora_next = 0;
+    loom_llama *p = new_model(prec);
+    add_adapters(p, LOOM_LORA_ALL, 0.0f);
+    for (int l = 0; l < d->cfg.n_layers; l++)
+        for (int t = 0; t < LOOM_LORA_N; t++) {
+            loom_llama_layer *yd = &d->layers[l], *yp = &p->layers[l];
+            const loom_param *w = loom_llama_layer_weight(yd, (loom_lora_target)t);
+            int out = (int)w->tensor->shape[0], in = (int)w->tensor->shape[1], r = d->lora.rank;
+            float *n = malloc((size_t)out * sizeof *n), *mv = values_of(yd->lora_m[t]);
+            float *wv = values_of(w), *bv = values_of(yd->lora_b[t]), *av = values_of(yd->lora_a[t]);
+            assert_int_equal(loom_llama_dora_norms(d, l, (loom_lora_target)t, n), LOOM_OK);
+            for (int o = 0; o < out; o++) {
+                float c = mv[o] / n[o];
+                for (int k = 0; k < in; k++) wv[(size_t)o * in + k] *= c;
+                for (int k = 0; k < r; k++) bv[(size_t)o * r + k] *= c;
+            }
+            assert_int_equal(loom_param_set_f32(loom_llama_layer_weight(yp, (loom_lora_target)t), wv, (int64_t)out * in),
+                             LOOM_OK);
+            assert_int_equal(loom_param_set_f32(yp->lora_b[t], bv, (int64_t)out * r), LOOM_OK);
+            assert_int_equal(loom_param_set_f32(yp->lora_a[t], av, (int64_t)r * in), LOOM_OK);
+            free(n); free(mv); free(wv); free(bv); free(av);
+        }
+    loom_llama_zero_grad(p);
+    float lp = loss_of(p, 1, NULL);
+    assert_true(fabsf(lp - ld) <= 1e-5f * fabsf(ld));
+    for (int l = 0; l < d->cfg.n_layers; l++)
+        for (int t = 0; t < LOOM_LORA_N; t++) {
+            loom_llama_layer *yd = &d->layers[l], *yp = &p->layers[l];
+            int out = (int)yd->lora_b[t]->tensor->shape[0], r = d->lora.rank;
+            float *n = malloc((size_t)out * sizeof *n), *mv = values_of(yd->lora_m[t]);
+            assert_int_equal(loom_llama_dora_norms(d, l, (loom_lora_target)t, n), LOOM_OK);
+            float *want = malloc((size_t)out * r * sizeof *want);
+            for (int o = 0; o < out; o++)
+                for (int k = 0; k < r; k++) want[(size_t)o * r + k] = ((const float *)yp->lora_b[t]->grad)[(size_t)o * r + k] * mv[o] / n[o];
+            TU_ASSERT_CLOSE((const float *)yd->lora_b[t]->grad, want, (size_t)out * r, 1e-6, 1e-4);
+            TU_ASSERT_CLOSE((const float *)yd->lora_a[t]->grad, (const float *)yp->lora_a[t]->grad, (size_t)loom_param_numel(yd->lora_a[t]), 1e-6,
+                            1e-4);
+            free(n); free(mv); free(want);
+        }
+    loom_llama_free(p);
+
+    /* The merged weights, and the KV-cache path, give the forward's logits. */
+    loom_llama *merged = new_model(prec);
+    for (int i = 0; i < d->n_base; i++) {
+        float *w = malloc((size_t)loom_param_numel(d->params[i]) * sizeof *w);
+        assert_int_equal(loom_llama_param_merged(d, i, w), LOOM_OK);
+        assert_int_equal(loom_param_set_f32(merged->params[i], w, loom_param_numel(d->params[i])), LOOM_OK);
+        free(w);
+    }
+    loss_of(d, 0, &x);
+    loss_of(merged, 0, &y);
+    TU_ASSERT_CLOSE(y, x, nl, 1e-5, 1e-4);
+    int32_t tok[N_TOK], tgt[N_TOK];
+    tokens(tok, tgt, d->cfg.vocab_size);
+    float *next = malloc((size_t)d->cfg.vocab_size * sizeof *next);
+    loom_tensor *lg = NULL;
+    loom_no_grad_enter();
+    assert_int_equal(loom_llama_forward(d, tok, NULL, 1, 9, NULL, &lg), LOOM_OK);
+    loom_no_grad_exit();
+    float *all = malloc((size_t)loom_tensor_numel(lg) * sizeof *all);
+    loom_tensor_read_f32(lg, all);
+    loom_tensor_release(lg);
+    assert_int_equal(loom_llama_next_logits(d, tok, 9, next), LOOM_OK);
+    TU_ASSERT_CLOSE(next, all + (size_t)8 * (size_t)d->cfg.vocab_size, (size_t)d->cfg.vocab_size, 1e-5, 1e-4);
+    free(all); free(next); free(x); free(y);
+    loom_llama_free(merged);
+    loom_llama_free(plain);
+    loom_llama_free(d);
+
+    dora_next = 1;
+    recompute_bit_identical(5.0f, 0.0f);
+    recompute_bit_identical(5.0f, 0.25f);
+    dora_next = 0;
 }
 
 /* A training forward's logits (dropout on, the RNG started alike), its
@@ -638,6 +786,7 @@ int main(void) {
         cmocka_unit_test(test_dropout),
         cmocka_unit_test(test_dropout_data_parallel),
         cmocka_unit_test(test_rslora),
+        cmocka_unit_test(test_dora),
         cmocka_unit_test(test_merged_weights),
         cmocka_unit_test(test_generation_uses_adapters),
     };

@@ -9,7 +9,8 @@ directories, runs `loom train` on them and compares with llama_ref.py:
   3. a 20-step fp32 training run (AdamW, warmup + cosine, clipping, weight
      decay): the loss curve step by step;
   4. LoRA (untied config): the adapters' gradients, a 20-step curve with the
-     model's weights frozen, and the saved model with the adapters merged.
+     model's weights frozen, and the saved model with the adapters merged;
+     DoRA's gradients (A, B and the magnitudes) with PEFT's DoRA math.
 Prints a table of the errors and exits 1 on any mismatch.
 
 Usage: /usr/bin/python3 crosscheck.py --loom build/loom --workdir DIR
@@ -380,6 +381,44 @@ def check_lora(rep, loom, work, data_dir, model_dir):
         rep.failures.append(f"lora: the adapters moved the merged weights by only {moved:.3g}: the check is blind")
 
 
+def check_dora(rep, loom, work, data_dir, model_dir):
+    """loom train --lora-dora against the reference with PEFT's DoRA math:
+    step 6's gradients of A, B and the magnitudes (fp32, from step 5's
+    state, B and m trained), and the loss there."""
+    a = TRAIN
+    flags = ["--init", model_dir, "--precision", "fp32", "--batch", B, "--seq", T, "--lora", LORA["rank"],
+             "--lora-alpha", LORA["alpha"], "--lora-targets", LORA["targets"], "--lora-dora",
+             "--steps", a["steps"], "--lr", a["lr"], "--warmup", a["warmup"], "--min-lr", a["min_lr"],
+             "--clip", a["clip"], "--weight-decay", a["weight_decay"]]
+    out = os.path.join(work, "out-dora")
+    run_loom(loom, out, "--data", data_dir, *flags, "--ckpt-every", 5, "--keep", 10)
+    gpath = os.path.join(work, "dora-grads.st")
+    run_loom(loom, os.path.join(work, "out-dora-dump"), "--data", data_dir, *flags,
+             "--resume", os.path.join(out, "ckpt-00000005"), "--dump-grads", gpath)
+    st5, _ = ref.read_safetensors(os.path.join(out, "ckpt-00000005", "state.safetensors"))
+    l_grads, meta = ref.read_safetensors(gpath)
+    cfg, base = ref.load_model_dir(model_dir)
+    cfg.lora_scale = LORA["alpha"] / LORA["rank"]
+    names = [f"model.layers.{l}.{LORA_MODULES[t]}" for l in range(cfg.n_layers) for t in LORA["targets"].split(",")]
+    keys = [n + s for n in names for s in (".lora_A.weight", ".lora_B.weight", ".lora_magnitude_vector")]
+    params = {k: v.detach() for k, v in base.items()}
+    for k in keys:
+        params[k] = st5["master." + k].float().clone().requires_grad_(True)
+    moved = max(rel_err(params[n + ".lora_magnitude_vector"].detach(), base[n + ".weight"].norm(dim=1))
+                for n in names)
+    if moved < 1e-3:
+        rep.failures.append(f"dora: the magnitudes moved by only {moved:.3g} from the weights' norms: the check "
+                            "is blind")
+    tokens = ref.read_shard(os.path.join(data_dir, "train_000000.bin"))
+    it = ref.batches(tokens, B, T)
+    for _ in range(5):
+        next(it)
+    inputs, targets = next(it)
+    _, loss, g = ref.grads(cfg, params, inputs, targets)
+    rep.check("dora fp32 loss at step 6", abs(float(meta["loss"]) - loss) / abs(loss), TOL_FP32)
+    check_grads(rep, "dora fp32", {k: l_grads[k] for k in keys}, {k: g[k] for k in keys}, TOL_FP32)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loom", required=True, help="the loom executable")
@@ -401,6 +440,7 @@ def main():
         check_curve(rep, args.loom, args.workdir, name, data_dir, model_dir)
         if name == "untied":
             check_lora(rep, args.loom, args.workdir, data_dir, model_dir)
+            check_dora(rep, args.loom, args.workdir, data_dir, model_dir)
     rep.print()
     print(f"crosscheck: {time.time() - t0:.1f} s")
     if rep.failures:

@@ -231,12 +231,23 @@ def rotate_half(x):
 def lin(x, params, name, cfg):
     """x W^T for the weight `name`.weight, plus PEFT's LoRA term
     lora_scale * (x A^T) B^T when params hold its adapter (`name`.lora_A.weight,
-    `name`.lora_B.weight) and cfg.lora_scale is set."""
-    y = F.linear(x, params[name + ".weight"])
+    `name`.lora_B.weight) and cfg.lora_scale is set; with DoRA's magnitudes
+    (`name`.lora_magnitude_vector) too, PEFT's DoRA term: c = m / |W + s B A|
+    per row, the norm detached, y + (c - 1) y + c s (x A^T) B^T."""
+    w = params[name + ".weight"]
+    y = F.linear(x, w)
     a = params.get(name + ".lora_A.weight")
     if a is None:
         return y
-    return y + F.linear(F.linear(x, a), params[name + ".lora_B.weight"]) * cfg.lora_scale
+    b = params[name + ".lora_B.weight"]
+    lora = F.linear(F.linear(x, a), b) * cfg.lora_scale
+    m = params.get(name + ".lora_magnitude_vector")
+    if m is None:
+        return y + lora
+    with torch.no_grad():
+        norm = (w + cfg.lora_scale * b @ a).norm(dim=1)
+    c = (m / norm).view(1, -1)
+    return y + (c - 1) * y + c * lora
 
 
 def attention(x, params, p, cfg, cos, sin):

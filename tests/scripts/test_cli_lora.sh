@@ -106,6 +106,47 @@ grep -q "alpha 8 (rsLoRA)" "$WORK/rsi.log" || fail "--lora-init did not take the
 expect_usage "lora flags differ from the adapter" "$LOOM" train "${common[@]}" --init "$WORK/base/model" \
   --lora-init "$WORK/a/adapter" --lora-rslora --out "$WORK/x"
 expect_usage "lora-rslora applies to LoRA" "$LOOM" train "${common[@]}" --lora-rslora --out "$WORK/x"
+# DoRA (--lora-dora, PEFT's use_dora): the adapter files hold each linear's
+# magnitudes m beside A and B, and the merged model is the base's rows plus
+# 2 B A, each row scaled to m; eval applies the adapter as the merge does,
+# --lora-init takes the setting, a checkpoint resumes with the flag.
+"$LOOM" train "${common[@]}" "${L[@]}" --lora-dora --precision fp32 --steps 4 --ckpt-every 2 --out "$WORK/do" \
+  2>"$WORK/do.log" || { cat "$WORK/do.log"; fail "--lora-dora failed"; }
+grep -q "DoRA rank 4, alpha 8 on q,v,down, dropout 0: 3648 trainable parameters" "$WORK/do.log" ||
+  { cat "$WORK/do.log"; fail "no DoRA summary line (or the wrong count: LoRA's 3328 and 2 x (64 + 32 + 64) magnitudes)"; }
+$PY - "$WORK/base/model" "$WORK/do" "$SRC" <<'PYEOF' || fail "the DoRA run's model is not the base with DoRA merged"
+import json, sys
+sys.path.insert(0, sys.argv[3] + "/tests/python")
+import llama_ref as ref
+base, _ = ref.read_safetensors(sys.argv[1] + "/model.safetensors")
+tuned, _ = ref.read_safetensors(sys.argv[2] + "/model/model.safetensors")
+lora, _ = ref.read_safetensors(sys.argv[2] + "/adapter/adapter_model.safetensors")
+cfg = json.load(open(sys.argv[2] + "/adapter/adapter_config.json"))
+assert cfg["use_dora"] is True and cfg["use_rslora"] is False, cfg
+assert len(lora) == 18, sorted(lora)
+for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+    stem = "base_model.model." + name[:-len(".weight")]
+    m = lora[stem + ".lora_magnitude_vector"].double()
+    v = base[name].double() + 2.0 * (lora[stem + ".lora_B.weight"].double() @ lora[stem + ".lora_A.weight"].double())
+    want = v * (m / v.norm(dim=1)).unsqueeze(1)
+    err = (tuned[name].double() - want).abs().max().item() / want.abs().max().item()
+    assert err < 1e-5, f"{name}: {err:.3g}"
+    assert (m - base[name].double().norm(dim=1)).abs().max() > 1e-4, "the magnitudes did not train"
+PYEOF
+l1=$(ev1 --model "$WORK/base/model" --adapter "$WORK/do/adapter"); l2=$(ev1 --model "$WORK/do/model")
+awk -v a="$l1" -v b="$l2" 'BEGIN { d = a - b; exit !(a != "" && b != "" && d < 1e-5 && d > -1e-5) }' ||
+  fail "eval with the DoRA adapter ($l1) is not the merged model's ($l2)"
+"$LOOM" train "${common[@]}" --init "$WORK/base/model" --lora-init "$WORK/do/adapter" --steps 1 \
+  --out "$WORK/doi" 2>"$WORK/doi.log" || { cat "$WORK/doi.log"; fail "--lora-init of a DoRA adapter failed"; }
+grep -q "DoRA rank 4" "$WORK/doi.log" || fail "--lora-init did not take the adapter's use_dora"
+"$LOOM" train "${common[@]}" "${L[@]}" --lora-dora --precision fp32 --steps 4 --resume "$WORK/do/ckpt-00000002" \
+  --out "$WORK/dor" 2>/dev/null || fail "a DoRA checkpoint does not resume"
+cmp -s "$WORK/do/adapter/adapter_model.safetensors" "$WORK/dor/adapter/adapter_model.safetensors" ||
+  fail "a resumed DoRA run differs from the uninterrupted one"
+expect_error "the checkpoint trained LoRA adapters \(.*--lora-dora\)" "$LOOM" train "${common[@]}" "${L[@]}" \
+  --precision fp32 --steps 4 --resume "$WORK/do/ckpt-00000002" --out "$WORK/x"
+expect_usage "lora-dora applies to LoRA" "$LOOM" train "${common[@]}" --lora-dora --out "$WORK/x"
+
 # its checkpoint resumes with the flag, and names it to a run without
 expect_error "the checkpoint trained LoRA adapters \(.*--lora-rslora\)" "$LOOM" train "${common[@]}" "${L[@]}" \
   --precision fp32 --steps 5 --resume "$WORK/rs/ckpt-00000004" --out "$WORK/rsr"

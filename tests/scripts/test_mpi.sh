@@ -241,6 +241,16 @@ close <(losses "$WORK/ld1") <(losses "$WORK/ld3") 1e-5 || fail "LoRA, DP=2: loss
 timeout 300 mpirun -np 4 --oversubscribe "$LOOM" train "${LD[@]}" --tp 2 --batch 1 --out "$WORK/ld4" 2>"$WORK/ld.log" ||
   { cat "$WORK/ld.log"; fail "LoRA, TP=2 x DP=2: dropout failed"; }
 close <(losses "$WORK/ld1") <(losses "$WORK/ld4") 1e-5 || fail "LoRA, TP=2 x DP=2: losses with dropout differ"
+# DoRA trains under data parallelism (ZeRO-1 here) as one process does, its
+# magnitudes reduced as the adapters are; under TP it is refused by name.
+LDO=("${D[@]}" --lora 4 --lora-dora --lora-targets all --lr 1e-2 --steps 4 --warmup 0 --precision fp32)
+"$LOOM" train "${LDO[@]}" --batch 2 --out "$WORK/do1" 2>/dev/null
+timeout 300 $MPI "$LOOM" train "${LDO[@]}" --batch 1 --zero 1 --out "$WORK/do2" 2>"$WORK/do.log" ||
+  { cat "$WORK/do.log"; fail "DoRA, DP=2: training failed"; }
+close <(losses "$WORK/do1") <(losses "$WORK/do2") 1e-4 || fail "DoRA, DP=2: losses differ from one process's"
+timeout 120 $MPI "$LOOM" train "${LDO[@]}" --batch 2 --tp 2 --out "$WORK/do3" >"$WORK/do.log" 2>&1 &&
+  fail "DoRA under TP=2 was not refused"
+grep -q "DoRA with tensor parallelism (--tp 2) is not supported" "$WORK/do.log" || { cat "$WORK/do.log"; fail "DoRA, TP=2: no refusal"; }
 
 read -r pw po <<<"$(weights_opt "$WORK/p0.log")"
 read -r zw zo <<<"$(weights_opt "$WORK/z.log")"
