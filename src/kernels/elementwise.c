@@ -12,6 +12,7 @@
  */
 #include "kernels/kernels.h"
 #include "core/simd.h"
+#include "kernels/kernel_rows.h"
 
 #define PARALLEL_MIN 32768
 
@@ -169,26 +170,55 @@ void accumulate(void *dst, loom_dtype dst_dt, const void *src, loom_dtype src_dt
     FOR_CHUNKS(n, lo, hi, PICK(accumulate_avx512, accumulate_avx2, accumulate_c)(dst, dst_dt, src, src_dt, scale, lo, hi));
 }
 
+enum { COL_BLOCK = 256 }; /* columns a task converts at a time */
+
+/* Each row's columns [c0, c0 + n) widened to fp32 (the vector conversions
+ * of row_load), scaled, and narrowed back: the same bits as element by
+ * element. */
 void colscale(void *out, const void *x, const float *s, size_t rows, size_t cols, loom_dtype dt) {
+    size_t nb = (cols + COL_BLOCK - 1) / COL_BLOCK;
     #pragma omp parallel for schedule(static) if (rows * cols > 65536)
-    for (size_t r = 0; r < rows; r++)
-        for (size_t c = 0; c < cols; c++) loom_store(out, r * cols + c, dt, loom_load(x, r * cols + c, dt) * s[c]);
+    for (size_t r = 0; r < rows; r++) {
+        float v[COL_BLOCK];
+        for (size_t b = 0; b < nb; b++) {
+            size_t c0 = b * COL_BLOCK, n = cols - c0 < COL_BLOCK ? cols - c0 : COL_BLOCK, i = r * cols + c0;
+            row_load(v, x, i, (int)n, dt); /* no parallel region per row */
+            for (size_t c = 0; c < n; c++) v[c] *= s[c0 + c];
+            row_store(out, i, v, (int)n, dt);
+        }
+    }
+}
+
+/* coldot, and with out not NULL colscale(g, s) into out in the same pass. */
+static void coldot_pass(float *dst, void *out, const void *x, const void *g, const float *s, size_t rows, size_t cols,
+                        loom_dtype dt) {
+    size_t nb = (cols + COL_BLOCK - 1) / COL_BLOCK;
+    /* a task a block of columns: each column's sum in row order */
+    #pragma omp parallel for schedule(dynamic, 1) if (rows * cols > 65536)
+    for (size_t b = 0; b < nb; b++) {
+        double acc[COL_BLOCK] = {0};
+        float xv[COL_BLOCK], gv[COL_BLOCK];
+        size_t c0 = b * COL_BLOCK, n = cols - c0 < COL_BLOCK ? cols - c0 : COL_BLOCK;
+        for (size_t r = 0; r < rows; r++) {
+            size_t i = r * cols + c0;
+            row_load(xv, x, i, (int)n, dt);
+            row_load(gv, g, i, (int)n, dt);
+            for (size_t c = 0; c < n; c++) acc[c] += (double)xv[c] * (double)gv[c];
+            if (!out) continue;
+            for (size_t c = 0; c < n; c++) gv[c] *= s[c0 + c];
+            row_store(out, i, gv, (int)n, dt);
+        }
+        for (size_t c = 0; c < n; c++) dst[c0 + c] = (float)acc[c];
+    }
 }
 
 void coldot(float *dst, const void *x, const void *g, size_t rows, size_t cols, loom_dtype dt) {
-    enum { BLOCK = 64 }; /* columns per task: each column's sum in row order */
-    size_t nb = (cols + BLOCK - 1) / BLOCK;
-    #pragma omp parallel for schedule(dynamic, 1) if (rows * cols > 65536)
-    for (size_t b = 0; b < nb; b++) {
-        double acc[BLOCK] = {0};
-        size_t c0 = b * BLOCK, n = cols - c0 < BLOCK ? cols - c0 : BLOCK;
-        for (size_t r = 0; r < rows; r++)
-            for (size_t c = 0; c < n; c++) {
-                size_t i = r * cols + c0 + c;
-                acc[c] += (double)loom_load(x, i, dt) * (double)loom_load(g, i, dt);
-            }
-        for (size_t c = 0; c < n; c++) dst[c0 + c] = (float)acc[c];
-    }
+    coldot_pass(dst, NULL, x, g, NULL, rows, cols, dt);
+}
+
+void coldot_colscale(float *dst, void *out, const void *x, const void *g, const float *s, size_t rows, size_t cols,
+                     loom_dtype dt) {
+    coldot_pass(dst, out, x, g, s, rows, cols, dt);
 }
 
 /* --------------------------------------------------------------- reductions */

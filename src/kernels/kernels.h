@@ -175,6 +175,10 @@ void colscale(void *out, const void *x, const float *s, size_t rows, size_t cols
 /* Column dot products: dst[c] = sum over r of x[r][c] * g[r][c], in fp64
  * in row order (the same bits for any thread count), rounded to fp32. */
 void coldot(float *dst, const void *x, const void *g, size_t rows, size_t cols, loom_dtype dt);
+/* Both in one pass over g (DoRA's backward): dst as coldot(x, g), and
+ * out = colscale(g, s); out may alias g. */
+void coldot_colscale(float *dst, void *out, const void *x, const void *g, const float *s, size_t rows, size_t cols,
+                     loom_dtype dt);
 
 /* --------------------------------------------------------------- dropout */
 

@@ -455,23 +455,23 @@ static loom_status dora_scale_backward(loom_fn_ctx *ctx, loom_tensor *const *gou
     OP_SAVED(ctx, 1, m);
     OP_SAVED(ctx, 2, n);
     size_t rows = (size_t)op_rows(x), cols = (size_t)op_last_dim(x);
-    loom_status st = LOOM_OK;
-    if (loom_ctx_needs_input_grad(ctx, 1)) { /* before x's: that may take g's storage */
-        float *dm = loom_alloc(cols * sizeof *dm + 1, LOOM_MEM_WORKSPACE);
-        if (!dm) return LOOM_ERR_NOMEM;
+    int need_x = loom_ctx_needs_input_grad(ctx, 0), need_m = loom_ctx_needs_input_grad(ctx, 1);
+    float *dm = loom_alloc(cols * sizeof *dm + 1, LOOM_MEM_WORKSPACE), *s = dora_factors(m, n);
+    /* x's gradient in g's own storage when it may: each element is read before it is written */
+    if (need_x) gin[0] = op_grad_in_place(g);
+    loom_status st = dm && s && (!need_x || gin[0]) ? LOOM_OK : LOOM_ERR_NOMEM;
+    if (st == LOOM_OK && need_x) /* one pass: m's sums and x's gradient */
+        coldot_colscale(dm, loom_tensor_data(gin[0]), loom_tensor_data(x), loom_tensor_data(g), s, rows, cols,
+                        g->dtype);
+    else if (st == LOOM_OK && need_m)
         coldot(dm, loom_tensor_data(x), loom_tensor_data(g), rows, cols, x->dtype);
+    if (st == LOOM_OK && need_m) {
         const float *nv = loom_tensor_data(n);
         for (size_t c = 0; c < cols; c++) dm[c] /= nv[c];
         st = op_grad_from_f32(m, dm, &gin[1]);
-        loom_free(dm);
     }
-    if (st == LOOM_OK && loom_ctx_needs_input_grad(ctx, 0)) {
-        float *s = dora_factors(m, n);
-        gin[0] = op_grad_in_place(g); /* colscale reads each element before writing it */
-        if (!s || !gin[0]) st = LOOM_ERR_NOMEM;
-        else colscale(loom_tensor_data(gin[0]), loom_tensor_data(g), s, rows, cols, g->dtype);
-        loom_free(s);
-    }
+    loom_free(dm);
+    loom_free(s);
     return st;
 }
 

@@ -223,16 +223,18 @@ static void test_dropout_window(void **state) {
 
 /* DoRA's column kernels against plain loops: colscale scales each column
  * (in place too), coldot's fp64 column sums in row order are the loops'
- * bits, with one thread or many. */
+ * bits, with one thread or many, and coldot_colscale is both in one pass
+ * (in place over g). */
 static void test_column_kernels(void **state) {
     (void)state;
-    const size_t rows = 700, cols = 131; /* more than one 64-column block, and a partial one */
+    enum { COLS = 300 }; /* more than one 256-column block, and a partial one */
+    const size_t rows = 700, cols = COLS;
     for (int d = 0; d < 3; d++) {
         loom_dtype dt = dtypes[d];
         size_t es = loom_dtype_size(dt), n = rows * cols;
         void *x = random_dt(n, dt, -1.0f, 1.0f, 80), *g = random_dt(n, dt, -1.0f, 1.0f, 81);
         void *out = malloc(n * es), *ref = malloc(n * es);
-        float s[131], dot[131], dot1[131];
+        float s[COLS], dot[COLS], dot1[COLS];
         tu_fill_uniform(s, cols, -2.0f, 2.0f, 82);
         colscale(out, x, s, rows, cols, dt);
         for (size_t r = 0; r < rows; r++)
@@ -251,6 +253,12 @@ static void test_column_kernels(void **state) {
                 acc += (double)loom_load(x, r * cols + c, dt) * (double)loom_load(g, r * cols + c, dt);
             assert_true(dot[c] == (float)acc && dot1[c] == dot[c]);
         }
+        /* the fused pass: the same sums, and g scaled in place */
+        memcpy(out, g, n * es);
+        coldot_colscale(dot1, out, x, out, s, rows, cols, dt);
+        colscale(ref, g, s, rows, cols, dt);
+        assert_true(memcmp(dot1, dot, sizeof dot) == 0);
+        assert_true(tu_bits_equal(out, ref, n * es, "coldot_colscale"));
         free(x); free(g); free(out); free(ref);
     }
 }
