@@ -85,9 +85,10 @@ loom_status loom_model_dir_load_weights(loom_llama *m, const char *dir);
 loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokenizer_path, const char *dir);
 #define LOOM_MODEL_INCOMPLETE ".save-incomplete"
 /* A LoRA model's adapters as a PEFT adapter directory: adapter_model.safetensors
- * (fp32 masters, named base_model.model.<tensor>, as PEFT saves them) and
- * adapter_config.json (peft_type LORA, r, lora_alpha, target_modules,
- * lora_dropout, base_model_name_or_path = base_model or null); each file
+ * (fp32 masters, named base_model.model.<tensor>, as PEFT saves them: A,
+ * B and DoRA's <module>.lora_magnitude_vector) and adapter_config.json
+ * (peft_type LORA, r, lora_alpha, target_modules, lora_dropout,
+ * use_rslora, use_dora, base_model_name_or_path = base_model or null); each file
  * written atomically, the directory created if needed. With tensor
  * parallelism every rank of the TP group calls it (the adapters are
  * gathered whole) and TP rank 0 writes: the write's errors are returned
@@ -113,10 +114,12 @@ loom_status loom_lora_peft_config_layers(const char *dir, int n_layers, loom_lor
 /* Apply a PEFT LoRA adapter directory (adapter_config.json,
  * adapter_model.safetensors, any float dtype) to m: loom_llama_add_lora
  * with its setting (loom_lora_peft_config), or, when m has adapters
- * already (loom_llama_new_lora), the same rank, alpha, targets and
- * use_rslora (else LOOM_ERR_INVALID; the dropout, a training setting, may
- * differ), then its A and B into them. use_rslora true is rsLoRA (the
- * config's rslora). Refused by name (LOOM_ERR_UNSUPPORTED): use_dora,
+ * already (loom_llama_new_lora), the same rank, alpha, targets, use_rslora
+ * and use_dora (else LOOM_ERR_INVALID; the dropout, a training setting, may
+ * differ), then its A and B (and DoRA's magnitudes) into them. use_rslora
+ * true is rsLoRA (the config's rslora), use_dora true DoRA (its dora, with
+ * a <module>.lora_magnitude_vector tensor per linear). Refused by name
+ * (LOOM_ERR_UNSUPPORTED):
  * fan_in_fan_out, a bias or lora_bias, modules_to_save, exclude_modules,
  * layers_to_transform, layer_replication, rank or alpha patterns, other
  * modules or some layers only (target_modules), and tensors that are not
