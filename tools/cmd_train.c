@@ -755,8 +755,7 @@ static int run(int argc, char **argv) {
         {"lora-rslora", FLAG_BOOL, &o->lora_rslora, NULL,
          "LoRA: scale by A/sqrt(R) instead (rank-stabilised LoRA, PEFT's use_rslora; or --lora-init's)"},
         {"lora-dora", FLAG_BOOL, &o->lora_dora, NULL,
-         "LoRA: DoRA, a trained magnitude per output of each adapted linear (PEFT's use_dora; or --lora-init's; "
-         "not with --tp)"},
+         "LoRA: DoRA, a trained magnitude per output of each adapted linear (PEFT's use_dora; or --lora-init's)"},
         {"lora-targets", FLAG_STRING, &o->lora_targets, "LIST",
          "LoRA: the linears adapted, from q,k,v,o,gate,up,down, or all (default all)"},
         {"lora-dropout", FLAG_FLOAT, &o->lora_dropout, "P",

@@ -270,8 +270,10 @@ loom_status loom_llama_param_merged(loom_llama *m, int i, float *full);
 /* The adapter pair of base parameter i, or 0 (a, b untouched) when it has none. */
 int loom_llama_lora_of(const loom_llama *m, int i, loom_param **a, loom_param **b);
 /* DoRA's norms of linear t of layer l: n[o] = | W[o] + s (B A)[o] | (the
- * rows of the compute copies, summed in fp64; at least FLT_MIN), out of
- * them. Errors: LOOM_ERR_INVALID (no DoRA adapter there), LOOM_ERR_NOMEM. */
+ * rows of the compute copies, summed in fp64; at least FLT_MIN), one per
+ * output this rank holds. Collective over the TP group for a row-parallel
+ * linear (o, down: the ranks' sums of squares added). Errors:
+ * LOOM_ERR_INVALID (no DoRA adapter there), LOOM_ERR_NOMEM. */
 loom_status loom_llama_dora_norms(const loom_llama *m, int l, loom_lora_target t, float *n);
 /* Set every DoRA magnitude to its norms (loom_llama_dora_norms): each factor
  * m / n is then 1, and with B zero (a new adapter) the model computes the

@@ -414,9 +414,6 @@ loom_status loom_llama_add_lora(loom_llama *m, const loom_lora_config *cfg, uint
 static loom_status append_adapters(loom_llama *m, const loom_lora_config *cfg, uint64_t seed) {
     int per = 0;
     for (int t = 0; t < LOOM_LORA_N; t++) per += (cfg->targets >> t) & 1u;
-    if (cfg->dora && m->tp_size > 1)
-        return loom_error(LOOM_ERR_UNSUPPORTED, "DoRA with tensor parallelism (--tp %d) is not supported yet: train "
-                          "DoRA with data parallelism, or plain LoRA under --tp", m->tp_size);
     int each = cfg->dora ? 3 : 2; /* A, B and DoRA's m */
     loom_param **grown = realloc(m->params, (size_t)(m->n_base + each * per * m->cfg.n_layers) * sizeof *grown);
     if (!grown) return loom_error(LOOM_ERR_NOMEM, "LoRA: out of memory");
@@ -440,8 +437,8 @@ static loom_status append_adapters(loom_llama *m, const loom_lora_config *cfg, u
             snprintf(name, sizeof name, "model.layers.%d.%s.%s.lora_B.weight", l, group, lora_module[t]);
             if (st == LOOM_OK) st = add_param(m, name, m->prec.compute, 2, out, cfg->rank, split_b, 0, &y->lora_b[t]);
             snprintf(name, sizeof name, "model.layers.%d.%s.%s.lora_magnitude_vector", l, group, lora_module[t]);
-            if (st == LOOM_OK && cfg->dora) /* set below, from the norms */
-                st = add_param(m, name, m->prec.compute, 1, out, 0, -1, 0, &y->lora_m[t]);
+            if (st == LOOM_OK && cfg->dora) /* split as B's rows (W's outputs); set below, from the norms */
+                st = add_param(m, name, m->prec.compute, 1, out, 0, split_b, 0, &y->lora_m[t]);
             if (st != LOOM_OK) break;
             /* A: uniform in [-1/sqrt(in), 1/sqrt(in)), its own stream per
              * adapter, drawn whole and sliced (the same A on any number of
@@ -482,14 +479,22 @@ loom_status loom_llama_dora_norms(const loom_llama *m, int l, loom_lora_target t
     loom_convert(full, LOOM_F32, loom_tensor_data(w->tensor), w->tensor->dtype, (size_t)out * (size_t)in);
     loom_status st = loom_gemm(0, 0, out, in, r, loom_lora_scale(&m->lora), loom_tensor_data(b), r,
                                loom_tensor_data(a), in, a->dtype, 1.0f, full, in, LOOM_F32, NULL, LOOM_F32);
+    double *ss = loom_alloc((size_t)out * sizeof *ss + 1, LOOM_MEM_WORKSPACE);
+    if (st == LOOM_OK && !ss) st = loom_error(LOOM_ERR_NOMEM, "DoRA: out of memory for the norms of %s", w->name);
     #pragma omp parallel for schedule(static) if (st == LOOM_OK && (size_t)out * (size_t)in > 65536)
     for (int o = 0; o < out; o++) {
-        double ss = 0.0;
+        double sum = 0.0;
         const float *row = full + (size_t)o * (size_t)in;
-        for (int k = 0; k < in; k++) ss += (double)row[k] * (double)row[k];
-        float v = (float)sqrt(ss);
+        for (int k = 0; k < in; k++) sum += (double)row[k] * (double)row[k];
+        ss[o] = sum;
+    }
+    /* a row-parallel W (columns split): each rank summed its columns */
+    if (st == LOOM_OK && w->tp_split_dim == 1) st = loom_comm_allreduce_sum_f64(m->tp_comm, ss, (size_t)out);
+    for (int o = 0; st == LOOM_OK && o < out; o++) {
+        float v = (float)sqrt(ss[o]);
         n[o] = v > FLT_MIN ? v : FLT_MIN; /* a zero row: its output is zero whatever the factor */
     }
+    loom_free(ss);
     loom_free(full);
     return st;
 }
@@ -557,8 +562,17 @@ loom_status loom_llama_param_merged(loom_llama *m, int i, float *full) {
     free(ga);
     free(gb);
     const loom_param *mag = dora_magnitude_of(m, i);
-    if (st == LOOM_OK && mag) { /* DoRA: each row times m / |row| (no tensor parallelism) */
-        const float *mv = loom_param_master((loom_param *)mag);
+    float *mv = NULL, *gm = NULL;
+    if (st == LOOM_OK && mag) { /* DoRA's magnitudes, whole (gathered where W's rows are split) */
+        mv = loom_param_master((loom_param *)mag);
+        if (m->tp_size > 1 && mag->tp_split_dim >= 0) {
+            gm = malloc((size_t)out * sizeof *gm);
+            st = loom_llama_tp_agree(m, gm ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "DoRA merge: out of memory"));
+            if (st == LOOM_OK) st = tp_gather(m->tp_comm, mag, mv, gm);
+            mv = gm;
+        }
+    }
+    if (st == LOOM_OK && mag) { /* DoRA: each row times m / |row| */
         for (int o = 0; o < out; o++) {
             float *row = full + (size_t)o * (size_t)in;
             double ss = 0.0;
@@ -567,6 +581,7 @@ loom_status loom_llama_param_merged(loom_llama *m, int i, float *full) {
             for (int k = 0; k < in; k++) row[k] *= f;
         }
     }
+    free(gm);
     return st;
 }
 
@@ -631,23 +646,30 @@ static loom_status block_linear(const struct llama_block_args *a, loom_lora_targ
     return st;
 }
 
-/* DoRA (no tensor parallelism): (m / n) (base + s xa B^T), n the norms of
- * W + s B A, a constant; with dropout (xd) base + (m / n) (xd W^T + s xa B^T)
- * - xd W^T. */
+/* DoRA: (m / n) (base + s xa B^T), n the norms of W + s B A, a constant;
+ * with dropout (xd) base + (m / n) (xd W^T + s xa B^T) - xd W^T. xa is the
+ * adapter's x A^T after its f or g. Under tensor parallelism the output is
+ * the rank's columns (column-parallel W: m and n the rank's rows) or whole
+ * (row-parallel: m whole, n summed over the ranks' columns), and xd W^T is
+ * computed as base is: f(xd) W^T, or g(xd W^T) for the rank's columns. */
 static loom_status dora_output(const struct llama_block_args *a, loom_lora_target t, loom_tensor *xd, loom_tensor *xa,
                                loom_tensor *base, float scale, loom_tensor **out) {
-    const loom_llama_layer *y = &a->m->layers[a->layer];
+    const loom_llama *m = a->m;
+    const loom_llama_layer *y = &m->layers[a->layer];
     const loom_param *w = loom_llama_layer_weight(y, t);
-    loom_tensor *n = loom_tensor_new_1d(LOOM_F32, w->tensor->shape[0], LOOM_MEM_ACTIVATIONS);
-    loom_tensor *bd = NULL, *sum = NULL, *scaled = NULL, *neg = NULL, *part = NULL;
-    loom_status st = n ? loom_llama_dora_norms(a->m, a->layer, t, loom_tensor_data(n)) : LOOM_ERR_NOMEM;
-    if (st == LOOM_OK && xd) st = loom_fused_linear(xd, w->tensor, NULL, &bd); /* x' W^T */
+    int row = w->tp_split_dim == 1;
+    loom_tensor *n = loom_tensor_new_1d(LOOM_F32, y->lora_m[t]->tensor->shape[0], LOOM_MEM_ACTIVATIONS);
+    loom_tensor *xdf = NULL, *bdp = NULL, *bd = NULL, *sum = NULL, *scaled = NULL, *neg = NULL, *part = NULL;
+    loom_status st = n ? loom_llama_dora_norms(m, a->layer, t, loom_tensor_data(n)) : LOOM_ERR_NOMEM;
+    if (st == LOOM_OK && xd && !row) st = tp_copy(m->tp_comm, xd, &xdf); /* f(x') */
+    if (st == LOOM_OK && xd) st = loom_fused_linear(row ? xd : xdf, w->tensor, NULL, row ? &bdp : &bd);
+    if (st == LOOM_OK && xd && row) st = tp_reduce(m->tp_comm, bdp, &bd); /* g(x' W^T) */
     if (st == LOOM_OK) st = loom_fused_linear_add(xa, y->lora_b[t]->tensor, scale, xd ? bd : base, &sum);
     if (st == LOOM_OK) st = loom_dora_scale(sum, y->lora_m[t]->tensor, n, xd ? &scaled : out);
     if (st == LOOM_OK && xd) st = loom_scale(bd, -1.0f, &neg);
     if (st == LOOM_OK && xd) st = loom_add(base, scaled, &part);
     if (st == LOOM_OK && xd) st = loom_add(part, neg, out);
-    RELEASE(n, bd, sum, scaled, neg, part);
+    RELEASE(n, xdf, bdp, bd, sum, scaled, neg, part);
     return st;
 }
 
