@@ -97,8 +97,9 @@ const command cmd_export = {
     "--dtype q8_0 stores the matrices in ggml's 8-bit blocks.\n"
     "--adapter DIR merges a PEFT LoRA adapter (loom train --lora writes one in\n"
     "RUN/adapter) into the weights it adapts: W + lora_alpha/r B A (/sqrt(r) with\n"
-    "use_rslora). A generation_config.json beside the model is copied (its\n"
-    "eos_token_id tells generators where to stop).\n"
+    "use_rslora; with use_dora each row then scaled to its magnitude). A\n"
+    "generation_config.json beside the model is copied (its eos_token_id tells\n"
+    "generators where to stop).\n"
     "Import needs no command: loom train --init DIR and loom generate --model DIR read\n"
     "Hugging Face LLaMA directories (config.json + model.safetensors, or the shards that\n"
     "model.safetensors.index.json names) directly; export writes one model.safetensors.",

@@ -50,7 +50,8 @@ loom_status loom_llama_config_save(const loom_llama_config *cfg, loom_dtype weig
 
 /* Write weights as safetensors with Hugging Face names, stored in dtype dt
  * (from the fp32 masters, gathered over the TP group; a LoRA model's
- * adapters merged into the weights they adapt, W + s B A (s: loom_lora_scale), and
+ * adapters merged into the weights they adapt, W + s B A (s: loom_lora_scale;
+ * with DoRA each row scaled to its magnitude: loom_llama_param_merged), and
  * not written themselves; a frozen bf16 weight without an adapter, which
  * has no master, as its exact bf16 values), one tensor at a time as the
  * file is written. Atomic. path NULL: only take part in the gathers (a
@@ -58,7 +59,9 @@ loom_status loom_llama_config_save(const loom_llama_config *cfg, loom_dtype weig
 loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *path);
 /* Load weights (any float dtype in the file) into masters and compute
  * copies (a frozen bf16 weight's compute copy alone; a LoRA model's own
- * weights, its adapters left as they are);
+ * weights, its adapters left as they are but DoRA's magnitudes, reset to
+ * the new weights' norms by loom_llama_dora_reset, a collective over a TP
+ * group);
  * every parameter must be present with the model's shape (the
  * message names the tensor, the file and both shapes). lm_head.weight may be
  * absent when embeddings are tied. */
@@ -128,7 +131,8 @@ loom_status loom_lora_peft_config_layers(const char *dir, int n_layers, loom_lor
  * another shape, NaN), LOOM_ERR_IO, those of loom_llama_add_lora. After an
  * error past the setting's checks the model has adapters that may be
  * partly loaded: free it. Under tensor parallelism each rank reads the
- * files and keeps its part (no communication). */
+ * files and keeps its part (no communication, but DoRA's norms for o and
+ * down when it adds the adapters: every rank calls it). */
 loom_status loom_lora_load_peft(loom_llama *m, const char *dir);
 /* LOOM_ERR_STATE, naming what to do, when dir's files may be of two saves
  * (a writer stopped while replacing them). */

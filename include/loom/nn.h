@@ -200,7 +200,9 @@ loom_status loom_llama_tp_agree(loom_llama *m, loom_status st);
 void loom_llama_tp_shard(const loom_llama *m, int i, const float *full, float *local);
 void loom_llama_free(loom_llama *m);
 /* Normal(0, 0.02) weights, residual projections (o_proj, down_proj) scaled
- * by 1/sqrt(2 L), norms 1; reproducible from the seed alone. */
+ * by 1/sqrt(2 L), norms 1; reproducible from the seed alone. DoRA's
+ * magnitudes are then reset to the new weights' norms (loom_llama_dora_reset:
+ * collective over a TP group). */
 void loom_llama_init_weights(loom_llama *m, uint64_t seed);
 loom_param *loom_llama_find_param(const loom_llama *m, const char *name);
 int64_t loom_llama_n_weights(const loom_llama *m);  /* parameter count of this rank's tensors */
@@ -242,7 +244,8 @@ loom_status loom_llama_plan_recompute(loom_llama *m, loom_recompute_mode mode, i
  * (fp32 masters and main_grad under master-grad). A drawn from (seed,
  * adapter index). Forward, backward, every recompute mode and generation
  * (which refuses tensor parallelism) use the adapters; loom_model_dir_save
- * writes the merged weights W + s B A (s: loom_lora_scale). Once per model, before
+ * writes the merged weights W + s B A (s: loom_lora_scale; with DoRA each
+ * row scaled to its magnitude). Once per model, before
  * any optimizer is made over its parameters. With tensor parallelism the adapters are split as
  * in loom_llama_new_lora_tp, and dropout draws one process's masks (also
  * over data-parallel ranks: loom_llama_set_data_parallel).
@@ -254,18 +257,23 @@ loom_status loom_llama_add_lora(loom_llama *m, const loom_lora_config *cfg, uint
  * own parameters created frozen: their gradients and bf16 fp32 masters are
  * never allocated, so a large model's peak memory stays at its compute
  * copies (loom_llama_add_lora frees them after the fact). Weights zero,
- * A drawn from seed; load or initialise the model's own weights after.
+ * A drawn from seed; load or initialise the model's own weights after
+ * (loom_llama_load_weights, loom_llama_init_weights: with DoRA, a model
+ * whose weights are written any other way needs loom_llama_dora_reset
+ * after, or its magnitudes stay those of the zero weights).
  * Errors: those of both. */
 loom_status loom_llama_new_lora(const loom_llama_config *cfg, loom_precision prec, const loom_lora_config *lora,
                                 uint64_t seed, loom_llama **out);
 /* The same, split over the ranks of tp_comm as loom_llama_new_tp splits a
  * model; the adapters are split as their weights: B's rows where W's rows
- * are (q, k, v, gate, up), A's columns where W's columns are (o, down). */
+ * are (q, k, v, gate, up), A's columns where W's columns are (o, down);
+ * DoRA's magnitudes as B's rows, whole for o and down. */
 loom_status loom_llama_new_lora_tp(const loom_llama_config *cfg, loom_precision prec, const loom_lora_config *lora,
                                    uint64_t seed, loom_comm *tp_comm, loom_llama **out);
 /* Base parameter i's full fp32 values with its adapter merged in (W +
- * s B A, s = loom_lora_scale; the plain values for a parameter without one).
- * Collective over the TP group (W, A and B are gathered whole). */
+ * s B A, s = loom_lora_scale, with DoRA each row then times m / its norm;
+ * the plain values for a parameter without one). Collective over the TP
+ * group (W, A, B and split magnitudes are gathered whole). */
 loom_status loom_llama_param_merged(loom_llama *m, int i, float *full);
 /* The adapter pair of base parameter i, or 0 (a, b untouched) when it has none. */
 int loom_llama_lora_of(const loom_llama *m, int i, loom_param **a, loom_param **b);

@@ -61,8 +61,8 @@ loom_status loom_sum(loom_tensor *x, loom_tensor **out);
 loom_status loom_matmul(loom_tensor *x, loom_tensor *w, loom_tensor **out);
 /* out = x + b with b (C) broadcast over the rows of x (..., C). */
 loom_status loom_add_bias(loom_tensor *x, loom_tensor *b, loom_tensor **out);
-/* DoRA's column scale: out = x * (m / n) with m (C) (the magnitudes, x's
- * dtype) and n (C, fp32: the weight's column norms, a constant that gets no
+/* DoRA's column scale: out = x * (m / n) with m (C) (the magnitudes, fp32
+ * or x's dtype) and n (C, fp32: the weight's column norms, a constant that gets no
  * gradient, as DoRA detaches it) broadcast over the rows of x (..., C).
  * Backward: x's gradient g * m / n, m's sum over rows of x * g / n. */
 loom_status loom_dora_scale(loom_tensor *x, loom_tensor *m, loom_tensor *n, loom_tensor **out);

@@ -753,7 +753,7 @@ static loom_status peft_config(json_t *root, const char *path, int n_layers, loo
     static const char *const flags[] = {"fan_in_fan_out", "lora_bias"};
     for (size_t k = 0; k < sizeof flags / sizeof flags[0]; k++)
         if (json_is_true(json_object_get(root, flags[k])))
-            return loom_error(LOOM_ERR_UNSUPPORTED, "%s: %s is true; loom computes plain LoRA only", path, flags[k]);
+            return loom_error(LOOM_ERR_UNSUPPORTED, "%s: %s is true, which loom does not compute", path, flags[k]);
     json_t *bias = json_object_get(root, "bias");
     if (bias && !json_is_null(bias) && !(json_is_string(bias) && !strcmp(json_string_value(bias), "none")))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: bias is not \"none\"; loom's adapters have no biases", path);

@@ -30,8 +30,9 @@ typedef struct scratch {
 
 static void *row(void *base, int i, int width, loom_dtype dt) { return (char *)base + (size_t)i * (size_t)width * ELT(dt); }
 
-/* out (T, M) = x (T, K) W^T for linear t of layer y, plus (alpha / rank)
- * (x A^T) B^T when it has a LoRA adapter. */
+/* out (T, M) = x (T, K) W^T for linear t of layer y, plus s (x A^T) B^T
+ * (s: loom_lora_scale) when it has a LoRA adapter, each column then times
+ * DoRA's m / n when it is DoRA's. */
 static loom_status linear(const loom_llama *m, scratch *s, void *out, const void *x, const loom_llama_layer *y,
                           loom_lora_target t, int T, int K, int M) {
     loom_dtype dt = m->prec.compute;

@@ -420,10 +420,11 @@ static loom_status append_adapters(loom_llama *m, const loom_lora_config *cfg, u
     m->params = grown;
     loom_status st = LOOM_OK;
     char name[160];
+    int k = 0; /* the adapter's ordinal */
     for (int l = 0; l < m->cfg.n_layers && st == LOOM_OK; l++) {
         loom_llama_layer *y = &m->layers[l];
-        for (int t = 0; t < LOOM_LORA_N && st == LOOM_OK; t++) {
-            if (!(cfg->targets & (1u << t))) continue;
+        for (int t = 0; t < LOOM_LORA_N && st == LOOM_OK; t++, k++) {
+            if (!(cfg->targets & (1u << t))) { k--; continue; }
             const loom_param *w = loom_llama_layer_weight(y, (loom_lora_target)t);
             int64_t fs[2];
             tp_full_shape(w, m->tp_size, fs);
@@ -437,8 +438,10 @@ static loom_status append_adapters(loom_llama *m, const loom_lora_config *cfg, u
             snprintf(name, sizeof name, "model.layers.%d.%s.%s.lora_B.weight", l, group, lora_module[t]);
             if (st == LOOM_OK) st = add_param(m, name, m->prec.compute, 2, out, cfg->rank, split_b, 0, &y->lora_b[t]);
             snprintf(name, sizeof name, "model.layers.%d.%s.%s.lora_magnitude_vector", l, group, lora_module[t]);
-            if (st == LOOM_OK && cfg->dora) /* split as B's rows (W's outputs); set below, from the norms */
-                st = add_param(m, name, m->prec.compute, 1, out, 0, split_b, 0, &y->lora_m[t]);
+            /* DoRA's magnitudes: fp32 in any precision (PEFT keeps them so; a
+             * bf16 m would move the output by its rounding, 2^-9, from the
+             * first step), split as B's rows (W's outputs); set below */
+            if (st == LOOM_OK && cfg->dora) st = add_param(m, name, LOOM_F32, 1, out, 0, split_b, 0, &y->lora_m[t]);
             if (st != LOOM_OK) break;
             /* A: uniform in [-1/sqrt(in), 1/sqrt(in)), its own stream per
              * adapter, drawn whole and sliced (the same A on any number of
@@ -446,10 +449,11 @@ static loom_status append_adapters(loom_llama *m, const loom_lora_config *cfg, u
             size_t n = (size_t)(cfg->rank * in);
             float *v = malloc(n * sizeof *v), bound = 1.0f / sqrtf((float)in);
             if (!v) { st = loom_error(LOOM_ERR_NOMEM, "LoRA: out of memory"); break; }
-            int ia = m->n_params - (cfg->dora ? 3 : 2); /* A's index: its stream as without DoRA */
-            loom_rng_uniform(v, n, seed, (uint64_t)ia << 40);
-            for (size_t k = 0; k < n; k++) v[k] = (2.0f * v[k] - 1.0f) * bound;
-            loom_llama_param_scatter(m, ia, v);
+            /* A's stream by the adapter's ordinal (as A's index without DoRA):
+             * the same A with DoRA or without */
+            loom_rng_uniform(v, n, seed, (uint64_t)(m->n_base + 2 * k) << 40);
+            for (size_t e = 0; e < n; e++) v[e] = (2.0f * v[e] - 1.0f) * bound;
+            loom_llama_param_scatter(m, m->n_params - (cfg->dora ? 3 : 2), v);
             free(v);
         }
     }
@@ -457,14 +461,15 @@ static loom_status append_adapters(loom_llama *m, const loom_lora_config *cfg, u
         drop_adapters(m);
         return st;
     }
-    for (int i = 0; i < m->n_base; i++) LOOM_ASSERT(loom_param_freeze(m->params[i]) == LOOM_OK);
     m->lora = *cfg;
-    st = loom_llama_dora_reset(m);
+    st = loom_llama_dora_reset(m); /* from the compute copies: before the base is frozen */
     if (st != LOOM_OK) { /* out of memory for the norms: the model as it was */
         drop_adapters(m);
         memset(&m->lora, 0, sizeof m->lora);
+        return st;
     }
-    return st;
+    for (int i = 0; i < m->n_base; i++) LOOM_ASSERT(loom_param_freeze(m->params[i]) == LOOM_OK);
+    return LOOM_OK;
 }
 
 loom_status loom_llama_dora_norms(const loom_llama *m, int l, loom_lora_target t, float *n) {
@@ -472,24 +477,31 @@ loom_status loom_llama_dora_norms(const loom_llama *m, int l, loom_lora_target t
     if (!y || !y->lora_m[t]) return loom_error(LOOM_ERR_INVALID, "DoRA: layer %d has no DoRA adapter on linear %d", l, t);
     const loom_param *w = loom_llama_layer_weight(y, t);
     loom_tensor *a = y->lora_a[t]->tensor, *b = y->lora_b[t]->tensor;
-    int out = (int)w->tensor->shape[0], in = (int)w->tensor->shape[1], r = m->lora.rank;
+    int out = (int)w->tensor->shape[0], in = (int)w->tensor->shape[1], r = m->lora.rank, row_parallel = w->tp_split_dim == 1;
     float *full = loom_alloc((size_t)out * (size_t)in * sizeof *full, LOOM_MEM_WORKSPACE);
-    if (!full) return loom_error(LOOM_ERR_NOMEM, "DoRA: out of memory for the norms of %s", w->name);
-    /* W + s B A in fp32 from the compute copies: the weights the forward multiplies by */
-    loom_convert(full, LOOM_F32, loom_tensor_data(w->tensor), w->tensor->dtype, (size_t)out * (size_t)in);
-    loom_status st = loom_gemm(0, 0, out, in, r, loom_lora_scale(&m->lora), loom_tensor_data(b), r,
-                               loom_tensor_data(a), in, a->dtype, 1.0f, full, in, LOOM_F32, NULL, LOOM_F32);
     double *ss = loom_alloc((size_t)out * sizeof *ss + 1, LOOM_MEM_WORKSPACE);
-    if (st == LOOM_OK && !ss) st = loom_error(LOOM_ERR_NOMEM, "DoRA: out of memory for the norms of %s", w->name);
-    #pragma omp parallel for schedule(static) if (st == LOOM_OK && (size_t)out * (size_t)in > 65536)
-    for (int o = 0; o < out; o++) {
-        double sum = 0.0;
-        const float *row = full + (size_t)o * (size_t)in;
-        for (int k = 0; k < in; k++) sum += (double)row[k] * (double)row[k];
-        ss[o] = sum;
+    loom_status st = full && ss ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "DoRA: out of memory for the norms of %s",
+                                                       w->name);
+    /* a row-parallel W's norms are a collective: every rank enters it, or none */
+    if (row_parallel) st = loom_llama_tp_agree((loom_llama *)m, st);
+    /* W + s B A in fp32 from the compute copies: the weights the forward multiplies by */
+    if (st == LOOM_OK) {
+        loom_convert(full, LOOM_F32, loom_tensor_data(w->tensor), w->tensor->dtype, (size_t)out * (size_t)in);
+        st = loom_gemm(0, 0, out, in, r, loom_lora_scale(&m->lora), loom_tensor_data(b), r, loom_tensor_data(a), in,
+                       a->dtype, 1.0f, full, in, LOOM_F32, NULL, LOOM_F32);
     }
-    /* a row-parallel W (columns split): each rank summed its columns */
-    if (st == LOOM_OK && w->tp_split_dim == 1) st = loom_comm_allreduce_sum_f64(m->tp_comm, ss, (size_t)out);
+    if (st == LOOM_OK) {
+        #pragma omp parallel for schedule(static) if ((size_t)out * (size_t)in > 65536)
+        for (int o = 0; o < out; o++) {
+            double sum = 0.0;
+            const float *row = full + (size_t)o * (size_t)in;
+            for (int k = 0; k < in; k++) sum += (double)row[k] * (double)row[k];
+            ss[o] = sum;
+        }
+    }
+    /* a row-parallel W (columns split): each rank summed its columns (the
+     * GEMM fails on every rank or on none: the same shapes) */
+    if (st == LOOM_OK && row_parallel) st = loom_comm_allreduce_sum_f64(m->tp_comm, ss, (size_t)out);
     for (int o = 0; st == LOOM_OK && o < out; o++) {
         float v = (float)sqrt(ss[o]);
         n[o] = v > FLT_MIN ? v : FLT_MIN; /* a zero row: its output is zero whatever the factor */
@@ -505,8 +517,10 @@ loom_status loom_llama_dora_reset(loom_llama *m) {
             loom_param *p = m->layers[l].lora_m[t];
             if (!p) continue;
             float *n = malloc((size_t)loom_param_numel(p) * sizeof *n + 1);
-            loom_status st = n ? loom_llama_dora_norms(m, l, (loom_lora_target)t, n)
-                               : loom_error(LOOM_ERR_NOMEM, "DoRA: out of memory");
+            loom_status st = n ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "DoRA: out of memory");
+            if (loom_llama_layer_weight(&m->layers[l], (loom_lora_target)t)->tp_split_dim == 1)
+                st = loom_llama_tp_agree(m, st); /* the norms' collective: every rank or none */
+            if (st == LOOM_OK) st = loom_llama_dora_norms(m, l, (loom_lora_target)t, n);
             if (st == LOOM_OK) st = loom_param_set_f32(p, n, loom_param_numel(p));
             free(n);
             LOOM_TRY(st);
@@ -539,8 +553,9 @@ loom_status loom_llama_param_merged(loom_llama *m, int i, float *full) {
     LOOM_TRY(loom_llama_param_gather(m, i, 0, full));
     loom_param *a, *b;
     if (!loom_llama_lora_of(m, i, &a, &b)) return LOOM_OK;
-    /* W (out, in) += (alpha / rank) B (out, r) A (r, in), in fp32 from the
-     * masters (gathered whole under tensor parallelism). */
+    /* W (out, in) += s B (out, r) A (r, in) (s: loom_lora_scale), in fp32
+     * from the masters (gathered whole under tensor parallelism); with
+     * DoRA each row then scaled to its magnitude. */
     int64_t fa[2], fb[2];
     tp_full_shape(a, m->tp_size, fa);
     tp_full_shape(b, m->tp_size, fb);
@@ -597,7 +612,8 @@ void loom_llama_zero_grad(loom_llama *m) {
 static loom_status dora_output(const struct llama_block_args *a, loom_lora_target t, loom_tensor *xd, loom_tensor *xa,
                                loom_tensor *base, float scale, loom_tensor **out);
 
-/* Linear t of the block: x W^T, plus (alpha / rank) (dropout(x) A^T) B^T
+/* Linear t of the block: x W^T, plus s (dropout(x) A^T) B^T (s:
+ * loom_lora_scale; DoRA's column scale after it: dora_output)
  * when it has a LoRA adapter (the dropout only in a training forward); B's
  * GEMM scales its product and adds it to x W^T in one rounding
  * (loom_fused_linear_add), as the KV-cache path does.
@@ -660,7 +676,9 @@ static loom_status dora_output(const struct llama_block_args *a, loom_lora_targe
     int row = w->tp_split_dim == 1;
     loom_tensor *n = loom_tensor_new_1d(LOOM_F32, y->lora_m[t]->tensor->shape[0], LOOM_MEM_ACTIVATIONS);
     loom_tensor *xdf = NULL, *bdp = NULL, *bd = NULL, *sum = NULL, *scaled = NULL, *neg = NULL, *part = NULL;
-    loom_status st = n ? loom_llama_dora_norms(m, a->layer, t, loom_tensor_data(n)) : LOOM_ERR_NOMEM;
+    loom_status st = n ? LOOM_OK : loom_error(LOOM_ERR_NOMEM, "DoRA: out of memory");
+    if (row) st = loom_llama_tp_agree((loom_llama *)m, st); /* the norms' collective: every rank or none */
+    if (st == LOOM_OK) st = loom_llama_dora_norms(m, a->layer, t, loom_tensor_data(n));
     if (st == LOOM_OK && xd && !row) st = tp_copy(m->tp_comm, xd, &xdf); /* f(x') */
     if (st == LOOM_OK && xd) st = loom_fused_linear(row ? xd : xdf, w->tensor, NULL, row ? &bdp : &bd);
     if (st == LOOM_OK && xd && row) st = tp_reduce(m->tp_comm, bdp, &bd); /* g(x' W^T) */

@@ -483,7 +483,7 @@ loom_status loom_dora_scale(loom_tensor *x, loom_tensor *m, loom_tensor *n, loom
     LOOM_TRY(op_check_contiguous("dora_scale", "x", x));
     LOOM_TRY(op_check_contiguous("dora_scale", "m", m));
     LOOM_TRY(op_check_contiguous("dora_scale", "n", n));
-    LOOM_TRY(op_check_dtype("dora_scale", x, m));
+    if (m->dtype != LOOM_F32) LOOM_TRY(op_check_dtype("dora_scale", x, m));
     if (m->ndim != 1 || m->shape[0] != op_last_dim(x) || n->ndim != 1 || n->shape[0] != m->shape[0] ||
         n->dtype != LOOM_F32)
         return loom_error(LOOM_ERR_INVALID, "dora_scale: magnitudes %s and fp32 norms must match the last dimension "

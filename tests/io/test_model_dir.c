@@ -613,6 +613,21 @@ static void test_peft_dora(void **state) {
     for (int i = 0; i < m->n_params; i++)
         assert_memory_equal(loom_param_master(m->params[i]), loom_param_master(back->params[i]),
                             (size_t)loom_param_numel(m->params[i]) * sizeof(float));
+    int32_t tok[6] = {1, 5, 2, 7, 3, 4};
+    loom_tensor *la = NULL, *lb = NULL;
+    loom_no_grad_enter();
+    assert_int_equal(loom_llama_forward(m, tok, NULL, 1, 6, NULL, &la), LOOM_OK);
+    assert_int_equal(loom_llama_forward(back, tok, NULL, 1, 6, NULL, &lb), LOOM_OK);
+    loom_no_grad_exit();
+    size_t nl = (size_t)loom_tensor_numel(la);
+    float *a = malloc(nl * sizeof *a), *b = malloc(nl * sizeof *b);
+    loom_tensor_read_f32(la, a);
+    loom_tensor_read_f32(lb, b);
+    assert_memory_equal(a, b, nl * sizeof *a); /* the same logits */
+    free(a);
+    free(b);
+    loom_tensor_release(la);
+    loom_tensor_release(lb);
     loom_llama_free(back);
     loom_llama_free(m);
 }

@@ -537,16 +537,22 @@ static void test_dora(void **state) {
     (void)state;
     loom_precision prec = {LOOM_F32, 1};
     dora_next = 1;
-    loom_llama *d = new_model(prec), *plain = new_model(prec);
-    add_adapters(d, LOOM_LORA_ALL, 0.0f);
     float *x, *y;
-    loss_of(d, 0, &x);
-    loss_of(plain, 0, &y);
-    size_t nl = (size_t)N_TOK * (size_t)d->cfg.vocab_size;
-    assert_true(tu_bits_equal(x, y, nl * sizeof *x, "DoRA at the start"));
-    free(x);
-    free(y);
-    loom_llama_free(d);
+    size_t nl = (size_t)N_TOK * (size_t)config().vocab_size;
+    for (int bf16 = 0; bf16 <= 1; bf16++) { /* in bf16 too: the magnitudes are fp32, m / n exactly 1 */
+        loom_precision pr = {bf16 ? LOOM_BF16 : LOOM_F32, 1};
+        loom_llama *d0 = new_model(pr), *base = new_model(pr);
+        add_adapters(d0, LOOM_LORA_ALL, 0.0f);
+        assert_int_equal(d0->layers[0].lora_m[LOOM_LORA_Q]->tensor->dtype, LOOM_F32);
+        loss_of(d0, 0, &x);
+        loss_of(base, 0, &y);
+        assert_true(tu_bits_equal(x, y, nl * sizeof *x, "DoRA at the start"));
+        free(x);
+        free(y);
+        loom_llama_free(d0);
+        loom_llama_free(base);
+    }
+    loom_llama *d, *plain = new_model(prec);
 
     d = new_model(prec);
     add_adapters(d, LOOM_LORA_ALL, 0.3f);
@@ -573,6 +579,10 @@ static void test_dora(void **state) {
     dora_next = 0;
     loom_llama *p = new_model(prec);
     add_adapters(p, LOOM_LORA_ALL, 0.0f);
+    for (int l = 0; l < d->cfg.n_layers; l++) /* the same seed draws the same A with DoRA or without */
+        for (int t = 0; t < LOOM_LORA_N; t++)
+            assert_true(tu_bits_equal(loom_param_master(d->layers[l].lora_a[t]), loom_param_master(p->layers[l].lora_a[t]),
+                                      (size_t)loom_param_numel(p->layers[l].lora_a[t]) * sizeof(float), "A"));
     for (int l = 0; l < d->cfg.n_layers; l++)
         for (int t = 0; t < LOOM_LORA_N; t++) {
             loom_llama_layer *yd = &d->layers[l], *yp = &p->layers[l];
