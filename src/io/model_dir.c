@@ -851,48 +851,69 @@ loom_status loom_lora_load_peft(loom_llama *m, const char *dir) {
     return st;
 }
 
-loom_status loom_model_dir_eos_ids(const char *dir, int32_t *ids, int cap, int *n) {
+/* generation_config.json's eos_token_id (one id or a list) from its JSON. */
+static loom_status eos_ids_of(json_t *root, const char *path, int32_t *ids, int cap, int *n) {
     *n = 0;
-    char path[4200];
-    struct stat sb;
-    LOOM_TRY(join(path, sizeof path, dir, LOOM_GENERATION_CONFIG));
-    if (stat(path, &sb) != 0 && errno == ENOENT) return LOOM_OK; /* optional */
-    json_t *root;
-    LOOM_TRY(read_json(path, "generation config", &root));
-    json_t *eos = json_is_object(root) ? json_object_get(root, "eos_token_id") : NULL;
-    loom_status st = json_is_object(root) ? LOOM_OK : loom_error(LOOM_ERR_FORMAT, "%s: expected a JSON object", path);
+    if (!json_is_object(root)) return loom_error(LOOM_ERR_FORMAT, "%s: expected a JSON object", path);
+    json_t *eos = json_object_get(root, "eos_token_id");
     size_t count = json_is_array(eos) ? json_array_size(eos) : eos && !json_is_null(eos) ? 1 : 0;
-    if (st == LOOM_OK && count > (size_t)(cap > 0 ? cap : 0))
-        st = loom_error(LOOM_ERR_FORMAT, "%s: eos_token_id lists %zu ids, more than %d", path, count, cap);
-    for (size_t i = 0; st == LOOM_OK && i < count; i++) {
+    if (count > (size_t)(cap > 0 ? cap : 0))
+        return loom_error(LOOM_ERR_FORMAT, "%s: eos_token_id lists %zu ids, more than %d", path, count, cap);
+    for (size_t i = 0; i < count; i++) {
         json_t *v = json_is_array(eos) ? json_array_get(eos, i) : eos;
-        if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) > INT32_MAX)
-            st = loom_error(LOOM_ERR_FORMAT, "%s: eos_token_id must be a token id or a list of them (an integer "
-                            "from 0)", path);
-        else ids[(*n)++] = (int32_t)json_integer_value(v);
+        if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) > INT32_MAX) {
+            *n = 0;
+            return loom_error(LOOM_ERR_FORMAT, "%s: eos_token_id must be a token id or a list of them (an integer "
+                              "from 0)", path);
+        }
+        ids[(*n)++] = (int32_t)json_integer_value(v);
     }
+    return LOOM_OK;
+}
+
+/* dir's generation_config.json: its path, its text (NULL when there is
+ * none; malloc'd) and its eos_token_id ids (*n of them, at most cap). */
+static loom_status read_generation_config(const char *dir, char *path, size_t pcap, void **text, size_t *len,
+                                          int32_t *ids, int cap, int *n) {
+    *text = NULL;
+    *len = 0;
+    *n = 0;
+    LOOM_TRY(join(path, pcap, dir, LOOM_GENERATION_CONFIG));
+    struct stat sb;
+    if (stat(path, &sb) != 0 && errno == ENOENT) return LOOM_OK; /* optional */
+    LOOM_TRY(io_read_file(path, "generation config", text, len));
+    json_error_t err;
+    json_t *root = json_loadb(*text, *len, 0, &err);
+    loom_status st = root ? eos_ids_of(root, path, ids, cap, n)
+                          : loom_error(LOOM_ERR_FORMAT, "%s: invalid JSON at line %d: %s", path, err.line, err.text);
     json_decref(root);
-    if (st != LOOM_OK) *n = 0;
+    if (st != LOOM_OK) {
+        free(*text);
+        *text = NULL;
+    }
+    return st;
+}
+
+loom_status loom_model_dir_eos_ids(const char *dir, int32_t *ids, int cap, int *n) {
+    char path[4200];
+    void *text;
+    size_t len;
+    loom_status st = read_generation_config(dir, path, sizeof path, &text, &len, ids, cap, n);
+    free(text);
     return st;
 }
 
 loom_status loom_model_dir_copy_generation_config(const char *from_dir, const char *to_dir) {
     char from[4200], to[4200];
-    int32_t ids[LOOM_EOS_IDS_MAX];
-    int n;
-    LOOM_TRY(join(from, sizeof from, from_dir, LOOM_GENERATION_CONFIG));
-    LOOM_TRY(join(to, sizeof to, to_dir, LOOM_GENERATION_CONFIG));
-    struct stat sb;
-    if (stat(from, &sb) != 0 && errno == ENOENT) {
-        if (unlink(to) != 0 && errno != ENOENT)
-            return loom_error(LOOM_ERR_IO, "cannot remove the stale %s: %s", to, strerror(errno));
-        return LOOM_OK;
-    }
-    LOOM_TRY(loom_model_dir_eos_ids(from_dir, ids, LOOM_EOS_IDS_MAX, &n)); /* what generate will read */
     void *text;
     size_t len;
-    LOOM_TRY(io_read_file(from, "generation config", &text, &len));
-    loom_status st = loom_file_write_atomic(to, text, len);
+    int32_t ids[LOOM_EOS_IDS_MAX];
+    int n; /* the file read once, checked as generate reads it */
+    LOOM_TRY(read_generation_config(from_dir, from, sizeof from, &text, &len, ids, LOOM_EOS_IDS_MAX, &n));
+    loom_status st = join(to, sizeof to, to_dir, LOOM_GENERATION_CONFIG);
+    if (st == LOOM_OK && text) st = loom_file_write_atomic(to, text, len);
+    else if (st == LOOM_OK && unlink(to) != 0 && errno != ENOENT) /* none to copy: a stale one goes */
+        st = loom_error(LOOM_ERR_IO, "cannot remove the stale %s: %s", to, strerror(errno));
     free(text);
     return st;
 }

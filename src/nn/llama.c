@@ -472,6 +472,24 @@ static loom_status append_adapters(loom_llama *m, const loom_lora_config *cfg, u
     return LOOM_OK;
 }
 
+/* ss[o] = the sum of the squares of row o of full (out, in), in fp64. */
+static void rows_sumsq(const float *full, int out, int in, double *ss) {
+    #pragma omp parallel for schedule(static) if ((size_t)out * (size_t)in > 65536)
+    for (int o = 0; o < out; o++) {
+        double sum = 0.0;
+        const float *row = full + (size_t)o * (size_t)in;
+        for (int k = 0; k < in; k++) sum += (double)row[k] * (double)row[k];
+        ss[o] = sum;
+    }
+}
+
+/* A row's norm from its sum of squares, at least FLT_MIN: a zero row's
+ * output is zero whatever DoRA's factor. */
+static float dora_norm(double sumsq) {
+    float v = (float)sqrt(sumsq);
+    return v > FLT_MIN ? v : FLT_MIN;
+}
+
 loom_status loom_llama_dora_norms(const loom_llama *m, int l, loom_lora_target t, float *n) {
     const loom_llama_layer *y = l >= 0 && l < m->cfg.n_layers && (unsigned)t < LOOM_LORA_N ? &m->layers[l] : NULL;
     if (!y || !y->lora_m[t]) return loom_error(LOOM_ERR_INVALID, "DoRA: layer %d has no DoRA adapter on linear %d", l, t);
@@ -490,22 +508,11 @@ loom_status loom_llama_dora_norms(const loom_llama *m, int l, loom_lora_target t
         st = loom_gemm(0, 0, out, in, r, loom_lora_scale(&m->lora), loom_tensor_data(b), r, loom_tensor_data(a), in,
                        a->dtype, 1.0f, full, in, LOOM_F32, NULL, LOOM_F32);
     }
-    if (st == LOOM_OK) {
-        #pragma omp parallel for schedule(static) if ((size_t)out * (size_t)in > 65536)
-        for (int o = 0; o < out; o++) {
-            double sum = 0.0;
-            const float *row = full + (size_t)o * (size_t)in;
-            for (int k = 0; k < in; k++) sum += (double)row[k] * (double)row[k];
-            ss[o] = sum;
-        }
-    }
+    if (st == LOOM_OK) rows_sumsq(full, out, in, ss);
     /* a row-parallel W (columns split): each rank summed its columns (the
      * GEMM fails on every rank or on none: the same shapes) */
     if (st == LOOM_OK && row_parallel) st = loom_comm_allreduce_sum_f64(m->tp_comm, ss, (size_t)out);
-    for (int o = 0; st == LOOM_OK && o < out; o++) {
-        float v = (float)sqrt(ss[o]);
-        n[o] = v > FLT_MIN ? v : FLT_MIN; /* a zero row: its output is zero whatever the factor */
-    }
+    for (int o = 0; st == LOOM_OK && o < out; o++) n[o] = dora_norm(ss[o]);
     loom_free(ss);
     loom_free(full);
     return st;
@@ -528,31 +535,34 @@ loom_status loom_llama_dora_reset(loom_llama *m) {
     return LOOM_OK;
 }
 
-/* DoRA's magnitudes of base parameter i, or NULL. */
-static const loom_param *dora_magnitude_of(const loom_llama *m, int i) {
-    for (int l = 0; m->lora.dora && l < m->cfg.n_layers; l++)
-        for (int t = 0; t < LOOM_LORA_N; t++)
-            if (m->layers[l].lora_m[t] && loom_llama_layer_weight(&m->layers[l], (loom_lora_target)t) == m->params[i])
-                return m->layers[l].lora_m[t];
+/* The layer whose linear *t is base parameter i and has an adapter, or
+ * NULL. */
+static const loom_llama_layer *adapted_layer(const loom_llama *m, int i, loom_lora_target *t) {
+    if (!m->lora.rank || i < 0 || i >= m->n_base) return NULL;
+    for (int l = 0; l < m->cfg.n_layers; l++)
+        for (int k = 0; k < LOOM_LORA_N; k++)
+            if (m->layers[l].lora_a[k] && loom_llama_layer_weight(&m->layers[l], (loom_lora_target)k) == m->params[i]) {
+                *t = (loom_lora_target)k;
+                return &m->layers[l];
+            }
     return NULL;
 }
 
 int loom_llama_lora_of(const loom_llama *m, int i, loom_param **a, loom_param **b) {
-    if (!m->lora.rank || i < 0 || i >= m->n_base) return 0;
-    for (int l = 0; l < m->cfg.n_layers; l++)
-        for (int t = 0; t < LOOM_LORA_N; t++)
-            if (m->layers[l].lora_a[t] && loom_llama_layer_weight(&m->layers[l], (loom_lora_target)t) == m->params[i]) {
-                *a = m->layers[l].lora_a[t];
-                *b = m->layers[l].lora_b[t];
-                return 1;
-            }
-    return 0;
+    loom_lora_target t;
+    const loom_llama_layer *y = adapted_layer(m, i, &t);
+    if (!y) return 0;
+    *a = y->lora_a[t];
+    *b = y->lora_b[t];
+    return 1;
 }
 
 loom_status loom_llama_param_merged(loom_llama *m, int i, float *full) {
     LOOM_TRY(loom_llama_param_gather(m, i, 0, full));
-    loom_param *a, *b;
-    if (!loom_llama_lora_of(m, i, &a, &b)) return LOOM_OK;
+    loom_lora_target t;
+    const loom_llama_layer *y = adapted_layer(m, i, &t);
+    if (!y) return LOOM_OK;
+    loom_param *a = y->lora_a[t], *b = y->lora_b[t];
     /* W (out, in) += s B (out, r) A (r, in) (s: loom_lora_scale), in fp32
      * from the masters (gathered whole under tensor parallelism); with
      * DoRA each row then scaled to its magnitude. */
@@ -576,7 +586,7 @@ loom_status loom_llama_param_merged(loom_llama *m, int i, float *full) {
                        NULL, LOOM_F32);
     free(ga);
     free(gb);
-    const loom_param *mag = dora_magnitude_of(m, i);
+    const loom_param *mag = y->lora_m[t];
     float *mv = NULL, *gm = NULL;
     if (st == LOOM_OK && mag) { /* DoRA's magnitudes, whole (gathered where W's rows are split) */
         mv = loom_param_master((loom_param *)mag);
@@ -587,15 +597,16 @@ loom_status loom_llama_param_merged(loom_llama *m, int i, float *full) {
             mv = gm;
         }
     }
+    double *ss = st == LOOM_OK && mag ? malloc((size_t)out * sizeof *ss) : NULL;
+    if (st == LOOM_OK && mag && !ss) st = loom_error(LOOM_ERR_NOMEM, "DoRA merge: out of memory");
     if (st == LOOM_OK && mag) { /* DoRA: each row times m / |row| */
+        rows_sumsq(full, out, in, ss);
         for (int o = 0; o < out; o++) {
-            float *row = full + (size_t)o * (size_t)in;
-            double ss = 0.0;
-            for (int k = 0; k < in; k++) ss += (double)row[k] * (double)row[k];
-            float n = (float)sqrt(ss), f = mv[o] / (n > FLT_MIN ? n : FLT_MIN);
+            float *row = full + (size_t)o * (size_t)in, f = mv[o] / dora_norm(ss[o]);
             for (int k = 0; k < in; k++) row[k] *= f;
         }
     }
+    free(ss);
     free(gm);
     return st;
 }

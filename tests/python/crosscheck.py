@@ -103,6 +103,8 @@ TOL_CURVE0 = 1e-5
 TOL_CURVE_PER_STEP = 2e-6
 
 TRAIN = {"steps": 20, "lr": 1e-3, "warmup": 5, "min_lr": 1e-4, "clip": 1.0, "weight_decay": 0.1}
+TRAIN_FLAGS = ["--steps", TRAIN["steps"], "--lr", TRAIN["lr"], "--warmup", TRAIN["warmup"], "--min-lr",
+               TRAIN["min_lr"], "--clip", TRAIN["clip"], "--weight-decay", TRAIN["weight_decay"]]
 
 
 # ---------------------------------------------------------------- fixtures
@@ -241,8 +243,7 @@ def check_curve(rep, loom, work, name, data_dir, model_dir):
     out = os.path.join(work, f"out-{name}-train")
     a = TRAIN
     run_loom(loom, out, "--data", data_dir, "--init", model_dir, "--precision", "fp32", "--master-grad", "on",
-             "--batch", B, "--seq", T, "--steps", a["steps"], "--lr", a["lr"], "--warmup", a["warmup"],
-             "--min-lr", a["min_lr"], "--clip", a["clip"], "--weight-decay", a["weight_decay"])
+             "--batch", B, "--seq", T, *TRAIN_FLAGS)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     l_losses = [r["loss"] for r in rows if "loss" in r]
@@ -287,16 +288,42 @@ LORA_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_att
                 "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 
 
+def lora_flags(model_dir):
+    """loom train's flags for the LoRA runs: LORA on the model, fp32, the
+    batch shape."""
+    return ["--init", model_dir, "--precision", "fp32", "--master-grad", "on", "--batch", B, "--seq", T,
+            "--lora", LORA["rank"], "--lora-alpha", LORA["alpha"], "--lora-targets", LORA["targets"]]
+
+
+def train_then_dump(loom, work, data_dir, tag, run_flags):
+    """Train TRAIN's steps (checkpoints every 5), then dump step 6's
+    gradients from step 5's state (B no longer zero): the run's directory,
+    step 5's state, the dumped gradients and their metadata."""
+    out = os.path.join(work, f"out-{tag}")
+    run_loom(loom, out, "--data", data_dir, *run_flags, *TRAIN_FLAGS, "--ckpt-every", 5, "--keep", 10)
+    gpath = os.path.join(work, f"{tag}-grads.st")
+    run_loom(loom, os.path.join(work, f"out-{tag}-dump"), "--data", data_dir, *run_flags, *TRAIN_FLAGS,
+             "--resume", os.path.join(out, "ckpt-00000005"), "--dump-grads", gpath)
+    st5, _ = ref.read_safetensors(os.path.join(out, "ckpt-00000005", "state.safetensors"))
+    return (out, st5, *ref.read_safetensors(gpath))
+
+
+def step6_batch(data_dir):
+    """The tokens of the batch step 6 trains on (and their shard's tokens)."""
+    tokens = ref.read_shard(os.path.join(data_dir, "train_000000.bin"))
+    it = ref.batches(tokens, B, T)
+    for _ in range(5):
+        next(it)
+    return tokens, next(it)
+
+
 def check_lora(rep, loom, work, data_dir, model_dir):
     """loom train --lora against the reference with PEFT's LoRA math (frozen
     weights, x W^T + alpha/rank (x A^T) B^T, AdamW on the adapters only):
     the adapters' gradients with B nonzero, the 20-step loss curve, and the
     saved (merged) model."""
     a = TRAIN
-    flags = ["--init", model_dir, "--precision", "fp32", "--master-grad", "on", "--batch", B, "--seq", T,
-             "--lora", LORA["rank"], "--lora-alpha", LORA["alpha"], "--lora-targets", LORA["targets"]]
-    train_flags = ["--steps", a["steps"], "--lr", a["lr"], "--warmup", a["warmup"], "--min-lr", a["min_lr"],
-                   "--clip", a["clip"], "--weight-decay", a["weight_decay"]]
+    flags = lora_flags(model_dir)
     # A as drawn: a step without weight decay leaves it (its gradient is zero while B is).
     out0 = os.path.join(work, "out-lora-init")
     run_loom(loom, out0, "--data", data_dir, *flags, "--steps", 1, "--weight-decay", 0)
@@ -316,25 +343,9 @@ def check_lora(rep, loom, work, data_dir, model_dir):
         start[n + ".lora_A.weight"] = drawn[f"master.{n}.lora_A.weight"]
         start[n + ".lora_B.weight"] = torch.zeros(base[n + ".weight"].shape[0], LORA["rank"])
 
-    def train_then_dump(tag, run_flags):
-        """Train (checkpoints every 5 steps), then dump step 6's gradients,
-        from step 5's adapters (B no longer zero): the run's directory, step
-        5's state and the dumped gradients with their metadata."""
-        out = os.path.join(work, f"out-{tag}")
-        run_loom(loom, out, "--data", data_dir, *run_flags, *train_flags, "--ckpt-every", 5, "--keep", 10)
-        gpath = os.path.join(work, f"{tag}-grads.st")
-        run_loom(loom, os.path.join(work, f"out-{tag}-dump"), "--data", data_dir, *run_flags, *train_flags,
-                 "--resume", os.path.join(out, "ckpt-00000005"), "--dump-grads", gpath)
-        st5, _ = ref.read_safetensors(os.path.join(out, "ckpt-00000005", "state.safetensors"))
-        return (out, st5, *ref.read_safetensors(gpath))
-
-    out, st5, l_grads, meta = train_then_dump("lora", flags)
+    out, st5, l_grads, meta = train_then_dump(loom, work, data_dir, "lora", flags)
     params = model_with({k: st5["master." + k] for k in start})
-    tokens = ref.read_shard(os.path.join(data_dir, "train_000000.bin"))
-    it = ref.batches(tokens, B, T)
-    for _ in range(5):
-        next(it)
-    inputs, targets = next(it)
+    tokens, (inputs, targets) = step6_batch(data_dir)
     _, loss, g = ref.grads(cfg, params, inputs, targets)
     rep.check("lora fp32 loss at step 6", abs(float(meta["loss"]) - loss) / abs(loss), TOL_FP32)
     check_grads(rep, "lora fp32", {k: l_grads[k] for k in start}, {k: g[k] for k in start}, TOL_FP32)
@@ -345,7 +356,8 @@ def check_lora(rep, loom, work, data_dir, model_dir):
     # bf16 with fp32 main_grad, the same way: step 6's adapter gradients
     # against the exact math of the bf16-rounded weights (the frozen ones are
     # held in bf16 only), torch's pure-bf16 model as the yardstick.
-    _, st5b, l_grads, _ = train_then_dump("lora-bf16", [f if f != "fp32" else "bf16" for f in flags])
+    _, st5b, l_grads, _ = train_then_dump(loom, work, data_dir, "lora-bf16",
+                                          [f if f != "fp32" else "bf16" for f in flags])
     with torch.no_grad():
         rounded = {k: v.to(torch.bfloat16).float() for k, v in base.items()}
         for k in start:
@@ -385,18 +397,7 @@ def check_dora(rep, loom, work, data_dir, model_dir):
     """loom train --lora-dora against the reference with PEFT's DoRA math:
     step 6's gradients of A, B and the magnitudes (fp32, from step 5's
     state, B and m trained), and the loss there."""
-    a = TRAIN
-    flags = ["--init", model_dir, "--precision", "fp32", "--batch", B, "--seq", T, "--lora", LORA["rank"],
-             "--lora-alpha", LORA["alpha"], "--lora-targets", LORA["targets"], "--lora-dora",
-             "--steps", a["steps"], "--lr", a["lr"], "--warmup", a["warmup"], "--min-lr", a["min_lr"],
-             "--clip", a["clip"], "--weight-decay", a["weight_decay"]]
-    out = os.path.join(work, "out-dora")
-    run_loom(loom, out, "--data", data_dir, *flags, "--ckpt-every", 5, "--keep", 10)
-    gpath = os.path.join(work, "dora-grads.st")
-    run_loom(loom, os.path.join(work, "out-dora-dump"), "--data", data_dir, *flags,
-             "--resume", os.path.join(out, "ckpt-00000005"), "--dump-grads", gpath)
-    st5, _ = ref.read_safetensors(os.path.join(out, "ckpt-00000005", "state.safetensors"))
-    l_grads, meta = ref.read_safetensors(gpath)
+    _, st5, l_grads, meta = train_then_dump(loom, work, data_dir, "dora", lora_flags(model_dir) + ["--lora-dora"])
     cfg, base = ref.load_model_dir(model_dir)
     cfg.lora_scale = LORA["alpha"] / LORA["rank"]
     names = [f"model.layers.{l}.{LORA_MODULES[t]}" for l in range(cfg.n_layers) for t in LORA["targets"].split(",")]
@@ -409,11 +410,7 @@ def check_dora(rep, loom, work, data_dir, model_dir):
     if moved < 1e-3:
         rep.failures.append(f"dora: the magnitudes moved by only {moved:.3g} from the weights' norms: the check "
                             "is blind")
-    tokens = ref.read_shard(os.path.join(data_dir, "train_000000.bin"))
-    it = ref.batches(tokens, B, T)
-    for _ in range(5):
-        next(it)
-    inputs, targets = next(it)
+    _, (inputs, targets) = step6_batch(data_dir)
     _, loss, g = ref.grads(cfg, params, inputs, targets)
     rep.check("dora fp32 loss at step 6", abs(float(meta["loss"]) - loss) / abs(loss), TOL_FP32)
     check_grads(rep, "dora fp32", {k: l_grads[k] for k in keys}, {k: g[k] for k in keys}, TOL_FP32)

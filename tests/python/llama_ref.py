@@ -88,6 +88,18 @@ def write_shard(path, tokens):
         f.write(tokens.astype("<u2").tobytes())
 
 
+def read_lora_run(base_dir, run_dir):
+    """A `loom train --lora` run against its base model directory: the base
+    weights, the run's saved (merged) weights, its PEFT adapter tensors and
+    adapter_config.json."""
+    base, _ = read_safetensors(base_dir + "/model.safetensors")
+    tuned, _ = read_safetensors(run_dir + "/model/model.safetensors")
+    lora, _ = read_safetensors(run_dir + "/adapter/adapter_model.safetensors")
+    with open(run_dir + "/adapter/adapter_config.json") as f:
+        cfg = json.load(f)
+    return base, tuned, lora, cfg
+
+
 def read_shard(path):
     with open(path, "rb") as f:
         header = np.frombuffer(f.read(1024), dtype="<i4")

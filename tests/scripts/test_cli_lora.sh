@@ -21,13 +21,10 @@ grep -q "LoRA rank 4, alpha 8 on q,v,down, dropout 0: 3328 trainable parameters"
 # The adapters alone, in PEFT's layout: the base plus alpha/r B A of them is
 # the merged model.
 $PY - "$WORK/base/model" "$WORK/a" "$SRC" <<'PYEOF'
-import json, sys
+import sys
 sys.path.insert(0, sys.argv[3] + "/tests/python")
 import llama_ref as ref
-base, _ = ref.read_safetensors(sys.argv[1] + "/model.safetensors")
-tuned, _ = ref.read_safetensors(sys.argv[2] + "/model/model.safetensors")
-lora, _ = ref.read_safetensors(sys.argv[2] + "/adapter/adapter_model.safetensors")
-cfg = json.load(open(sys.argv[2] + "/adapter/adapter_config.json"))
+base, tuned, lora, cfg = ref.read_lora_run(sys.argv[1], sys.argv[2])
 assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["lora_alpha"] == 8 and cfg["lora_dropout"] == 0, cfg
 assert cfg["target_modules"] == ["q_proj", "v_proj", "down_proj"], cfg["target_modules"]
 import os
@@ -69,9 +66,15 @@ for k in a:
 PYEOF
   fail "export --adapter differs from the LoRA run's merged model"
 ev1() { "$LOOM" eval "$@" --data "$WORK/data" --batches 4 2>&1 | sed -n 's/.* loss=\([0-9.]*\) .*/\1/p'; }
-l1=$(ev1 --model "$WORK/base/model" --adapter "$WORK/a/adapter"); l2=$(ev1 --model "$WORK/a/model")
-awk -v a="$l1" -v b="$l2" 'BEGIN { d = a - b; exit !(a != "" && b != "" && d < 1e-5 && d > -1e-5) }' ||
-  fail "eval with the adapter ($l1) is not the merged model's ($l2)"
+# $1 a run's directory, $2 what it trained: eval of the base with the run's
+# adapter applied is eval of its merged model
+evals_as_merged() {
+  local l1 l2
+  l1=$(ev1 --model "$WORK/base/model" --adapter "$1/adapter"); l2=$(ev1 --model "$1/model")
+  awk -v a="$l1" -v b="$l2" 'BEGIN { d = a - b; exit !(a != "" && b != "" && d < 1e-5 && d > -1e-5) }' ||
+    fail "eval with the $2 ($l1) is not the merged model's ($l2)"
+}
+evals_as_merged "$WORK/a" adapter
 "$LOOM" generate --model "$WORK/base/model" --adapter "$WORK/a/adapter" --prompt "loom" --tokens 4 \
   --temperature 0 >/dev/null 2>&1 || fail "generate --adapter failed"
 # rsLoRA (--lora-rslora, PEFT's use_rslora): alpha / sqrt(r), here 8 / 2. The
@@ -82,13 +85,10 @@ awk -v a="$l1" -v b="$l2" 'BEGIN { d = a - b; exit !(a != "" && b != "" && d < 1
   { cat "$WORK/rs.log"; fail "--lora-rslora failed"; }
 grep -q "LoRA rank 4, alpha 8 (rsLoRA) on q,v,down" "$WORK/rs.log" || fail "no rsLoRA in the LoRA summary line"
 $PY - "$WORK/base/model" "$WORK/rs" "$SRC" <<'PYEOF' || fail "the rsLoRA run's model is not the base plus alpha/sqrt(r) B A"
-import json, sys
+import sys
 sys.path.insert(0, sys.argv[3] + "/tests/python")
 import llama_ref as ref
-base, _ = ref.read_safetensors(sys.argv[1] + "/model.safetensors")
-tuned, _ = ref.read_safetensors(sys.argv[2] + "/model/model.safetensors")
-lora, _ = ref.read_safetensors(sys.argv[2] + "/adapter/adapter_model.safetensors")
-cfg = json.load(open(sys.argv[2] + "/adapter/adapter_config.json"))
+base, tuned, lora, cfg = ref.read_lora_run(sys.argv[1], sys.argv[2])
 assert cfg["use_rslora"] is True and cfg["r"] == 4 and cfg["lora_alpha"] == 8, cfg
 name = "model.layers.1.mlp.down_proj.weight"
 stem = "base_model.model." + name[:-len(".weight")]
@@ -97,9 +97,7 @@ got = tuned[name].double() - base[name].double()
 err = (got - 4.0 * delta).abs().max().item() / (4.0 * delta).abs().max().item()
 assert err < 1e-5, f"merged - base is not 4 B A ({err:.3g}; 2 B A would be plain LoRA's)"
 PYEOF
-l1=$(ev1 --model "$WORK/base/model" --adapter "$WORK/rs/adapter"); l2=$(ev1 --model "$WORK/rs/model")
-awk -v a="$l1" -v b="$l2" 'BEGIN { d = a - b; exit !(a != "" && b != "" && d < 1e-5 && d > -1e-5) }' ||
-  fail "eval with the rsLoRA adapter ($l1) is not the merged model's ($l2)"
+evals_as_merged "$WORK/rs" "rsLoRA adapter"
 "$LOOM" train "${common[@]}" --init "$WORK/base/model" --lora-init "$WORK/rs/adapter" --steps 1 \
   --out "$WORK/rsi" 2>"$WORK/rsi.log" || { cat "$WORK/rsi.log"; fail "--lora-init of an rsLoRA adapter failed"; }
 grep -q "alpha 8 (rsLoRA)" "$WORK/rsi.log" || fail "--lora-init did not take the adapter's use_rslora"
@@ -115,13 +113,10 @@ expect_usage "lora-rslora applies to LoRA" "$LOOM" train "${common[@]}" --lora-r
 grep -q "DoRA rank 4, alpha 8 on q,v,down, dropout 0: 3648 trainable parameters" "$WORK/do.log" ||
   { cat "$WORK/do.log"; fail "no DoRA summary line (or the wrong count: LoRA's 3328 and 2 x (64 + 32 + 64) magnitudes)"; }
 $PY - "$WORK/base/model" "$WORK/do" "$SRC" <<'PYEOF' || fail "the DoRA run's model is not the base with DoRA merged"
-import json, sys
+import sys
 sys.path.insert(0, sys.argv[3] + "/tests/python")
 import llama_ref as ref
-base, _ = ref.read_safetensors(sys.argv[1] + "/model.safetensors")
-tuned, _ = ref.read_safetensors(sys.argv[2] + "/model/model.safetensors")
-lora, _ = ref.read_safetensors(sys.argv[2] + "/adapter/adapter_model.safetensors")
-cfg = json.load(open(sys.argv[2] + "/adapter/adapter_config.json"))
+base, tuned, lora, cfg = ref.read_lora_run(sys.argv[1], sys.argv[2])
 assert cfg["use_dora"] is True and cfg["use_rslora"] is False, cfg
 assert len(lora) == 18, sorted(lora)
 for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
@@ -133,9 +128,7 @@ for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_
     assert err < 1e-5, f"{name}: {err:.3g}"
     assert (m - base[name].double().norm(dim=1)).abs().max() > 1e-4, "the magnitudes did not train"
 PYEOF
-l1=$(ev1 --model "$WORK/base/model" --adapter "$WORK/do/adapter"); l2=$(ev1 --model "$WORK/do/model")
-awk -v a="$l1" -v b="$l2" 'BEGIN { d = a - b; exit !(a != "" && b != "" && d < 1e-5 && d > -1e-5) }' ||
-  fail "eval with the DoRA adapter ($l1) is not the merged model's ($l2)"
+evals_as_merged "$WORK/do" "DoRA adapter"
 "$LOOM" train "${common[@]}" --init "$WORK/base/model" --lora-init "$WORK/do/adapter" --steps 1 \
   --out "$WORK/doi" 2>"$WORK/doi.log" || { cat "$WORK/doi.log"; fail "--lora-init of a DoRA adapter failed"; }
 grep -q "DoRA rank 4" "$WORK/doi.log" || fail "--lora-init did not take the adapter's use_dora"
