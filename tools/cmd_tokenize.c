@@ -165,18 +165,37 @@ static loom_status file_docs(const char *path, const char *sep, const char *key,
  * for a prompt's token; `masked` once any is 0 (then the shards get masks). */
 typedef struct tok_buf { int32_t *ids; uint8_t *mask; size_t n, cap; int masked; } tok_buf;
 
-static loom_status append_doc(loom_tokenizer *tok, tok_buf *b, const doc *d) {
-    size_t need = b->n + (d->prompt ? loom_tokenizer_max_ids(tok, d->prompt_len) : 0) +
-                  loom_tokenizer_max_ids(tok, d->len) + 2;
-    if (need > b->cap) {
-        size_t cap = need * 2;
-        int32_t *ids = realloc(b->ids, cap * sizeof *ids);
-        if (ids) b->ids = ids;
-        uint8_t *mask = ids ? realloc(b->mask, cap) : NULL;
-        if (!mask) return loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory");
-        b->mask = mask;
-        b->cap = cap;
+/* Room for `need` ids in all. */
+static loom_status reserve(tok_buf *b, size_t need) {
+    if (need <= b->cap) return LOOM_OK;
+    size_t cap = need + need / 2;
+    int32_t *ids = realloc(b->ids, cap * sizeof *ids);
+    if (ids) b->ids = ids;
+    uint8_t *mask = ids ? realloc(b->mask, cap) : NULL;
+    if (!mask) return loom_error(LOOM_ERR_NOMEM, "tokenize: out of memory");
+    b->mask = mask;
+    b->cap = cap;
+    return LOOM_OK;
+}
+
+/* Encode text after b's ids (as a continuation with `more`), keeping room
+ * for one id after it. Room is made for one id per byte, which holds for
+ * most text; when a normalizer makes more (loom_tokenizer_max_ids can be
+ * eleven times the bytes), the text is encoded again in the room it asked
+ * for, not reserved at that bound for every document. */
+static loom_status encode_into(loom_tokenizer *tok, tok_buf *b, const char *text, size_t len, int more, size_t *n) {
+    LOOM_TRY(reserve(b, b->n + len + 1));
+    for (int again = 0;; again = 1) {
+        size_t room = b->cap - b->n - 1;
+        loom_status st = more ? loom_tokenizer_encode_more(tok, text, len, b->ids + b->n, room, n)
+                              : loom_tokenizer_encode(tok, text, len, b->ids + b->n, room, n);
+        if (st == LOOM_OK || again || *n <= room) return st;
+        LOOM_TRY(reserve(b, b->n + *n + 1));
     }
+}
+
+static loom_status append_doc(loom_tokenizer *tok, tok_buf *b, const doc *d) {
+    LOOM_TRY(reserve(b, b->n + 1));
     size_t n = 0, start = b->n;
     /* Every document starts with the begin-of-text token (a target: the end
      * of the last), and ends with the end-of-text token when that is another
@@ -184,17 +203,15 @@ static loom_status append_doc(loom_tokenizer *tok, tok_buf *b, const doc *d) {
     int bos = loom_tokenizer_bos(tok), eot = loom_tokenizer_eot(tok);
     if (bos >= 0) b->ids[b->n++] = bos;
     if (d->prompt) {
-        LOOM_TRY(loom_tokenizer_encode(tok, d->prompt, d->prompt_len, b->ids + b->n, b->cap - b->n, &n));
+        LOOM_TRY(encode_into(tok, b, d->prompt, d->prompt_len, 0, &n));
         memset(b->mask + start, 1, b->n - start);
         memset(b->mask + b->n, 0, n); /* the prompt: no target */
         b->n += n;
         b->masked |= n > 0;
         start = b->n;
     }
-    if (d->prompt) /* the completion continues its prompt */
-        LOOM_TRY(loom_tokenizer_encode_more(tok, d->text, d->len, b->ids + b->n, b->cap - b->n, &n));
-    else
-        LOOM_TRY(loom_tokenizer_encode(tok, d->text, d->len, b->ids + b->n, b->cap - b->n, &n));
+    /* the completion continues its prompt */
+    LOOM_TRY(encode_into(tok, b, d->text, d->len, d->prompt != NULL, &n));
     b->n += n;
     if (eot >= 0 && eot != bos) b->ids[b->n++] = eot;
     memset(b->mask + start, 1, b->n - start);

@@ -348,6 +348,10 @@ const char *loom_dataloader_shard_path(const loom_dataloader *dl, size_t i);
  *    without a token as its bytes' <0xXX> tokens (or the unknown token).
  *    decode(encode(s)) is s normalized, U+2581 read as a space (Llama 2's
  *    adds a leading space).
+ * Either may have Unicode normal forms (NFC, NFD, NFKC, NFKD; Qwen 2's NFC)
+ * among its normalizer's steps, applied in their place with utf8proc (the
+ * stretches of UTF-8 between bytes that are not UTF-8 normalized apart,
+ * those bytes kept); decode gives back the normalized text.
  * Its added tokens that are not special are found in text before anything
  * else, as Hugging Face does (those it normalizes in normalized text, as
  * their normalized content); special ones never are (Hugging Face finds them
@@ -355,7 +359,8 @@ const char *loom_dataloader_shard_path(const loom_dataloader *dl, size_t i);
  * special token encode gives is a SentencePiece-style file's unknown token,
  * for a character that neither a token nor its bytes' tokens spell.
  * Refused by name: WordPiece and Unigram models, word affixes or dropout,
- * other normalizers (NFC), ByteLevel's add_prefix_space, other
+ * other normalizer steps (in a byte-level file, anything but normal
+ * forms), ByteLevel's add_prefix_space, other
  * pre-tokenizers, Split behaviours and decoders, ignore_merges in a
  * SentencePiece-style file, added tokens that are not special and strip
  * spaces or match single words only. Such a tokenizer is not saved
@@ -407,10 +412,11 @@ loom_status loom_tokenizer_encode(loom_tokenizer *tok, const void *text, size_t 
  * of its first piece. */
 loom_status loom_tokenizer_encode_more(loom_tokenizer *tok, const void *text, size_t len,
                                        int32_t *out, size_t capacity, size_t *n_out);
-/* The most ids `len` bytes can encode to: len, or for a SentencePiece-style
- * tokenizer what its normalizer can make of them (a prefix for each piece
- * between added tokens; a space whose replacement falls back to its bytes'
- * tokens), SIZE_MAX when that does not fit a size_t. */
+/* The most ids `len` bytes can encode to: len, or for a Hugging Face
+ * tokenizer with a normalizer what it can make of them (a prefix for each
+ * piece between added tokens; a space whose replacement falls back to its
+ * bytes' tokens; 3 times the bytes for NFC and NFD, 11 for NFKC and NFKD,
+ * Unicode's bounds), SIZE_MAX when that does not fit a size_t. */
 size_t loom_tokenizer_max_ids(const loom_tokenizer *tok, size_t len);
 /* Decode ids into bytes. With out == NULL only *n_out (the byte count) is
  * computed. Errors: LOOM_ERR_INVALID (an id out of range: index and id

@@ -132,6 +132,9 @@ int64_t io_bytesmap_insert(io_bytesmap *m, const void *key, size_t len, int *ins
 
 #define BPE_MAX_CHUNK 128
 #define BPE_MAX_SPLITS 4 /* regular expressions a Hugging Face pre-tokenizer may chain */
+#define BPE_MAX_NORM 8   /* steps a Hugging Face normalizer may chain */
+/* Unicode's normal forms, as Hugging Face's normalizers of those names apply them. */
+enum bpe_form { BPE_FORM_NONE, BPE_NFC, BPE_NFD, BPE_NFKC, BPE_NFKD };
 
 /* The tokenizer: loom's own (ids 0..255 the bytes, 256 + r merge r, then
  * "<|endoftext|>") or a Hugging Face byte-level BPE (tokenizer_hf.c), whose
@@ -174,7 +177,9 @@ struct loom_tokenizer {
     int n_added;
     struct bpe_added { int32_t id; int normalized; char *bytes; size_t len; } *added;
     unsigned char added_first[256]; /* 1 where some added token starts with that byte */
-    struct bpe_norm { int prepend; char *a, *b; size_t na, nb; } norm[4]; /* prepend a, or replace a by b */
+    /* The normalizer's steps, in order: prepend a, replace a by b, or (form)
+     * a Unicode normal form (bpe_form). */
+    struct bpe_norm { int prepend; enum bpe_form form; char *a, *b; size_t na, nb; } norm[BPE_MAX_NORM];
     int ignore_merges;    /* a piece the vocabulary spells whole is that one id */
     io_bytesmap whole;    /* with ignore_merges: spelling -> entry, whole_id[entry] the id */
     int32_t *whole_id;
@@ -198,10 +203,18 @@ void bpe_byte_chars_init(bpe_byte_chars *bc);
 /* Allocate the tables of a tokenizer of vocab_size ids and n_merges merges
  * (merges, merged, tok_off, special zeroed); NULL when out of memory. */
 loom_tokenizer *bpe_tokenizer_alloc(int vocab_size, int n_merges);
-/* A SentencePiece-style tokenizer's normalizer on s[0..n): a malloc'd
- * result of *out bytes (NULL when out of memory). With cont, Prepend steps
- * are left out (the text continues another); on empty text they do nothing. */
-unsigned char *bpe_sp_normalize(const loom_tokenizer *tok, const unsigned char *s, size_t n, int cont, size_t *out);
+/* A Hugging Face tokenizer's normalizer on s[0..n): a malloc'd result of
+ * *out bytes (NULL when out of memory). With cont, Prepend steps are left
+ * out (the text continues another); on empty text they do nothing. */
+unsigned char *bpe_normalize(const loom_tokenizer *tok, const unsigned char *s, size_t n, int cont, size_t *out);
+/* A Unicode normal form of s[0..n), malloc'd, *out
+ * bytes; NULL when out of memory. Bytes that are not UTF-8 stay as they
+ * are, and each stretch of UTF-8 between them is normalized apart. At most
+ * BPE_FORM_GROWTH(form) times n bytes. */
+unsigned char *bpe_unicode_form(const unsigned char *s, size_t n, enum bpe_form form, size_t *out);
+/* The most a normal form multiplies UTF-8's length by (Unicode's bounds, UAX
+ * #15: 3 for the canonical forms, 11 for the compatibility ones). */
+#define BPE_FORM_GROWTH(form) ((form) >= BPE_NFKC ? 11u : 3u)
 /* Parse a Hugging Face tokenizer.json (already parsed as root). */
 loom_status bpe_tokenizer_load_hf(const char *path, const void *root, loom_tokenizer **out);
 

@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <utf8proc.h>
 
 #define CACHE_MAX_IDS (1u << 20) /* cleared when it holds more than this */
 
@@ -402,33 +403,102 @@ static size_t sat_add(size_t a, size_t b) { return a > SIZE_MAX - b ? SIZE_MAX :
 static size_t sat_mul(size_t a, size_t b) { return b && a > SIZE_MAX / b ? SIZE_MAX : a * b; }
 
 /* At most the bytes the normalizer makes of len bytes (saturating): each
- * replaced pattern, at least one byte, becomes at most its replacement. */
-static size_t sp_cap(const loom_tokenizer *tok, size_t len) {
+ * replaced pattern, at least one byte, becomes at most its replacement; a
+ * normal form grows text by at most BPE_FORM_GROWTH. */
+static size_t norm_cap(const loom_tokenizer *tok, size_t len) {
     size_t cap = len;
-    for (int i = 0; i < tok->n_norm; i++)
-        cap = tok->norm[i].prepend ? sat_add(cap, tok->norm[i].na)
-                                   : sat_mul(cap, tok->norm[i].nb > 1 ? tok->norm[i].nb : 1);
+    for (int i = 0; i < tok->n_norm; i++) {
+        const struct bpe_norm *nm = &tok->norm[i];
+        cap = nm->form ? sat_mul(cap, BPE_FORM_GROWTH(nm->form))
+              : nm->prepend ? sat_add(cap, nm->na) : sat_mul(cap, nm->nb > 1 ? nm->nb : 1);
+    }
     return cap;
 }
 
 size_t loom_tokenizer_max_ids(const loom_tokenizer *tok, size_t len) {
-    if (!tok || !tok->sp) return len; /* at most one id per byte */
+    if (!tok || !tok->hf) return len; /* at most one id per byte */
     /* at most one per normalized byte; the pieces between added tokens (at
      * most len + 1) are normalized apart, each with what the normalizer adds
-     * to nothing (sp_cap(0)) */
-    size_t ids = sat_add(sp_cap(tok, len), tok->n_added ? sat_mul(len, sp_cap(tok, 0)) : 0);
+     * to nothing (norm_cap(0)) */
+    size_t ids = sat_add(norm_cap(tok, len), tok->n_added ? sat_mul(len, norm_cap(tok, 0)) : 0);
     /* Metaspace: each byte may become the replacement, and each piece (at
      * most len + 1) may get one in front */
     return tok->meta ? sat_add(sat_mul(ids, tok->meta_rep_len), sat_mul(len + 1, tok->meta_rep_len)) : ids;
 }
 
-unsigned char *bpe_sp_normalize(const loom_tokenizer *tok, const unsigned char *s, size_t n, int cont, size_t *out) {
+/* Append n bytes to a growing buffer; 0 when out of memory. */
+static int put(unsigned char **b, size_t *len, size_t *cap, const unsigned char *src, size_t n) {
+    if (!grow((void **)b, cap, *len + n, 1)) return 0;
+    memcpy(*b + *len, src, n);
+    *len += n;
+    return 1;
+}
+
+/* A cut before an ASCII character never changes a normal form: it is a
+ * starter (nothing is reordered across it) and no canonical composition
+ * takes it second. So ASCII followed by ASCII is copied as it is, and
+ * utf8proc normalizes each stretch from an ASCII character followed by
+ * other text (or from other text) to the next ASCII character, or to a byte
+ * that is not UTF-8 (Hugging Face's library never meets those: its text is
+ * a Rust String; here they are kept, and cut the text as ASCII does). */
+unsigned char *bpe_unicode_form(const unsigned char *s, size_t n, enum bpe_form form, size_t *out) {
+    static const utf8proc_option_t opts[] = {
+        [BPE_NFC] = UTF8PROC_STABLE | UTF8PROC_COMPOSE,
+        [BPE_NFD] = UTF8PROC_STABLE | UTF8PROC_DECOMPOSE,
+        [BPE_NFKC] = UTF8PROC_STABLE | UTF8PROC_COMPOSE | UTF8PROC_COMPAT,
+        [BPE_NFKD] = UTF8PROC_STABLE | UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT,
+    };
+    size_t len = 0, cap = 0;
+    unsigned char *b = NULL;
+    if (!grow((void **)&b, &cap, n ? n : 1, 1)) return NULL;
+    for (size_t i = 0; i < n;) {
+        size_t j = i;
+        while (j < n && s[j] < 0x80 && (j + 1 == n || s[j + 1] < 0x80)) j++;
+        if (j > i) { /* ASCII before ASCII (or the end): its own normal form */
+            if (!put(&b, &len, &cap, s + i, j - i)) goto nomem;
+            i = j;
+            continue;
+        }
+        /* ASCII before other bytes, or other bytes: UTF-8 characters up to the next ASCII */
+        utf8proc_int32_t cp;
+        utf8proc_ssize_t k;
+        j += s[i] < 0x80;
+        while (j < n && s[j] >= 0x80 && (k = utf8proc_iterate(s + j, (utf8proc_ssize_t)(n - j), &cp)) > 0)
+            j += (size_t)k;
+        if (j - i <= 1) { /* a byte that is not UTF-8, or ASCII before one: kept */
+            if (!put(&b, &len, &cap, s + i, 1)) goto nomem;
+            i++;
+            continue;
+        }
+        utf8proc_uint8_t *d = NULL;
+        utf8proc_ssize_t m = utf8proc_map(s + i, (utf8proc_ssize_t)(j - i), &d, opts[form]);
+        int ok = m >= 0 && put(&b, &len, &cap, d, (size_t)m);
+        free(d);
+        if (!ok) goto nomem;
+        i = j;
+    }
+    *out = len;
+    return b;
+nomem:
+    free(b);
+    return NULL;
+}
+
+unsigned char *bpe_normalize(const loom_tokenizer *tok, const unsigned char *s, size_t n, int cont, size_t *out) {
     unsigned char *cur = malloc(n ? n : 1);
     if (!cur) return NULL;
     memcpy(cur, s, n);
     for (int i = 0; i < tok->n_norm; i++) {
         const struct bpe_norm *nm = &tok->norm[i];
         size_t m = n, hits = 0;
+        if (nm->form) {
+            unsigned char *next = bpe_unicode_form(cur, n, nm->form, &m);
+            free(cur);
+            if (!next) return NULL;
+            cur = next;
+            n = m;
+            continue;
+        }
         if (nm->prepend) {
             if (!n || cont) continue; /* nothing to prepend to; a continuation is not a start */
             m = n + nm->na;
@@ -583,7 +653,7 @@ static loom_status sp_segment(loom_tokenizer *tok, const unsigned char *text, si
     int cont = o->cont;
     o->cont = 0;
     size_t n = 0;
-    unsigned char *a = bpe_sp_normalize(tok, text, len, cont, &n);
+    unsigned char *a = bpe_normalize(tok, text, len, cont, &n);
     if (!a) return loom_error(LOOM_ERR_NOMEM, "out of memory normalizing %zu bytes", len);
     loom_status st = n >= UINT32_MAX ? loom_error(LOOM_ERR_INVALID, "tokenizer: a text of %zu bytes is one piece "
                                                   "for this tokenizer, more than loom encodes (4 GiB)", n)
@@ -596,10 +666,17 @@ static loom_status split_top(loom_tokenizer *tok, const unsigned char *s, size_t
     return emit_split(tok, 0, s, n, o);
 }
 
-/* Byte-level, one piece of text between added tokens (no normalizer: the
- * normalized added tokens split it as the raw ones did). */
+/* Byte-level, one piece of text between added tokens: normalized (its
+ * normalizer has Unicode normal forms only, if any), then split by the
+ * normalized added tokens. */
 static loom_status bl_segment(loom_tokenizer *tok, const unsigned char *s, size_t n, enc_out *o) {
-    return split_added(tok, s, n, 1, o, split_top);
+    if (!tok->n_norm) return split_added(tok, s, n, 1, o, split_top);
+    size_t m = 0;
+    unsigned char *a = bpe_normalize(tok, s, n, 0, &m);
+    if (!a) return loom_error(LOOM_ERR_NOMEM, "out of memory normalizing %zu bytes", n);
+    loom_status st = split_added(tok, a, m, 1, o, split_top);
+    free(a);
+    return st;
 }
 
 static loom_status encode(loom_tokenizer *tok, const void *text, size_t len, int32_t *out, size_t capacity,

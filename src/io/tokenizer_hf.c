@@ -6,12 +6,12 @@
  * What it reads: model "BPE" with the file's ids (vocab, merges as "a b" or
  * ["a", "b"], ignore_merges, unk_token and fuse_unk), added tokens, and
  * either of two layouts:
- *  - byte-level (GPT-2, Llama 3, StarCoder, DeepSeek, GPT-4): no normalizer
- *    (or an empty Sequence), a pre-tokenizer that is ByteLevel or a Sequence
+ *  - byte-level (GPT-2, Llama 3, StarCoder, DeepSeek, GPT-4, Qwen 2): no
+ *    normalizer but Unicode normal forms (NFC, NFD, NFKC, NFKD), a pre-tokenizer that is ByteLevel or a Sequence
  *    of regex Splits ("Isolated", or "Removed" inverted) and Digits ending in
  *    ByteLevel, a ByteLevel decoder; tokens spelled in GPT-2's byte alphabet;
- *  - SentencePiece-style (byte_fallback: Llama 2, Mistral, Gemma): Prepend
- *    and Replace normalizer steps, or a Metaspace pre-tokenizer (transformers'
+ *  - SentencePiece-style (byte_fallback: Llama 2, Mistral, Gemma): Prepend,
+ *    Replace and normal-form normalizer steps, or a Metaspace pre-tokenizer (transformers'
  *    legacy=False files), tokens as written with U+2581 for a space and
  *    <0xXX> for a byte.
  * The begin-of-text token is the one the post-processor's template puts
@@ -307,9 +307,9 @@ static loom_status token_bytes(hf_load *L, json_t *vocab, json_t *added) {
             t->id = (int32_t)id;
             t->normalized = nz ? json_is_true(nz) : 1;
             t->len = strlen(c);
-            t->bytes = t->normalized && L->sp
-                           ? (char *)bpe_sp_normalize(tok, (const unsigned char *)c, t->len, 0, &t->len)
-                                              : strdup(c);
+            t->bytes = t->normalized && tok->n_norm
+                           ? (char *)bpe_normalize(tok, (const unsigned char *)c, t->len, 0, &t->len)
+                           : strdup(c);
             if (!t->bytes || !t->len) {
                 st = t->bytes ? hf_bad(L->path, "added token \"%s\" normalizes to nothing", c)
                               : loom_error(LOOM_ERR_NOMEM, "out of memory loading '%s'", L->path);
@@ -436,6 +436,12 @@ static loom_status merges(hf_load *L, json_t *vocab, json_t *list) {
     return st;
 }
 
+/* A Unicode normal form's name, or BPE_FORM_NONE. */
+static enum bpe_form form_of(const char *t) {
+    return !strcmp(t, "NFC") ? BPE_NFC : !strcmp(t, "NFD") ? BPE_NFD : !strcmp(t, "NFKC") ? BPE_NFKC
+         : !strcmp(t, "NFKD") ? BPE_NFKD : BPE_FORM_NONE;
+}
+
 /* Gemma's pre-tokenizer splits on a string (a space) that its normalizer
  * has already replaced everywhere, the last step to touch it: it finds
  * nothing, and so does nothing. */
@@ -456,7 +462,8 @@ static int sp_split_is_noop(json_t *pre, json_t *norm) {
         const char *b = json_string_value(json_object_get(step, "content"));
         const char *p = json_string_value(json_object_get(step, "prepend"));
         if (!strcmp(type_of(step), "Replace") && a && b && !strcmp(a, pat) && !strstr(b, pat)) gone = 1;
-        else if ((b && strstr(b, pat)) || (p && strstr(p, pat))) gone = 0; /* brought back */
+        /* brought back (a normal form may make the character of others) */
+        else if ((b && strstr(b, pat)) || (p && strstr(p, pat)) || form_of(type_of(step))) gone = 0;
     }
     return gone;
 }
@@ -484,26 +491,34 @@ static loom_status metaspace(hf_load *L, json_t *pre) {
     return LOOM_OK;
 }
 
-/* A SentencePiece-style normalizer: Prepend and Replace (of a String) steps,
- * alone or in a Sequence (Llama 2's: prepend "▁", then spaces to "▁"). */
-static loom_status sp_normalizer(hf_load *L, json_t *n) {
+/* The normalizer's steps, alone or in a Sequence: Unicode normal forms (NFC,
+ * NFD, NFKC, NFKD: Qwen 2's NFC), and for a SentencePiece-style file also
+ * Prepend and Replace of a String (Llama 2's: prepend "▁", then spaces to
+ * "▁"). */
+static loom_status normalizer(hf_load *L, json_t *n) {
     loom_tokenizer *tok = L->tok;
     if (!n || json_is_null(n)) return LOOM_OK;
     json_t *one[1] = {n}, *list = json_object_get(n, "normalizers");
-    size_t count = !strcmp(type_of(n), "Sequence") ? json_array_size(list) : 1;
+    int seq = !strcmp(type_of(n), "Sequence");
+    if (seq && !json_is_array(list)) return hf_bad(L->path, "its normalizer is a Sequence without \"normalizers\"");
+    size_t count = seq ? json_array_size(list) : 1;
     for (size_t i = 0; i < count; i++) {
-        json_t *step = count == 1 && strcmp(type_of(n), "Sequence") ? one[0] : json_array_get(list, i);
+        json_t *step = seq ? json_array_get(list, i) : one[0];
         const char *t = type_of(step), *a = NULL, *b = "";
-        int prepend = !strcmp(t, "Prepend");
+        enum bpe_form form = form_of(t);
+        int prepend = L->sp && !strcmp(t, "Prepend");
         if (prepend) a = json_string_value(json_object_get(step, "prepend"));
-        else if (!strcmp(t, "Replace")) {
+        else if (L->sp && !strcmp(t, "Replace")) {
             a = json_string_value(json_object_get(json_object_get(step, "pattern"), "String"));
             b = json_string_value(json_object_get(step, "content"));
         }
-        if (!a || !*a || !b || tok->n_norm == 4 || strlen(a) > 64 || strlen(b) > 64)
-            return hf_bad(L->path, "its normalizer step \"%s\" is not one loom applies (Prepend, Replace of a "
-                          "String, at most 64 bytes each; at most 4 steps)", t);
+        if (tok->n_norm == BPE_MAX_NORM || (!form && (!a || !*a || !b || strlen(a) > 64 || strlen(b) > 64)))
+            return hf_bad(L->path, "its normalizer step \"%s\" is not one loom applies (NFC, NFD, NFKC, NFKD%s; at "
+                          "most %d steps)", t, L->sp ? ", Prepend, Replace of a String of at most 64 bytes" : "",
+                          BPE_MAX_NORM);
         struct bpe_norm *nm = &tok->norm[tok->n_norm++];
+        nm->form = form;
+        if (form) continue;
         nm->prepend = prepend;
         nm->na = strlen(a);
         nm->nb = strlen(b);
@@ -528,9 +543,6 @@ loom_status bpe_tokenizer_load_hf(const char *path, const void *root_v, loom_tok
     if (!unset(model, "continuing_subword_prefix") || !unset(model, "end_of_word_suffix") || !unset(model, "dropout"))
         return hf_bad(path, "its BPE has word affixes or dropout, which loom does not support");
     json_t *norm = json_object_get(root, "normalizer");
-    if (!sp && !unset(root, "normalizer") &&
-        !(!strcmp(type_of(norm), "Sequence") && json_array_size(json_object_get(norm, "normalizers")) == 0))
-        return hf_bad(path, "it has a normalizer (\"%s\"), which loom does not apply", type_of(norm));
     if (!json_is_object(vocab) || !json_is_array(list))
         return hf_bad(path, "its model has no \"vocab\" object or no \"merges\" array");
     if (added && !json_is_array(added)) return hf_bad(path, "\"added_tokens\" is not an array");
@@ -567,7 +579,7 @@ loom_status bpe_tokenizer_load_hf(const char *path, const void *root_v, loom_tok
     tok->fuse_unk = json_is_true(json_object_get(model, "fuse_unk"));
     if ((tok->ignore_merges || sp) && !(tok->whole_id = malloc((size_t)V * sizeof *tok->whole_id)))
         st = loom_error(LOOM_ERR_NOMEM, "out of memory loading '%s'", path);
-    if (st == LOOM_OK && sp) st = sp_normalizer(&L, norm);
+    if (st == LOOM_OK) st = normalizer(&L, norm);
     if (st == LOOM_OK && sp && !strcmp(type_of(pre), "Metaspace")) st = metaspace(&L, pre);
     if (st == LOOM_OK && !sp) st = pre_tokenizer(&L, pre);
     if (st == LOOM_OK && !sp && !tok->n_splits) /* a whole document would be one piece */

@@ -9,7 +9,10 @@
  */
 #include "io_test.h"
 
+#include "io/io_internal.h"
+
 #include <jansson.h>
+#include <utf8proc.h>
 
 /* GPT-2's spelling of byte b, as UTF-8. */
 static void spell(int b, char out[3]) {
@@ -439,6 +442,122 @@ static void test_normalizer_edges(void **state) {
     loom_tokenizer_free(t);
 }
 
+/* Both texts' ids, which must be equal (t encodes a, u encodes b). */
+static void same_ids(loom_tokenizer *t, const char *a, loom_tokenizer *u, const char *b) {
+    int32_t x[256], y[256];
+    size_t n = 0, m = 0;
+    assert_int_equal(loom_tokenizer_encode(t, a, strlen(a), x, 256, &n), LOOM_OK);
+    assert_int_equal(loom_tokenizer_encode(u, b, strlen(b), y, 256, &m), LOOM_OK);
+    assert_int_equal(n, m);
+    assert_memory_equal(x, y, n * sizeof *x);
+}
+
+/* The base file (or sp_file) with a normalizer of these steps. */
+static json_t *with_norm(json_t *root, json_t *steps) {
+    json_object_set_new(root, "normalizer", json_pack("{s:s, s:o}", "type", "Sequence", "normalizers", steps));
+    return root;
+}
+
+/* Unicode's normal forms as normalizer steps (Qwen 2's NFC): the text is
+ * normalized before it is split, so it encodes as its normal form does;
+ * bytes that are not UTF-8 stay; normalized added tokens are found in the
+ * normal form, by their content's normal form; the order of steps counts;
+ * loom_tokenizer_max_ids holds what a form grows text to. */
+static void test_unicode_forms(void **state) {
+    (void)state;
+    loom_tokenizer *plain, *nfc, *nfd, *nfkc, *nfkd;
+    assert_int_equal(load_json(base_file(), &plain), LOOM_OK);
+    json_t *r = base_file();
+    json_object_set_new(r, "normalizer", json_pack("{s:s}", "type", "NFC"));
+    assert_int_equal(load_json(r, &nfc), LOOM_OK);
+    assert_int_equal(load_json(with_norm(base_file(), json_pack("[{s:s}]", "type", "NFD")), &nfd), LOOM_OK);
+    assert_int_equal(load_json(with_norm(base_file(), json_pack("[{s:s}]", "type", "NFKC")), &nfkc), LOOM_OK);
+    assert_int_equal(load_json(with_norm(base_file(), json_pack("[{s:s}]", "type", "NFKD")), &nfkd), LOOM_OK);
+    /* e + U+0301, the Angstrom sign, Hangul jamo, q + U+0307 U+0323 (reordered), U+FB01 (fi), U+00B2 */
+    const char *text = "cafe\xcc\x81 \xe2\x84\xab \xe1\x84\x80\xe1\x85\xa1\xe1\x86\xa8 q\xcc\x87\xcc\xa3 \xef\xac\x81 x\xc2\xb2";
+    same_ids(nfc, text, plain, "caf\xc3\xa9 \xc3\x85 \xea\xb0\x81 q\xcc\xa3\xcc\x87 \xef\xac\x81 x\xc2\xb2");
+    same_ids(nfd, text, plain, "cafe\xcc\x81 A\xcc\x8a \xe1\x84\x80\xe1\x85\xa1\xe1\x86\xa8 q\xcc\xa3\xcc\x87 \xef\xac\x81 x\xc2\xb2");
+    same_ids(nfkc, text, plain, "caf\xc3\xa9 \xc3\x85 \xea\xb0\x81 q\xcc\xa3\xcc\x87 fi x2");
+    same_ids(nfkd, text, plain, "cafe\xcc\x81 A\xcc\x8a \xe1\x84\x80\xe1\x85\xa1\xe1\x86\xa8 q\xcc\xa3\xcc\x87 fi x2");
+    /* bytes that are not UTF-8 are kept, and cut the text as ASCII does */
+    same_ids(nfc, "\xff" "e\xcc\x81\xc3" "e\xcc\x81\xed\xa0\x80", plain, "\xff\xc3\xa9\xc3\xc3\xa9\xed\xa0\x80");
+    same_ids(nfc, "", plain, "");
+    /* a normalized added token's content is normalized, and found in normalized text; a raw one is not */
+    loom_tokenizer_free(nfc);
+    r = base_file();
+    json_object_set_new(r, "normalizer", json_pack("{s:s}", "type", "NFC"));
+    json_object_set_new(json_object_get(json_object_get(r, "model"), "vocab"), "e\xcc\x81<x>", json_integer(260));
+    json_object_set_new(json_object_get(json_object_get(r, "model"), "vocab"), "e\xcc\x81<y>", json_integer(261));
+    json_array_append_new(json_object_get(r, "added_tokens"), json_pack("{s:i, s:s, s:b, s:b}", "id", 260, "content",
+                                                                         "e\xcc\x81<x>", "special", 0, "normalized", 1));
+    json_array_append_new(json_object_get(r, "added_tokens"), json_pack("{s:i, s:s, s:b, s:b}", "id", 261, "content",
+                                                                         "e\xcc\x81<y>", "special", 0, "normalized", 0));
+    assert_int_equal(load_json(r, &nfc), LOOM_OK);
+    int32_t ids[64];
+    size_t m = 0;
+    assert_int_equal(loom_tokenizer_encode(nfc, "\xc3\xa9<x>e\xcc\x81<x>", 11, ids, 64, &m), LOOM_OK);
+    assert_int_equal(m, 2);
+    assert_int_equal(ids[0], 260);
+    assert_int_equal(ids[1], 260);
+    assert_int_equal(loom_tokenizer_encode(nfc, "e\xcc\x81<y>\xc3\xa9<y>", 11, ids, 64, &m), LOOM_OK);
+    assert_int_equal(ids[0], 261); /* the raw one as written only */
+    assert_true(m > 2);
+    /* U+FDFA grows elevenfold (3 bytes to 33) under NFKC, within max_ids */
+    size_t max = loom_tokenizer_max_ids(nfkc, 3);
+    assert_true(max >= 33);
+    assert_int_equal(loom_tokenizer_encode(nfkc, "\xef\xb7\xba", 3, ids, max, &m), LOOM_OK);
+    assert_int_equal(m, 33);
+    loom_tokenizer_free(plain);
+    loom_tokenizer_free(nfc);
+    loom_tokenizer_free(nfd);
+    loom_tokenizer_free(nfkc);
+    loom_tokenizer_free(nfkd);
+
+    /* SentencePiece-style: NFKC before the Replace makes U+00A0 a space and so "\u2581"; after it, a space */
+    loom_tokenizer *before, *after;
+    json_t *steps = json_pack("[{s:s}, {s:s, s:s}, {s:s, s:{s:s}, s:s}]", "type", "NFKC", "type", "Prepend", "prepend",
+                              SP_, "type", "Replace", "pattern", "String", " ", "content", SP_);
+    assert_int_equal(load_json(with_norm(sp_file(), steps), &before), LOOM_OK);
+    steps = json_pack("[{s:s, s:s}, {s:s, s:{s:s}, s:s}, {s:s}]", "type", "Prepend", "prepend", SP_, "type", "Replace",
+                      "pattern", "String", " ", "content", SP_, "type", "NFKC");
+    assert_int_equal(load_json(with_norm(sp_file(), steps), &after), LOOM_OK);
+    assert_int_equal(load_json(sp_file(), &plain), LOOM_OK);
+    same_ids(before, "ab\xc2\xa0" "ab", plain, "ab ab");
+    int32_t x[16], y[16];
+    size_t n = 0;
+    assert_int_equal(loom_tokenizer_encode(after, "ab\xc2\xa0" "ab", 6, x, 16, &n), LOOM_OK);
+    assert_int_equal(loom_tokenizer_encode(plain, "ab ab", 5, y, 16, &m), LOOM_OK);
+    assert_true(n != m || memcmp(x, y, n * sizeof *x)); /* " " is no token of its own here: bytes */
+    assert_int_equal(x[0], 264);
+    assert_int_equal(x[1], 3 + ' ');
+    loom_tokenizer_free(before);
+    loom_tokenizer_free(after);
+    loom_tokenizer_free(plain);
+}
+
+/* BPE_FORM_GROWTH bounds every code point's normal forms (a string's is at
+ * most the sum of its characters' decompositions), and is reached. */
+static void test_unicode_form_growth(void **state) {
+    (void)state;
+    enum bpe_form forms[] = {BPE_NFC, BPE_NFD, BPE_NFKC, BPE_NFKD};
+    for (int f = 0; f < 4; f++) {
+        size_t worst_num = 0, worst_den = 1;
+        for (utf8proc_int32_t cp = 0x80; cp <= 0x10FFFF; cp++) {
+            if (cp >= 0xD800 && cp <= 0xDFFF) continue;
+            unsigned char in[4];
+            size_t n = (size_t)utf8proc_encode_char(cp, in), m = 0;
+            /* the decomposed form bounds the composed one */
+            unsigned char *out = bpe_unicode_form(in, n, forms[f] == BPE_NFC ? BPE_NFD : forms[f] == BPE_NFKC
+                                                  ? BPE_NFKD : forms[f], &m);
+            assert_non_null(out);
+            free(out);
+            assert_true(m <= BPE_FORM_GROWTH(forms[f]) * n);
+            if (m * worst_den > worst_num * n) { worst_num = m; worst_den = n; }
+        }
+        assert_int_equal(worst_num, BPE_FORM_GROWTH(forms[f]) * worst_den);
+    }
+}
+
 /* The base file with a Split on `pattern` before its ByteLevel. */
 static json_t *split_file(const char *pattern, const char *behavior) {
     json_t *r = base_file();
@@ -489,10 +608,11 @@ static void test_real_file_layouts(void **state) {
     assert_int_equal(m, 5);
     for (size_t i = 0; i < m; i++) assert_int_equal(ids[i], want[i]);
     loom_tokenizer_free(t);
-    /* a normalizer Sequence that does something is refused */
+    /* a normalizer Sequence with a step loom does not apply is refused */
     root = base_file();
-    json_object_set_new(root, "normalizer", json_pack("{s:s, s:[{s:s}]}", "type", "Sequence", "normalizers", "type", "NFC"));
-    refused(root, "normalizer (\"Sequence\")");
+    json_object_set_new(root, "normalizer", json_pack("{s:s, s:[{s:s}, {s:s}]}", "type", "Sequence", "normalizers",
+                                                      "type", "NFC", "type", "Lowercase"));
+    refused(root, "normalizer step \"Lowercase\"");
 }
 
 static void test_refusals(void **state) {
@@ -504,9 +624,16 @@ static void test_refusals(void **state) {
     assert_int_equal(loom_tokenizer_load(io_path("nul.json"), &none), LOOM_ERR_UNSUPPORTED);
     IO_ASSERT_MSG("NUL character in an object key");
     json_t *r;
+    r = base_file(); /* a byte-level file's normalizer has normal forms only */
+    json_object_set_new(r, "normalizer", json_pack("{s:s, s:s}", "type", "Prepend", "prepend", "x"));
+    refused(r, "normalizer step \"Prepend\" is not one loom applies (NFC, NFD, NFKC, NFKD; at most 8 steps)");
     r = base_file();
-    json_object_set_new(r, "normalizer", json_pack("{s:s}", "type", "NFC"));
-    refused(r, "normalizer (\"NFC\")");
+    json_object_set_new(r, "normalizer", json_pack("{s:s}", "type", "Sequence"));
+    refused(r, "Sequence without \"normalizers\"");
+    refused(with_norm(sp_file(), json_pack("[{s:s}, {s:s}, {s:s}, {s:s}, {s:s}, {s:s}, {s:s}, {s:s}, {s:s}]", "type",
+                                           "NFC", "type", "NFC", "type", "NFC", "type", "NFC", "type", "NFC", "type",
+                                           "NFC", "type", "NFC", "type", "NFC", "type", "NFD")),
+            "normalizer step \"NFD\" is not one loom applies (NFC, NFD, NFKC, NFKD, Prepend, Replace");
     r = sp_file();
     json_object_set_new(r, "pre_tokenizer", json_pack("{s:s}", "type", "WhitespaceSplit"));
     refused(r, "SentencePiece-style BPE with a pre-tokenizer (\"WhitespaceSplit\")");
@@ -525,8 +652,14 @@ static void test_refusals(void **state) {
                                                       " ", "behavior", "Removed", "invert", 1));
     refused(r, "SentencePiece-style BPE with a pre-tokenizer (\"Split\")");
     r = sp_file();
-    json_object_set_new(r, "normalizer", json_pack("{s:s}", "type", "NFKC"));
-    refused(r, "normalizer step \"NFKC\"");
+    json_object_set_new(r, "normalizer", json_pack("{s:s}", "type", "Lowercase"));
+    refused(r, "normalizer step \"Lowercase\"");
+    /* Gemma's split is a no-op only if no later normal form can make the character again */
+    r = with_norm(sp_file(), json_pack("[{s:s, s:{s:s}, s:s}, {s:s}]", "type", "Replace", "pattern", "String", " ",
+                                       "content", SP_, "type", "NFKC"));
+    json_object_set_new(r, "pre_tokenizer", json_pack("{s:s, s:{s:s}, s:s}", "type", "Split", "pattern", "String", " ",
+                                                      "behavior", "MergedWithPrevious"));
+    refused(r, "SentencePiece-style BPE with a pre-tokenizer (\"Split\")");
     r = sp_file();
     json_object_set_new(json_object_get(r, "model"), "unk_token", json_null());
     json_object_del(json_object_get(json_object_get(r, "model"), "vocab"), "<0x41>");
@@ -598,6 +731,8 @@ int main(void) {
         cmocka_unit_test(test_added_tokens_in_text),
         cmocka_unit_test(test_metaspace),
         cmocka_unit_test(test_normalizer_edges),
+        cmocka_unit_test(test_unicode_forms),
+        cmocka_unit_test(test_unicode_form_growth),
         cmocka_unit_test(test_refusals),
     };
     return cmocka_run_group_tests(tests, io_scratch_setup, io_scratch_teardown);

@@ -2,7 +2,7 @@
 """loom reading Hugging Face tokenizer.json files, against an encoder
 written here, apart from loom's code, from the format's rules.
 
-A tokenizer loom trains is written out in Hugging Face's format four times:
+A tokenizer loom trains is written out in Hugging Face's format seven times:
   gpt2:   loom's ids, ByteLevel pre-tokenizer with GPT-2's expression, merges
           as "a b" strings, <|endoftext|> as the only added token;
   starcoder: the same with a Digits pre-tokenizer (each digit a piece) first,
@@ -16,7 +16,10 @@ A tokenizer loom trains is written out in Hugging Face's format four times:
           tokens), a normalizer that prepends U+2581 and turns spaces into
           it, no pre-tokenizer; the whole text is one piece of characters,
           merged in Hugging Face's order (the lowest-ranked pair, the leftmost
-          among equals, one at a time).
+          among equals, one at a time);
+  gpt2_nfc, gpt2_nfkd, llama2_nfkc_nfd: those with Unicode normal forms in
+          the normalizer (Qwen 2's NFC; NFKC before llama2's steps, NFD
+          after), the reference normalizing with Python's unicodedata.
 Each file is encoded by `loom tokenize --tokenizer` and by the reference
 below; the shards must hold exactly the reference's ids, documents framed as
 loom frames them (begin-of-text first, end-of-text last when it is another
@@ -33,6 +36,7 @@ import random
 import struct
 import subprocess
 import sys
+import unicodedata
 
 import regex
 
@@ -103,8 +107,9 @@ def read_shard(path):
 
 
 def hf_files(loom_tok):
-    """The two Hugging Face variants of a loom tokenizer: (name, json, patterns,
-    vocab spelling->id, ranks (a, b)->r, ignore_merges, bos, eot)."""
+    """The Hugging Face variants of a loom tokenizer: (name, json, patterns,
+    vocab spelling->id, ranks (a, b)->r, ignore_merges, bos, eot[, the
+    normal forms its normalizer applies, in order])."""
     merges = loom_tok["merges"]
     tok_bytes = [bytes([b]) for b in range(256)]
     for a, b in merges:
@@ -222,14 +227,31 @@ def hf_files(loom_tok):
     }
     ranks = {m: r for r, m in enumerate(sp_merges)}
     variants.append(("llama2", j, "sp", vocab, ranks, False, 1, 2))
+
+    # Unicode's normal forms before the rest: gpt2 with Qwen 2's NFC, with NFKD; llama2 with NFKC first
+    # (U+00A0 becomes a space, then "▁") and NFD last
+    for name, base, steps in (("gpt2_nfc", 0, [{"type": "NFC"}]),
+                              ("gpt2_nfkd", 0, [{"type": "Sequence", "normalizers": [{"type": "NFKD"}]}]),
+                              ("llama2_nfkc_nfd", 3, [{"type": "NFKC"}] + j["normalizer"]["normalizers"] +
+                               [{"type": "NFD"}])):
+        name0, j0, patterns, vocab0, ranks0, ignore, bos, eot = variants[base]
+        jn = dict(j0, normalizer=steps[0] if len(steps) == 1 else {"type": "Sequence", "normalizers": steps})
+        forms = [f["type"] for st in steps for f in ([st] if st["type"] != "Sequence" else st["normalizers"])
+                 if f["type"].startswith("NF")]
+        variants.append((name, jn, patterns, vocab0, ranks0, ignore, bos, eot, forms))
     return variants
 
 
-def reference_encode_sp(text, vocab, ranks):
-    """SentencePiece-style: normalize, characters (unknown ones as their
+def reference_encode_sp(text, vocab, ranks, forms=()):
+    """SentencePiece-style: normalize (a first normal form before the
+    Prepend and Replace, a second after), characters (unknown ones as their
     bytes' tokens), then merge the lowest-ranked adjacent pair, the leftmost
     among equals, one at a time."""
+    if forms:
+        text = unicodedata.normalize(forms[0], text)
     s = "▁" + text.replace(" ", "▁") if text else ""
+    if len(forms) > 1:
+        s = unicodedata.normalize(forms[1], s)
     word = []
     for ch in s:
         word += [ch] if ch in vocab else ["<0x%02X>" % b for b in ch.encode("utf-8")]
@@ -251,7 +273,13 @@ TEXTS = [
     "x" * 300 + " " + " " * 200 + "end\n",
     "   leading spaces and trailing spaces   \n\n",
     "Unicode spaces: x \u00a0y, \u2003\u2003z, a\u00a0b\u3000c\u2003d\u2028e \u00a0 f\u3000\u3000g and digits \u0663\u0664\u0665 \uff11\uff12\n",
+    "Normal forms: cafe\u0301 caf\u00e9 A\u030a \u212b \u1100\u1161\u11a8 \uac01 q\u0307\u0323 \ufb01ne \uff21\uff22 "
+    "\u2460 x\u00b2 \u00bd \u2126 \u1e9b\u0323 \ufdfa \u3300 n\u0303o\u0308\n",
 ]
+# First, and not in the tokenizer's training text: NFKC and NFKD make 33 bytes
+# of each 3, more ids than bytes (tokenize makes room for one id per byte, then
+# encodes again in the room the text asked for)
+GROWS = "\ufdfa" * 40 + "\n"
 
 
 def main():
@@ -261,13 +289,13 @@ def main():
     ap.add_argument("--corpus", nargs="+", default=[])
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
-    docs = list(TEXTS)
+    docs = [GROWS] + TEXTS
     for path in args.corpus:
         with open(path, encoding="utf-8") as f:
             docs.append(f.read())
     train = os.path.join(args.workdir, "train.txt")
     with open(train, "w", encoding="utf-8") as f:
-        f.write("".join(docs))
+        f.write("".join(docs[1:]))
     tok_path = os.path.join(args.workdir, "loom_tok.json")
     subprocess.run([args.loom, "tokenize", "--train", train, "--vocab", "1500", "--out", tok_path], check=True,
                    stderr=subprocess.DEVNULL)
@@ -280,12 +308,13 @@ def main():
             f.write(d)
         doc_files.append(p)
     failures = 0
-    for name, j, patterns, vocab, ranks, ignore, bos, eot in hf_files(loom_tok):
+    for name, j, patterns, vocab, ranks, ignore, bos, eot, *forms in hf_files(loom_tok):
+        forms = forms[0] if forms else []
         hf_path = os.path.join(args.workdir, name + ".json")
         with open(hf_path, "w", encoding="utf-8") as f:
             json.dump(j, f, ensure_ascii=False)
         # the SentencePiece-style reference merges in O(n^2): the short texts only
-        n_docs = len(TEXTS) if patterns == "sp" else len(docs)
+        n_docs = 1 + len(TEXTS) if patterns == "sp" else len(docs)
         out = os.path.join(args.workdir, "shards_" + name)
         subprocess.run([args.loom, "tokenize", "--tokenizer", hf_path, "--in"] + doc_files[:n_docs] +
                        ["--out", out, "--val-fraction", "0"], check=True, stderr=subprocess.DEVNULL)
@@ -294,9 +323,10 @@ def main():
         whole = 0
         for d in docs[:n_docs]:
             if patterns == "sp":
-                ids = reference_encode_sp(d, vocab, ranks)
+                ids = reference_encode_sp(d, vocab, ranks, forms)
             else:
-                ids = reference_encode(d, patterns, vocab, ranks, ignore)
+                ids = reference_encode(unicodedata.normalize(forms[0], d) if forms else d, patterns, vocab, ranks,
+                                       ignore)
             want += [bos] + ids + ([eot] if eot != bos else [])
         if ignore:
             extra = set(vocab[w] for w in vocab if len(w) > 1 and w not in {a + b for a, b in ranks} and
@@ -310,6 +340,9 @@ def main():
         else:
             print("ok %s: %d ids over %d documents equal the reference's%s" %
                   (name, len(got), n_docs, " (%d whole words by ignore_merges)" % whole if ignore else ""))
+        if forms and all(unicodedata.normalize(f, d) == d for f in forms for d in docs[:n_docs]):
+            print("FAIL %s: no text changes under %s: the test does not reach the normalizer" % (name, forms))
+            failures += 1
         if ignore and whole == 0:
             print("FAIL %s: no whole word came from ignore_merges: the test does not reach it" % name)
             failures += 1

@@ -4,7 +4,9 @@
 #    encoder written in the test, for GPT-2-, StarCoder-, Llama-3-style
 #    (shuffled ids, a Split expression, ignore_merges, a template's
 #    begin-of-text token, an end-of-text token after each document) and
-#    Llama-2-style (SentencePiece: normalizer, byte fallback) files.
+#    Llama-2-style (SentencePiece: normalizer, byte fallback) files, and
+#    files with Unicode normal forms (NFC, NFKD, NFKC and NFD), against
+#    Python's unicodedata.
 #  - A Llama-2-style file through tokenize, train and generate.
 #  - The whole path with the Llama-3-style file and a model shaped as Llama
 #    3.2 (tied, llama3 RoPE scaling): tokenize, train, the model directory
