@@ -75,7 +75,6 @@ static int run(int argc, char **argv) {
     if (st == LOOM_OK && adapter) st = loom_lora_load_peft(m, adapter); /* saved merged */
     if (st == LOOM_OK && tokenizer) st = load_tokenizer(tokenizer, m, &tok);
     if (st == LOOM_OK) st = gguf ? loom_llama_save_gguf(m, gt, tok, out) : loom_model_dir_save(m, dt, tokenizer, out);
-    if (st == LOOM_OK && !gguf) st = loom_model_dir_copy_generation_config(model, out); /* where generation stops */
     loom_tokenizer_free(tok);
     if (st == LOOM_OK)
         fprintf(stderr, "export: %lld parameters as %s %s to %s%s%s%s\n", (long long)n_weights,

@@ -157,9 +157,9 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
     t->m->recompute.mode = mode;
     t->m->recompute.blocks = o->recompute_blocks;
     loom_llama_init_weights(t->m, (uint64_t)o->seed);
-    if (o->init && !resume_dir) {
-        LOOM_TRY(loom_model_dir_load_weights(t->m, o->init));
-    }
+    if (o->init && !resume_dir) LOOM_TRY(loom_model_dir_load_weights(t->m, o->init));
+    /* where the base stops generating, carried by checkpoints and the final model */
+    if (o->init || resume_dir) LOOM_TRY(loom_model_dir_load_generation_config(t->m, resume_dir ? resume_dir : o->init));
     if (o->lora_init && !resume_dir) LOOM_TRY(loom_lora_load_peft(t->m, o->lora_init)); /* its A and B */
     if (o->lora_init && resume_dir && t->leader)
         fprintf(stderr, "train: --lora-init is ignored when resuming: the adapters come from the checkpoint\n");
@@ -553,8 +553,6 @@ static loom_status train_loop(trainer *t) {
     LOOM_TRY(loom_dist_optim_unshard_masters(t->opt));
     if (t->dist.dp_rank == 0) {
         loom_status st = loom_model_dir_save(t->m, LOOM_F32, t->has_tokenizer ? t->tokenizer_path : NULL, model_dir);
-        if (st == LOOM_OK && o->init && t->dist.tp_rank == 0) /* where the base stops generating */
-            st = loom_model_dir_copy_generation_config(o->init, model_dir);
         if (st != LOOM_OK) /* the training is not lost: the final checkpoint holds it */
             return loom_error(st, "%s; the final checkpoint is saved: once that is fixed, `loom train ... --resume "
                               "%s` writes the model without training further, or `loom export --model %s/ckpt-%08d "
@@ -724,7 +722,7 @@ static int run(int argc, char **argv) {
         {"preset", FLAG_STRING, &o->preset, "NAME", "model preset: tiny or small (default tiny)"},
         {"config", FLAG_STRING, &o->config, "FILE", "model from a Hugging Face config.json instead of a preset"},
         {"tie-embeddings", FLAG_BOOL, &o->tie, NULL, "share the embedding and lm_head weights (presets)"},
-        {"init", FLAG_STRING, &o->init, "DIR", "start from the weights of a model directory"},
+        {"init", FLAG_STRING, &o->init, "DIR", "start from the weights of a model directory (its generation_config.json goes into the checkpoints and the final model)"},
         {"resume", FLAG_STRING, &o->resume, "DIR", "continue from a checkpoint (or the latest in DIR)"},
         {"batch", FLAG_INT, &o->batch, "B", "sequences per micro-batch (default 8)"},
         {"seq", FLAG_INT, &o->seq, "T", "sequence length (default min(256, context))"},

@@ -73,9 +73,11 @@ loom_status loom_llama_load_weights(loom_llama *m, const char *path);
  * no weight_map, lacks a tensor or names a file outside the directory. */
 loom_status loom_model_dir_load_weights(loom_llama *m, const char *dir);
 
-/* Write a model directory: config.json, model.safetensors (dtype dt) and,
- * if tokenizer_path is not NULL, a copy of it as tokenizer.json. The
- * directory is created if needed. Every file is written in full beside the
+/* Write a model directory: config.json, model.safetensors (dtype dt), if
+ * tokenizer_path is not NULL a copy of it as tokenizer.json, and m's
+ * generation_config.json if it has one (a stale tokenizer.json or
+ * generation_config.json in dir is removed when there is none to write).
+ * The directory is created if needed. Every file is written in full beside the
  * old one before any old one is replaced, so a failure leaves the directory
  * as it was. The replacing itself (a rename per file) runs while the file
  * LOOM_MODEL_INCOMPLETE marks the directory, so a crash or a failed rename
@@ -147,12 +149,12 @@ loom_status loom_model_dir_check(const char *dir);
 loom_status loom_model_dir_eos_ids(const char *dir, int32_t *ids, int cap, int *n);
 #define LOOM_GENERATION_CONFIG "generation_config.json"
 #define LOOM_EOS_IDS_MAX 64 /* the most ids loom's readers take */
-/* Give to_dir from_dir's generation_config.json (checked as above): a copy,
- * written atomically, or, when from_dir has none, none (a stale one is
- * removed). For a model directory made from another (a fine-tune of it,
- * an export), so that generation stops where the original's does.
- * Errors: those above, LOOM_ERR_IO. */
-loom_status loom_model_dir_copy_generation_config(const char *from_dir, const char *to_dir);
+/* Give m dir's generation_config.json (checked as above; none when dir has
+ * none), which loom_model_dir_save then writes with m's files, so that a
+ * model made from another (a fine-tune of it, its checkpoints, an export)
+ * stops generating where the original does. loom_model_dir_load calls it.
+ * On an error m keeps what it had. Errors: those above, LOOM_ERR_NOMEM. */
+loom_status loom_model_dir_load_generation_config(loom_llama *m, const char *dir);
 /* Create a model from a directory (config.json + model.safetensors, or the
  * shards of model.safetensors.index.json) with the given precision (after
  * loom_model_dir_check). */

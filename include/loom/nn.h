@@ -164,6 +164,11 @@ struct loom_llama {
     loom_comm *tp_comm;  /* borrowed; NULL or size 1: no tensor parallelism */
     int tp_rank, tp_size;
     int dp_rank, dp_size; /* the replica's place among data-parallel ones (0 of 1 unless set) */
+    /* The generation_config.json of the directory it came from (malloc'd
+     * text, NULL: none), which its model directories and checkpoints carry
+     * (loom_model_dir_load_generation_config, loom_model_dir_save). */
+    char *generation_config;
+    size_t generation_config_len;
 };
 
 /* Allocate a model with zero weights. Free with loom_llama_free. */

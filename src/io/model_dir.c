@@ -446,8 +446,9 @@ loom_status io_check_finite(const float *v, size_t n, const char *path, const ch
  * leaves the old files as they were. The renames run under a marker file:
  * a crash between two of them leaves new weights beside an old config, and
  * the marker makes readers refuse that directory instead of loading it. */
-enum { DIR_CONFIG, DIR_WEIGHTS, DIR_TOKENIZER, DIR_FILES };
-static const char *const dir_files[DIR_FILES] = {"config.json", "model.safetensors", "tokenizer.json"};
+enum { DIR_CONFIG, DIR_WEIGHTS, DIR_TOKENIZER, DIR_GENERATION, DIR_FILES };
+static const char *const dir_files[DIR_FILES] = {"config.json", "model.safetensors", "tokenizer.json",
+                                                 LOOM_GENERATION_CONFIG};
 
 loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokenizer_path, const char *dir) {
     char path[DIR_FILES][4096] = {{0}}, staged[DIR_FILES][4104] = {{0}};
@@ -468,15 +469,17 @@ loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokeni
     if (st == LOOM_OK) st = w;
     if (st == LOOM_OK) st = loom_llama_config_save(&m->cfg, dt, staged[DIR_CONFIG]);
     if (st == LOOM_OK && tokenizer_path) st = loom_file_copy_atomic(tokenizer_path, staged[DIR_TOKENIZER]);
+    if (st == LOOM_OK && m->generation_config)
+        st = loom_file_write_atomic(staged[DIR_GENERATION], m->generation_config, m->generation_config_len);
     char marker[4200];
     if (st == LOOM_OK) st = join(marker, sizeof marker, dir, LOOM_MODEL_INCOMPLETE);
     static const char note[] = "loom was replacing the files of this model directory and stopped before it had "
                                "replaced them all; save the model again\n";
     if (st == LOOM_OK) st = loom_file_write_atomic(marker, note, sizeof note - 1);
     for (int i = 0; i < DIR_FILES && st == LOOM_OK; i++) {
-        if (i == DIR_TOKENIZER && !tokenizer_path) {
-            /* No tokenizer for this model: one left in dir by an earlier
-             * model would not match it. */
+        if ((i == DIR_TOKENIZER && !tokenizer_path) || (i == DIR_GENERATION && !m->generation_config)) {
+            /* No tokenizer (generation config) for this model: one left in
+             * dir by an earlier model would not match it. */
             if (unlink(path[i]) != 0 && errno != ENOENT)
                 st = loom_error(LOOM_ERR_IO, "cannot remove the stale %s: %s", path[i], strerror(errno));
         } else if (rename(staged[i], path[i]) != 0) {
@@ -903,19 +906,17 @@ loom_status loom_model_dir_eos_ids(const char *dir, int32_t *ids, int cap, int *
     return st;
 }
 
-loom_status loom_model_dir_copy_generation_config(const char *from_dir, const char *to_dir) {
-    char from[4200], to[4200];
+loom_status loom_model_dir_load_generation_config(loom_llama *m, const char *dir) {
+    char path[4200];
     void *text;
     size_t len;
     int32_t ids[LOOM_EOS_IDS_MAX];
-    int n; /* the file read once, checked as generate reads it */
-    LOOM_TRY(read_generation_config(from_dir, from, sizeof from, &text, &len, ids, LOOM_EOS_IDS_MAX, &n));
-    loom_status st = join(to, sizeof to, to_dir, LOOM_GENERATION_CONFIG);
-    if (st == LOOM_OK && text) st = loom_file_write_atomic(to, text, len);
-    else if (st == LOOM_OK && unlink(to) != 0 && errno != ENOENT) /* none to copy: a stale one goes */
-        st = loom_error(LOOM_ERR_IO, "cannot remove the stale %s: %s", to, strerror(errno));
-    free(text);
-    return st;
+    int n; /* checked as generate reads it */
+    LOOM_TRY(read_generation_config(dir, path, sizeof path, &text, &len, ids, LOOM_EOS_IDS_MAX, &n));
+    free(m->generation_config);
+    m->generation_config = text;
+    m->generation_config_len = len;
+    return LOOM_OK;
 }
 
 loom_status loom_model_dir_check(const char *dir) {
@@ -939,6 +940,7 @@ loom_status loom_model_dir_load(const char *dir, loom_precision prec, loom_llama
     loom_llama *m;
     LOOM_TRY(loom_llama_new(&cfg, prec, &m));
     loom_status st = loom_model_dir_load_weights(m, dir);
+    if (st == LOOM_OK) st = loom_model_dir_load_generation_config(m, dir);
     if (st != LOOM_OK) { loom_llama_free(m); return st; }
     *out = m;
     return LOOM_OK;

@@ -192,6 +192,7 @@ void loom_llama_free(loom_llama *m) {
         next = s->next;
         free(s);
     }
+    free(m->generation_config);
     free(m);
 }
 

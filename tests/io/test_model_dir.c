@@ -633,18 +633,20 @@ static void test_peft_dora(void **state) {
 }
 
 /* generation_config.json's eos_token_id, one id or a list; none without
- * the file; refusals by name; a copy into another directory, byte for
- * byte, or a stale one removed when the source has none. */
+ * the file; refusals by name; a model takes a directory's file (the model
+ * keeping what it had when the file is refused), its model directories and
+ * checkpoints carry it byte for byte, and a model without one removes a
+ * stale one where it saves. */
 static void test_generation_config(void **state) {
     (void)state;
     int32_t ids[LOOM_EOS_IDS_MAX];
     int n = -1;
     assert_int_equal(loom_mkdir_p(io_path("gc")), LOOM_OK);
-    assert_int_equal(loom_mkdir_p(io_path("gc2")), LOOM_OK);
     assert_int_equal(loom_model_dir_eos_ids(io_path("gc"), ids, LOOM_EOS_IDS_MAX, &n), LOOM_OK);
     assert_int_equal(n, 0);
-    char gc[512];
-    snprintf(gc, sizeof gc, "%s/generation_config.json", io_path("gc"));
+    char gc[512], gc2[512];
+    snprintf(gc, sizeof gc, "%s/" LOOM_GENERATION_CONFIG, io_path("gc"));
+    snprintf(gc2, sizeof gc2, "%s/" LOOM_GENERATION_CONFIG, io_path("gc2"));
     static const struct { const char *json; int n; int32_t first, last; } good[] = {
         {"{\"eos_token_id\": 7}", 1, 7, 7},
         {"{\"bos_token_id\": 1, \"eos_token_id\": [128001, 128008, 128009], \"do_sample\": true}", 3, 128001, 128009},
@@ -657,6 +659,9 @@ static void test_generation_config(void **state) {
         assert_int_equal(n, good[k].n);
         if (n) assert_true(ids[0] == good[k].first && ids[n - 1] == good[k].last);
     }
+    loom_llama *m = model(3);
+    io_write_raw(gc, good[1].json, strlen(good[1].json));
+    assert_int_equal(loom_model_dir_load_generation_config(m, io_path("gc")), LOOM_OK);
     static const struct { const char *json, *msg; } bad[] = {
         {"{\"eos_token_id\": \"</s>\"}", "eos_token_id must be a token id"},
         {"{\"eos_token_id\": [2, -1]}", "eos_token_id must be a token id"},
@@ -670,26 +675,46 @@ static void test_generation_config(void **state) {
         assert_int_equal(loom_model_dir_eos_ids(io_path("gc"), ids, 2, &n), LOOM_ERR_FORMAT);
         assert_int_equal(n, 0);
         IO_ASSERT_MSG(bad[k].msg);
-        /* and a copy of it is refused, the destination as it was */
-        assert_int_equal(loom_model_dir_copy_generation_config(io_path("gc"), io_path("gc2")),
-                         k == 3 ? LOOM_OK : LOOM_ERR_FORMAT); /* 3 ids are within the copy's bound */
+        /* and a model does not take it, keeping what it had */
+        assert_int_equal(loom_model_dir_load_generation_config(m, io_path("gc")),
+                         k == 3 ? LOOM_OK : LOOM_ERR_FORMAT); /* 3 ids are within the model's bound */
+        if (k == 3) { /* back to good[1] */
+            io_write_raw(gc, good[1].json, strlen(good[1].json));
+            assert_int_equal(loom_model_dir_load_generation_config(m, io_path("gc")), LOOM_OK);
+        }
     }
-    char gc2[512];
-    snprintf(gc2, sizeof gc2, "%s/generation_config.json", io_path("gc2"));
-    size_t na, nb;
-    unsigned char *kept = io_read_raw(gc2, &na); /* the copy of bad[3]; the later failures left it */
-    assert_true(na == strlen(bad[3].json) && memcmp(kept, bad[3].json, na) == 0);
-    free(kept);
-    io_write_raw(gc, good[1].json, strlen(good[1].json));
-    assert_int_equal(loom_model_dir_copy_generation_config(io_path("gc"), io_path("gc2")), LOOM_OK);
-    unsigned char *a = io_read_raw(gc, &na), *b = io_read_raw(gc2, &nb);
-    assert_true(na == nb && memcmp(a, b, na) == 0);
+    /* saved with the model, byte for byte; loaded with it again */
+    assert_int_equal(loom_model_dir_save(m, LOOM_F32, NULL, io_path("gc2")), LOOM_OK);
+    size_t na;
+    unsigned char *a = io_read_raw(gc2, &na);
+    assert_true(na == strlen(good[1].json) && memcmp(a, good[1].json, na) == 0);
     free(a);
-    free(b);
+    loom_llama *back;
+    loom_precision p = {LOOM_F32, 0};
+    assert_int_equal(loom_model_dir_load(io_path("gc2"), p, &back), LOOM_OK);
+    assert_true(back->generation_config_len == strlen(good[1].json) &&
+                memcmp(back->generation_config, good[1].json, back->generation_config_len) == 0);
+    /* and by a checkpoint, which a resumed run takes it from */
+    loom_train_state ts = {.loss_scale = 1.0f};
+    float *mm[16] = {0};
+    assert_true(m->n_params <= 16);
+    for (int i = 0; i < m->n_params; i++) mm[i] = calloc((size_t)loom_param_numel(m->params[i]), sizeof(float));
+    char ck[512];
+    snprintf(ck, sizeof ck, "%s/ckpt/" LOOM_GENERATION_CONFIG, io_path("gc"));
+    assert_int_equal(loom_checkpoint_save(io_path("gc/ckpt"), m, mm, mm, 0, &ts, NULL), LOOM_OK);
+    for (int i = 0; i < m->n_params; i++) free(mm[i]);
+    a = io_read_raw(ck, &na);
+    assert_true(na == strlen(good[1].json) && memcmp(a, good[1].json, na) == 0);
+    free(a);
+    /* a directory without one: the model then has none, and its save removes a stale one */
     assert_int_equal(remove(gc), 0);
-    assert_int_equal(loom_model_dir_copy_generation_config(io_path("gc"), io_path("gc2")), LOOM_OK);
+    assert_int_equal(loom_model_dir_load_generation_config(back, io_path("gc")), LOOM_OK);
+    assert_null(back->generation_config);
+    assert_int_equal(loom_model_dir_save(back, LOOM_F32, NULL, io_path("gc2")), LOOM_OK);
     struct stat sb;
     assert_int_not_equal(stat(gc2, &sb), 0); /* stale: removed */
+    loom_llama_free(back);
+    loom_llama_free(m);
 }
 
 static void test_gguf_refusals(void **state) {

@@ -60,7 +60,8 @@ expect_error "stop no-such-token-anywhere: no token" "$LOOM" generate --model "$
 # generation_config.json's eos_token_id stops generation (Llama 3's instruct
 # models list <|eot_id|> there): listing the id of greedy decoding's first
 # token leaves nothing after the prompt. export and train --init carry the
-# file to the directories they write.
+# file to the directories they write, checkpoints too, and a resumed run
+# takes it from its checkpoint.
 "$LOOM" generate --model "$WORK/run/model" --prompt "The tokenizer" --tokens 1 --temperature 0 >"$WORK/one.txt" \
   2>/dev/null || fail "generate one token"
 /usr/bin/python3 - "$hf" "$WORK/one.txt" "$WORK/run/model/generation_config.json" <<'PY' || fail "no id for the first token"
@@ -100,6 +101,14 @@ PY
 cmp -s "$WORK/hfdir/config.json" "$WORK/again/model/config.json" || fail "the fine-tuned model's config differs"
 cmp -s "$WORK/hfdir/generation_config.json" "$WORK/again/model/generation_config.json" ||
   fail "train --init did not carry generation_config.json to the fine-tuned model"
+cmp -s "$WORK/hfdir/generation_config.json" "$WORK/again/ckpt-00000001/generation_config.json" ||
+  fail "the checkpoint does not carry generation_config.json"
+# a resumed run (no --init) takes it from the checkpoint into its final model
+rm "$WORK/again/model/generation_config.json"
+"$LOOM" train --resume "$WORK/again" --data "$WORK/data" --steps 2 --batch 2 --seq 32 --eval-every 0 \
+  2>"$WORK/again2.log" || { cat "$WORK/again2.log"; fail "resume the fine-tune"; }
+cmp -s "$WORK/hfdir/generation_config.json" "$WORK/again/model/generation_config.json" ||
+  fail "a resumed run's model lost generation_config.json"
 expect_error "is not supported.*convert_hf_to_gguf" \
   "$LOOM" export --model "$WORK/run/model" --format gguf --out "$WORK/m.gguf"
 echo "1 passed, 0 failed"
