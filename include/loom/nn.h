@@ -44,6 +44,11 @@ typedef struct loom_llama_config {
     loom_rope_type rope_type;
     float rope_factor, rope_low_freq_factor, rope_high_freq_factor;
     int rope_original_max_pos;
+    /* Biases of the attention's linears (Hugging Face's "<linear>.bias"
+     * tensors): qkv_bias on q, k and v (Qwen 2's model, model_type "qwen2"),
+     * o_bias on o too (LLaMA's attention_bias, which sets both; o_bias
+     * alone has no Hugging Face layout). */
+    int qkv_bias, o_bias;
 } loom_llama_config;
 
 /* The RoPE of a config: its theta and scaling. */
@@ -54,7 +59,7 @@ loom_status loom_llama_preset(const char *name, loom_llama_config *cfg);
 /* Checks every field (positive sizes, heads divide dim, even head size…). */
 loom_status loom_llama_config_validate(const loom_llama_config *cfg);
 /* 1 when a and b give every weight the same shape (dim, layers, heads, kv
- * heads, ffn, vocabulary, tying), so weights of one load into the other;
+ * heads, ffn, vocabulary, tying, biases), so weights of one load into the other;
  * max_seq, the RoPE and norm_eps are not compared. */
 int loom_llama_config_same_weights(const loom_llama_config *a, const loom_llama_config *b);
 /* 1 when a and b have the same RoPE: theta and every scaling field. */
@@ -68,6 +73,7 @@ typedef enum loom_lora_target {
 
 typedef struct loom_llama_layer {
     loom_param *attn_norm, *wq, *wk, *wv, *wo, *mlp_norm, *w_gate, *w_up, *w_down;
+    loom_param *bq, *bk, *bv, *bo; /* the attention's biases (NULL: none; loom_llama_config) */
     /* LoRA adapters of the linears (NULL: none): A (rank, in), B (out, rank);
      * with DoRA the magnitudes m (out) too. */
     loom_param *lora_a[LOOM_LORA_N], *lora_b[LOOM_LORA_N], *lora_m[LOOM_LORA_N];
@@ -75,6 +81,8 @@ typedef struct loom_llama_layer {
 
 /* The weight of linear t of a layer (wq .. w_down). */
 loom_param *loom_llama_layer_weight(const loom_llama_layer *y, loom_lora_target t);
+/* Its bias (q, k, v, o only), or NULL when it has none. */
+loom_param *loom_llama_layer_bias(const loom_llama_layer *y, loom_lora_target t);
 
 /* LoRA (Hu et al., 2021, as PEFT computes it): each targeted linear
  * y = x W^T becomes y = x W^T + (alpha / rank) (x A^T) B^T with W frozen

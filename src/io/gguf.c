@@ -349,10 +349,11 @@ loom_status loom_llama_save_gguf(loom_llama *m, loom_gguf_type type, const loom_
     if (!tok)
         return loom_error(LOOM_ERR_INVALID, "GGUF export needs the model's tokenizer: llama.cpp cannot run a model "
                           "without its vocabulary");
-    if (m->cfg.rope_type != LOOM_ROPE_DEFAULT)
-        return loom_error(LOOM_ERR_UNSUPPORTED, "GGUF export of a model with rope_scaling is not supported: export a "
+    if (m->cfg.rope_type != LOOM_ROPE_DEFAULT || m->cfg.qkv_bias)
+        return loom_error(LOOM_ERR_UNSUPPORTED, "GGUF export of a model with %s is not supported: export a "
                           "Hugging Face directory (loom export --format hf) and convert that with llama.cpp's "
-                          "convert_hf_to_gguf.py");
+                          "convert_hf_to_gguf.py", m->cfg.qkv_bias ? "attention biases (Qwen 2's, attention_bias)"
+                                                                    : "rope_scaling");
     if (tok->hf)
         return loom_error(LOOM_ERR_UNSUPPORTED, "GGUF export with a Hugging Face tokenizer is not supported: export "
                           "a Hugging Face directory (loom export --format hf), which keeps the tokenizer.json as "

@@ -80,15 +80,27 @@ static loom_status get_float(json_t *root, const char *path, const char *key, fl
     return LOOM_OK;
 }
 
+/* Whether the config is Qwen 2's (model_type "qwen2"): LLaMA's model with
+ * biases on q, k and v, and a sliding window only where use_sliding_window
+ * says so. */
+static int is_qwen2(json_t *root) {
+    json_t *mt = json_object_get(root, "model_type");
+    return json_is_string(mt) && !strcmp(json_string_value(mt), "qwen2");
+}
+
 /* Fields that change the math: refuse what loom does not implement rather
- * than compute something else. */
-static loom_status check_unsupported(json_t *root, const char *path, const loom_llama_config *c) {
-    json_t *v;
-    const char *bias[] = {"attention_bias", "mlp_bias"};
-    for (int i = 0; i < 2; i++) {
-        v = json_object_get(root, bias[i]);
-        if (v && json_is_true(v))
-            return loom_error(LOOM_ERR_UNSUPPORTED, "%s: %s = true is not supported by loom's LLaMA", path, bias[i]);
+ * than compute something else; the attention's biases (Qwen 2's on q, k
+ * and v; LLaMA's attention_bias on all four). */
+static loom_status check_unsupported(json_t *root, const char *path, loom_llama_config *c) {
+    json_t *v = json_object_get(root, "mlp_bias");
+    if (v && json_is_true(v))
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: mlp_bias = true is not supported by loom's LLaMA", path);
+    v = json_object_get(root, "attention_bias");
+    if (is_qwen2(root)) {
+        c->qkv_bias = 1; /* Qwen 2's attention has them whatever the file says; o has none */
+    } else if (v && !json_is_null(v)) {
+        if (!json_is_boolean(v)) return loom_error(LOOM_ERR_FORMAT, "%s: attention_bias must be true or false", path);
+        c->qkv_bias = c->o_bias = json_is_true(v);
     }
     v = json_object_get(root, "head_dim");
     if (v && !json_is_null(v) && (!json_is_integer(v) || json_integer_value(v) != c->dim / c->n_heads ||
@@ -96,9 +108,10 @@ static loom_status check_unsupported(json_t *root, const char *path, const loom_
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: head_dim must equal hidden_size / num_attention_heads", path);
     /* Other model types are other architectures under similar names. */
     v = json_object_get(root, "model_type");
-    if (v && (!json_is_string(v) || (strcmp(json_string_value(v), "llama") && strcmp(json_string_value(v), "mistral"))))
-        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: model_type \"%s\" is not a LLaMA model (loom reads \"llama\" and "
-                          "\"mistral\")", path, json_is_string(v) ? json_string_value(v) : "?");
+    if (v && (!json_is_string(v) || (strcmp(json_string_value(v), "llama") && strcmp(json_string_value(v), "mistral") &&
+                                     !is_qwen2(root))))
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: model_type \"%s\" is not a LLaMA model (loom reads \"llama\", "
+                          "\"mistral\" and \"qwen2\")", path, json_is_string(v) ? json_string_value(v) : "?");
     v = json_object_get(root, "hidden_act");
     if (v && (!json_is_string(v) || strcmp(json_string_value(v), "silu") != 0))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: hidden_act must be \"silu\"", path);
@@ -108,9 +121,15 @@ static loom_status check_unsupported(json_t *root, const char *path, const loom_
 /* Mistral's model is LLaMA's but for a sliding attention window (4096 when
  * a "mistral" config does not say), which equals full causal attention up
  * to its length: loom's context is then the shorter of the two, where both
- * compute the same. */
+ * compute the same. Qwen 2's window applies only with use_sliding_window
+ * (and then to some layers: to be safe, loom's context ends where it
+ * would begin). */
 static loom_status apply_window(json_t *root, const char *path, loom_llama_config *c) {
     json_t *v = json_object_get(root, "sliding_window"), *mt = json_object_get(root, "model_type");
+    json_t *use = json_object_get(root, "use_sliding_window");
+    if (use && !json_is_null(use) && !json_is_boolean(use))
+        return loom_error(LOOM_ERR_FORMAT, "%s: use_sliding_window must be true or false", path);
+    if (is_qwen2(root) && !json_is_true(use)) return LOOM_OK;
     json_int_t window = 0;
     if (v && !json_is_null(v)) {
         if (!json_is_integer(v) || json_integer_value(v) <= 0)
@@ -199,7 +218,7 @@ loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
     if (st == LOOM_OK) st = get_int(root, path, "num_key_value_heads", 0, &c->n_kv_heads);
     if (st == LOOM_OK) st = get_int(root, path, "intermediate_size", 1, &c->ffn_dim);
     if (st == LOOM_OK) st = get_int(root, path, "vocab_size", 1, &c->vocab_size);
-    c->max_seq = 2048;
+    c->max_seq = is_qwen2(root) ? 32768 : 2048; /* LlamaConfig's default, Qwen2Config's */
     if (st == LOOM_OK) st = get_int(root, path, "max_position_embeddings", 0, &c->max_seq);
     if (st == LOOM_OK) st = get_float(root, path, "rms_norm_eps", &c->norm_eps);
     json_t *tie = st == LOOM_OK ? json_object_get(root, "tie_word_embeddings") : NULL;
@@ -237,6 +256,17 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
             json_decref(root);
             root = NULL;
         }
+    }
+    if (root && c->qkv_bias && !c->o_bias) { /* Qwen 2's layout: its model_type says so */
+        if (json_object_set_new(root, "architectures", json_pack("[s]", "Qwen2ForCausalLM")) ||
+            json_object_set_new(root, "model_type", json_string("qwen2")) || json_object_del(root, "attention_bias") ||
+            json_object_set_new(root, "use_sliding_window", json_false())) {
+            json_decref(root);
+            root = NULL;
+        }
+    } else if (root && json_object_set_new(root, "attention_bias", json_boolean(c->o_bias)) != 0) {
+        json_decref(root);
+        root = NULL;
     }
     if (!root) return loom_error(LOOM_ERR_NOMEM, "config: cannot build JSON");
     char *text = json_dumps(root, JSON_INDENT(2) | JSON_REAL_PRECISION(9));

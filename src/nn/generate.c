@@ -30,21 +30,33 @@ typedef struct scratch {
 
 static void *row(void *base, int i, int width, loom_dtype dt) { return (char *)base + (size_t)i * (size_t)width * ELT(dt); }
 
+/* Each of out's T rows (M wide) plus b (NULL: none). */
+static void add_bias_rows(void *out, const void *b, int T, int M, loom_dtype dt) {
+    for (int i = 0; b && i < T; i++) add_fwd(row(out, i, M, dt), row(out, i, M, dt), b, (size_t)M, dt);
+}
+
 /* out (T, M) = x (T, K) W^T for linear t of layer y, plus s (x A^T) B^T
  * (s: loom_lora_scale) when it has a LoRA adapter, each column then times
- * DoRA's m / n when it is DoRA's. */
+ * DoRA's m / n when it is DoRA's; then its bias, if any, as training adds
+ * it. */
 static loom_status linear(const loom_llama *m, scratch *s, void *out, const void *x, const loom_llama_layer *y,
                           loom_lora_target t, int T, int K, int M) {
     loom_dtype dt = m->prec.compute;
     const loom_param *w = loom_llama_layer_weight(y, t), *a = y->lora_a[t], *b = y->lora_b[t];
+    const loom_param *bias = loom_llama_layer_bias(y, t);
+    const void *bv = bias ? loom_tensor_data(bias->tensor) : NULL;
     LOOM_TRY(gemm(0, 1, T, M, K, 1.0f, x, K, loom_tensor_data(w->tensor), K, dt, 0.0f, out, M, dt, NULL, LOOM_F32));
-    if (!a) return LOOM_OK;
+    if (!a) {
+        add_bias_rows(out, bv, T, M, dt);
+        return LOOM_OK;
+    }
     int r = m->lora.rank;
     LOOM_TRY(gemm(0, 1, T, r, K, 1.0f, x, K, loom_tensor_data(a->tensor), K, dt, 0.0f, s->lora, r, dt, NULL, LOOM_F32));
     LOOM_TRY(gemm(0, 1, T, M, r, loom_lora_scale(&m->lora), s->lora, r, loom_tensor_data(b->tensor), r, dt, 1.0f, out,
                   M, dt, NULL, LOOM_F32));
     const float *f = s->dora ? s->dora[(y - m->layers) * LOOM_LORA_N + t] : NULL;
     if (f) colscale(out, out, f, (size_t)T, (size_t)M, dt); /* DoRA: (m / n) (x W^T + s x A^T B^T) */
+    add_bias_rows(out, bv, T, M, dt);
     return LOOM_OK;
 }
 

@@ -65,7 +65,7 @@ loom_rope_freqs loom_llama_rope(const loom_llama_config *c) {
 int loom_llama_config_same_weights(const loom_llama_config *a, const loom_llama_config *b) {
     return a->dim == b->dim && a->n_layers == b->n_layers && a->n_heads == b->n_heads &&
            a->n_kv_heads == b->n_kv_heads && a->ffn_dim == b->ffn_dim && a->vocab_size == b->vocab_size &&
-           a->tie_embeddings == b->tie_embeddings;
+           a->tie_embeddings == b->tie_embeddings && !a->qkv_bias == !b->qkv_bias && !a->o_bias == !b->o_bias;
 }
 
 int loom_llama_config_same_rope(const loom_llama_config *a, const loom_llama_config *b) {
@@ -90,6 +90,9 @@ loom_status loom_llama_config_validate(const loom_llama_config *c) {
         return loom_error(LOOM_ERR_INVALID, "model config: rope_theta and norm_eps must be positive");
     loom_rope_freqs r = loom_llama_rope(c);
     if (loom_rope_check(&r) != LOOM_OK) return loom_error(LOOM_ERR_INVALID, "model config: %s", loom_last_error());
+    if (c->o_bias && !c->qkv_bias)
+        return loom_error(LOOM_ERR_INVALID, "model config: a bias on o needs biases on q, k and v (LLaMA's "
+                          "attention_bias has all four, Qwen 2's the three)");
     return LOOM_OK;
 }
 
@@ -148,25 +151,32 @@ static loom_status llama_create(const loom_llama_config *cfg, loom_precision pre
     m->dp_size = 1;
     int L = cfg->n_layers, C = cfg->dim, HS = cfg->dim / cfg->n_heads, KV = cfg->n_kv_heads * HS;
     m->layers = calloc((size_t)L, sizeof *m->layers);
-    m->params = calloc(9 * (size_t)L + 3, sizeof *m->params);
+    m->params = calloc(13 * (size_t)L + 3, sizeof *m->params);
     if (!m->layers || !m->params) { loom_llama_free(m); return LOOM_ERR_NOMEM; }
     loom_dtype dt = prec.compute;
     char name[160];
     loom_status st = add_param(m, "model.embed_tokens.weight", dt, 2, cfg->vocab_size, C, -1, frozen, &m->embed);
     for (int l = 0; l < L && st == LOOM_OK; l++) {
         loom_llama_layer *y = &m->layers[l];
-        struct { const char *suffix; int ndim; int64_t d0, d1; int split; loom_param **slot; } spec[] = {
-            {"input_layernorm.weight", 1, C, 0, -1, &y->attn_norm},
-            {"self_attn.q_proj.weight", 2, C, C, 0, &y->wq},
-            {"self_attn.k_proj.weight", 2, KV, C, 0, &y->wk},
-            {"self_attn.v_proj.weight", 2, KV, C, 0, &y->wv},
-            {"self_attn.o_proj.weight", 2, C, C, 1, &y->wo},
-            {"post_attention_layernorm.weight", 1, C, 0, -1, &y->mlp_norm},
-            {"mlp.gate_proj.weight", 2, cfg->ffn_dim, C, 0, &y->w_gate},
-            {"mlp.up_proj.weight", 2, cfg->ffn_dim, C, 0, &y->w_up},
-            {"mlp.down_proj.weight", 2, C, cfg->ffn_dim, 1, &y->w_down},
+        /* Hugging Face's order; a bias splits as its weight's rows (o's is whole) */
+        int qb = cfg->qkv_bias, ob = cfg->o_bias;
+        struct { const char *suffix; int ndim; int64_t d0, d1; int split; loom_param **slot; int has; } spec[] = {
+            {"input_layernorm.weight", 1, C, 0, -1, &y->attn_norm, 1},
+            {"self_attn.q_proj.weight", 2, C, C, 0, &y->wq, 1},
+            {"self_attn.q_proj.bias", 1, C, 0, 0, &y->bq, qb},
+            {"self_attn.k_proj.weight", 2, KV, C, 0, &y->wk, 1},
+            {"self_attn.k_proj.bias", 1, KV, 0, 0, &y->bk, qb},
+            {"self_attn.v_proj.weight", 2, KV, C, 0, &y->wv, 1},
+            {"self_attn.v_proj.bias", 1, KV, 0, 0, &y->bv, qb},
+            {"self_attn.o_proj.weight", 2, C, C, 1, &y->wo, 1},
+            {"self_attn.o_proj.bias", 1, C, 0, -1, &y->bo, ob},
+            {"post_attention_layernorm.weight", 1, C, 0, -1, &y->mlp_norm, 1},
+            {"mlp.gate_proj.weight", 2, cfg->ffn_dim, C, 0, &y->w_gate, 1},
+            {"mlp.up_proj.weight", 2, cfg->ffn_dim, C, 0, &y->w_up, 1},
+            {"mlp.down_proj.weight", 2, C, cfg->ffn_dim, 1, &y->w_down, 1},
         };
         for (size_t i = 0; i < sizeof spec / sizeof spec[0] && st == LOOM_OK; i++) {
+            if (!spec[i].has) continue;
             snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[i].suffix);
             st = add_param(m, name, dt, spec[i].ndim, spec[i].d0, spec[i].d1, spec[i].split, frozen,
                            spec[i].slot);
@@ -284,8 +294,9 @@ void loom_llama_init_weights(loom_llama *m, uint64_t seed) {
         int own = p->tp_split_dim < 0 && loom_param_has_master(p);
         float *w = own ? loom_param_master(p) : malloc(n * sizeof *w);
         LOOM_ASSERT(w != NULL);
-        if (p->tensor->ndim == 1) {
-            for (size_t k = 0; k < n; k++) w[k] = 1.0f;
+        if (p->tensor->ndim == 1) { /* norms' weights 1, biases 0 (Hugging Face's) */
+            float v = strstr(p->name, ".bias") ? 0.0f : 1.0f;
+            for (size_t k = 0; k < n; k++) w[k] = v;
         } else {
             int resid = strstr(p->name, "o_proj") || strstr(p->name, "down_proj");
             /* Each parameter draws from its own stream: offset i << 40. */
@@ -312,6 +323,11 @@ const char *loom_lora_target_name(loom_lora_target t) { return (unsigned)t < LOO
 loom_param *loom_llama_layer_weight(const loom_llama_layer *y, loom_lora_target t) {
     loom_param *const w[LOOM_LORA_N] = {y->wq, y->wk, y->wv, y->wo, y->w_gate, y->w_up, y->w_down};
     return (unsigned)t < LOOM_LORA_N ? w[t] : NULL;
+}
+
+loom_param *loom_llama_layer_bias(const loom_llama_layer *y, loom_lora_target t) {
+    loom_param *const b[] = {y->bq, y->bk, y->bv, y->bo};
+    return (unsigned)t < sizeof b / sizeof *b ? b[t] : NULL;
 }
 
 static int piece_is(const char *p, size_t n, const char *name) { return strlen(name) == n && !strncmp(p, name, n); }
@@ -624,6 +640,17 @@ void loom_llama_zero_grad(loom_llama *m) {
 static loom_status dora_output(const struct llama_block_args *a, loom_lora_target t, loom_tensor *xd, loom_tensor *xa,
                                loom_tensor *base, float scale, loom_tensor **out);
 
+/* y + b (b NULL: y), taking y over. */
+static loom_status plus_bias(loom_tensor *y, const loom_param *b, loom_tensor **out) {
+    if (!b) {
+        *out = y;
+        return LOOM_OK;
+    }
+    loom_status st = loom_add_bias(y, b->tensor, out);
+    loom_tensor_release(y);
+    return st;
+}
+
 /* Linear t of the block: x W^T, plus s (dropout(x) A^T) B^T (s:
  * loom_lora_scale; DoRA's column scale after it: dora_output)
  * when it has a LoRA adapter (the dropout only in a training forward); B's
@@ -641,22 +668,26 @@ static loom_status dora_output(const struct llama_block_args *a, loom_lora_targe
  *    takes the rank's columns of the whole rows' mask.
  * A data-parallel rank's dropout takes its rows of the global batch's
  * mask (loom_llama_set_data_parallel).
- * Without tensor parallelism f and g are the identity and xr is x. */
+ * Without tensor parallelism f and g are the identity and xr is x.
+ * A bias (q, k, v, o: loom_llama_config) is added last, by its own op:
+ * after the row-parallel sum (once, not once per rank), outside the adapter
+ * and DoRA's scale (PEFT's: the base layer's bias is not scaled), and so the
+ * same with an adapter whose B is zero as without one, bit for bit. */
 static loom_status block_linear(const struct llama_block_args *a, loom_lora_target t, loom_tensor *x,
                                 loom_tensor *xr, loom_tensor **out) {
     const loom_llama *m = a->m;
     const loom_llama_layer *y = &m->layers[a->layer];
-    const loom_param *w = loom_llama_layer_weight(y, t);
+    const loom_param *w = loom_llama_layer_weight(y, t), *bias = loom_llama_layer_bias(y, t);
     int row = w->tp_split_dim == 1;
-    loom_tensor *base = NULL, *partial = NULL, *xd = NULL, *xa = NULL, *xaf = NULL;
+    loom_tensor *base = NULL, *partial = NULL, *xd = NULL, *xa = NULL, *xaf = NULL, *sum = NULL;
     loom_status st = loom_fused_linear(x, w->tensor, NULL, row ? &partial : &base);
     if (st == LOOM_OK && row) st = tp_reduce(m->tp_comm, partial, &base);
     loom_tensor_release(partial);
-    if (st != LOOM_OK || !y->lora_a[t]) {
-        *out = base;
-        return st;
-    }
     *out = NULL;
+    if (st != LOOM_OK || !y->lora_a[t]) {
+        if (st != LOOM_OK) return st;
+        return plus_bias(base, bias, out);
+    }
     loom_tensor *in = row || !xr ? x : xr;
     float scale = loom_lora_scale(&m->lora);
     if (a->training && m->lora.dropout > 0.0f) {
@@ -668,10 +699,10 @@ static loom_status block_linear(const struct llama_block_args *a, loom_lora_targ
     }
     if (st == LOOM_OK) st = loom_fused_linear(xd ? xd : in, y->lora_a[t]->tensor, NULL, &xa);
     if (st == LOOM_OK) st = row ? tp_reduce(m->tp_comm, xa, &xaf) : tp_copy(m->tp_comm, xa, &xaf);
-    if (st == LOOM_OK && y->lora_m[t]) st = dora_output(a, t, xd, xaf, base, scale, out);
-    else if (st == LOOM_OK) st = loom_fused_linear_add(xaf, y->lora_b[t]->tensor, scale, base, out); /* one GEMM */
+    if (st == LOOM_OK && y->lora_m[t]) st = dora_output(a, t, xd, xaf, base, scale, &sum);
+    else if (st == LOOM_OK) st = loom_fused_linear_add(xaf, y->lora_b[t]->tensor, scale, base, &sum); /* one GEMM */
     RELEASE(base, xd, xa, xaf);
-    return st;
+    return st == LOOM_OK ? plus_bias(sum, bias, out) : st;
 }
 
 /* DoRA: (m / n) (base + s xa B^T), n the norms of W + s B A, a constant;

@@ -80,6 +80,7 @@ static inline unsigned char *io_read_raw(const char *path, size_t *n) {
     unsigned char *b = malloc((size_t)len + 1);
     assert_int_equal(fread(b, 1, (size_t)len, f), (size_t)len);
     fclose(f);
+    b[len] = 0; /* so that text files read as strings */
     *n = (size_t)len;
     return b;
 }

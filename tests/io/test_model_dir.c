@@ -571,6 +571,64 @@ static void test_rope_scaling_config(void **state) {
     assert_int_equal(back.max_seq, 4096);
 }
 
+/* The attention's biases in config.json: Qwen 2's model_type gives q, k
+ * and v biases (whatever attention_bias says), LLaMA's attention_bias all
+ * four; each saves as Hugging Face writes it and loads back; Qwen 2's
+ * window applies only with use_sliding_window; what is not a boolean, an
+ * MLP bias and a bias on o alone are refused by name. */
+static void test_bias_config(void **state) {
+    (void)state;
+    static const struct { const char *extra; int qkv, o, max_seq; } good[] = {
+        {"", 0, 0, 2048},
+        {", \"attention_bias\": false", 0, 0, 2048},
+        {", \"attention_bias\": true", 1, 1, 2048},
+        {", \"model_type\": \"qwen2\"", 1, 0, 32768}, /* Qwen2Config's context */
+        {", \"model_type\": \"qwen2\", \"attention_bias\": true, \"sliding_window\": 64, "
+         "\"use_sliding_window\": false", 1, 0, 32768},
+        {", \"model_type\": \"qwen2\", \"sliding_window\": 64, \"use_sliding_window\": true", 1, 0, 64},
+    };
+    char json[512];
+    loom_llama_config c, back;
+    for (size_t k = 0; k < sizeof good / sizeof good[0]; k++) {
+        snprintf(json, sizeof json, "{\"hidden_size\": 16, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
+                 "\"intermediate_size\": 24, \"vocab_size\": 40%s}", good[k].extra);
+        io_write_raw(io_path("config.json"), json, strlen(json));
+        assert_int_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
+        assert_true(c.qkv_bias == good[k].qkv && c.o_bias == good[k].o && c.max_seq == good[k].max_seq);
+        assert_int_equal(loom_llama_config_save(&c, LOOM_F32, io_path("config.json")), LOOM_OK);
+        assert_int_equal(loom_llama_config_load(io_path("config.json"), &back), LOOM_OK);
+        assert_true(back.qkv_bias == c.qkv_bias && back.o_bias == c.o_bias);
+        assert_true(loom_llama_config_same_weights(&c, &back));
+        size_t n;
+        char *text = (char *)io_read_raw(io_path("config.json"), &n);
+        int qwen = strstr(text, "\"model_type\": \"qwen2\"") != NULL;
+        assert_int_equal(qwen, c.qkv_bias && !c.o_bias);
+        assert_true(qwen ? strstr(text, "Qwen2ForCausalLM") && !strstr(text, "attention_bias")
+                         : strstr(text, c.o_bias ? "\"attention_bias\": true" : "\"attention_bias\": false") != NULL);
+        free(text);
+    }
+    back.qkv_bias = back.o_bias = 0;
+    assert_false(loom_llama_config_same_weights(&c, &back)); /* the biases are weights */
+    static const struct { const char *extra, *msg; } bad[] = {
+        {", \"mlp_bias\": true", "mlp_bias = true is not supported"},
+        {", \"attention_bias\": 1", "attention_bias must be true or false"},
+        {", \"model_type\": \"qwen2\", \"use_sliding_window\": \"yes\"", "use_sliding_window must be true or false"},
+        {", \"model_type\": \"qwen3\"", "model_type \"qwen3\" is not a LLaMA model"},
+    };
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        snprintf(json, sizeof json, "{\"hidden_size\": 16, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
+                 "\"intermediate_size\": 24, \"vocab_size\": 40%s}", bad[k].extra);
+        io_write_raw(io_path("config.json"), json, strlen(json));
+        assert_int_not_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
+        IO_ASSERT_MSG(bad[k].msg);
+    }
+    memset(&c, 0, sizeof c);
+    c.dim = 16; c.n_layers = 1; c.n_heads = 2; c.n_kv_heads = 1; c.ffn_dim = 24; c.vocab_size = 40;
+    c.max_seq = 8; c.rope_theta = 10000.0f; c.norm_eps = 1e-5f; c.o_bias = 1;
+    assert_int_equal(loom_llama_config_validate(&c), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("a bias on o needs biases on q, k and v");
+}
+
 /* A DoRA adapter round-trips as PEFT saves one: use_dora in the config,
  * each linear's magnitudes a vector (base_model.model.<module>.
  * lora_magnitude_vector) beside A and B; loaded into the base model, the
@@ -755,6 +813,10 @@ static void test_gguf_refusals(void **state) {
     assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_F32, tok, io_path("scaled.gguf")), LOOM_ERR_UNSUPPORTED);
     IO_ASSERT_MSG("rope_scaling");
     m->cfg.rope_type = LOOM_ROPE_DEFAULT;
+    m->cfg.qkv_bias = 1; /* and the attention's biases (a model with them: the flag is what export reads) */
+    assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_F32, tok, io_path("scaled.gguf")), LOOM_ERR_UNSUPPORTED);
+    IO_ASSERT_MSG("attention biases");
+    m->cfg.qkv_bias = 0;
     /* Tokenizers llama.cpp cannot load: two ids spelling "abc", no end of text. */
     const char *dup = "{\"type\":\"loom-bpe\",\"version\":1,\"vocab_size\":261,"
                       "\"merges\":[[97,98],[256,99],[98,99],[97,258]],\"special\":{\"<|endoftext|>\":260}}";
@@ -795,6 +857,7 @@ int main(void) {
         cmocka_unit_test(test_rope_scaling_config),
         cmocka_unit_test(test_peft_dora),
         cmocka_unit_test(test_generation_config),
+        cmocka_unit_test(test_bias_config),
         cmocka_unit_test(test_gguf_refusals),
     };
     return cmocka_run_group_tests(tests, io_scratch_setup, io_scratch_teardown);

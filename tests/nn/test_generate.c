@@ -11,19 +11,24 @@
 
 #include "loom/loom.h"
 
+static int bias_next; /* the next model has the attention's biases: 1 Qwen 2's (q, k, v), 2 LLaMA's (and o) */
+
 static loom_llama *model_with_context(loom_dtype dt, int tie, int max_seq) {
     loom_llama_config c;
     memset(&c, 0, sizeof c);
     c.dim = 32; c.n_layers = 2; c.n_heads = 4; c.n_kv_heads = 2; c.ffn_dim = 48; c.vocab_size = 50;
     c.max_seq = max_seq; c.rope_theta = 10000.0f; c.norm_eps = 1e-5f; c.tie_embeddings = tie;
+    c.qkv_bias = bias_next > 0;
+    c.o_bias = bias_next > 1;
     loom_llama *m;
     loom_precision p = {dt, 0};
     assert_int_equal(loom_llama_new(&c, p, &m), LOOM_OK);
     loom_llama_init_weights(m, 99);
-    /* Larger weights than init so logits are far from uniform. */
+    /* Larger weights than init so logits are far from uniform; biases drawn (init's are zero). */
     for (int i = 0; i < m->n_params; i++) {
         loom_param *q = m->params[i];
         float *w = loom_param_master(q);
+        if (strstr(q->name, ".bias")) tu_fill_uniform(w, (size_t)loom_param_numel(q), -1.0f, 1.0f, 300 + (uint64_t)i);
         for (int64_t k = 0; k < loom_param_numel(q); k++) w[k] *= q->tensor->ndim == 2 ? 20.0f : 1.0f;
         loom_param_sync_from_master(q);
     }
@@ -48,8 +53,10 @@ static void full_logits(loom_llama *m, const int32_t *tok, int n, float *out) {
 
 static void test_cache_matches_forward(void **state) {
     (void)state;
-    for (int tie = 0; tie <= 2; tie++) {
+    for (int tie = 0; tie <= 4; tie++) {
+        bias_next = tie > 2 ? tie - 2 : 0; /* 3: Qwen 2's biases, 4: LLaMA's attention_bias */
         loom_llama *m = small_model(LOOM_F32, tie & 1);
+        bias_next = 0;
         if (tie == 2) { /* Llama 3.1's RoPE scaling: HS 8 has a kept, a blended and two divided frequencies */
             m->cfg.rope_type = LOOM_ROPE_LLAMA3;
             m->cfg.rope_factor = 8.0f;

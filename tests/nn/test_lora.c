@@ -22,14 +22,22 @@ static loom_llama_config config(void) {
     return c;
 }
 
-static int tie_next; /* the next model ties its embeddings */
+static int tie_next;  /* the next model ties its embeddings */
+static int bias_next; /* the next model has biases on q, k, v and o (LLaMA's attention_bias), drawn */
 
 static loom_llama *new_model(loom_precision prec) {
     loom_llama_config c = config();
     c.tie_embeddings = tie_next;
+    c.qkv_bias = c.o_bias = bias_next;
     loom_llama *m;
     assert_int_equal(loom_llama_new(&c, prec, &m), LOOM_OK);
     loom_llama_init_weights(m, 31);
+    for (int i = 0; bias_next && i < m->n_params; i++) { /* init's are zero */
+        loom_param *q = m->params[i];
+        if (!strstr(q->name, ".bias")) continue;
+        tu_fill_uniform(loom_param_master(q), (size_t)loom_param_numel(q), -0.5f, 0.5f, 200 + (uint64_t)i);
+        loom_param_sync_from_master(q);
+    }
     /* Weights larger than init's, so that every linear moves the loss well
      * beyond fp32's rounding (the finite differences need it). */
     for (int i = 0; i < m->n_params; i++) {
@@ -745,6 +753,32 @@ static void test_merged_weights(void **state) {
 
 /* The KV-cache path runs the adapters: its next-token logits equal the
  * training forward's last row. */
+static void test_generation_uses_adapters(void **state);
+
+/* With the attention's biases (q, k, v and o), which the adapters, DoRA's
+ * scale, the merge and the replays leave as they are: LoRA and DoRA start at
+ * the base model bit for bit, replays are bit-identical, the merged weights
+ * give the adapters' logits, and so does the KV-cache path. */
+static void test_with_biases(void **state) {
+    bias_next = 1;
+    for (dora_next = 0; dora_next <= 1; dora_next++) {
+        test_starts_at_base(state);
+        recompute_bit_identical(5.0f, 0.25f);
+        test_merged_weights(state);
+        test_generation_uses_adapters(state);
+    }
+    /* and the biases are there: the model differs from one without */
+    loom_precision prec = {LOOM_F32, 1};
+    loom_llama *m = new_model(prec);
+    bias_next = 0;
+    dora_next = 0;
+    loom_llama *plain = new_model(prec);
+    assert_int_equal(plain->n_params + 8, m->n_params); /* 4 biases in each of 2 layers */
+    assert_true(eval_loss(m) != eval_loss(plain));
+    loom_llama_free(plain);
+    loom_llama_free(m);
+}
+
 static void test_generation_uses_adapters(void **state) {
     (void)state;
     loom_precision prec = {LOOM_F32, 1};
@@ -799,6 +833,7 @@ int main(void) {
         cmocka_unit_test(test_dora),
         cmocka_unit_test(test_merged_weights),
         cmocka_unit_test(test_generation_uses_adapters),
+        cmocka_unit_test(test_with_biases),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

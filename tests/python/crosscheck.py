@@ -10,7 +10,9 @@ directories, runs `loom train` on them and compares with llama_ref.py:
      decay): the loss curve step by step;
   4. LoRA (untied config): the adapters' gradients, a 20-step curve with the
      model's weights frozen, and the saved model with the adapters merged;
-     DoRA's gradients (A, B and the magnitudes) with PEFT's DoRA math.
+     DoRA's gradients (A, B and the magnitudes) with PEFT's DoRA math (on
+     the qwen2 config too, whose biases DoRA does not scale).
+Configs with biases: qwen2 (q, k, v) and attention-bias (q, k, v, o).
 Prints a table of the errors and exits 1 on any mismatch.
 
 Usage: /usr/bin/python3 crosscheck.py --loom build/loom --workdir DIR
@@ -49,6 +51,16 @@ CONFIGS = {
                     "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
                     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    # Qwen 2's model: biases on q, k and v (the file says so by its model_type alone), tied as Qwen 2.5's
+    # small ones; its sliding_window is not applied without use_sliding_window
+    "qwen2": {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 32,
+              "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "sliding_window": 8,
+              "use_sliding_window": False},
+    # LLaMA's attention_bias: q, k, v and o
+    "attention-bias": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                       "intermediate_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 32,
+                       "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "attention_bias": True},
 }
 
 # ---------------------------------------------------------------- tolerances
@@ -393,11 +405,12 @@ def check_lora(rep, loom, work, data_dir, model_dir):
         rep.failures.append(f"lora: the adapters moved the merged weights by only {moved:.3g}: the check is blind")
 
 
-def check_dora(rep, loom, work, data_dir, model_dir):
+def check_dora(rep, loom, work, data_dir, model_dir, tag="dora"):
     """loom train --lora-dora against the reference with PEFT's DoRA math:
     step 6's gradients of A, B and the magnitudes (fp32, from step 5's
-    state, B and m trained), and the loss there."""
-    _, st5, l_grads, meta = train_then_dump(loom, work, data_dir, "dora", lora_flags(model_dir) + ["--lora-dora"])
+    state, B and m trained), and the loss there (on a model with biases,
+    which DoRA does not scale, too)."""
+    _, st5, l_grads, meta = train_then_dump(loom, work, data_dir, tag, lora_flags(model_dir) + ["--lora-dora"])
     cfg, base = ref.load_model_dir(model_dir)
     cfg.lora_scale = LORA["alpha"] / LORA["rank"]
     names = [f"model.layers.{l}.{LORA_MODULES[t]}" for l in range(cfg.n_layers) for t in LORA["targets"].split(",")]
@@ -408,12 +421,12 @@ def check_dora(rep, loom, work, data_dir, model_dir):
     moved = max(rel_err(params[n + ".lora_magnitude_vector"].detach(), base[n + ".weight"].norm(dim=1))
                 for n in names)
     if moved < 1e-3:
-        rep.failures.append(f"dora: the magnitudes moved by only {moved:.3g} from the weights' norms: the check "
+        rep.failures.append(f"{tag}: the magnitudes moved by only {moved:.3g} from the weights' norms: the check "
                             "is blind")
     _, (inputs, targets) = step6_batch(data_dir)
     _, loss, g = ref.grads(cfg, params, inputs, targets)
-    rep.check("dora fp32 loss at step 6", abs(float(meta["loss"]) - loss) / abs(loss), TOL_FP32)
-    check_grads(rep, "dora fp32", {k: l_grads[k] for k in keys}, {k: g[k] for k in keys}, TOL_FP32)
+    rep.check(f"{tag} fp32 loss at step 6", abs(float(meta["loss"]) - loss) / abs(loss), TOL_FP32)
+    check_grads(rep, f"{tag} fp32", {k: l_grads[k] for k in keys}, {k: g[k] for k in keys}, TOL_FP32)
 
 
 def main():
@@ -438,6 +451,8 @@ def main():
         if name == "untied":
             check_lora(rep, args.loom, args.workdir, data_dir, model_dir)
             check_dora(rep, args.loom, args.workdir, data_dir, model_dir)
+        if name == "qwen2":
+            check_dora(rep, args.loom, args.workdir, data_dir, model_dir, "qwen2-dora")
     rep.print()
     print(f"crosscheck: {time.time() - t0:.1f} s")
     if rep.failures:

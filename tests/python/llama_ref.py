@@ -140,6 +140,10 @@ class Config:
         self.rope_scaling = d.get("rope_scaling")
         self.norm_eps = float(d.get("rms_norm_eps", 1e-6))
         self.tie = bool(d.get("tie_word_embeddings", False))
+        # Qwen 2's attention has biases on q, k and v; LLaMA's attention_bias puts them on o too
+        qwen2 = d.get("model_type") == "qwen2"
+        self.qkv_bias = qwen2 or bool(d.get("attention_bias", False))
+        self.o_bias = not qwen2 and bool(d.get("attention_bias", False))
         self.head_size = self.dim // self.n_heads
         self.lora_scale = None  # LoRA's alpha / rank, when params hold adapters
 
@@ -150,10 +154,10 @@ class Config:
         for l in range(self.n_layers):
             p = f"model.layers.{l}."
             s[p + "input_layernorm.weight"] = (C,)
-            s[p + "self_attn.q_proj.weight"] = (C, C)
-            s[p + "self_attn.k_proj.weight"] = (KV, C)
-            s[p + "self_attn.v_proj.weight"] = (KV, C)
-            s[p + "self_attn.o_proj.weight"] = (C, C)
+            for proj, out in (("q", C), ("k", KV), ("v", KV), ("o", C)):
+                s[p + f"self_attn.{proj}_proj.weight"] = (out, C)
+                if self.o_bias if proj == "o" else self.qkv_bias:
+                    s[p + f"self_attn.{proj}_proj.bias"] = (out,)
             s[p + "post_attention_layernorm.weight"] = (C,)
             s[p + "mlp.gate_proj.weight"] = (F_, C)
             s[p + "mlp.up_proj.weight"] = (F_, C)
@@ -189,7 +193,9 @@ def make_model_dir(d, config, rng, embed_std=0.02):
     cfg = Config(config)
     tensors = {}
     for name, shape in cfg.param_shapes().items():
-        if len(shape) == 1:
+        if name.endswith(".bias"):
+            w = 0.3 * rng.standard_normal(shape)
+        elif len(shape) == 1:
             w = 1.0 + 0.2 * rng.standard_normal(shape)
         elif name == "model.embed_tokens.weight" and embed_std is not None:
             w = embed_std * rng.standard_normal(shape)
@@ -198,8 +204,10 @@ def make_model_dir(d, config, rng, embed_std=0.02):
         tensors[name] = torch.from_numpy(w.astype(np.float32))
     write_safetensors(os.path.join(d, "model.safetensors"), tensors, {"format": "pt"})
     with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(dict(config, architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
-                       torch_dtype="float32"), f, indent=2)
+        qwen2 = config.get("model_type") == "qwen2"
+        json.dump(dict(config, architectures=["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+                       model_type="qwen2" if qwen2 else "llama", hidden_act="silu", torch_dtype="float32"), f,
+                  indent=2)
 
 
 def rms_norm(x, w, eps):
@@ -245,21 +253,25 @@ def lin(x, params, name, cfg):
     lora_scale * (x A^T) B^T when params hold its adapter (`name`.lora_A.weight,
     `name`.lora_B.weight) and cfg.lora_scale is set; with DoRA's magnitudes
     (`name`.lora_magnitude_vector) too, PEFT's DoRA term: c = m / |W + s B A|
-    per row, the norm detached, y + (c - 1) y + c s (x A^T) B^T."""
+    per row, the norm detached, y + (c - 1) y + c s (x A^T) B^T. Then the
+    bias `name`.bias, if any, which PEFT's DoRA does not scale."""
     w = params[name + ".weight"]
+    bias = params.get(name + ".bias")
     y = F.linear(x, w)
     a = params.get(name + ".lora_A.weight")
     if a is None:
-        return y
+        return y if bias is None else y + bias
     b = params[name + ".lora_B.weight"]
     lora = F.linear(F.linear(x, a), b) * cfg.lora_scale
     m = params.get(name + ".lora_magnitude_vector")
     if m is None:
-        return y + lora
-    with torch.no_grad():
-        norm = (w + cfg.lora_scale * b @ a).norm(dim=1)
-    c = (m / norm).view(1, -1)
-    return y + (c - 1) * y + c * lora
+        out = y + lora
+    else:
+        with torch.no_grad():
+            norm = (w + cfg.lora_scale * b @ a).norm(dim=1)
+        c = (m / norm).view(1, -1)
+        out = y + (c - 1) * y + c * lora
+    return out if bias is None else out + bias
 
 
 def attention(x, params, p, cfg, cos, sin):

@@ -106,12 +106,16 @@ static void free_result(run_result *r) {
     free(r->bytes);
 }
 
+/* Every recompute mode against none, bit for bit, in every precision; and
+ * with the attention's biases (LLaMA's attention_bias: q, k, v and o). */
 static void test_matrix(void **state) {
     (void)state;
     loom_llama_config cfg = small_config(2);
     const loom_dtype dts[3] = {LOOM_F32, LOOM_BF16, LOOM_F16};
     const loom_recompute_mode modes[3] = {LOOM_RECOMPUTE_REENTRANT, LOOM_RECOMPUTE_NONREENTRANT, LOOM_RECOMPUTE_SELECTIVE};
-    for (int d = 0; d < 3; d++) {
+    for (int db = 0; db < 6; db++) {
+        int d = db % 3;
+        cfg.qkv_bias = cfg.o_bias = db >= 3;
         for (int mg = 0; mg <= 1; mg++) {
             loom_precision prec = {dts[d], mg};
             float seed = dts[d] == LOOM_F16 ? 1024.0f : 1.0f; /* a loss scale for fp16 */

@@ -314,6 +314,35 @@ timeout 300 $MPI "$LOOM" train "${D[@]}" "${A[@]}" --tp 2 --recompute-budget "$m
 grep -qE "recompute of [12] of 2 blocks" "$WORK/tq.log" || fail "TP=2: no plan for $mid MiB: $(cat "$WORK/tq.log")"
 $CMP "$WORK/gq.st" "$WORK/g1.st" --rtol 1e-4 >/dev/null || fail "TP=2 --recompute-budget gradients differ"
 
+# The attention's biases (Qwen 2's on q, k and v: split as their weights'
+# rows; LLaMA's attention_bias adds o's: whole, added once after the sum),
+# drawn non-zero: TP=2 gives one process's logits and gradients, with full
+# recompute too, and passes the gradient audit.
+for kind in '"model_type": "qwen2"' '"attention_bias": true'; do
+  config_plus "$WORK/bias.json" "$WORK/cfg.json" "$kind"
+  rm -rf "$WORK/biased" "$WORK/b1" "$WORK/b2" "$WORK/ba"
+  $PY - "$WORK/bias.json" "$WORK/biased" "$SRC/tests/python" <<'PYEOF' || fail "no biased model ($kind)"
+import json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[3])
+import llama_ref as ref
+ref.make_model_dir(sys.argv[2], json.load(open(sys.argv[1])), np.random.default_rng(5))
+PYEOF
+  grep -q "q_proj.bias" "$WORK/biased/model.safetensors" || fail "the model has no biases ($kind)"
+  BI=(--data "$WORK/data" --init "$WORK/biased" --seq 16 --eval-every 0 --threads 1 --batch 2 --precision fp32)
+  for rc in none full; do
+    rm -rf "$WORK/b1" "$WORK/b2"
+    "$LOOM" train "${BI[@]}" --recompute $rc --out "$WORK/b1" --dump-grads "$WORK/bg1.st" --dump-logits "$WORK/bl1.st" \
+      2>"$WORK/b1.log" || { cat "$WORK/b1.log"; fail "biases ($kind): one process"; }
+    timeout 300 $MPI "$LOOM" train "${BI[@]}" --recompute $rc --tp 2 --out "$WORK/b2" --dump-grads "$WORK/bg2.st" \
+      --dump-logits "$WORK/bl2.st" 2>"$WORK/b2.log" || { cat "$WORK/b2.log"; fail "biases ($kind): TP=2"; }
+    $CMP "$WORK/bg2.st" "$WORK/bg1.st" --rtol 1e-4 >/dev/null || fail "biases ($kind, $rc): TP=2 gradients differ"
+    $CMP "$WORK/bl2.st" "$WORK/bl1.st" --rtol 1e-4 >/dev/null || fail "biases ($kind, $rc): TP=2 logits differ"
+  done
+  timeout 300 $MPI "$LOOM" train "${BI[@]}" --steps 2 --tp 2 --recompute full --check-grads --out "$WORK/ba" \
+    2>"$WORK/ba.log" || { cat "$WORK/ba.log"; fail "biases ($kind), TP=2: --check-grads failed"; }
+done
+
 # Tied embeddings (the embedding split by vocabulary under TP, and used
 # again as the lm_head): TP=2 gradients equal one process's, ZeRO-1 equals
 # plain DP byte for byte, and the gradient audit passes under TP=2 and
