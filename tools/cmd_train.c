@@ -158,8 +158,11 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
     t->m->recompute.blocks = o->recompute_blocks;
     loom_llama_init_weights(t->m, (uint64_t)o->seed);
     if (o->init && !resume_dir) LOOM_TRY(loom_model_dir_load_weights(t->m, o->init));
-    /* where the base stops generating, carried by checkpoints and the final model */
-    if (o->init || resume_dir) LOOM_TRY(loom_model_dir_load_generation_config(t->m, resume_dir ? resume_dir : o->init));
+    /* Where the base stops generating, carried by checkpoints and the final
+     * model: the checkpoint's when resuming, else (or when the checkpoint,
+     * written before loom carried it, has none) --init's. */
+    if (resume_dir) LOOM_TRY(loom_model_dir_load_generation_config(t->m, resume_dir));
+    if (o->init && !t->m->generation_config) LOOM_TRY(loom_model_dir_load_generation_config(t->m, o->init));
     if (o->lora_init && !resume_dir) LOOM_TRY(loom_lora_load_peft(t->m, o->lora_init)); /* its A and B */
     if (o->lora_init && resume_dir && t->leader)
         fprintf(stderr, "train: --lora-init is ignored when resuming: the adapters come from the checkpoint\n");

@@ -340,7 +340,9 @@ const char *loom_dataloader_shard_path(const loom_dataloader *dl, size_t i);
  *    from tiktoken): the pre-tokenizer's expressions (ByteLevel's GPT-2 one,
  *    regex Splits, Digits) matched with PCRE2 as Unicode, ignore_merges.
  *    Bytes that are not UTF-8 are never matched and stay pieces of their
- *    own, so the round trip above holds for these too;
+ *    own, so the round trip above holds for these too (unless the
+ *    normalizer has a Unicode normal form: then decode gives back the
+ *    normalized text);
  *  - SentencePiece-style (byte_fallback: Llama 2, Mistral, Gemma): the
  *    normalizer's Prepend and Replace steps, or a Metaspace pre-tokenizer
  *    (transformers' legacy=False files), then the text is one piece of
@@ -401,7 +403,7 @@ int loom_tokenizer_is_special(const loom_tokenizer *tok, int32_t id);
 
 /* Encode `len` bytes into ids. `out` has room for `capacity` ids;
  * loom_tokenizer_max_ids(tok, len) always suffice (`len` for loom's and
- * byte-level tokenizers). Encoding fills an internal cache (hence non-const).
+ * byte-level tokenizers without a normalizer). Encoding fills an internal cache (hence non-const).
  * Errors: LOOM_ERR_INVALID (capacity too small: the message gives the size
  * needed), LOOM_ERR_NOMEM. */
 loom_status loom_tokenizer_encode(loom_tokenizer *tok, const void *text, size_t len,

@@ -365,7 +365,7 @@ loom_status loom_llama_save_gguf(loom_llama *m, loom_gguf_type type, const loom_
         return loom_error(LOOM_ERR_INVALID, "GGUF export: the tokenizer has %d tokens but the model only %d; "
                           "give the tokenizer the model was trained with", loom_tokenizer_vocab_size(tok),
                           m->cfg.vocab_size);
-    gguf_tensor *t = calloc(9 * (size_t)m->cfg.n_layers + 3, sizeof *t);
+    gguf_tensor *t = calloc(9 * (size_t)m->cfg.n_layers + 3, sizeof *t); /* no biases: refused above */
     if (!t) return loom_error(LOOM_ERR_NOMEM, "GGUF export: out of memory");
     int n = list_tensors(m, type, t);
     /* Q8_0 asked for, but every matrix fell back to fp16: say fp16. */

@@ -96,9 +96,11 @@ static loom_status check_unsupported(json_t *root, const char *path, loom_llama_
     if (v && json_is_true(v))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: mlp_bias = true is not supported by loom's LLaMA", path);
     v = json_object_get(root, "attention_bias");
+    json_t *mt = json_object_get(root, "model_type");
     if (is_qwen2(root)) {
         c->qkv_bias = 1; /* Qwen 2's attention has them whatever the file says; o has none */
-    } else if (v && !json_is_null(v)) {
+    } else if (v && !json_is_null(v) && !(json_is_string(mt) && !strcmp(json_string_value(mt), "mistral"))) {
+        /* LLaMA's (Mistral's model has none, whatever the file says) */
         if (!json_is_boolean(v)) return loom_error(LOOM_ERR_FORMAT, "%s: attention_bias must be true or false", path);
         c->qkv_bias = c->o_bias = json_is_true(v);
     }
@@ -135,8 +137,8 @@ static loom_status apply_window(json_t *root, const char *path, loom_llama_confi
         if (!json_is_integer(v) || json_integer_value(v) <= 0)
             return loom_error(LOOM_ERR_FORMAT, "%s: sliding_window must be a positive integer or null", path);
         window = json_integer_value(v);
-    } else if (!v && json_is_string(mt) && !strcmp(json_string_value(mt), "mistral")) {
-        window = 4096; /* MistralConfig's default */
+    } else if (!v && ((json_is_string(mt) && !strcmp(json_string_value(mt), "mistral")) || is_qwen2(root))) {
+        window = 4096; /* MistralConfig's default, and Qwen2Config's (used here only with use_sliding_window) */
     }
     if (window && window < c->max_seq) c->max_seq = (int)window;
     return LOOM_OK;
@@ -214,7 +216,7 @@ loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
     if (st == LOOM_OK) st = get_int(root, path, "hidden_size", 1, &c->dim);
     if (st == LOOM_OK) st = get_int(root, path, "num_hidden_layers", 1, &c->n_layers);
     if (st == LOOM_OK) st = get_int(root, path, "num_attention_heads", 1, &c->n_heads);
-    c->n_kv_heads = c->n_heads;
+    c->n_kv_heads = is_qwen2(root) ? 32 : c->n_heads; /* Qwen2Config's default, LlamaConfig's */
     if (st == LOOM_OK) st = get_int(root, path, "num_key_value_heads", 0, &c->n_kv_heads);
     if (st == LOOM_OK) st = get_int(root, path, "intermediate_size", 1, &c->ffn_dim);
     if (st == LOOM_OK) st = get_int(root, path, "vocab_size", 1, &c->vocab_size);

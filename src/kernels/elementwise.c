@@ -172,6 +172,26 @@ void accumulate(void *dst, loom_dtype dst_dt, const void *src, loom_dtype src_dt
 
 enum { COL_BLOCK = 256 }; /* columns a task converts at a time */
 
+void rowadd(void *out, const void *x, const void *b, size_t rows, size_t cols, loom_dtype dt) {
+    size_t es = loom_dtype_size(dt);
+    #pragma omp parallel for schedule(static) if (rows * cols > 65536)
+    for (size_t r = 0; r < rows; r++) /* one row a call: no parallel region per row */
+        PICK(add_avx512, add_avx2, add_c)((char *)out + r * cols * es, (const char *)x + r * cols * es, b, 0, cols, dt);
+}
+
+void colsum(float *dst, const void *g, size_t rows, size_t cols, loom_dtype dt) {
+    size_t nb = (cols + COL_BLOCK - 1) / COL_BLOCK;
+    #pragma omp parallel for schedule(dynamic, 1) if (rows * cols > 65536)
+    for (size_t b = 0; b < nb; b++) {
+        float v[COL_BLOCK];
+        size_t c0 = b * COL_BLOCK, n = cols - c0 < COL_BLOCK ? cols - c0 : COL_BLOCK;
+        for (size_t r = 0; r < rows; r++) {
+            row_load(v, g, r * cols + c0, (int)n, dt);
+            for (size_t c = 0; c < n; c++) dst[c0 + c] += v[c];
+        }
+    }
+}
+
 /* Each row's columns [c0, c0 + n) widened to fp32 (the vector conversions
  * of row_load), scaled, and narrowed back: the same bits as element by
  * element. */

@@ -169,6 +169,14 @@ void scale_fwd(void *out, const void *a, float s, size_t n, loom_dtype dt);
 /* dst (dst_dt) += scale * src (src_dt): gradient accumulation. */
 void accumulate(void *dst, loom_dtype dst_dt, const void *src, loom_dtype src_dt,
                 float scale, size_t n);
+/* A row vector added to every row: out[r][c] = x[r][c] + b[c] (a bias), all
+ * of dtype dt, rounded as add_fwd rounds (out may alias x); rows in
+ * parallel. */
+void rowadd(void *out, const void *x, const void *b, size_t rows, size_t cols, loom_dtype dt);
+/* Column sums (a bias's gradient): dst[c] += sum over r of g[r][c], in fp32
+ * in row order (as accumulate row by row: the same bits for any thread
+ * count); blocks of columns in parallel. */
+void colsum(float *dst, const void *g, size_t rows, size_t cols, loom_dtype dt);
 /* Columns scaled: out[r][c] = x[r][c] * s[c], x and out (rows, cols) of
  * dtype dt (out may alias x), s fp32. */
 void colscale(void *out, const void *x, const float *s, size_t rows, size_t cols, loom_dtype dt);

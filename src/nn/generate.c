@@ -32,7 +32,7 @@ static void *row(void *base, int i, int width, loom_dtype dt) { return (char *)b
 
 /* Each of out's T rows (M wide) plus b (NULL: none). */
 static void add_bias_rows(void *out, const void *b, int T, int M, loom_dtype dt) {
-    for (int i = 0; b && i < T; i++) add_fwd(row(out, i, M, dt), row(out, i, M, dt), b, (size_t)M, dt);
+    if (b) rowadd(out, out, b, (size_t)T, (size_t)M, dt);
 }
 
 /* out (T, M) = x (T, K) W^T for linear t of layer y, plus s (x A^T) B^T

@@ -503,10 +503,7 @@ static loom_status add_bias_forward(loom_fn_ctx *ctx, loom_tensor *const *in, in
     int64_t C = op_last_dim(x), N = op_rows(x);
     out[0] = op_new_like(x, x->dtype);
     if (!out[0]) return LOOM_ERR_NOMEM;
-    for (int64_t r = 0; r < N; r++)
-        add_fwd((char *)loom_tensor_data(out[0]) + (size_t)(r * C) * loom_dtype_size(x->dtype),
-                (const char *)loom_tensor_data(x) + (size_t)(r * C) * loom_dtype_size(x->dtype), loom_tensor_data(b),
-                (size_t)C, x->dtype);
+    rowadd(loom_tensor_data(out[0]), loom_tensor_data(x), loom_tensor_data(b), (size_t)N, (size_t)C, x->dtype);
     return LOOM_OK;
 }
 
@@ -519,10 +516,7 @@ static loom_status add_bias_backward(loom_fn_ctx *ctx, loom_tensor *const *gout,
         int64_t shape = C;
         gin[1] = loom_tensor_zeros(LOOM_F32, 1, &shape, LOOM_MEM_ACTIVATIONS);
         if (!gin[1]) return LOOM_ERR_NOMEM;
-        float *db = loom_tensor_data(gin[1]);
-        for (int64_t r = 0; r < N; r++)
-            accumulate(db, LOOM_F32, (const char *)loom_tensor_data(g) + (size_t)(r * C) * loom_dtype_size(g->dtype),
-                       g->dtype, 1.0f, (size_t)C);
+        colsum(loom_tensor_data(gin[1]), loom_tensor_data(g), (size_t)N, (size_t)C, g->dtype);
     }
     return LOOM_OK;
 }

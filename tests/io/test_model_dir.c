@@ -573,9 +573,10 @@ static void test_rope_scaling_config(void **state) {
 
 /* The attention's biases in config.json: Qwen 2's model_type gives q, k
  * and v biases (whatever attention_bias says), LLaMA's attention_bias all
- * four; each saves as Hugging Face writes it and loads back; Qwen 2's
- * window applies only with use_sliding_window; what is not a boolean, an
- * MLP bias and a bias on o alone are refused by name. */
+ * four (Mistral's none); each saves as Hugging Face writes it and loads
+ * back; Qwen 2's window applies only with use_sliding_window, and its
+ * defaults are Qwen2Config's; what is not a boolean, an MLP bias and a bias
+ * on o alone are refused by name. */
 static void test_bias_config(void **state) {
     (void)state;
     static const struct { const char *extra; int qkv, o, max_seq; } good[] = {
@@ -586,12 +587,14 @@ static void test_bias_config(void **state) {
         {", \"model_type\": \"qwen2\", \"attention_bias\": true, \"sliding_window\": 64, "
          "\"use_sliding_window\": false", 1, 0, 32768},
         {", \"model_type\": \"qwen2\", \"sliding_window\": 64, \"use_sliding_window\": true", 1, 0, 64},
+        {", \"model_type\": \"qwen2\", \"use_sliding_window\": true", 1, 0, 4096}, /* Qwen2Config's window */
+        {", \"model_type\": \"mistral\", \"attention_bias\": true", 0, 0, 2048}, /* Mistral's has none */
     };
     char json[512];
     loom_llama_config c, back;
     for (size_t k = 0; k < sizeof good / sizeof good[0]; k++) {
         snprintf(json, sizeof json, "{\"hidden_size\": 16, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
-                 "\"intermediate_size\": 24, \"vocab_size\": 40%s}", good[k].extra);
+                 "\"num_key_value_heads\": 2, \"intermediate_size\": 24, \"vocab_size\": 40%s}", good[k].extra);
         io_write_raw(io_path("config.json"), json, strlen(json));
         assert_int_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
         assert_true(c.qkv_bias == good[k].qkv && c.o_bias == good[k].o && c.max_seq == good[k].max_seq);
@@ -607,8 +610,14 @@ static void test_bias_config(void **state) {
                          : strstr(text, c.o_bias ? "\"attention_bias\": true" : "\"attention_bias\": false") != NULL);
         free(text);
     }
-    back.qkv_bias = back.o_bias = 0;
+    back.qkv_bias = 1;
     assert_false(loom_llama_config_same_weights(&c, &back)); /* the biases are weights */
+    /* Qwen2Config's kv heads when the file leaves them out: 32 */
+    const char *q32 = "{\"model_type\": \"qwen2\", \"hidden_size\": 128, \"num_hidden_layers\": 1, "
+                      "\"num_attention_heads\": 32, \"intermediate_size\": 24, \"vocab_size\": 40}";
+    io_write_raw(io_path("config.json"), q32, strlen(q32));
+    assert_int_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
+    assert_int_equal(c.n_kv_heads, 32);
     static const struct { const char *extra, *msg; } bad[] = {
         {", \"mlp_bias\": true", "mlp_bias = true is not supported"},
         {", \"attention_bias\": 1", "attention_bias must be true or false"},

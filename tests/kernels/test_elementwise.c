@@ -221,7 +221,7 @@ static void test_dropout_window(void **state) {
     }
 }
 
-/* DoRA's column kernels against plain loops: colscale scales each column
+/* The column kernels (DoRA's, a bias's) against plain loops: colscale scales each column
  * (in place too), coldot's fp64 column sums in row order are the loops'
  * bits, with one thread or many, and coldot_colscale is both in one pass
  * (in place over g). */
@@ -259,6 +259,28 @@ static void test_column_kernels(void **state) {
         colscale(ref, g, s, rows, cols, dt);
         assert_true(memcmp(dot1, dot, sizeof dot) == 0);
         assert_true(tu_bits_equal(out, ref, n * es, "coldot_colscale"));
+        /* a bias: rowadd adds it to every row (in place too), colsum sums
+         * the columns in fp32 in row order onto what dst holds */
+        void *b = random_dt(cols, dt, -1.0f, 1.0f, 83);
+        rowadd(out, x, b, rows, cols, dt);
+        for (size_t r = 0; r < rows; r++)
+            for (size_t c = 0; c < cols; c++)
+                loom_store(ref, r * cols + c, dt, loom_load(x, r * cols + c, dt) + loom_load(b, c, dt));
+        assert_true(tu_bits_equal(out, ref, n * es, "rowadd"));
+        memcpy(out, x, n * es);
+        rowadd(out, out, b, rows, cols, dt);
+        assert_true(tu_bits_equal(out, ref, n * es, "rowadd in place"));
+        for (size_t c = 0; c < cols; c++) dot[c] = dot1[c] = (float)c; /* added to */
+        colsum(dot, g, rows, cols, dt);
+        loom_set_threads(1);
+        colsum(dot1, g, rows, cols, dt);
+        loom_set_threads(0);
+        for (size_t c = 0; c < cols; c++) {
+            float acc = (float)c;
+            for (size_t r = 0; r < rows; r++) acc += loom_load(g, r * cols + c, dt);
+            assert_true(dot[c] == acc && dot1[c] == acc);
+        }
+        free(b);
         free(x); free(g); free(out); free(ref);
     }
 }

@@ -50,6 +50,15 @@ static run_result run_step_blocks(const loom_llama_config *cfg, loom_precision p
     loom_llama *m;
     assert_int_equal(loom_llama_new(cfg, prec, &m), LOOM_OK);
     loom_llama_init_weights(m, 1234);
+    for (int i = 0; i < m->n_params; i++) { /* biases drawn (init's are zero): a replay adding one twice shows */
+        loom_param *p = m->params[i];
+        if (!strstr(p->name, ".bias")) continue;
+        size_t n = (size_t)loom_param_numel(p);
+        float *v = malloc(n * sizeof *v);
+        tu_fill_uniform(v, n, -0.5f, 0.5f, 500 + (uint64_t)i);
+        assert_int_equal(loom_param_set_f32(p, v, (int64_t)n), LOOM_OK);
+        free(v);
+    }
     m->recompute.mode = mode;
     m->recompute.blocks = blocks;
     loom_llama_zero_grad(m);

@@ -109,6 +109,17 @@ rm "$WORK/again/model/generation_config.json"
   2>"$WORK/again2.log" || { cat "$WORK/again2.log"; fail "resume the fine-tune"; }
 cmp -s "$WORK/hfdir/generation_config.json" "$WORK/again/model/generation_config.json" ||
   fail "a resumed run's model lost generation_config.json"
+# a checkpoint without one (an older loom's): --init's then, and with neither
+# the final model has none (the stale one removed)
+rm "$WORK/again/ckpt-00000002/generation_config.json"
+"$LOOM" train --resume "$WORK/again" --init "$WORK/hfdir" --data "$WORK/data" --steps 3 --batch 2 --seq 32 \
+  --eval-every 0 2>/dev/null || fail "resume with --init"
+cmp -s "$WORK/hfdir/generation_config.json" "$WORK/again/model/generation_config.json" ||
+  fail "a resumed run did not take --init's generation_config.json when its checkpoint has none"
+rm "$WORK/again/ckpt-00000003/generation_config.json"
+"$LOOM" train --resume "$WORK/again" --data "$WORK/data" --steps 4 --batch 2 --seq 32 --eval-every 0 2>/dev/null ||
+  fail "resume without a generation config"
+[ -e "$WORK/again/model/generation_config.json" ] && fail "a stale generation_config.json was left in the model"
 expect_error "is not supported.*convert_hf_to_gguf" \
   "$LOOM" export --model "$WORK/run/model" --format gguf --out "$WORK/m.gguf"
 echo "1 passed, 0 failed"
