@@ -122,11 +122,11 @@ static int parse_peak(const char *s, gemm_peak *p, int *given) {
 
 /* -------------------------------------------------------------- model FLOPs */
 
-/* q, o (dim x dim), k, v (kv x dim), gate, up, down (ffn x dim) per layer,
- * and lm_head (vocab x dim). */
+/* q, o (heads x head size by dim), k, v (kv x dim), gate, up, down (ffn x
+ * dim) per layer, and lm_head (vocab x dim). */
 static double matmul_params(const loom_llama_config *c) {
-    double HS = (double)c->dim / c->n_heads, kv = c->n_kv_heads * HS;
-    double per_layer = 2.0 * c->dim * c->dim + 2.0 * kv * c->dim + 3.0 * c->dim * c->ffn_dim;
+    double HS = loom_llama_head_dim(c), q = c->n_heads * HS, kv = c->n_kv_heads * HS;
+    double per_layer = 2.0 * q * c->dim + 2.0 * kv * c->dim + 3.0 * c->dim * c->ffn_dim;
     return per_layer * c->n_layers + (double)c->vocab_size * c->dim;
 }
 
@@ -395,11 +395,12 @@ typedef struct linear_shape {
 } linear_shape;
 
 static loom_status run_gemms(const bench_opts *o, const loom_llama_config *c, loom_precision prec) {
-    int kv = c->dim / c->n_heads * c->n_kv_heads, L = c->n_layers, T = o->batch * o->seq;
+    int HS = loom_llama_head_dim(c), q = c->n_heads * HS, kv = HS * c->n_kv_heads, L = c->n_layers;
+    int T = o->batch * o->seq;
     const linear_shape shapes[] = {
         /* Backward runs v, k, q and up, gate: v's and up's dX come first, the others sum into them. */
-        {"q", c->dim, c->dim, L, 1},      {"k", kv, c->dim, L, 1},            {"v", kv, c->dim, L, 0},
-        {"o", c->dim, c->dim, L, 0},      {"gate", c->ffn_dim, c->dim, L, 1}, {"up", c->ffn_dim, c->dim, L, 0},
+        {"q", q, c->dim, L, 1},           {"k", kv, c->dim, L, 1},            {"v", kv, c->dim, L, 0},
+        {"o", c->dim, q, L, 0},      {"gate", c->ffn_dim, c->dim, L, 1}, {"up", c->ffn_dim, c->dim, L, 0},
         {"down", c->dim, c->ffn_dim, L, 0}, {"lm_head", c->vocab_size, c->dim, 1, 0},
     };
     int n_shapes = (int)(sizeof shapes / sizeof shapes[0]);

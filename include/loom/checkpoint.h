@@ -36,22 +36,28 @@ extern "C" {
  * num_key_value_heads = num_attention_heads, max_position_embeddings 2048,
  * rope_theta 10000, rms_norm_eps 1e-6, tie_word_embeddings false, no
  * rope_scaling (Qwen2Config's for a "qwen2" file: 32 kv heads, 32768
- * positions). model_type may be "llama", "mistral" or "qwen2"; a
+ * positions). model_type may be "llama", "mistral", "qwen2" or "qwen3"; a
  * sliding_window (Mistral's; 4096 when a "mistral" file leaves it out; Qwen
  * 2's only with use_sliding_window, 4096 when left out) shorter than
  * max_position_embeddings caps the context (max_seq), up to which it equals
  * loom's full causal attention, and a config saved from it is one whose
  * max_position_embeddings is the window. "qwen2" puts biases on q, k and v
  * (qkv_bias); LLaMA's attention_bias (read for "llama" or no model_type:
- * Mistral's model has none) on q, k, v and o.
+ * Mistral's model has none) on q, k, v and o. A head_dim other than
+ * hidden_size / num_attention_heads (Mistral NeMo's) is the heads' own
+ * size (q and o then num_attention_heads x head_dim wide), and is saved.
+ * "qwen3" normalizes each query and key head (qk_norm: q_norm, k_norm of
+ * head_dim, before RoPE), reads attention_bias as LLaMA's, and defaults to
+ * Qwen3Config's head_dim 128 and 8 kv heads; it saves as Qwen 3's, its
+ * head_dim always written.
  * Save writes rope_scaling as Hugging Face's files do ("type": "linear" and
  * factor; "rope_type": "llama3" and its four numbers) when there is one,
  * and a model with biases on q, k and v alone as Qwen 2's
  * (Qwen2ForCausalLM, model_type "qwen2"), any other as LLaMA's with its
  * attention_bias.
  * Errors: LOOM_ERR_IO, LOOM_ERR_FORMAT (naming the file and the field),
- * LOOM_ERR_UNSUPPORTED (mlp_bias, another activation, another rope_scaling,
- * another model_type). */
+ * LOOM_ERR_UNSUPPORTED (mlp_bias, attention_dropout other than 0, another
+ * activation, another rope_scaling, another model_type). */
 loom_status loom_llama_config_load(const char *path, loom_llama_config *cfg);
 loom_status loom_llama_config_save(const loom_llama_config *cfg, loom_dtype weights_dtype, const char *path);
 

@@ -49,7 +49,17 @@ typedef struct loom_llama_config {
      * o_bias on o too (LLaMA's attention_bias, which sets both; o_bias
      * alone has no Hugging Face layout). */
     int qkv_bias, o_bias;
+    /* Each attention head's size: 0 for LLaMA's dim / n_heads; else its own
+     * (Hugging Face's head_dim: Mistral NeMo's 128 beside a dim of 5120), q
+     * then projecting to n_heads x head_dim and o back from it. */
+    int head_dim;
+    /* Qwen 3's RMSNorm of each query and key head (weights of head_dim,
+     * q_norm and k_norm) after the projection, before RoPE. */
+    int qk_norm;
 } loom_llama_config;
+
+/* The attention's head size of a config: head_dim, or dim / n_heads. */
+int loom_llama_head_dim(const loom_llama_config *cfg);
 
 /* The RoPE of a config: its theta and scaling. */
 loom_rope_freqs loom_llama_rope(const loom_llama_config *cfg);
@@ -59,7 +69,8 @@ loom_status loom_llama_preset(const char *name, loom_llama_config *cfg);
 /* Checks every field (positive sizes, heads divide dim, even head size…). */
 loom_status loom_llama_config_validate(const loom_llama_config *cfg);
 /* 1 when a and b give every weight the same shape (dim, layers, heads, kv
- * heads, ffn, vocabulary, tying, biases), so weights of one load into the other;
+ * heads, head size, ffn, vocabulary, tying, biases, q/k norms), so weights
+ * of one load into the other;
  * max_seq, the RoPE and norm_eps are not compared. */
 int loom_llama_config_same_weights(const loom_llama_config *a, const loom_llama_config *b);
 /* 1 when a and b have the same RoPE: theta and every scaling field. */
@@ -74,6 +85,7 @@ typedef enum loom_lora_target {
 typedef struct loom_llama_layer {
     loom_param *attn_norm, *wq, *wk, *wv, *wo, *mlp_norm, *w_gate, *w_up, *w_down;
     loom_param *bq, *bk, *bv, *bo; /* the attention's biases (NULL: none; loom_llama_config) */
+    loom_param *q_norm, *k_norm;   /* Qwen 3's per-head norms (NULL: none) */
     /* LoRA adapters of the linears (NULL: none): A (rank, in), B (out, rank);
      * with DoRA the magnitudes m (out) too. */
     loom_param *lora_a[LOOM_LORA_N], *lora_b[LOOM_LORA_N], *lora_m[LOOM_LORA_N];

@@ -349,11 +349,12 @@ loom_status loom_llama_save_gguf(loom_llama *m, loom_gguf_type type, const loom_
     if (!tok)
         return loom_error(LOOM_ERR_INVALID, "GGUF export needs the model's tokenizer: llama.cpp cannot run a model "
                           "without its vocabulary");
-    if (m->cfg.rope_type != LOOM_ROPE_DEFAULT || m->cfg.qkv_bias)
+    if (m->cfg.rope_type != LOOM_ROPE_DEFAULT || m->cfg.qkv_bias || m->cfg.head_dim || m->cfg.qk_norm)
         return loom_error(LOOM_ERR_UNSUPPORTED, "GGUF export of a model with %s is not supported: export a "
                           "Hugging Face directory (loom export --format hf) and convert that with llama.cpp's "
                           "convert_hf_to_gguf.py", m->cfg.qkv_bias ? "attention biases (Qwen 2's, attention_bias)"
-                                                                    : "rope_scaling");
+                          : m->cfg.head_dim ? "its own head_dim" : m->cfg.qk_norm ? "q/k norms (Qwen 3's)"
+                          : "rope_scaling");
     if (tok->hf)
         return loom_error(LOOM_ERR_UNSUPPORTED, "GGUF export with a Hugging Face tokenizer is not supported: export "
                           "a Hugging Face directory (loom export --format hf), which keeps the tokenizer.json as "

@@ -80,13 +80,18 @@ static loom_status get_float(json_t *root, const char *path, const char *key, fl
     return LOOM_OK;
 }
 
-/* Whether the config is Qwen 2's (model_type "qwen2"): LLaMA's model with
- * biases on q, k and v, and a sliding window only where use_sliding_window
- * says so. */
-static int is_qwen2(json_t *root) {
+/* Whether the config's model_type is `name`. */
+static int model_type_is(json_t *root, const char *name) {
     json_t *mt = json_object_get(root, "model_type");
-    return json_is_string(mt) && !strcmp(json_string_value(mt), "qwen2");
+    return json_is_string(mt) && !strcmp(json_string_value(mt), name);
 }
+
+/* Qwen 2's model (model_type "qwen2") is LLaMA's with biases on q, k and
+ * v; Qwen 3's ("qwen3") with a norm of each query and key head instead
+ * (and LLaMA's attention_bias). Both have a sliding window only where
+ * use_sliding_window says so, and defaults of their own. */
+static int is_qwen2(json_t *root) { return model_type_is(root, "qwen2"); }
+static int is_qwen3(json_t *root) { return model_type_is(root, "qwen3"); }
 
 /* Fields that change the math: refuse what loom does not implement rather
  * than compute something else; the attention's biases (Qwen 2's on q, k
@@ -96,24 +101,32 @@ static loom_status check_unsupported(json_t *root, const char *path, loom_llama_
     if (v && json_is_true(v))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: mlp_bias = true is not supported by loom's LLaMA", path);
     v = json_object_get(root, "attention_bias");
-    json_t *mt = json_object_get(root, "model_type");
+    c->qk_norm = is_qwen3(root);
     if (is_qwen2(root)) {
         c->qkv_bias = 1; /* Qwen 2's attention has them whatever the file says; o has none */
-    } else if (v && !json_is_null(v) && !(json_is_string(mt) && !strcmp(json_string_value(mt), "mistral"))) {
+    } else if (v && !json_is_null(v) && !model_type_is(root, "mistral")) {
         /* LLaMA's (Mistral's model has none, whatever the file says) */
         if (!json_is_boolean(v)) return loom_error(LOOM_ERR_FORMAT, "%s: attention_bias must be true or false", path);
         c->qkv_bias = c->o_bias = json_is_true(v);
     }
-    v = json_object_get(root, "head_dim");
-    if (v && !json_is_null(v) && (!json_is_integer(v) || json_integer_value(v) != c->dim / c->n_heads ||
-                                  c->dim % c->n_heads))
-        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: head_dim must equal hidden_size / num_attention_heads", path);
+    v = json_object_get(root, "head_dim"); /* its own (0: dim / n_heads, however the file says it) */
+    json_int_t hd = is_qwen3(root) ? 128 : 0; /* Qwen3Config's default */
+    if (v && !json_is_null(v)) {
+        if (!json_is_integer(v) || json_integer_value(v) <= 0 || json_integer_value(v) > (1 << 20))
+            return loom_error(LOOM_ERR_FORMAT, "%s: head_dim must be a positive integer or null", path);
+        hd = json_integer_value(v);
+    }
+    if (hd && (c->dim % c->n_heads || hd != c->dim / c->n_heads)) c->head_dim = (int)hd;
     /* Other model types are other architectures under similar names. */
     v = json_object_get(root, "model_type");
     if (v && (!json_is_string(v) || (strcmp(json_string_value(v), "llama") && strcmp(json_string_value(v), "mistral") &&
-                                     !is_qwen2(root))))
+                                     !is_qwen2(root) && !is_qwen3(root))))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: model_type \"%s\" is not a LLaMA model (loom reads \"llama\", "
-                          "\"mistral\" and \"qwen2\")", path, json_is_string(v) ? json_string_value(v) : "?");
+                          "\"mistral\", \"qwen2\" and \"qwen3\")", path, json_is_string(v) ? json_string_value(v) : "?");
+    v = json_object_get(root, "attention_dropout");
+    if (v && !json_is_null(v) && !(json_is_number(v) && json_number_value(v) == 0.0))
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: attention_dropout must be 0: loom's attention has no dropout "
+                          "(LoRA's --lora-dropout is the dropout loom has)", path);
     v = json_object_get(root, "hidden_act");
     if (v && (!json_is_string(v) || strcmp(json_string_value(v), "silu") != 0))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: hidden_act must be \"silu\"", path);
@@ -127,18 +140,18 @@ static loom_status check_unsupported(json_t *root, const char *path, loom_llama_
  * (and then to some layers: to be safe, loom's context ends where it
  * would begin). */
 static loom_status apply_window(json_t *root, const char *path, loom_llama_config *c) {
-    json_t *v = json_object_get(root, "sliding_window"), *mt = json_object_get(root, "model_type");
+    json_t *v = json_object_get(root, "sliding_window");
     json_t *use = json_object_get(root, "use_sliding_window");
     if (use && !json_is_null(use) && !json_is_boolean(use))
         return loom_error(LOOM_ERR_FORMAT, "%s: use_sliding_window must be true or false", path);
-    if (is_qwen2(root) && !json_is_true(use)) return LOOM_OK;
+    if ((is_qwen2(root) || is_qwen3(root)) && !json_is_true(use)) return LOOM_OK;
     json_int_t window = 0;
     if (v && !json_is_null(v)) {
         if (!json_is_integer(v) || json_integer_value(v) <= 0)
             return loom_error(LOOM_ERR_FORMAT, "%s: sliding_window must be a positive integer or null", path);
         window = json_integer_value(v);
-    } else if (!v && ((json_is_string(mt) && !strcmp(json_string_value(mt), "mistral")) || is_qwen2(root))) {
-        window = 4096; /* MistralConfig's default, and Qwen2Config's (used here only with use_sliding_window) */
+    } else if (!v && (model_type_is(root, "mistral") || is_qwen2(root) || is_qwen3(root))) {
+        window = 4096; /* MistralConfig's default, and Qwen's (used here only with use_sliding_window) */
     }
     if (window && window < c->max_seq) c->max_seq = (int)window;
     return LOOM_OK;
@@ -216,11 +229,11 @@ loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
     if (st == LOOM_OK) st = get_int(root, path, "hidden_size", 1, &c->dim);
     if (st == LOOM_OK) st = get_int(root, path, "num_hidden_layers", 1, &c->n_layers);
     if (st == LOOM_OK) st = get_int(root, path, "num_attention_heads", 1, &c->n_heads);
-    c->n_kv_heads = is_qwen2(root) ? 32 : c->n_heads; /* Qwen2Config's default, LlamaConfig's */
+    c->n_kv_heads = is_qwen2(root) ? 32 : is_qwen3(root) ? 8 : c->n_heads; /* Qwen2Config's, Qwen3Config's, LlamaConfig's */
     if (st == LOOM_OK) st = get_int(root, path, "num_key_value_heads", 0, &c->n_kv_heads);
     if (st == LOOM_OK) st = get_int(root, path, "intermediate_size", 1, &c->ffn_dim);
     if (st == LOOM_OK) st = get_int(root, path, "vocab_size", 1, &c->vocab_size);
-    c->max_seq = is_qwen2(root) ? 32768 : 2048; /* LlamaConfig's default, Qwen2Config's */
+    c->max_seq = is_qwen2(root) || is_qwen3(root) ? 32768 : 2048; /* Qwen's default, LlamaConfig's */
     if (st == LOOM_OK) st = get_int(root, path, "max_position_embeddings", 0, &c->max_seq);
     if (st == LOOM_OK) st = get_float(root, path, "rms_norm_eps", &c->norm_eps);
     json_t *tie = st == LOOM_OK ? json_object_get(root, "tie_word_embeddings") : NULL;
@@ -259,7 +272,21 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
             root = NULL;
         }
     }
-    if (root && c->qkv_bias && !c->o_bias) { /* Qwen 2's layout: its model_type says so */
+    /* Qwen 3's default head_dim is 128, not dim / heads: it always says its own */
+    if (root && (c->head_dim || c->qk_norm) &&
+        json_object_set_new(root, "head_dim", json_integer(loom_llama_head_dim(c))) != 0) {
+        json_decref(root);
+        root = NULL;
+    }
+    if (root && c->qk_norm) { /* Qwen 3's layout, with LLaMA's attention_bias */
+        if (json_object_set_new(root, "architectures", json_pack("[s]", "Qwen3ForCausalLM")) ||
+            json_object_set_new(root, "model_type", json_string("qwen3")) ||
+            json_object_set_new(root, "attention_bias", json_boolean(c->o_bias)) ||
+            json_object_set_new(root, "use_sliding_window", json_false())) {
+            json_decref(root);
+            root = NULL;
+        }
+    } else if (root && c->qkv_bias && !c->o_bias) { /* Qwen 2's layout: its model_type says so */
         if (json_object_set_new(root, "architectures", json_pack("[s]", "Qwen2ForCausalLM")) ||
             json_object_set_new(root, "model_type", json_string("qwen2")) || json_object_del(root, "attention_bias") ||
             json_object_set_new(root, "use_sliding_window", json_false())) {

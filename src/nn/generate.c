@@ -65,7 +65,8 @@ static loom_status linear(const loom_llama *m, scratch *s, void *out, const void
 static loom_status forward_tokens(loom_llama *m, kv_cache *c, scratch *s, const int32_t *tokens, int T) {
     const loom_llama_config *cfg = &m->cfg;
     loom_dtype dt = m->prec.compute;
-    int C = cfg->dim, NH = cfg->n_heads, NKV = cfg->n_kv_heads, HS = C / NH, KV = NKV * HS, F = cfg->ffn_dim;
+    int C = cfg->dim, NH = cfg->n_heads, NKV = cfg->n_kv_heads, HS = loom_llama_head_dim(cfg), Q = NH * HS;
+    int KV = NKV * HS, F = cfg->ffn_dim;
     int pos0 = c->len;
     loom_rope_freqs rope = loom_llama_rope(cfg);
     embedding_fwd(s->x, tokens, loom_tensor_data(m->embed->tensor), T, C, dt);
@@ -73,14 +74,18 @@ static loom_status forward_tokens(loom_llama *m, kv_cache *c, scratch *s, const 
         const loom_llama_layer *y = &m->layers[l];
         float *rs = s->rstd;
         rmsnorm_fwd(s->h, rs, s->x, loom_tensor_data(y->attn_norm->tensor), T, C, cfg->norm_eps, dt);
-        LOOM_TRY(linear(m, s, s->q, s->h, y, LOOM_LORA_Q, T, C, C));
+        LOOM_TRY(linear(m, s, s->q, s->h, y, LOOM_LORA_Q, T, C, Q));
         void *kdst = row(c->k[l], pos0, KV, dt), *vdst = row(c->v[l], pos0, KV, dt);
         LOOM_TRY(linear(m, s, kdst, s->h, y, LOOM_LORA_K, T, C, KV));
         LOOM_TRY(linear(m, s, vdst, s->h, y, LOOM_LORA_V, T, C, KV));
+        if (y->q_norm) { /* Qwen 3: each head normalized before RoPE */
+            rmsnorm_fwd(s->q, NULL, s->q, loom_tensor_data(y->q_norm->tensor), T * NH, HS, cfg->norm_eps, dt);
+            rmsnorm_fwd(kdst, NULL, kdst, loom_tensor_data(y->k_norm->tensor), T * NKV, HS, cfg->norm_eps, dt);
+        }
         rope_fwd(s->q, s->q, 1, T, NH, HS, pos0, &rope, dt);
         rope_fwd(kdst, kdst, 1, T, NKV, HS, pos0, &rope, dt);
         attention_fwd(s->att, NULL, s->q, c->k[l], c->v[l], 1, T, pos0 + T, NH, NKV, HS, pos0, dt);
-        LOOM_TRY(linear(m, s, s->o, s->att, y, LOOM_LORA_O, T, C, C));
+        LOOM_TRY(linear(m, s, s->o, s->att, y, LOOM_LORA_O, T, Q, C));
         add_fwd(s->x, s->x, s->o, (size_t)T * (size_t)C, dt);
         rmsnorm_fwd(s->h, rs, s->x, loom_tensor_data(y->mlp_norm->tensor), T, C, cfg->norm_eps, dt);
         LOOM_TRY(linear(m, s, s->g, s->h, y, LOOM_LORA_GATE, T, C, F));
@@ -139,7 +144,8 @@ static loom_status dora_factors(loom_llama *m, scratch *s) {
 static loom_status state_init(loom_llama *m, int T, int cap, kv_cache *c, scratch *s) {
     const loom_llama_config *cfg = &m->cfg;
     loom_dtype dt = m->prec.compute;
-    size_t C = (size_t)cfg->dim, KV = (size_t)cfg->n_kv_heads * (C / (size_t)cfg->n_heads), F = (size_t)cfg->ffn_dim;
+    size_t C = (size_t)cfg->dim, HS = (size_t)loom_llama_head_dim(cfg), F = (size_t)cfg->ffn_dim;
+    size_t Q = (size_t)cfg->n_heads * HS, KV = (size_t)cfg->n_kv_heads * HS;
     memset(c, 0, sizeof *c);
     memset(s, 0, sizeof *s);
     c->k = calloc((size_t)cfg->n_layers, sizeof *c->k);
@@ -152,8 +158,9 @@ static loom_status state_init(loom_llama *m, int T, int cap, kv_cache *c, scratc
         ok = c->k[l] && c->v[l];
     }
     size_t t = (size_t)T;
-    void **bufs[] = {&s->x, &s->h, &s->q, &s->att, &s->o};
-    for (size_t i = 0; ok && i < sizeof bufs / sizeof bufs[0]; i++) ok = (*bufs[i] = loom_alloc(t * C * ELT(dt), LOOM_MEM_WORKSPACE)) != NULL;
+    void **bufs[] = {&s->x, &s->h, &s->o, &s->q, &s->att}; /* the last two (T, heads x head size) */
+    for (size_t i = 0; ok && i < sizeof bufs / sizeof bufs[0]; i++)
+        ok = (*bufs[i] = loom_alloc(t * (i < 3 ? C : Q) * ELT(dt), LOOM_MEM_WORKSPACE)) != NULL;
     if (ok) ok = (s->g = loom_alloc(t * F * ELT(dt), LOOM_MEM_WORKSPACE)) && (s->u = loom_alloc(t * F * ELT(dt), LOOM_MEM_WORKSPACE));
     if (ok) ok = (s->logits = loom_alloc((size_t)cfg->vocab_size * sizeof(float), LOOM_MEM_WORKSPACE)) != NULL;
     if (ok) ok = (s->rstd = loom_alloc(t * sizeof(float), LOOM_MEM_WORKSPACE)) != NULL;

@@ -62,8 +62,13 @@ loom_rope_freqs loom_llama_rope(const loom_llama_config *c) {
     return r;
 }
 
+int loom_llama_head_dim(const loom_llama_config *c) {
+    return c->head_dim ? c->head_dim : c->n_heads > 0 ? c->dim / c->n_heads : 0;
+}
+
 int loom_llama_config_same_weights(const loom_llama_config *a, const loom_llama_config *b) {
     return a->dim == b->dim && a->n_layers == b->n_layers && a->n_heads == b->n_heads &&
+           loom_llama_head_dim(a) == loom_llama_head_dim(b) && !a->qk_norm == !b->qk_norm &&
            a->n_kv_heads == b->n_kv_heads && a->ffn_dim == b->ffn_dim && a->vocab_size == b->vocab_size &&
            a->tie_embeddings == b->tie_embeddings && !a->qkv_bias == !b->qkv_bias && !a->o_bias == !b->o_bias;
 }
@@ -80,9 +85,11 @@ loom_status loom_llama_config_validate(const loom_llama_config *c) {
         return loom_error(LOOM_ERR_INVALID, "model config: every size must be positive (dim %d, layers %d, heads %d, "
                           "kv heads %d, ffn %d, vocab %d, max seq %d)", c->dim, c->n_layers, c->n_heads,
                           c->n_kv_heads, c->ffn_dim, c->vocab_size, c->max_seq);
-    if (c->dim % c->n_heads || (c->dim / c->n_heads) % 2)
-        return loom_error(LOOM_ERR_INVALID, "model config: dim %d must split into %d heads of even size", c->dim,
-                          c->n_heads);
+    if (c->head_dim < 0 || (!c->head_dim && c->dim % c->n_heads) || loom_llama_head_dim(c) % 2 ||
+        !loom_llama_head_dim(c))
+        return loom_error(LOOM_ERR_INVALID, c->head_dim ? "model config: head_dim %d must be even and positive"
+                                                        : "model config: dim %d must split into %d heads of even size",
+                          c->head_dim ? c->head_dim : c->dim, c->n_heads);
     if (c->n_heads % c->n_kv_heads)
         return loom_error(LOOM_ERR_INVALID, "model config: %d heads is not a multiple of %d kv heads", c->n_heads,
                           c->n_kv_heads);
@@ -93,6 +100,9 @@ loom_status loom_llama_config_validate(const loom_llama_config *c) {
     if (c->o_bias && !c->qkv_bias)
         return loom_error(LOOM_ERR_INVALID, "model config: a bias on o needs biases on q, k and v (LLaMA's "
                           "attention_bias has all four, Qwen 2's the three)");
+    if (c->qk_norm && c->qkv_bias && !c->o_bias)
+        return loom_error(LOOM_ERR_INVALID, "model config: q/k norms (Qwen 3's) with biases on q, k and v alone "
+                          "(Qwen 2's) have no Hugging Face layout");
     return LOOM_OK;
 }
 
@@ -141,6 +151,11 @@ static loom_status llama_create(const loom_llama_config *cfg, loom_precision pre
     if (cfg->n_kv_heads % T || cfg->ffn_dim % T)
         return loom_error(LOOM_ERR_INVALID, "tensor parallel %d: the %d kv heads, %d heads and ffn %d must divide by it",
                           T, cfg->n_kv_heads, cfg->n_heads, cfg->ffn_dim);
+    /* Each rank's heads would give the norms' weights a part of their
+     * gradient, which no collective sums yet. */
+    if (cfg->qk_norm && T > 1)
+        return loom_error(LOOM_ERR_UNSUPPORTED, "tensor parallelism of a model with q/k norms (Qwen 3's) is not "
+                          "supported: train it with data parallelism (--zero 1 divides the optimizer's state)");
     loom_llama *m = calloc(1, sizeof *m);
     if (!m) return loom_error(LOOM_ERR_NOMEM, "llama: out of memory");
     m->cfg = *cfg;
@@ -149,9 +164,9 @@ static loom_status llama_create(const loom_llama_config *cfg, loom_precision pre
     m->tp_size = T;
     m->tp_rank = tp_comm ? loom_comm_rank(tp_comm) : 0;
     m->dp_size = 1;
-    int L = cfg->n_layers, C = cfg->dim, HS = cfg->dim / cfg->n_heads, KV = cfg->n_kv_heads * HS;
+    int L = cfg->n_layers, C = cfg->dim, HS = loom_llama_head_dim(cfg), Q = cfg->n_heads * HS, KV = cfg->n_kv_heads * HS;
     m->layers = calloc((size_t)L, sizeof *m->layers);
-    m->params = calloc(13 * (size_t)L + 3, sizeof *m->params);
+    m->params = calloc(15 * (size_t)L + 3, sizeof *m->params);
     if (!m->layers || !m->params) { loom_llama_free(m); return LOOM_ERR_NOMEM; }
     loom_dtype dt = prec.compute;
     char name[160];
@@ -159,17 +174,19 @@ static loom_status llama_create(const loom_llama_config *cfg, loom_precision pre
     for (int l = 0; l < L && st == LOOM_OK; l++) {
         loom_llama_layer *y = &m->layers[l];
         /* Hugging Face's order; a bias splits as its weight's rows (o's is whole) */
-        int qb = cfg->qkv_bias, ob = cfg->o_bias;
+        int qb = cfg->qkv_bias, ob = cfg->o_bias, qkn = cfg->qk_norm;
         struct { const char *suffix; int ndim; int64_t d0, d1; int split; loom_param **slot; int has; } spec[] = {
             {"input_layernorm.weight", 1, C, 0, -1, &y->attn_norm, 1},
-            {"self_attn.q_proj.weight", 2, C, C, 0, &y->wq, 1},
-            {"self_attn.q_proj.bias", 1, C, 0, 0, &y->bq, qb},
+            {"self_attn.q_proj.weight", 2, Q, C, 0, &y->wq, 1},
+            {"self_attn.q_proj.bias", 1, Q, 0, 0, &y->bq, qb},
             {"self_attn.k_proj.weight", 2, KV, C, 0, &y->wk, 1},
             {"self_attn.k_proj.bias", 1, KV, 0, 0, &y->bk, qb},
             {"self_attn.v_proj.weight", 2, KV, C, 0, &y->wv, 1},
             {"self_attn.v_proj.bias", 1, KV, 0, 0, &y->bv, qb},
-            {"self_attn.o_proj.weight", 2, C, C, 1, &y->wo, 1},
+            {"self_attn.o_proj.weight", 2, C, Q, 1, &y->wo, 1},
             {"self_attn.o_proj.bias", 1, C, 0, -1, &y->bo, ob},
+            {"self_attn.q_norm.weight", 1, HS, 0, -1, &y->q_norm, qkn},
+            {"self_attn.k_norm.weight", 1, HS, 0, -1, &y->k_norm, qkn},
             {"post_attention_layernorm.weight", 1, C, 0, -1, &y->mlp_norm, 1},
             {"mlp.gate_proj.weight", 2, cfg->ffn_dim, C, 0, &y->w_gate, 1},
             {"mlp.up_proj.weight", 2, cfg->ffn_dim, C, 0, &y->w_up, 1},
@@ -734,14 +751,21 @@ static loom_status dora_output(const struct llama_block_args *a, loom_lora_targe
     return st;
 }
 
-/* q/k/v projection then view as (B, T, heads, HS) and rotate (q, k). */
+/* q/k/v projection then view as (B, T, heads, HS), each head normalized
+ * (Qwen 3's q_norm, k_norm; norm NULL: none) and rotated (q, k). */
 static loom_status project_heads(const struct llama_block_args *a, loom_lora_target t, loom_tensor *h,
-                                 loom_tensor *hn, int heads, int HS, const loom_rope_freqs *rope, loom_tensor **out) {
-    loom_tensor *y = NULL, *y4 = NULL;
+                                 loom_tensor *hn, int heads, int HS, const loom_param *norm,
+                                 const loom_rope_freqs *rope, loom_tensor **out) {
+    loom_tensor *y = NULL, *y4 = NULL, *yn = NULL;
     int64_t shape[4] = {a->B, a->T, heads, HS};
     loom_status st = block_linear(a, t, h, hn, &y);
     if (st == LOOM_OK) st = loom_reshape(y, 4, shape, &y4);
     loom_tensor_release(y);
+    if (st == LOOM_OK && norm) {
+        st = loom_rmsnorm(y4, norm->tensor, a->m->cfg.norm_eps, &yn);
+        loom_tensor_release(y4);
+        y4 = yn;
+    }
     if (st != LOOM_OK || !rope) { *out = y4; return st; }
     st = loom_rope_ex(y4, rope, 0, out);
     loom_tensor_release(y4);
@@ -755,15 +779,15 @@ static loom_status attention_part(const struct llama_block_args *a, loom_tensor 
     const loom_llama *m = a->m;
     const loom_llama_config *c = &m->cfg;
     const loom_llama_layer *y = &m->layers[a->layer];
-    int HS = c->dim / c->n_heads, NH = c->n_heads / m->tp_size, NKV = c->n_kv_heads / m->tp_size;
+    int HS = loom_llama_head_dim(c), NH = c->n_heads / m->tp_size, NKV = c->n_kv_heads / m->tp_size;
     loom_tensor *hn = NULL, *h = NULL, *q = NULL, *k = NULL, *v = NULL, *att = NULL, *att2 = NULL;
     int64_t flat[2] = {(int64_t)a->B * a->T, (int64_t)NH * HS};
     loom_status st = loom_rmsnorm(x, y->attn_norm->tensor, c->norm_eps, &hn);
     if (st == LOOM_OK) st = tp_copy(m->tp_comm, hn, &h);
     loom_rope_freqs rope = loom_llama_rope(c);
-    if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_Q, h, hn, NH, HS, &rope, &q);
-    if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_K, h, hn, NKV, HS, &rope, &k);
-    if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_V, h, hn, NKV, HS, NULL, &v);
+    if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_Q, h, hn, NH, HS, y->q_norm, &rope, &q);
+    if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_K, h, hn, NKV, HS, y->k_norm, &rope, &k);
+    if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_V, h, hn, NKV, HS, NULL, NULL, &v);
     if (st == LOOM_OK) st = loom_attention(q, k, v, &att);
     if (st == LOOM_OK) st = loom_reshape(att, 2, flat, &att2);
     if (st == LOOM_OK) st = block_linear(a, LOOM_LORA_O, att2, NULL, out); /* g-reduced inside */

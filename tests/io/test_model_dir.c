@@ -582,7 +582,7 @@ static void test_bias_config(void **state) {
     static const struct { const char *extra; int qkv, o, max_seq; } good[] = {
         {"", 0, 0, 2048},
         {", \"attention_bias\": false", 0, 0, 2048},
-        {", \"attention_bias\": true", 1, 1, 2048},
+        {", \"attention_bias\": true, \"attention_dropout\": 0.0", 1, 1, 2048},
         {", \"model_type\": \"qwen2\"", 1, 0, 32768}, /* Qwen2Config's context */
         {", \"model_type\": \"qwen2\", \"attention_bias\": true, \"sliding_window\": 64, "
          "\"use_sliding_window\": false", 1, 0, 32768},
@@ -612,6 +612,45 @@ static void test_bias_config(void **state) {
     }
     back.qkv_bias = 1;
     assert_false(loom_llama_config_same_weights(&c, &back)); /* the biases are weights */
+    /* heads of their own size: kept, saved and loaded back; dim / heads is no head_dim of its own */
+    const char *hd = "{\"hidden_size\": 16, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
+                     "\"head_dim\": 12, \"intermediate_size\": 24, \"vocab_size\": 40}";
+    io_write_raw(io_path("config.json"), hd, strlen(hd));
+    assert_int_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
+    assert_true(c.head_dim == 12 && loom_llama_head_dim(&c) == 12);
+    assert_int_equal(loom_llama_config_save(&c, LOOM_F32, io_path("config.json")), LOOM_OK);
+    assert_int_equal(loom_llama_config_load(io_path("config.json"), &back), LOOM_OK);
+    assert_true(back.head_dim == 12 && loom_llama_config_same_weights(&c, &back));
+    back.head_dim = 0;
+    assert_false(loom_llama_config_same_weights(&c, &back));
+    const char *hd8 = "{\"hidden_size\": 16, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
+                      "\"head_dim\": 8, \"intermediate_size\": 24, \"vocab_size\": 40}";
+    io_write_raw(io_path("config.json"), hd8, strlen(hd8));
+    assert_int_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
+    assert_int_equal(c.head_dim, 0);
+    /* Qwen 3's: q/k norms, LLaMA's attention_bias, Qwen3Config's head_dim (128) and kv heads (8) when left
+     * out; saved as Qwen 3's, head_dim and all (even when it is dim / heads: Qwen3Config's default is not) */
+    const char *q3 = "{\"model_type\": \"qwen3\", \"hidden_size\": 256, \"num_hidden_layers\": 1, "
+                     "\"num_attention_heads\": 16, \"intermediate_size\": 24, \"vocab_size\": 40, "
+                     "\"attention_bias\": true}";
+    io_write_raw(io_path("config.json"), q3, strlen(q3));
+    assert_int_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
+    assert_true(c.qk_norm && c.qkv_bias && c.o_bias && loom_llama_head_dim(&c) == 128 && c.n_kv_heads == 8 &&
+                c.max_seq == 32768);
+    c.head_dim = 0; /* 256 / 16 */
+    assert_int_equal(loom_llama_config_save(&c, LOOM_F32, io_path("config.json")), LOOM_OK);
+    size_t n3;
+    char *t3 = (char *)io_read_raw(io_path("config.json"), &n3);
+    assert_true(strstr(t3, "\"model_type\": \"qwen3\"") && strstr(t3, "Qwen3ForCausalLM") &&
+                strstr(t3, "\"head_dim\": 16") && strstr(t3, "\"attention_bias\": true"));
+    free(t3);
+    assert_int_equal(loom_llama_config_load(io_path("config.json"), &back), LOOM_OK);
+    assert_true(back.qk_norm && loom_llama_config_same_weights(&c, &back));
+    back.qk_norm = 0;
+    assert_false(loom_llama_config_same_weights(&c, &back));
+    c.o_bias = 0; /* q/k norms with Qwen 2's biases: no layout */
+    assert_int_equal(loom_llama_config_validate(&c), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("no Hugging Face layout");
     /* Qwen2Config's kv heads when the file leaves them out: 32 */
     const char *q32 = "{\"model_type\": \"qwen2\", \"hidden_size\": 128, \"num_hidden_layers\": 1, "
                       "\"num_attention_heads\": 32, \"intermediate_size\": 24, \"vocab_size\": 40}";
@@ -622,7 +661,10 @@ static void test_bias_config(void **state) {
         {", \"mlp_bias\": true", "mlp_bias = true is not supported"},
         {", \"attention_bias\": 1", "attention_bias must be true or false"},
         {", \"model_type\": \"qwen2\", \"use_sliding_window\": \"yes\"", "use_sliding_window must be true or false"},
-        {", \"model_type\": \"qwen3\"", "model_type \"qwen3\" is not a LLaMA model"},
+        {", \"model_type\": \"qwen3_moe\"", "model_type \"qwen3_moe\" is not a LLaMA model"},
+        {", \"attention_dropout\": 0.1", "attention_dropout must be 0"},
+        {", \"head_dim\": 0", "head_dim must be a positive integer"},
+        {", \"head_dim\": 7", "head_dim 7 must be even"},
     };
     for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
         snprintf(json, sizeof json, "{\"hidden_size\": 16, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
@@ -826,6 +868,14 @@ static void test_gguf_refusals(void **state) {
     assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_F32, tok, io_path("scaled.gguf")), LOOM_ERR_UNSUPPORTED);
     IO_ASSERT_MSG("attention biases");
     m->cfg.qkv_bias = 0;
+    m->cfg.head_dim = 16;
+    assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_F32, tok, io_path("scaled.gguf")), LOOM_ERR_UNSUPPORTED);
+    IO_ASSERT_MSG("head_dim");
+    m->cfg.head_dim = 0;
+    m->cfg.qk_norm = 1;
+    assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_F32, tok, io_path("scaled.gguf")), LOOM_ERR_UNSUPPORTED);
+    IO_ASSERT_MSG("q/k norms");
+    m->cfg.qk_norm = 0;
     /* Tokenizers llama.cpp cannot load: two ids spelling "abc", no end of text. */
     const char *dup = "{\"type\":\"loom-bpe\",\"version\":1,\"vocab_size\":261,"
                       "\"merges\":[[97,98],[256,99],[98,99],[97,258]],\"special\":{\"<|endoftext|>\":260}}";

@@ -12,7 +12,9 @@ directories, runs `loom train` on them and compares with llama_ref.py:
      model's weights frozen, and the saved model with the adapters merged;
      DoRA's gradients (A, B and the magnitudes) with PEFT's DoRA math (on
      the qwen2 config too, whose biases DoRA does not scale).
-Configs with biases: qwen2 (q, k, v) and attention-bias (q, k, v, o).
+Configs with biases: qwen2 (q, k, v) and attention-bias (q, k, v, o);
+head-dim has heads of their own size (q and o wider than the model); qwen3
+normalizes each query and key head (and has DoRA checked too).
 Prints a table of the errors and exits 1 on any mismatch.
 
 Usage: /usr/bin/python3 crosscheck.py --loom build/loom --workdir DIR
@@ -57,6 +59,16 @@ CONFIGS = {
               "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 32,
               "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "sliding_window": 8,
               "use_sliding_window": False},
+    # heads of their own size (Mistral NeMo's head_dim): 4 x 24 = 96 wide q and o beside a dim of 64
+    "head-dim": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "head_dim": 24, "intermediate_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 32,
+                 "rms_norm_eps": 1e-5, "tie_word_embeddings": False},
+    # Qwen 3's model: each query and key head normalized (q_norm, k_norm) before RoPE, heads of 24 (its
+    # default head_dim, 128, would be far wider than this model), tied
+    "qwen3": {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 24, "intermediate_size": 96, "vocab_size": VOCAB,
+              "max_position_embeddings": 32, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+              "tie_word_embeddings": True, "attention_bias": False, "use_sliding_window": False},
     # LLaMA's attention_bias: q, k, v and o
     "attention-bias": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                        "intermediate_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 32,
@@ -451,8 +463,8 @@ def main():
         if name == "untied":
             check_lora(rep, args.loom, args.workdir, data_dir, model_dir)
             check_dora(rep, args.loom, args.workdir, data_dir, model_dir)
-        if name == "qwen2":
-            check_dora(rep, args.loom, args.workdir, data_dir, model_dir, "qwen2-dora")
+        if name in ("qwen2", "qwen3"):
+            check_dora(rep, args.loom, args.workdir, data_dir, model_dir, name + "-dora")
     rep.print()
     print(f"crosscheck: {time.time() - t0:.1f} s")
     if rep.failures:

@@ -141,10 +141,11 @@ class Config:
         self.norm_eps = float(d.get("rms_norm_eps", 1e-6))
         self.tie = bool(d.get("tie_word_embeddings", False))
         # Qwen 2's attention has biases on q, k and v; LLaMA's attention_bias puts them on o too
-        qwen2 = d.get("model_type") == "qwen2"
+        # Qwen 3's: a norm of each query and key head before RoPE, LLaMA's attention_bias, head_dim 128 by default
+        qwen2, self.qk_norm = d.get("model_type") == "qwen2", d.get("model_type") == "qwen3"
         self.qkv_bias = qwen2 or bool(d.get("attention_bias", False))
         self.o_bias = not qwen2 and bool(d.get("attention_bias", False))
-        self.head_size = self.dim // self.n_heads
+        self.head_size = d.get("head_dim") or (128 if self.qk_norm else self.dim // self.n_heads)
         self.lora_scale = None  # LoRA's alpha / rank, when params hold adapters
 
     def param_shapes(self):
@@ -154,10 +155,14 @@ class Config:
         for l in range(self.n_layers):
             p = f"model.layers.{l}."
             s[p + "input_layernorm.weight"] = (C,)
-            for proj, out in (("q", C), ("k", KV), ("v", KV), ("o", C)):
-                s[p + f"self_attn.{proj}_proj.weight"] = (out, C)
+            Q = self.n_heads * self.head_size
+            for proj, out, inp in (("q", Q, C), ("k", KV, C), ("v", KV, C), ("o", C, Q)):
+                s[p + f"self_attn.{proj}_proj.weight"] = (out, inp)
                 if self.o_bias if proj == "o" else self.qkv_bias:
                     s[p + f"self_attn.{proj}_proj.bias"] = (out,)
+            if self.qk_norm:
+                s[p + "self_attn.q_norm.weight"] = (self.head_size,)
+                s[p + "self_attn.k_norm.weight"] = (self.head_size,)
             s[p + "post_attention_layernorm.weight"] = (C,)
             s[p + "mlp.gate_proj.weight"] = (F_, C)
             s[p + "mlp.up_proj.weight"] = (F_, C)
@@ -204,9 +209,9 @@ def make_model_dir(d, config, rng, embed_std=0.02):
         tensors[name] = torch.from_numpy(w.astype(np.float32))
     write_safetensors(os.path.join(d, "model.safetensors"), tensors, {"format": "pt"})
     with open(os.path.join(d, "config.json"), "w") as f:
-        qwen2 = config.get("model_type") == "qwen2"
-        json.dump(dict(config, architectures=["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
-                       model_type="qwen2" if qwen2 else "llama", hidden_act="silu", torch_dtype="float32"), f,
+        mt = config.get("model_type", "llama")
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[mt]
+        json.dump(dict(config, architectures=[arch], model_type=mt, hidden_act="silu", torch_dtype="float32"), f,
                   indent=2)
 
 
@@ -277,8 +282,12 @@ def lin(x, params, name, cfg):
 def attention(x, params, p, cfg, cos, sin):
     B, T, C = x.shape
     NH, NKV, HS = cfg.n_heads, cfg.n_kv_heads, cfg.head_size
-    q = lin(x, params, p + "self_attn.q_proj", cfg).view(B, T, NH, HS).transpose(1, 2)  # (B, NH, T, HS)
-    k = lin(x, params, p + "self_attn.k_proj", cfg).view(B, T, NKV, HS).transpose(1, 2)
+    q = lin(x, params, p + "self_attn.q_proj", cfg).view(B, T, NH, HS)
+    k = lin(x, params, p + "self_attn.k_proj", cfg).view(B, T, NKV, HS)
+    if cfg.qk_norm:
+        q = rms_norm(q, params[p + "self_attn.q_norm.weight"], cfg.norm_eps)
+        k = rms_norm(k, params[p + "self_attn.k_norm.weight"], cfg.norm_eps)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, NH, T, HS)
     v = lin(x, params, p + "self_attn.v_proj", cfg).view(B, T, NKV, HS).transpose(1, 2)
     cos, sin = cos.to(q.dtype), sin.to(q.dtype)
     q = q * cos + rotate_half(q) * sin
@@ -289,7 +298,7 @@ def attention(x, params, p, cfg, cos, sin):
     mask = torch.ones(T, T, dtype=torch.bool).triu(1)
     s = s.masked_fill(mask, float("-inf"))
     a = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v  # (B, NH, T, HS)
-    return lin(a.transpose(1, 2).reshape(B, T, C), params, p + "self_attn.o_proj", cfg)
+    return lin(a.transpose(1, 2).reshape(B, T, NH * HS), params, p + "self_attn.o_proj", cfg)
 
 
 def mlp(x, params, p, cfg):

@@ -70,8 +70,8 @@ config_plus "$WORK/scaled.json" "$WORK/cfg.json" '"rope_scaling": {"rope_type": 
 expect_error "rope_scaling: .*low_freq_factor" "$LOOM" train --data "$WORK/data" --config "$WORK/scaled.json"
 config_plus "$WORK/scaled.json" "$WORK/cfg.json" '"rope_scaling": {"rope_type": "llama3", "factor": 8.0}'
 expect_error "low_freq_factor" "$LOOM" train --data "$WORK/data" --config "$WORK/scaled.json"
-config_plus "$WORK/qwen.json" "$WORK/cfg.json" '"model_type": "qwen3"'
-expect_error 'model_type "qwen3" is not a LLaMA model' "$LOOM" train --data "$WORK/data" --config "$WORK/qwen.json"
+config_plus "$WORK/qwen.json" "$WORK/cfg.json" '"model_type": "qwen3_moe"'
+expect_error 'model_type "qwen3_moe" is not a LLaMA model' "$LOOM" train --data "$WORK/data" --config "$WORK/qwen.json"
 config_plus "$WORK/mlpb.json" "$WORK/cfg.json" '"mlp_bias": true'
 expect_error 'mlp_bias = true is not supported' "$LOOM" train --data "$WORK/data" --config "$WORK/mlpb.json"
 # Mistral's sliding window caps the context (the same as full attention up to it).

@@ -100,37 +100,50 @@ PY
 cmp -s "$WORK/hf/model.safetensors" "$WORK/unsharded/model.safetensors" || fail "export of the sharded model differs"
 "$LOOM" train --data "$WORK/data" --init "$WORK/sharded" --steps 1 --out "$WORK/from-sharded" 2>/dev/null ||
   fail "train --init from the sharded model failed"
-# Qwen 2's model (biases on q, k and v): trained from a config, its
-# directory says qwen2 and holds the biases, which training moved; it
+# Qwen 2's model (biases on q, k and v) and Qwen 3's (each query and key
+# head normalized, heads of their own size): trained from a config, the
+# directory says which and holds those weights, which training moved; it
 # evaluates, generates and exports as Hugging Face's layout (GGUF refused by
 # name), and fine-tunes from that export.
-config_plus "$WORK/qwen2.json" "$WORK/cfg.json" '"model_type": "qwen2", "tie_word_embeddings": true'
-"$LOOM" train --data "$WORK/data" --config "$WORK/qwen2.json" --steps 3 --batch 2 --seq 32 --lr 1e-2 \
-  --out "$WORK/qwen2" 2>"$WORK/qwen2.log" || { cat "$WORK/qwen2.log"; fail "train a Qwen 2 model"; }
-/usr/bin/python3 - "$WORK/qwen2/model" <<'PY' || fail "the Qwen 2 model directory"
+for q in '2 "model_type": "qwen2"' '3 "model_type": "qwen3", "head_dim": 24'; do
+  v=${q%% *}
+  config_plus "$WORK/qwen$v.json" "$WORK/cfg.json" "${q#* }, \"tie_word_embeddings\": true"
+  "$LOOM" train --data "$WORK/data" --config "$WORK/qwen$v.json" --steps 3 --batch 2 --seq 32 --lr 1e-2 \
+    --out "$WORK/qwen$v" 2>"$WORK/qwen.log" || { cat "$WORK/qwen.log"; fail "train a Qwen $v model"; }
+  /usr/bin/python3 - "$WORK/qwen$v/model" "$v" <<'PY' || fail "the Qwen $v model directory"
 import json, struct, sys
-d = sys.argv[1]
+d, v = sys.argv[1], sys.argv[2]
 c = json.load(open(f"{d}/config.json"))
-assert c["model_type"] == "qwen2" and c["architectures"] == ["Qwen2ForCausalLM"], c
+assert c["model_type"] == "qwen" + v and c["architectures"] == [f"Qwen{v}ForCausalLM"], c
 raw = open(f"{d}/model.safetensors", "rb").read()
 n = struct.unpack("<Q", raw[:8])[0]
 hdr = json.loads(raw[8:8 + n])
+def values(name):
+    a, b = hdr[name]["data_offsets"]
+    return struct.unpack("<%df" % ((b - a) // 4), raw[8 + n + a:8 + n + b])
 for l in range(c["num_hidden_layers"]):
-    for p in "qkv":
-        t = hdr[f"model.layers.{l}.self_attn.{p}_proj.bias"]
-        a, b = t["data_offsets"]
-        vals = struct.unpack("<%df" % ((b - a) // 4), raw[8 + n + a:8 + n + b])
-        assert any(v != 0 for v in vals), f"layer {l} {p}_proj.bias did not train"
-    assert f"model.layers.{l}.self_attn.o_proj.bias" not in hdr
+    p = f"model.layers.{l}.self_attn."
+    if v == "2":
+        for w in "qkv":
+            assert any(x != 0 for x in values(p + f"{w}_proj.bias")), f"layer {l} {w}_proj.bias did not train"
+        assert p + "o_proj.bias" not in hdr
+    else:
+        assert c["head_dim"] == 24 and hdr[p + "q_proj.weight"]["shape"] == [4 * 24, c["hidden_size"]]
+        for w in "qk":
+            assert any(x != 1 for x in values(p + f"{w}_norm.weight")), f"layer {l} {w}_norm did not train"
+        assert p + "q_proj.bias" not in hdr
 PY
-"$LOOM" eval --model "$WORK/qwen2/model" --data "$WORK/data" --batch 2 --seq 32 >/dev/null 2>&1 || fail "eval a Qwen 2 model"
-"$LOOM" generate --model "$WORK/qwen2/model" --prompt "loom" --tokens 4 --temperature 0 >/dev/null 2>&1 ||
-  fail "generate with a Qwen 2 model"
-"$LOOM" export --model "$WORK/qwen2/model" --out "$WORK/qwen2-hf" 2>/dev/null || fail "export a Qwen 2 model"
-cmp -s "$WORK/qwen2/model/config.json" "$WORK/qwen2-hf/config.json" || fail "the exported Qwen 2 config differs"
-expect_error "attention biases" "$LOOM" export --model "$WORK/qwen2/model" --format gguf --out "$WORK/q.gguf"
-"$LOOM" train --data "$WORK/data" --init "$WORK/qwen2-hf" --steps 1 --batch 2 --seq 32 --out "$WORK/qwen2-ft" \
-  2>/dev/null || fail "train --init a Qwen 2 export"
+  "$LOOM" eval --model "$WORK/qwen$v/model" --data "$WORK/data" --batch 2 --seq 32 >/dev/null 2>&1 ||
+    fail "eval a Qwen $v model"
+  "$LOOM" generate --model "$WORK/qwen$v/model" --prompt "loom" --tokens 4 --temperature 0 >/dev/null 2>&1 ||
+    fail "generate with a Qwen $v model"
+  "$LOOM" export --model "$WORK/qwen$v/model" --out "$WORK/qwen$v-hf" 2>/dev/null || fail "export a Qwen $v model"
+  cmp -s "$WORK/qwen$v/model/config.json" "$WORK/qwen$v-hf/config.json" || fail "the exported Qwen $v config differs"
+  expect_error "GGUF export of a model with" "$LOOM" export --model "$WORK/qwen$v/model" --format gguf \
+    --out "$WORK/q.gguf"
+  "$LOOM" train --data "$WORK/data" --init "$WORK/qwen$v-hf" --steps 1 --batch 2 --seq 32 --out "$WORK/qwen$v-ft" \
+    2>/dev/null || fail "train --init a Qwen $v export"
+done
 # A build without MPI started as one of several processes refuses, instead of
 # every process training alone into the same --out.
 if grep -q "MPI: no" <<<"$("$LOOM" --version)"; then
