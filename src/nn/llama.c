@@ -151,11 +151,6 @@ static loom_status llama_create(const loom_llama_config *cfg, loom_precision pre
     if (cfg->n_kv_heads % T || cfg->ffn_dim % T)
         return loom_error(LOOM_ERR_INVALID, "tensor parallel %d: the %d kv heads, %d heads and ffn %d must divide by it",
                           T, cfg->n_kv_heads, cfg->n_heads, cfg->ffn_dim);
-    /* Each rank's heads would give the norms' weights a part of their
-     * gradient, which no collective sums yet. */
-    if (cfg->qk_norm && T > 1)
-        return loom_error(LOOM_ERR_UNSUPPORTED, "tensor parallelism of a model with q/k norms (Qwen 3's) is not "
-                          "supported: train it with data parallelism (--zero 1 divides the optimizer's state)");
     loom_llama *m = calloc(1, sizeof *m);
     if (!m) return loom_error(LOOM_ERR_NOMEM, "llama: out of memory");
     m->cfg = *cfg;
@@ -752,18 +747,22 @@ static loom_status dora_output(const struct llama_block_args *a, loom_lora_targe
 }
 
 /* q/k/v projection then view as (B, T, heads, HS), each head normalized
- * (Qwen 3's q_norm, k_norm; norm NULL: none) and rotated (q, k). */
+ * (Qwen 3's q_norm, k_norm; norm NULL: none) and rotated (q, k). Under
+ * tensor parallelism the norm's weight, whole on every rank, reaches it
+ * through f (tp_copy): each rank's heads give part of its gradient, which
+ * f's backward sums over the ranks. */
 static loom_status project_heads(const struct llama_block_args *a, loom_lora_target t, loom_tensor *h,
                                  loom_tensor *hn, int heads, int HS, const loom_param *norm,
                                  const loom_rope_freqs *rope, loom_tensor **out) {
-    loom_tensor *y = NULL, *y4 = NULL, *yn = NULL;
+    loom_tensor *y = NULL, *y4 = NULL, *yn = NULL, *w = NULL;
     int64_t shape[4] = {a->B, a->T, heads, HS};
     loom_status st = block_linear(a, t, h, hn, &y);
     if (st == LOOM_OK) st = loom_reshape(y, 4, shape, &y4);
     loom_tensor_release(y);
     if (st == LOOM_OK && norm) {
-        st = loom_rmsnorm(y4, norm->tensor, a->m->cfg.norm_eps, &yn);
-        loom_tensor_release(y4);
+        st = tp_copy(a->m->tp_comm, norm->tensor, &w);
+        if (st == LOOM_OK) st = loom_rmsnorm(y4, w, a->m->cfg.norm_eps, &yn);
+        RELEASE(y4, w);
         y4 = yn;
     }
     if (st != LOOM_OK || !rope) { *out = y4; return st; }
