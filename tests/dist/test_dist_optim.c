@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "loom/loom.h"
+#include "nn/tp.h"
 
 #define N 64
 
@@ -342,6 +343,53 @@ static void test_allgather_cols(void **state) {
     for (int k = ROWS * COLS * T; k < ROWS * COLS * 8; k++) assert_true(recv[k] == 0.0f); /* nothing past it */
 }
 
+/* A bf16 weight reached through an fp32 cast and tp_copy (Qwen 3's q/k
+ * norms under tensor parallelism: each rank's heads give part of its
+ * gradient) gets the ranks' parts summed in fp32, bit for bit the fp32 sum
+ * of the parts each rank accumulates when the weight is its own parameter
+ * (tp_copy on the bf16 weight itself would round each part to bf16 first:
+ * gradients travel in their tensor's dtype). */
+static void test_norm_weight_through_tp_copy(void **state) {
+    (void)state;
+    enum { ROWS = 96, C = 16 };
+    loom_comm *comm = dist.world;
+    int rank = loom_comm_rank(comm);
+    int64_t wshape[1] = {C}, xshape[2] = {ROWS, C};
+    loom_param *w = NULL, *own = NULL;
+    assert_int_equal(loom_param_new("w", LOOM_BF16, 1, wshape, 1, &w), LOOM_OK);
+    assert_int_equal(loom_param_new("own", LOOM_BF16, 1, wshape, 1, &own), LOOM_OK);
+    float v[C], x[ROWS * C], r[ROWS * C];
+    for (int c = 0; c < C; c++) v[c] = 0.5f + 0.0625f * (float)c;
+    for (int k = 0; k < ROWS * C; k++) {
+        x[k] = sinf(0.37f * (float)k + (float)rank);
+        r[k] = cosf(0.11f * (float)k * (float)(rank + 2));
+    }
+    assert_int_equal(loom_param_set_f32(w, v, C), LOOM_OK);
+    assert_int_equal(loom_param_set_f32(own, v, C), LOOM_OK);
+    loom_tensor *xt = loom_tensor_from_f32(x, LOOM_BF16, 2, xshape, LOOM_MEM_ACTIVATIONS);
+    loom_tensor *rt = loom_tensor_from_f32(r, LOOM_F32, 2, xshape, LOOM_MEM_ACTIVATIONS);
+    for (int through = 0; through <= 1; through++) {
+        loom_tensor *wf = NULL, *wt = NULL, *xf = NULL, *y = NULL, *yr = NULL, *loss = NULL;
+        assert_int_equal(loom_cast(through ? w->tensor : own->tensor, LOOM_F32, &wf), LOOM_OK);
+        if (through) assert_int_equal(tp_copy(comm, wf, &wt), LOOM_OK);
+        assert_int_equal(loom_cast(xt, LOOM_F32, &xf), LOOM_OK);
+        assert_int_equal(loom_rmsnorm(xf, through ? wt : wf, 1e-5f, &y), LOOM_OK);
+        assert_int_equal(loom_mul(y, rt, &yr), LOOM_OK);
+        assert_int_equal(loom_sum(yr, &loss), LOOM_OK);
+        assert_int_equal(loom_backward(loss, 1.0f), LOOM_OK);
+        loom_tensor *ts[] = {wf, wt, xf, y, yr, loss};
+        for (int k = 0; k < 6; k++) loom_tensor_release(ts[k]);
+    }
+    float sum[C];
+    memcpy(sum, own->grad, sizeof sum);
+    assert_int_equal(loom_comm_allreduce_sum_f32(comm, sum, C), LOOM_OK);
+    assert_memory_equal(w->grad, sum, sizeof sum);
+    loom_tensor_release(xt);
+    loom_tensor_release(rt);
+    loom_param_free(w);
+    loom_param_free(own);
+}
+
 int main(int argc, char **argv) {
     loom_comm *world = NULL;
     if (loom_dist_init(&argc, &argv, &world) != LOOM_OK || loom_dist_layout(world, 1, &dist) != LOOM_OK) {
@@ -356,6 +404,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_moments_one_tensor_at_a_time),
         cmocka_unit_test(test_masters_lent_from_gradient_buffer),
         cmocka_unit_test(test_allgather_cols),
+        cmocka_unit_test(test_norm_weight_through_tp_copy),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     loom_dist_layout_free(&dist);
