@@ -131,7 +131,8 @@ static double matmul_params(const loom_llama_config *c) {
 }
 
 static double model_flops_per_token(const loom_llama_config *c, int T) {
-    return 6.0 * matmul_params(c) + 6.0 * c->n_layers * (double)T * c->dim;
+    /* the attention's products are heads x head size wide (dim for LLaMA's presets) */
+    return 6.0 * matmul_params(c) + 6.0 * c->n_layers * (double)T * c->n_heads * loom_llama_head_dim(c);
 }
 
 /* ------------------------------------------------------------ one config */
@@ -405,6 +406,8 @@ static loom_status run_gemms(const bench_opts *o, const loom_llama_config *c, lo
     };
     int n_shapes = (int)(sizeof shapes / sizeof shapes[0]);
     int max_dim = c->vocab_size > c->ffn_dim ? c->vocab_size : c->ffn_dim;
+    if (q > max_dim) max_dim = q;
+    if (c->dim > max_dim) max_dim = c->dim;
     loom_dtype dt = prec.compute, g_dt = prec.master_grad ? LOOM_F32 : dt;
     size_t act = (size_t)T * (size_t)max_dim, wgt = (size_t)max_dim * (size_t)max_dim;
     float *src = malloc((act > wgt ? act : wgt) * sizeof *src);

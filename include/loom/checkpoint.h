@@ -33,7 +33,7 @@ extern "C" {
  * or transformers v5's rope_parameters, which holds rope_theta and the
  * scaling, and must agree with them when a file has both).
  * Optional fields absent from the file take LlamaConfig's defaults:
- * num_key_value_heads = num_attention_heads, max_position_embeddings 2048,
+ * num_key_value_heads = num_attention_heads (also when null), max_position_embeddings 2048,
  * rope_theta 10000, rms_norm_eps 1e-6, tie_word_embeddings false, no
  * rope_scaling (Qwen2Config's for a "qwen2" file: 32 kv heads, 32768
  * positions). model_type may be "llama", "mistral", "qwen2" or "qwen3"; a
@@ -48,7 +48,7 @@ extern "C" {
  * size (q and o then num_attention_heads x head_dim wide), and is saved.
  * "qwen3" normalizes each query and key head (qk_norm: q_norm, k_norm of
  * head_dim, before RoPE), reads attention_bias as LLaMA's, and defaults to
- * Qwen3Config's head_dim 128 and 8 kv heads; it saves as Qwen 3's, its
+ * Qwen3Config's head_dim 128 and 32 kv heads; it saves as Qwen 3's, its
  * head_dim always written.
  * Save writes rope_scaling as Hugging Face's files do ("type": "linear" and
  * factor; "rope_type": "llama3" and its four numbers) when there is one,
@@ -56,8 +56,9 @@ extern "C" {
  * (Qwen2ForCausalLM, model_type "qwen2"), any other as LLaMA's with its
  * attention_bias.
  * Errors: LOOM_ERR_IO, LOOM_ERR_FORMAT (naming the file and the field),
- * LOOM_ERR_UNSUPPORTED (mlp_bias, attention_dropout other than 0, another
- * activation, another rope_scaling, another model_type). */
+ * LOOM_ERR_UNSUPPORTED (mlp_bias, another activation, another rope_scaling,
+ * another model_type). An attention_dropout is kept, and a training forward
+ * refuses it (loom's attention has no dropout). */
 loom_status loom_llama_config_load(const char *path, loom_llama_config *cfg);
 loom_status loom_llama_config_save(const loom_llama_config *cfg, loom_dtype weights_dtype, const char *path);
 

@@ -56,6 +56,10 @@ typedef struct loom_llama_config {
     /* Qwen 3's RMSNorm of each query and key head (weights of head_dim,
      * q_norm and k_norm) after the projection, before RoPE. */
     int qk_norm;
+    /* Hugging Face's attention_dropout: loom's attention has none, so a
+     * training forward refuses a config that asks for it (evaluation and
+     * generation, where Hugging Face applies none either, run). */
+    float attention_dropout;
 } loom_llama_config;
 
 /* The attention's head size of a config: head_dim, or dim / n_heads. */

@@ -353,7 +353,7 @@ loom_status loom_llama_save_gguf(loom_llama *m, loom_gguf_type type, const loom_
         return loom_error(LOOM_ERR_UNSUPPORTED, "GGUF export of a model with %s is not supported: export a "
                           "Hugging Face directory (loom export --format hf) and convert that with llama.cpp's "
                           "convert_hf_to_gguf.py", m->cfg.qkv_bias ? "attention biases (Qwen 2's, attention_bias)"
-                          : m->cfg.head_dim ? "its own head_dim" : m->cfg.qk_norm ? "q/k norms (Qwen 3's)"
+                          : m->cfg.qk_norm ? "q/k norms (Qwen 3's)" : m->cfg.head_dim ? "its own head_dim"
                           : "rope_scaling");
     if (tok->hf)
         return loom_error(LOOM_ERR_UNSUPPORTED, "GGUF export with a Hugging Face tokenizer is not supported: export "

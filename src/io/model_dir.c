@@ -123,10 +123,12 @@ static loom_status check_unsupported(json_t *root, const char *path, loom_llama_
                                      !is_qwen2(root) && !is_qwen3(root))))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: model_type \"%s\" is not a LLaMA model (loom reads \"llama\", "
                           "\"mistral\", \"qwen2\" and \"qwen3\")", path, json_is_string(v) ? json_string_value(v) : "?");
-    v = json_object_get(root, "attention_dropout");
-    if (v && !json_is_null(v) && !(json_is_number(v) && json_number_value(v) == 0.0))
-        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: attention_dropout must be 0: loom's attention has no dropout "
-                          "(LoRA's --lora-dropout is the dropout loom has)", path);
+    v = json_object_get(root, "attention_dropout"); /* a training forward refuses it (loom_llama_forward) */
+    if (v && !json_is_null(v)) {
+        if (!json_is_number(v) || !(json_number_value(v) >= 0.0 && json_number_value(v) < 1.0))
+            return loom_error(LOOM_ERR_FORMAT, "%s: attention_dropout must be a number in [0, 1)", path);
+        c->attention_dropout = (float)json_number_value(v);
+    }
     v = json_object_get(root, "hidden_act");
     if (v && (!json_is_string(v) || strcmp(json_string_value(v), "silu") != 0))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: hidden_act must be \"silu\"", path);
@@ -229,7 +231,9 @@ loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
     if (st == LOOM_OK) st = get_int(root, path, "hidden_size", 1, &c->dim);
     if (st == LOOM_OK) st = get_int(root, path, "num_hidden_layers", 1, &c->n_layers);
     if (st == LOOM_OK) st = get_int(root, path, "num_attention_heads", 1, &c->n_heads);
-    c->n_kv_heads = is_qwen2(root) ? 32 : is_qwen3(root) ? 8 : c->n_heads; /* Qwen2Config's, Qwen3Config's, LlamaConfig's */
+    /* Qwen2Config's and Qwen3Config's default when absent, 32; LlamaConfig's (and theirs for null) the heads */
+    json_t *kvh = json_object_get(root, "num_key_value_heads");
+    c->n_kv_heads = !kvh && (is_qwen2(root) || is_qwen3(root)) ? 32 : c->n_heads;
     if (st == LOOM_OK) st = get_int(root, path, "num_key_value_heads", 0, &c->n_kv_heads);
     if (st == LOOM_OK) st = get_int(root, path, "intermediate_size", 1, &c->ffn_dim);
     if (st == LOOM_OK) st = get_int(root, path, "vocab_size", 1, &c->vocab_size);
@@ -273,6 +277,11 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
         }
     }
     /* Qwen 3's default head_dim is 128, not dim / heads: it always says its own */
+    if (root && c->attention_dropout > 0.0f &&
+        json_object_set_new(root, "attention_dropout", json_real((double)c->attention_dropout)) != 0) {
+        json_decref(root);
+        root = NULL;
+    }
     if (root && (c->head_dim || c->qk_norm) &&
         json_object_set_new(root, "head_dim", json_integer(loom_llama_head_dim(c))) != 0) {
         json_decref(root);

@@ -86,8 +86,9 @@ loom_status loom_llama_config_validate(const loom_llama_config *c) {
                           "kv heads %d, ffn %d, vocab %d, max seq %d)", c->dim, c->n_layers, c->n_heads,
                           c->n_kv_heads, c->ffn_dim, c->vocab_size, c->max_seq);
     if (c->head_dim < 0 || (!c->head_dim && c->dim % c->n_heads) || loom_llama_head_dim(c) % 2 ||
-        !loom_llama_head_dim(c))
-        return loom_error(LOOM_ERR_INVALID, c->head_dim ? "model config: head_dim %d must be even and positive"
+        !loom_llama_head_dim(c) || (int64_t)c->n_heads * loom_llama_head_dim(c) > (1 << 30))
+        return loom_error(LOOM_ERR_INVALID, c->head_dim ? "model config: head_dim %d must be even and positive "
+                                                          "(and heads x head_dim at most 2^30)"
                                                         : "model config: dim %d must split into %d heads of even size",
                           c->head_dim ? c->head_dim : c->dim, c->n_heads);
     if (c->n_heads % c->n_kv_heads)
@@ -845,6 +846,10 @@ loom_status loom_llama_forward(loom_llama *m, const int32_t *tokens, const int32
     if (m->recompute.blocks < 0)
         return loom_error(LOOM_ERR_INVALID, "llama forward: recompute.blocks is %d (0: every block, or 1..%d)",
                           m->recompute.blocks, c->n_layers);
+    if (c->attention_dropout > 0.0f && loom_grad_enabled())
+        return loom_error(LOOM_ERR_UNSUPPORTED, "llama forward: the config's attention_dropout is %g, and loom's "
+                          "attention has no dropout: set it to 0 in config.json to train (LoRA's --lora-dropout is "
+                          "the dropout loom has)", (double)c->attention_dropout);
     int N = B * T;
     /* Whether this forward trains is decided here, outside every region (a
      * reentrant region runs its first forward without gradients), and kept

@@ -530,6 +530,14 @@ static void test_peft_adapter(void **state) {
 
 /* rope_scaling survives config.json: llama3 and linear, written in Hugging
  * Face's form and read back field for field; "default" is none. */
+/* The config that config.json text `json` loads as (it must load). */
+static loom_llama_config config_of(const char *json) {
+    loom_llama_config c;
+    io_write_raw(io_path("config.json"), json, strlen(json));
+    assert_int_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
+    return c;
+}
+
 static void test_rope_scaling_config(void **state) {
     (void)state;
     loom_llama_config c, back;
@@ -550,24 +558,21 @@ static void test_rope_scaling_config(void **state) {
     }
     const char *def = "{\"hidden_size\": 16, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
                       "\"intermediate_size\": 24, \"vocab_size\": 40, \"rope_scaling\": {\"rope_type\": \"default\"}}";
-    io_write_raw(io_path("config.json"), def, strlen(def));
-    assert_int_equal(loom_llama_config_load(io_path("config.json"), &back), LOOM_OK);
+    back = config_of(def);
     assert_int_equal(back.rope_type, LOOM_ROPE_DEFAULT);
     /* transformers v5: theta and the scaling in rope_parameters */
     const char *v5 = "{\"hidden_size\": 16, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
                      "\"intermediate_size\": 24, \"vocab_size\": 40, \"rope_parameters\": {\"rope_theta\": 500000.0, "
                      "\"rope_type\": \"llama3\", \"factor\": 32.0, \"low_freq_factor\": 1.0, \"high_freq_factor\": 4.0, "
                      "\"original_max_position_embeddings\": 8192}}";
-    io_write_raw(io_path("config.json"), v5, strlen(v5));
-    assert_int_equal(loom_llama_config_load(io_path("config.json"), &back), LOOM_OK);
+    back = config_of(v5);
     assert_true(back.rope_theta == 500000.0f && back.rope_type == LOOM_ROPE_LLAMA3 && back.rope_factor == 32.0f &&
                 back.rope_original_max_pos == 8192);
     /* Mistral: the window (4096 unless said) caps the context */
     const char *mistral = "{\"model_type\": \"mistral\", \"hidden_size\": 16, \"num_hidden_layers\": 1, "
                           "\"num_attention_heads\": 2, \"intermediate_size\": 24, \"vocab_size\": 40, "
                           "\"max_position_embeddings\": 32768}";
-    io_write_raw(io_path("config.json"), mistral, strlen(mistral));
-    assert_int_equal(loom_llama_config_load(io_path("config.json"), &back), LOOM_OK);
+    back = config_of(mistral);
     assert_int_equal(back.max_seq, 4096);
 }
 
@@ -615,8 +620,7 @@ static void test_bias_config(void **state) {
     /* heads of their own size: kept, saved and loaded back; dim / heads is no head_dim of its own */
     const char *hd = "{\"hidden_size\": 16, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
                      "\"head_dim\": 12, \"intermediate_size\": 24, \"vocab_size\": 40}";
-    io_write_raw(io_path("config.json"), hd, strlen(hd));
-    assert_int_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
+    c = config_of(hd);
     assert_true(c.head_dim == 12 && loom_llama_head_dim(&c) == 12);
     assert_int_equal(loom_llama_config_save(&c, LOOM_F32, io_path("config.json")), LOOM_OK);
     assert_int_equal(loom_llama_config_load(io_path("config.json"), &back), LOOM_OK);
@@ -625,19 +629,17 @@ static void test_bias_config(void **state) {
     assert_false(loom_llama_config_same_weights(&c, &back));
     const char *hd8 = "{\"hidden_size\": 16, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
                       "\"head_dim\": 8, \"intermediate_size\": 24, \"vocab_size\": 40}";
-    io_write_raw(io_path("config.json"), hd8, strlen(hd8));
-    assert_int_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
+    c = config_of(hd8);
     assert_int_equal(c.head_dim, 0);
-    /* Qwen 3's: q/k norms, LLaMA's attention_bias, Qwen3Config's head_dim (128) and kv heads (8) when left
+    /* Qwen 3's: q/k norms, LLaMA's attention_bias, Qwen3Config's head_dim (128) and kv heads (32) when left
      * out; saved as Qwen 3's, head_dim and all (even when it is dim / heads: Qwen3Config's default is not) */
-    const char *q3 = "{\"model_type\": \"qwen3\", \"hidden_size\": 256, \"num_hidden_layers\": 1, "
-                     "\"num_attention_heads\": 16, \"intermediate_size\": 24, \"vocab_size\": 40, "
+    const char *q3 = "{\"model_type\": \"qwen3\", \"hidden_size\": 512, \"num_hidden_layers\": 1, "
+                     "\"num_attention_heads\": 32, \"intermediate_size\": 24, \"vocab_size\": 40, "
                      "\"attention_bias\": true}";
-    io_write_raw(io_path("config.json"), q3, strlen(q3));
-    assert_int_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
-    assert_true(c.qk_norm && c.qkv_bias && c.o_bias && loom_llama_head_dim(&c) == 128 && c.n_kv_heads == 8 &&
+    c = config_of(q3);
+    assert_true(c.qk_norm && c.qkv_bias && c.o_bias && loom_llama_head_dim(&c) == 128 && c.n_kv_heads == 32 &&
                 c.max_seq == 32768);
-    c.head_dim = 0; /* 256 / 16 */
+    c.head_dim = 0; /* 512 / 32 */
     assert_int_equal(loom_llama_config_save(&c, LOOM_F32, io_path("config.json")), LOOM_OK);
     size_t n3;
     char *t3 = (char *)io_read_raw(io_path("config.json"), &n3);
@@ -651,18 +653,22 @@ static void test_bias_config(void **state) {
     c.o_bias = 0; /* q/k norms with Qwen 2's biases: no layout */
     assert_int_equal(loom_llama_config_validate(&c), LOOM_ERR_INVALID);
     IO_ASSERT_MSG("no Hugging Face layout");
-    /* Qwen2Config's kv heads when the file leaves them out: 32 */
+    /* Qwen2Config's kv heads when the file leaves them out: 32; null: as many as the heads */
     const char *q32 = "{\"model_type\": \"qwen2\", \"hidden_size\": 128, \"num_hidden_layers\": 1, "
                       "\"num_attention_heads\": 32, \"intermediate_size\": 24, \"vocab_size\": 40}";
-    io_write_raw(io_path("config.json"), q32, strlen(q32));
-    assert_int_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
+    c = config_of(q32);
     assert_int_equal(c.n_kv_heads, 32);
+    const char *qnull = "{\"model_type\": \"qwen2\", \"hidden_size\": 128, \"num_hidden_layers\": 1, "
+                        "\"num_attention_heads\": 16, \"num_key_value_heads\": null, \"intermediate_size\": 24, "
+                        "\"vocab_size\": 40}";
+    c = config_of(qnull);
+    assert_int_equal(c.n_kv_heads, 16);
     static const struct { const char *extra, *msg; } bad[] = {
         {", \"mlp_bias\": true", "mlp_bias = true is not supported"},
         {", \"attention_bias\": 1", "attention_bias must be true or false"},
         {", \"model_type\": \"qwen2\", \"use_sliding_window\": \"yes\"", "use_sliding_window must be true or false"},
         {", \"model_type\": \"qwen3_moe\"", "model_type \"qwen3_moe\" is not a LLaMA model"},
-        {", \"attention_dropout\": 0.1", "attention_dropout must be 0"},
+        {", \"attention_dropout\": 1.5", "attention_dropout must be a number in [0, 1)"},
         {", \"head_dim\": 0", "head_dim must be a positive integer"},
         {", \"head_dim\": 7", "head_dim 7 must be even"},
     };

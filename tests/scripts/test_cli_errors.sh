@@ -74,6 +74,15 @@ config_plus "$WORK/qwen.json" "$WORK/cfg.json" '"model_type": "qwen3_moe"'
 expect_error 'model_type "qwen3_moe" is not a LLaMA model' "$LOOM" train --data "$WORK/data" --config "$WORK/qwen.json"
 config_plus "$WORK/mlpb.json" "$WORK/cfg.json" '"mlp_bias": true'
 expect_error 'mlp_bias = true is not supported' "$LOOM" train --data "$WORK/data" --config "$WORK/mlpb.json"
+# attention dropout: loom's attention has none, so training refuses it; evaluation runs (as Hugging Face's: none there)
+config_plus "$WORK/adrop.json" "$WORK/cfg.json" '"attention_dropout": 0.1'
+expect_error "attention_dropout is 0.1.*set it to 0" "$LOOM" train --data "$WORK/data" --config "$WORK/adrop.json" \
+  --steps 1 --out "$WORK/adrop"
+"$LOOM" train --data "$WORK/data" --config "$WORK/cfg.json" --steps 1 --batch 2 --seq 32 --eval-every 0 \
+  --out "$WORK/adrop-ok" >/dev/null 2>&1 || fail "train a model to evaluate with attention_dropout"
+cp "$WORK/adrop.json" "$WORK/adrop-ok/model/config.json"
+"$LOOM" eval --model "$WORK/adrop-ok/model" --data "$WORK/data" --batch 2 --seq 32 >/dev/null 2>&1 ||
+  fail "eval refused a config with attention_dropout"
 # Mistral's sliding window caps the context (the same as full attention up to it).
 config_plus "$WORK/mistral.json" "$WORK/cfg.json" '"model_type": "mistral", "sliding_window": 16'
 expect_usage "seq|context|16" "$LOOM" train --data "$WORK/data" --config "$WORK/mistral.json" --batch 2 --seq 32
