@@ -45,6 +45,20 @@ loom_status train_agree_settings(loom_comm *world, const char *record) {
 loom_status train_agree_state(loom_comm *world, const loom_dist *dist, const loom_llama *m, int step,
                               const loom_dataloader *train, const loom_dataloader *val) {
     if (loom_comm_size(world) == 1) return LOOM_OK;
+    /* The model every rank built (its config files may differ between
+     * machines): ranks of one TP group that disagree would otherwise wait
+     * in collectives of different sizes. */
+    const loom_llama_config *c = &m->cfg;
+    char rec[512];
+    int rl = snprintf(rec, sizeof rec, "%d %d %d %d %d %d %d %d %d %d %d %d %d %a %a %a %a %a %a %d", c->dim,
+                      c->n_layers, c->n_heads, c->n_kv_heads, loom_llama_head_dim(c), c->ffn_dim, c->vocab_size,
+                      c->max_seq, c->tie_embeddings, c->qkv_bias, c->o_bias, c->qk_norm, (int)c->rope_type,
+                      (double)c->rope_theta, (double)c->norm_eps, (double)c->rope_factor,
+                      (double)c->rope_low_freq_factor, (double)c->rope_high_freq_factor,
+                      (double)c->attention_dropout, c->rope_original_max_pos);
+    uint32_t hc = 2166136261u;
+    for (int k = 0; k < rl && k < (int)sizeof rec; k++) hc = (hc ^ (unsigned char)rec[k]) * 16777619u;
+    int cfg = (int)(hc & 0x7fffffff);
     uint32_t h = 2166136261u; /* FNV-1a over the compute copies this rank holds */
     for (int i = 0; i < m->n_params; i++) {
         const loom_tensor *w = m->params[i]->tensor;
@@ -62,8 +76,11 @@ loom_status train_agree_state(loom_comm *world, const loom_dist *dist, const loo
     int data[2];
     for (int k = 0; k < 2; k++) data[k] = (int)((fp[k] ^ (fp[k] >> 31) ^ (fp[k] >> 62)) & 0x7fffffff);
     /* Over every rank (TP groups compare their own shards above): */
-    int v[7] = {w[0] != -w[1], step, -step, data[0], -data[0], data[1], -data[1]};
-    LOOM_TRY(loom_comm_allreduce_max_int(world, v, 7));
+    int v[9] = {w[0] != -w[1], step, -step, data[0], -data[0], data[1], -data[1], cfg, -cfg};
+    LOOM_TRY(loom_comm_allreduce_max_int(world, v, 9));
+    if (v[7] != -v[8])
+        return loom_error(LOOM_ERR_INVALID, "the ranks built different models (their --config, --init or --resume "
+                          "files differ between machines): give every rank the same ones");
     if (v[1] != -v[2])
         return loom_error(LOOM_ERR_INVALID, "the ranks resumed at different steps (this rank: %d): give every rank "
                           "the same checkpoint", step);

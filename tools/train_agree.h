@@ -15,10 +15,12 @@
  * that does ("rank 1 was started with --steps 6 where rank 0 has --steps
  * 3"), and every rank returns LOOM_ERR_INVALID naming rank 0's line. */
 loom_status train_agree_settings(loom_comm *world, const char *record);
-/* After setup, the data-parallel replicas must hold the same weights (the
- * same --seed gives the same initialisation, the same checkpoint the same
- * state; different --init files or checkpoints per machine would not),
- * every rank the same step, and every rank the same token shards. */
+/* After setup, every rank must have built the same model (its config:
+ * --config, --init or --resume files may differ between machines), the
+ * data-parallel replicas must hold the same weights (the same --seed gives
+ * the same initialisation, the same checkpoint the same state; different
+ * --init files or checkpoints per machine would not), every rank the same
+ * step, and every rank the same token shards. */
 loom_status train_agree_state(loom_comm *world, const loom_dist *dist, const loom_llama *m, int step,
                               const loom_dataloader *train, const loom_dataloader *val);
 

@@ -431,6 +431,20 @@ set -e
 [ $rc -ne 0 ] && [ $rc -ne 124 ] || { cat "$WORK/err.log"; fail "failing rank: exit $rc (124 = hang)"; }
 grep -q "rank 1: loom train: .*train_000000.bin" "$WORK/err.log" || { cat "$WORK/err.log"; fail "no clear message from the failing rank"; }
 
+config_plus "$WORK/q3.json" "$WORK/cfg.json" '"model_type": "qwen3", "head_dim": 16'
+# Ranks whose --config files differ build different models: refused by
+# name before training (under TP they would wait in collectives of
+# different sizes). Here a TP group with and without Qwen 3's q/k norms.
+set +e
+timeout 120 mpirun -np 1 "$LOOM" train --data "$WORK/data" --config "$WORK/cfg.json" --seq 16 --eval-every 0 \
+                    --threads 1 --batch 2 --steps 2 --tp 2 --out "$WORK/dm" : \
+                    -np 1 "$LOOM" train --data "$WORK/data" --config "$WORK/q3.json" --seq 16 --eval-every 0 \
+                    --threads 1 --batch 2 --steps 2 --tp 2 --out "$WORK/dm" >/dev/null 2>"$WORK/err.log"
+rc=$?
+set -e
+[ $rc -ne 0 ] && [ $rc -ne 124 ] || { cat "$WORK/err.log"; fail "ranks with different models: exit $rc (124 = hang)"; }
+grep -q "the ranks built different models" "$WORK/err.log" || { cat "$WORK/err.log"; fail "no message for ranks with different models"; }
+
 # --help on one rank of an MPMD launch ends the job (status 2), not a hang:
 # with status 0 the other rank would wait for it in MPI_Init forever.
 set +e
