@@ -5,6 +5,8 @@
 #include "cli.h"
 
 #include <errno.h>
+#include <limits.h>
+#include <math.h>
 #include <sys/stat.h>
 
 #include <stdlib.h>
@@ -22,15 +24,17 @@ static int run(int argc, char **argv) {
 
 static int generate(int argc, char **argv, string_list *stop_names) {
     const char *model = NULL, *prompt = "", *precision = "fp32", *tok_path = NULL, *adapter = NULL;
-    int n_tokens = 128, seed = 1, threads = 0, top_k = 0;
-    float temperature = 0.8f, top_p = 0.95f;
+    /* Sampling flags not given (NAN, INT_MIN) take generation_config.json's
+     * (Hugging Face's generate), else loom's defaults: 0.8, 0.95, 0. */
+    int n_tokens = 128, seed = 1, threads = 0, top_k = INT_MIN;
+    float temperature = NAN, top_p = NAN;
     const flag flags[] = {
         {"model", FLAG_STRING, &model, "DIR", "model directory (config.json, model.safetensors or its shards' index, tokenizer.json)"},
         {"prompt", FLAG_TEXT, &prompt, "TEXT", "text to continue (default: start of a document)"},
         {"tokens", FLAG_INT, &n_tokens, "N", "tokens to generate (default 128)"},
-        {"temperature", FLAG_FLOAT, &temperature, "T", "sampling temperature; 0 is greedy (default 0.8)"},
-        {"top-p", FLAG_FLOAT, &top_p, "P", "nucleus sampling mass in (0, 1] (default 0.95)"},
-        {"top-k", FLAG_INT, &top_k, "K", "sample among the K most probable tokens only, then the nucleus; 0: all (default 0)"},
+        {"temperature", FLAG_FLOAT, &temperature, "T", "sampling temperature; 0 is greedy (default: generation_config.json's, as Hugging Face's generate reads it: greedy unless do_sample; without one 0.8)"},
+        {"top-p", FLAG_FLOAT, &top_p, "P", "nucleus sampling mass in (0, 1] (default: generation_config.json's, else 0.95)"},
+        {"top-k", FLAG_INT, &top_k, "K", "sample among the K most probable tokens only, then the nucleus; 0: all (default: generation_config.json's, else 0)"},
         {"seed", FLAG_INT, &seed, "S", "sampling seed (default 1)"},
         {"precision", FLAG_STRING, &precision, "P", "compute dtype: fp32, bf16 or fp16 (default fp32)"},
         {"tokenizer", FLAG_STRING, &tok_path, "FILE", "tokenizer.json, loom's or a Hugging Face BPE (default: the model directory's)"},
@@ -42,7 +46,8 @@ static int generate(int argc, char **argv, string_list *stop_names) {
     if (rc) return rc > 0 ? 0 : 2;
     if (!model) return cli_usage_error("generate", "--model DIR is required");
     if (n_tokens < 0) return cli_usage_error("generate", "--tokens must be >= 0");
-    if (temperature < 0.0f || !(top_p > 0.0f && top_p <= 1.0f) || top_k < 0)
+    if ((!isnan(temperature) && temperature < 0.0f) || (!isnan(top_p) && !(top_p > 0.0f && top_p <= 1.0f)) ||
+        (top_k != INT_MIN && top_k < 0))
         return cli_usage_error("generate", "--temperature must be >= 0, --top-p in (0, 1] and --top-k >= 0");
     loom_precision prec = {LOOM_F32, 0};
     if (loom_dtype_parse(precision, &prec.compute) != LOOM_OK) return cli_usage_error("generate", "%s", loom_last_error());
@@ -98,10 +103,21 @@ static int generate(int argc, char **argv, string_list *stop_names) {
                             "exact text, such as a special token's name)", stop_names->items[i], tok_path);
         else stops[n_stops++] = id;
     }
-    if (st == LOOM_OK) {
-        loom_sampler sp = {temperature, top_p, (uint64_t)seed, loom_tokenizer_vocab_size(tok), top_k};
-        st = loom_llama_generate_until(m, ids, (int)n_ids, n_tokens, &sp, stops, n_stops, out, &n_out);
+    loom_sampler sp = {0.8f, 0.95f, (uint64_t)seed, loom_tokenizer_vocab_size(tok), 0};
+    unsigned said = 0;
+    if (st == LOOM_OK) st = loom_model_dir_sampler(model, &sp, &said); /* generation_config.json's, if any */
+    if (!isnan(temperature)) sp.temperature = temperature; /* the flags given over it */
+    if (!isnan(top_p)) sp.top_p = top_p;
+    if (top_k != INT_MIN) sp.top_k = top_k;
+    if (st == LOOM_OK && said && (isnan(temperature) || isnan(top_p) || top_k == INT_MIN)) {
+        if (sp.temperature == 0.0f)
+            fprintf(stderr, "generate: greedy, as %s/%s asks (its do_sample is not true; --temperature T samples)\n",
+                    model, LOOM_GENERATION_CONFIG);
+        else
+            fprintf(stderr, "generate: sampling as %s/%s asks, flags given over it: temperature %g, top-p %g, "
+                    "top-k %d\n", model, LOOM_GENERATION_CONFIG, (double)sp.temperature, (double)sp.top_p, sp.top_k);
     }
+    if (st == LOOM_OK) st = loom_llama_generate_until(m, ids, (int)n_ids, n_tokens, &sp, stops, n_stops, out, &n_out);
     int ended = 0;
     for (int k = 0; n_out > 0 && k < n_stops; k++) ended |= out[n_out - 1] == stops[k];
     free(stops);

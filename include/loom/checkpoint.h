@@ -162,6 +162,14 @@ loom_status loom_model_dir_check(const char *dir);
  * LOOM_ERR_IO. */
 loom_status loom_model_dir_eos_ids(const char *dir, int32_t *ids, int cap, int *n);
 #define LOOM_GENERATION_CONFIG "generation_config.json"
+/* The sampling dir's generation_config.json asks for, as Hugging Face's
+ * generate reads it: greedy (s->temperature 0) unless do_sample is true;
+ * with do_sample, its temperature, top_p and top_k. What it does not say is
+ * left as *s has it; *said gets bit 0, 1, 2 for the temperature, top_p and
+ * top_k it set (0 without the file). Its other fields (repetition_penalty,
+ * min_p, ...) are not read. Errors: LOOM_ERR_FORMAT (as above, or one of
+ * those not a number in its range, named), LOOM_ERR_IO, LOOM_ERR_NOMEM. */
+loom_status loom_model_dir_sampler(const char *dir, loom_sampler *s, unsigned *said);
 #define LOOM_EOS_IDS_MAX 64 /* the most ids loom's readers take */
 /* Give m dir's generation_config.json (checked as above; none when dir has
  * none), which loom_model_dir_save then writes with m's files, so that a

@@ -974,6 +974,43 @@ loom_status loom_model_dir_eos_ids(const char *dir, int32_t *ids, int cap, int *
     return st;
 }
 
+loom_status loom_model_dir_sampler(const char *dir, loom_sampler *s, unsigned *said) {
+    char path[4200];
+    void *text;
+    size_t len;
+    int32_t ids[LOOM_EOS_IDS_MAX];
+    int n;
+    *said = 0;
+    LOOM_TRY(read_generation_config(dir, path, sizeof path, &text, &len, ids, LOOM_EOS_IDS_MAX, &n));
+    if (!text) return LOOM_OK; /* none: the caller's defaults */
+    json_t *root = json_loadb(text, len, 0, NULL); /* parsed once already: it is an object */
+    free(text);
+    if (!root) return loom_error(LOOM_ERR_NOMEM, "%s: out of memory", path);
+    json_t *ds = json_object_get(root, "do_sample"), *t = json_object_get(root, "temperature");
+    json_t *p = json_object_get(root, "top_p"), *k = json_object_get(root, "top_k");
+    loom_status st = LOOM_OK;
+    if (ds && !json_is_null(ds) && !json_is_boolean(ds))
+        st = loom_error(LOOM_ERR_FORMAT, "%s: do_sample must be true or false", path);
+    else if (t && !json_is_null(t) && !(json_is_number(t) && json_number_value(t) >= 0.0 &&
+                                         json_number_value(t) <= 1e6))
+        st = loom_error(LOOM_ERR_FORMAT, "%s: temperature must be a number from 0 (up to 1e6)", path);
+    else if (p && !json_is_null(p) && !(json_is_number(p) && json_number_value(p) > 0.0 && json_number_value(p) <= 1.0))
+        st = loom_error(LOOM_ERR_FORMAT, "%s: top_p must be a number in (0, 1]", path);
+    else if (k && !json_is_null(k) && !(json_is_integer(k) && json_integer_value(k) >= 0 &&
+                                         json_integer_value(k) <= INT32_MAX))
+        st = loom_error(LOOM_ERR_FORMAT, "%s: top_k must be an integer from 0", path);
+    if (st == LOOM_OK && !json_is_true(ds)) { /* Hugging Face's generate: greedy unless do_sample */
+        s->temperature = 0.0f;
+        *said |= 1u;
+    } else if (st == LOOM_OK) {
+        if (json_is_number(t)) { s->temperature = (float)json_number_value(t); *said |= 1u; }
+        if (json_is_number(p)) { s->top_p = (float)json_number_value(p); *said |= 2u; }
+        if (json_is_integer(k)) { s->top_k = (int)json_integer_value(k); *said |= 4u; }
+    }
+    json_decref(root);
+    return st;
+}
+
 loom_status loom_model_dir_load_generation_config(loom_llama *m, const char *dir) {
     char path[4200];
     void *text;

@@ -774,6 +774,33 @@ static void test_generation_config(void **state) {
         assert_int_equal(n, good[k].n);
         if (n) assert_true(ids[0] == good[k].first && ids[n - 1] == good[k].last);
     }
+    /* the sampling it asks for, as Hugging Face's generate reads it: greedy unless do_sample */
+    static const struct { const char *json; unsigned said; float t, p; int k; } samp[] = {
+        {"{\"eos_token_id\": 7}", 1u, 0.0f, 0.5f, 3},
+        {"{\"do_sample\": false, \"temperature\": 0.6}", 1u, 0.0f, 0.5f, 3},
+        {"{\"do_sample\": true, \"temperature\": 0.6, \"top_p\": 0.9}", 3u, 0.6f, 0.9f, 3},
+        {"{\"do_sample\": true, \"top_k\": 20}", 4u, 2.0f, 0.5f, 20},
+    };
+    for (size_t k = 0; k < sizeof samp / sizeof samp[0]; k++) {
+        io_write_raw(gc, samp[k].json, strlen(samp[k].json));
+        loom_sampler s = {2.0f, 0.5f, 1, 0, 3};
+        unsigned said = 9;
+        assert_int_equal(loom_model_dir_sampler(io_path("gc"), &s, &said), LOOM_OK);
+        assert_true(said == samp[k].said && s.temperature == samp[k].t && s.top_p == samp[k].p && s.top_k == samp[k].k);
+    }
+    static const struct { const char *json, *msg; } samp_bad[] = {
+        {"{\"do_sample\": \"yes\"}", "do_sample must be true or false"},
+        {"{\"do_sample\": true, \"temperature\": -1}", "temperature must be a number from 0"},
+        {"{\"do_sample\": true, \"top_p\": 0}", "top_p must be a number in (0, 1]"},
+        {"{\"do_sample\": true, \"top_k\": 2.5}", "top_k must be an integer from 0"},
+    };
+    for (size_t k = 0; k < sizeof samp_bad / sizeof samp_bad[0]; k++) {
+        io_write_raw(gc, samp_bad[k].json, strlen(samp_bad[k].json));
+        loom_sampler s = {2.0f, 0.5f, 1, 0, 3};
+        unsigned said;
+        assert_int_equal(loom_model_dir_sampler(io_path("gc"), &s, &said), LOOM_ERR_FORMAT);
+        IO_ASSERT_MSG(samp_bad[k].msg);
+    }
     loom_llama *m = model(3);
     io_write_raw(gc, good[1].json, strlen(good[1].json));
     assert_int_equal(loom_model_dir_load_generation_config(m, io_path("gc")), LOOM_OK);
@@ -823,6 +850,10 @@ static void test_generation_config(void **state) {
     free(a);
     /* a directory without one: the model then has none, and its save removes a stale one */
     assert_int_equal(remove(gc), 0);
+    loom_sampler s0 = {2.0f, 0.5f, 1, 0, 3};
+    unsigned said0 = 9;
+    assert_int_equal(loom_model_dir_sampler(io_path("gc"), &s0, &said0), LOOM_OK); /* none: as given */
+    assert_true(said0 == 0 && s0.temperature == 2.0f && s0.top_p == 0.5f && s0.top_k == 3);
     assert_int_equal(loom_model_dir_load_generation_config(back, io_path("gc")), LOOM_OK);
     assert_null(back->generation_config);
     assert_int_equal(loom_model_dir_save(back, LOOM_F32, NULL, io_path("gc2")), LOOM_OK);

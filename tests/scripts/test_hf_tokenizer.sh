@@ -81,6 +81,25 @@ PY
 "$LOOM" generate --model "$WORK/run/model" --prompt "The tokenizer" --tokens 8 --temperature 0 >"$WORK/eos.txt" \
   2>/dev/null || fail "generate with a generation_config.json"
 [ "$(cat "$WORK/eos.txt")" = "The tokenizer" ] || fail "generation_config.json's eos_token_id did not stop generation"
+# and its sampling, as Hugging Face's generate reads it: greedy without
+# do_sample (the file above), else its temperature, top_p and top_k; flags
+# given override it
+"$LOOM" generate --model "$WORK/run/model" --prompt "The" --tokens 6 >"$WORK/g1.txt" 2>"$WORK/g1.log" ||
+  fail "generate with generation_config.json's sampling"
+"$LOOM" generate --model "$WORK/run/model" --prompt "The" --tokens 6 --temperature 0 >"$WORK/g2.txt" 2>/dev/null
+cmp -s "$WORK/g1.txt" "$WORK/g2.txt" || fail "a generation_config.json without do_sample did not decode greedily"
+grep -q "greedy, as .*generation_config.json asks" "$WORK/g1.log" || { cat "$WORK/g1.log"; fail "no note of the greedy decoding"; }
+mkdir -p "$WORK/samp" && cp "$WORK/run/model/"{config.json,model.safetensors,tokenizer.json} "$WORK/samp/"
+echo '{"do_sample": true, "temperature": 0.7, "top_p": 0.8, "top_k": 5}' >"$WORK/samp/generation_config.json"
+"$LOOM" generate --model "$WORK/samp" --prompt "The" --tokens 12 --seed 3 >"$WORK/s1.txt" 2>"$WORK/s1.log" ||
+  fail "generate with generation_config.json's sampling"
+grep -q "temperature 0.7, top-p 0.8, top-k 5" "$WORK/s1.log" || { cat "$WORK/s1.log"; fail "no note of the file's sampling"; }
+rm "$WORK/samp/generation_config.json"
+"$LOOM" generate --model "$WORK/samp" --prompt "The" --tokens 12 --seed 3 --temperature 0.7 --top-p 0.8 --top-k 5 \
+  >"$WORK/s2.txt" 2>/dev/null
+cmp -s "$WORK/s1.txt" "$WORK/s2.txt" || fail "generation_config.json's sampling differs from the same flags"
+echo '{"do_sample": true, "top_p": 2}' >"$WORK/samp/generation_config.json"
+expect_error "top_p must be a number in" "$LOOM" generate --model "$WORK/samp" --tokens 2
 echo '{"eos_token_id": "x"}' >"$WORK/bad.json" && mkdir -p "$WORK/badgc" && cp "$WORK/run/model/"{config.json,model.safetensors,tokenizer.json} "$WORK/badgc/" &&
   cp "$WORK/bad.json" "$WORK/badgc/generation_config.json"
 expect_error "generation_config.json: eos_token_id must be a token id" "$LOOM" generate --model "$WORK/badgc" --tokens 2
