@@ -32,9 +32,9 @@ static int generate(int argc, char **argv, string_list *stop_names) {
         {"model", FLAG_STRING, &model, "DIR", "model directory (config.json, model.safetensors or its shards' index, tokenizer.json)"},
         {"prompt", FLAG_TEXT, &prompt, "TEXT", "text to continue (default: start of a document)"},
         {"tokens", FLAG_INT, &n_tokens, "N", "tokens to generate (default 128)"},
-        {"temperature", FLAG_FLOAT, &temperature, "T", "sampling temperature; 0 is greedy (default: generation_config.json's, as Hugging Face's generate reads it: greedy unless do_sample; without one 0.8)"},
-        {"top-p", FLAG_FLOAT, &top_p, "P", "nucleus sampling mass in (0, 1] (default: generation_config.json's, else 0.95)"},
-        {"top-k", FLAG_INT, &top_k, "K", "sample among the K most probable tokens only, then the nucleus; 0: all (default: generation_config.json's, else 0)"},
+        {"temperature", FLAG_FLOAT, &temperature, "T", "sampling temperature; 0 is greedy (default: as the model's generation_config.json asks, as Hugging Face's generate reads it: greedy unless its do_sample is true, else its temperature, 1 if none; without the file 0.8)"},
+        {"top-p", FLAG_FLOAT, &top_p, "P", "nucleus sampling mass in (0, 1] (default: generation_config.json's top_p, 1 if none; without the file 0.95)"},
+        {"top-k", FLAG_INT, &top_k, "K", "sample among the K most probable tokens only, then the nucleus; 0: all (default: generation_config.json's top_k, 50 if none; without the file 0)"},
         {"seed", FLAG_INT, &seed, "S", "sampling seed (default 1)"},
         {"precision", FLAG_STRING, &precision, "P", "compute dtype: fp32, bf16 or fp16 (default fp32)"},
         {"tokenizer", FLAG_STRING, &tok_path, "FILE", "tokenizer.json, loom's or a Hugging Face BPE (default: the model directory's)"},
@@ -103,20 +103,18 @@ static int generate(int argc, char **argv, string_list *stop_names) {
                             "exact text, such as a special token's name)", stop_names->items[i], tok_path);
         else stops[n_stops++] = id;
     }
-    loom_sampler sp = {0.8f, 0.95f, (uint64_t)seed, loom_tokenizer_vocab_size(tok), 0};
-    unsigned said = 0;
-    if (st == LOOM_OK) st = loom_model_dir_sampler(model, &sp, &said); /* generation_config.json's, if any */
-    if (!isnan(temperature)) sp.temperature = temperature; /* the flags given over it */
-    if (!isnan(top_p)) sp.top_p = top_p;
-    if (top_k != INT_MIN) sp.top_k = top_k;
-    if (st == LOOM_OK && said && (isnan(temperature) || isnan(top_p) || top_k == INT_MIN)) {
-        if (sp.temperature == 0.0f)
-            fprintf(stderr, "generate: greedy, as %s/%s asks (its do_sample is not true; --temperature T samples)\n",
-                    model, LOOM_GENERATION_CONFIG);
-        else
-            fprintf(stderr, "generate: sampling as %s/%s asks, flags given over it: temperature %g, top-p %g, "
-                    "top-k %d\n", model, LOOM_GENERATION_CONFIG, (double)sp.temperature, (double)sp.top_p, sp.top_k);
-    }
+    /* The flags given, then generation_config.json's (Hugging Face's generate), else loom's defaults. */
+    unsigned given = (isnan(temperature) ? 0u : 1u) | (isnan(top_p) ? 0u : 2u) | (top_k == INT_MIN ? 0u : 4u);
+    unsigned from_file = 0;
+    loom_sampler sp = {isnan(temperature) ? 0.8f : temperature, isnan(top_p) ? 0.95f : top_p, (uint64_t)seed,
+                       loom_tokenizer_vocab_size(tok), top_k == INT_MIN ? 0 : top_k};
+    if (st == LOOM_OK) st = loom_model_dir_sampler(model, given, &sp, &from_file);
+    if (st == LOOM_OK && (from_file & 8u))
+        fprintf(stderr, "generate: greedy, as %s/%s asks (its do_sample is not true; --temperature T samples)\n",
+                model, LOOM_GENERATION_CONFIG);
+    else if (st == LOOM_OK && from_file)
+        fprintf(stderr, "generate: sampling as %s/%s asks, the flags given over it: temperature %g, top-p %g, "
+                "top-k %d\n", model, LOOM_GENERATION_CONFIG, (double)sp.temperature, (double)sp.top_p, sp.top_k);
     if (st == LOOM_OK) st = loom_llama_generate_until(m, ids, (int)n_ids, n_tokens, &sp, stops, n_stops, out, &n_out);
     int ended = 0;
     for (int k = 0; n_out > 0 && k < n_stops; k++) ended |= out[n_out - 1] == stops[k];
@@ -148,7 +146,7 @@ static int generate(int argc, char **argv, string_list *stop_names) {
 const command cmd_generate = {
     "generate",
     "generate text from a trained model (KV cache; greedy when --temperature 0)",
-    "generate --model DIR [--adapter DIR] [--prompt TEXT] [--tokens N] [--temperature T] [--top-p P] [--seed S] "
+    "generate --model DIR [--adapter DIR] [--prompt TEXT] [--tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S] "
     "[--stop TOKEN...]",
     NULL,
     run,

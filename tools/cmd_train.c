@@ -131,6 +131,7 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
         LOOM_TRY(loom_llama_preset(o->preset, &cfg));
         cfg.tie_embeddings = o->tie;
     }
+    LOOM_TRY(train_agree_model(t->world, &cfg)); /* before any collective the model's shapes size */
     if (t->o.seq == 0) t->o.seq = cfg.max_seq < 256 ? cfg.max_seq : 256;
     if (t->o.seq > cfg.max_seq) {
         t->usage = 1;

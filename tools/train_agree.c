@@ -1,6 +1,7 @@
 /*
  * train_agree.c — the ranks of a `loom train` job agree before training:
- * the same training flags (rank 0's go to every rank), and after setup the
+ * the same training flags (rank 0's go to every rank), the same model (a
+ * digest of its config, before it is built), and after setup the
  * same weights on data-parallel replicas, the same step, the same token
  * shards. A rank that differs says how, and every rank stops with one error
  * instead of hanging in, or crashing on, collectives they no longer call
@@ -42,13 +43,8 @@ loom_status train_agree_settings(loom_comm *world, const char *record) {
                       (int)(end ? end - line : (long)strlen(line)), line);
 }
 
-loom_status train_agree_state(loom_comm *world, const loom_dist *dist, const loom_llama *m, int step,
-                              const loom_dataloader *train, const loom_dataloader *val) {
+loom_status train_agree_model(loom_comm *world, const loom_llama_config *c) {
     if (loom_comm_size(world) == 1) return LOOM_OK;
-    /* The model every rank built (its config files may differ between
-     * machines): ranks of one TP group that disagree would otherwise wait
-     * in collectives of different sizes. */
-    const loom_llama_config *c = &m->cfg;
     char rec[512];
     int rl = snprintf(rec, sizeof rec, "%d %d %d %d %d %d %d %d %d %d %d %d %d %a %a %a %a %a %a %d", c->dim,
                       c->n_layers, c->n_heads, c->n_kv_heads, loom_llama_head_dim(c), c->ffn_dim, c->vocab_size,
@@ -56,9 +52,20 @@ loom_status train_agree_state(loom_comm *world, const loom_dist *dist, const loo
                       (double)c->rope_theta, (double)c->norm_eps, (double)c->rope_factor,
                       (double)c->rope_low_freq_factor, (double)c->rope_high_freq_factor,
                       (double)c->attention_dropout, c->rope_original_max_pos);
-    uint32_t hc = 2166136261u;
+    uint32_t hc = 2166136261u; /* FNV-1a */
     for (int k = 0; k < rl && k < (int)sizeof rec; k++) hc = (hc ^ (unsigned char)rec[k]) * 16777619u;
     int cfg = (int)(hc & 0x7fffffff);
+    int v[2] = {cfg, -cfg};
+    LOOM_TRY(loom_comm_allreduce_max_int(world, v, 2));
+    if (v[0] != -v[1])
+        return loom_error(LOOM_ERR_INVALID, "the ranks built different models (their --config, --init or --resume "
+                          "files differ between machines): give every rank the same ones");
+    return LOOM_OK;
+}
+
+loom_status train_agree_state(loom_comm *world, const loom_dist *dist, const loom_llama *m, int step,
+                              const loom_dataloader *train, const loom_dataloader *val) {
+    if (loom_comm_size(world) == 1) return LOOM_OK;
     uint32_t h = 2166136261u; /* FNV-1a over the compute copies this rank holds */
     for (int i = 0; i < m->n_params; i++) {
         const loom_tensor *w = m->params[i]->tensor;
@@ -76,11 +83,8 @@ loom_status train_agree_state(loom_comm *world, const loom_dist *dist, const loo
     int data[2];
     for (int k = 0; k < 2; k++) data[k] = (int)((fp[k] ^ (fp[k] >> 31) ^ (fp[k] >> 62)) & 0x7fffffff);
     /* Over every rank (TP groups compare their own shards above): */
-    int v[9] = {w[0] != -w[1], step, -step, data[0], -data[0], data[1], -data[1], cfg, -cfg};
-    LOOM_TRY(loom_comm_allreduce_max_int(world, v, 9));
-    if (v[7] != -v[8])
-        return loom_error(LOOM_ERR_INVALID, "the ranks built different models (their --config, --init or --resume "
-                          "files differ between machines): give every rank the same ones");
+    int v[7] = {w[0] != -w[1], step, -step, data[0], -data[0], data[1], -data[1]};
+    LOOM_TRY(loom_comm_allreduce_max_int(world, v, 7));
     if (v[1] != -v[2])
         return loom_error(LOOM_ERR_INVALID, "the ranks resumed at different steps (this rank: %d): give every rank "
                           "the same checkpoint", step);

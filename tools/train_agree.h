@@ -15,9 +15,12 @@
  * that does ("rank 1 was started with --steps 6 where rank 0 has --steps
  * 3"), and every rank returns LOOM_ERR_INVALID naming rank 0's line. */
 loom_status train_agree_settings(loom_comm *world, const char *record);
-/* After setup, every rank must have built the same model (its config:
- * --config, --init or --resume files may differ between machines), the
- * data-parallel replicas must hold the same weights (the same --seed gives
+/* Before the model is built (collective): every rank must build the same
+ * model; --config, --init or --resume files may differ between machines,
+ * and ranks of one TP group that disagree would wait in collectives of
+ * different sizes. LOOM_ERR_INVALID on every rank when they differ. */
+loom_status train_agree_model(loom_comm *world, const loom_llama_config *cfg);
+/* After setup, the data-parallel replicas must hold the same weights (the same --seed gives
  * the same initialisation, the same checkpoint the same state; different
  * --init files or checkpoints per machine would not), every rank the same
  * step, and every rank the same token shards. */

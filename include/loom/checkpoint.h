@@ -163,13 +163,17 @@ loom_status loom_model_dir_check(const char *dir);
 loom_status loom_model_dir_eos_ids(const char *dir, int32_t *ids, int cap, int *n);
 #define LOOM_GENERATION_CONFIG "generation_config.json"
 /* The sampling dir's generation_config.json asks for, as Hugging Face's
- * generate reads it: greedy (s->temperature 0) unless do_sample is true;
- * with do_sample, its temperature, top_p and top_k. What it does not say is
- * left as *s has it; *said gets bit 0, 1, 2 for the temperature, top_p and
- * top_k it set (0 without the file). Its other fields (repetition_penalty,
- * min_p, ...) are not read. Errors: LOOM_ERR_FORMAT (as above, or one of
- * those not a number in its range, named), LOOM_ERR_IO, LOOM_ERR_NOMEM. */
-loom_status loom_model_dir_sampler(const char *dir, loom_sampler *s, unsigned *said);
+ * generate reads it. The fields of *s the caller was given (bits of
+ * `given`: 1 temperature, 2 top_p, 4 top_k) stay. Of the others: the
+ * temperature is 0 (greedy) unless the file's do_sample is true, else its
+ * temperature (1 when it says none); when that samples, top_p and top_k are
+ * the file's (Hugging Face's 1 and 50 when it says none). Without the file
+ * *s is left as it is. *from_file gets the bits of the fields set here, and
+ * 8 when the decoding is greedy because do_sample is not true. The file's
+ * other fields (repetition_penalty, min_p, ...) are not read, nor those not
+ * applied checked. Errors: LOOM_ERR_FORMAT (as above, or an applied field
+ * out of its range, named), LOOM_ERR_IO, LOOM_ERR_NOMEM. */
+loom_status loom_model_dir_sampler(const char *dir, unsigned given, loom_sampler *s, unsigned *from_file);
 #define LOOM_EOS_IDS_MAX 64 /* the most ids loom's readers take */
 /* Give m dir's generation_config.json (checked as above; none when dir has
  * none), which loom_model_dir_save then writes with m's files, so that a

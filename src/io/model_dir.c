@@ -122,7 +122,8 @@ static loom_status check_unsupported(json_t *root, const char *path, loom_llama_
     if (v && (!json_is_string(v) || (strcmp(json_string_value(v), "llama") && strcmp(json_string_value(v), "mistral") &&
                                      !is_qwen2(root) && !is_qwen3(root))))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: model_type \"%s\" is not a LLaMA model (loom reads \"llama\", "
-                          "\"mistral\", \"qwen2\" and \"qwen3\")", path, json_is_string(v) ? json_string_value(v) : "?");
+                          "\"mistral\", \"qwen2\" and \"qwen3\")", path,
+                          json_is_string(v) ? json_string_value(v) : "?");
     v = json_object_get(root, "attention_dropout"); /* a training forward refuses it (loom_llama_forward) */
     if (v && !json_is_null(v)) {
         if (!json_is_number(v) || !(json_number_value(v) >= 0.0 && json_number_value(v) < 1.0))
@@ -974,15 +975,15 @@ loom_status loom_model_dir_eos_ids(const char *dir, int32_t *ids, int cap, int *
     return st;
 }
 
-loom_status loom_model_dir_sampler(const char *dir, loom_sampler *s, unsigned *said) {
+loom_status loom_model_dir_sampler(const char *dir, unsigned given, loom_sampler *s, unsigned *from_file) {
     char path[4200];
     void *text;
     size_t len;
     int32_t ids[LOOM_EOS_IDS_MAX];
     int n;
-    *said = 0;
+    *from_file = 0;
     LOOM_TRY(read_generation_config(dir, path, sizeof path, &text, &len, ids, LOOM_EOS_IDS_MAX, &n));
-    if (!text) return LOOM_OK; /* none: the caller's defaults */
+    if (!text) return LOOM_OK; /* none: *s as the caller has it */
     json_t *root = json_loadb(text, len, 0, NULL); /* parsed once already: it is an object */
     free(text);
     if (!root) return loom_error(LOOM_ERR_NOMEM, "%s: out of memory", path);
@@ -991,21 +992,36 @@ loom_status loom_model_dir_sampler(const char *dir, loom_sampler *s, unsigned *s
     loom_status st = LOOM_OK;
     if (ds && !json_is_null(ds) && !json_is_boolean(ds))
         st = loom_error(LOOM_ERR_FORMAT, "%s: do_sample must be true or false", path);
-    else if (t && !json_is_null(t) && !(json_is_number(t) && json_number_value(t) >= 0.0 &&
-                                         json_number_value(t) <= 1e6))
-        st = loom_error(LOOM_ERR_FORMAT, "%s: temperature must be a number from 0 (up to 1e6)", path);
-    else if (p && !json_is_null(p) && !(json_is_number(p) && json_number_value(p) > 0.0 && json_number_value(p) <= 1.0))
-        st = loom_error(LOOM_ERR_FORMAT, "%s: top_p must be a number in (0, 1]", path);
-    else if (k && !json_is_null(k) && !(json_is_integer(k) && json_integer_value(k) >= 0 &&
-                                         json_integer_value(k) <= INT32_MAX))
-        st = loom_error(LOOM_ERR_FORMAT, "%s: top_k must be an integer from 0", path);
-    if (st == LOOM_OK && !json_is_true(ds)) { /* Hugging Face's generate: greedy unless do_sample */
-        s->temperature = 0.0f;
-        *said |= 1u;
-    } else if (st == LOOM_OK) {
-        if (json_is_number(t)) { s->temperature = (float)json_number_value(t); *said |= 1u; }
-        if (json_is_number(p)) { s->top_p = (float)json_number_value(p); *said |= 2u; }
-        if (json_is_integer(k)) { s->top_k = (int)json_integer_value(k); *said |= 4u; }
+    /* The temperature: the flag's, else greedy unless do_sample, else the file's (1 when it says none). */
+    if (st == LOOM_OK && !(given & 1u)) {
+        *from_file |= 1u;
+        if (!json_is_true(ds)) {
+            s->temperature = 0.0f;
+            *from_file |= 8u;
+        } else if (t && !json_is_null(t)) {
+            if (!json_is_number(t) || !(json_number_value(t) >= 0.0 && json_number_value(t) <= 1e6))
+                st = loom_error(LOOM_ERR_FORMAT, "%s: temperature must be a number from 0 (up to 1e6)", path);
+            s->temperature = (float)json_number_value(t);
+        } else {
+            s->temperature = 1.0f;
+        }
+    }
+    /* top_p and top_k when sampling: the flags', else the file's (1 and 50 when it says none). What is not
+     * applied is not checked. */
+    int sampling = s->temperature > 0.0f;
+    if (st == LOOM_OK && sampling && !(given & 2u)) {
+        float v = p && !json_is_null(p) && json_is_number(p) ? (float)json_number_value(p) : 1.0f;
+        if ((p && !json_is_null(p) && !json_is_number(p)) || !(v > 0.0f && v <= 1.0f))
+            st = loom_error(LOOM_ERR_FORMAT, "%s: top_p must be a number in (0, 1] (as an fp32)", path);
+        s->top_p = v;
+        *from_file |= 2u;
+    }
+    if (st == LOOM_OK && sampling && !(given & 4u)) {
+        if (k && !json_is_null(k) && !(json_is_integer(k) && json_integer_value(k) >= 0 &&
+                                       json_integer_value(k) <= INT32_MAX))
+            st = loom_error(LOOM_ERR_FORMAT, "%s: top_k must be an integer from 0", path);
+        s->top_k = json_is_integer(k) ? (int)json_integer_value(k) : 50;
+        *from_file |= 4u;
     }
     json_decref(root);
     return st;

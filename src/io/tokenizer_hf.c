@@ -7,13 +7,14 @@
  * ["a", "b"], ignore_merges, unk_token and fuse_unk), added tokens, and
  * either of two layouts:
  *  - byte-level (GPT-2, Llama 3, StarCoder, DeepSeek, GPT-4, Qwen 2): no
- *    normalizer but Unicode normal forms (NFC, NFD, NFKC, NFKD), a pre-tokenizer that is ByteLevel or a Sequence
- *    of regex Splits ("Isolated", or "Removed" inverted) and Digits ending in
- *    ByteLevel, a ByteLevel decoder; tokens spelled in GPT-2's byte alphabet;
+ *    normalizer but Unicode normal forms (NFC, NFD, NFKC, NFKD), a
+ *    pre-tokenizer that is ByteLevel or a Sequence of regex Splits
+ *    ("Isolated", or "Removed" inverted) and Digits ending in ByteLevel, a
+ *    ByteLevel decoder; tokens spelled in GPT-2's byte alphabet;
  *  - SentencePiece-style (byte_fallback: Llama 2, Mistral, Gemma): Prepend,
- *    Replace and normal-form normalizer steps, or a Metaspace pre-tokenizer (transformers'
- *    legacy=False files), tokens as written with U+2581 for a space and
- *    <0xXX> for a byte.
+ *    Replace and normal-form normalizer steps, or a Metaspace pre-tokenizer
+ *    (transformers' legacy=False files), tokens as written with U+2581 for a
+ *    space and <0xXX> for a byte.
  * The begin-of-text token is the one the post-processor's template puts
  * first; without a template the special token "<|begin_of_text|>", "<s>",
  * "<bos>" or "<｜begin▁of▁sentence｜>"; the end-of-text token is the special

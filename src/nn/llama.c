@@ -160,7 +160,8 @@ static loom_status llama_create(const loom_llama_config *cfg, loom_precision pre
     m->tp_size = T;
     m->tp_rank = tp_comm ? loom_comm_rank(tp_comm) : 0;
     m->dp_size = 1;
-    int L = cfg->n_layers, C = cfg->dim, HS = loom_llama_head_dim(cfg), Q = cfg->n_heads * HS, KV = cfg->n_kv_heads * HS;
+    int L = cfg->n_layers, C = cfg->dim, HS = loom_llama_head_dim(cfg);
+    int Q = cfg->n_heads * HS, KV = cfg->n_kv_heads * HS;
     m->layers = calloc((size_t)L, sizeof *m->layers);
     m->params = calloc(15 * (size_t)L + 3, sizeof *m->params);
     if (!m->layers || !m->params) { loom_llama_free(m); return LOOM_ERR_NOMEM; }

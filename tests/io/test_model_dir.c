@@ -774,31 +774,37 @@ static void test_generation_config(void **state) {
         assert_int_equal(n, good[k].n);
         if (n) assert_true(ids[0] == good[k].first && ids[n - 1] == good[k].last);
     }
-    /* the sampling it asks for, as Hugging Face's generate reads it: greedy unless do_sample */
-    static const struct { const char *json; unsigned said; float t, p; int k; } samp[] = {
-        {"{\"eos_token_id\": 7}", 1u, 0.0f, 0.5f, 3},
-        {"{\"do_sample\": false, \"temperature\": 0.6}", 1u, 0.0f, 0.5f, 3},
-        {"{\"do_sample\": true, \"temperature\": 0.6, \"top_p\": 0.9}", 3u, 0.6f, 0.9f, 3},
-        {"{\"do_sample\": true, \"top_k\": 20}", 4u, 2.0f, 0.5f, 20},
+    /* the sampling it asks for, as Hugging Face's generate reads it: greedy unless do_sample, else its
+     * temperature, top_p, top_k (1, 1, 50 where it says none); the flags given (`given`) stay */
+    static const struct { const char *json; unsigned given, from; float t, p; int k; } samp[] = {
+        {"{\"eos_token_id\": 7}", 0u, 9u, 0.0f, 0.5f, 3},
+        {"{\"do_sample\": false, \"temperature\": 0.6, \"top_p\": 0}", 0u, 9u, 0.0f, 0.5f, 3}, /* unused: unchecked */
+        {"{\"do_sample\": true, \"temperature\": 0.6, \"top_p\": 0.9}", 0u, 7u, 0.6f, 0.9f, 50},
+        {"{\"do_sample\": true, \"top_k\": 20}", 0u, 7u, 1.0f, 1.0f, 20},
+        {"{\"do_sample\": true, \"temperature\": 0.6, \"top_p\": 0.9, \"top_k\": 20}", 7u, 0u, 2.0f, 0.5f, 3},
+        {"{\"do_sample\": false, \"top_p\": 0.8, \"top_k\": 20}", 1u, 6u, 2.0f, 0.8f, 20}, /* --temperature samples */
+        {"{\"do_sample\": true, \"top_p\": 0.8}", 1u | 4u, 2u, 2.0f, 0.8f, 3},
+        {"{\"do_sample\": true, \"temperature\": 0.6}", 0u | 2u, 5u, 0.6f, 0.5f, 50},
     };
     for (size_t k = 0; k < sizeof samp / sizeof samp[0]; k++) {
         io_write_raw(gc, samp[k].json, strlen(samp[k].json));
         loom_sampler s = {2.0f, 0.5f, 1, 0, 3};
-        unsigned said = 9;
-        assert_int_equal(loom_model_dir_sampler(io_path("gc"), &s, &said), LOOM_OK);
-        assert_true(said == samp[k].said && s.temperature == samp[k].t && s.top_p == samp[k].p && s.top_k == samp[k].k);
+        unsigned from = 99;
+        assert_int_equal(loom_model_dir_sampler(io_path("gc"), samp[k].given, &s, &from), LOOM_OK);
+        assert_true(from == samp[k].from && s.temperature == samp[k].t && s.top_p == samp[k].p && s.top_k == samp[k].k);
     }
     static const struct { const char *json, *msg; } samp_bad[] = {
         {"{\"do_sample\": \"yes\"}", "do_sample must be true or false"},
         {"{\"do_sample\": true, \"temperature\": -1}", "temperature must be a number from 0"},
         {"{\"do_sample\": true, \"top_p\": 0}", "top_p must be a number in (0, 1]"},
+        {"{\"do_sample\": true, \"top_p\": 1e-50}", "top_p must be a number in (0, 1] (as an fp32)"},
         {"{\"do_sample\": true, \"top_k\": 2.5}", "top_k must be an integer from 0"},
     };
     for (size_t k = 0; k < sizeof samp_bad / sizeof samp_bad[0]; k++) {
         io_write_raw(gc, samp_bad[k].json, strlen(samp_bad[k].json));
         loom_sampler s = {2.0f, 0.5f, 1, 0, 3};
-        unsigned said;
-        assert_int_equal(loom_model_dir_sampler(io_path("gc"), &s, &said), LOOM_ERR_FORMAT);
+        unsigned from;
+        assert_int_equal(loom_model_dir_sampler(io_path("gc"), 0u, &s, &from), LOOM_ERR_FORMAT);
         IO_ASSERT_MSG(samp_bad[k].msg);
     }
     loom_llama *m = model(3);
@@ -851,9 +857,9 @@ static void test_generation_config(void **state) {
     /* a directory without one: the model then has none, and its save removes a stale one */
     assert_int_equal(remove(gc), 0);
     loom_sampler s0 = {2.0f, 0.5f, 1, 0, 3};
-    unsigned said0 = 9;
-    assert_int_equal(loom_model_dir_sampler(io_path("gc"), &s0, &said0), LOOM_OK); /* none: as given */
-    assert_true(said0 == 0 && s0.temperature == 2.0f && s0.top_p == 0.5f && s0.top_k == 3);
+    unsigned from0 = 9;
+    assert_int_equal(loom_model_dir_sampler(io_path("gc"), 0u, &s0, &from0), LOOM_OK); /* none: as the caller has it */
+    assert_true(from0 == 0 && s0.temperature == 2.0f && s0.top_p == 0.5f && s0.top_k == 3);
     assert_int_equal(loom_model_dir_load_generation_config(back, io_path("gc")), LOOM_OK);
     assert_null(back->generation_config);
     assert_int_equal(loom_model_dir_save(back, LOOM_F32, NULL, io_path("gc2")), LOOM_OK);

@@ -94,6 +94,8 @@ echo '{"do_sample": true, "temperature": 0.7, "top_p": 0.8, "top_k": 5}' >"$WORK
 "$LOOM" generate --model "$WORK/samp" --prompt "The" --tokens 12 --seed 3 >"$WORK/s1.txt" 2>"$WORK/s1.log" ||
   fail "generate with generation_config.json's sampling"
 grep -q "temperature 0.7, top-p 0.8, top-k 5" "$WORK/s1.log" || { cat "$WORK/s1.log"; fail "no note of the file's sampling"; }
+"$LOOM" generate --model "$WORK/samp" --prompt "The" --tokens 6 --temperature 0 >"$WORK/s0.txt" 2>/dev/null
+cmp -s "$WORK/s0.txt" "$WORK/g2.txt" || fail "--temperature 0 did not override generation_config.json's sampling"
 rm "$WORK/samp/generation_config.json"
 "$LOOM" generate --model "$WORK/samp" --prompt "The" --tokens 12 --seed 3 --temperature 0.7 --top-p 0.8 --top-k 5 \
   >"$WORK/s2.txt" 2>/dev/null
