@@ -169,9 +169,10 @@ loom_status loom_model_dir_eos_ids(const char *dir, int32_t *ids, int cap, int *
  * temperature (1 when it says none); when that samples, top_p and top_k are
  * the file's (Hugging Face's 1 and 50 when it says none). Without the file
  * *s is left as it is. *from_file gets the bits of the fields set here, and
- * 8 when the decoding is greedy because do_sample is not true. The file's
- * other fields (repetition_penalty, min_p, ...) are not read, nor those not
- * applied checked. Errors: LOOM_ERR_FORMAT (as above, or an applied field
+ * 8 when the decoding is greedy because do_sample is not true, and 16 for
+ * its repetition_penalty (bit 16 of `given`: the caller's stays), which
+ * applies greedy or not. The file's other fields (min_p, ...) are not read,
+ * nor those not applied checked. Errors: LOOM_ERR_FORMAT (as above, or an applied field
  * out of its range, named), LOOM_ERR_IO, LOOM_ERR_NOMEM. */
 loom_status loom_model_dir_sampler(const char *dir, unsigned given, loom_sampler *s, unsigned *from_file);
 #define LOOM_EOS_IDS_MAX 64 /* the most ids loom's readers take */

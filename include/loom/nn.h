@@ -330,6 +330,9 @@ typedef struct loom_sampler {
     int vocab_limit;    /* > 0: only ids below it are sampled (a tokenizer smaller than the model's vocab) */
     int top_k;          /* > 0: only the top_k most probable tokens (and any tied with the last) are kept,
                          * before the nucleus is cut from them; 0 disables */
+    float repetition_penalty; /* Hugging Face's (CTRL's): before sampling, the logit of every id the prompt
+                               * or the output holds is divided by it when positive, multiplied when
+                               * negative; 0 or 1: none (loom_llama_generate*, not loom_sample) */
 } loom_sampler;
 
 /* Autoregressive generation with a KV cache (no autograd). The prompt's

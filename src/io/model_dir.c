@@ -989,6 +989,7 @@ loom_status loom_model_dir_sampler(const char *dir, unsigned given, loom_sampler
     if (!root) return loom_error(LOOM_ERR_NOMEM, "%s: out of memory", path);
     json_t *ds = json_object_get(root, "do_sample"), *t = json_object_get(root, "temperature");
     json_t *p = json_object_get(root, "top_p"), *k = json_object_get(root, "top_k");
+    json_t *rp = json_object_get(root, "repetition_penalty");
     loom_status st = LOOM_OK;
     if (ds && !json_is_null(ds) && !json_is_boolean(ds))
         st = loom_error(LOOM_ERR_FORMAT, "%s: do_sample must be true or false", path);
@@ -1022,6 +1023,14 @@ loom_status loom_model_dir_sampler(const char *dir, unsigned given, loom_sampler
             st = loom_error(LOOM_ERR_FORMAT, "%s: top_k must be an integer from 0", path);
         s->top_k = json_is_integer(k) ? (int)json_integer_value(k) : 50;
         *from_file |= 4u;
+    }
+    /* The repetition penalty, greedy or not (a logits processor in Hugging Face's generate). */
+    if (st == LOOM_OK && !(given & 16u) && rp && !json_is_null(rp)) {
+        float v = json_is_number(rp) ? (float)json_number_value(rp) : 0.0f;
+        if (!(v > 0.0f) || !isfinite(v))
+            st = loom_error(LOOM_ERR_FORMAT, "%s: repetition_penalty must be a positive number", path);
+        s->repetition_penalty = v;
+        *from_file |= 16u;
     }
     json_decref(root);
     return st;

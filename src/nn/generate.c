@@ -286,14 +286,26 @@ loom_status loom_llama_generate_until(loom_llama *m, const int32_t *prompt, int 
         return loom_error(LOOM_ERR_INVALID, "generate: the sampler's temperature must be a finite number >= 0 (0: "
                           "greedy) and its top_p a number, got %g and %g", sampler ? (double)sampler->temperature : 0.0,
                           sampler ? (double)sampler->top_p : 0.0);
+    float rp = sampler->repetition_penalty;
+    if (!(rp >= 0.0f) || !isfinite(rp))
+        return loom_error(LOOM_ERR_INVALID, "generate: the sampler's repetition_penalty must be a finite number > 0 "
+                          "(0 or 1: none), got %g", (double)rp);
+    /* The ids seen so far (the prompt's, then each output's), for the penalty. */
+    unsigned char *seen = rp > 0.0f && rp != 1.0f ? calloc((size_t)m->cfg.vocab_size, 1) : NULL;
+    if (rp > 0.0f && rp != 1.0f && !seen) return loom_error(LOOM_ERR_NOMEM, "generate: out of memory");
+    for (int i = 0; seen && i < n_prompt; i++) seen[prompt[i]] = 1;
     kv_cache c;
     scratch s;
     /* The last new token is sampled, never run: n_prompt + n_new - 1
      * positions are the most the cache can take, and max_seq. */
     long long reach = (long long)n_prompt + (n_new > 1 ? n_new - 1 : 0);
     int cap = reach < m->cfg.max_seq ? (int)reach : m->cfg.max_seq;
-    LOOM_TRY(state_init(m, n_prompt, cap, &c, &s));
-    loom_status st = forward_tokens(m, &c, &s, prompt, n_prompt);
+    loom_status st = state_init(m, n_prompt, cap, &c, &s);
+    if (st != LOOM_OK) {
+        free(seen);
+        return st;
+    }
+    st = forward_tokens(m, &c, &s, prompt, n_prompt);
     for (int i = 0; i < n_new && st == LOOM_OK; i++) {
         for (int v = 0; v < m->cfg.vocab_size; v++)
             if (!isfinite(s.logits[v])) {
@@ -303,7 +315,10 @@ loom_status loom_llama_generate_until(loom_llama *m, const int32_t *prompt, int 
                 break;
             }
         if (st != LOOM_OK) break;
+        for (int v = 0; seen && v < m->cfg.vocab_size; v++) /* Hugging Face's RepetitionPenaltyLogitsProcessor */
+            if (seen[v]) s.logits[v] = s.logits[v] < 0.0f ? s.logits[v] * rp : s.logits[v] / rp;
         int32_t next = loom_sample(s.logits, m->cfg.vocab_size, sampler, (uint64_t)i);
+        if (seen) seen[next] = 1;
         out[(*n_out)++] = next;
         int stopped = 0;
         for (int k = 0; k < n_stops; k++) stopped |= next == stops[k];
@@ -311,5 +326,6 @@ loom_status loom_llama_generate_until(loom_llama *m, const int32_t *prompt, int 
         st = forward_tokens(m, &c, &s, &next, 1);
     }
     state_free(m, &c, &s);
+    free(seen);
     return st;
 }

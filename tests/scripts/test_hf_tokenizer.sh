@@ -100,6 +100,16 @@ rm "$WORK/samp/generation_config.json"
 "$LOOM" generate --model "$WORK/samp" --prompt "The" --tokens 12 --seed 3 --temperature 0.7 --top-p 0.8 --top-k 5 \
   >"$WORK/s2.txt" 2>/dev/null
 cmp -s "$WORK/s1.txt" "$WORK/s2.txt" || fail "generation_config.json's sampling differs from the same flags"
+# its repetition_penalty (greedy or not), as the flag gives it
+echo '{"repetition_penalty": 1.3}' >"$WORK/samp/generation_config.json"
+"$LOOM" generate --model "$WORK/samp" --prompt "The" --tokens 8 >"$WORK/r1.txt" 2>"$WORK/r1.log" ||
+  fail "generate with generation_config.json's repetition_penalty"
+grep -q "repetition penalty 1.3" "$WORK/r1.log" || { cat "$WORK/r1.log"; fail "no note of the repetition penalty"; }
+rm "$WORK/samp/generation_config.json"
+"$LOOM" generate --model "$WORK/samp" --prompt "The" --tokens 8 --temperature 0 --repetition-penalty 1.3 \
+  >"$WORK/r2.txt" 2>/dev/null
+cmp -s "$WORK/r1.txt" "$WORK/r2.txt" || fail "generation_config.json's repetition_penalty differs from the flag's"
+expect_usage "repetition-penalty" "$LOOM" generate --model "$WORK/samp" --repetition-penalty 0
 echo '{"do_sample": true, "top_p": 2}' >"$WORK/samp/generation_config.json"
 expect_error "top_p must be a number in" "$LOOM" generate --model "$WORK/samp" --tokens 2
 echo '{"eos_token_id": "x"}' >"$WORK/bad.json" && mkdir -p "$WORK/badgc" && cp "$WORK/run/model/"{config.json,model.safetensors,tokenizer.json} "$WORK/badgc/" &&
