@@ -93,10 +93,11 @@ static int model_type_is(json_t *root, const char *name) {
 static int is_qwen2(json_t *root) { return model_type_is(root, "qwen2"); }
 static int is_qwen3(json_t *root) { return model_type_is(root, "qwen3"); }
 
-/* Fields that change the math: refuse what loom does not implement rather
- * than compute something else; the attention's biases (Qwen 2's on q, k
- * and v; LLaMA's attention_bias on all four). */
-static loom_status check_unsupported(json_t *root, const char *path, loom_llama_config *c) {
+/* The fields that shape the model beyond its sizes: the attention's biases
+ * (Qwen 2's on q, k and v; LLaMA's attention_bias on all four), the heads'
+ * own size, Qwen 3's q/k norms, attention_dropout; and what loom does not
+ * implement, refused rather than computed as something else. */
+static loom_status read_architecture(json_t *root, const char *path, loom_llama_config *c) {
     json_t *v = json_object_get(root, "mlp_bias");
     if (v && json_is_true(v))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: mlp_bias = true is not supported by loom's LLaMA", path);
@@ -246,7 +247,7 @@ loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
         if (!json_is_boolean(tie)) st = loom_error(LOOM_ERR_FORMAT, "%s: tie_word_embeddings must be true or false", path);
         else c->tie_embeddings = json_is_true(tie);
     }
-    if (st == LOOM_OK) st = check_unsupported(root, path, c);
+    if (st == LOOM_OK) st = read_architecture(root, path, c);
     if (st == LOOM_OK) st = get_rope(root, path, c);
     if (st == LOOM_OK) st = apply_window(root, path, c);
     json_decref(root);
@@ -256,54 +257,37 @@ loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
 }
 
 loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, const char *path) {
-    json_t *root = json_pack("{s:[s], s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:f, s:b, s:s, s:s, s:b, s:f}",
-                             "architectures", "LlamaForCausalLM", "model_type", "llama", "hidden_size", c->dim,
+    /* The Hugging Face class that reads it: Qwen 3's (q/k norms), Qwen 2's (biases on q, k, v alone), LLaMA's */
+    int qwen3 = c->qk_norm, qwen2 = !qwen3 && c->qkv_bias && !c->o_bias;
+    json_t *root = json_pack("{s:[s], s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:f, s:b, s:s, s:s, s:f}",
+                             "architectures",
+                             qwen3 ? "Qwen3ForCausalLM" : qwen2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM",
+                             "model_type", qwen3 ? "qwen3" : qwen2 ? "qwen2" : "llama", "hidden_size", c->dim,
                              "num_hidden_layers", c->n_layers, "num_attention_heads", c->n_heads,
                              "num_key_value_heads", c->n_kv_heads, "intermediate_size", c->ffn_dim,
                              "vocab_size", c->vocab_size, "max_position_embeddings", c->max_seq,
                              "rope_theta", (double)c->rope_theta, "rms_norm_eps", (double)c->norm_eps,
                              "tie_word_embeddings", c->tie_embeddings, "hidden_act", "silu", "torch_dtype",
                              dt == LOOM_F32 ? "float32" : dt == LOOM_BF16 ? "bfloat16" : "float16",
-                             "attention_bias", 0, "initializer_range", 0.02);
-    if (root && c->rope_type != LOOM_ROPE_DEFAULT) { /* as Hugging Face's own files write each */
+                             "initializer_range", 0.02);
+    int ok = root != NULL;
+    if (ok && !qwen2) /* Qwen 2's class has biases on q, k and v whatever the file says */
+        ok = !json_object_set_new(root, "attention_bias", json_boolean(c->o_bias));
+    if (ok && (qwen2 || qwen3)) ok = !json_object_set_new(root, "use_sliding_window", json_false());
+    if (ok && c->rope_type != LOOM_ROPE_DEFAULT) { /* as Hugging Face's own files write each */
         json_t *rs = c->rope_type == LOOM_ROPE_LINEAR
                          ? json_pack("{s:s, s:f}", "type", "linear", "factor", (double)c->rope_factor)
                          : json_pack("{s:s, s:f, s:f, s:f, s:i}", "rope_type", "llama3", "factor",
                                      (double)c->rope_factor, "low_freq_factor", (double)c->rope_low_freq_factor,
                                      "high_freq_factor", (double)c->rope_high_freq_factor,
                                      "original_max_position_embeddings", c->rope_original_max_pos);
-        if (!rs || json_object_set_new(root, "rope_scaling", rs) != 0) {
-            json_decref(root);
-            root = NULL;
-        }
+        ok = !json_object_set_new(root, "rope_scaling", rs); /* fails (and frees nothing) when rs is NULL */
     }
+    if (ok && c->attention_dropout > 0.0f)
+        ok = !json_object_set_new(root, "attention_dropout", json_real((double)c->attention_dropout));
     /* Qwen 3's default head_dim is 128, not dim / heads: it always says its own */
-    if (root && c->attention_dropout > 0.0f &&
-        json_object_set_new(root, "attention_dropout", json_real((double)c->attention_dropout)) != 0) {
-        json_decref(root);
-        root = NULL;
-    }
-    if (root && (c->head_dim || c->qk_norm) &&
-        json_object_set_new(root, "head_dim", json_integer(loom_llama_head_dim(c))) != 0) {
-        json_decref(root);
-        root = NULL;
-    }
-    if (root && c->qk_norm) { /* Qwen 3's layout, with LLaMA's attention_bias */
-        if (json_object_set_new(root, "architectures", json_pack("[s]", "Qwen3ForCausalLM")) ||
-            json_object_set_new(root, "model_type", json_string("qwen3")) ||
-            json_object_set_new(root, "attention_bias", json_boolean(c->o_bias)) ||
-            json_object_set_new(root, "use_sliding_window", json_false())) {
-            json_decref(root);
-            root = NULL;
-        }
-    } else if (root && c->qkv_bias && !c->o_bias) { /* Qwen 2's layout: its model_type says so */
-        if (json_object_set_new(root, "architectures", json_pack("[s]", "Qwen2ForCausalLM")) ||
-            json_object_set_new(root, "model_type", json_string("qwen2")) || json_object_del(root, "attention_bias") ||
-            json_object_set_new(root, "use_sliding_window", json_false())) {
-            json_decref(root);
-            root = NULL;
-        }
-    } else if (root && json_object_set_new(root, "attention_bias", json_boolean(c->o_bias)) != 0) {
+    if (ok && (c->head_dim || qwen3)) ok = !json_object_set_new(root, "head_dim", json_integer(loom_llama_head_dim(c)));
+    if (!ok) {
         json_decref(root);
         root = NULL;
     }
@@ -944,12 +928,14 @@ static loom_status eos_ids_of(json_t *root, const char *path, int32_t *ids, int 
 }
 
 /* dir's generation_config.json: its path, its text (NULL when there is
- * none; malloc'd) and its eos_token_id ids (*n of them, at most cap). */
+ * none; malloc'd), its eos_token_id ids (*n of them, at most cap) and, with
+ * root not NULL, its parsed JSON (NULL with the text; the caller's). */
 static loom_status read_generation_config(const char *dir, char *path, size_t pcap, void **text, size_t *len,
-                                          int32_t *ids, int cap, int *n) {
+                                          int32_t *ids, int cap, int *n, json_t **root_out) {
     *text = NULL;
     *len = 0;
     *n = 0;
+    if (root_out) *root_out = NULL;
     LOOM_TRY(join(path, pcap, dir, LOOM_GENERATION_CONFIG));
     struct stat sb;
     if (stat(path, &sb) != 0 && errno == ENOENT) return LOOM_OK; /* optional */
@@ -958,6 +944,10 @@ static loom_status read_generation_config(const char *dir, char *path, size_t pc
     json_t *root = json_loadb(*text, *len, 0, &err);
     loom_status st = root ? eos_ids_of(root, path, ids, cap, n)
                           : loom_error(LOOM_ERR_FORMAT, "%s: invalid JSON at line %d: %s", path, err.line, err.text);
+    if (st == LOOM_OK && root_out) {
+        *root_out = root;
+        return LOOM_OK;
+    }
     json_decref(root);
     if (st != LOOM_OK) {
         free(*text);
@@ -970,7 +960,7 @@ loom_status loom_model_dir_eos_ids(const char *dir, int32_t *ids, int cap, int *
     char path[4200];
     void *text;
     size_t len;
-    loom_status st = read_generation_config(dir, path, sizeof path, &text, &len, ids, cap, n);
+    loom_status st = read_generation_config(dir, path, sizeof path, &text, &len, ids, cap, n, NULL);
     free(text);
     return st;
 }
@@ -982,11 +972,10 @@ loom_status loom_model_dir_sampler(const char *dir, unsigned given, loom_sampler
     int32_t ids[LOOM_EOS_IDS_MAX];
     int n;
     *from_file = 0;
-    LOOM_TRY(read_generation_config(dir, path, sizeof path, &text, &len, ids, LOOM_EOS_IDS_MAX, &n));
-    if (!text) return LOOM_OK; /* none: *s as the caller has it */
-    json_t *root = json_loadb(text, len, 0, NULL); /* parsed once already: it is an object */
+    json_t *root;
+    LOOM_TRY(read_generation_config(dir, path, sizeof path, &text, &len, ids, LOOM_EOS_IDS_MAX, &n, &root));
     free(text);
-    if (!root) return loom_error(LOOM_ERR_NOMEM, "%s: out of memory", path);
+    if (!root) return LOOM_OK; /* none: *s as the caller has it */
     json_t *ds = json_object_get(root, "do_sample"), *t = json_object_get(root, "temperature");
     json_t *p = json_object_get(root, "top_p"), *k = json_object_get(root, "top_k");
     json_t *rp = json_object_get(root, "repetition_penalty");
@@ -1042,7 +1031,7 @@ loom_status loom_model_dir_load_generation_config(loom_llama *m, const char *dir
     size_t len;
     int32_t ids[LOOM_EOS_IDS_MAX];
     int n; /* checked as generate reads it */
-    LOOM_TRY(read_generation_config(dir, path, sizeof path, &text, &len, ids, LOOM_EOS_IDS_MAX, &n));
+    LOOM_TRY(read_generation_config(dir, path, sizeof path, &text, &len, ids, LOOM_EOS_IDS_MAX, &n, NULL));
     free(m->generation_config);
     m->generation_config = text;
     m->generation_config_len = len;

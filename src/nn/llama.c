@@ -748,37 +748,45 @@ static loom_status dora_output(const struct llama_block_args *a, loom_lora_targe
     return st;
 }
 
+/* x in dtype dt: x itself when it is, else a cast. */
+static loom_status as_dtype(loom_tensor *x, loom_dtype dt, loom_tensor **out) {
+    if (x->dtype != dt) return loom_cast(x, dt, out);
+    *out = loom_tensor_retain(x);
+    return LOOM_OK;
+}
+
+/* Each head of *x (B, T, heads, HS) normalized by norm's weight (Qwen 3's
+ * q_norm, k_norm); *x is replaced. Under tensor parallelism the weight,
+ * whole on every rank, reaches the norm through f (tp_copy): each rank's
+ * heads give part of its gradient, which f's backward sums over the ranks.
+ * Gradients travel in the dtype of their tensor, so there the norm runs on
+ * fp32 casts (the same bits: the bf16 kernel computes in fp32 and rounds
+ * once) and the parts are summed in fp32, as one process accumulates them
+ * into the fp32 main_grad. In one process f and the casts are the identity. */
+static loom_status head_norm(const loom_llama *m, const loom_param *norm, loom_tensor **x) {
+    loom_dtype dt = (*x)->dtype, nd = m->tp_size > 1 ? LOOM_F32 : dt;
+    loom_tensor *wc = NULL, *w = NULL, *xc = NULL, *n = NULL, *y = NULL;
+    loom_status st = as_dtype(norm->tensor, nd, &wc);
+    if (st == LOOM_OK) st = tp_copy(m->tp_comm, wc, &w);
+    if (st == LOOM_OK) st = as_dtype(*x, nd, &xc);
+    if (st == LOOM_OK) st = loom_rmsnorm(xc, w, m->cfg.norm_eps, &n);
+    if (st == LOOM_OK) st = as_dtype(n, dt, &y);
+    RELEASE(*x, wc, w, xc, n);
+    *x = y;
+    return st;
+}
+
 /* q/k/v projection then view as (B, T, heads, HS), each head normalized
- * (Qwen 3's q_norm, k_norm; norm NULL: none) and rotated (q, k). Under
- * tensor parallelism the norm's weight, whole on every rank, reaches it
- * through f (tp_copy): each rank's heads give part of its gradient, which
- * f's backward sums over the ranks. Gradients travel in the dtype of their
- * tensor, so there the norm runs on fp32 casts (the same bits: the bf16
- * kernel computes in fp32 and rounds once) and the parts are summed in
- * fp32, as one process accumulates them into the fp32 main_grad. */
+ * (norm NULL: none; head_norm) and rotated (q, k). */
 static loom_status project_heads(const struct llama_block_args *a, loom_lora_target t, loom_tensor *h,
                                  loom_tensor *hn, int heads, int HS, const loom_param *norm,
                                  const loom_rope_freqs *rope, loom_tensor **out) {
-    loom_tensor *y = NULL, *y4 = NULL, *yn = NULL;
+    loom_tensor *y = NULL, *y4 = NULL;
     int64_t shape[4] = {a->B, a->T, heads, HS};
     loom_status st = block_linear(a, t, h, hn, &y);
     if (st == LOOM_OK) st = loom_reshape(y, 4, shape, &y4);
     loom_tensor_release(y);
-    if (st == LOOM_OK && norm && a->m->tp_size > 1) {
-        loom_dtype dt = y4->dtype;
-        loom_tensor *wf = NULL, *w = NULL, *xf = NULL, *nf = NULL;
-        st = dt == LOOM_F32 ? (wf = loom_tensor_retain(norm->tensor), LOOM_OK) : loom_cast(norm->tensor, LOOM_F32, &wf);
-        if (st == LOOM_OK) st = tp_copy(a->m->tp_comm, wf, &w);
-        if (st == LOOM_OK) st = dt == LOOM_F32 ? (xf = loom_tensor_retain(y4), LOOM_OK) : loom_cast(y4, LOOM_F32, &xf);
-        if (st == LOOM_OK) st = loom_rmsnorm(xf, w, a->m->cfg.norm_eps, &nf);
-        if (st == LOOM_OK) st = dt == LOOM_F32 ? (yn = loom_tensor_retain(nf), LOOM_OK) : loom_cast(nf, dt, &yn);
-        RELEASE(y4, wf, w, xf, nf);
-        y4 = yn;
-    } else if (st == LOOM_OK && norm) {
-        st = loom_rmsnorm(y4, norm->tensor, a->m->cfg.norm_eps, &yn);
-        loom_tensor_release(y4);
-        y4 = yn;
-    }
+    if (st == LOOM_OK && norm) st = head_norm(a->m, norm, &y4);
     if (st != LOOM_OK || !rope) { *out = y4; return st; }
     st = loom_rope_ex(y4, rope, 0, out);
     loom_tensor_release(y4);

@@ -538,6 +538,14 @@ static loom_llama_config config_of(const char *json) {
     return c;
 }
 
+/* c saved as config.json and loaded back. */
+static loom_llama_config saved_and_loaded(const loom_llama_config *c) {
+    loom_llama_config back;
+    assert_int_equal(loom_llama_config_save(c, LOOM_F32, io_path("config.json")), LOOM_OK);
+    assert_int_equal(loom_llama_config_load(io_path("config.json"), &back), LOOM_OK);
+    return back;
+}
+
 static void test_rope_scaling_config(void **state) {
     (void)state;
     loom_llama_config c, back;
@@ -603,8 +611,7 @@ static void test_bias_config(void **state) {
         io_write_raw(io_path("config.json"), json, strlen(json));
         assert_int_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
         assert_true(c.qkv_bias == good[k].qkv && c.o_bias == good[k].o && c.max_seq == good[k].max_seq);
-        assert_int_equal(loom_llama_config_save(&c, LOOM_F32, io_path("config.json")), LOOM_OK);
-        assert_int_equal(loom_llama_config_load(io_path("config.json"), &back), LOOM_OK);
+        back = saved_and_loaded(&c);
         assert_true(back.qkv_bias == c.qkv_bias && back.o_bias == c.o_bias);
         assert_true(loom_llama_config_same_weights(&c, &back));
         size_t n;
@@ -622,8 +629,7 @@ static void test_bias_config(void **state) {
                      "\"head_dim\": 12, \"intermediate_size\": 24, \"vocab_size\": 40}";
     c = config_of(hd);
     assert_true(c.head_dim == 12 && loom_llama_head_dim(&c) == 12);
-    assert_int_equal(loom_llama_config_save(&c, LOOM_F32, io_path("config.json")), LOOM_OK);
-    assert_int_equal(loom_llama_config_load(io_path("config.json"), &back), LOOM_OK);
+    back = saved_and_loaded(&c);
     assert_true(back.head_dim == 12 && loom_llama_config_same_weights(&c, &back));
     back.head_dim = 0;
     assert_false(loom_llama_config_same_weights(&c, &back));
@@ -640,13 +646,12 @@ static void test_bias_config(void **state) {
     assert_true(c.qk_norm && c.qkv_bias && c.o_bias && loom_llama_head_dim(&c) == 128 && c.n_kv_heads == 32 &&
                 c.max_seq == 32768);
     c.head_dim = 0; /* 512 / 32 */
-    assert_int_equal(loom_llama_config_save(&c, LOOM_F32, io_path("config.json")), LOOM_OK);
+    back = saved_and_loaded(&c);
     size_t n3;
     char *t3 = (char *)io_read_raw(io_path("config.json"), &n3);
     assert_true(strstr(t3, "\"model_type\": \"qwen3\"") && strstr(t3, "Qwen3ForCausalLM") &&
                 strstr(t3, "\"head_dim\": 16") && strstr(t3, "\"attention_bias\": true"));
     free(t3);
-    assert_int_equal(loom_llama_config_load(io_path("config.json"), &back), LOOM_OK);
     assert_true(back.qk_norm && loom_llama_config_same_weights(&c, &back));
     back.qk_norm = 0;
     assert_false(loom_llama_config_same_weights(&c, &back));
