@@ -101,8 +101,8 @@ int main(int argc, char **argv) {
     attention_fwd(out, lse, q, k, v, B, T, T, NH, NH, HS, 0, dt); /* real lse for the backward */
     timing af = TIME_CALL(reps, attention_fwd(out, lse, q, k, v, B, T, T, NH, NH, HS, 0, dt));
     timing ab = TIME_CALL(reps, attention_bwd(dq, dk, dv, dout, q, k, v, out, lse, B, T, T, NH, NH, HS, 0, dt));
-    timing nf_ = TIME_CALL(reps, rmsnorm_fwd(out, rstd, q, w, N, C, 1e-5f, dt));
-    timing nb = TIME_CALL(reps, rmsnorm_bwd(dq, dw, dout, q, w, rstd, N, C, dt));
+    timing nf_ = TIME_CALL(reps, rmsnorm_fwd(out, rstd, q, w, 0.0f, N, C, 1e-5f, dt));
+    timing nb = TIME_CALL(reps, rmsnorm_bwd(dq, dw, dout, q, w, 0.0f, rstd, N, C, dt));
     loom_rope_freqs rope = rope_plain(10000.0f);
     timing rf = TIME_CALL(reps, rope_fwd(out, q, B, T, NH, HS, 0, &rope, dt));
     timing rb = TIME_CALL(reps, rope_bwd(dq, dout, B, T, NH, HS, 0, &rope, dt));

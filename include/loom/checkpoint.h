@@ -36,7 +36,9 @@ extern "C" {
  * num_key_value_heads = num_attention_heads (also when null), max_position_embeddings 2048,
  * rope_theta 10000, rms_norm_eps 1e-6, tie_word_embeddings false, no
  * rope_scaling (Qwen2Config's for a "qwen2" file: 32 kv heads, 32768
- * positions). model_type may be "llama", "mistral", "qwen2" or "qwen3"; a
+ * positions; GemmaConfig's for "gemma": 16 kv heads, 8192 positions, head_dim
+ * 256, tied). model_type may be "llama", "mistral", "qwen2", "qwen3" or
+ * "gemma"; a
  * sliding_window (Mistral's; 4096 when a "mistral" file leaves it out; Qwen
  * 2's only with use_sliding_window, 4096 when left out) shorter than
  * max_position_embeddings caps the context (max_seq), up to which it equals
@@ -49,14 +51,20 @@ extern "C" {
  * "qwen3" normalizes each query and key head (qk_norm: q_norm, k_norm of
  * head_dim, before RoPE), reads attention_bias as LLaMA's, and defaults to
  * Qwen3Config's head_dim 128 and 32 kv heads; it saves as Qwen 3's, its
- * head_dim always written.
+ * head_dim always written. "gemma" is Gemma's model (norm_unit_offset and
+ * scale_embeddings) with the MLP activation its hidden_activation names,
+ * else the tanh GELU (which Gemma 1.0's files call hidden_act "gelu"); it
+ * saves as GemmaForCausalLM with hidden_activation and head_dim written.
+ * hidden_act (any model_type): "silu", or the tanh GELU as
+ * "gelu_pytorch_tanh" or "gelu_new" (act).
  * Save writes rope_scaling as Hugging Face's files do ("type": "linear" and
  * factor; "rope_type": "llama3" and its four numbers) when there is one,
  * and a model with biases on q, k and v alone as Qwen 2's
  * (Qwen2ForCausalLM, model_type "qwen2"), any other as LLaMA's with its
  * attention_bias.
  * Errors: LOOM_ERR_IO, LOOM_ERR_FORMAT (naming the file and the field),
- * LOOM_ERR_UNSUPPORTED (mlp_bias, another activation, another rope_scaling,
+ * LOOM_ERR_UNSUPPORTED (mlp_bias, another activation (the exact GELU among
+ * them), another rope_scaling,
  * another model_type). An attention_dropout is kept, and a training forward
  * refuses it (loom's attention has no dropout). */
 loom_status loom_llama_config_load(const char *path, loom_llama_config *cfg);

@@ -28,12 +28,15 @@ loom_status loom_fused_linear_add(loom_tensor *x, loom_tensor *w, float scale, l
 
 /* ------------------------------------------------------------------ LLaMA */
 
+/* The activation of the MLP's gate. */
+typedef enum loom_activation { LOOM_ACT_SILU = 0, LOOM_ACT_GELU_TANH = 1 } loom_activation;
+
 typedef struct loom_llama_config {
     int dim;          /* C */
     int n_layers;     /* L */
     int n_heads;      /* NH */
     int n_kv_heads;   /* NKV */
-    int ffn_dim;      /* hidden size of the SwiGLU MLP */
+    int ffn_dim;      /* hidden size of the gated MLP (SwiGLU, or GeGLU: act) */
     int vocab_size;   /* V */
     int max_seq;      /* T at most */
     float rope_theta;
@@ -60,7 +63,20 @@ typedef struct loom_llama_config {
      * training forward refuses a config that asks for it (evaluation and
      * generation, where Hugging Face applies none either, run). */
     float attention_dropout;
+    /* The MLP's gate: SwiGLU (LOOM_ACT_SILU, zero) or GeGLU with the tanh
+     * GELU (LOOM_ACT_GELU_TANH: Gemma's; Hugging Face's hidden_act
+     * "gelu_pytorch_tanh"). */
+    loom_activation act;
+    /* Gemma's model (model_type "gemma"), both set: every RMSNorm scales by
+     * 1 + its weight (weights stored as offsets from 1, initialized 0), and
+     * the embeddings are multiplied by sqrt(dim) rounded to the compute
+     * dtype (loom_llama_embed_scale). */
+    int norm_unit_offset, scale_embeddings;
 } loom_llama_config;
+
+/* The factor of the embeddings in compute dtype dt: sqrt(dim) rounded to dt
+ * with scale_embeddings (as Hugging Face's Gemma computes it), else 1. */
+float loom_llama_embed_scale(const loom_llama_config *cfg, loom_dtype dt);
 
 /* The attention's head size of a config: head_dim, or dim / n_heads. */
 int loom_llama_head_dim(const loom_llama_config *cfg);

@@ -26,6 +26,9 @@ loom_status loom_scale(loom_tensor *a, float s, loom_tensor **out);
 loom_status loom_silu(loom_tensor *x, loom_tensor **out);
 /* silu(gate) * up */
 loom_status loom_swiglu(loom_tensor *gate, loom_tensor *up, loom_tensor **out);
+/* gelu_tanh(gate) * up: Gemma's GeGLU, with the tanh approximation of GELU
+ * (PyTorch's gelu(approximate="tanh"), Hugging Face's gelu_pytorch_tanh). */
+loom_status loom_geglu(loom_tensor *gate, loom_tensor *up, loom_tensor **out);
 /* Inverted dropout with probability p, driven by the default RNG
  * (loom_rng_default): the mask is regenerated in backward from the
  * (seed, offset) reserved in forward, never stored. */
@@ -90,6 +93,9 @@ void loom_gemm_get_stats(loom_gemm_stats *out);
 
 /* RMSNorm over the last dimension with weight w (C). */
 loom_status loom_rmsnorm(loom_tensor *x, loom_tensor *w, float eps, loom_tensor **out);
+/* The same scaled by w + w_offset (added in fp32): Gemma's norms, whose
+ * weights are stored as offsets from 1, take w_offset 1. */
+loom_status loom_rmsnorm_ex(loom_tensor *x, loom_tensor *w, float eps, float w_offset, loom_tensor **out);
 /* Rotary embedding, Hugging Face rotate-half convention, on x of shape
  * (B, T, NH, HS); position of x[:, t] is pos0 + t; frequencies
  * theta^(-2i/HS). */

@@ -349,12 +349,15 @@ loom_status loom_llama_save_gguf(loom_llama *m, loom_gguf_type type, const loom_
     if (!tok)
         return loom_error(LOOM_ERR_INVALID, "GGUF export needs the model's tokenizer: llama.cpp cannot run a model "
                           "without its vocabulary");
-    if (m->cfg.rope_type != LOOM_ROPE_DEFAULT || m->cfg.qkv_bias || m->cfg.head_dim || m->cfg.qk_norm)
+    const loom_llama_config *c = &m->cfg;
+    if (c->rope_type != LOOM_ROPE_DEFAULT || c->qkv_bias || c->head_dim || c->qk_norm || c->norm_unit_offset ||
+        c->act != LOOM_ACT_SILU)
         return loom_error(LOOM_ERR_UNSUPPORTED, "GGUF export of a model with %s is not supported: export a "
                           "Hugging Face directory (loom export --format hf) and convert that with llama.cpp's "
-                          "convert_hf_to_gguf.py", m->cfg.qkv_bias ? "attention biases (Qwen 2's, attention_bias)"
-                          : m->cfg.qk_norm ? "q/k norms (Qwen 3's)" : m->cfg.head_dim ? "its own head_dim"
-                          : "rope_scaling");
+                          "convert_hf_to_gguf.py", c->norm_unit_offset ? "Gemma's architecture"
+                          : c->qkv_bias ? "attention biases (Qwen 2's, attention_bias)"
+                          : c->qk_norm ? "q/k norms (Qwen 3's)" : c->head_dim ? "its own head_dim"
+                          : c->act != LOOM_ACT_SILU ? "a GELU MLP" : "rope_scaling");
     if (tok->hf)
         return loom_error(LOOM_ERR_UNSUPPORTED, "GGUF export with a Hugging Face tokenizer is not supported: export "
                           "a Hugging Face directory (loom export --format hf), which keeps the tokenizer.json as "

@@ -92,6 +92,38 @@ static int model_type_is(json_t *root, const char *name) {
  * use_sliding_window says so, and defaults of their own. */
 static int is_qwen2(json_t *root) { return model_type_is(root, "qwen2"); }
 static int is_qwen3(json_t *root) { return model_type_is(root, "qwen3"); }
+/* Gemma's ("gemma"): norms scaling by 1 + weight, embeddings by sqrt(dim),
+ * the tanh GELU's gate, heads of 256 and tied embeddings by default. */
+static int is_gemma(json_t *root) { return model_type_is(root, "gemma"); }
+
+/* The activation a hidden_act / hidden_activation string `v` names (field
+ * `key`): "silu", or the tanh GELU as PyTorch ("gelu_pytorch_tanh") or the
+ * formula ("gelu_new") names it; others are refused by name. */
+static loom_status parse_act(json_t *v, const char *path, const char *key, loom_activation *act) {
+    const char *s = json_is_string(v) ? json_string_value(v) : NULL;
+    if (s && !strcmp(s, "silu")) *act = LOOM_ACT_SILU;
+    else if (s && (!strcmp(s, "gelu_pytorch_tanh") || !strcmp(s, "gelu_new"))) *act = LOOM_ACT_GELU_TANH;
+    else
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: %s \"%s\" is not supported by loom (\"silu\" and the tanh GELU, "
+                          "\"gelu_pytorch_tanh\" or \"gelu_new\", are)", path, key, s ? s : "?");
+    return LOOM_OK;
+}
+
+/* The MLP's activation. Gemma's is hidden_activation, where given; else
+ * the tanh GELU that Gemma was trained with, which its first configs call
+ * hidden_act "gelu" (as Hugging Face's Gemma read them until transformers
+ * 4.48, which computes them with the exact GELU). Others: hidden_act. */
+static loom_status read_act(json_t *root, const char *path, loom_llama_config *c) {
+    json_t *v = json_object_get(root, "hidden_activation"), *a = json_object_get(root, "hidden_act");
+    if (is_gemma(root)) {
+        if (v && !json_is_null(v)) return parse_act(v, path, "hidden_activation", &c->act);
+        if (!a || (json_is_string(a) && !strcmp(json_string_value(a), "gelu"))) {
+            c->act = LOOM_ACT_GELU_TANH;
+            return LOOM_OK;
+        }
+    }
+    return a ? parse_act(a, path, "hidden_act", &c->act) : LOOM_OK;
+}
 
 /* The fields that shape the model beyond its sizes: the attention's biases
  * (Qwen 2's on q, k and v; LLaMA's attention_bias on all four), the heads'
@@ -111,7 +143,7 @@ static loom_status read_architecture(json_t *root, const char *path, loom_llama_
         c->qkv_bias = c->o_bias = json_is_true(v);
     }
     v = json_object_get(root, "head_dim"); /* its own (0: dim / n_heads, however the file says it) */
-    json_int_t hd = is_qwen3(root) ? 128 : 0; /* Qwen3Config's default */
+    json_int_t hd = is_qwen3(root) ? 128 : is_gemma(root) ? 256 : 0; /* Qwen3Config's default, GemmaConfig's */
     if (v && !json_is_null(v)) {
         if (!json_is_integer(v) || json_integer_value(v) <= 0 || json_integer_value(v) > (1 << 20))
             return loom_error(LOOM_ERR_FORMAT, "%s: head_dim must be a positive integer or null", path);
@@ -121,20 +153,18 @@ static loom_status read_architecture(json_t *root, const char *path, loom_llama_
     /* Other model types are other architectures under similar names. */
     v = json_object_get(root, "model_type");
     if (v && (!json_is_string(v) || (strcmp(json_string_value(v), "llama") && strcmp(json_string_value(v), "mistral") &&
-                                     !is_qwen2(root) && !is_qwen3(root))))
+                                     !is_qwen2(root) && !is_qwen3(root) && !is_gemma(root))))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: model_type \"%s\" is not a LLaMA model (loom reads \"llama\", "
-                          "\"mistral\", \"qwen2\" and \"qwen3\")", path,
+                          "\"mistral\", \"qwen2\", \"qwen3\" and \"gemma\")", path,
                           json_is_string(v) ? json_string_value(v) : "?");
+    c->norm_unit_offset = c->scale_embeddings = is_gemma(root);
     v = json_object_get(root, "attention_dropout"); /* a training forward refuses it (loom_llama_forward) */
     if (v && !json_is_null(v)) {
         if (!json_is_number(v) || !(json_number_value(v) >= 0.0 && json_number_value(v) < 1.0))
             return loom_error(LOOM_ERR_FORMAT, "%s: attention_dropout must be a number in [0, 1)", path);
         c->attention_dropout = (float)json_number_value(v);
     }
-    v = json_object_get(root, "hidden_act");
-    if (v && (!json_is_string(v) || strcmp(json_string_value(v), "silu") != 0))
-        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: hidden_act must be \"silu\"", path);
-    return LOOM_OK;
+    return read_act(root, path, c);
 }
 
 /* Mistral's model is LLaMA's but for a sliding attention window (4096 when
@@ -233,16 +263,18 @@ loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
     if (st == LOOM_OK) st = get_int(root, path, "hidden_size", 1, &c->dim);
     if (st == LOOM_OK) st = get_int(root, path, "num_hidden_layers", 1, &c->n_layers);
     if (st == LOOM_OK) st = get_int(root, path, "num_attention_heads", 1, &c->n_heads);
-    /* Qwen2Config's and Qwen3Config's default when absent, 32; LlamaConfig's (and theirs for null) the heads */
+    /* Qwen2Config's and Qwen3Config's default when absent, 32, GemmaConfig's 16; LlamaConfig's (and theirs
+     * for null) the heads */
     json_t *kvh = json_object_get(root, "num_key_value_heads");
-    c->n_kv_heads = !kvh && (is_qwen2(root) || is_qwen3(root)) ? 32 : c->n_heads;
+    c->n_kv_heads = !kvh && (is_qwen2(root) || is_qwen3(root)) ? 32 : !kvh && is_gemma(root) ? 16 : c->n_heads;
     if (st == LOOM_OK) st = get_int(root, path, "num_key_value_heads", 0, &c->n_kv_heads);
     if (st == LOOM_OK) st = get_int(root, path, "intermediate_size", 1, &c->ffn_dim);
     if (st == LOOM_OK) st = get_int(root, path, "vocab_size", 1, &c->vocab_size);
-    c->max_seq = is_qwen2(root) || is_qwen3(root) ? 32768 : 2048; /* Qwen's default, LlamaConfig's */
+    c->max_seq = is_qwen2(root) || is_qwen3(root) ? 32768 : is_gemma(root) ? 8192 : 2048; /* theirs, LlamaConfig's */
     if (st == LOOM_OK) st = get_int(root, path, "max_position_embeddings", 0, &c->max_seq);
     if (st == LOOM_OK) st = get_float(root, path, "rms_norm_eps", &c->norm_eps);
     json_t *tie = st == LOOM_OK ? json_object_get(root, "tie_word_embeddings") : NULL;
+    c->tie_embeddings = st == LOOM_OK && is_gemma(root); /* GemmaConfig's default */
     if (tie) {
         if (!json_is_boolean(tie)) st = loom_error(LOOM_ERR_FORMAT, "%s: tie_word_embeddings must be true or false", path);
         else c->tie_embeddings = json_is_true(tie);
@@ -257,17 +289,23 @@ loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
 }
 
 loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, const char *path) {
-    /* The Hugging Face class that reads it: Qwen 3's (q/k norms), Qwen 2's (biases on q, k, v alone), LLaMA's */
-    int qwen3 = c->qk_norm, qwen2 = !qwen3 && c->qkv_bias && !c->o_bias;
+    /* The Hugging Face class that reads it: Gemma's (norms of 1 + weight), Qwen 3's (q/k norms), Qwen 2's
+     * (biases on q, k, v alone), LLaMA's */
+    int gemma = c->norm_unit_offset, qwen3 = !gemma && c->qk_norm, qwen2 = !gemma && !qwen3 && c->qkv_bias && !c->o_bias;
+    const char *act = c->act == LOOM_ACT_GELU_TANH ? "gelu_pytorch_tanh" : "silu";
     json_t *root = json_pack("{s:[s], s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:f, s:b, s:s, s:s, s:f}",
                              "architectures",
-                             qwen3 ? "Qwen3ForCausalLM" : qwen2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM",
-                             "model_type", qwen3 ? "qwen3" : qwen2 ? "qwen2" : "llama", "hidden_size", c->dim,
+                             gemma   ? "GemmaForCausalLM"
+                             : qwen3 ? "Qwen3ForCausalLM"
+                             : qwen2 ? "Qwen2ForCausalLM"
+                                     : "LlamaForCausalLM",
+                             "model_type", gemma ? "gemma" : qwen3 ? "qwen3" : qwen2 ? "qwen2" : "llama",
+                             "hidden_size", c->dim,
                              "num_hidden_layers", c->n_layers, "num_attention_heads", c->n_heads,
                              "num_key_value_heads", c->n_kv_heads, "intermediate_size", c->ffn_dim,
                              "vocab_size", c->vocab_size, "max_position_embeddings", c->max_seq,
                              "rope_theta", (double)c->rope_theta, "rms_norm_eps", (double)c->norm_eps,
-                             "tie_word_embeddings", c->tie_embeddings, "hidden_act", "silu", "torch_dtype",
+                             "tie_word_embeddings", c->tie_embeddings, "hidden_act", act, "torch_dtype",
                              dt == LOOM_F32 ? "float32" : dt == LOOM_BF16 ? "bfloat16" : "float16",
                              "initializer_range", 0.02);
     int ok = root != NULL;
@@ -285,8 +323,11 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
     }
     if (ok && c->attention_dropout > 0.0f)
         ok = !json_object_set_new(root, "attention_dropout", json_real((double)c->attention_dropout));
-    /* Qwen 3's default head_dim is 128, not dim / heads: it always says its own */
-    if (ok && (c->head_dim || qwen3)) ok = !json_object_set_new(root, "head_dim", json_integer(loom_llama_head_dim(c)));
+    /* Qwen 3's default head_dim is 128, Gemma's 256, not dim / heads: they always say their own */
+    if (ok && (c->head_dim || qwen3 || gemma))
+        ok = !json_object_set_new(root, "head_dim", json_integer(loom_llama_head_dim(c)));
+    /* the field Gemma's class reads before hidden_act (read_act) */
+    if (ok && gemma) ok = !json_object_set_new(root, "hidden_activation", json_string(act));
     if (!ok) {
         json_decref(root);
         root = NULL;

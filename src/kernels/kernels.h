@@ -63,17 +63,18 @@ int gemm_have_onednn(void);
 
 /* --------------------------------------------------------------- RMSNorm */
 
-/* out = x / sqrt(mean(x^2) + eps) * w.   x, out: (N, C) dt; w: (C) dt;
- * rstd: (N) f32, kept for backward. */
-void rmsnorm_fwd(void *out, float *rstd, const void *x, const void *w,
+/* out = x / sqrt(mean(x^2) + eps) * (w + w_offset).   x, out: (N, C) dt;
+ * w: (C) dt; w_offset 0, or 1 for Gemma's norms (the sum in fp32); rstd:
+ * (N) f32, kept for backward. */
+void rmsnorm_fwd(void *out, float *rstd, const void *x, const void *w, float w_offset,
                  int N, int C, float eps, loom_dtype dt);
 /* dx: (N, C) dt (written; may equal dout); dw: (C) f32, accumulated (+=). */
 void rmsnorm_bwd(void *dx, float *dw, const void *dout, const void *x,
-                 const void *w, const float *rstd, int N, int C, loom_dtype dt);
-void rmsnorm_fwd_ref(void *out, float *rstd, const void *x, const void *w,
+                 const void *w, float w_offset, const float *rstd, int N, int C, loom_dtype dt);
+void rmsnorm_fwd_ref(void *out, float *rstd, const void *x, const void *w, float w_offset,
                      int N, int C, float eps, loom_dtype dt);
 void rmsnorm_bwd_ref(void *dx, float *dw, const void *dout, const void *x,
-                     const void *w, const float *rstd, int N, int C, loom_dtype dt);
+                     const void *w, float w_offset, const float *rstd, int N, int C, loom_dtype dt);
 
 /* ------------------------------------------------------------------ RoPE */
 
@@ -134,6 +135,11 @@ void silu_bwd(void *dx, const void *dout, const void *x, size_t n, loom_dtype dt
 void swiglu_fwd(void *out, const void *gate, const void *up, size_t n, loom_dtype dt);
 void swiglu_bwd(void *dgate, void *dup, const void *dout, const void *gate,
                 const void *up, size_t n, loom_dtype dt);
+/* out = gelu_tanh(gate) * up (Gemma's GeGLU; PyTorch's gelu with
+ * approximate="tanh"), aliasing as swiglu_*. */
+void geglu_fwd(void *out, const void *gate, const void *up, size_t n, loom_dtype dt);
+void geglu_bwd(void *dgate, void *dup, const void *dout, const void *gate,
+               const void *up, size_t n, loom_dtype dt);
 
 /* ------------------------------------------------------------- embedding */
 

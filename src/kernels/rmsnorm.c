@@ -1,8 +1,8 @@
 /*
  * rmsnorm.c — RMSNorm forward and backward, with plain references.
  *
- * Owns: out = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps) per row, and its
- * gradient. Statistics and sums are fp32 whatever the dtype; a row whose
+ * Owns: out = x * rstd * (w + w_offset), rstd = 1 / sqrt(mean(x^2) + eps) per
+ * row, and its gradient (w_offset: 0, or Gemma's 1, added to w in fp32). Statistics and sums are fp32 whatever the dtype; a row whose
  * mean square overflows fp32 gives NaN (rstd_of).
  * Must never: let the thread count change a result. dw is reduced over a
  * fixed partition of the rows (RMSNORM_CHUNKS chunks, summed in chunk order),
@@ -102,12 +102,19 @@ static void rmsnorm_bwd_row(float *dx, const float *g, float *dw_part, const flo
     rmsnorm_bwd_row_c(dx, g, dw_part, xr, wf, r, C);
 }
 
-void rmsnorm_fwd(void *out, float *rstd, const void *x, const void *w,
+/* wf (C) = w + w_offset in fp32. */
+static void weight_row(float *wf, const void *w, float w_offset, int C, loom_dtype dt) {
+    row_load(wf, w, 0, C, dt);
+    if (w_offset != 0.0f)
+        for (int j = 0; j < C; j++) wf[j] += w_offset;
+}
+
+void rmsnorm_fwd(void *out, float *rstd, const void *x, const void *w, float w_offset,
                  int N, int C, float eps, loom_dtype dt) {
     int nt = omp_get_max_threads();
     float *ws = workspace_floats((size_t)(nt + 1) * C);
-    float *wf = ws + (size_t)nt * C; // (C) w in fp32
-    row_load(wf, w, 0, C, dt);
+    float *wf = ws + (size_t)nt * C; // (C) w + w_offset in fp32
+    weight_row(wf, w, w_offset, C, dt);
     #pragma omp parallel for schedule(dynamic, 32)
     for (int i = 0; i < N; i++) {
         size_t o = (size_t)i * C;
@@ -142,7 +149,7 @@ static void rmsnorm_bwd_chunk(void *dx, float *dw_part, float *xr, float *g,
 }
 
 void rmsnorm_bwd(void *dx, float *dw, const void *dout, const void *x,
-                 const void *w, const float *rstd, int N, int C, loom_dtype dt) {
+                 const void *w, float w_offset, const float *rstd, int N, int C, loom_dtype dt) {
     int P = N < RMSNORM_CHUNKS ? N : RMSNORM_CHUNKS;
     if (P <= 0) return;
     int nt = omp_get_max_threads();
@@ -150,7 +157,7 @@ void rmsnorm_bwd(void *dx, float *dw, const void *dout, const void *x,
     float *wf = ws;                                 // (C)
     float *part = ws + C;                           // (P, C) per-chunk dw
     float *rows = part + (size_t)P * C;             // (nt, 2, C) x and dout rows
-    row_load(wf, w, 0, C, dt);
+    weight_row(wf, w, w_offset, C, dt);
     #pragma omp parallel for schedule(dynamic, 1)
     for (int p = 0; p < P; p++) {
         float *xr = rows + (size_t)omp_get_thread_num() * 2 * C;
@@ -170,7 +177,7 @@ void rmsnorm_bwd(void *dx, float *dw, const void *dout, const void *x,
 
 /* ------------------------------------------------------------- references */
 
-void rmsnorm_fwd_ref(void *out, float *rstd, const void *x, const void *w,
+void rmsnorm_fwd_ref(void *out, float *rstd, const void *x, const void *w, float w_offset,
                      int N, int C, float eps, loom_dtype dt) {
     for (int i = 0; i < N; i++) {
         size_t row = (size_t)i * C;
@@ -181,24 +188,24 @@ void rmsnorm_fwd_ref(void *out, float *rstd, const void *x, const void *w,
         }
         float r = rstd_of(ss / (float)C, eps);
         for (int j = 0; j < C; j++)
-            loom_store(out, row + j, dt, loom_load(x, row + j, dt) * r * loom_load(w, j, dt));
+            loom_store(out, row + j, dt, loom_load(x, row + j, dt) * r * (loom_load(w, j, dt) + w_offset));
         if (rstd) rstd[i] = r;
     }
 }
 
 void rmsnorm_bwd_ref(void *dx, float *dw, const void *dout, const void *x,
-                     const void *w, const float *rstd, int N, int C, loom_dtype dt) {
+                     const void *w, float w_offset, const float *rstd, int N, int C, loom_dtype dt) {
     for (int i = 0; i < N; i++) {
         size_t row = (size_t)i * C;
         float r = rstd[i], dot = 0.0f;
         for (int j = 0; j < C; j++) {
             float g = loom_load(dout, row + j, dt), xv = loom_load(x, row + j, dt);
-            dot += g * loom_load(w, j, dt) * xv;
+            dot += g * (loom_load(w, j, dt) + w_offset) * xv;
             dw[j] += g * xv * r;
         }
         for (int j = 0; j < C; j++) {
             float g = loom_load(dout, row + j, dt), xv = loom_load(x, row + j, dt);
-            float d = r * g * loom_load(w, j, dt) - dot * r * r * r / (float)C * xv;
+            float d = r * g * (loom_load(w, j, dt) + w_offset) - dot * r * r * r / (float)C * xv;
             loom_store(dx, row + j, dt, d);
         }
     }

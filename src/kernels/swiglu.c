@@ -1,9 +1,14 @@
 /*
- * swiglu.c — SiLU and the SwiGLU gate of the LLaMA MLP, forward and backward.
+ * swiglu.c — SiLU and the gates of the LLaMA-family MLPs, forward and
+ * backward: SwiGLU (LLaMA's) and GeGLU with the tanh GELU (Gemma's).
  *
- * Owns: silu(x) = x * sigmoid(x), out = silu(gate) * up, and their gradients,
- * element by element in fp32: sixteen at a time with AVX-512F or eight with
- * AVX2 (the same vector exp, so the same bits), else with expf.
+ * Owns: silu(x) = x * sigmoid(x), out = silu(gate) * up, out =
+ * gelu_tanh(gate) * up, and their gradients, element by element in fp32:
+ * sixteen at a time with AVX-512F or eight with AVX2 (the same vector exp,
+ * so the same bits), else with expf. Both activations are x * sigmoid(z):
+ * z = x for SiLU; z = 2 sqrt(2/pi) (x + 0.044715 x^3) for the tanh GELU,
+ * since 0.5 x (1 + tanh(z / 2)) = x sigmoid(z). Their derivative is
+ * s (1 + x (1 - s) z'), s = sigmoid(z).
  * OpenMP-parallel in chunks.
  * Must never: read an element after writing it (outputs may alias inputs of
  * the same index).
@@ -18,7 +23,11 @@
 #define CHUNK 16384 /* elements per task (a multiple of 8) */
 
 /* Which function a chunk computes. */
-enum { F_SILU, F_SILU_BWD, F_SWIGLU, F_SWIGLU_BWD };
+enum { F_SILU, F_SILU_BWD, F_SWIGLU, F_SWIGLU_BWD, F_GEGLU, F_GEGLU_BWD };
+
+/* The tanh GELU's z = K x (1 + A x^2) and z' = K (1 + 3 A x^2). */
+#define GELU_K 1.5957691216057308f /* 2 sqrt(2 / pi) */
+#define GELU_A 0.044715f
 
 typedef struct ew_args {
     void *o0, *o1;            /* outputs: out or dx / dgate, dup */
@@ -30,16 +39,19 @@ static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 static void chunk_c(int f, const ew_args *a, size_t lo, size_t hi) {
     loom_dtype dt = a->dt;
+    int gelu = f == F_GEGLU || f == F_GEGLU_BWD;
     for (size_t i = lo; i < hi; i++) {
-        float x = loom_load(a->x, i, dt), s = sigmoidf(x);
+        float x = loom_load(a->x, i, dt), x2 = x * x;
+        float s = sigmoidf(gelu ? GELU_K * x * (1.0f + GELU_A * x2) : x);
+        float dz = gelu ? GELU_K * (1.0f + 3.0f * GELU_A * x2) : 1.0f;
         switch (f) {
         case F_SILU: loom_store(a->o0, i, dt, x * s); break;
         /* d silu(x) / dx = s (1 + x (1 - s)) */
         case F_SILU_BWD: loom_store(a->o0, i, dt, loom_load(a->d, i, dt) * (s * (1.0f + x * (1.0f - s)))); break;
-        case F_SWIGLU: loom_store(a->o0, i, dt, x * s * loom_load(a->y, i, dt)); break;
-        default: { /* dgate = dout * up * silu'(gate); dup = dout * silu(gate) */
+        case F_SWIGLU: case F_GEGLU: loom_store(a->o0, i, dt, x * s * loom_load(a->y, i, dt)); break;
+        default: { /* dgate = dout * up * act'(gate); dup = dout * act(gate) */
             float d = loom_load(a->d, i, dt), u = loom_load(a->y, i, dt);
-            loom_store(a->o0, i, dt, d * u * (s * (1.0f + x * (1.0f - s))));
+            loom_store(a->o0, i, dt, d * u * (s * (1.0f + x * (1.0f - s) * dz)));
             loom_store(a->o1, i, dt, d * x * s);
         }
         }
@@ -49,16 +61,25 @@ static void chunk_c(int f, const ew_args *a, size_t lo, size_t hi) {
 #if LOOM_HAVE_X86_SIMD
 SIMD_AVX2 static inline __attribute__((always_inline)) void chunk_avx2_dt(int f, const ew_args *a, size_t lo,
                                                                            size_t hi, loom_dtype dt) {
-    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps(), k = _mm256_set1_ps(GELU_K);
+    const __m256 c = _mm256_set1_ps(GELU_A), c3 = _mm256_set1_ps(3.0f * GELU_A);
+    int gelu = f == F_GEGLU || f == F_GEGLU_BWD;
     size_t i = lo;
     for (; i + 8 <= hi; i += 8) {
-        __m256 x = simd_load8(a->x, i, dt);
-        __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, simd_exp(_mm256_sub_ps(zero, x))));
-        __m256 grad = _mm256_mul_ps(s, _mm256_add_ps(one, _mm256_mul_ps(x, _mm256_sub_ps(one, s))));
+        __m256 x = simd_load8(a->x, i, dt), x2 = _mm256_mul_ps(x, x), z = x, t = one;
+        if (gelu) { /* the same operations, in the same order, as chunk_c */
+            z = _mm256_mul_ps(_mm256_mul_ps(k, x), _mm256_add_ps(one, _mm256_mul_ps(c, x2)));
+            t = _mm256_mul_ps(k, _mm256_add_ps(one, _mm256_mul_ps(c3, x2)));
+        }
+        __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, simd_exp(_mm256_sub_ps(zero, z))));
+        __m256 xs = _mm256_mul_ps(x, _mm256_sub_ps(one, s));
+        __m256 grad = _mm256_mul_ps(s, _mm256_add_ps(one, gelu ? _mm256_mul_ps(xs, t) : xs));
         switch (f) {
         case F_SILU: simd_store8(a->o0, i, dt, _mm256_mul_ps(x, s)); break;
         case F_SILU_BWD: simd_store8(a->o0, i, dt, _mm256_mul_ps(simd_load8(a->d, i, dt), grad)); break;
-        case F_SWIGLU: simd_store8(a->o0, i, dt, _mm256_mul_ps(_mm256_mul_ps(x, s), simd_load8(a->y, i, dt))); break;
+        case F_SWIGLU: case F_GEGLU:
+            simd_store8(a->o0, i, dt, _mm256_mul_ps(_mm256_mul_ps(x, s), simd_load8(a->y, i, dt)));
+            break;
         default: {
             __m256 d = simd_load8(a->d, i, dt), u = simd_load8(a->y, i, dt);
             simd_store8(a->o0, i, dt, _mm256_mul_ps(_mm256_mul_ps(d, u), grad));
@@ -85,7 +106,9 @@ SIMD_AVX2 static inline __attribute__((always_inline)) void chunk_avx2_dt(int f,
         case F_SILU: LOOP(F_SILU, a, lo, hi, dt); break;                                                         \
         case F_SILU_BWD: LOOP(F_SILU_BWD, a, lo, hi, dt); break;                                                 \
         case F_SWIGLU: LOOP(F_SWIGLU, a, lo, hi, dt); break;                                                     \
-        default: LOOP(F_SWIGLU_BWD, a, lo, hi, dt); break;                                                       \
+        case F_SWIGLU_BWD: LOOP(F_SWIGLU_BWD, a, lo, hi, dt); break;                                             \
+        case F_GEGLU: LOOP(F_GEGLU, a, lo, hi, dt); break;                                                       \
+        default: LOOP(F_GEGLU_BWD, a, lo, hi, dt); break;                                                        \
         }                                                                                                        \
     } while (0)
 
@@ -98,16 +121,25 @@ SIMD_AVX2 static void chunk_avx2(int f, const ew_args *a, size_t lo, size_t hi) 
 /* chunk_avx2_dt, sixteen lanes at a time; the tail goes to chunk_avx2. */
 SIMD_AVX512 static inline __attribute__((always_inline)) void chunk_avx512_dt(int f, const ew_args *a, size_t lo,
                                                                                size_t hi, loom_dtype dt) {
-    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps(), k = _mm512_set1_ps(GELU_K);
+    const __m512 c = _mm512_set1_ps(GELU_A), c3 = _mm512_set1_ps(3.0f * GELU_A);
+    int gelu = f == F_GEGLU || f == F_GEGLU_BWD;
     size_t i = lo;
     for (; i + 16 <= hi; i += 16) {
-        __m512 x = simd_load16(a->x, i, dt);
-        __m512 s = _mm512_div_ps(one, _mm512_add_ps(one, simd_exp16(_mm512_sub_ps(zero, x))));
-        __m512 grad = _mm512_mul_ps(s, _mm512_add_ps(one, _mm512_mul_ps(x, _mm512_sub_ps(one, s))));
+        __m512 x = simd_load16(a->x, i, dt), x2 = _mm512_mul_ps(x, x), z = x, t = one;
+        if (gelu) {
+            z = _mm512_mul_ps(_mm512_mul_ps(k, x), _mm512_add_ps(one, _mm512_mul_ps(c, x2)));
+            t = _mm512_mul_ps(k, _mm512_add_ps(one, _mm512_mul_ps(c3, x2)));
+        }
+        __m512 s = _mm512_div_ps(one, _mm512_add_ps(one, simd_exp16(_mm512_sub_ps(zero, z))));
+        __m512 xs = _mm512_mul_ps(x, _mm512_sub_ps(one, s));
+        __m512 grad = _mm512_mul_ps(s, _mm512_add_ps(one, gelu ? _mm512_mul_ps(xs, t) : xs));
         switch (f) {
         case F_SILU: simd_store16(a->o0, i, dt, _mm512_mul_ps(x, s)); break;
         case F_SILU_BWD: simd_store16(a->o0, i, dt, _mm512_mul_ps(simd_load16(a->d, i, dt), grad)); break;
-        case F_SWIGLU: simd_store16(a->o0, i, dt, _mm512_mul_ps(_mm512_mul_ps(x, s), simd_load16(a->y, i, dt))); break;
+        case F_SWIGLU: case F_GEGLU:
+            simd_store16(a->o0, i, dt, _mm512_mul_ps(_mm512_mul_ps(x, s), simd_load16(a->y, i, dt)));
+            break;
         default: {
             __m512 d = simd_load16(a->d, i, dt), u = simd_load16(a->y, i, dt);
             simd_store16(a->o0, i, dt, _mm512_mul_ps(_mm512_mul_ps(d, u), grad));
@@ -163,4 +195,15 @@ void swiglu_bwd(void *dgate, void *dup, const void *dout, const void *gate,
                 const void *up, size_t n, loom_dtype dt) {
     ew_args a = {.o0 = dgate, .o1 = dup, .x = gate, .y = up, .d = dout, .dt = dt};
     run(F_SWIGLU_BWD, &a, n);
+}
+
+void geglu_fwd(void *out, const void *gate, const void *up, size_t n, loom_dtype dt) {
+    ew_args a = {.o0 = out, .x = gate, .y = up, .dt = dt};
+    run(F_GEGLU, &a, n);
+}
+
+void geglu_bwd(void *dgate, void *dup, const void *dout, const void *gate,
+               const void *up, size_t n, loom_dtype dt) {
+    ew_args a = {.o0 = dgate, .o1 = dup, .x = gate, .y = up, .d = dout, .dt = dt};
+    run(F_GEGLU_BWD, &a, n);
 }

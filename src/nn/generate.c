@@ -69,28 +69,30 @@ static loom_status forward_tokens(loom_llama *m, kv_cache *c, scratch *s, const 
     int KV = NKV * HS, F = cfg->ffn_dim;
     int pos0 = c->len;
     loom_rope_freqs rope = loom_llama_rope(cfg);
+    float wo = cfg->norm_unit_offset ? 1.0f : 0.0f; /* Gemma's norms scale by 1 + weight */
     embedding_fwd(s->x, tokens, loom_tensor_data(m->embed->tensor), T, C, dt);
+    if (cfg->scale_embeddings) scale_fwd(s->x, s->x, loom_llama_embed_scale(cfg, dt), (size_t)T * (size_t)C, dt);
     for (int l = 0; l < cfg->n_layers; l++) {
         const loom_llama_layer *y = &m->layers[l];
         float *rs = s->rstd;
-        rmsnorm_fwd(s->h, rs, s->x, loom_tensor_data(y->attn_norm->tensor), T, C, cfg->norm_eps, dt);
+        rmsnorm_fwd(s->h, rs, s->x, loom_tensor_data(y->attn_norm->tensor), wo, T, C, cfg->norm_eps, dt);
         LOOM_TRY(linear(m, s, s->q, s->h, y, LOOM_LORA_Q, T, C, Q));
         void *kdst = row(c->k[l], pos0, KV, dt), *vdst = row(c->v[l], pos0, KV, dt);
         LOOM_TRY(linear(m, s, kdst, s->h, y, LOOM_LORA_K, T, C, KV));
         LOOM_TRY(linear(m, s, vdst, s->h, y, LOOM_LORA_V, T, C, KV));
         if (y->q_norm) { /* Qwen 3: each head normalized before RoPE */
-            rmsnorm_fwd(s->q, NULL, s->q, loom_tensor_data(y->q_norm->tensor), T * NH, HS, cfg->norm_eps, dt);
-            rmsnorm_fwd(kdst, NULL, kdst, loom_tensor_data(y->k_norm->tensor), T * NKV, HS, cfg->norm_eps, dt);
+            rmsnorm_fwd(s->q, NULL, s->q, loom_tensor_data(y->q_norm->tensor), wo, T * NH, HS, cfg->norm_eps, dt);
+            rmsnorm_fwd(kdst, NULL, kdst, loom_tensor_data(y->k_norm->tensor), wo, T * NKV, HS, cfg->norm_eps, dt);
         }
         rope_fwd(s->q, s->q, 1, T, NH, HS, pos0, &rope, dt);
         rope_fwd(kdst, kdst, 1, T, NKV, HS, pos0, &rope, dt);
         attention_fwd(s->att, NULL, s->q, c->k[l], c->v[l], 1, T, pos0 + T, NH, NKV, HS, pos0, dt);
         LOOM_TRY(linear(m, s, s->o, s->att, y, LOOM_LORA_O, T, Q, C));
         add_fwd(s->x, s->x, s->o, (size_t)T * (size_t)C, dt);
-        rmsnorm_fwd(s->h, rs, s->x, loom_tensor_data(y->mlp_norm->tensor), T, C, cfg->norm_eps, dt);
+        rmsnorm_fwd(s->h, rs, s->x, loom_tensor_data(y->mlp_norm->tensor), wo, T, C, cfg->norm_eps, dt);
         LOOM_TRY(linear(m, s, s->g, s->h, y, LOOM_LORA_GATE, T, C, F));
         LOOM_TRY(linear(m, s, s->u, s->h, y, LOOM_LORA_UP, T, C, F));
-        swiglu_fwd(s->g, s->g, s->u, (size_t)T * (size_t)F, dt);
+        (cfg->act == LOOM_ACT_GELU_TANH ? geglu_fwd : swiglu_fwd)(s->g, s->g, s->u, (size_t)T * (size_t)F, dt);
         LOOM_TRY(linear(m, s, s->o, s->g, y, LOOM_LORA_DOWN, T, F, C));
         add_fwd(s->x, s->x, s->o, (size_t)T * (size_t)C, dt);
     }
@@ -98,7 +100,7 @@ static loom_status forward_tokens(loom_llama *m, kv_cache *c, scratch *s, const 
     /* Only the last position's logits are needed. */
     float rs1;
     void *last = row(s->x, T - 1, C, dt);
-    rmsnorm_fwd(s->h, &rs1, last, loom_tensor_data(m->final_norm->tensor), 1, C, cfg->norm_eps, dt);
+    rmsnorm_fwd(s->h, &rs1, last, loom_tensor_data(m->final_norm->tensor), wo, 1, C, cfg->norm_eps, dt);
     return gemm(0, 1, 1, cfg->vocab_size, C, 1.0f, s->h, C, loom_tensor_data(m->lm_head->tensor), C, dt, 0.0f,
                 s->logits, cfg->vocab_size, LOOM_F32, NULL, LOOM_F32);
 }

@@ -66,6 +66,14 @@ int loom_llama_head_dim(const loom_llama_config *c) {
     return c->head_dim ? c->head_dim : c->n_heads > 0 ? c->dim / c->n_heads : 0;
 }
 
+float loom_llama_embed_scale(const loom_llama_config *c, loom_dtype dt) {
+    /* Hugging Face's Gemma: torch.tensor(hidden_size ** 0.5, dtype=dt), a double rounded to float, then to dt */
+    return c->scale_embeddings ? loom_round_to((float)sqrt((double)c->dim), dt) : 1.0f;
+}
+
+/* What an RMSNorm of c adds to its weight: Gemma's 1, else 0. */
+static float norm_offset(const loom_llama_config *c) { return c->norm_unit_offset ? 1.0f : 0.0f; }
+
 int loom_llama_config_same_weights(const loom_llama_config *a, const loom_llama_config *b) {
     return a->dim == b->dim && a->n_layers == b->n_layers && a->n_heads == b->n_heads &&
            loom_llama_head_dim(a) == loom_llama_head_dim(b) && !a->qk_norm == !b->qk_norm &&
@@ -104,6 +112,14 @@ loom_status loom_llama_config_validate(const loom_llama_config *c) {
     if (c->qk_norm && c->qkv_bias && !c->o_bias)
         return loom_error(LOOM_ERR_INVALID, "model config: q/k norms (Qwen 3's) with biases on q, k and v alone "
                           "(Qwen 2's) have no Hugging Face layout");
+    if (c->act != LOOM_ACT_SILU && c->act != LOOM_ACT_GELU_TANH)
+        return loom_error(LOOM_ERR_INVALID, "model config: unknown activation %d", (int)c->act);
+    if (!c->norm_unit_offset != !c->scale_embeddings)
+        return loom_error(LOOM_ERR_INVALID, "model config: norms scaled by 1 + weight and embeddings scaled by "
+                          "sqrt(dim) come together (Gemma's model); one alone has no Hugging Face layout");
+    if (c->norm_unit_offset && (c->qk_norm || (c->qkv_bias && !c->o_bias)))
+        return loom_error(LOOM_ERR_INVALID, "model config: Gemma's model has no q/k norms and no biases on q, k "
+                          "and v alone (its attention_bias puts them on all four)");
     return LOOM_OK;
 }
 
@@ -308,8 +324,8 @@ void loom_llama_init_weights(loom_llama *m, uint64_t seed) {
         int own = p->tp_split_dim < 0 && loom_param_has_master(p);
         float *w = own ? loom_param_master(p) : malloc(n * sizeof *w);
         LOOM_ASSERT(w != NULL);
-        if (p->tensor->ndim == 1) { /* norms' weights 1, biases 0 (Hugging Face's) */
-            float v = strstr(p->name, ".bias") ? 0.0f : 1.0f;
+        if (p->tensor->ndim == 1) { /* norms' weights 1 (Gemma's offsets from 1: 0), biases 0 (Hugging Face's) */
+            float v = strstr(p->name, ".bias") || m->cfg.norm_unit_offset ? 0.0f : 1.0f;
             for (size_t k = 0; k < n; k++) w[k] = v;
         } else {
             int resid = strstr(p->name, "o_proj") || strstr(p->name, "down_proj");
@@ -769,7 +785,7 @@ static loom_status head_norm(const loom_llama *m, const loom_param *norm, loom_t
     loom_status st = as_dtype(norm->tensor, nd, &wc);
     if (st == LOOM_OK) st = tp_copy(m->tp_comm, wc, &w);
     if (st == LOOM_OK) st = as_dtype(*x, nd, &xc);
-    if (st == LOOM_OK) st = loom_rmsnorm(xc, w, m->cfg.norm_eps, &n);
+    if (st == LOOM_OK) st = loom_rmsnorm_ex(xc, w, m->cfg.norm_eps, norm_offset(&m->cfg), &n);
     if (st == LOOM_OK) st = as_dtype(n, dt, &y);
     RELEASE(*x, wc, w, xc, n);
     *x = y;
@@ -803,7 +819,7 @@ static loom_status attention_part(const struct llama_block_args *a, loom_tensor 
     int HS = loom_llama_head_dim(c), NH = c->n_heads / m->tp_size, NKV = c->n_kv_heads / m->tp_size;
     loom_tensor *hn = NULL, *h = NULL, *q = NULL, *k = NULL, *v = NULL, *att = NULL, *att2 = NULL;
     int64_t flat[2] = {(int64_t)a->B * a->T, (int64_t)NH * HS};
-    loom_status st = loom_rmsnorm(x, y->attn_norm->tensor, c->norm_eps, &hn);
+    loom_status st = loom_rmsnorm_ex(x, y->attn_norm->tensor, c->norm_eps, norm_offset(c), &hn);
     if (st == LOOM_OK) st = tp_copy(m->tp_comm, hn, &h);
     loom_rope_freqs rope = loom_llama_rope(c);
     if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_Q, h, hn, NH, HS, y->q_norm, &rope, &q);
@@ -821,11 +837,11 @@ static loom_status mlp_part(const struct llama_block_args *a, loom_tensor *x, lo
     const loom_llama_config *c = &m->cfg;
     const loom_llama_layer *y = &m->layers[a->layer];
     loom_tensor *hn = NULL, *h = NULL, *g = NULL, *u = NULL, *s = NULL;
-    loom_status st = loom_rmsnorm(x, y->mlp_norm->tensor, c->norm_eps, &hn);
+    loom_status st = loom_rmsnorm_ex(x, y->mlp_norm->tensor, c->norm_eps, norm_offset(c), &hn);
     if (st == LOOM_OK) st = tp_copy(m->tp_comm, hn, &h);
     if (st == LOOM_OK) st = block_linear(a, LOOM_LORA_GATE, h, hn, &g);
     if (st == LOOM_OK) st = block_linear(a, LOOM_LORA_UP, h, hn, &u);
-    if (st == LOOM_OK) st = loom_swiglu(g, u, &s);
+    if (st == LOOM_OK) st = c->act == LOOM_ACT_GELU_TANH ? loom_geglu(g, u, &s) : loom_swiglu(g, u, &s);
     if (st == LOOM_OK) st = block_linear(a, LOOM_LORA_DOWN, s, NULL, out); /* g-reduced inside */
     RELEASE(hn, h, g, u, s);
     return st;
@@ -868,6 +884,12 @@ loom_status loom_llama_forward(loom_llama *m, const int32_t *tokens, const int32
     loom_tensor *x = NULL, *h = NULL, *logits = NULL;
     LOOM_TRY(loom_embedding(m->embed->tensor, tokens, N, &x));
     loom_status st = LOOM_OK;
+    if (c->scale_embeddings) { /* Gemma's */
+        loom_tensor *e = x;
+        st = loom_scale(e, loom_llama_embed_scale(c, e->dtype), &x);
+        loom_tensor_release(e);
+        if (st != LOOM_OK) return st;
+    }
     int recomputed = m->recompute.blocks > 0 ? m->recompute.blocks : c->n_layers;
     for (int l = 0; l < c->n_layers && st == LOOM_OK; l++) {
         loom_tensor *next = NULL;
@@ -877,7 +899,7 @@ loom_status loom_llama_forward(loom_llama *m, const int32_t *tokens, const int32
         loom_tensor_release(x);
         x = next;
     }
-    if (st == LOOM_OK) st = loom_rmsnorm(x, m->final_norm->tensor, c->norm_eps, &h);
+    if (st == LOOM_OK) st = loom_rmsnorm_ex(x, m->final_norm->tensor, c->norm_eps, norm_offset(c), &h);
     if (st == LOOM_OK) st = loom_fused_linear(h, m->lm_head->tensor, NULL, &logits);
     if (st == LOOM_OK && loss && targets) st = loom_cross_entropy(logits, targets, N, -1, loss);
     if (st == LOOM_OK && logits_out) *logits_out = loom_tensor_retain(logits);

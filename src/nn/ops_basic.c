@@ -133,35 +133,55 @@ loom_status loom_silu(loom_tensor *x, loom_tensor **out) {
     return apply1(&silu_function, x, NULL, NULL, 0, out);
 }
 
-static loom_status swiglu_forward(loom_fn_ctx *ctx, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
+/* The gated activations: SwiGLU (silu(gate) * up) and GeGLU (the tanh
+ * GELU of gate times up), one pair of functions; the kernels differ. */
+typedef void (*glu_fwd_fn)(void *, const void *, const void *, size_t, loom_dtype);
+typedef void (*glu_bwd_fn)(void *, void *, const void *, const void *, const void *, size_t, loom_dtype);
+
+/* The arguments: 1 for GeGLU. */
+static int is_geglu(const loom_fn_ctx *ctx) { return *(const int *)loom_ctx_args(ctx); }
+
+static loom_status glu_forward(loom_fn_ctx *ctx, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
     (void)n_in; (void)n_out;
+    glu_fwd_fn fwd = is_geglu(ctx) ? geglu_fwd : swiglu_fwd;
     out[0] = op_new_like(in[0], in[0]->dtype);
     if (!out[0]) return LOOM_ERR_NOMEM;
-    swiglu_fwd(loom_tensor_data(out[0]), loom_tensor_data(in[0]), loom_tensor_data(in[1]),
-               (size_t)loom_tensor_numel(in[0]), in[0]->dtype);
+    fwd(loom_tensor_data(out[0]), loom_tensor_data(in[0]), loom_tensor_data(in[1]), (size_t)loom_tensor_numel(in[0]),
+        in[0]->dtype);
     return loom_ctx_save(ctx, in, 2);
 }
 
-static loom_status swiglu_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, int n_out, loom_tensor **gin, int n_in) {
+static loom_status glu_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, int n_out, loom_tensor **gin, int n_in) {
     (void)n_out; (void)n_in;
+    glu_bwd_fn bwd = is_geglu(ctx) ? geglu_bwd : swiglu_bwd;
     loom_tensor *gate, *up;
     OP_SAVED(ctx, 0, gate);
     OP_SAVED(ctx, 1, up);
-    gin[0] = op_grad_in_place(gout[0]); /* swiglu_bwd reads dout[i] before writing dgate[i] */
+    gin[0] = op_grad_in_place(gout[0]); /* the kernels read dout[i] before writing dgate[i] */
     gin[1] = op_new_like(up, up->dtype);
     if (!gin[0] || !gin[1]) return LOOM_ERR_NOMEM;
-    swiglu_bwd(loom_tensor_data(gin[0]), loom_tensor_data(gin[1]), loom_tensor_data(gout[0]), loom_tensor_data(gate),
-               loom_tensor_data(up), (size_t)loom_tensor_numel(gate), gate->dtype);
+    bwd(loom_tensor_data(gin[0]), loom_tensor_data(gin[1]), loom_tensor_data(gout[0]), loom_tensor_data(gate),
+        loom_tensor_data(up), (size_t)loom_tensor_numel(gate), gate->dtype);
     return LOOM_OK;
 }
 
-static const loom_function swiglu_function = {"swiglu", 2, 1, 0, swiglu_forward, swiglu_backward};
+static const loom_function swiglu_function = {"swiglu", 2, 1, 0, glu_forward, glu_backward};
+static const loom_function geglu_function = {"geglu", 2, 1, 0, glu_forward, glu_backward};
+
+static loom_status glu(const loom_function *fn, loom_tensor *gate, loom_tensor *up, loom_tensor **out) {
+    LOOM_TRY(op_check_same(fn->name, gate, up));
+    LOOM_TRY(op_check_contiguous(fn->name, "gate", gate));
+    LOOM_TRY(op_check_contiguous(fn->name, "up", up));
+    int geglu = fn == &geglu_function;
+    return apply1(fn, gate, up, &geglu, sizeof geglu, out);
+}
 
 loom_status loom_swiglu(loom_tensor *gate, loom_tensor *up, loom_tensor **out) {
-    LOOM_TRY(op_check_same("swiglu", gate, up));
-    LOOM_TRY(op_check_contiguous("swiglu", "gate", gate));
-    LOOM_TRY(op_check_contiguous("swiglu", "up", up));
-    return apply1(&swiglu_function, gate, up, NULL, 0, out);
+    return glu(&swiglu_function, gate, up, out);
+}
+
+loom_status loom_geglu(loom_tensor *gate, loom_tensor *up, loom_tensor **out) {
+    return glu(&geglu_function, gate, up, out);
 }
 
 /* --------------------------------------------------------------- dropout */

@@ -10,16 +10,20 @@
 
 /* --------------------------------------------------------------- RMSNorm */
 
+typedef struct rmsnorm_args {
+    float eps, w_offset;
+} rmsnorm_args;
+
 static loom_status rmsnorm_forward(loom_fn_ctx *ctx, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
     (void)n_in; (void)n_out;
-    const float *eps = loom_ctx_args(ctx);
+    const rmsnorm_args *a = loom_ctx_args(ctx);
     loom_tensor *x = in[0], *w = in[1];
     int64_t N = op_rows(x), C = op_last_dim(x);
     out[0] = op_new_like(x, x->dtype);
     loom_tensor *rstd = loom_tensor_new_1d(LOOM_F32, N, LOOM_MEM_ACTIVATIONS); /* (N) */
     if (!out[0] || !rstd) { loom_tensor_release(rstd); return LOOM_ERR_NOMEM; }
-    rmsnorm_fwd(loom_tensor_data(out[0]), loom_tensor_data(rstd), loom_tensor_data(x), loom_tensor_data(w), (int)N,
-                (int)C, *eps, x->dtype);
+    rmsnorm_fwd(loom_tensor_data(out[0]), loom_tensor_data(rstd), loom_tensor_data(x), loom_tensor_data(w),
+                a->w_offset, (int)N, (int)C, a->eps, x->dtype);
     loom_tensor *save[3] = {x, w, rstd};
     loom_status st = loom_ctx_save(ctx, save, 3);
     loom_tensor_release(rstd);
@@ -28,6 +32,7 @@ static loom_status rmsnorm_forward(loom_fn_ctx *ctx, loom_tensor *const *in, int
 
 static loom_status rmsnorm_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, int n_out, loom_tensor **gin, int n_in) {
     (void)n_out; (void)n_in;
+    const rmsnorm_args *a = loom_ctx_args(ctx);
     loom_tensor *x, *w, *rstd;
     OP_SAVED(ctx, 0, x);
     OP_SAVED(ctx, 1, w);
@@ -37,7 +42,7 @@ static loom_status rmsnorm_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, 
     gin[0] = op_grad_in_place(gout[0]); /* rmsnorm_bwd reads each dout row before writing it */
     if (!dw || !gin[0]) { loom_free(dw); return LOOM_ERR_NOMEM; }
     rmsnorm_bwd(loom_tensor_data(gin[0]), dw, loom_tensor_data(gout[0]), loom_tensor_data(x), loom_tensor_data(w),
-                loom_tensor_data(rstd), (int)N, (int)C, x->dtype);
+                a->w_offset, loom_tensor_data(rstd), (int)N, (int)C, x->dtype);
     loom_status st = LOOM_OK;
     if (loom_ctx_needs_input_grad(ctx, 1)) st = op_grad_from_f32(w, dw, &gin[1]);
     loom_free(dw);
@@ -47,6 +52,10 @@ static loom_status rmsnorm_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, 
 static const loom_function rmsnorm_function = {"rmsnorm", 2, 1, 0, rmsnorm_forward, rmsnorm_backward};
 
 loom_status loom_rmsnorm(loom_tensor *x, loom_tensor *w, float eps, loom_tensor **out) {
+    return loom_rmsnorm_ex(x, w, eps, 0.0f, out);
+}
+
+loom_status loom_rmsnorm_ex(loom_tensor *x, loom_tensor *w, float eps, float w_offset, loom_tensor **out) {
     char a[96], b[96];
     *out = NULL;
     LOOM_TRY(op_check_contiguous("rmsnorm", "x", x));
@@ -55,8 +64,11 @@ loom_status loom_rmsnorm(loom_tensor *x, loom_tensor *w, float eps, loom_tensor 
     if (w->ndim != 1 || w->shape[0] != op_last_dim(x))
         return loom_error(LOOM_ERR_INVALID, "rmsnorm: weight %s does not match the last dimension of x %s",
                           loom_tensor_describe(w, a, sizeof a), loom_tensor_describe(x, b, sizeof b));
+    if (!isfinite(w_offset))
+        return loom_error(LOOM_ERR_INVALID, "rmsnorm: the weight offset %g is not finite", (double)w_offset);
+    rmsnorm_args args = {eps, w_offset};
     loom_tensor *in[2] = {x, w};
-    return loom_function_apply(&rmsnorm_function, in, 2, out, 1, &eps, sizeof eps);
+    return loom_function_apply(&rmsnorm_function, in, 2, out, 1, &args, sizeof args);
 }
 
 /* ------------------------------------------------------------------ RoPE */

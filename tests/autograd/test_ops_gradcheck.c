@@ -115,6 +115,7 @@ static loom_status op_mul(loom_tensor **in, void *u, loom_tensor **out) { (void)
 static loom_status op_scale(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_scale(in[0], -1.7f, out); }
 static loom_status op_silu(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_silu(in[0], out); }
 static loom_status op_swiglu(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_swiglu(in[0], in[1], out); }
+static loom_status op_geglu(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_geglu(in[0], in[1], out); }
 static loom_status op_matmul(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_matmul(in[0], in[1], out); }
 static loom_status op_add_bias(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_add_bias(in[0], in[1], out); }
 static loom_status op_dora_scale(loom_tensor **in, void *u, loom_tensor **out) {
@@ -128,6 +129,10 @@ static loom_status op_dora_scale(loom_tensor **in, void *u, loom_tensor **out) {
     return st;
 }
 static loom_status op_rmsnorm(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_rmsnorm(in[0], in[1], 1e-5f, out); }
+static loom_status op_rmsnorm_unit(loom_tensor **in, void *u, loom_tensor **out) {
+    (void)u;
+    return loom_rmsnorm_ex(in[0], in[1], 1e-5f, 1.0f, out); /* Gemma's 1 + w */
+}
 static loom_status op_rope(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_rope(in[0], 10000.0f, 3, out); }
 static loom_status op_attention(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_attention(in[0], in[1], in[2], out); }
 static loom_status op_cast_f32(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_cast(in[0], LOOM_F32, out); }
@@ -171,6 +176,8 @@ static void test_elementwise(void **state) {
     run_gradcheck(&si, "silu");
     gradcheck sw = {op_swiglu, NULL, 2, {rand_tensor(2, SHAPE(4, 7), -3, 3, 7), rand_tensor(2, SHAPE(4, 7), -2, 2, 8)}, NULL};
     run_gradcheck(&sw, "swiglu");
+    gradcheck ge = {op_geglu, NULL, 2, {rand_tensor(2, SHAPE(4, 7), -3, 3, 17), rand_tensor(2, SHAPE(4, 7), -2, 2, 18)}, NULL};
+    run_gradcheck(&ge, "geglu");
     gradcheck d = {op_dropout, NULL, 1, {rand_tensor(2, SHAPE(5, 8), -1, 1, 9)}, NULL};
     run_gradcheck(&d, "dropout");
     gradcheck dw = {op_dropout_window, NULL, 1, {rand_tensor(2, SHAPE(5, 6), -1, 1, 10)}, NULL};
@@ -265,6 +272,9 @@ static void test_llama_ops(void **state) {
     (void)state;
     gradcheck rn = {op_rmsnorm, NULL, 2, {rand_tensor(2, SHAPE(5, 8), -2, 2, 20), rand_tensor(1, SHAPE(8), 0.5f, 1.5f, 21)}, NULL};
     run_gradcheck(&rn, "rmsnorm");
+    gradcheck ru = {op_rmsnorm_unit, NULL, 2,
+                    {rand_tensor(2, SHAPE(5, 8), -2, 2, 26), rand_tensor(1, SHAPE(8), -0.5f, 0.5f, 27)}, NULL};
+    run_gradcheck(&ru, "rmsnorm (weights offset from 1)");
     gradcheck rp = {op_rope, NULL, 1, {rand_tensor(4, SHAPE(2, 3, 2, 8), -1, 1, 22)}, NULL};
     run_gradcheck(&rp, "rope");
     gradcheck at = {op_attention, NULL, 3,

@@ -691,6 +691,97 @@ static void test_bias_config(void **state) {
     IO_ASSERT_MSG("a bias on o needs biases on q, k and v");
 }
 
+/* Whether the config file written last holds `what`. */
+static int saved_text_has(const char *what) {
+    size_t n;
+    char *text = (char *)io_read_raw(io_path("config.json"), &n);
+    int has = strstr(text, what) != NULL;
+    free(text);
+    return has;
+}
+
+/* Gemma's model: model_type "gemma" gives norms of 1 + weight, embeddings
+ * scaled by sqrt(dim) (rounded to the compute dtype), the tanh GELU (which
+ * Gemma 1.0's files call hidden_act "gelu"; hidden_activation first where
+ * given), and GemmaConfig's defaults (heads of 256, 16 kv heads, 8192
+ * positions, tied); saved as Gemma's class and read back the same; fresh
+ * weights put its norms at 0. A LLaMA with the tanh GELU keeps LLaMA's
+ * layout. Other activations and layouts that do not exist are refused. */
+static void test_gemma_config(void **state) {
+    (void)state;
+    const char *g10 = "{\"model_type\": \"gemma\", \"hidden_size\": 3072, \"num_hidden_layers\": 1, "
+                      "\"num_attention_heads\": 16, \"intermediate_size\": 24, \"vocab_size\": 40, "
+                      "\"hidden_act\": \"gelu\"}";
+    loom_llama_config c = config_of(g10), back;
+    assert_true(c.norm_unit_offset && c.scale_embeddings && c.act == LOOM_ACT_GELU_TANH && c.tie_embeddings);
+    assert_true(loom_llama_head_dim(&c) == 256 && c.n_kv_heads == 16 && c.max_seq == 8192);
+    assert_true(loom_llama_embed_scale(&c, LOOM_BF16) == 55.5f);              /* sqrt(3072) = 55.43 in bf16 */
+    assert_true(loom_llama_embed_scale(&c, LOOM_F32) == (float)sqrt(3072.0)); /* and in fp32 */
+    c.scale_embeddings = 0;
+    assert_true(loom_llama_embed_scale(&c, LOOM_F32) == 1.0f);
+    assert_int_equal(loom_llama_config_validate(&c), LOOM_ERR_INVALID); /* one of the two alone */
+    IO_ASSERT_MSG("come together");
+    c.scale_embeddings = 1;
+    back = saved_and_loaded(&c);
+    assert_true(saved_text_has("GemmaForCausalLM") && saved_text_has("\"model_type\": \"gemma\"") &&
+                saved_text_has("\"hidden_activation\": \"gelu_pytorch_tanh\"") && saved_text_has("\"head_dim\": 256"));
+    assert_true(back.norm_unit_offset && back.scale_embeddings && back.act == LOOM_ACT_GELU_TANH &&
+                loom_llama_config_same_weights(&c, &back) && back.max_seq == c.max_seq);
+    static const struct { const char *extra; loom_activation act; } acts[] = {
+        {", \"model_type\": \"gemma\", \"hidden_act\": \"gelu\", \"hidden_activation\": \"gelu_pytorch_tanh\"",
+         LOOM_ACT_GELU_TANH}, /* Gemma 1.1's */
+        {", \"model_type\": \"gemma\", \"hidden_activation\": null", LOOM_ACT_GELU_TANH},
+        {", \"model_type\": \"gemma\", \"hidden_act\": \"gelu\", \"hidden_activation\": \"silu\"", LOOM_ACT_SILU},
+        {", \"model_type\": \"gemma\", \"hidden_act\": \"silu\"", LOOM_ACT_SILU},
+        {", \"hidden_act\": \"gelu_pytorch_tanh\"", LOOM_ACT_GELU_TANH},
+        {", \"hidden_act\": \"gelu_new\"", LOOM_ACT_GELU_TANH},
+        {", \"hidden_act\": \"silu\"", LOOM_ACT_SILU},
+    };
+    char json[512];
+    for (size_t k = 0; k < sizeof acts / sizeof acts[0]; k++) {
+        snprintf(json, sizeof json, "{\"hidden_size\": 16, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
+                 "\"num_key_value_heads\": 2, \"intermediate_size\": 24, \"vocab_size\": 40%s}", acts[k].extra);
+        c = config_of(json);
+        assert_int_equal(c.act, acts[k].act);
+        back = saved_and_loaded(&c);
+        assert_true(back.act == c.act && back.norm_unit_offset == c.norm_unit_offset);
+        assert_true(saved_text_has(c.norm_unit_offset ? "GemmaForCausalLM" : "LlamaForCausalLM"));
+        assert_true(saved_text_has(c.act == LOOM_ACT_SILU ? "\"hidden_act\": \"silu\""
+                                                          : "\"hidden_act\": \"gelu_pytorch_tanh\""));
+    }
+    static const struct { const char *extra, *msg; } bad[] = {
+        {", \"hidden_act\": \"gelu\"", "hidden_act \"gelu\" is not supported"}, /* the exact GELU */
+        {", \"hidden_act\": 3", "hidden_act \"?\" is not supported"},
+        {", \"model_type\": \"gemma\", \"hidden_activation\": \"relu\"", "hidden_activation \"relu\" is not supported"},
+        {", \"model_type\": \"gemma2\"", "model_type \"gemma2\" is not a LLaMA model"},
+    };
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        snprintf(json, sizeof json, "{\"hidden_size\": 16, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
+                 "\"intermediate_size\": 24, \"vocab_size\": 40%s}", bad[k].extra);
+        io_write_raw(io_path("config.json"), json, strlen(json));
+        assert_int_not_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
+        IO_ASSERT_MSG(bad[k].msg);
+    }
+    c = config_of("{\"model_type\": \"gemma\", \"hidden_size\": 16, \"num_hidden_layers\": 1, "
+                  "\"num_attention_heads\": 2, \"num_key_value_heads\": 1, \"head_dim\": 8, \"intermediate_size\": 24, "
+                  "\"vocab_size\": 40}");
+    c.qk_norm = 1; /* Gemma's layout has no q/k norms */
+    assert_int_equal(loom_llama_config_validate(&c), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("Gemma's model has no q/k norms");
+    c.qk_norm = 0;
+    loom_llama *m;
+    loom_precision p = {LOOM_F32, 0};
+    assert_int_equal(loom_llama_new(&c, p, &m), LOOM_OK);
+    loom_llama_init_weights(m, 3);
+    for (int i = 0; i < m->n_params; i++) { /* norms all 0 (1 + w is 1); matrices drawn */
+        const float *w = loom_param_master(m->params[i]);
+        int norm = m->params[i]->tensor->ndim == 1, zeros = 0;
+        for (int64_t k = 0; k < loom_param_numel(m->params[i]); k++) zeros += w[k] == 0.0f;
+        assert_true(norm ? zeros == loom_param_numel(m->params[i]) : zeros == 0);
+    }
+    loom_llama_free(m);
+}
+
 /* A DoRA adapter round-trips as PEFT saves one: use_dora in the config,
  * each linear's magnitudes a vector (base_model.model.<module>.
  * lora_magnitude_vector) beside A and B; loaded into the base model, the
@@ -928,6 +1019,14 @@ static void test_gguf_refusals(void **state) {
     assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_F32, tok, io_path("scaled.gguf")), LOOM_ERR_UNSUPPORTED);
     IO_ASSERT_MSG("q/k norms");
     m->cfg.qk_norm = 0;
+    m->cfg.norm_unit_offset = m->cfg.scale_embeddings = 1; /* Gemma's model */
+    assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_F32, tok, io_path("scaled.gguf")), LOOM_ERR_UNSUPPORTED);
+    IO_ASSERT_MSG("Gemma's architecture");
+    m->cfg.norm_unit_offset = m->cfg.scale_embeddings = 0;
+    m->cfg.act = LOOM_ACT_GELU_TANH;
+    assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_F32, tok, io_path("scaled.gguf")), LOOM_ERR_UNSUPPORTED);
+    IO_ASSERT_MSG("a GELU MLP");
+    m->cfg.act = LOOM_ACT_SILU;
     /* Tokenizers llama.cpp cannot load: two ids spelling "abc", no end of text. */
     const char *dup = "{\"type\":\"loom-bpe\",\"version\":1,\"vocab_size\":261,"
                       "\"merges\":[[97,98],[256,99],[98,99],[97,258]],\"special\":{\"<|endoftext|>\":260}}";
@@ -969,6 +1068,7 @@ int main(void) {
         cmocka_unit_test(test_peft_dora),
         cmocka_unit_test(test_generation_config),
         cmocka_unit_test(test_bias_config),
+        cmocka_unit_test(test_gemma_config),
         cmocka_unit_test(test_gguf_refusals),
     };
     return cmocka_run_group_tests(tests, io_scratch_setup, io_scratch_teardown);

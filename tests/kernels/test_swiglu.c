@@ -1,7 +1,9 @@
 /*
- * test_swiglu.c — SiLU and SwiGLU: forward and backward vs the formulas in
- * double (f32, bf16, f16), backward vs central finite differences, extreme
- * inputs, in place, and the AVX-512F path against the AVX2 one bit for bit.
+ * test_swiglu.c — SiLU, SwiGLU and GeGLU (tanh GELU): forward and backward
+ * vs the formulas in double (f32, bf16, f16; GELU in PyTorch's tanh form,
+ * not the kernel's sigmoid form), backward vs central finite differences,
+ * extreme inputs, in place, and the AVX-512F path against the AVX2 one bit
+ * for bit.
  */
 #include "testutil.h"
 #include "kernels/kernels.h"
@@ -22,16 +24,27 @@ static double silu_grad_d(double x) {
     return s * (1.0 + x * (1.0 - s));
 }
 
+/* PyTorch's gelu(approximate="tanh"): 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3). */
+static double gelu_d(double x) { return 0.5 * x * (1.0 + tanh(sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x))); }
+static double gelu_grad_d(double x) {
+    double t = tanh(sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x));
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * sqrt(2.0 / M_PI) * (1.0 + 3.0 * 0.044715 * x * x);
+}
+
 /* The kernel's fp32 expf and division cost a few 2^-24 relative (1e-6 allows
  * 16), then one rounding to dt (u). atol covers the cancellation in
  * 1 + x (1 - s) near silu' = 0 (a few 2^-24 absolute with |dout| <= 1) and
  * f16 subnormal results (spacing 6e-8). */
-static void assert_close_formula(const void *got, const double *want, size_t n, loom_dtype dt) {
+static void assert_close_formula_atol(const void *got, const double *want, size_t n, loom_dtype dt, double atol) {
     float *g = tu_to_f32(got, n, dt), *w = malloc(n * 4);
     for (size_t i = 0; i < n; i++) w[i] = (float)want[i];
-    TU_ASSERT_CLOSE(g, w, n, 5e-7, unit_roundoff(dt) + 1e-6);
+    TU_ASSERT_CLOSE(g, w, n, atol, unit_roundoff(dt) + 1e-6);
     free(g);
     free(w);
+}
+
+static void assert_close_formula(const void *got, const double *want, size_t n, loom_dtype dt) {
+    assert_close_formula_atol(got, want, n, dt, 5e-7);
 }
 
 /* Inputs a, b, dout (N_ELEMS) in dt; fa, fb, fd are their values as float. */
@@ -78,19 +91,24 @@ static void check_silu(loom_dtype dt) {
     ew_free(&d);
 }
 
-static void check_swiglu(loom_dtype dt) {
+/* geglu: the tanh GELU's gate (geglu_*), else SiLU's (swiglu_*). */
+static void check_glu(loom_dtype dt, int geglu) {
     ew_data d = ew_make(dt);
     void *out = malloc(N_ELEMS * 4), *dg = malloc(N_ELEMS * 4), *du = malloc(N_ELEMS * 4);
     double want[N_ELEMS], wg[N_ELEMS], wu[N_ELEMS];
-    swiglu_fwd(out, d.a, d.b, N_ELEMS, dt);
-    swiglu_bwd(dg, du, d.dout, d.a, d.b, N_ELEMS, dt);
+    (geglu ? geglu_fwd : swiglu_fwd)(out, d.a, d.b, N_ELEMS, dt);
+    (geglu ? geglu_bwd : swiglu_bwd)(dg, du, d.dout, d.a, d.b, N_ELEMS, dt);
     for (int i = 0; i < N_ELEMS; i++) {
-        want[i] = silu_d(d.fa[i]) * d.fb[i];
-        wg[i] = d.fd[i] * d.fb[i] * silu_grad_d(d.fa[i]);
-        wu[i] = d.fd[i] * silu_d(d.fa[i]);
+        double act = geglu ? gelu_d(d.fa[i]) : silu_d(d.fa[i]);
+        want[i] = act * d.fb[i];
+        wg[i] = d.fd[i] * d.fb[i] * (geglu ? gelu_grad_d(d.fa[i]) : silu_grad_d(d.fa[i]));
+        wu[i] = d.fd[i] * act;
     }
     assert_close_formula(out, want, N_ELEMS, dt);
-    assert_close_formula(dg, wg, N_ELEMS, dt);
+    /* GeGLU's 1 + x (1 - s) z' multiplies the rounding of s near 1 (2^-25
+     * absolute, where 1 - s has no bits left) by |x z'| <= 123 for |x| <= 8,
+     * and |dout * up| <= 2: 7.4e-6 absolute; SiLU's z' = 1 keeps it in 5e-7. */
+    assert_close_formula_atol(dg, wg, N_ELEMS, dt, geglu ? 8e-6 : 5e-7);
     assert_close_formula(du, wu, N_ELEMS, dt);
     free(out); free(dg); free(du);
     ew_free(&d);
@@ -101,7 +119,8 @@ static void test_vs_formula(void **state) {
     loom_dtype dts[] = {LOOM_F32, LOOM_BF16, LOOM_F16};
     for (int i = 0; i < 3; i++) {
         check_silu(dts[i]);
-        check_swiglu(dts[i]);
+        check_glu(dts[i], 0);
+        check_glu(dts[i], 1);
     }
 }
 
@@ -109,14 +128,17 @@ static void test_vs_formula(void **state) {
  * gives each element's central difference of L = sum(dout * f(x)).
  * Truncation h^2 |f'''| / 6 < 1e-6; rounding 2 * 2^-24 * |out| <= 8 over
  * 2h = 2e-3 is < 1e-3 at worst. p points into one input of d. */
-static void fd_elementwise(float *num, float *p, const ew_data *d, int swiglu) {
+enum { FD_SILU, FD_SWIGLU, FD_GEGLU };
+
+static void fd_elementwise(float *num, float *p, const ew_data *d, int fn) {
     float *xp = malloc(N_ELEMS * 4), *xm = malloc(N_ELEMS * 4), *saved = malloc(N_ELEMS * 4);
     float *op = malloc(N_ELEMS * 4), *om = malloc(N_ELEMS * 4);
     memcpy(saved, p, N_ELEMS * 4);
     for (int i = 0; i < N_ELEMS; i++) { xp[i] = saved[i] + FD_STEP; xm[i] = saved[i] - FD_STEP; }
     for (int s = 0; s < 2; s++) {
         memcpy(p, s ? xm : xp, N_ELEMS * 4);
-        if (swiglu) swiglu_fwd(s ? om : op, d->fa, d->fb, N_ELEMS, LOOM_F32);
+        if (fn == FD_SWIGLU) swiglu_fwd(s ? om : op, d->fa, d->fb, N_ELEMS, LOOM_F32);
+        else if (fn == FD_GEGLU) geglu_fwd(s ? om : op, d->fa, d->fb, N_ELEMS, LOOM_F32);
         else silu_fwd(s ? om : op, d->fa, N_ELEMS, LOOM_F32);
     }
     memcpy(p, saved, N_ELEMS * 4);
@@ -130,13 +152,15 @@ static void test_bwd_finite_differences(void **state) {
     ew_data d = ew_make(LOOM_F32);
     float *num = malloc(N_ELEMS * 4), *dx = malloc(N_ELEMS * 4), *du = malloc(N_ELEMS * 4);
     silu_bwd(dx, d.fd, d.fa, N_ELEMS, LOOM_F32);
-    fd_elementwise(num, d.fa, &d, 0);
+    fd_elementwise(num, d.fa, &d, FD_SILU);
     TU_ASSERT_CLOSE(dx, num, N_ELEMS, 1e-3, 1e-3);
-    swiglu_bwd(dx, du, d.fd, d.fa, d.fb, N_ELEMS, LOOM_F32);
-    fd_elementwise(num, d.fa, &d, 1);
-    TU_ASSERT_CLOSE(dx, num, N_ELEMS, 1e-3, 1e-3);
-    fd_elementwise(num, d.fb, &d, 1);
-    TU_ASSERT_CLOSE(du, num, N_ELEMS, 1e-3, 1e-3);
+    for (int fn = FD_SWIGLU; fn <= FD_GEGLU; fn++) {
+        (fn == FD_GEGLU ? geglu_bwd : swiglu_bwd)(dx, du, d.fd, d.fa, d.fb, N_ELEMS, LOOM_F32);
+        fd_elementwise(num, d.fa, &d, fn);
+        TU_ASSERT_CLOSE(dx, num, N_ELEMS, 1e-3, 1e-3);
+        fd_elementwise(num, d.fb, &d, fn);
+        TU_ASSERT_CLOSE(du, num, N_ELEMS, 1e-3, 1e-3);
+    }
     free(num); free(dx); free(du);
     ew_free(&d);
 }
@@ -155,6 +179,13 @@ static void test_extreme_inputs(void **state) {
         assert_true(fabsf(out[i] - (x[i] > 0 ? x[i] : 0.0f)) <= 1e-6f * fabsf(x[i]) + 1e-30f);
         assert_true(fabsf(dx[i] - (x[i] > 0 ? 1.0f : 0.0f)) < 1e-6f);
         assert_true(dg[i] == dx[i] && du[i] == out[i]);
+    }
+    geglu_fwd(out, x, one, 4, LOOM_F32); /* the tanh GELU saturates as SiLU does */
+    geglu_bwd(dg, du, one, x, one, 4, LOOM_F32);
+    for (int i = 0; i < 4; i++) {
+        assert_true(isfinite(out[i]) && isfinite(dg[i]) && isfinite(du[i]));
+        assert_true(fabsf(out[i] - (x[i] > 0 ? x[i] : 0.0f)) <= 1e-6f * fabsf(x[i]) + 1e-30f);
+        assert_true(fabsf(dg[i] - (x[i] > 0 ? 1.0f : 0.0f)) < 1e-6f && du[i] == out[i]);
     }
 }
 
@@ -190,17 +221,19 @@ static void test_levels_agree(void **state) {
     for (int t = 0; t < 6; t++) {
         size_t n = ns[t % 2];
         ew_data d = ew_make(dts[t / 2]);
-        void *o[2][5];
+        void *o[2][8];
         for (int lv = 0; lv < 2; lv++) {
             assert_int_equal(loom_set_simd_level(lv ? "avx2" : was), LOOM_OK);
-            for (int k = 0; k < 5; k++) o[lv][k] = malloc(N_ELEMS * 4);
+            for (int k = 0; k < 8; k++) o[lv][k] = malloc(N_ELEMS * 4);
             silu_fwd(o[lv][0], d.a, n, d.dt);
             silu_bwd(o[lv][1], d.dout, d.a, n, d.dt);
             swiglu_fwd(o[lv][2], d.a, d.b, n, d.dt);
             swiglu_bwd(o[lv][3], o[lv][4], d.dout, d.a, d.b, n, d.dt);
+            geglu_fwd(o[lv][5], d.a, d.b, n, d.dt);
+            geglu_bwd(o[lv][6], o[lv][7], d.dout, d.a, d.b, n, d.dt);
         }
         assert_int_equal(loom_set_simd_level(was), LOOM_OK);
-        for (int k = 0; k < 5; k++) {
+        for (int k = 0; k < 8; k++) {
             assert_true(tu_bits_equal(o[0][k], o[1][k], n * loom_dtype_size(d.dt), "avx512f vs avx2"));
             free(o[0][k]);
             free(o[1][k]);

@@ -14,6 +14,7 @@
 static int bias_next;     /* the next model has the attention's biases: 1 Qwen 2's (q, k, v), 2 LLaMA's (and o) */
 static int head_dim_next; /* and heads of this size (0: dim / heads) */
 static int qk_norm_next;  /* and Qwen 3's norms of each query and key head (drawn around 1) */
+static int gemma_next;    /* and Gemma's norms (1 + weight, weights drawn around 0), scaled embeddings, GELU */
 
 static loom_llama *model_with_context(loom_dtype dt, int tie, int max_seq) {
     loom_llama_config c;
@@ -24,6 +25,8 @@ static loom_llama *model_with_context(loom_dtype dt, int tie, int max_seq) {
     c.o_bias = bias_next > 1;
     c.head_dim = head_dim_next;
     c.qk_norm = qk_norm_next;
+    c.norm_unit_offset = c.scale_embeddings = gemma_next;
+    c.act = gemma_next ? LOOM_ACT_GELU_TANH : LOOM_ACT_SILU;
     loom_llama *m;
     loom_precision p = {dt, 0};
     assert_int_equal(loom_llama_new(&c, p, &m), LOOM_OK);
@@ -35,6 +38,8 @@ static loom_llama *model_with_context(loom_dtype dt, int tie, int max_seq) {
         if (strstr(q->name, ".bias")) tu_fill_uniform(w, (size_t)loom_param_numel(q), -1.0f, 1.0f, 300 + (uint64_t)i);
         if (strstr(q->name, "_norm.weight") && strstr(q->name, "self_attn"))
             tu_fill_uniform(w, (size_t)loom_param_numel(q), 0.5f, 1.5f, 400 + (uint64_t)i);
+        else if (strstr(q->name, "norm.weight") && gemma_next) /* init's 0: 1 + w is 1 */
+            tu_fill_uniform(w, (size_t)loom_param_numel(q), -0.5f, 0.5f, 500 + (uint64_t)i);
         for (int64_t k = 0; k < loom_param_numel(q); k++) w[k] *= q->tensor->ndim == 2 ? 20.0f : 1.0f;
         loom_param_sync_from_master(q);
     }
@@ -59,12 +64,13 @@ static void full_logits(loom_llama *m, const int32_t *tok, int n, float *out) {
 
 static void test_cache_matches_forward(void **state) {
     (void)state;
-    for (int tie = 0; tie <= 6; tie++) {
-        bias_next = tie > 2 ? (tie >= 5 ? 2 : tie - 2) : 0; /* 3: Qwen 2's biases, 4-6: LLaMA's attention_bias */
-        head_dim_next = tie >= 5 ? 12 : 0;                   /* 5, 6: heads of 12 beside a dim of 32 (4 x 12 = 48) */
-        qk_norm_next = tie == 6;                             /* 6: Qwen 3's q/k norms */
+    for (int tie = 0; tie <= 7; tie++) {
+        bias_next = tie > 2 && tie < 7 ? (tie >= 5 ? 2 : tie - 2) : 0; /* 3: Qwen 2's biases, 4-6: attention_bias */
+        head_dim_next = tie >= 5 ? 12 : 0; /* 5-7: heads of 12 beside a dim of 32 (4 x 12 = 48) */
+        qk_norm_next = tie == 6;           /* 6: Qwen 3's q/k norms */
+        gemma_next = tie == 7;             /* 7: Gemma's model, tied */
         loom_llama *m = small_model(LOOM_F32, tie & 1);
-        bias_next = head_dim_next = qk_norm_next = 0;
+        bias_next = head_dim_next = qk_norm_next = gemma_next = 0;
         if (tie == 2) { /* Llama 3.1's RoPE scaling: HS 8 has a kept, a blended and two divided frequencies */
             m->cfg.rope_type = LOOM_ROPE_LLAMA3;
             m->cfg.rope_factor = 8.0f;

@@ -145,7 +145,19 @@ class Config:
         qwen2, self.qk_norm = d.get("model_type") == "qwen2", d.get("model_type") == "qwen3"
         self.qkv_bias = qwen2 or bool(d.get("attention_bias", False))
         self.o_bias = not qwen2 and bool(d.get("attention_bias", False))
-        self.head_size = d.get("head_dim") or (128 if self.qk_norm else self.dim // self.n_heads)
+        # Gemma's: norms scale by 1 + weight (computed in fp32), embeddings by sqrt(hidden_size) in the activations'
+        # dtype, the tanh GELU's gate (hidden_activation, which its first files leave out and call hidden_act
+        # "gelu"), heads of 256, tied, 16 kv heads by default
+        self.gemma = d.get("model_type") == "gemma"
+        act = d.get("hidden_act", "silu")
+        if self.gemma:  # hidden_activation; else hidden_act, where "gelu" (or nothing) means the tanh GELU
+            act = d.get("hidden_activation") or ("gelu_pytorch_tanh" if d.get("hidden_act", "gelu") == "gelu" else act)
+        assert act in ("silu", "gelu_pytorch_tanh", "gelu_new"), act
+        self.gelu = act != "silu"
+        if self.gemma:
+            self.tie = bool(d.get("tie_word_embeddings", True))
+            self.n_kv_heads = d.get("num_key_value_heads", 16)
+        self.head_size = d.get("head_dim") or (128 if self.qk_norm else 256 if self.gemma else self.dim // self.n_heads)
         self.lora_scale = None  # LoRA's alpha / rank, when params hold adapters
 
     def param_shapes(self):
@@ -200,8 +212,8 @@ def make_model_dir(d, config, rng, embed_std=0.02):
     for name, shape in cfg.param_shapes().items():
         if name.endswith(".bias"):
             w = 0.3 * rng.standard_normal(shape)
-        elif len(shape) == 1:
-            w = 1.0 + 0.2 * rng.standard_normal(shape)
+        elif len(shape) == 1:  # Gemma's are offsets from 1
+            w = (0.0 if cfg.gemma else 1.0) + 0.2 * rng.standard_normal(shape)
         elif name == "model.embed_tokens.weight" and embed_std is not None:
             w = embed_std * rng.standard_normal(shape)
         else:
@@ -210,14 +222,18 @@ def make_model_dir(d, config, rng, embed_std=0.02):
     write_safetensors(os.path.join(d, "model.safetensors"), tensors, {"format": "pt"})
     with open(os.path.join(d, "config.json"), "w") as f:
         mt = config.get("model_type", "llama")
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[mt]
-        json.dump(dict(config, architectures=[arch], model_type=mt, hidden_act="silu", torch_dtype="float32"), f,
-                  indent=2)
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "gemma": "GemmaForCausalLM"}[mt]
+        act = config.get("hidden_act", "gelu" if mt == "gemma" else "silu")  # Gemma 1.0's files say "gelu"
+        json.dump(dict(config, architectures=[arch], model_type=mt, hidden_act=act,
+                       torch_dtype="float32"), f, indent=2)
 
 
-def rms_norm(x, w, eps):
+def rms_norm(x, w, eps, gemma=False):
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:  # GemmaRMSNorm: (1 + w) in fp32, rounded once
+        return (y * (1.0 + w.float())).to(x.dtype)
     return w * y.to(x.dtype)
 
 
@@ -304,7 +320,8 @@ def attention(x, params, p, cfg, cos, sin):
 def mlp(x, params, p, cfg):
     g = lin(x, params, p + "mlp.gate_proj", cfg)
     u = lin(x, params, p + "mlp.up_proj", cfg)
-    return lin(F.silu(g) * u, params, p + "mlp.down_proj", cfg)
+    act = F.gelu(g, approximate="tanh") if cfg.gelu else F.silu(g)
+    return lin(act * u, params, p + "mlp.down_proj", cfg)
 
 
 def forward(cfg, params, inputs, targets, dtype=torch.float32):
@@ -315,11 +332,14 @@ def forward(cfg, params, inputs, targets, dtype=torch.float32):
     B, T = inputs.shape
     cos, sin = rope_cos_sin(T, cfg.head_size, cfg.rope_theta, cfg.rope_scaling)
     x = F.embedding(inputs, w["model.embed_tokens.weight"])  # (B, T, C)
+    if cfg.gemma:  # GemmaModel: times sqrt(hidden_size) as a tensor of the activations' dtype
+        x = x * torch.tensor(cfg.dim ** 0.5, dtype=x.dtype)
+    g = cfg.gemma
     for l in range(cfg.n_layers):
         p = f"model.layers.{l}."
-        x = x + attention(rms_norm(x, w[p + "input_layernorm.weight"], cfg.norm_eps), w, p, cfg, cos, sin)
-        x = x + mlp(rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.norm_eps), w, p, cfg)
-    x = rms_norm(x, w["model.norm.weight"], cfg.norm_eps)
+        x = x + attention(rms_norm(x, w[p + "input_layernorm.weight"], cfg.norm_eps, g), w, p, cfg, cos, sin)
+        x = x + mlp(rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.norm_eps, g), w, p, cfg)
+    x = rms_norm(x, w["model.norm.weight"], cfg.norm_eps, g)
     head = w["model.embed_tokens.weight"] if cfg.tie else w["lm_head.weight"]
     logits = F.linear(x, head)  # (B, T, V)
     loss = F.cross_entropy(logits.float().view(-1, cfg.vocab_size), targets.reshape(-1), ignore_index=-1)

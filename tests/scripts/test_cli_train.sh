@@ -100,49 +100,59 @@ PY
 cmp -s "$WORK/hf/model.safetensors" "$WORK/unsharded/model.safetensors" || fail "export of the sharded model differs"
 "$LOOM" train --data "$WORK/data" --init "$WORK/sharded" --steps 1 --out "$WORK/from-sharded" 2>/dev/null ||
   fail "train --init from the sharded model failed"
-# Qwen 2's model (biases on q, k and v) and Qwen 3's (each query and key
-# head normalized, heads of their own size): trained from a config, the
-# directory says which and holds those weights, which training moved; it
-# evaluates, generates and exports as Hugging Face's layout (GGUF refused by
-# name), and fine-tunes from that export.
-for q in '2 "model_type": "qwen2"' '3 "model_type": "qwen3", "head_dim": 24'; do
+# Qwen 2's model (biases on q, k and v), Qwen 3's (each query and key head
+# normalized, heads of their own size) and Gemma's (norms of 1 + weight
+# starting at 0, scaled embeddings, the tanh GELU, tied by default): trained
+# from a config, the directory says which and holds those weights, which
+# training moved; it evaluates, generates and exports as Hugging Face's
+# layout (GGUF refused by name), and fine-tunes from that export.
+for q in 'qwen2 "model_type": "qwen2", "tie_word_embeddings": true' \
+         'qwen3 "model_type": "qwen3", "head_dim": 24, "tie_word_embeddings": true' \
+         'gemma "model_type": "gemma", "head_dim": 24'; do
   v=${q%% *}
-  config_plus "$WORK/qwen$v.json" "$WORK/cfg.json" "${q#* }, \"tie_word_embeddings\": true"
-  "$LOOM" train --data "$WORK/data" --config "$WORK/qwen$v.json" --steps 3 --batch 2 --seq 32 --lr 1e-2 \
-    --out "$WORK/qwen$v" 2>"$WORK/qwen.log" || { cat "$WORK/qwen.log"; fail "train a Qwen $v model"; }
-  /usr/bin/python3 - "$WORK/qwen$v/model" "$v" <<'PY' || fail "the Qwen $v model directory"
+  config_plus "$WORK/$v.json" "$WORK/cfg.json" "${q#* }"
+  "$LOOM" train --data "$WORK/data" --config "$WORK/$v.json" --steps 3 --batch 2 --seq 32 --lr 1e-2 \
+    --out "$WORK/$v" 2>"$WORK/$v.log" || { cat "$WORK/$v.log"; fail "train a $v model"; }
+  /usr/bin/python3 - "$WORK/$v/model" "$v" <<'PY' || fail "the $v model directory"
 import json, struct, sys
 d, v = sys.argv[1], sys.argv[2]
 c = json.load(open(f"{d}/config.json"))
-assert c["model_type"] == "qwen" + v and c["architectures"] == [f"Qwen{v}ForCausalLM"], c
+cls = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM"}[v]
+assert c["model_type"] == v and c["architectures"] == [cls], c
 raw = open(f"{d}/model.safetensors", "rb").read()
 n = struct.unpack("<Q", raw[:8])[0]
 hdr = json.loads(raw[8:8 + n])
 def values(name):
     a, b = hdr[name]["data_offsets"]
     return struct.unpack("<%df" % ((b - a) // 4), raw[8 + n + a:8 + n + b])
+assert "lm_head.weight" not in hdr
 for l in range(c["num_hidden_layers"]):
     p = f"model.layers.{l}.self_attn."
-    if v == "2":
+    if v == "qwen2":
         for w in "qkv":
             assert any(x != 0 for x in values(p + f"{w}_proj.bias")), f"layer {l} {w}_proj.bias did not train"
         assert p + "o_proj.bias" not in hdr
-    else:
+    elif v == "qwen3":
         assert c["head_dim"] == 24 and hdr[p + "q_proj.weight"]["shape"] == [4 * 24, c["hidden_size"]]
         for w in "qk":
             assert any(x != 1 for x in values(p + f"{w}_norm.weight")), f"layer {l} {w}_norm did not train"
         assert p + "q_proj.bias" not in hdr
+    else:
+        assert c["hidden_activation"] == "gelu_pytorch_tanh" and c["tie_word_embeddings"] and c["head_dim"] == 24
+        assert p + "q_norm.weight" not in hdr and p + "q_proj.bias" not in hdr
+        norm = values(f"model.layers.{l}.input_layernorm.weight")  # offsets from 1: start at 0, moved by training
+        assert any(x != 0 for x in norm) and max(abs(x) for x in norm) < 0.5, f"layer {l}: {norm[:4]}"
 PY
-  "$LOOM" eval --model "$WORK/qwen$v/model" --data "$WORK/data" --batch 2 --seq 32 >/dev/null 2>&1 ||
-    fail "eval a Qwen $v model"
-  "$LOOM" generate --model "$WORK/qwen$v/model" --prompt "loom" --tokens 4 --temperature 0 >/dev/null 2>&1 ||
-    fail "generate with a Qwen $v model"
-  "$LOOM" export --model "$WORK/qwen$v/model" --out "$WORK/qwen$v-hf" 2>/dev/null || fail "export a Qwen $v model"
-  cmp -s "$WORK/qwen$v/model/config.json" "$WORK/qwen$v-hf/config.json" || fail "the exported Qwen $v config differs"
-  expect_error "GGUF export of a model with" "$LOOM" export --model "$WORK/qwen$v/model" --format gguf \
+  "$LOOM" eval --model "$WORK/$v/model" --data "$WORK/data" --batch 2 --seq 32 >/dev/null 2>&1 ||
+    fail "eval a $v model"
+  "$LOOM" generate --model "$WORK/$v/model" --prompt "loom" --tokens 4 --temperature 0 >/dev/null 2>&1 ||
+    fail "generate with a $v model"
+  "$LOOM" export --model "$WORK/$v/model" --out "$WORK/$v-hf" 2>/dev/null || fail "export a $v model"
+  cmp -s "$WORK/$v/model/config.json" "$WORK/$v-hf/config.json" || fail "the exported $v config differs"
+  expect_error "GGUF export of a model with" "$LOOM" export --model "$WORK/$v/model" --format gguf \
     --out "$WORK/q.gguf"
-  "$LOOM" train --data "$WORK/data" --init "$WORK/qwen$v-hf" --steps 1 --batch 2 --seq 32 --out "$WORK/qwen$v-ft" \
-    2>/dev/null || fail "train --init a Qwen $v export"
+  "$LOOM" train --data "$WORK/data" --init "$WORK/$v-hf" --steps 1 --batch 2 --seq 32 --out "$WORK/$v-ft" \
+    2>/dev/null || fail "train --init a $v export"
 done
 # A build without MPI started as one of several processes refuses, instead of
 # every process training alone into the same --out.
