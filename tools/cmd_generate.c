@@ -27,7 +27,7 @@ static int generate(int argc, char **argv, string_list *stop_names) {
     /* Sampling flags not given (NAN, INT_MIN) take generation_config.json's
      * (Hugging Face's generate), else loom's defaults: 0.8, 0.95, 0. */
     int n_tokens = 128, seed = 1, threads = 0, top_k = INT_MIN;
-    float temperature = NAN, top_p = NAN, rep_penalty = NAN;
+    float temperature = NAN, top_p = NAN, rep_penalty = NAN, min_p = NAN;
     const flag flags[] = {
         {"model", FLAG_STRING, &model, "DIR", "model directory (config.json, model.safetensors or its shards' index, tokenizer.json)"},
         {"prompt", FLAG_TEXT, &prompt, "TEXT", "text to continue (default: start of a document)"},
@@ -35,6 +35,7 @@ static int generate(int argc, char **argv, string_list *stop_names) {
         {"temperature", FLAG_FLOAT, &temperature, "T", "sampling temperature; 0 is greedy (default: as the model's generation_config.json asks, as Hugging Face's generate reads it: greedy unless its do_sample is true, else its temperature, 1 if none; without the file 0.8)"},
         {"top-p", FLAG_FLOAT, &top_p, "P", "nucleus sampling mass in (0, 1] (default: generation_config.json's top_p, 1 if none; without the file 0.95)"},
         {"top-k", FLAG_INT, &top_k, "K", "sample among the K most probable tokens only, then the nucleus; 0: all (default: generation_config.json's top_k, 50 if none; without the file 0)"},
+        {"min-p", FLAG_FLOAT, &min_p, "P", "after top-k and the nucleus, keep only tokens at least P times as probable as the most probable one, P in [0, 1]; 0: none (default: generation_config.json's min_p, else 0)"},
         {"repetition-penalty", FLAG_FLOAT, &rep_penalty, "R", "Hugging Face's repetition penalty: the logit of every token the prompt or the output holds is divided by R when positive, multiplied when negative; 1: none (default: generation_config.json's repetition_penalty, else 1)"},
         {"seed", FLAG_INT, &seed, "S", "sampling seed (default 1)"},
         {"precision", FLAG_STRING, &precision, "P", "compute dtype: fp32, bf16 or fp16 (default fp32)"},
@@ -48,9 +49,10 @@ static int generate(int argc, char **argv, string_list *stop_names) {
     if (!model) return cli_usage_error("generate", "--model DIR is required");
     if (n_tokens < 0) return cli_usage_error("generate", "--tokens must be >= 0");
     if ((!isnan(temperature) && temperature < 0.0f) || (!isnan(top_p) && !(top_p > 0.0f && top_p <= 1.0f)) ||
-        (top_k != INT_MIN && top_k < 0) || (!isnan(rep_penalty) && !(rep_penalty > 0.0f)))
-        return cli_usage_error("generate", "--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0 and "
-                               "--repetition-penalty > 0");
+        (top_k != INT_MIN && top_k < 0) || (!isnan(rep_penalty) && !(rep_penalty > 0.0f)) ||
+        (!isnan(min_p) && !(min_p >= 0.0f && min_p <= 1.0f)))
+        return cli_usage_error("generate", "--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0, "
+                               "--min-p in [0, 1] and --repetition-penalty > 0");
     loom_precision prec = {LOOM_F32, 0};
     if (loom_dtype_parse(precision, &prec.compute) != LOOM_OK) return cli_usage_error("generate", "%s", loom_last_error());
     if ((rc = cli_apply_threads("generate", threads))) return rc;
@@ -107,18 +109,19 @@ static int generate(int argc, char **argv, string_list *stop_names) {
     }
     /* The flags given, then generation_config.json's (Hugging Face's generate), else loom's defaults. */
     unsigned given = (isnan(temperature) ? 0u : 1u) | (isnan(top_p) ? 0u : 2u) | (top_k == INT_MIN ? 0u : 4u) |
-                     (isnan(rep_penalty) ? 0u : 16u);
+                     (isnan(rep_penalty) ? 0u : 16u) | (isnan(min_p) ? 0u : 32u);
     unsigned from_file = 0;
     loom_sampler sp = {isnan(temperature) ? 0.8f : temperature, isnan(top_p) ? 0.95f : top_p, (uint64_t)seed,
                        loom_tokenizer_vocab_size(tok), top_k == INT_MIN ? 0 : top_k,
-                       isnan(rep_penalty) ? 1.0f : rep_penalty};
+                       isnan(rep_penalty) ? 1.0f : rep_penalty, isnan(min_p) ? 0.0f : min_p};
     if (st == LOOM_OK) st = loom_model_dir_sampler(model, given, &sp, &from_file);
     if (st == LOOM_OK && (from_file & 8u))
         fprintf(stderr, "generate: greedy, as %s/%s asks (its do_sample is not true; --temperature T samples)\n",
                 model, LOOM_GENERATION_CONFIG);
-    else if (st == LOOM_OK && (from_file & 7u))
+    else if (st == LOOM_OK && (from_file & 39u))
         fprintf(stderr, "generate: sampling as %s/%s asks, the flags given over it: temperature %g, top-p %g, "
-                "top-k %d\n", model, LOOM_GENERATION_CONFIG, (double)sp.temperature, (double)sp.top_p, sp.top_k);
+                "top-k %d, min-p %g\n", model, LOOM_GENERATION_CONFIG, (double)sp.temperature, (double)sp.top_p,
+                sp.top_k, (double)sp.min_p);
     if (st == LOOM_OK && (from_file & 16u))
         fprintf(stderr, "generate: repetition penalty %g, as %s/%s asks\n", (double)sp.repetition_penalty, model,
                 LOOM_GENERATION_CONFIG);
@@ -153,7 +156,7 @@ static int generate(int argc, char **argv, string_list *stop_names) {
 const command cmd_generate = {
     "generate",
     "generate text from a trained model (KV cache; greedy when --temperature 0)",
-    "generate --model DIR [--adapter DIR] [--prompt TEXT] [--tokens N] [--temperature T] [--top-p P] [--top-k K] [--repetition-penalty R] [--seed S] "
+    "generate --model DIR [--adapter DIR] [--prompt TEXT] [--tokens N] [--temperature T] [--top-p P] [--top-k K] [--min-p P] [--repetition-penalty R] [--seed S] "
     "[--stop TOKEN...]",
     NULL,
     run,

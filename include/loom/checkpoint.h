@@ -179,8 +179,10 @@ loom_status loom_model_dir_eos_ids(const char *dir, int32_t *ids, int cap, int *
  * *s is left as it is. *from_file gets the bits of the fields set here, and
  * 8 when the decoding is greedy because do_sample is not true, and 16 for
  * its repetition_penalty (bit 16 of `given`: the caller's stays), which
- * applies greedy or not. The file's other fields (min_p, ...) are not read,
- * nor those not applied checked. Errors: LOOM_ERR_FORMAT (as above, or an applied field
+ * applies greedy or not, and 32 for its min_p when that samples (bit 32 of
+ * `given`: the caller's stays; none when the file says none). The file's
+ * other fields (typical_p, ...) are not read, nor those not applied
+ * checked. Errors: LOOM_ERR_FORMAT (as above, or an applied field
  * out of its range, named), LOOM_ERR_IO, LOOM_ERR_NOMEM. */
 loom_status loom_model_dir_sampler(const char *dir, unsigned given, loom_sampler *s, unsigned *from_file);
 #define LOOM_EOS_IDS_MAX 64 /* the most ids loom's readers take */

@@ -349,6 +349,8 @@ typedef struct loom_sampler {
     float repetition_penalty; /* Hugging Face's (CTRL's): before sampling, the logit of every id the prompt
                                * or the output holds is divided by it when positive, multiplied when
                                * negative; 0 or 1: none (loom_llama_generate*, not loom_sample) */
+    float min_p;        /* in [0, 1]: after top-k and the nucleus, only tokens at least min_p times as probable
+                         * as the most probable one are kept (Hugging Face's min_p); 0 disables */
 } loom_sampler;
 
 /* Autoregressive generation with a KV cache (no autograd). The prompt's

@@ -1019,7 +1019,7 @@ loom_status loom_model_dir_sampler(const char *dir, unsigned given, loom_sampler
     if (!root) return LOOM_OK; /* none: *s as the caller has it */
     json_t *ds = json_object_get(root, "do_sample"), *t = json_object_get(root, "temperature");
     json_t *p = json_object_get(root, "top_p"), *k = json_object_get(root, "top_k");
-    json_t *rp = json_object_get(root, "repetition_penalty");
+    json_t *rp = json_object_get(root, "repetition_penalty"), *mp = json_object_get(root, "min_p");
     loom_status st = LOOM_OK;
     if (ds && !json_is_null(ds) && !json_is_boolean(ds))
         st = loom_error(LOOM_ERR_FORMAT, "%s: do_sample must be true or false", path);
@@ -1053,6 +1053,13 @@ loom_status loom_model_dir_sampler(const char *dir, unsigned given, loom_sampler
             st = loom_error(LOOM_ERR_FORMAT, "%s: top_k must be an integer from 0", path);
         s->top_k = json_is_integer(k) ? (int)json_integer_value(k) : 50;
         *from_file |= 4u;
+    }
+    /* min_p when sampling: the flag's, else the file's (none when it says none). */
+    if (st == LOOM_OK && sampling && !(given & 32u) && mp && !json_is_null(mp)) {
+        float v = json_is_number(mp) ? (float)json_number_value(mp) : NAN;
+        if (!(v >= 0.0f && v <= 1.0f)) st = loom_error(LOOM_ERR_FORMAT, "%s: min_p must be a number in [0, 1]", path);
+        s->min_p = v;
+        *from_file |= 32u;
     }
     /* The repetition penalty, greedy or not (a logits processor in Hugging Face's generate). */
     if (st == LOOM_OK && !(given & 16u) && rp && !json_is_null(rp)) {

@@ -195,7 +195,8 @@ static float kth_largest(const float *p, int V, int k) {
     return t;
 }
 
-/* Sample from logits: greedy, or temperature + top-k + nucleus (top-p). */
+/* Sample from logits: greedy, or temperature + top-k + nucleus (top-p) +
+ * min-p, in Hugging Face's order. */
 int32_t loom_sample(float *logits, int V, const loom_sampler *sp, uint64_t counter) {
     if (sp->vocab_limit > 0 && sp->vocab_limit < V) V = sp->vocab_limit; /* ids past it cannot be decoded */
     int best = 0;
@@ -232,6 +233,13 @@ int32_t loom_sample(float *logits, int V, const loom_sampler *sp, uint64_t count
             if (mass / kept >= top_p) lo = mid; else hi = mid;
         }
         cut = lo;
+        kept = 0.0;
+        for (int i = 0; i < V; i++) if (logits[i] >= cut) kept += logits[i];
+    }
+    /* min-p: probabilities at least min_p times the largest. The values are
+     * exp((logit - max) / T), the largest 1, so that is the value min_p. */
+    if (sp->min_p > cut) {
+        cut = sp->min_p;
         kept = 0.0;
         for (int i = 0; i < V; i++) if (logits[i] >= cut) kept += logits[i];
     }
@@ -284,10 +292,12 @@ loom_status loom_llama_generate_until(loom_llama *m, const int32_t *prompt, int 
     if (n_stops < 0 || (n_stops && !stops))
         return loom_error(LOOM_ERR_INVALID, "generate: %d stop tokens and no array of them", n_stops);
     LOOM_TRY(check_tokens(m, prompt, n_prompt));
-    if (!sampler || !(sampler->temperature >= 0.0f) || !isfinite(sampler->temperature) || isnan(sampler->top_p))
+    if (!sampler || !(sampler->temperature >= 0.0f) || !isfinite(sampler->temperature) || isnan(sampler->top_p) ||
+        !(sampler->min_p >= 0.0f && sampler->min_p <= 1.0f))
         return loom_error(LOOM_ERR_INVALID, "generate: the sampler's temperature must be a finite number >= 0 (0: "
-                          "greedy) and its top_p a number, got %g and %g", sampler ? (double)sampler->temperature : 0.0,
-                          sampler ? (double)sampler->top_p : 0.0);
+                          "greedy), its top_p a number and its min_p in [0, 1], got %g, %g and %g",
+                          sampler ? (double)sampler->temperature : 0.0, sampler ? (double)sampler->top_p : 0.0,
+                          sampler ? (double)sampler->min_p : 0.0);
     float rp = sampler->repetition_penalty;
     if (!(rp >= 0.0f) || !isfinite(rp))
         return loom_error(LOOM_ERR_INVALID, "generate: the sampler's repetition_penalty must be a finite number > 0 "

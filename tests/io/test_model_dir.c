@@ -883,14 +883,18 @@ static void test_generation_config(void **state) {
         {"{\"do_sample\": true, \"temperature\": 0.6}", 0u | 2u, 5u, 0.6f, 0.5f, 50},
         {"{\"repetition_penalty\": 1.25}", 0u, 25u, 0.0f, 0.5f, 3}, /* greedy or not */
         {"{\"repetition_penalty\": 1.25}", 16u, 9u, 0.0f, 0.5f, 3},   /* the flag's stays */
+        {"{\"do_sample\": true, \"min_p\": 0.05}", 0u, 39u, 1.0f, 1.0f, 50},
+        {"{\"do_sample\": true, \"min_p\": 0.05}", 32u, 7u, 1.0f, 1.0f, 50}, /* the flag's stays */
+        {"{\"min_p\": 7}", 0u, 9u, 0.0f, 0.5f, 3},                             /* greedy: not applied, not read */
     };
     for (size_t k = 0; k < sizeof samp / sizeof samp[0]; k++) {
         io_write_raw(gc, samp[k].json, strlen(samp[k].json));
-        loom_sampler s = {2.0f, 0.5f, 1, 0, 3, 0.0f};
+        loom_sampler s = {2.0f, 0.5f, 1, 0, 3, 0.0f, 0.0f};
         unsigned from = 99;
         assert_int_equal(loom_model_dir_sampler(io_path("gc"), samp[k].given, &s, &from), LOOM_OK);
         assert_true(from == samp[k].from && s.temperature == samp[k].t && s.top_p == samp[k].p && s.top_k == samp[k].k);
         assert_true(s.repetition_penalty == (from & 16u ? 1.25f : 0.0f));
+        assert_true(s.min_p == (from & 32u ? 0.05f : 0.0f));
     }
     static const struct { const char *json, *msg; } samp_bad[] = {
         {"{\"do_sample\": \"yes\"}", "do_sample must be true or false"},
@@ -899,10 +903,12 @@ static void test_generation_config(void **state) {
         {"{\"do_sample\": true, \"top_p\": 1e-50}", "top_p must be a number in (0, 1] (as an fp32)"},
         {"{\"do_sample\": true, \"top_k\": 2.5}", "top_k must be an integer from 0"},
         {"{\"repetition_penalty\": 0}", "repetition_penalty must be a positive number"},
+        {"{\"do_sample\": true, \"min_p\": 1.5}", "min_p must be a number in [0, 1]"},
+        {"{\"do_sample\": true, \"min_p\": \"0.1\"}", "min_p must be a number in [0, 1]"},
     };
     for (size_t k = 0; k < sizeof samp_bad / sizeof samp_bad[0]; k++) {
         io_write_raw(gc, samp_bad[k].json, strlen(samp_bad[k].json));
-        loom_sampler s = {2.0f, 0.5f, 1, 0, 3, 0.0f};
+        loom_sampler s = {2.0f, 0.5f, 1, 0, 3, 0.0f, 0.0f};
         unsigned from;
         assert_int_equal(loom_model_dir_sampler(io_path("gc"), 0u, &s, &from), LOOM_ERR_FORMAT);
         IO_ASSERT_MSG(samp_bad[k].msg);
@@ -956,7 +962,7 @@ static void test_generation_config(void **state) {
     free(a);
     /* a directory without one: the model then has none, and its save removes a stale one */
     assert_int_equal(remove(gc), 0);
-    loom_sampler s0 = {2.0f, 0.5f, 1, 0, 3, 0.0f};
+    loom_sampler s0 = {2.0f, 0.5f, 1, 0, 3, 0.0f, 0.0f};
     unsigned from0 = 9;
     assert_int_equal(loom_model_dir_sampler(io_path("gc"), 0u, &s0, &from0), LOOM_OK); /* none: as the caller has it */
     assert_true(from0 == 0 && s0.temperature == 2.0f && s0.top_p == 0.5f && s0.top_k == 3);

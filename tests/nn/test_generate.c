@@ -101,7 +101,7 @@ static void test_repetition_penalty(void **state) {
     int32_t seq[24] = {5, 17, 2};
     int n_prompt = 3, n_out = 0, n_plain = 0;
     int32_t out[16], plain[16];
-    loom_sampler pen = {0.0f, 1.0f, 1, 0, 0, 1.5f}, none = {0.0f, 1.0f, 1, 0, 0, 1.0f};
+    loom_sampler pen = {0.0f, 1.0f, 1, 0, 0, 1.5f, 0.0f}, none = {0.0f, 1.0f, 1, 0, 0, 1.0f, 0.0f};
     assert_int_equal(loom_llama_generate(m, seq, n_prompt, 12, &pen, -1, out, &n_out), LOOM_OK);
     assert_int_equal(loom_llama_generate(m, seq, n_prompt, 12, &none, -1, plain, &n_plain), LOOM_OK);
     assert_int_equal(n_out, 12);
@@ -119,7 +119,7 @@ static void test_repetition_penalty(void **state) {
         seq[n_prompt + i] = out[i];
         seen[out[i]] = 1;
     }
-    loom_sampler bad = {0.0f, 1.0f, 1, 0, 0, -1.0f};
+    loom_sampler bad = {0.0f, 1.0f, 1, 0, 0, -1.0f, 0.0f};
     assert_int_equal(loom_llama_generate(m, seq, n_prompt, 4, &bad, -1, out, &n_out), LOOM_ERR_INVALID);
     bad.repetition_penalty = NAN;
     assert_int_equal(loom_llama_generate(m, seq, n_prompt, 4, &bad, -1, out, &n_out), LOOM_ERR_INVALID);
@@ -132,7 +132,7 @@ static void test_greedy_matches_argmax(void **state) {
     int32_t seq[24] = {5, 17, 2};
     int n_prompt = 3, n_out = 0;
     int32_t out[16];
-    loom_sampler greedy = {0.0f, 1.0f, 1, 0, 0, 0.0f};
+    loom_sampler greedy = {0.0f, 1.0f, 1, 0, 0, 0.0f, 0.0f};
     assert_int_equal(loom_llama_generate(m, seq, n_prompt, 12, &greedy, -1, out, &n_out), LOOM_OK);
     assert_int_equal(n_out, 12);
     float logits[50];
@@ -157,7 +157,7 @@ static void test_greedy_matches_argmax(void **state) {
     assert_int_equal(loom_llama_generate_until(m, seq, n_prompt, 12, &greedy, NULL, -1, until, &n_until),
                      LOOM_ERR_INVALID);
     /* Sampling is reproducible from the seed and stays in the vocabulary. */
-    loom_sampler hot = {1.0f, 0.9f, 42, 0, 0, 0.0f};
+    loom_sampler hot = {1.0f, 0.9f, 42, 0, 0, 0.0f, 0.0f};
     int32_t s1[10], s2[10];
     int n1, n2;
     assert_int_equal(loom_llama_generate(m, seq, 3, 10, &hot, -1, s1, &n1), LOOM_OK);
@@ -171,7 +171,7 @@ static void test_greedy_matches_argmax(void **state) {
     for (int i = 0; i < n1; i++) above |= s1[i] >= 20;
     for (int i = 0; i < 12; i++) above |= out[i] >= 20;
     assert_true(above);
-    loom_sampler hot20 = {1.0f, 0.9f, 42, 20, 0, 0.0f}, greedy20 = {0.0f, 1.0f, 1, 20, 0, 0.0f};
+    loom_sampler hot20 = {1.0f, 0.9f, 42, 20, 0, 0.0f, 0.0f}, greedy20 = {0.0f, 1.0f, 1, 20, 0, 0.0f, 0.0f};
     assert_int_equal(loom_llama_generate(m, seq, 3, 10, &hot20, -1, s1, &n1), LOOM_OK);
     for (int i = 0; i < n1; i++) assert_true(s1[i] >= 0 && s1[i] < 20);
     assert_int_equal(loom_llama_generate(m, seq, 3, 10, &greedy20, -1, s1, &n1), LOOM_OK);
@@ -184,8 +184,8 @@ static void test_greedy_matches_argmax(void **state) {
     assert_int_equal(loom_llama_generate(m, bad, 2, 1, &greedy, -1, out, &n_out), LOOM_ERR_INVALID);
     assert_int_equal(loom_llama_generate(m, bad, 0, 1, &greedy, -1, out, &n_out), LOOM_ERR_INVALID);
     /* So are samplers that are not numbers (a NaN temperature was greedy without a word). */
-    loom_sampler nan_t = {NAN, 0.9f, 1, 0, 0, 0.0f}, neg_t = {-1.0f, 0.9f, 1, 0, 0, 0.0f};
-    loom_sampler inf_t = {INFINITY, 0.9f, 1, 0, 0, 0.0f}, nan_p = {1.0f, NAN, 1, 0, 0, 0.0f};
+    loom_sampler nan_t = {NAN, 0.9f, 1, 0, 0, 0.0f, 0.0f}, neg_t = {-1.0f, 0.9f, 1, 0, 0, 0.0f, 0.0f};
+    loom_sampler inf_t = {INFINITY, 0.9f, 1, 0, 0, 0.0f, 0.0f}, nan_p = {1.0f, NAN, 1, 0, 0, 0.0f, 0.0f};
     assert_int_equal(loom_llama_generate(m, seq, 3, 1, &nan_t, -1, out, &n_out), LOOM_ERR_INVALID);
     assert_int_equal(loom_llama_generate(m, seq, 3, 1, &neg_t, -1, out, &n_out), LOOM_ERR_INVALID);
     assert_int_equal(loom_llama_generate(m, seq, 3, 1, &inf_t, -1, out, &n_out), LOOM_ERR_INVALID);
@@ -202,7 +202,7 @@ static void test_sampling_distribution(void **state) {
     for (int k = 0; k < 2; k++) {
         float T = temps[k];
         double e[3] = {exp(0.0 / T), exp(5.0 / T), exp(4.0 / T)}, z = e[0] + e[1] + e[2];
-        loom_sampler sp = {T, 1.0f, 99, 0, 0, 0.0f};
+        loom_sampler sp = {T, 1.0f, 99, 0, 0, 0.0f, 0.0f};
         int count[3] = {0, 0, 0}, n = 20000;
         for (int i = 0; i < n; i++) {
             float logits[3] = {0.0f, 5.0f, 4.0f};
@@ -224,11 +224,11 @@ static void test_sampling_distribution(void **state) {
     uint32_t r[4];
     loom_philox4x32(1, 16902731, r);
     assert_true(loom_u32_to_unit(r[0]) == 0.0f);
-    loom_sampler full = {1.0f, 1.0f, 1, 0, 0, 0.0f};
+    loom_sampler full = {1.0f, 1.0f, 1, 0, 0, 0.0f, 0.0f};
     float zero_first[4] = {-1000.0f, 2.0f, 1.0f, 0.0f};
     assert_int_equal(loom_sample(zero_first, 4, &full, 16902731), 1);
     /* top-p 0.8 at T = 1: the nucleus is {1} (mass 0.73) plus {2}; id 0 is cut. */
-    loom_sampler nucleus = {1.0f, 0.8f, 7, 0, 0, 0.0f};
+    loom_sampler nucleus = {1.0f, 0.8f, 7, 0, 0, 0.0f, 0.0f};
     for (int i = 0; i < 2000; i++) {
         float logits[3] = {0.0f, 5.0f, 4.0f};
         assert_true(loom_sample(logits, 3, &nucleus, (uint64_t)i) != 0);
@@ -236,7 +236,7 @@ static void test_sampling_distribution(void **state) {
     /* Ties at the cut: probabilities 0.574, 0.211, 0.211, 0.004. top-p 0.6
      * needs id 0 and one of the tied pair; both are kept, id 3 never is.
      * top-p 0.5 is met by id 0 alone. */
-    loom_sampler tied = {1.0f, 0.6f, 3, 0, 0, 0.0f}, head = {1.0f, 0.5f, 3, 0, 0, 0.0f};
+    loom_sampler tied = {1.0f, 0.6f, 3, 0, 0, 0.0f, 0.0f}, head = {1.0f, 0.5f, 3, 0, 0, 0.0f, 0.0f};
     int drawn[4] = {0};
     for (int i = 0; i < 4000; i++) {
         float logits[4] = {5.0f, 4.0f, 4.0f, 0.0f}, again[4] = {5.0f, 4.0f, 4.0f, 0.0f};
@@ -251,8 +251,8 @@ static void test_sampling_distribution(void **state) {
      * nothing. With top-p 0.7 after k = 3, the nucleus of {1, 2, 3}
      * (0.665, 0.245, 0.090) needs ids 1 and 2. */
     int got[5] = {0}, n = 20000;
-    loom_sampler k2 = {1.0f, 1.0f, 5, 0, 2, 0.0f}, k3 = {1.0f, 1.0f, 5, 0, 3, 0.0f}, k1 = {1.0f, 1.0f, 5, 0, 1, 0.0f};
-    loom_sampler kv = {1.0f, 1.0f, 5, 0, 5, 0.0f}, none = {1.0f, 1.0f, 5, 0, 0, 0.0f}, k3p = {1.0f, 0.7f, 5, 0, 3, 0.0f};
+    loom_sampler k2 = {1.0f, 1.0f, 5, 0, 2, 0.0f, 0.0f}, k3 = {1.0f, 1.0f, 5, 0, 3, 0.0f, 0.0f}, k1 = {1.0f, 1.0f, 5, 0, 1, 0.0f, 0.0f};
+    loom_sampler kv = {1.0f, 1.0f, 5, 0, 5, 0.0f, 0.0f}, none = {1.0f, 1.0f, 5, 0, 0, 0.0f, 0.0f}, k3p = {1.0f, 0.7f, 5, 0, 3, 0.0f, 0.0f};
     for (int i = 0; i < n; i++) {
         float a[5] = {0.0f, 5.0f, 4.0f, 3.0f, 1.0f}, b[5] = {0.0f, 5.0f, 4.0f, 3.0f, 3.0f};
         float c[5] = {0.0f, 5.0f, 4.0f, 3.0f, 1.0f}, d[5] = {0.0f, 5.0f, 4.0f, 3.0f, 1.0f};
@@ -268,6 +268,34 @@ static void test_sampling_distribution(void **state) {
     assert_int_equal(got[0] + got[3] + got[4], 0);
     double p1 = exp(5.0) / (exp(5.0) + exp(4.0)), f1 = (double)got[1] / n;
     assert_true(fabs(f1 - p1) < 4.0 * sqrt(p1 * (1.0 - p1) / n) + 1e-3);
+    /* min-p: with logits {0, 5, 4, 3, 1} the probabilities are e^-1, e^-2,
+     * e^-4, e^-5 of the largest (at T = 1): min_p 0.2 keeps ids 1 and 2
+     * (drawn e^5 : e^4), 0.1 ids 1, 2 and 3, 1 the largest alone; at T = 2
+     * (e^-0.5, e^-1, e^-2, e^-2.5) 0.2 keeps 1, 2 and 3; after top-k 1, the
+     * largest. */
+    loom_sampler mp2 = {1.0f, 1.0f, 5, 0, 0, 0.0f, 0.2f}, mp1 = {1.0f, 1.0f, 5, 0, 0, 0.0f, 0.1f};
+    loom_sampler mp_all = {1.0f, 1.0f, 5, 0, 0, 0.0f, 1.0f}, mp_t2 = {2.0f, 1.0f, 5, 0, 0, 0.0f, 0.2f};
+    int got2[5] = {0}, got1[5] = {0}, got_t2[5] = {0};
+    for (int i = 0; i < n; i++) {
+        float a[5] = {0.0f, 5.0f, 4.0f, 3.0f, 1.0f}, b[5] = {0.0f, 5.0f, 4.0f, 3.0f, 1.0f};
+        float c[5] = {0.0f, 5.0f, 4.0f, 3.0f, 1.0f}, d[5] = {0.0f, 5.0f, 4.0f, 3.0f, 1.0f};
+        got2[loom_sample(a, 5, &mp2, (uint64_t)i)]++;
+        got1[loom_sample(b, 5, &mp1, (uint64_t)i)]++;
+        got_t2[loom_sample(d, 5, &mp_t2, (uint64_t)i)]++;
+        assert_int_equal(loom_sample(c, 5, &mp_all, (uint64_t)i), 1);
+    }
+    assert_true(got2[0] + got2[3] + got2[4] == 0 && got2[1] > 0 && got2[2] > 0);
+    assert_true(fabs((double)got2[1] / n - p1) < 4.0 * sqrt(p1 * (1.0 - p1) / n) + 1e-3);
+    assert_true(got1[0] + got1[4] == 0 && got1[3] > 0);
+    assert_true(got_t2[0] + got_t2[4] == 0 && got_t2[3] > 0);
+    loom_sampler bad_mp = {1.0f, 1.0f, 5, 0, 0, 0.0f, 1.5f};
+    int32_t tok[3] = {1, 2, 3}, o[2];
+    int n_o;
+    loom_llama *m = small_model(LOOM_F32, 0);
+    assert_int_equal(loom_llama_generate(m, tok, 3, 2, &bad_mp, -1, o, &n_o), LOOM_ERR_INVALID);
+    bad_mp.min_p = NAN;
+    assert_int_equal(loom_llama_generate(m, tok, 3, 2, &bad_mp, -1, o, &n_o), LOOM_ERR_INVALID);
+    loom_llama_free(m);
     int tied4 = 0;
     for (int i = 0; i < 4000; i++) {
         float b[5] = {0.0f, 5.0f, 4.0f, 3.0f, 3.0f};
@@ -287,7 +315,7 @@ static void test_nonfinite_logits(void **state) {
     loom_param_sync_from_master(norm);
     int32_t prompt[3] = {5, 17, 2}, out[4];
     int n_out = -1;
-    loom_sampler greedy = {0.0f, 1.0f, 1, 0, 0, 0.0f};
+    loom_sampler greedy = {0.0f, 1.0f, 1, 0, 0, 0.0f, 0.0f};
     assert_int_equal(loom_llama_generate(m, prompt, 3, 4, &greedy, -1, out, &n_out), LOOM_ERR_NUMERIC);
     assert_non_null(strstr(loom_last_error(), "logits for token 1"));
     assert_int_equal(n_out, 0);
@@ -320,7 +348,7 @@ static void test_cache_sized_to_the_call(void **state) {
     loom_llama *longctx = model_with_context(LOOM_F32, 0, 65536), *shortctx = small_model(LOOM_F32, 0);
     int32_t prompt[3] = {5, 17, 2}, a[5], b[5];
     int na = 0, nb = 0;
-    loom_sampler greedy = {0.0f, 1.0f, 1, 0, 0, 0.0f};
+    loom_sampler greedy = {0.0f, 1.0f, 1, 0, 0, 0.0f, 0.0f};
     loom_mem_reset_peak();
     loom_mem_stats before, after;
     loom_mem_get_stats(&before);

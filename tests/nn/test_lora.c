@@ -799,7 +799,7 @@ static void test_generation_uses_adapters(void **state) {
     free(all);
     /* Decoding token by token through the cache: each greedy pick is the
      * argmax of the full forward over the text so far. */
-    loom_sampler greedy = {0.0f, 1.0f, 1, 0, 0, 0.0f};
+    loom_sampler greedy = {0.0f, 1.0f, 1, 0, 0, 0.0f, 0.0f};
     int32_t out[6];
     int n_out = 0;
     assert_int_equal(loom_llama_generate(m, tok, 4, 6, &greedy, -1, out, &n_out), LOOM_OK);

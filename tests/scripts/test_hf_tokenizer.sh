@@ -90,15 +90,17 @@ PY
 cmp -s "$WORK/g1.txt" "$WORK/g2.txt" || fail "a generation_config.json without do_sample did not decode greedily"
 grep -q "greedy, as .*generation_config.json asks" "$WORK/g1.log" || { cat "$WORK/g1.log"; fail "no note of the greedy decoding"; }
 mkdir -p "$WORK/samp" && cp "$WORK/run/model/"{config.json,model.safetensors,tokenizer.json} "$WORK/samp/"
-echo '{"do_sample": true, "temperature": 0.7, "top_p": 0.8, "top_k": 5}' >"$WORK/samp/generation_config.json"
+echo '{"do_sample": true, "temperature": 0.7, "top_p": 0.8, "top_k": 5, "min_p": 0.1}' \
+  >"$WORK/samp/generation_config.json"
 "$LOOM" generate --model "$WORK/samp" --prompt "The" --tokens 12 --seed 3 >"$WORK/s1.txt" 2>"$WORK/s1.log" ||
   fail "generate with generation_config.json's sampling"
-grep -q "temperature 0.7, top-p 0.8, top-k 5" "$WORK/s1.log" || { cat "$WORK/s1.log"; fail "no note of the file's sampling"; }
+grep -q "temperature 0.7, top-p 0.8, top-k 5, min-p 0.1" "$WORK/s1.log" ||
+  { cat "$WORK/s1.log"; fail "no note of the file's sampling"; }
 "$LOOM" generate --model "$WORK/samp" --prompt "The" --tokens 6 --temperature 0 >"$WORK/s0.txt" 2>/dev/null
 cmp -s "$WORK/s0.txt" "$WORK/g2.txt" || fail "--temperature 0 did not override generation_config.json's sampling"
 rm "$WORK/samp/generation_config.json"
 "$LOOM" generate --model "$WORK/samp" --prompt "The" --tokens 12 --seed 3 --temperature 0.7 --top-p 0.8 --top-k 5 \
-  >"$WORK/s2.txt" 2>/dev/null
+  --min-p 0.1 >"$WORK/s2.txt" 2>/dev/null
 cmp -s "$WORK/s1.txt" "$WORK/s2.txt" || fail "generation_config.json's sampling differs from the same flags"
 # its repetition_penalty (greedy or not), as the flag gives it
 echo '{"repetition_penalty": 1.3}' >"$WORK/samp/generation_config.json"
@@ -110,6 +112,7 @@ rm "$WORK/samp/generation_config.json"
   >"$WORK/r2.txt" 2>/dev/null
 cmp -s "$WORK/r1.txt" "$WORK/r2.txt" || fail "generation_config.json's repetition_penalty differs from the flag's"
 expect_usage "repetition-penalty" "$LOOM" generate --model "$WORK/samp" --repetition-penalty 0
+expect_usage "min-p in \[0, 1\]" "$LOOM" generate --model "$WORK/samp" --min-p 1.5
 echo '{"do_sample": true, "top_p": 2}' >"$WORK/samp/generation_config.json"
 expect_error "top_p must be a number in" "$LOOM" generate --model "$WORK/samp" --tokens 2
 echo '{"eos_token_id": "x"}' >"$WORK/bad.json" && mkdir -p "$WORK/badgc" && cp "$WORK/run/model/"{config.json,model.safetensors,tokenizer.json} "$WORK/badgc/" &&
