@@ -114,8 +114,7 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
         loom_llama_config want;
         if (o->config) {
             LOOM_TRY(loom_llama_config_load(o->config, &want));
-            if (!loom_llama_config_same_weights(&want, &cfg) || want.max_seq != cfg.max_seq ||
-                want.norm_eps != cfg.norm_eps || !loom_llama_config_same_rope(&want, &cfg))
+            if (!loom_llama_config_same_model(&want, &cfg))
                 return loom_error(LOOM_ERR_INVALID, "--config %s describes another model than the checkpoint %s; "
                                   "drop --config when resuming", o->config, resume_dir);
         }
@@ -724,7 +723,7 @@ static int run(int argc, char **argv) {
         {"out", FLAG_STRING, &o->out, "DIR", "output: checkpoints, metrics, plot, final model (default out; with "
                                              "--resume, the resumed run's directory)"},
         {"preset", FLAG_STRING, &o->preset, "NAME", "model preset: tiny or small (default tiny)"},
-        {"config", FLAG_STRING, &o->config, "FILE", "model from a Hugging Face config.json instead of a preset (model_type llama, mistral, qwen2, qwen3 or gemma)"},
+        {"config", FLAG_STRING, &o->config, "FILE", "model from a Hugging Face config.json instead of a preset (model_type llama, mistral, qwen2, qwen3, gemma or granite)"},
         {"tie-embeddings", FLAG_BOOL, &o->tie, NULL, "share the embedding and lm_head weights (presets)"},
         {"init", FLAG_STRING, &o->init, "DIR", "start from the weights of a model directory (its generation_config.json goes into the checkpoints and the final model)"},
         {"resume", FLAG_STRING, &o->resume, "DIR", "continue from a checkpoint (or the latest in DIR)"},

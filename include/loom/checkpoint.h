@@ -37,8 +37,8 @@ extern "C" {
  * rope_theta 10000, rms_norm_eps 1e-6, tie_word_embeddings false, no
  * rope_scaling (Qwen2Config's for a "qwen2" file: 32 kv heads, 32768
  * positions; GemmaConfig's for "gemma": 16 kv heads, 8192 positions, head_dim
- * 256, tied). model_type may be "llama", "mistral", "qwen2", "qwen3" or
- * "gemma"; a
+ * 256, tied). model_type may be "llama", "mistral", "qwen2", "qwen3",
+ * "gemma" or "granite"; a
  * sliding_window (Mistral's; 4096 when a "mistral" file leaves it out; Qwen
  * 2's only with use_sliding_window, 4096 when left out) shorter than
  * max_position_embeddings caps the context (max_seq), up to which it equals
@@ -55,6 +55,10 @@ extern "C" {
  * scale_embeddings) with the MLP activation its hidden_activation names,
  * else the tanh GELU (which Gemma 1.0's files call hidden_act "gelu"); it
  * saves as GemmaForCausalLM with hidden_activation and head_dim written.
+ * "granite" reads Granite's embedding_multiplier, residual_multiplier,
+ * attention_multiplier and logits_scaling (GraniteConfig's 1 each when
+ * left out: its scores' scale is then 1, not 1/sqrt(head size)); a config
+ * with any of them saves as GraniteForCausalLM with all four.
  * hidden_act (any model_type): "silu", or the tanh GELU as
  * "gelu_pytorch_tanh" or "gelu_new" (act).
  * Save writes rope_scaling as Hugging Face's files do ("type": "linear" and

@@ -72,7 +72,19 @@ typedef struct loom_llama_config {
      * the embeddings are multiplied by sqrt(dim) rounded to the compute
      * dtype (loom_llama_embed_scale). */
     int norm_unit_offset, scale_embeddings;
+    /* Granite's multipliers (model_type "granite"; each 0: none): the
+     * embeddings times embedding_multiplier, each block's attention and MLP
+     * outputs times residual_multiplier before their residual adds, the
+     * attention's scores times attention_multiplier instead of 1/sqrt(head
+     * size) (loom_llama_attn_scale), the logits divided by logits_scaling. */
+    float embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling;
 } loom_llama_config;
+
+/* The scale of the attention's scores: attention_multiplier, else
+ * 1/sqrt(head size). */
+float loom_llama_attn_scale(const loom_llama_config *cfg);
+/* 1 when cfg has any of Granite's multipliers (its Hugging Face class). */
+int loom_llama_has_multipliers(const loom_llama_config *cfg);
 
 /* The factor of the embeddings in compute dtype dt: sqrt(dim) rounded to dt
  * with scale_embeddings (as Hugging Face's Gemma computes it), else 1. */
@@ -89,10 +101,13 @@ loom_status loom_llama_preset(const char *name, loom_llama_config *cfg);
 /* Checks every field (positive sizes, heads divide dim, even head size…). */
 loom_status loom_llama_config_validate(const loom_llama_config *cfg);
 /* 1 when a and b give every weight the same shape (dim, layers, heads, kv
- * heads, head size, ffn, vocabulary, tying, biases, q/k norms), so weights
- * of one load into the other;
- * max_seq, the RoPE and norm_eps are not compared. */
+ * heads, head size, ffn, vocabulary, tying, biases, q/k norms) and meaning
+ * (Gemma's norm weights are offsets from 1), so weights of one load into the
+ * other; max_seq, the RoPE and norm_eps are not compared. */
 int loom_llama_config_same_weights(const loom_llama_config *a, const loom_llama_config *b);
+/* 1 when a and b compute the same model: the same weights and every other
+ * field (max_seq, the RoPE, norm_eps, the activation, the scales). */
+int loom_llama_config_same_model(const loom_llama_config *a, const loom_llama_config *b);
 /* 1 when a and b have the same RoPE: theta and every scaling field. */
 int loom_llama_config_same_rope(const loom_llama_config *a, const loom_llama_config *b);
 

@@ -109,8 +109,11 @@ loom_status loom_rope_ex(loom_tensor *x, const loom_rope_freqs *r, int pos0, loo
 loom_status loom_rope_check(const loom_rope_freqs *r);
 /* Causal grouped-query attention: q (B, T, NH, HS), k and v (B, T, NKV, HS)
  * with NH % NKV == 0; out (B, T, NH, HS). Flash-style kernel: nothing of
- * size T x T is stored. */
+ * size T x T is stored. The scores q . k are scaled by 1/sqrt(HS). */
 loom_status loom_attention(loom_tensor *q, loom_tensor *k, loom_tensor *v, loom_tensor **out);
+/* The same with the scores scaled by `scale` (> 0; 0: 1/sqrt(HS)), as
+ * Granite's attention_multiplier sets it. */
+loom_status loom_attention_ex(loom_tensor *q, loom_tensor *k, loom_tensor *v, float scale, loom_tensor **out);
 /* out[i] = table[tokens[i]]: table (V, C), n tokens (copied), out (n, C).
  * A token outside [0, V) is LOOM_ERR_INVALID. */
 loom_status loom_embedding(loom_tensor *table, const int32_t *tokens, int n, loom_tensor **out);

@@ -22,7 +22,7 @@
  *  - SELECTIVE: NONREENTRANT with a policy that keeps the outputs of
  *    expensive ops (flag LOOM_FN_EXPENSIVE: GEMMs and the flash attention,
  *    whose recompute costs O(T^2) flops but whose saves are O(T)) and
- *    recomputes the rest (norms, RoPE, SwiGLU, element-wise ops).
+ *    recomputes the rest (norms, RoPE, SwiGLU/GeGLU, element-wise ops).
  *
  * In every mode parameters and NULL slots are never packed, copied or
  * recomputed: a saved parameter comes back as the very same parameter. The

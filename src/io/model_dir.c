@@ -95,6 +95,25 @@ static int is_qwen3(json_t *root) { return model_type_is(root, "qwen3"); }
 /* Gemma's ("gemma"): norms scaling by 1 + weight, embeddings by sqrt(dim),
  * the tanh GELU's gate, heads of 256 and tied embeddings by default. */
 static int is_gemma(json_t *root) { return model_type_is(root, "gemma"); }
+/* Granite's ("granite"): LLaMA's with four multipliers (GraniteConfig's 1 by
+ * default, the attention's too: its scale is attention_multiplier, not
+ * 1/sqrt(head size)). */
+static int is_granite(json_t *root) { return model_type_is(root, "granite"); }
+
+/* Granite's multipliers, each a positive number (1 when the file leaves it out). */
+static loom_status read_multipliers(json_t *root, const char *path, loom_llama_config *c) {
+    static const char *const key[4] = {"embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                                       "logits_scaling"};
+    float *dst[4] = {&c->embedding_multiplier, &c->residual_multiplier, &c->attention_multiplier, &c->logits_scaling};
+    for (int i = 0; i < 4; i++) {
+        json_t *v = json_object_get(root, key[i]);
+        double x = v && !json_is_null(v) ? (json_is_number(v) ? json_number_value(v) : -1.0) : 1.0;
+        if (!(x > 0.0) || !isfinite((float)x) || !((float)x > 0.0f))
+            return loom_error(LOOM_ERR_FORMAT, "%s: %s must be a positive number", path, key[i]);
+        *dst[i] = (float)x;
+    }
+    return LOOM_OK;
+}
 
 /* The activation a hidden_act / hidden_activation string `v` names (field
  * `key`): "silu", or the tanh GELU as PyTorch ("gelu_pytorch_tanh") or the
@@ -153,11 +172,12 @@ static loom_status read_architecture(json_t *root, const char *path, loom_llama_
     /* Other model types are other architectures under similar names. */
     v = json_object_get(root, "model_type");
     if (v && (!json_is_string(v) || (strcmp(json_string_value(v), "llama") && strcmp(json_string_value(v), "mistral") &&
-                                     !is_qwen2(root) && !is_qwen3(root) && !is_gemma(root))))
+                                     !is_qwen2(root) && !is_qwen3(root) && !is_gemma(root) && !is_granite(root))))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: model_type \"%s\" is not a LLaMA model (loom reads \"llama\", "
-                          "\"mistral\", \"qwen2\", \"qwen3\" and \"gemma\")", path,
+                          "\"mistral\", \"qwen2\", \"qwen3\", \"gemma\" and \"granite\")", path,
                           json_is_string(v) ? json_string_value(v) : "?");
     c->norm_unit_offset = c->scale_embeddings = is_gemma(root);
+    if (is_granite(root)) LOOM_TRY(read_multipliers(root, path, c));
     v = json_object_get(root, "attention_dropout"); /* a training forward refuses it (loom_llama_forward) */
     if (v && !json_is_null(v)) {
         if (!json_is_number(v) || !(json_number_value(v) >= 0.0 && json_number_value(v) < 1.0))
@@ -288,23 +308,37 @@ loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
     return st;
 }
 
+/* The shortest decimal that reads back as x: 0.22 rather than the float's
+ * 0.219999999, as Hugging Face's files say it. */
+static double dec(float x) {
+    char buf[32];
+    for (int p = 6; p < 9; p++) {
+        snprintf(buf, sizeof buf, "%.*g", p, (double)x);
+        if ((float)strtod(buf, NULL) == x) return strtod(buf, NULL);
+    }
+    return (double)x;
+}
+
 loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, const char *path) {
-    /* The Hugging Face class that reads it: Gemma's (norms of 1 + weight), Qwen 3's (q/k norms), Qwen 2's
-     * (biases on q, k, v alone), LLaMA's */
-    int gemma = c->norm_unit_offset, qwen3 = !gemma && c->qk_norm, qwen2 = !gemma && !qwen3 && c->qkv_bias && !c->o_bias;
+    /* The Hugging Face class that reads it: Gemma's (norms of 1 + weight), Granite's (multipliers), Qwen 3's
+     * (q/k norms), Qwen 2's (biases on q, k, v alone), LLaMA's */
+    int gemma = c->norm_unit_offset, granite = !gemma && loom_llama_has_multipliers(c);
+    int qwen3 = !gemma && !granite && c->qk_norm, qwen2 = !gemma && !granite && !qwen3 && c->qkv_bias && !c->o_bias;
     const char *act = c->act == LOOM_ACT_GELU_TANH ? "gelu_pytorch_tanh" : "silu";
     json_t *root = json_pack("{s:[s], s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:f, s:b, s:s, s:s, s:f}",
                              "architectures",
-                             gemma   ? "GemmaForCausalLM"
-                             : qwen3 ? "Qwen3ForCausalLM"
-                             : qwen2 ? "Qwen2ForCausalLM"
-                                     : "LlamaForCausalLM",
-                             "model_type", gemma ? "gemma" : qwen3 ? "qwen3" : qwen2 ? "qwen2" : "llama",
+                             gemma     ? "GemmaForCausalLM"
+                             : granite ? "GraniteForCausalLM"
+                             : qwen3   ? "Qwen3ForCausalLM"
+                             : qwen2   ? "Qwen2ForCausalLM"
+                                       : "LlamaForCausalLM",
+                             "model_type",
+                             gemma ? "gemma" : granite ? "granite" : qwen3 ? "qwen3" : qwen2 ? "qwen2" : "llama",
                              "hidden_size", c->dim,
                              "num_hidden_layers", c->n_layers, "num_attention_heads", c->n_heads,
                              "num_key_value_heads", c->n_kv_heads, "intermediate_size", c->ffn_dim,
                              "vocab_size", c->vocab_size, "max_position_embeddings", c->max_seq,
-                             "rope_theta", (double)c->rope_theta, "rms_norm_eps", (double)c->norm_eps,
+                             "rope_theta", dec(c->rope_theta), "rms_norm_eps", dec(c->norm_eps),
                              "tie_word_embeddings", c->tie_embeddings, "hidden_act", act, "torch_dtype",
                              dt == LOOM_F32 ? "float32" : dt == LOOM_BF16 ? "bfloat16" : "float16",
                              "initializer_range", 0.02);
@@ -314,20 +348,28 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
     if (ok && (qwen2 || qwen3)) ok = !json_object_set_new(root, "use_sliding_window", json_false());
     if (ok && c->rope_type != LOOM_ROPE_DEFAULT) { /* as Hugging Face's own files write each */
         json_t *rs = c->rope_type == LOOM_ROPE_LINEAR
-                         ? json_pack("{s:s, s:f}", "type", "linear", "factor", (double)c->rope_factor)
+                         ? json_pack("{s:s, s:f}", "type", "linear", "factor", dec(c->rope_factor))
                          : json_pack("{s:s, s:f, s:f, s:f, s:i}", "rope_type", "llama3", "factor",
-                                     (double)c->rope_factor, "low_freq_factor", (double)c->rope_low_freq_factor,
-                                     "high_freq_factor", (double)c->rope_high_freq_factor,
+                                     dec(c->rope_factor), "low_freq_factor", dec(c->rope_low_freq_factor),
+                                     "high_freq_factor", dec(c->rope_high_freq_factor),
                                      "original_max_position_embeddings", c->rope_original_max_pos);
         ok = !json_object_set_new(root, "rope_scaling", rs); /* fails (and frees nothing) when rs is NULL */
     }
     if (ok && c->attention_dropout > 0.0f)
-        ok = !json_object_set_new(root, "attention_dropout", json_real((double)c->attention_dropout));
+        ok = !json_object_set_new(root, "attention_dropout", json_real(dec(c->attention_dropout)));
     /* Qwen 3's default head_dim is 128, Gemma's 256, not dim / heads: they always say their own */
     if (ok && (c->head_dim || qwen3 || gemma))
         ok = !json_object_set_new(root, "head_dim", json_integer(loom_llama_head_dim(c)));
     /* the field Gemma's class reads before hidden_act (read_act) */
     if (ok && gemma) ok = !json_object_set_new(root, "hidden_activation", json_string(act));
+    if (ok && granite) { /* all four, as Granite's files have them (0: none, which is 1; the scale's default) */
+        const float m[4] = {c->embedding_multiplier, c->residual_multiplier, loom_llama_attn_scale(c),
+                            c->logits_scaling};
+        static const char *const key[4] = {"embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                                           "logits_scaling"};
+        for (int i = 0; ok && i < 4; i++)
+            ok = !json_object_set_new(root, key[i], json_real(m[i] != 0.0f ? dec(m[i]) : 1.0));
+    }
     if (!ok) {
         json_decref(root);
         root = NULL;

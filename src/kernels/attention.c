@@ -382,7 +382,14 @@ static void attn_fwd_task(void *out, float *lse, const void *q, const void *k, c
 void attention_fwd(void *out, float *lse, const void *q, const void *k, const void *v,
                    int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
                    loom_dtype dt) {
+    attention_fwd_scaled(out, lse, q, k, v, B, Tq, Tk, NH, NKV, HS, q_pos0, attn_default_scale(HS), dt);
+}
+
+void attention_fwd_scaled(void *out, float *lse, const void *q, const void *k, const void *v,
+                          int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0, float scale,
+                          loom_dtype dt) {
     attn_shape s = attn_shape_make(B, Tq, Tk, NH, NKV, HS, q_pos0, dt);
+    s.scale = scale;
     size_t per = attn_fwd_scratch_floats(&s);
     float *ws = workspace_floats(per * (size_t)omp_get_max_threads());
     #pragma omp parallel for schedule(dynamic, 1) if (B * NKV > 1)
@@ -723,7 +730,16 @@ void attention_bwd(void *dq, void *dk, void *dv, const void *dout,
                    const void *q, const void *k, const void *v, const void *out,
                    const float *lse, int B, int Tq, int Tk, int NH, int NKV, int HS,
                    int q_pos0, loom_dtype dt) {
+    attention_bwd_scaled(dq, dk, dv, dout, q, k, v, out, lse, B, Tq, Tk, NH, NKV, HS, q_pos0, attn_default_scale(HS),
+                         dt);
+}
+
+void attention_bwd_scaled(void *dq, void *dk, void *dv, const void *dout,
+                          const void *q, const void *k, const void *v, const void *out,
+                          const float *lse, int B, int Tq, int Tk, int NH, int NKV, int HS,
+                          int q_pos0, float scale, loom_dtype dt) {
     attn_shape s = attn_shape_make(B, Tq, Tk, NH, NKV, HS, q_pos0, dt);
+    s.scale = scale;
     float *D = workspace_floats((size_t)B * NH * Tq);                                  // (B, NH, Tq)
     size_t per = attn_bwd_scratch_floats(&s);
     float *ws = workspace_floats(per * (size_t)omp_get_max_threads());

@@ -21,10 +21,13 @@ typedef struct attn_shape {
     mm_bf16_fn dot2; /* bf16 inputs, HS a multiple of 16, a CPU with bf16 dot products: every product */
 } attn_shape;
 
+/* LLaMA's scale of the scores: 1 / sqrt(HS). */
+static inline float attn_default_scale(int HS) { return 1.0f / sqrtf((float)HS); }
+
 /* The call's dimensions, scale 1 / sqrt(HS); no flash-kernel choices made. */
 static inline attn_shape attn_shape_plain(int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
                                           loom_dtype dt) {
-    attn_shape s = {B, Tq, Tk, NH, NKV, HS, q_pos0, NH / NKV, 1.0f / sqrtf((float)HS), dt, 0, NULL};
+    attn_shape s = {B, Tq, Tk, NH, NKV, HS, q_pos0, NH / NKV, attn_default_scale(HS), dt, 0, NULL};
     return s;
 }
 

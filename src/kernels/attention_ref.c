@@ -35,7 +35,14 @@ static float attn_ref_probs(float *p, const void *q, const void *k, int b, int h
 void attention_fwd_ref(void *out, float *lse, const void *q, const void *k, const void *v,
                        int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
                        loom_dtype dt) {
+    attention_fwd_ref_scaled(out, lse, q, k, v, B, Tq, Tk, NH, NKV, HS, q_pos0, attn_default_scale(HS), dt);
+}
+
+void attention_fwd_ref_scaled(void *out, float *lse, const void *q, const void *k, const void *v,
+                              int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0, float scale,
+                              loom_dtype dt) {
     attn_shape s = attn_shape_plain(B, Tq, Tk, NH, NKV, HS, q_pos0, dt);
+    s.scale = scale;
     float *p = workspace_floats((size_t)Tk); // (Tk)
     for (int b = 0; b < B; b++)
         for (int h = 0; h < NH; h++)
@@ -82,7 +89,15 @@ void attention_bwd_ref(void *dq, void *dk, void *dv, const void *dout,
                        const void *q, const void *k, const void *v,
                        int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
                        loom_dtype dt) {
+    attention_bwd_ref_scaled(dq, dk, dv, dout, q, k, v, B, Tq, Tk, NH, NKV, HS, q_pos0, attn_default_scale(HS), dt);
+}
+
+void attention_bwd_ref_scaled(void *dq, void *dk, void *dv, const void *dout,
+                              const void *q, const void *k, const void *v,
+                              int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0, float scale,
+                              loom_dtype dt) {
     attn_shape s = attn_shape_plain(B, Tq, Tk, NH, NKV, HS, q_pos0, dt);
+    s.scale = scale;
     size_t nkv = (size_t)B * Tk * NKV * HS;
     float *dk32 = workspace_floats(2 * nkv + 2 * (size_t)Tk); // (B, Tk, NKV, HS) x 2
     float *dv32 = dk32 + nkv, *p = dv32 + nkv, *dp = p + Tk;

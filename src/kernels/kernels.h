@@ -105,10 +105,15 @@ static inline loom_rope_freqs rope_plain(float theta) {
  * query head h uses kv head h / (NH / NKV). Query t sits at absolute position
  * q_pos0 + t and sees keys 0 .. q_pos0 + t (so Tk >= q_pos0 + Tq).
  * lse: (B, NH, Tq) f32 log-sum-exp of the scaled scores, kept for backward
- * (may be NULL when no backward follows). scale = 1/sqrt(HS). */
+ * (may be NULL when no backward follows). Scores are q . k times scale:
+ * 1/sqrt(HS) here, the caller's with the _scaled forms (Granite's
+ * attention_multiplier). */
 void attention_fwd(void *out, float *lse, const void *q, const void *k, const void *v,
                    int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
                    loom_dtype dt);
+void attention_fwd_scaled(void *out, float *lse, const void *q, const void *k, const void *v,
+                          int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0, float scale,
+                          loom_dtype dt);
 /* dq: (B,Tq,NH,HS), dk, dv: (B,Tk,NKV,HS), all dt, written (not accumulated);
  * they must not overlap the inputs (fp32 inputs are read where they lie while
  * dk, dv accumulate). */
@@ -116,6 +121,10 @@ void attention_bwd(void *dq, void *dk, void *dv, const void *dout,
                    const void *q, const void *k, const void *v, const void *out,
                    const float *lse, int B, int Tq, int Tk, int NH, int NKV, int HS,
                    int q_pos0, loom_dtype dt);
+void attention_bwd_scaled(void *dq, void *dk, void *dv, const void *dout,
+                          const void *q, const void *k, const void *v, const void *out,
+                          const float *lse, int B, int Tq, int Tk, int NH, int NKV, int HS,
+                          int q_pos0, float scale, loom_dtype dt);
 /* References (attention_ref.c): materialise each softmax row, fp32 everywhere. */
 void attention_fwd_ref(void *out, float *lse, const void *q, const void *k, const void *v,
                        int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
@@ -124,6 +133,14 @@ void attention_bwd_ref(void *dq, void *dk, void *dv, const void *dout,
                        const void *q, const void *k, const void *v,
                        int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
                        loom_dtype dt);
+/* The references with the scores times scale. */
+void attention_fwd_ref_scaled(void *out, float *lse, const void *q, const void *k, const void *v,
+                              int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0, float scale,
+                              loom_dtype dt);
+void attention_bwd_ref_scaled(void *dq, void *dk, void *dv, const void *dout,
+                              const void *q, const void *k, const void *v,
+                              int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0, float scale,
+                              loom_dtype dt);
 
 /* ---------------------------------------------------------- SiLU, SwiGLU */
 

@@ -16,6 +16,7 @@
 #include "kernels/kernels.h"
 #include "core/simd.h"
 
+#include <float.h>
 #include <math.h>
 
 /* Below this many elements a parallel region costs more than it saves. */
@@ -25,7 +26,10 @@
 /* Which function a chunk computes. */
 enum { F_SILU, F_SILU_BWD, F_SWIGLU, F_SWIGLU_BWD, F_GEGLU, F_GEGLU_BWD };
 
-/* The tanh GELU's z = K x (1 + A x^2) and z' = K (1 + 3 A x^2). */
+/* The tanh GELU's z = K x (1 + A x^2) and z' = K (1 + 3 A x^2). Its
+ * derivative's x (1 - s) z' is held at -FLT_MAX and above: for x below
+ * about -1e13 it overflows to -inf where s is 0, and 0 (1 - inf) would be
+ * NaN instead of PyTorch's 0 (NaN stays NaN). */
 #define GELU_K 1.5957691216057308f /* 2 sqrt(2 / pi) */
 #define GELU_A 0.044715f
 
@@ -44,6 +48,8 @@ static void chunk_c(int f, const ew_args *a, size_t lo, size_t hi) {
         float x = loom_load(a->x, i, dt), x2 = x * x;
         float s = sigmoidf(gelu ? GELU_K * x * (1.0f + GELU_A * x2) : x);
         float dz = gelu ? GELU_K * (1.0f + 3.0f * GELU_A * x2) : 1.0f;
+        float xz = x * (1.0f - s) * dz;
+        if (gelu && xz < -FLT_MAX) xz = -FLT_MAX;
         switch (f) {
         case F_SILU: loom_store(a->o0, i, dt, x * s); break;
         /* d silu(x) / dx = s (1 + x (1 - s)) */
@@ -51,7 +57,7 @@ static void chunk_c(int f, const ew_args *a, size_t lo, size_t hi) {
         case F_SWIGLU: case F_GEGLU: loom_store(a->o0, i, dt, x * s * loom_load(a->y, i, dt)); break;
         default: { /* dgate = dout * up * act'(gate); dup = dout * act(gate) */
             float d = loom_load(a->d, i, dt), u = loom_load(a->y, i, dt);
-            loom_store(a->o0, i, dt, d * u * (s * (1.0f + x * (1.0f - s) * dz)));
+            loom_store(a->o0, i, dt, d * u * (s * (1.0f + xz)));
             loom_store(a->o1, i, dt, d * x * s);
         }
         }
@@ -63,6 +69,7 @@ SIMD_AVX2 static inline __attribute__((always_inline)) void chunk_avx2_dt(int f,
                                                                            size_t hi, loom_dtype dt) {
     const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps(), k = _mm256_set1_ps(GELU_K);
     const __m256 c = _mm256_set1_ps(GELU_A), c3 = _mm256_set1_ps(3.0f * GELU_A);
+    const __m256 neg_max = _mm256_set1_ps(-FLT_MAX); /* max(neg_max, v) keeps a NaN v */
     int gelu = f == F_GEGLU || f == F_GEGLU_BWD;
     size_t i = lo;
     for (; i + 8 <= hi; i += 8) {
@@ -73,7 +80,8 @@ SIMD_AVX2 static inline __attribute__((always_inline)) void chunk_avx2_dt(int f,
         }
         __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, simd_exp(_mm256_sub_ps(zero, z))));
         __m256 xs = _mm256_mul_ps(x, _mm256_sub_ps(one, s));
-        __m256 grad = _mm256_mul_ps(s, _mm256_add_ps(one, gelu ? _mm256_mul_ps(xs, t) : xs));
+        __m256 xz = gelu ? _mm256_max_ps(neg_max, _mm256_mul_ps(xs, t)) : xs;
+        __m256 grad = _mm256_mul_ps(s, _mm256_add_ps(one, xz));
         switch (f) {
         case F_SILU: simd_store8(a->o0, i, dt, _mm256_mul_ps(x, s)); break;
         case F_SILU_BWD: simd_store8(a->o0, i, dt, _mm256_mul_ps(simd_load8(a->d, i, dt), grad)); break;
@@ -123,6 +131,7 @@ SIMD_AVX512 static inline __attribute__((always_inline)) void chunk_avx512_dt(in
                                                                                size_t hi, loom_dtype dt) {
     const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps(), k = _mm512_set1_ps(GELU_K);
     const __m512 c = _mm512_set1_ps(GELU_A), c3 = _mm512_set1_ps(3.0f * GELU_A);
+    const __m512 neg_max = _mm512_set1_ps(-FLT_MAX);
     int gelu = f == F_GEGLU || f == F_GEGLU_BWD;
     size_t i = lo;
     for (; i + 16 <= hi; i += 16) {
@@ -133,7 +142,8 @@ SIMD_AVX512 static inline __attribute__((always_inline)) void chunk_avx512_dt(in
         }
         __m512 s = _mm512_div_ps(one, _mm512_add_ps(one, simd_exp16(_mm512_sub_ps(zero, z))));
         __m512 xs = _mm512_mul_ps(x, _mm512_sub_ps(one, s));
-        __m512 grad = _mm512_mul_ps(s, _mm512_add_ps(one, gelu ? _mm512_mul_ps(xs, t) : xs));
+        __m512 xz = gelu ? _mm512_max_ps(neg_max, _mm512_mul_ps(xs, t)) : xs;
+        __m512 grad = _mm512_mul_ps(s, _mm512_add_ps(one, xz));
         switch (f) {
         case F_SILU: simd_store16(a->o0, i, dt, _mm512_mul_ps(x, s)); break;
         case F_SILU_BWD: simd_store16(a->o0, i, dt, _mm512_mul_ps(simd_load16(a->d, i, dt), grad)); break;

@@ -71,7 +71,10 @@ static loom_status forward_tokens(loom_llama *m, kv_cache *c, scratch *s, const 
     loom_rope_freqs rope = loom_llama_rope(cfg);
     float wo = cfg->norm_unit_offset ? 1.0f : 0.0f; /* Gemma's norms scale by 1 + weight */
     embedding_fwd(s->x, tokens, loom_tensor_data(m->embed->tensor), T, C, dt);
-    if (cfg->scale_embeddings) scale_fwd(s->x, s->x, loom_llama_embed_scale(cfg, dt), (size_t)T * (size_t)C, dt);
+    size_t TC = (size_t)T * (size_t)C;
+    float em = cfg->embedding_multiplier, rm = cfg->residual_multiplier; /* Granite's (0: none) */
+    if (cfg->scale_embeddings) scale_fwd(s->x, s->x, loom_llama_embed_scale(cfg, dt), TC, dt);
+    if (em != 0.0f) scale_fwd(s->x, s->x, em, TC, dt);
     for (int l = 0; l < cfg->n_layers; l++) {
         const loom_llama_layer *y = &m->layers[l];
         float *rs = s->rstd;
@@ -86,23 +89,29 @@ static loom_status forward_tokens(loom_llama *m, kv_cache *c, scratch *s, const 
         }
         rope_fwd(s->q, s->q, 1, T, NH, HS, pos0, &rope, dt);
         rope_fwd(kdst, kdst, 1, T, NKV, HS, pos0, &rope, dt);
-        attention_fwd(s->att, NULL, s->q, c->k[l], c->v[l], 1, T, pos0 + T, NH, NKV, HS, pos0, dt);
+        attention_fwd_scaled(s->att, NULL, s->q, c->k[l], c->v[l], 1, T, pos0 + T, NH, NKV, HS, pos0,
+                             loom_llama_attn_scale(cfg), dt);
         LOOM_TRY(linear(m, s, s->o, s->att, y, LOOM_LORA_O, T, Q, C));
-        add_fwd(s->x, s->x, s->o, (size_t)T * (size_t)C, dt);
+        if (rm != 0.0f) scale_fwd(s->o, s->o, rm, TC, dt);
+        add_fwd(s->x, s->x, s->o, TC, dt);
         rmsnorm_fwd(s->h, rs, s->x, loom_tensor_data(y->mlp_norm->tensor), wo, T, C, cfg->norm_eps, dt);
         LOOM_TRY(linear(m, s, s->g, s->h, y, LOOM_LORA_GATE, T, C, F));
         LOOM_TRY(linear(m, s, s->u, s->h, y, LOOM_LORA_UP, T, C, F));
         (cfg->act == LOOM_ACT_GELU_TANH ? geglu_fwd : swiglu_fwd)(s->g, s->g, s->u, (size_t)T * (size_t)F, dt);
         LOOM_TRY(linear(m, s, s->o, s->g, y, LOOM_LORA_DOWN, T, F, C));
-        add_fwd(s->x, s->x, s->o, (size_t)T * (size_t)C, dt);
+        if (rm != 0.0f) scale_fwd(s->o, s->o, rm, TC, dt);
+        add_fwd(s->x, s->x, s->o, TC, dt);
     }
     c->len += T;
     /* Only the last position's logits are needed. */
     float rs1;
     void *last = row(s->x, T - 1, C, dt);
     rmsnorm_fwd(s->h, &rs1, last, loom_tensor_data(m->final_norm->tensor), wo, 1, C, cfg->norm_eps, dt);
-    return gemm(0, 1, 1, cfg->vocab_size, C, 1.0f, s->h, C, loom_tensor_data(m->lm_head->tensor), C, dt, 0.0f,
-                s->logits, cfg->vocab_size, LOOM_F32, NULL, LOOM_F32);
+    LOOM_TRY(gemm(0, 1, 1, cfg->vocab_size, C, 1.0f, s->h, C, loom_tensor_data(m->lm_head->tensor), C, dt, 0.0f,
+                  s->logits, cfg->vocab_size, LOOM_F32, NULL, LOOM_F32));
+    if (cfg->logits_scaling != 0.0f) /* Granite's, as the training forward scales its logits */
+        scale_fwd(s->logits, s->logits, 1.0f / cfg->logits_scaling, (size_t)cfg->vocab_size, LOOM_F32);
+    return LOOM_OK;
 }
 
 static void state_free(loom_llama *m, kv_cache *c, scratch *s) {

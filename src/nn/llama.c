@@ -71,6 +71,15 @@ float loom_llama_embed_scale(const loom_llama_config *c, loom_dtype dt) {
     return c->scale_embeddings ? loom_round_to((float)sqrt((double)c->dim), dt) : 1.0f;
 }
 
+float loom_llama_attn_scale(const loom_llama_config *c) {
+    return c->attention_multiplier > 0.0f ? c->attention_multiplier : 1.0f / sqrtf((float)loom_llama_head_dim(c));
+}
+
+int loom_llama_has_multipliers(const loom_llama_config *c) {
+    return c->embedding_multiplier != 0.0f || c->residual_multiplier != 0.0f || c->attention_multiplier != 0.0f ||
+           c->logits_scaling != 0.0f;
+}
+
 /* What an RMSNorm of c adds to its weight: Gemma's 1, else 0. */
 static float norm_offset(const loom_llama_config *c) { return c->norm_unit_offset ? 1.0f : 0.0f; }
 
@@ -78,7 +87,16 @@ int loom_llama_config_same_weights(const loom_llama_config *a, const loom_llama_
     return a->dim == b->dim && a->n_layers == b->n_layers && a->n_heads == b->n_heads &&
            loom_llama_head_dim(a) == loom_llama_head_dim(b) && !a->qk_norm == !b->qk_norm &&
            a->n_kv_heads == b->n_kv_heads && a->ffn_dim == b->ffn_dim && a->vocab_size == b->vocab_size &&
-           a->tie_embeddings == b->tie_embeddings && !a->qkv_bias == !b->qkv_bias && !a->o_bias == !b->o_bias;
+           a->tie_embeddings == b->tie_embeddings && !a->qkv_bias == !b->qkv_bias && !a->o_bias == !b->o_bias &&
+           !a->norm_unit_offset == !b->norm_unit_offset; /* Gemma's norm weights are offsets from 1 */
+}
+
+int loom_llama_config_same_model(const loom_llama_config *a, const loom_llama_config *b) {
+    return loom_llama_config_same_weights(a, b) && loom_llama_config_same_rope(a, b) && a->max_seq == b->max_seq &&
+           a->norm_eps == b->norm_eps && a->act == b->act && !a->scale_embeddings == !b->scale_embeddings &&
+           a->embedding_multiplier == b->embedding_multiplier && a->residual_multiplier == b->residual_multiplier &&
+           a->attention_multiplier == b->attention_multiplier && a->logits_scaling == b->logits_scaling &&
+           a->attention_dropout == b->attention_dropout;
 }
 
 int loom_llama_config_same_rope(const loom_llama_config *a, const loom_llama_config *b) {
@@ -120,6 +138,15 @@ loom_status loom_llama_config_validate(const loom_llama_config *c) {
     if (c->norm_unit_offset && (c->qk_norm || (c->qkv_bias && !c->o_bias)))
         return loom_error(LOOM_ERR_INVALID, "model config: Gemma's model has no q/k norms and no biases on q, k "
                           "and v alone (its attention_bias puts them on all four)");
+    const float mult[4] = {c->embedding_multiplier, c->residual_multiplier, c->attention_multiplier,
+                           c->logits_scaling};
+    for (int i = 0; i < 4; i++)
+        if (!(mult[i] >= 0.0f) || !isfinite(mult[i]))
+            return loom_error(LOOM_ERR_INVALID, "model config: Granite's embedding, residual and attention multipliers "
+                              "and logits scaling must be finite and positive (0: none)");
+    if (loom_llama_has_multipliers(c) && (c->norm_unit_offset || c->qk_norm || (c->qkv_bias && !c->o_bias)))
+        return loom_error(LOOM_ERR_INVALID, "model config: Granite's multipliers with Gemma's norms, q/k norms or "
+                          "biases on q, k and v alone have no Hugging Face layout");
     return LOOM_OK;
 }
 
@@ -764,6 +791,16 @@ static loom_status dora_output(const struct llama_block_args *a, loom_lora_targe
     return st;
 }
 
+/* *x times s, replacing *x, unless s is 0 (none) or 1. */
+static loom_status scale_by(loom_tensor **x, float s) {
+    if (s == 0.0f || s == 1.0f) return LOOM_OK;
+    loom_tensor *y = NULL;
+    loom_status st = loom_scale(*x, s, &y);
+    loom_tensor_release(*x);
+    *x = y;
+    return st;
+}
+
 /* x in dtype dt: x itself when it is, else a cast. */
 static loom_status as_dtype(loom_tensor *x, loom_dtype dt, loom_tensor **out) {
     if (x->dtype != dt) return loom_cast(x, dt, out);
@@ -825,7 +862,7 @@ static loom_status attention_part(const struct llama_block_args *a, loom_tensor 
     if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_Q, h, hn, NH, HS, y->q_norm, &rope, &q);
     if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_K, h, hn, NKV, HS, y->k_norm, &rope, &k);
     if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_V, h, hn, NKV, HS, NULL, NULL, &v);
-    if (st == LOOM_OK) st = loom_attention(q, k, v, &att);
+    if (st == LOOM_OK) st = loom_attention_ex(q, k, v, c->attention_multiplier, &att); /* 0: 1/sqrt(HS) */
     if (st == LOOM_OK) st = loom_reshape(att, 2, flat, &att2);
     if (st == LOOM_OK) st = block_linear(a, LOOM_LORA_O, att2, NULL, out); /* g-reduced inside */
     RELEASE(hn, h, q, k, v, att, att2);
@@ -852,9 +889,12 @@ static loom_status block_region(void *user, loom_tensor *const *in, int n_in, lo
     (void)n_in; (void)n_out;
     const struct llama_block_args *a = user;
     loom_tensor *att = NULL, *x2 = NULL, *mlp = NULL;
+    float rm = a->m->cfg.residual_multiplier; /* Granite's */
     loom_status st = attention_part(a, in[0], &att);
+    if (st == LOOM_OK) st = scale_by(&att, rm);
     if (st == LOOM_OK) st = loom_add(in[0], att, &x2);
     if (st == LOOM_OK) st = mlp_part(a, x2, &mlp);
+    if (st == LOOM_OK) st = scale_by(&mlp, rm);
     if (st == LOOM_OK) st = loom_add(x2, mlp, &out[0]);
     RELEASE(att, x2, mlp);
     return st;
@@ -884,12 +924,8 @@ loom_status loom_llama_forward(loom_llama *m, const int32_t *tokens, const int32
     loom_tensor *x = NULL, *h = NULL, *logits = NULL;
     LOOM_TRY(loom_embedding(m->embed->tensor, tokens, N, &x));
     loom_status st = LOOM_OK;
-    if (c->scale_embeddings) { /* Gemma's */
-        loom_tensor *e = x;
-        st = loom_scale(e, loom_llama_embed_scale(c, e->dtype), &x);
-        loom_tensor_release(e);
-        if (st != LOOM_OK) return st;
-    }
+    if (c->scale_embeddings) st = scale_by(&x, loom_llama_embed_scale(c, x->dtype)); /* Gemma's */
+    if (st == LOOM_OK) st = scale_by(&x, c->embedding_multiplier);                   /* Granite's */
     int recomputed = m->recompute.blocks > 0 ? m->recompute.blocks : c->n_layers;
     for (int l = 0; l < c->n_layers && st == LOOM_OK; l++) {
         loom_tensor *next = NULL;
@@ -901,6 +937,7 @@ loom_status loom_llama_forward(loom_llama *m, const int32_t *tokens, const int32
     }
     if (st == LOOM_OK) st = loom_rmsnorm_ex(x, m->final_norm->tensor, c->norm_eps, norm_offset(c), &h);
     if (st == LOOM_OK) st = loom_fused_linear(h, m->lm_head->tensor, NULL, &logits);
+    if (st == LOOM_OK && c->logits_scaling != 0.0f) st = scale_by(&logits, 1.0f / c->logits_scaling); /* Granite's */
     if (st == LOOM_OK && loss && targets) st = loom_cross_entropy(logits, targets, N, -1, loss);
     if (st == LOOM_OK && logits_out) *logits_out = loom_tensor_retain(logits);
     RELEASE(x, h, logits);

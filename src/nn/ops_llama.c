@@ -154,8 +154,8 @@ static loom_status attention_forward(loom_fn_ctx *ctx, loom_tensor *const *in, i
     out[0] = op_new_like(q, q->dtype);
     loom_tensor *lse = loom_tensor_new(LOOM_F32, 3, lse_shape, LOOM_MEM_ACTIVATIONS); /* (B, NH, T) */
     if (!out[0] || !lse) { loom_tensor_release(lse); return LOOM_ERR_NOMEM; }
-    attention_fwd(loom_tensor_data(out[0]), loom_tensor_data(lse), loom_tensor_data(q), loom_tensor_data(k),
-                  loom_tensor_data(v), B, T, T, NH, NKV, HS, 0, q->dtype);
+    attention_fwd_scaled(loom_tensor_data(out[0]), loom_tensor_data(lse), loom_tensor_data(q), loom_tensor_data(k),
+                         loom_tensor_data(v), B, T, T, NH, NKV, HS, 0, *(const float *)loom_ctx_args(ctx), q->dtype);
     loom_tensor *save[5] = {q, k, v, out[0], lse};
     loom_status st = loom_ctx_save(ctx, save, 5);
     loom_tensor_release(lse);
@@ -177,9 +177,10 @@ static loom_status attention_backward(loom_fn_ctx *ctx, loom_tensor *const *gout
     gin[1] = op_new_like(k, k->dtype);
     gin[2] = op_new_like(v, v->dtype);
     if (!gin[0] || !gin[1] || !gin[2]) return LOOM_ERR_NOMEM;
-    attention_bwd(loom_tensor_data(gin[0]), loom_tensor_data(gin[1]), loom_tensor_data(gin[2]),
-                  loom_tensor_data(gout[0]), loom_tensor_data(q), loom_tensor_data(k), loom_tensor_data(v),
-                  loom_tensor_data(o), loom_tensor_data(lse), B, T, T, NH, NKV, HS, 0, q->dtype);
+    attention_bwd_scaled(loom_tensor_data(gin[0]), loom_tensor_data(gin[1]), loom_tensor_data(gin[2]),
+                         loom_tensor_data(gout[0]), loom_tensor_data(q), loom_tensor_data(k), loom_tensor_data(v),
+                         loom_tensor_data(o), loom_tensor_data(lse), B, T, T, NH, NKV, HS, 0,
+                         *(const float *)loom_ctx_args(ctx), q->dtype);
     return LOOM_OK;
 }
 
@@ -191,6 +192,10 @@ static const loom_function attention_function = {"attention", 3, 1, LOOM_FN_EXPE
                                                  attention_backward};
 
 loom_status loom_attention(loom_tensor *q, loom_tensor *k, loom_tensor *v, loom_tensor **out) {
+    return loom_attention_ex(q, k, v, 0.0f, out);
+}
+
+loom_status loom_attention_ex(loom_tensor *q, loom_tensor *k, loom_tensor *v, float scale, loom_tensor **out) {
     char a[96], b[96];
     *out = NULL;
     LOOM_TRY(op_check_contiguous("attention", "q", q));
@@ -203,8 +208,12 @@ loom_status loom_attention(loom_tensor *q, loom_tensor *k, loom_tensor *v, loom_
         return loom_error(LOOM_ERR_INVALID, "attention: q %s and k/v %s must be (B, T, NH, HS) and (B, T, NKV, HS) "
                           "with NH a multiple of NKV", loom_tensor_describe(q, a, sizeof a),
                           loom_tensor_describe(k, b, sizeof b));
+    if (!(scale >= 0.0f) || !isfinite(scale))
+        return loom_error(LOOM_ERR_INVALID, "attention: the scale %g must be a finite number > 0 (0: 1/sqrt(HS))",
+                          (double)scale);
+    if (scale == 0.0f) scale = 1.0f / sqrtf((float)q->shape[3]);
     loom_tensor *in[3] = {q, k, v};
-    return loom_function_apply(&attention_function, in, 3, out, 1, NULL, 0);
+    return loom_function_apply(&attention_function, in, 3, out, 1, &scale, sizeof scale);
 }
 
 /* ------------------------------------------------------------- embedding */

@@ -538,6 +538,17 @@ static loom_llama_config config_of(const char *json) {
     return c;
 }
 
+/* A small config with `extra` members is refused, naming msg. */
+static void assert_config_refused(const char *extra, const char *msg) {
+    char json[512];
+    loom_llama_config c;
+    snprintf(json, sizeof json, "{\"hidden_size\": 16, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
+             "\"intermediate_size\": 24, \"vocab_size\": 40%s}", extra);
+    io_write_raw(io_path("config.json"), json, strlen(json));
+    assert_int_not_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
+    IO_ASSERT_MSG(msg);
+}
+
 /* c saved as config.json and loaded back. */
 static loom_llama_config saved_and_loaded(const loom_llama_config *c) {
     loom_llama_config back;
@@ -677,13 +688,7 @@ static void test_bias_config(void **state) {
         {", \"head_dim\": 0", "head_dim must be a positive integer"},
         {", \"head_dim\": 7", "head_dim 7 must be even"},
     };
-    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
-        snprintf(json, sizeof json, "{\"hidden_size\": 16, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
-                 "\"intermediate_size\": 24, \"vocab_size\": 40%s}", bad[k].extra);
-        io_write_raw(io_path("config.json"), json, strlen(json));
-        assert_int_not_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
-        IO_ASSERT_MSG(bad[k].msg);
-    }
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) assert_config_refused(bad[k].extra, bad[k].msg);
     memset(&c, 0, sizeof c);
     c.dim = 16; c.n_layers = 1; c.n_heads = 2; c.n_kv_heads = 1; c.ffn_dim = 24; c.vocab_size = 40;
     c.max_seq = 8; c.rope_theta = 10000.0f; c.norm_eps = 1e-5f; c.o_bias = 1;
@@ -755,13 +760,7 @@ static void test_gemma_config(void **state) {
         {", \"model_type\": \"gemma\", \"hidden_activation\": \"relu\"", "hidden_activation \"relu\" is not supported"},
         {", \"model_type\": \"gemma2\"", "model_type \"gemma2\" is not a LLaMA model"},
     };
-    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
-        snprintf(json, sizeof json, "{\"hidden_size\": 16, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
-                 "\"intermediate_size\": 24, \"vocab_size\": 40%s}", bad[k].extra);
-        io_write_raw(io_path("config.json"), json, strlen(json));
-        assert_int_not_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
-        IO_ASSERT_MSG(bad[k].msg);
-    }
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) assert_config_refused(bad[k].extra, bad[k].msg);
     c = config_of("{\"model_type\": \"gemma\", \"hidden_size\": 16, \"num_hidden_layers\": 1, "
                   "\"num_attention_heads\": 2, \"num_key_value_heads\": 1, \"head_dim\": 8, \"intermediate_size\": 24, "
                   "\"vocab_size\": 40}");
@@ -780,6 +779,52 @@ static void test_gemma_config(void **state) {
         assert_true(norm ? zeros == loom_param_numel(m->params[i]) : zeros == 0);
     }
     loom_llama_free(m);
+}
+
+/* Granite's model: its four multipliers read (GraniteConfig's 1 where left
+ * out, the attention's scale too), saved as Granite's class and read back
+ * the same; a LLaMA file's are not read; what is not a positive number is
+ * refused by name, as are layouts that do not exist. */
+static void test_granite_config(void **state) {
+    (void)state;
+    const char *g = "{\"model_type\": \"granite\", \"hidden_size\": 16, \"num_hidden_layers\": 1, "
+                    "\"num_attention_heads\": 2, \"intermediate_size\": 24, \"vocab_size\": 40, "
+                    "\"embedding_multiplier\": 12.0, \"residual_multiplier\": 0.22, \"attention_multiplier\": 0.015625, "
+                    "\"logits_scaling\": 8.0}";
+    loom_llama_config c = config_of(g), back;
+    assert_true(c.embedding_multiplier == 12.0f && c.residual_multiplier == 0.22f &&
+                c.attention_multiplier == 0.015625f && c.logits_scaling == 8.0f);
+    assert_true(loom_llama_attn_scale(&c) == 0.015625f && loom_llama_has_multipliers(&c));
+    back = saved_and_loaded(&c);
+    assert_true(saved_text_has("GraniteForCausalLM") && saved_text_has("\"model_type\": \"granite\""));
+    assert_true(back.embedding_multiplier == c.embedding_multiplier && back.residual_multiplier == c.residual_multiplier &&
+                back.attention_multiplier == c.attention_multiplier && back.logits_scaling == c.logits_scaling);
+    c = config_of("{\"model_type\": \"granite\", \"hidden_size\": 16, \"num_hidden_layers\": 1, "
+                  "\"num_attention_heads\": 2, \"intermediate_size\": 24, \"vocab_size\": 40}");
+    assert_true(c.embedding_multiplier == 1.0f && c.residual_multiplier == 1.0f && c.attention_multiplier == 1.0f &&
+                c.logits_scaling == 1.0f && loom_llama_attn_scale(&c) == 1.0f); /* GraniteConfig's, not 1/sqrt(8) */
+    c = config_of("{\"hidden_size\": 16, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
+                  "\"intermediate_size\": 24, \"vocab_size\": 40, \"attention_multiplier\": 3.0}");
+    assert_true(!loom_llama_has_multipliers(&c) && loom_llama_attn_scale(&c) == 1.0f / sqrtf(8.0f));
+    c.residual_multiplier = 0.5f; /* one of them set by the library: Granite's class, the others written as 1 */
+    back = saved_and_loaded(&c);
+    assert_true(saved_text_has("GraniteForCausalLM") && back.residual_multiplier == 0.5f &&
+                back.embedding_multiplier == 1.0f && back.logits_scaling == 1.0f &&
+                back.attention_multiplier == 1.0f / sqrtf(8.0f));
+    c.qk_norm = 1;
+    assert_int_equal(loom_llama_config_validate(&c), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("Granite's multipliers with");
+    c.qk_norm = 0;
+    c.logits_scaling = -1.0f;
+    assert_int_equal(loom_llama_config_validate(&c), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("must be finite and positive");
+    static const struct { const char *extra, *msg; } bad[] = {
+        {", \"model_type\": \"granite\", \"embedding_multiplier\": 0", "embedding_multiplier must be a positive number"},
+        {", \"model_type\": \"granite\", \"residual_multiplier\": \"1\"", "residual_multiplier must be a positive number"},
+        {", \"model_type\": \"granite\", \"attention_multiplier\": -0.5", "attention_multiplier must be a positive number"},
+        {", \"model_type\": \"granite\", \"logits_scaling\": 1e300", "logits_scaling must be a positive number"},
+    };
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) assert_config_refused(bad[k].extra, bad[k].msg);
 }
 
 /* A DoRA adapter round-trips as PEFT saves one: use_dora in the config,
@@ -1033,6 +1078,10 @@ static void test_gguf_refusals(void **state) {
     assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_F32, tok, io_path("scaled.gguf")), LOOM_ERR_UNSUPPORTED);
     IO_ASSERT_MSG("a GELU MLP");
     m->cfg.act = LOOM_ACT_SILU;
+    m->cfg.logits_scaling = 8.0f; /* Granite's */
+    assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_F32, tok, io_path("scaled.gguf")), LOOM_ERR_UNSUPPORTED);
+    IO_ASSERT_MSG("Granite's multipliers");
+    m->cfg.logits_scaling = 0.0f;
     /* Tokenizers llama.cpp cannot load: two ids spelling "abc", no end of text. */
     const char *dup = "{\"type\":\"loom-bpe\",\"version\":1,\"vocab_size\":261,"
                       "\"merges\":[[97,98],[256,99],[98,99],[97,258]],\"special\":{\"<|endoftext|>\":260}}";
@@ -1075,6 +1124,7 @@ int main(void) {
         cmocka_unit_test(test_generation_config),
         cmocka_unit_test(test_bias_config),
         cmocka_unit_test(test_gemma_config),
+        cmocka_unit_test(test_granite_config),
         cmocka_unit_test(test_gguf_refusals),
     };
     return cmocka_run_group_tests(tests, io_scratch_setup, io_scratch_teardown);

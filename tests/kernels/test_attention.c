@@ -3,7 +3,8 @@
  * references (f32, bf16, f16), forward vs a double-precision formula,
  * backward vs central finite differences, the causal mask, the KV-cache
  * shapes (q_pos0 > 0, Tq = 1 and 3), sizes off the block sizes (32 queries,
- * 64 keys), and bit-reproducibility across thread counts.
+ * 64 keys), a scale of the caller's (Granite's), and bit-reproducibility
+ * across thread counts.
  */
 #include "testutil.h"
 #include "kernels/kernels.h"
@@ -86,20 +87,23 @@ static void assert_close_dt(const void *a, const void *b, size_t n, loom_dtype d
 /* With bf16 pairs (bf16 inputs, a head size that is a multiple of 16, and
  * AVX-512 BF16 tiles, native or emulated) the forward rounds P to bf16 for
  * P v, which moves an output by up to u sum_j p_j |v_j| on top of the
- * fp32 path's error. The bound per element (a reference run on |v|, times
- * 1 + 2u for its own rounding), or NULL when P stays fp32. */
-static float *pv_rounding_bound(const attn_data *d) {
+ * fp32 path's error. The bound per element (a reference run on |v| with the
+ * scores times scale, times 1 + 2u for its own rounding), or NULL when P
+ * stays fp32. */
+static float *pv_rounding_bound_scaled(const attn_data *d, float scale) {
     if (d->dt != LOOM_BF16 || d->c.HS % 16 != 0 || !mm_bf16_tiles()) return NULL;
     float *va = tu_to_f32(d->v, d->nkv, d->dt);
     for (size_t i = 0; i < d->nkv; i++) va[i] = fabsf(va[i]);
     void *vabs = tu_from_f32(va, d->nkv, d->dt), *o = malloc(d->nq * 2);
-    attention_fwd_ref(o, NULL, d->q, d->k, vabs, CASE_ARGS(d->c), d->dt);
+    attention_fwd_ref_scaled(o, NULL, d->q, d->k, vabs, CASE_ARGS(d->c), scale, d->dt);
     float *bound = tu_to_f32(o, d->nq, d->dt);
     double u = unit_roundoff(d->dt);
     for (size_t i = 0; i < d->nq; i++) bound[i] = (float)(u * (1.0 + 2.0 * u) * bound[i]);
     free(va); free(vabs); free(o);
     return bound;
 }
+
+static float *pv_rounding_bound(const attn_data *d) { return pv_rounding_bound_scaled(d, 1.0f / sqrtf((float)d->c.HS)); }
 
 /* |got - want| <= atol + bound[i] + rtol |want| for every element (bound
  * NULL: no per-element term). */
@@ -146,8 +150,8 @@ static void test_fwd_vs_ref(void **state) {
 }
 
 /* Independent oracle in double on the dt-rounded inputs: query t of head h
- * uses kv head h / (NH / NKV) and keys 0 .. pos0 + t. */
-static void attention_double(float *out, float *lse, const attn_data *d) {
+ * uses kv head h / (NH / NKV) and keys 0 .. pos0 + t; scores times scale. */
+static void attention_double_scaled(float *out, float *lse, const attn_data *d, double scale) {
     const attn_case *c = &d->c;
     int G = c->NH / c->NKV;
     double *p = malloc(sizeof(double) * c->Tk);
@@ -163,7 +167,7 @@ static void attention_double(float *out, float *lse, const attn_data *d) {
                     for (int e = 0; e < c->HS; e++)
                         p[j] += (double)loom_load(d->q, qo + e, d->dt) *
                                 loom_load(d->k, ko + e, d->dt);
-                    p[j] /= sqrt((double)c->HS);
+                    p[j] *= scale;
                     m = fmax(m, p[j]);
                 }
                 for (int j = 0; j < n; j++) sum += (p[j] = exp(p[j] - m));
@@ -178,6 +182,10 @@ static void attention_double(float *out, float *lse, const attn_data *d) {
                 }
             }
     free(p);
+}
+
+static void attention_double(float *out, float *lse, const attn_data *d) {
+    attention_double_scaled(out, lse, d, 1.0 / sqrt((double)d->c.HS));
 }
 
 /* fp32 accumulation error (< 1e-5 here) plus one rounding to dt (u), and
@@ -385,6 +393,43 @@ static void test_bwd_finite_differences(void **state) {
     for (size_t i = 0; i < sizeof fd_cases / sizeof fd_cases[0]; i++) check_bwd_fd(&fd_cases[i]);
 }
 
+/* A scale of the caller's (Granite's attention_multiplier, here 0.9 and
+ * 0.05, not 1/sqrt(HS)): the forward against the formula in double with
+ * that scale, the backward against the reference with it, within the
+ * tolerances of the checks above; and not the default scale's output. */
+static void test_caller_scale(void **state) {
+    (void)state;
+    const float scales[2] = {0.9f, 0.05f};
+    const attn_case *cases[3] = {&CASES[0], &CASES[2], &CASES[15]}; /* GQA, one new token, bf16 pairs */
+    for (int ci = 0; ci < 3; ci++)
+        for (int di = 0; di < 2; di++)
+            for (int si = 0; si < 2; si++) {
+                const attn_case *c = cases[ci];
+                loom_dtype dt = di ? LOOM_BF16 : LOOM_F32;
+                float sc = scales[si];
+                attn_data d = data_make(c, dt, 900);
+                void *o = malloc(d.nq * 4), *o0 = malloc(d.nq * 4);
+                float *l = malloc(d.nlse * 4), *wo = malloc(d.nq * 4), *wl = malloc(d.nlse * 4);
+                attention_fwd_scaled(o, l, d.q, d.k, d.v, CASE_ARGS(*c), sc, dt);
+                attention_fwd(o0, NULL, d.q, d.k, d.v, CASE_ARGS(*c), dt);
+                assert_false(tu_bits_equal(o, o0, d.nq * loom_dtype_size(dt), NULL));
+                attention_double_scaled(wo, wl, &d, sc);
+                float *got = tu_to_f32(o, d.nq, dt), *bound = pv_rounding_bound_scaled(&d, sc);
+                assert_close_bound(got, wo, bound, d.nq, 1e-5, unit_roundoff(dt) + 1e-5);
+                TU_ASSERT_CLOSE(l, wl, d.nlse, 1e-5, 1e-5);
+                attn_grads g1 = grads_alloc(&d), g2 = grads_alloc(&d);
+                attention_bwd_scaled(g1.dq, g1.dk, g1.dv, d.dout, d.q, d.k, d.v, o, l, CASE_ARGS(*c), sc, dt);
+                attention_bwd_ref_scaled(g2.dq, g2.dk, g2.dv, d.dout, d.q, d.k, d.v, CASE_ARGS(*c), sc, dt);
+                double u = unit_roundoff(dt), atol = dt == LOOM_F32 ? 1e-5 : 4.0 * u, rtol = 2.0 * u + 1e-5;
+                assert_close_dt(g1.dq, g2.dq, d.nq, dt, atol, rtol);
+                assert_close_dt(g1.dk, g2.dk, d.nkv, dt, atol, rtol);
+                assert_close_dt(g1.dv, g2.dv, d.nkv, dt, atol, rtol);
+                grads_free(&g1); grads_free(&g2);
+                free(o); free(o0); free(l); free(wo); free(wl); free(got); free(bound);
+                data_free(&d);
+            }
+}
+
 /* Every output element is summed by one task in a fixed order: 1 and 2
  * threads give the same bits, forward and backward. */
 /* The flash kernels as an AVX-512 CPU runs them: every small product
@@ -478,6 +523,7 @@ int main(void) {
         cmocka_unit_test(test_fwd_vs_ref),
         cmocka_unit_test(test_fwd_formula),
         cmocka_unit_test(test_fwd_without_lse),
+        cmocka_unit_test(test_caller_scale),
         cmocka_unit_test(test_causal_mask),
         cmocka_unit_test(test_kv_cache_unseen_keys),
         cmocka_unit_test(test_bwd_vs_ref),

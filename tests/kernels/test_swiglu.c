@@ -180,13 +180,23 @@ static void test_extreme_inputs(void **state) {
         assert_true(fabsf(dx[i] - (x[i] > 0 ? 1.0f : 0.0f)) < 1e-6f);
         assert_true(dg[i] == dx[i] && du[i] == out[i]);
     }
-    geglu_fwd(out, x, one, 4, LOOM_F32); /* the tanh GELU saturates as SiLU does */
-    geglu_bwd(dg, du, one, x, one, 4, LOOM_F32);
-    for (int i = 0; i < 4; i++) {
-        assert_true(isfinite(out[i]) && isfinite(dg[i]) && isfinite(du[i]));
-        assert_true(fabsf(out[i] - (x[i] > 0 ? x[i] : 0.0f)) <= 1e-6f * fabsf(x[i]) + 1e-30f);
-        assert_true(fabsf(dg[i] - (x[i] > 0 ? 1.0f : 0.0f)) < 1e-6f && du[i] == out[i]);
+    /* The tanh GELU saturates as SiLU does, far enough that x (1 - s) z'
+     * overflows (x = -2e13, -1e18; 16 and 8 lanes, then the tail), and a
+     * NaN stays NaN. */
+    float gx[25], g1[25], gout[25], gdg[25], gdu[25];
+    for (int i = 0; i < 25; i++) {
+        gx[i] = i % 6 == 4 ? -2e13f : i % 6 == 5 ? -1e18f : x[i % 6 % 4];
+        g1[i] = 1.0f;
     }
+    gx[24] = NAN;
+    geglu_fwd(gout, gx, g1, 25, LOOM_F32);
+    geglu_bwd(gdg, gdu, g1, gx, g1, 25, LOOM_F32);
+    for (int i = 0; i < 24; i++) {
+        assert_true(isfinite(gout[i]) && isfinite(gdg[i]) && isfinite(gdu[i]));
+        assert_true(fabsf(gout[i] - (gx[i] > 0 ? gx[i] : 0.0f)) <= 1e-6f * fabsf(gx[i]) + 1e-30f);
+        assert_true(fabsf(gdg[i] - (gx[i] > 0 ? 1.0f : 0.0f)) < 1e-6f && gdu[i] == gout[i]);
+    }
+    assert_true(isnan(gout[24]) && isnan(gdg[24]));
 }
 
 /* Outputs may alias inputs: in place gives the same bits. */
@@ -206,6 +216,19 @@ static void test_in_place(void **state) {
     assert_true(tu_bits_equal(d.a, dg, N_ELEMS * 2, "dgate in place"));
     assert_true(tu_bits_equal(d.b, du, N_ELEMS * 2, "dup in place"));
     free(out); free(dg); free(du); free(du2);
+    ew_free(&d);
+    d = ew_make(LOOM_BF16); /* GeGLU over its gate, as generate runs it */
+    void *ge = malloc(N_ELEMS * 2), *gdg = malloc(N_ELEMS * 2), *gdu = malloc(N_ELEMS * 2);
+    geglu_fwd(ge, d.a, d.b, N_ELEMS, LOOM_BF16);
+    geglu_bwd(gdg, gdu, d.dout, d.a, d.b, N_ELEMS, LOOM_BF16);
+    geglu_bwd(d.dout, d.b, d.dout, d.a, d.b, N_ELEMS, LOOM_BF16); /* dgate over dout, dup over up */
+    assert_true(tu_bits_equal(d.dout, gdg, N_ELEMS * 2, "geglu dgate over dout"));
+    assert_true(tu_bits_equal(d.b, gdu, N_ELEMS * 2, "geglu dup over up"));
+    ew_free(&d);
+    d = ew_make(LOOM_BF16);
+    geglu_fwd(d.a, d.a, d.b, N_ELEMS, LOOM_BF16);
+    assert_true(tu_bits_equal(d.a, ge, N_ELEMS * 2, "geglu over gate"));
+    free(ge); free(gdg); free(gdu);
     ew_free(&d);
 }
 

@@ -15,6 +15,7 @@ static int bias_next;     /* the next model has the attention's biases: 1 Qwen 2
 static int head_dim_next; /* and heads of this size (0: dim / heads) */
 static int qk_norm_next;  /* and Qwen 3's norms of each query and key head (drawn around 1) */
 static int gemma_next;    /* and Gemma's norms (1 + weight, weights drawn around 0), scaled embeddings, GELU */
+static int granite_next;  /* and Granite's multipliers */
 
 static loom_llama *model_with_context(loom_dtype dt, int tie, int max_seq) {
     loom_llama_config c;
@@ -27,6 +28,12 @@ static loom_llama *model_with_context(loom_dtype dt, int tie, int max_seq) {
     c.qk_norm = qk_norm_next;
     c.norm_unit_offset = c.scale_embeddings = gemma_next;
     c.act = gemma_next ? LOOM_ACT_GELU_TANH : LOOM_ACT_SILU;
+    if (granite_next) {
+        c.embedding_multiplier = 12.0f;
+        c.residual_multiplier = 0.22f;
+        c.attention_multiplier = 0.5f;
+        c.logits_scaling = 8.0f;
+    }
     loom_llama *m;
     loom_precision p = {dt, 0};
     assert_int_equal(loom_llama_new(&c, p, &m), LOOM_OK);
@@ -64,13 +71,14 @@ static void full_logits(loom_llama *m, const int32_t *tok, int n, float *out) {
 
 static void test_cache_matches_forward(void **state) {
     (void)state;
-    for (int tie = 0; tie <= 7; tie++) {
+    for (int tie = 0; tie <= 8; tie++) {
         bias_next = tie > 2 && tie < 7 ? (tie >= 5 ? 2 : tie - 2) : 0; /* 3: Qwen 2's biases, 4-6: attention_bias */
         head_dim_next = tie >= 5 ? 12 : 0; /* 5-7: heads of 12 beside a dim of 32 (4 x 12 = 48) */
         qk_norm_next = tie == 6;           /* 6: Qwen 3's q/k norms */
         gemma_next = tie == 7;             /* 7: Gemma's model, tied */
+        granite_next = tie == 8;           /* 8: Granite's multipliers */
         loom_llama *m = small_model(LOOM_F32, tie & 1);
-        bias_next = head_dim_next = qk_norm_next = gemma_next = 0;
+        bias_next = head_dim_next = qk_norm_next = gemma_next = granite_next = 0;
         if (tie == 2) { /* Llama 3.1's RoPE scaling: HS 8 has a kept, a blended and two divided frequencies */
             m->cfg.rope_type = LOOM_ROPE_LLAMA3;
             m->cfg.rope_factor = 8.0f;

@@ -15,7 +15,8 @@ directories, runs `loom train` on them and compares with llama_ref.py:
 Configs with biases: qwen2 (q, k, v) and attention-bias (q, k, v, o);
 head-dim has heads of their own size (q and o wider than the model); qwen3
 normalizes each query and key head (and has DoRA checked too); gemma is
-Gemma's model (norms of 1 + weight, scaled embeddings, the tanh GELU).
+Gemma's model (norms of 1 + weight, scaled embeddings, the tanh GELU);
+granite has Granite's four multipliers.
 Prints a table of the errors and exits 1 on any mismatch.
 
 Usage: /usr/bin/python3 crosscheck.py --loom build/loom --workdir DIR
@@ -70,12 +71,18 @@ CONFIGS = {
               "num_key_value_heads": 2, "head_dim": 24, "intermediate_size": 96, "vocab_size": VOCAB,
               "max_position_embeddings": 32, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
               "tie_word_embeddings": True, "attention_bias": False, "use_sliding_window": False},
-    # Gemma's model: norms of 1 + weight, embeddings times sqrt(64), the tanh GELU's gate (which Gemma 1.0's
-    # files call hidden_act "gelu" and leave hidden_activation out), tied by default, one kv head (Gemma 2B's
-    # multi-query attention), heads of 32 beside a dim of 64
-    "gemma": {"model_type": "gemma", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    # Gemma's model: norms of 1 + weight, embeddings times sqrt(48) (not a whole number), the tanh GELU's gate
+    # (which Gemma 1.0's files call hidden_act "gelu" and leave hidden_activation out), tied by default, one kv
+    # head (Gemma 2B's multi-query attention), heads of 32 beside a dim of 48
+    "gemma": {"model_type": "gemma", "hidden_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 96, "vocab_size": VOCAB,
               "max_position_embeddings": 32, "rms_norm_eps": 1e-6, "hidden_act": "gelu"},
+    # Granite's model: the embeddings times 12, each block's outputs times 0.22 before their residual adds, the
+    # scores times 0.0625 (not 1/sqrt(16)), the logits divided by 8 (Granite 3.1 2B's, but for the scale), tied
+    "granite": {"model_type": "granite", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 32,
+                "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "embedding_multiplier": 12.0,
+                "residual_multiplier": 0.22, "attention_multiplier": 0.0625, "logits_scaling": 8.0},
     # LLaMA's attention_bias: q, k, v and o
     "attention-bias": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                        "intermediate_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 32,

@@ -158,6 +158,12 @@ class Config:
             self.tie = bool(d.get("tie_word_embeddings", True))
             self.n_kv_heads = d.get("num_key_value_heads", 16)
         self.head_size = d.get("head_dim") or (128 if self.qk_norm else 256 if self.gemma else self.dim // self.n_heads)
+        # Granite's: embeddings times embedding_multiplier, the attention's and the MLP's outputs times
+        # residual_multiplier, the scores times attention_multiplier (not 1/sqrt(head size)), the logits divided by
+        # logits_scaling; GraniteConfig's 1.0 each
+        self.granite = d.get("model_type") == "granite"
+        self.mult = {k: float(d.get(k, 1.0)) for k in ("embedding_multiplier", "residual_multiplier",
+                                                         "attention_multiplier", "logits_scaling")}
         self.lora_scale = None  # LoRA's alpha / rank, when params hold adapters
 
     def param_shapes(self):
@@ -223,7 +229,7 @@ def make_model_dir(d, config, rng, embed_std=0.02):
     with open(os.path.join(d, "config.json"), "w") as f:
         mt = config.get("model_type", "llama")
         arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "gemma": "GemmaForCausalLM"}[mt]
+                "gemma": "GemmaForCausalLM", "granite": "GraniteForCausalLM"}[mt]
         act = config.get("hidden_act", "gelu" if mt == "gemma" else "silu")  # Gemma 1.0's files say "gelu"
         json.dump(dict(config, architectures=[arch], model_type=mt, hidden_act=act,
                        torch_dtype="float32"), f, indent=2)
@@ -310,7 +316,10 @@ def attention(x, params, p, cfg, cos, sin):
     k = k * cos + rotate_half(k) * sin
     k = k.repeat_interleave(NH // NKV, dim=1)  # query head h reads kv head h // (NH / NKV)
     v = v.repeat_interleave(NH // NKV, dim=1)
-    s = q @ k.transpose(-1, -2) / math.sqrt(HS)  # (B, NH, T, T)
+    if cfg.granite:  # GraniteAttention's scaling
+        s = (q @ k.transpose(-1, -2)) * cfg.mult["attention_multiplier"]
+    else:
+        s = q @ k.transpose(-1, -2) / math.sqrt(HS)  # (B, NH, T, T)
     mask = torch.ones(T, T, dtype=torch.bool).triu(1)
     s = s.masked_fill(mask, float("-inf"))
     a = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v  # (B, NH, T, HS)
@@ -335,13 +344,20 @@ def forward(cfg, params, inputs, targets, dtype=torch.float32):
     if cfg.gemma:  # GemmaModel: times sqrt(hidden_size) as a tensor of the activations' dtype
         x = x * torch.tensor(cfg.dim ** 0.5, dtype=x.dtype)
     g = cfg.gemma
+    rm = cfg.mult["residual_multiplier"] if cfg.granite else None
+    if cfg.granite:  # GraniteModel: a Python float, so fp32 math rounded to the activations' dtype once
+        x = x * cfg.mult["embedding_multiplier"]
     for l in range(cfg.n_layers):
         p = f"model.layers.{l}."
-        x = x + attention(rms_norm(x, w[p + "input_layernorm.weight"], cfg.norm_eps, g), w, p, cfg, cos, sin)
-        x = x + mlp(rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.norm_eps, g), w, p, cfg)
+        a = attention(rms_norm(x, w[p + "input_layernorm.weight"], cfg.norm_eps, g), w, p, cfg, cos, sin)
+        x = x + (a if rm is None else a * rm)
+        f = mlp(rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.norm_eps, g), w, p, cfg)
+        x = x + (f if rm is None else f * rm)
     x = rms_norm(x, w["model.norm.weight"], cfg.norm_eps, g)
     head = w["model.embed_tokens.weight"] if cfg.tie else w["lm_head.weight"]
     logits = F.linear(x, head)  # (B, T, V)
+    if cfg.granite:  # GraniteForCausalLM
+        logits = logits / cfg.mult["logits_scaling"]
     loss = F.cross_entropy(logits.float().view(-1, cfg.vocab_size), targets.reshape(-1), ignore_index=-1)
     return logits, loss
 

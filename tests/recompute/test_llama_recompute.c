@@ -117,17 +117,22 @@ static void free_result(run_result *r) {
 
 /* Every recompute mode against none, bit for bit, in every precision; and
  * with the attention's biases (LLaMA's attention_bias: q, k, v and o),
- * heads of their own size and Qwen 3's q/k norms; and as Gemma's model
- * (norms of 1 + weight, scaled embeddings, the tanh GELU's gate). */
+ * heads of their own size and Qwen 3's q/k norms; as Gemma's model (norms
+ * of 1 + weight, scaled embeddings, the tanh GELU's gate); and with
+ * Granite's multipliers. */
 static void test_matrix(void **state) {
     (void)state;
     loom_llama_config cfg = small_config(2);
     const loom_dtype dts[3] = {LOOM_F32, LOOM_BF16, LOOM_F16};
     const loom_recompute_mode modes[3] = {LOOM_RECOMPUTE_REENTRANT, LOOM_RECOMPUTE_NONREENTRANT, LOOM_RECOMPUTE_SELECTIVE};
-    for (int db = 0; db < 9; db++) {
-        int d = db % 3, gemma = db >= 6;
+    for (int db = 0; db < 12; db++) {
+        int d = db % 3, gemma = db >= 6 && db < 9, granite = db >= 9;
         cfg.qkv_bias = cfg.o_bias = db >= 3;
-        cfg.qk_norm = db >= 3 && !gemma;
+        cfg.qk_norm = db >= 3 && !gemma && !granite;
+        cfg.embedding_multiplier = granite ? 12.0f : 0.0f;
+        cfg.residual_multiplier = granite ? 0.22f : 0.0f;
+        cfg.attention_multiplier = granite ? 0.0625f : 0.0f;
+        cfg.logits_scaling = granite ? 8.0f : 0.0f;
         cfg.head_dim = db >= 3 ? 12 : 0;
         cfg.norm_unit_offset = cfg.scale_embeddings = gemma;
         cfg.act = gemma ? LOOM_ACT_GELU_TANH : LOOM_ACT_SILU;

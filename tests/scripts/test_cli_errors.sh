@@ -320,9 +320,12 @@ expect_error "tokenizer.json has 512 tokens but the model's vocabulary has 256" 
   --config "$WORK/cfg-256.json" --batch 2 --seq 16 --steps 1 --out "$WORK/v256"
 expect_error "describes another model" "$LOOM" train "${D[@]}" --steps 5 --out "$WORK/cm" --resume "$WORK/h/ckpt-00000004" \
     --config "$WORK/cfg-256.json"
-# So is one whose sizes match but whose RoPE base or norm epsilon does not:
-# the checkpoint's values would be used without a word.
-for kv in 's/"rope_theta": [0-9.e+]*/"rope_theta": 500000.0/' 's/"rms_norm_eps": [0-9.e+-]*/"rms_norm_eps": 1e-3/'; do
+# So is one whose sizes match but whose RoPE base, norm epsilon, activation
+# or Granite's multipliers do not: the checkpoint's values would be used
+# without a word.
+for kv in 's/"rope_theta": [0-9.e+]*/"rope_theta": 500000.0/' 's/"rms_norm_eps": [0-9.e+-]*/"rms_norm_eps": 1e-3/' \
+          's/"rms_norm_eps": 1e-5}/"rms_norm_eps": 1e-5, "hidden_act": "gelu_pytorch_tanh"}/' \
+          's/"rms_norm_eps": 1e-5}/"rms_norm_eps": 1e-5, "model_type": "granite", "residual_multiplier": 0.5}/'; do
   sed "$kv" "$WORK/cfg.json" > "$WORK/cfg-other.json"
   cmp -s "$WORK/cfg.json" "$WORK/cfg-other.json" && fail "sed '$kv' changed nothing in the config"
   expect_error "describes another model" "$LOOM" train "${D[@]}" --steps 5 --out "$WORK/cm" \

@@ -108,7 +108,8 @@ cmp -s "$WORK/hf/model.safetensors" "$WORK/unsharded/model.safetensors" || fail 
 # layout (GGUF refused by name), and fine-tunes from that export.
 for q in 'qwen2 "model_type": "qwen2", "tie_word_embeddings": true' \
          'qwen3 "model_type": "qwen3", "head_dim": 24, "tie_word_embeddings": true' \
-         'gemma "model_type": "gemma", "head_dim": 24'; do
+         'gemma "model_type": "gemma", "head_dim": 24' \
+         'granite "model_type": "granite", "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0625, "logits_scaling": 8.0, "tie_word_embeddings": true'; do
   v=${q%% *}
   config_plus "$WORK/$v.json" "$WORK/cfg.json" "${q#* }"
   "$LOOM" train --data "$WORK/data" --config "$WORK/$v.json" --steps 3 --batch 2 --seq 32 --lr 1e-2 \
@@ -117,7 +118,8 @@ for q in 'qwen2 "model_type": "qwen2", "tie_word_embeddings": true' \
 import json, struct, sys
 d, v = sys.argv[1], sys.argv[2]
 c = json.load(open(f"{d}/config.json"))
-cls = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM"}[v]
+cls = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
+       "granite": "GraniteForCausalLM"}[v]
 assert c["model_type"] == v and c["architectures"] == [cls], c
 raw = open(f"{d}/model.safetensors", "rb").read()
 n = struct.unpack("<Q", raw[:8])[0]
@@ -137,6 +139,10 @@ for l in range(c["num_hidden_layers"]):
         for w in "qk":
             assert any(x != 1 for x in values(p + f"{w}_norm.weight")), f"layer {l} {w}_norm did not train"
         assert p + "q_proj.bias" not in hdr
+    elif v == "granite":
+        assert (c["embedding_multiplier"], c["residual_multiplier"], c["attention_multiplier"], c["logits_scaling"]) \
+            == (12.0, 0.22, 0.0625, 8.0), c
+        assert p + "q_proj.bias" not in hdr and p + "q_norm.weight" not in hdr
     else:
         assert c["hidden_activation"] == "gelu_pytorch_tanh" and c["tie_word_embeddings"] and c["head_dim"] == 24
         assert p + "q_norm.weight" not in hdr and p + "q_proj.bias" not in hdr

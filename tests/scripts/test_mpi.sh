@@ -318,12 +318,14 @@ $CMP "$WORK/gq.st" "$WORK/g1.st" --rtol 1e-4 >/dev/null || fail "TP=2 --recomput
 # rows; LLaMA's attention_bias adds o's: whole, added once after the sum),
 # drawn non-zero, heads of their own size (head_dim: q and o wider than
 # the model), Qwen 3's q/k norms (whole on each rank, their gradient
-# summed over the ranks' heads), and Gemma's model (norms of 1 + weight,
-# embeddings scaled after the vocabulary-split lookup its tied embeddings
-# get, the tanh GELU): TP=2 gives one process's logits and gradients, with
-# full recompute too, and passes the gradient audit.
+# summed over the ranks' heads), Gemma's model (norms of 1 + weight, the
+# replicated embeddings scaled, tied, the tanh GELU) and Granite's
+# multipliers (the residual's on o's and down's reduced outputs): TP=2
+# gives one process's logits and gradients, with full recompute too, and
+# passes the gradient audit.
 for kind in '"model_type": "qwen2"' '"attention_bias": true' '"head_dim": 24, "attention_bias": true' \
-            '"model_type": "qwen3", "head_dim": 24' '"model_type": "gemma", "head_dim": 24'; do
+            '"model_type": "qwen3", "head_dim": 24' '"model_type": "gemma", "head_dim": 24' \
+            '"model_type": "granite", "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0625, "logits_scaling": 8.0'; do
   config_plus "$WORK/bias.json" "$WORK/cfg.json" "$kind"
   rm -rf "$WORK/biased" "$WORK/b1" "$WORK/b2" "$WORK/ba"
   $PY - "$WORK/bias.json" "$WORK/biased" "$SRC/tests/python" <<'PYEOF' || fail "no biased model ($kind)"
@@ -333,7 +335,7 @@ sys.path.insert(0, sys.argv[3])
 import llama_ref as ref
 ref.make_model_dir(sys.argv[2], json.load(open(sys.argv[1])), np.random.default_rng(5))
 PYEOF
-  grep -q -e "q_proj.bias" -e "q_norm" "$WORK/biased/model.safetensors" || [[ $kind == *gemma* ]] ||
+  grep -q -e "q_proj.bias" -e "q_norm" "$WORK/biased/model.safetensors" || [[ $kind == *gemma* || $kind == *granite* ]] ||
     fail "the model has no biases ($kind)"
   BI=(--data "$WORK/data" --init "$WORK/biased" --seq 16 --eval-every 0 --threads 1 --batch 2 --precision fp32)
   for rc in none full; do
