@@ -35,7 +35,7 @@ static int generate(int argc, char **argv, string_list *stop_names) {
         {"temperature", FLAG_FLOAT, &temperature, "T", "sampling temperature; 0 is greedy (default: as the model's generation_config.json asks, as Hugging Face's generate reads it: greedy unless its do_sample is true, else its temperature, 1 if none; without the file 0.8)"},
         {"top-p", FLAG_FLOAT, &top_p, "P", "nucleus sampling mass in (0, 1] (default: generation_config.json's top_p, 1 if none; without the file 0.95)"},
         {"top-k", FLAG_INT, &top_k, "K", "sample among the K most probable tokens only, then the nucleus; 0: all (default: generation_config.json's top_k, 50 if none; without the file 0)"},
-        {"min-p", FLAG_FLOAT, &min_p, "P", "after top-k and the nucleus, keep only tokens at least P times as probable as the most probable one, P in [0, 1]; 0: none (default: generation_config.json's min_p, else 0)"},
+        {"min-p", FLAG_FLOAT, &min_p, "P", "after top-k and the nucleus, keep only tokens at least P times as probable as the most probable one, P in [0, 1]; 0: none (default: generation_config.json's min_p when it samples, else 0)"},
         {"repetition-penalty", FLAG_FLOAT, &rep_penalty, "R", "Hugging Face's repetition penalty: the logit of every token the prompt or the output holds is divided by R when positive, multiplied when negative; 1: none (default: generation_config.json's repetition_penalty, else 1)"},
         {"seed", FLAG_INT, &seed, "S", "sampling seed (default 1)"},
         {"precision", FLAG_STRING, &precision, "P", "compute dtype: fp32, bf16 or fp16 (default fp32)"},

@@ -561,7 +561,10 @@ static loom_status train_loop(trainer *t) {
                               "%s` writes the model without training further, or `loom export --model %s/ckpt-%08d "
                               "--out DIR` writes it elsewhere", loom_last_error(), o->out, o->out, t->state.step);
     }
-    if (t->m->lora.rank && t->dist.dp_rank == 0) { /* the adapters alone too, for PEFT */
+    if (t->m->lora.rank && loom_lora_peft_unwritable(t->m) && t->leader)
+        fprintf(stderr, "train: the LoRA adapters are merged into %s; PEFT adapts Phi-3's fused qkv_proj and "
+                "gate_up_proj as one module each, so no PEFT adapter directory is written\n", model_dir);
+    else if (t->m->lora.rank && t->dist.dp_rank == 0) { /* the adapters alone too, for PEFT */
         char adapter_dir[4200];
         snprintf(adapter_dir, sizeof adapter_dir, "%s/adapter", o->out);
         /* The base model's directory as an absolute path (null when resumed: the checkpoint does not know it). */
@@ -723,7 +726,7 @@ static int run(int argc, char **argv) {
         {"out", FLAG_STRING, &o->out, "DIR", "output: checkpoints, metrics, plot, final model (default out; with "
                                              "--resume, the resumed run's directory)"},
         {"preset", FLAG_STRING, &o->preset, "NAME", "model preset: tiny or small (default tiny)"},
-        {"config", FLAG_STRING, &o->config, "FILE", "model from a Hugging Face config.json instead of a preset (model_type llama, mistral, qwen2, qwen3, gemma or granite)"},
+        {"config", FLAG_STRING, &o->config, "FILE", "model from a Hugging Face config.json instead of a preset (model_type llama, mistral, qwen2, qwen3, gemma, granite or phi3)"},
         {"tie-embeddings", FLAG_BOOL, &o->tie, NULL, "share the embedding and lm_head weights (presets)"},
         {"init", FLAG_STRING, &o->init, "DIR", "start from the weights of a model directory (its generation_config.json goes into the checkpoints and the final model)"},
         {"resume", FLAG_STRING, &o->resume, "DIR", "continue from a checkpoint (or the latest in DIR)"},

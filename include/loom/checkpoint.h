@@ -38,7 +38,7 @@ extern "C" {
  * rope_scaling (Qwen2Config's for a "qwen2" file: 32 kv heads, 32768
  * positions; GemmaConfig's for "gemma": 16 kv heads, 8192 positions, head_dim
  * 256, tied). model_type may be "llama", "mistral", "qwen2", "qwen3",
- * "gemma" or "granite"; a
+ * "gemma", "granite" or "phi3"; a
  * sliding_window (Mistral's; 4096 when a "mistral" file leaves it out; Qwen
  * 2's only with use_sliding_window, 4096 when left out) shorter than
  * max_position_embeddings caps the context (max_seq), up to which it equals
@@ -58,7 +58,14 @@ extern "C" {
  * "granite" reads Granite's embedding_multiplier, residual_multiplier,
  * attention_multiplier and logits_scaling (GraniteConfig's 1 each when
  * left out: its scores' scale is then 1, not 1/sqrt(head size)); a config
- * with any of them saves as GraniteForCausalLM with all four.
+ * with any of them saves as GraniteForCausalLM with all four. "phi3"
+ * (Phi-3's, Phi-4's) is LLaMA's model in files that fuse q, k, v into
+ * self_attn.qkv_proj.weight and gate, up into mlp.gate_up_proj.weight
+ * (fused_proj: loom_llama_save_weights writes them so, and the loaders
+ * read each part's rows), with no attention biases whatever the file
+ * says and Phi3Config's rms_norm_eps 1e-5 and 4096 positions by default;
+ * partial_rotary_factor other than 1 and resid_pdrop or embd_pdrop other
+ * than 0 are refused by name; it saves as Phi3ForCausalLM.
  * hidden_act (any model_type): "silu", or the tanh GELU as
  * "gelu_pytorch_tanh" or "gelu_new" (act).
  * Save writes rope_scaling as Hugging Face's files do ("type": "linear" and
@@ -126,8 +133,13 @@ loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokeni
  * on every rank of the group (the others' name rank 0 and give its
  * message). With ZeRO the masters must be whole
  * (loom_dist_optim_unshard_masters). Errors: LOOM_ERR_INVALID (no
- * adapters), LOOM_ERR_IO, LOOM_ERR_NOMEM. */
+ * adapters), LOOM_ERR_UNSUPPORTED (loom_lora_peft_unwritable), LOOM_ERR_IO,
+ * LOOM_ERR_NOMEM. */
 loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base_model);
+/* 1 when m's adapters have no PEFT layout: a Phi-3 model (fused_proj) whose
+ * adapters adapt q, k, v, gate or up apart, which PEFT adapts as one fused
+ * module (qkv_proj, gate_up_proj). Its merged model saves as any other. */
+int loom_lora_peft_unwritable(const loom_llama *m);
 /* A PEFT LoRA adapter directory's setting, from its adapter_config.json:
  * r, lora_alpha (PEFT's default 8), target_modules and lora_dropout.
  * target_modules selects modules by name as PEFT does: "all-linear"; a

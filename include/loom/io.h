@@ -150,6 +150,13 @@ int loom_safetensors_has(const loom_safetensors *st, const char *name);
  * (an FP8 tensor). */
 loom_status loom_safetensors_read(const loom_safetensors *st, const char *name, loom_dtype dt,
                                   const int64_t *shape, int ndim, void *dst);
+/* Rows row0 .. row0 + n_rows of tensor `name`, which must be (rows, cols),
+ * into dst (room for n_rows x cols in dtype dt), as loom_safetensors_read
+ * converts them (the rows' pages handed back): one part of a fused tensor,
+ * as Phi-3's qkv_proj. Errors: those of loom_safetensors_read, and
+ * LOOM_ERR_INVALID for rows outside the tensor. */
+loom_status loom_safetensors_read_rows(const loom_safetensors *st, const char *name, loom_dtype dt, int64_t rows,
+                                       int64_t cols, int64_t row0, int64_t n_rows, void *dst);
 
 /* __metadata__ entries. The value for `key` or NULL if absent; entry i
  * (i < metadata_count) through *key / *value. Strings are owned by st. */

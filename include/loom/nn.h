@@ -78,6 +78,11 @@ typedef struct loom_llama_config {
      * attention's scores times attention_multiplier instead of 1/sqrt(head
      * size) (loom_llama_attn_scale), the logits divided by logits_scaling. */
     float embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling;
+    /* Phi-3's files (model_type "phi3"): q, k and v stored as one
+     * self_attn.qkv_proj.weight (their rows in that order), gate and up as
+     * one mlp.gate_up_proj.weight. The model holds them apart; only the
+     * files' layout differs. */
+    int fused_proj;
 } loom_llama_config;
 
 /* The scale of the attention's scores: attention_multiplier, else
@@ -106,7 +111,8 @@ loom_status loom_llama_config_validate(const loom_llama_config *cfg);
  * other; max_seq, the RoPE and norm_eps are not compared. */
 int loom_llama_config_same_weights(const loom_llama_config *a, const loom_llama_config *b);
 /* 1 when a and b compute the same model: the same weights and every other
- * field (max_seq, the RoPE, norm_eps, the activation, the scales). */
+ * field (max_seq, the RoPE, norm_eps, the activation, the scales; Granite's
+ * multipliers by what they do, 0 and 1 the same). */
 int loom_llama_config_same_model(const loom_llama_config *a, const loom_llama_config *b);
 /* 1 when a and b have the same RoPE: theta and every scaling field. */
 int loom_llama_config_same_rope(const loom_llama_config *a, const loom_llama_config *b);
@@ -384,8 +390,12 @@ loom_status loom_llama_generate_until(loom_llama *m, const int32_t *prompt, int 
                                       int *n_out);
 /* A token id drawn from logits (V floats, overwritten): the argmax when the
  * temperature is 0, else from softmax(logits / temperature) cut to the top_k
- * most probable, then to the top-p nucleus of those, ids below vocab_limit
- * only (when > 0), with the Philox draw of (seed, counter). */
+ * most probable, then to the top-p nucleus of those, then to those at least
+ * min_p times as probable as the most probable (Hugging Face's order; a
+ * min_p of 1 or more keeps the largest alone, one not above 0 or NaN
+ * none), ids below vocab_limit only (when > 0), with the Philox draw of
+ * (seed, counter). loom_sample does not check the sampler:
+ * loom_llama_generate does. */
 int32_t loom_sample(float *logits, int V, const loom_sampler *sampler, uint64_t counter);
 /* Logits (V floats) of the next token after `tokens`, by the KV-cache path;
  * for tests. */

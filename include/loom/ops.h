@@ -23,6 +23,10 @@ extern "C" {
 loom_status loom_add(loom_tensor *a, loom_tensor *b, loom_tensor **out);   /* same shape */
 loom_status loom_mul(loom_tensor *a, loom_tensor *b, loom_tensor **out);   /* same shape */
 loom_status loom_scale(loom_tensor *a, float s, loom_tensor **out);
+/* a / d, each element one fp32 division rounded to a's dtype (Granite's
+ * logits / logits_scaling, as PyTorch divides); the gradient is divided
+ * the same way. */
+loom_status loom_divide(loom_tensor *a, float d, loom_tensor **out);
 loom_status loom_silu(loom_tensor *x, loom_tensor **out);
 /* silu(gate) * up */
 loom_status loom_swiglu(loom_tensor *gate, loom_tensor *up, loom_tensor **out);

@@ -99,6 +99,28 @@ static int is_gemma(json_t *root) { return model_type_is(root, "gemma"); }
  * default, the attention's too: its scale is attention_multiplier, not
  * 1/sqrt(head size)). */
 static int is_granite(json_t *root) { return model_type_is(root, "granite"); }
+/* Phi-3's ("phi3", Phi-4's too): LLaMA's model in files whose q, k, v and
+ * gate, up are fused (fused_proj); no attention biases whatever the file
+ * says; rms_norm_eps 1e-5 and 4096 positions by default. */
+static int is_phi3(json_t *root) { return model_type_is(root, "phi3"); }
+
+/* What Phi-3's config can ask that loom does not compute: a rotary part of
+ * each head (Phi-4-mini's partial_rotary_factor) and dropout on the
+ * residual branches or the embeddings (0 in the released models). */
+static loom_status check_phi3(json_t *root, const char *path) {
+    json_t *v = json_object_get(root, "partial_rotary_factor");
+    if (v && !json_is_null(v) && !(json_is_number(v) && json_number_value(v) == 1.0))
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: partial_rotary_factor other than 1 (RoPE on part of each head) "
+                          "is not supported by loom", path);
+    static const char *const drop[2] = {"resid_pdrop", "embd_pdrop"};
+    for (int i = 0; i < 2; i++) {
+        v = json_object_get(root, drop[i]);
+        if (v && !json_is_null(v) && !(json_is_number(v) && json_number_value(v) == 0.0))
+            return loom_error(LOOM_ERR_UNSUPPORTED, "%s: %s other than 0 is not supported by loom (set it to 0 to "
+                              "fine-tune without that dropout)", path, drop[i]);
+    }
+    return LOOM_OK;
+}
 
 /* Granite's multipliers, each a positive number (1 when the file leaves it out). */
 static loom_status read_multipliers(json_t *root, const char *path, loom_llama_config *c) {
@@ -156,8 +178,8 @@ static loom_status read_architecture(json_t *root, const char *path, loom_llama_
     c->qk_norm = is_qwen3(root);
     if (is_qwen2(root)) {
         c->qkv_bias = 1; /* Qwen 2's attention has them whatever the file says; o has none */
-    } else if (v && !json_is_null(v) && !model_type_is(root, "mistral")) {
-        /* LLaMA's (Mistral's model has none, whatever the file says) */
+    } else if (v && !json_is_null(v) && !model_type_is(root, "mistral") && !is_phi3(root)) {
+        /* LLaMA's (Mistral's and Phi-3's models have none, whatever the file says) */
         if (!json_is_boolean(v)) return loom_error(LOOM_ERR_FORMAT, "%s: attention_bias must be true or false", path);
         c->qkv_bias = c->o_bias = json_is_true(v);
     }
@@ -172,10 +194,13 @@ static loom_status read_architecture(json_t *root, const char *path, loom_llama_
     /* Other model types are other architectures under similar names. */
     v = json_object_get(root, "model_type");
     if (v && (!json_is_string(v) || (strcmp(json_string_value(v), "llama") && strcmp(json_string_value(v), "mistral") &&
-                                     !is_qwen2(root) && !is_qwen3(root) && !is_gemma(root) && !is_granite(root))))
+                                     !is_qwen2(root) && !is_qwen3(root) && !is_gemma(root) && !is_granite(root) &&
+                                     !is_phi3(root))))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: model_type \"%s\" is not a LLaMA model (loom reads \"llama\", "
-                          "\"mistral\", \"qwen2\", \"qwen3\", \"gemma\" and \"granite\")", path,
+                          "\"mistral\", \"qwen2\", \"qwen3\", \"gemma\", \"granite\" and \"phi3\")", path,
                           json_is_string(v) ? json_string_value(v) : "?");
+    c->fused_proj = is_phi3(root);
+    if (is_phi3(root)) LOOM_TRY(check_phi3(root, path));
     c->norm_unit_offset = c->scale_embeddings = is_gemma(root);
     if (is_granite(root)) LOOM_TRY(read_multipliers(root, path, c));
     v = json_object_get(root, "attention_dropout"); /* a training forward refuses it (loom_llama_forward) */
@@ -279,7 +304,7 @@ loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
     /* Absent fields take Hugging Face LlamaConfig's defaults (not loom's
      * presets'): the same directory must give the same model in both. */
     c->rope_theta = 10000.0f;
-    c->norm_eps = 1e-6f;
+    c->norm_eps = st == LOOM_OK && is_phi3(root) ? 1e-5f : 1e-6f; /* Phi3Config's, LlamaConfig's */
     if (st == LOOM_OK) st = get_int(root, path, "hidden_size", 1, &c->dim);
     if (st == LOOM_OK) st = get_int(root, path, "num_hidden_layers", 1, &c->n_layers);
     if (st == LOOM_OK) st = get_int(root, path, "num_attention_heads", 1, &c->n_heads);
@@ -290,7 +315,7 @@ loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
     if (st == LOOM_OK) st = get_int(root, path, "num_key_value_heads", 0, &c->n_kv_heads);
     if (st == LOOM_OK) st = get_int(root, path, "intermediate_size", 1, &c->ffn_dim);
     if (st == LOOM_OK) st = get_int(root, path, "vocab_size", 1, &c->vocab_size);
-    c->max_seq = is_qwen2(root) || is_qwen3(root) ? 32768 : is_gemma(root) ? 8192 : 2048; /* theirs, LlamaConfig's */
+    c->max_seq = is_qwen2(root) || is_qwen3(root) ? 32768 : is_gemma(root) ? 8192 : is_phi3(root) ? 4096 : 2048;
     if (st == LOOM_OK) st = get_int(root, path, "max_position_embeddings", 0, &c->max_seq);
     if (st == LOOM_OK) st = get_float(root, path, "rms_norm_eps", &c->norm_eps);
     json_t *tie = st == LOOM_OK ? json_object_get(root, "tie_word_embeddings") : NULL;
@@ -312,7 +337,7 @@ loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
  * 0.219999999, as Hugging Face's files say it. */
 static double dec(float x) {
     char buf[32];
-    for (int p = 6; p < 9; p++) {
+    for (int p = 1; p < 9; p++) {
         snprintf(buf, sizeof buf, "%.*g", p, (double)x);
         if ((float)strtod(buf, NULL) == x) return strtod(buf, NULL);
     }
@@ -322,18 +347,24 @@ static double dec(float x) {
 loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, const char *path) {
     /* The Hugging Face class that reads it: Gemma's (norms of 1 + weight), Granite's (multipliers), Qwen 3's
      * (q/k norms), Qwen 2's (biases on q, k, v alone), LLaMA's */
-    int gemma = c->norm_unit_offset, granite = !gemma && loom_llama_has_multipliers(c);
+    int gemma = c->norm_unit_offset, granite = !gemma && loom_llama_has_multipliers(c), phi3 = c->fused_proj;
     int qwen3 = !gemma && !granite && c->qk_norm, qwen2 = !gemma && !granite && !qwen3 && c->qkv_bias && !c->o_bias;
     const char *act = c->act == LOOM_ACT_GELU_TANH ? "gelu_pytorch_tanh" : "silu";
     json_t *root = json_pack("{s:[s], s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:f, s:b, s:s, s:s, s:f}",
                              "architectures",
                              gemma     ? "GemmaForCausalLM"
                              : granite ? "GraniteForCausalLM"
+                             : phi3    ? "Phi3ForCausalLM"
                              : qwen3   ? "Qwen3ForCausalLM"
                              : qwen2   ? "Qwen2ForCausalLM"
                                        : "LlamaForCausalLM",
                              "model_type",
-                             gemma ? "gemma" : granite ? "granite" : qwen3 ? "qwen3" : qwen2 ? "qwen2" : "llama",
+                             gemma     ? "gemma"
+                             : granite ? "granite"
+                             : phi3    ? "phi3"
+                             : qwen3   ? "qwen3"
+                             : qwen2   ? "qwen2"
+                                       : "llama",
                              "hidden_size", c->dim,
                              "num_hidden_layers", c->n_layers, "num_attention_heads", c->n_heads,
                              "num_key_value_heads", c->n_kv_heads, "intermediate_size", c->ffn_dim,
@@ -343,7 +374,7 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
                              dt == LOOM_F32 ? "float32" : dt == LOOM_BF16 ? "bfloat16" : "float16",
                              "initializer_range", 0.02);
     int ok = root != NULL;
-    if (ok && !qwen2) /* Qwen 2's class has biases on q, k and v whatever the file says */
+    if (ok && !qwen2 && !phi3) /* Qwen 2's class has biases on q, k and v whatever the file says, Phi-3's none */
         ok = !json_object_set_new(root, "attention_bias", json_boolean(c->o_bias));
     if (ok && (qwen2 || qwen3)) ok = !json_object_set_new(root, "use_sliding_window", json_false());
     if (ok && c->rope_type != LOOM_ROPE_DEFAULT) { /* as Hugging Face's own files write each */
@@ -394,7 +425,52 @@ typedef struct lazy_weight {
     int i;
     loom_dtype dt;
     int fill, done; /* written through fill_weight; filled already */
+    int parts;      /* > 1: the first of that many parameters one fused tensor holds (fill_fused) */
 } lazy_weight;
+
+/* Where parameter i lies in the files. Phi-3's (fused_proj) hold q, k and
+ * v as one self_attn.qkv_proj.weight, their rows in that order, and gate
+ * and up as one mlp.gate_up_proj.weight (the model's parameters are in
+ * that order, consecutive: loom_llama_config_validate allows no biases
+ * beside them). Others: their own name, whole. */
+typedef struct file_slot {
+    char name[256];
+    int64_t rows, row0; /* the file tensor's rows; the first of i's */
+    int parts, part;    /* parameters in the tensor (1: i alone), and which is i */
+} file_slot;
+
+static void file_slot_of(const loom_llama *m, int i, file_slot *f) {
+    static const struct { const char *part, *fused; int index, parts; } map[] = {
+        {"self_attn.q_proj.weight", "self_attn.qkv_proj.weight", 0, 3},
+        {"self_attn.k_proj.weight", "self_attn.qkv_proj.weight", 1, 3},
+        {"self_attn.v_proj.weight", "self_attn.qkv_proj.weight", 2, 3},
+        {"mlp.gate_proj.weight", "mlp.gate_up_proj.weight", 0, 2},
+        {"mlp.up_proj.weight", "mlp.gate_up_proj.weight", 1, 2},
+    };
+    const char *name = m->params[i]->name;
+    int64_t fs[2];
+    loom_llama_param_full_shape(m, i, fs);
+    snprintf(f->name, sizeof f->name, "%s", name);
+    f->rows = fs[0];
+    f->row0 = 0;
+    f->parts = 1;
+    f->part = 0;
+    size_t n = strlen(name);
+    for (size_t k = 0; m->cfg.fused_proj && i < m->n_base && k < sizeof map / sizeof map[0]; k++) {
+        size_t s = strlen(map[k].part);
+        if (n <= s || strcmp(name + n - s, map[k].part)) continue;
+        snprintf(f->name, sizeof f->name, "%.*s%s", (int)(n - s), name, map[k].fused);
+        f->rows = 0;
+        for (int j = 0; j < map[k].parts; j++) {
+            loom_llama_param_full_shape(m, i - map[k].index + j, fs);
+            if (j < map[k].index) f->row0 += fs[0];
+            f->rows += fs[0];
+        }
+        f->parts = map[k].parts;
+        f->part = map[k].index;
+        return;
+    }
+}
 
 static loom_status fill_weight(void *user, void *dst, size_t n_bytes) {
     lazy_weight *l = user;
@@ -406,6 +482,27 @@ static loom_status fill_weight(void *user, void *dst, size_t n_bytes) {
     loom_status st = loom_llama_param_merged(l->m, l->i, full);
     if (st == LOOM_OK) loom_convert(dst, l->dt, full, LOOM_F32, n);
     free(full);
+    return st;
+}
+
+/* A fused tensor (Phi-3's): its parameters' rows one after the other, each
+ * as fill_weight makes it. All of them are filled even after one fails:
+ * with tensor parallelism each fill is a collective. */
+static loom_status fill_fused(void *user, void *dst, size_t n_bytes) {
+    lazy_weight *l = user; /* the first of l->parts consecutive entries */
+    unsigned char *out = dst;
+    size_t left = n_bytes;
+    loom_status st = LOOM_OK;
+    for (int k = 0; k < l->parts; k++) {
+        int64_t fs[2];
+        loom_llama_param_full_shape(l->m, l[k].i, fs);
+        size_t b = (size_t)(fs[0] * fs[1]) * loom_dtype_size(l->dt);
+        loom_status g = b <= left ? fill_weight(&l[k], out, b)
+                                  : loom_error(LOOM_ERR_INVALID, "save weights: a fused tensor's parts overflow it");
+        if (st == LOOM_OK) st = g;
+        out += b <= left ? b : 0;
+        left -= b <= left ? b : 0;
+    }
     return st;
 }
 
@@ -455,6 +552,16 @@ loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *pa
         int64_t fs[2];
         loom_llama_param_full_shape(m, i, fs);
         int adapted = loom_llama_lora_of(m, i, &a, &b), add = w && st == LOOM_OK;
+        file_slot f;
+        file_slot_of(m, i, &f);
+        if (f.parts > 1) { /* Phi-3's: the first part writes the fused tensor, the others are in it */
+            lazy[i] = (lazy_weight){m, i, dt, 1, 0, f.part ? 0 : f.parts};
+            int64_t shape[2] = {f.rows, fs[1]};
+            if (add && !f.part)
+                st = loom_safetensors_writer_add_fill(w, f.name, loom_safetensors_dtype_of(dt), shape, 2, fill_fused,
+                                                      &lazy[i]);
+            continue;
+        }
         if (m->tp_size == 1 && !adapted && loom_param_compute_only(p) && (dt == LOOM_F32 || dt == LOOM_BF16)) {
             /* a frozen bf16 weight: its exact bf16 values, borrowed (a wider copy would hold no more) */
             if (add) st = loom_safetensors_writer_add(w, p->name, LOOM_SAFETENSORS_BF16, fs, p->tensor->ndim,
@@ -467,7 +574,7 @@ loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *pa
                                                       loom_param_master(p));
             continue;
         }
-        lazy[i] = (lazy_weight){m, i, dt, 1, 0};
+        lazy[i] = (lazy_weight){m, i, dt, 1, 0, 0};
         if (add) st = loom_safetensors_writer_add_fill(w, p->name, loom_safetensors_dtype_of(dt), fs, p->tensor->ndim,
                                                        fill_weight, &lazy[i]);
     }
@@ -481,19 +588,23 @@ loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *pa
     return st;
 }
 
-/* Parameter i from the open file sf (named path in messages). */
+/* Parameter i from the open file sf (named path in messages): its tensor,
+ * or its rows of a fused one (file_slot_of). */
 static loom_status load_param(loom_llama *m, int i, const loom_safetensors *sf, const char *path) {
     loom_param *p = m->params[i];
-    if (!loom_safetensors_has(sf, p->name))
+    file_slot f;
+    file_slot_of(m, i, &f);
+    if (!loom_safetensors_has(sf, f.name))
         return loom_error(LOOM_ERR_FORMAT, "%s: tensor %s is missing (is this a LLaMA checkpoint of the same "
-                          "configuration?)", path, p->name);
+                          "configuration?)", path, f.name);
     int64_t fs[2];
     loom_llama_param_full_shape(m, i, fs);
     float *full = malloc((size_t)(fs[0] * fs[1]) * sizeof(float) + 1);
     if (!full) return loom_error(LOOM_ERR_NOMEM, "load weights: out of memory");
-    loom_status st = loom_safetensors_read(sf, p->name, LOOM_F32, fs, p->tensor->ndim, full);
+    loom_status st = f.parts > 1 ? loom_safetensors_read_rows(sf, f.name, LOOM_F32, f.rows, fs[1], f.row0, fs[0], full)
+                                 : loom_safetensors_read(sf, p->name, LOOM_F32, fs, p->tensor->ndim, full);
     if (st != LOOM_OK) st = loom_error(st, "%s (the config and the weights disagree)", loom_last_error());
-    if (st == LOOM_OK) st = io_check_finite(full, (size_t)(fs[0] * fs[1]), path, p->name);
+    if (st == LOOM_OK) st = io_check_finite(full, (size_t)(fs[0] * fs[1]), path, f.name);
     if (st == LOOM_OK) loom_llama_param_scatter(m, i, full);
     free(full);
     return st;
@@ -530,7 +641,9 @@ static loom_status load_sharded(loom_llama *m, const char *dir, const char *inde
     int n_files = 0;
     char path[4200];
     for (int i = 0; i < m->n_base && st == LOOM_OK; i++) {
-        const char *name = m->params[i]->name;
+        file_slot f;
+        file_slot_of(m, i, &f);
+        const char *name = f.name;
         json_t *v = json_object_get(map, name);
         const char *file = json_is_string(v) ? json_string_value(v) : NULL;
         if (!v) {
@@ -639,6 +752,11 @@ loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokeni
 
 /* The adapter files, from each adapter's whole fp32 values (whole[k] for
  * parameter n_base + k). */
+int loom_lora_peft_unwritable(const loom_llama *m) {
+    unsigned fused = 1u << LOOM_LORA_Q | 1u << LOOM_LORA_K | 1u << LOOM_LORA_V | 1u << LOOM_LORA_GATE | 1u << LOOM_LORA_UP;
+    return m->cfg.fused_proj && (m->lora.targets & fused);
+}
+
 static loom_status write_peft(loom_llama *m, const char *dir, const char *base_model, float *const *whole) {
     char path[4200];
     LOOM_TRY(loom_mkdir_p(dir));
@@ -686,6 +804,10 @@ static loom_status write_peft(loom_llama *m, const char *dir, const char *base_m
 
 loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base_model) {
     if (!m->lora.rank) return loom_error(LOOM_ERR_INVALID, "save adapter: the model has no LoRA adapters");
+    if (loom_lora_peft_unwritable(m))
+        return loom_error(LOOM_ERR_UNSUPPORTED, "save adapter: PEFT adapts Phi-3's fused qkv_proj and gate_up_proj as "
+                          "one module each, and loom's adapters adapt their parts apart: save the model with the "
+                          "adapters merged (loom_model_dir_save), or adapt o_proj and down_proj alone");
     /* Every adapter whole first (gathered over the TP group, whose every
      * rank calls this; they are small), then TP rank 0 writes. */
     int n = m->n_params - m->n_base;

@@ -356,46 +356,68 @@ static double load_any(const unsigned char *p, size_t i, loom_safetensors_dtype 
     }
 }
 
-loom_status loom_safetensors_read(const loom_safetensors *st, const char *name, loom_dtype dt,
-                                  const int64_t *shape, int ndim, void *dst) {
-    loom_safetensors_tensor t;
-    LOOM_TRY(loom_safetensors_get(st, name, &t));
-    if (shape) {
-        int same = ndim == t.ndim;
-        for (int d = 0; same && d < ndim; d++) same = shape[d] == t.shape[d];
-        if (!same) {
-            char want[160], have[160];
-            shape_str(want, sizeof want, shape, ndim < 0 ? 0 : ndim > 8 ? 8 : ndim);
-            shape_str(have, sizeof have, t.shape, t.ndim);
-            return loom_error(LOOM_ERR_INVALID, "tensor \"%s\" in '%s' has shape %s but %s was expected; "
-                              "the file does not match the model config", name, st->path, have, want);
-        }
-    }
-    if (t.dtype == LOOM_SAFETENSORS_F8_E4M3 || t.dtype == LOOM_SAFETENSORS_F8_E5M2)
+/* Elements e0 .. e0 + n of t into dst (dt), converted; their pages handed back. */
+static loom_status read_range(const loom_safetensors *st, const loom_safetensors_tensor *t, const char *name,
+                              loom_dtype dt, size_t e0, size_t n, void *dst) {
+    if (t->dtype == LOOM_SAFETENSORS_F8_E4M3 || t->dtype == LOOM_SAFETENSORS_F8_E5M2)
         return loom_error(LOOM_ERR_UNSUPPORTED, "tensor \"%s\" in '%s' is %s, which loom cannot convert; "
-                          "convert the file to F32/BF16/F16", name, st->path, dtype_info[t.dtype].name);
-    if (t.n_elements == 0) return LOOM_OK;
+                          "convert the file to F32/BF16/F16", name, st->path, dtype_info[t->dtype].name);
+    if (n == 0) return LOOM_OK;
     if (!dst) return loom_error(LOOM_ERR_INVALID, "loom_safetensors_read(\"%s\"): dst is NULL", name);
-    const unsigned char *src = t.data;
-    int same_kind = (t.dtype == LOOM_SAFETENSORS_F32 && dt == LOOM_F32) ||
-                    (t.dtype == LOOM_SAFETENSORS_BF16 && dt == LOOM_BF16) ||
-                    (t.dtype == LOOM_SAFETENSORS_F16 && dt == LOOM_F16);
+    size_t sz = dtype_info[t->dtype].size;
+    const unsigned char *src = (const unsigned char *)t->data + e0 * sz;
+    int same_kind = (t->dtype == LOOM_SAFETENSORS_F32 && dt == LOOM_F32) ||
+                    (t->dtype == LOOM_SAFETENSORS_BF16 && dt == LOOM_BF16) ||
+                    (t->dtype == LOOM_SAFETENSORS_F16 && dt == LOOM_F16);
     if (same_kind) {
-        memcpy(dst, src, t.n_bytes);
-    } else if ((t.dtype == LOOM_SAFETENSORS_F32 || t.dtype == LOOM_SAFETENSORS_BF16 ||
-                t.dtype == LOOM_SAFETENSORS_F16) && ((uintptr_t)src % 4) == 0) {
-        loom_dtype from = t.dtype == LOOM_SAFETENSORS_F32 ? LOOM_F32
-                          : t.dtype == LOOM_SAFETENSORS_BF16 ? LOOM_BF16 : LOOM_F16;
-        loom_convert(dst, dt, src, from, t.n_elements);
+        memcpy(dst, src, n * sz);
+    } else if ((t->dtype == LOOM_SAFETENSORS_F32 || t->dtype == LOOM_SAFETENSORS_BF16 ||
+                t->dtype == LOOM_SAFETENSORS_F16) && ((uintptr_t)src % 4) == 0) {
+        loom_dtype from = t->dtype == LOOM_SAFETENSORS_F32 ? LOOM_F32
+                          : t->dtype == LOOM_SAFETENSORS_BF16 ? LOOM_BF16 : LOOM_F16;
+        loom_convert(dst, dt, src, from, n);
     } else {
-        for (size_t i = 0; i < t.n_elements; i++) {
-            double v = load_any(src, i, t.dtype);
+        for (size_t i = 0; i < n; i++) {
+            double v = load_any(src, i, t->dtype);
             /* f64 -> f32 first; values beyond float range become +-Inf. */
             loom_store(dst, i, dt, (float)v);
         }
     }
-    io_mapped_drop(&st->file, t.data, t.n_bytes); /* copied out: a large file's reader keeps one copy */
+    io_mapped_drop(&st->file, src, n * sz); /* copied out: a large file's reader keeps one copy */
     return LOOM_OK;
+}
+
+/* Whether t has shape (ndim, shape); else the error naming both. */
+static loom_status check_shape(const loom_safetensors *st, const loom_safetensors_tensor *t, const char *name,
+                               const int64_t *shape, int ndim) {
+    int same = ndim == t->ndim;
+    for (int d = 0; same && d < ndim; d++) same = shape[d] == t->shape[d];
+    if (same) return LOOM_OK;
+    char want[160], have[160];
+    shape_str(want, sizeof want, shape, ndim < 0 ? 0 : ndim > 8 ? 8 : ndim);
+    shape_str(have, sizeof have, t->shape, t->ndim);
+    return loom_error(LOOM_ERR_INVALID, "tensor \"%s\" in '%s' has shape %s but %s was expected; "
+                      "the file does not match the model config", name, st->path, have, want);
+}
+
+loom_status loom_safetensors_read(const loom_safetensors *st, const char *name, loom_dtype dt,
+                                  const int64_t *shape, int ndim, void *dst) {
+    loom_safetensors_tensor t;
+    LOOM_TRY(loom_safetensors_get(st, name, &t));
+    if (shape) LOOM_TRY(check_shape(st, &t, name, shape, ndim));
+    return read_range(st, &t, name, dt, 0, t.n_elements, dst);
+}
+
+loom_status loom_safetensors_read_rows(const loom_safetensors *st, const char *name, loom_dtype dt, int64_t rows,
+                                       int64_t cols, int64_t row0, int64_t n_rows, void *dst) {
+    loom_safetensors_tensor t;
+    LOOM_TRY(loom_safetensors_get(st, name, &t));
+    int64_t shape[2] = {rows, cols};
+    LOOM_TRY(check_shape(st, &t, name, shape, 2));
+    if (row0 < 0 || n_rows < 0 || row0 > rows - n_rows)
+        return loom_error(LOOM_ERR_INVALID, "rows %lld .. %lld of tensor \"%s\" in '%s', which has %lld",
+                          (long long)row0, (long long)(row0 + n_rows), name, st->path, (long long)rows);
+    return read_range(st, &t, name, dt, (size_t)(row0 * cols), (size_t)(n_rows * cols), dst);
 }
 
 const char *loom_safetensors_metadata(const loom_safetensors *st, const char *key) {

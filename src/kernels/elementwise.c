@@ -67,6 +67,13 @@ static void scale_c(void *out, const void *a, float s, size_t lo, size_t hi, loo
 #undef SCALE_LOOP
 }
 
+static void divide_c(void *out, const void *a, float s, size_t lo, size_t hi, loom_dtype dt) {
+#define DIVIDE_LOOP(T, LD, ST) { T *o = out; const T *x = a; \
+        for (size_t i = lo; i < hi; i++) o[i] = ST(LD(x[i]) / s); }
+    DISPATCH(dt, DIVIDE_LOOP)
+#undef DIVIDE_LOOP
+}
+
 static void accumulate_c(void *dst, loom_dtype dst_dt, const void *src, loom_dtype src_dt, float scale,
                          size_t lo, size_t hi) {
     if (dst_dt == LOOM_F32) { /* the common case: fp32 main_grad */
@@ -103,6 +110,13 @@ SIMD_AVX2 static void scale_avx2(void *out, const void *a, float s, size_t lo, s
     scale_c(out, a, s, i, hi, dt);
 }
 
+SIMD_AVX2 static void divide_avx2(void *out, const void *a, float s, size_t lo, size_t hi, loom_dtype dt) {
+    size_t i = lo;
+    __m256 vs = _mm256_set1_ps(s);
+    for (; i + 8 <= hi; i += 8) simd_store8(out, i, dt, _mm256_div_ps(simd_load8(a, i, dt), vs));
+    divide_c(out, a, s, i, hi, dt);
+}
+
 SIMD_AVX2 static void accumulate_avx2(void *dst, loom_dtype dst_dt, const void *src, loom_dtype src_dt,
                                       float scale, size_t lo, size_t hi) {
     size_t i = lo;
@@ -137,6 +151,13 @@ SIMD_AVX512 static void scale_avx512(void *out, const void *a, float s, size_t l
     scale_avx2(out, a, s, i, hi, dt);
 }
 
+SIMD_AVX512 static void divide_avx512(void *out, const void *a, float s, size_t lo, size_t hi, loom_dtype dt) {
+    size_t i = lo;
+    __m512 vs = _mm512_set1_ps(s);
+    for (; i + 16 <= hi; i += 16) simd_store16(out, i, dt, _mm512_div_ps(simd_load16(a, i, dt), vs));
+    divide_avx2(out, a, s, i, hi, dt);
+}
+
 SIMD_AVX512 static void accumulate_avx512(void *dst, loom_dtype dst_dt, const void *src, loom_dtype src_dt,
                                           float scale, size_t lo, size_t hi) {
     size_t i = lo;
@@ -163,6 +184,10 @@ void mul_fwd(void *out, const void *a, const void *b, size_t n, loom_dtype dt) {
 
 void scale_fwd(void *out, const void *a, float s, size_t n, loom_dtype dt) {
     FOR_CHUNKS(n, lo, hi, PICK(scale_avx512, scale_avx2, scale_c)(out, a, s, lo, hi, dt));
+}
+
+void divide_fwd(void *out, const void *a, float d, size_t n, loom_dtype dt) {
+    FOR_CHUNKS(n, lo, hi, PICK(divide_avx512, divide_avx2, divide_c)(out, a, d, lo, hi, dt));
 }
 
 void accumulate(void *dst, loom_dtype dst_dt, const void *src, loom_dtype src_dt,

@@ -189,6 +189,10 @@ void crossentropy_fwd_bwd_ref(float *losses, void *dlogits, const void *logits,
 void add_fwd(void *out, const void *a, const void *b, size_t n, loom_dtype dt);
 void mul_fwd(void *out, const void *a, const void *b, size_t n, loom_dtype dt);
 void scale_fwd(void *out, const void *a, float s, size_t n, loom_dtype dt);
+/* out = a / d, one correctly rounded fp32 division each, then rounded to dt
+ * (Granite's logits: a multiply by 1/d differs in the last bit for d not a
+ * power of two). */
+void divide_fwd(void *out, const void *a, float d, size_t n, loom_dtype dt);
 /* dst (dst_dt) += scale * src (src_dt): gradient accumulation. */
 void accumulate(void *dst, loom_dtype dst_dt, const void *src, loom_dtype src_dt,
                 float scale, size_t n);

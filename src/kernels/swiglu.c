@@ -29,7 +29,8 @@ enum { F_SILU, F_SILU_BWD, F_SWIGLU, F_SWIGLU_BWD, F_GEGLU, F_GEGLU_BWD };
 /* The tanh GELU's z = K x (1 + A x^2) and z' = K (1 + 3 A x^2). Its
  * derivative's x (1 - s) z' is held at -FLT_MAX and above: for x below
  * about -1e13 it overflows to -inf where s is 0, and 0 (1 - inf) would be
- * NaN instead of PyTorch's 0 (NaN stays NaN). */
+ * NaN where PyTorch gives 0 (down to about -1.8e19, where its own x^3
+ * overflows and it gives NaN; loom 0). A NaN input stays NaN. */
 #define GELU_K 1.5957691216057308f /* 2 sqrt(2 / pi) */
 #define GELU_A 0.044715f
 

@@ -109,8 +109,8 @@ static loom_status forward_tokens(loom_llama *m, kv_cache *c, scratch *s, const 
     rmsnorm_fwd(s->h, &rs1, last, loom_tensor_data(m->final_norm->tensor), wo, 1, C, cfg->norm_eps, dt);
     LOOM_TRY(gemm(0, 1, 1, cfg->vocab_size, C, 1.0f, s->h, C, loom_tensor_data(m->lm_head->tensor), C, dt, 0.0f,
                   s->logits, cfg->vocab_size, LOOM_F32, NULL, LOOM_F32));
-    if (cfg->logits_scaling != 0.0f) /* Granite's, as the training forward scales its logits */
-        scale_fwd(s->logits, s->logits, 1.0f / cfg->logits_scaling, (size_t)cfg->vocab_size, LOOM_F32);
+    if (cfg->logits_scaling != 0.0f) /* Granite's, divided as the training forward divides its logits */
+        divide_fwd(s->logits, s->logits, cfg->logits_scaling, (size_t)cfg->vocab_size, LOOM_F32);
     return LOOM_OK;
 }
 

@@ -88,15 +88,20 @@ int loom_llama_config_same_weights(const loom_llama_config *a, const loom_llama_
            loom_llama_head_dim(a) == loom_llama_head_dim(b) && !a->qk_norm == !b->qk_norm &&
            a->n_kv_heads == b->n_kv_heads && a->ffn_dim == b->ffn_dim && a->vocab_size == b->vocab_size &&
            a->tie_embeddings == b->tie_embeddings && !a->qkv_bias == !b->qkv_bias && !a->o_bias == !b->o_bias &&
-           !a->norm_unit_offset == !b->norm_unit_offset; /* Gemma's norm weights are offsets from 1 */
+           !a->norm_unit_offset == !b->norm_unit_offset && /* Gemma's norm weights are offsets from 1 */
+           !a->fused_proj == !b->fused_proj;                /* Phi-3's files hold q, k, v in one tensor */
 }
+
+/* A multiplier's effect: 0 (none) is 1. */
+static float effective(float m) { return m != 0.0f ? m : 1.0f; }
 
 int loom_llama_config_same_model(const loom_llama_config *a, const loom_llama_config *b) {
     return loom_llama_config_same_weights(a, b) && loom_llama_config_same_rope(a, b) && a->max_seq == b->max_seq &&
            a->norm_eps == b->norm_eps && a->act == b->act && !a->scale_embeddings == !b->scale_embeddings &&
-           a->embedding_multiplier == b->embedding_multiplier && a->residual_multiplier == b->residual_multiplier &&
-           a->attention_multiplier == b->attention_multiplier && a->logits_scaling == b->logits_scaling &&
-           a->attention_dropout == b->attention_dropout;
+           effective(a->embedding_multiplier) == effective(b->embedding_multiplier) &&
+           effective(a->residual_multiplier) == effective(b->residual_multiplier) &&
+           effective(a->logits_scaling) == effective(b->logits_scaling) &&
+           loom_llama_attn_scale(a) == loom_llama_attn_scale(b) && a->attention_dropout == b->attention_dropout;
 }
 
 int loom_llama_config_same_rope(const loom_llama_config *a, const loom_llama_config *b) {
@@ -147,6 +152,9 @@ loom_status loom_llama_config_validate(const loom_llama_config *c) {
     if (loom_llama_has_multipliers(c) && (c->norm_unit_offset || c->qk_norm || (c->qkv_bias && !c->o_bias)))
         return loom_error(LOOM_ERR_INVALID, "model config: Granite's multipliers with Gemma's norms, q/k norms or "
                           "biases on q, k and v alone have no Hugging Face layout");
+    if (c->fused_proj && (c->qkv_bias || c->qk_norm || c->norm_unit_offset || loom_llama_has_multipliers(c)))
+        return loom_error(LOOM_ERR_INVALID, "model config: Phi-3's fused projections with attention biases, q/k "
+                          "norms, Gemma's norms or Granite's multipliers have no Hugging Face layout");
     return LOOM_OK;
 }
 
@@ -937,7 +945,11 @@ loom_status loom_llama_forward(loom_llama *m, const int32_t *tokens, const int32
     }
     if (st == LOOM_OK) st = loom_rmsnorm_ex(x, m->final_norm->tensor, c->norm_eps, norm_offset(c), &h);
     if (st == LOOM_OK) st = loom_fused_linear(h, m->lm_head->tensor, NULL, &logits);
-    if (st == LOOM_OK && c->logits_scaling != 0.0f) st = scale_by(&logits, 1.0f / c->logits_scaling); /* Granite's */
+    if (st == LOOM_OK && c->logits_scaling != 0.0f && c->logits_scaling != 1.0f) { /* Granite's, divided as HF does */
+        loom_tensor *l = logits;
+        st = loom_divide(l, c->logits_scaling, &logits);
+        loom_tensor_release(l);
+    }
     if (st == LOOM_OK && loss && targets) st = loom_cross_entropy(logits, targets, N, -1, loss);
     if (st == LOOM_OK && logits_out) *logits_out = loom_tensor_retain(logits);
     RELEASE(x, h, logits);

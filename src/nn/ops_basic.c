@@ -79,31 +79,47 @@ loom_status loom_mul(loom_tensor *a, loom_tensor *b, loom_tensor **out) {
 
 /* ----------------------------------------------------------------- scale */
 
+/* a times s, or divided by it (divide): the backward does the same to the
+ * gradient. */
+typedef struct scale_args {
+    float s;
+    int divide;
+} scale_args;
+
+/* out = x * s or x / s, as a says. */
+static loom_status scaled(const loom_fn_ctx *ctx, loom_tensor *x, loom_tensor **out) {
+    const scale_args *a = loom_ctx_args(ctx);
+    *out = op_new_like(x, x->dtype);
+    if (!*out) return LOOM_ERR_NOMEM;
+    (a->divide ? divide_fwd : scale_fwd)(loom_tensor_data(*out), loom_tensor_data(x), a->s,
+                                         (size_t)loom_tensor_numel(x), x->dtype);
+    return LOOM_OK;
+}
+
 static loom_status scale_forward(loom_fn_ctx *ctx, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
     (void)n_in; (void)n_out;
-    const float *s = loom_ctx_args(ctx);
-    out[0] = op_new_like(in[0], in[0]->dtype);
-    if (!out[0]) return LOOM_ERR_NOMEM;
-    scale_fwd(loom_tensor_data(out[0]), loom_tensor_data(in[0]), *s, (size_t)loom_tensor_numel(in[0]), in[0]->dtype);
-    return LOOM_OK;
+    return scaled(ctx, in[0], &out[0]);
 }
 
 static loom_status scale_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, int n_out, loom_tensor **gin, int n_in) {
     (void)n_out; (void)n_in;
-    const float *s = loom_ctx_args(ctx);
-    gin[0] = op_new_like(gout[0], gout[0]->dtype);
-    if (!gin[0]) return LOOM_ERR_NOMEM;
-    scale_fwd(loom_tensor_data(gin[0]), loom_tensor_data(gout[0]), *s, (size_t)loom_tensor_numel(gout[0]),
-              gout[0]->dtype);
-    return LOOM_OK;
+    return scaled(ctx, gout[0], &gin[0]);
 }
 
 static const loom_function scale_function = {"scale", 1, 1, 0, scale_forward, scale_backward};
 
-loom_status loom_scale(loom_tensor *a, float s, loom_tensor **out) {
+static loom_status scale_op(loom_tensor *a, float s, int divide, loom_tensor **out) {
     LOOM_TRY(op_check_contiguous("scale", "a", a));
-    return apply1(&scale_function, a, NULL, &s, sizeof s, out);
+    scale_args args;
+    memset(&args, 0, sizeof args); /* no stray padding: the arguments are copied as bytes */
+    args.s = s;
+    args.divide = divide;
+    return apply1(&scale_function, a, NULL, &args, sizeof args, out);
 }
+
+loom_status loom_scale(loom_tensor *a, float s, loom_tensor **out) { return scale_op(a, s, 0, out); }
+
+loom_status loom_divide(loom_tensor *a, float d, loom_tensor **out) { return scale_op(a, d, 1, out); }
 
 /* ------------------------------------------------------------ silu/swiglu */
 

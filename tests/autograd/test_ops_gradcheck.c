@@ -113,6 +113,7 @@ static loom_tensor *rand_tensor(int ndim, const int64_t *shape, float lo, float 
 static loom_status op_add(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_add(in[0], in[1], out); }
 static loom_status op_mul(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_mul(in[0], in[1], out); }
 static loom_status op_scale(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_scale(in[0], -1.7f, out); }
+static loom_status op_divide(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_divide(in[0], -1.7f, out); }
 static loom_status op_silu(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_silu(in[0], out); }
 static loom_status op_swiglu(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_swiglu(in[0], in[1], out); }
 static loom_status op_geglu(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_geglu(in[0], in[1], out); }
@@ -176,6 +177,8 @@ static void test_elementwise(void **state) {
     run_gradcheck(&m, "mul");
     gradcheck s = {op_scale, NULL, 1, {rand_tensor(1, SHAPE(9), -1, 1, 5)}, NULL};
     run_gradcheck(&s, "scale");
+    gradcheck dv = {op_divide, NULL, 1, {rand_tensor(1, SHAPE(9), -1, 1, 31)}, NULL};
+    run_gradcheck(&dv, "divide");
     gradcheck si = {op_silu, NULL, 1, {rand_tensor(2, SHAPE(4, 7), -3, 3, 6)}, NULL};
     run_gradcheck(&si, "silu");
     gradcheck sw = {op_swiglu, NULL, 2, {rand_tensor(2, SHAPE(4, 7), -3, 3, 7), rand_tensor(2, SHAPE(4, 7), -2, 2, 8)}, NULL};

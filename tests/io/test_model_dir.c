@@ -827,6 +827,146 @@ static void test_granite_config(void **state) {
     for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) assert_config_refused(bad[k].extra, bad[k].msg);
 }
 
+/* loom_llama_config_same_model: a copy is the same model; each field that
+ * changes the math, changed alone, is not; Granite's multipliers compare
+ * by what they do (0, none, is 1; the scale's 0 is 1/sqrt(head size)). */
+static void test_same_model(void **state) {
+    (void)state;
+    loom_llama_config a = config_of("{\"model_type\": \"granite\", \"hidden_size\": 16, \"num_hidden_layers\": 1, "
+                                    "\"num_attention_heads\": 2, \"intermediate_size\": 24, \"vocab_size\": 40, "
+                                    "\"residual_multiplier\": 0.5}");
+    loom_llama_config b = a;
+    assert_true(loom_llama_config_same_model(&a, &b));
+    for (int f = 0; f < 12; f++) {
+        b = a;
+        switch (f) {
+        case 0: b.embedding_multiplier = 2.0f; break;
+        case 1: b.residual_multiplier = 0.25f; break;
+        case 2: b.attention_multiplier = 0.5f; break;
+        case 3: b.logits_scaling = 10.0f; break;
+        case 4: b.act = LOOM_ACT_GELU_TANH; break;
+        case 5: b.scale_embeddings = 1; break;
+        case 6: b.norm_unit_offset = 1; break;
+        case 7: b.norm_eps = 1e-3f; break;
+        case 8: b.rope_theta = 500000.0f; break;
+        case 9: b.max_seq = 64; break;
+        case 10: b.attention_dropout = 0.1f; break;
+        default: b.fused_proj = 1; break;
+        }
+        if (loom_llama_config_same_model(&a, &b)) fail_msg("field %d changed alone: still the same model", f);
+    }
+    b = a;
+    b.embedding_multiplier = b.logits_scaling = 0.0f; /* none: 1 */
+    b.attention_multiplier = 0.0f;                   /* 1/sqrt(8), not Granite's 1 */
+    assert_false(loom_llama_config_same_model(&a, &b));
+    a.attention_multiplier = 1.0f / sqrtf(8.0f);
+    assert_true(loom_llama_config_same_model(&a, &b));
+}
+
+/* Phi-3's model: its config (Phi3Config's eps 1e-5 and 4096 positions
+ * when left out, no attention biases whatever the file says) read and
+ * saved as Phi-3's; its weights written as its files hold them (each
+ * layer's q, k, v rows in one qkv_proj, gate and up in one gate_up_proj,
+ * no tensor of the parts) and read back bit for bit, from one file and
+ * from shards; what loom does not compute refused by name; LoRA adapters
+ * of the fused parts have no PEFT layout, o's alone do. */
+static void test_phi3_layout(void **state) {
+    (void)state;
+    loom_llama_config c = config_of("{\"model_type\": \"phi3\", \"hidden_size\": 16, \"num_hidden_layers\": 2, "
+                                    "\"num_attention_heads\": 2, \"num_key_value_heads\": 1, "
+                                    "\"intermediate_size\": 24, \"vocab_size\": 40, \"attention_bias\": true, "
+                                    "\"resid_pdrop\": 0.0, \"partial_rotary_factor\": 1.0}");
+    assert_true(c.fused_proj && !c.qkv_bias && c.norm_eps == 1e-5f && c.max_seq == 4096);
+    loom_llama_config back = saved_and_loaded(&c);
+    assert_true(saved_text_has("Phi3ForCausalLM") && saved_text_has("\"model_type\": \"phi3\"") &&
+                !saved_text_has("attention_bias"));
+    assert_true(back.fused_proj && loom_llama_config_same_model(&c, &back));
+    back.fused_proj = 0; /* another file layout: the weights of one do not load into the other */
+    assert_false(loom_llama_config_same_weights(&c, &back));
+    static const struct { const char *extra, *msg; } bad[] = {
+        {", \"model_type\": \"phi3\", \"partial_rotary_factor\": 0.75", "partial_rotary_factor other than 1"},
+        {", \"model_type\": \"phi3\", \"resid_pdrop\": 0.1", "resid_pdrop other than 0"},
+        {", \"model_type\": \"phi3\", \"embd_pdrop\": 0.1", "embd_pdrop other than 0"},
+        {", \"model_type\": \"phi3\", \"rope_scaling\": {\"type\": \"longrope\", \"long_factor\": [1], "
+         "\"short_factor\": [1]}", "rope_scaling \"longrope\" is not supported"},
+    };
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) assert_config_refused(bad[k].extra, bad[k].msg);
+    c.max_seq = 8;
+    c.qkv_bias = 1;
+    assert_int_equal(loom_llama_config_validate(&c), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("Phi-3's fused projections with");
+    c.qkv_bias = 0;
+
+    loom_llama *m, *got;
+    loom_precision p = {LOOM_F32, 0};
+    assert_int_equal(loom_llama_new(&c, p, &m), LOOM_OK);
+    loom_llama_init_weights(m, 11);
+    assert_int_equal(loom_model_dir_save(m, LOOM_F32, NULL, io_path("phi3")), LOOM_OK);
+    loom_safetensors *sf;
+    assert_int_equal(loom_safetensors_open(io_path("phi3/model.safetensors"), &sf), LOOM_OK);
+    for (int l = 0; l < 2; l++) {
+        const loom_llama_layer *y = &m->layers[l];
+        loom_param *qkv[3] = {y->wq, y->wk, y->wv}, *gu[2] = {y->w_gate, y->w_up};
+        char name[96];
+        snprintf(name, sizeof name, "model.layers.%d.self_attn.q_proj.weight", l);
+        assert_false(loom_safetensors_has(sf, name));
+        float fused[48 * 16];
+        snprintf(name, sizeof name, "model.layers.%d.self_attn.qkv_proj.weight", l);
+        int64_t qkv_shape[2] = {16 + 8 + 8, 16}, gu_shape[2] = {48, 16};
+        assert_int_equal(loom_safetensors_read(sf, name, LOOM_F32, qkv_shape, 2, fused), LOOM_OK);
+        for (int k = 0, row = 0; k < 3; row += (int)qkv[k]->tensor->shape[0], k++)
+            assert_true(tu_bits_equal(fused + row * 16, loom_param_master(qkv[k]),
+                                      (size_t)loom_param_numel(qkv[k]) * sizeof(float), "qkv_proj's rows"));
+        snprintf(name, sizeof name, "model.layers.%d.mlp.gate_up_proj.weight", l);
+        assert_int_equal(loom_safetensors_read(sf, name, LOOM_F32, gu_shape, 2, fused), LOOM_OK);
+        for (int k = 0; k < 2; k++)
+            assert_true(tu_bits_equal(fused + k * 24 * 16, loom_param_master(gu[k]), 24 * 16 * sizeof(float),
+                                      "gate_up_proj's rows"));
+    }
+    /* the same tensors in two shards, mapped by an index */
+    char index[4096];
+    size_t len = (size_t)snprintf(index, sizeof index, "{\"weight_map\": {");
+    loom_safetensors_writer *w[2];
+    for (int k = 0; k < 2; k++) assert_int_equal(loom_safetensors_writer_init(&w[k]), LOOM_OK);
+    for (size_t i = 0; i < loom_safetensors_count(sf); i++) {
+        loom_safetensors_tensor t;
+        assert_int_equal(loom_safetensors_at(sf, i, &t), LOOM_OK);
+        assert_int_equal(loom_safetensors_writer_add(w[i % 2], t.name, t.dtype, t.shape, t.ndim, t.data), LOOM_OK);
+        len += (size_t)snprintf(index + len, sizeof index - len, "%s\"%s\": \"part-%zu.safetensors\"", i ? ", " : "",
+                                t.name, i % 2);
+    }
+    snprintf(index + len, sizeof index - len, "}}");
+    assert_int_equal(mkdir(io_path("phi3-sharded"), 0755), 0);
+    assert_int_equal(loom_safetensors_writer_write(w[0], io_path("phi3-sharded/part-0.safetensors")), LOOM_OK);
+    assert_int_equal(loom_safetensors_writer_write(w[1], io_path("phi3-sharded/part-1.safetensors")), LOOM_OK);
+    for (int k = 0; k < 2; k++) loom_safetensors_writer_free(w[k]);
+    loom_safetensors_close(sf);
+    io_write_raw(io_path("phi3-sharded/model.safetensors.index.json"), index, strlen(index));
+    assert_int_equal(loom_llama_config_save(&c, LOOM_F32, io_path("phi3-sharded/config.json")), LOOM_OK);
+    const char *dirs[2] = {"phi3", "phi3-sharded"};
+    for (int d = 0; d < 2; d++) {
+        assert_int_equal(loom_model_dir_load(io_path(dirs[d]), p, &got), LOOM_OK);
+        assert_true(got->cfg.fused_proj);
+        for (int i = 0; i < m->n_params; i++)
+            assert_true(tu_bits_equal(loom_param_master(got->params[i]), loom_param_master(m->params[i]),
+                                      (size_t)loom_param_numel(m->params[i]) * sizeof(float), m->params[i]->name));
+        loom_llama_free(got);
+    }
+    loom_lora_config lc = {.rank = 2, .alpha = 4.0f, .targets = 1u << LOOM_LORA_V | 1u << LOOM_LORA_O};
+    assert_int_equal(loom_llama_add_lora(m, &lc, 1), LOOM_OK);
+    assert_true(loom_lora_peft_unwritable(m));
+    assert_int_equal(loom_lora_save_peft(m, io_path("phi3-adapter"), NULL), LOOM_ERR_UNSUPPORTED);
+    IO_ASSERT_MSG("fused qkv_proj and gate_up_proj");
+    loom_llama_free(m);
+    c.fused_proj = 1;
+    assert_int_equal(loom_llama_new(&c, p, &m), LOOM_OK);
+    lc.targets = 1u << LOOM_LORA_O | 1u << LOOM_LORA_DOWN; /* linears Phi-3 has as they are */
+    assert_int_equal(loom_llama_add_lora(m, &lc, 1), LOOM_OK);
+    assert_false(loom_lora_peft_unwritable(m));
+    assert_int_equal(loom_lora_save_peft(m, io_path("phi3-adapter"), NULL), LOOM_OK);
+    loom_llama_free(m);
+}
+
 /* A DoRA adapter round-trips as PEFT saves one: use_dora in the config,
  * each linear's magnitudes a vector (base_model.model.<module>.
  * lora_magnitude_vector) beside A and B; loaded into the base model, the
@@ -1082,6 +1222,10 @@ static void test_gguf_refusals(void **state) {
     assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_F32, tok, io_path("scaled.gguf")), LOOM_ERR_UNSUPPORTED);
     IO_ASSERT_MSG("Granite's multipliers");
     m->cfg.logits_scaling = 0.0f;
+    m->cfg.fused_proj = 1; /* Phi-3's files */
+    assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_F32, tok, io_path("scaled.gguf")), LOOM_ERR_UNSUPPORTED);
+    IO_ASSERT_MSG("Phi-3's fused projections");
+    m->cfg.fused_proj = 0;
     /* Tokenizers llama.cpp cannot load: two ids spelling "abc", no end of text. */
     const char *dup = "{\"type\":\"loom-bpe\",\"version\":1,\"vocab_size\":261,"
                       "\"merges\":[[97,98],[256,99],[98,99],[97,258]],\"special\":{\"<|endoftext|>\":260}}";
@@ -1125,6 +1269,8 @@ int main(void) {
         cmocka_unit_test(test_bias_config),
         cmocka_unit_test(test_gemma_config),
         cmocka_unit_test(test_granite_config),
+        cmocka_unit_test(test_phi3_layout),
+        cmocka_unit_test(test_same_model),
         cmocka_unit_test(test_gguf_refusals),
     };
     return cmocka_run_group_tests(tests, io_scratch_setup, io_scratch_teardown);

@@ -1,8 +1,8 @@
 /*
- * test_elementwise.c — add/mul/scale/accumulate, sumsq/has_nonfinite,
+ * test_elementwise.c — add/mul/scale/divide/accumulate, sumsq/has_nonfinite,
  * dropout and AdamW against plain loops.
  *
- * add/mul/scale do one fp32 operation and one rounding, so a plain loop
+ * add/mul/scale/divide do one fp32 operation and one rounding, so a plain loop
  * doing the same must match bit for bit. accumulate may fuse its multiply-
  * add, so it gets one ulp of the destination dtype. Dropout's mask is
  * recomputed here from the Philox definition in kernels.h.
@@ -27,17 +27,18 @@ static void *random_dt(size_t n, loom_dtype dt, float lo, float hi, uint64_t see
 
 /* ------------------------------------------------------------ binary ops */
 
-enum { OP_ADD, OP_MUL, OP_SCALE };
+enum { OP_ADD, OP_MUL, OP_SCALE, OP_DIVIDE };
 
 static float op_ref(int op, float x, float y, float s) {
-    return op == OP_ADD ? x + y : op == OP_MUL ? x * y : x * s;
+    return op == OP_ADD ? x + y : op == OP_MUL ? x * y : op == OP_SCALE ? x * s : x / s;
 }
 
 static void run_op(int op, void *out, const void *a, const void *b, float s, size_t n,
                    loom_dtype dt) {
     if (op == OP_ADD) add_fwd(out, a, b, n, dt);
     else if (op == OP_MUL) mul_fwd(out, a, b, n, dt);
-    else scale_fwd(out, a, s, n, dt);
+    else if (op == OP_SCALE) scale_fwd(out, a, s, n, dt);
+    else divide_fwd(out, a, s, n, dt); /* by -1.37: not a multiply by its reciprocal */
 }
 
 static void check_op(int op, size_t n, loom_dtype dt, int in_place) {
@@ -55,7 +56,7 @@ static void check_op(int op, size_t n, loom_dtype dt, int in_place) {
 
 static void test_binary_ops(void **state) {
     (void)state;
-    for (int op = OP_ADD; op <= OP_SCALE; op++)
+    for (int op = OP_ADD; op <= OP_DIVIDE; op++)
         for (int d = 0; d < 3; d++)
             for (int s = 0; s < 3; s++) {
                 check_op(op, sizes[s], dtypes[d], 0);

@@ -279,23 +279,29 @@ static void test_sampling_distribution(void **state) {
     /* min-p: with logits {0, 5, 4, 3, 1} the probabilities are e^-1, e^-2,
      * e^-4, e^-5 of the largest (at T = 1): min_p 0.2 keeps ids 1 and 2
      * (drawn e^5 : e^4), 0.1 ids 1, 2 and 3, 1 the largest alone; at T = 2
-     * (e^-0.5, e^-1, e^-2, e^-2.5) 0.2 keeps 1, 2 and 3; after top-k 1, the
-     * largest. */
+     * (e^-0.5, e^-1, e^-2, e^-2.5) 0.2 keeps 1, 2 and 3. After top-p 0.9
+     * (ids 1 and 2 hold 0.895: the nucleus takes 3 too), min_p 0.1 keeps
+     * {1, 2, 3}, as Hugging Face's order does; min-p first would leave
+     * {1, 2, 3} whose nucleus at 0.9 is {1, 2}. */
     loom_sampler mp2 = {1.0f, 1.0f, 5, 0, 0, 0.0f, 0.2f}, mp1 = {1.0f, 1.0f, 5, 0, 0, 0.0f, 0.1f};
     loom_sampler mp_all = {1.0f, 1.0f, 5, 0, 0, 0.0f, 1.0f}, mp_t2 = {2.0f, 1.0f, 5, 0, 0, 0.0f, 0.2f};
-    int got2[5] = {0}, got1[5] = {0}, got_t2[5] = {0};
+    loom_sampler mp_p = {1.0f, 0.9f, 5, 0, 0, 0.0f, 0.1f};
+    int got2[5] = {0}, got1[5] = {0}, got_t2[5] = {0}, got_p[5] = {0};
     for (int i = 0; i < n; i++) {
         float a[5] = {0.0f, 5.0f, 4.0f, 3.0f, 1.0f}, b[5] = {0.0f, 5.0f, 4.0f, 3.0f, 1.0f};
         float c[5] = {0.0f, 5.0f, 4.0f, 3.0f, 1.0f}, d[5] = {0.0f, 5.0f, 4.0f, 3.0f, 1.0f};
+        float e[5] = {0.0f, 5.0f, 4.0f, 3.0f, 1.0f};
         got2[loom_sample(a, 5, &mp2, (uint64_t)i)]++;
         got1[loom_sample(b, 5, &mp1, (uint64_t)i)]++;
         got_t2[loom_sample(d, 5, &mp_t2, (uint64_t)i)]++;
+        got_p[loom_sample(e, 5, &mp_p, (uint64_t)i)]++;
         assert_int_equal(loom_sample(c, 5, &mp_all, (uint64_t)i), 1);
     }
     assert_true(got2[0] + got2[3] + got2[4] == 0 && got2[1] > 0 && got2[2] > 0);
     assert_true(fabs((double)got2[1] / n - p1) < 4.0 * sqrt(p1 * (1.0 - p1) / n) + 1e-3);
     assert_true(got1[0] + got1[4] == 0 && got1[3] > 0);
     assert_true(got_t2[0] + got_t2[4] == 0 && got_t2[3] > 0);
+    assert_true(got_p[0] + got_p[4] == 0 && got_p[3] > 0);
     loom_sampler bad_mp = {1.0f, 1.0f, 5, 0, 0, 0.0f, 1.5f};
     int32_t tok[3] = {1, 2, 3}, o[2];
     int n_o;

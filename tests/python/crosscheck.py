@@ -16,7 +16,8 @@ Configs with biases: qwen2 (q, k, v) and attention-bias (q, k, v, o);
 head-dim has heads of their own size (q and o wider than the model); qwen3
 normalizes each query and key head (and has DoRA checked too); gemma is
 Gemma's model (norms of 1 + weight, scaled embeddings, the tanh GELU);
-granite has Granite's four multipliers.
+granite has Granite's four multipliers; phi3 reads and writes Phi-3's fused
+qkv_proj and gate_up_proj.
 Prints a table of the errors and exits 1 on any mismatch.
 
 Usage: /usr/bin/python3 crosscheck.py --loom build/loom --workdir DIR
@@ -78,11 +79,16 @@ CONFIGS = {
               "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 96, "vocab_size": VOCAB,
               "max_position_embeddings": 32, "rms_norm_eps": 1e-6, "hidden_act": "gelu"},
     # Granite's model: the embeddings times 12, each block's outputs times 0.22 before their residual adds, the
-    # scores times 0.0625 (not 1/sqrt(16)), the logits divided by 8 (Granite 3.1 2B's, but for the scale), tied
+    # scores times 0.0625 (not 1/sqrt(16)), the logits divided by 10 (not a power of two), tied
     "granite": {"model_type": "granite", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                 "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 32,
                 "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "embedding_multiplier": 12.0,
-                "residual_multiplier": 0.22, "attention_multiplier": 0.0625, "logits_scaling": 8.0},
+                "residual_multiplier": 0.22, "attention_multiplier": 0.0625, "logits_scaling": 10.0},
+    # Phi-3's model: LLaMA's, in files whose q, k, v are one qkv_proj and gate, up one gate_up_proj; its
+    # rms_norm_eps left out (Phi3Config's 1e-5), a sliding window past the context, untied
+    "phi3": {"model_type": "phi3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 32,
+             "sliding_window": 47, "tie_word_embeddings": False, "resid_pdrop": 0.0, "embd_pdrop": 0.0},
     # LLaMA's attention_bias: q, k, v and o
     "attention-bias": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                        "intermediate_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 32,

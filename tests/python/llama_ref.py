@@ -138,7 +138,9 @@ class Config:
         self.max_seq = d.get("max_position_embeddings", 2048)
         self.rope_theta = float(d.get("rope_theta", 10000.0))
         self.rope_scaling = d.get("rope_scaling")
-        self.norm_eps = float(d.get("rms_norm_eps", 1e-6))
+        # Phi-3's files fuse q, k, v (qkv_proj) and gate, up (gate_up_proj); Phi3Config's eps is 1e-5
+        self.fused = d.get("model_type") == "phi3"
+        self.norm_eps = float(d.get("rms_norm_eps", 1e-5 if self.fused else 1e-6))
         self.tie = bool(d.get("tie_word_embeddings", False))
         # Qwen 2's attention has biases on q, k and v; LLaMA's attention_bias puts them on o too
         # Qwen 3's: a norm of each query and key head before RoPE, LLaMA's attention_bias, head_dim 128 by default
@@ -191,11 +193,41 @@ class Config:
         return s
 
 
+FUSED = (("self_attn.qkv_proj.weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                          "self_attn.v_proj.weight")),
+         ("mlp.gate_up_proj.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")))
+
+
+def fuse(cfg, tensors):
+    """Phi-3's file layout of {name: tensor}: each layer's q, k, v rows in one qkv_proj, gate and up in one
+    gate_up_proj."""
+    out = dict(tensors)
+    for l in range(cfg.n_layers):
+        p = f"model.layers.{l}."
+        for fused, parts in FUSED:
+            out[p + fused] = torch.cat([out.pop(p + q) for q in parts], dim=0)
+    return out
+
+
+def unfuse(cfg, tensors):
+    """The parts of Phi-3's fused tensors, by their shapes in cfg.param_shapes()."""
+    out, shapes = dict(tensors), cfg.param_shapes()
+    for l in range(cfg.n_layers):
+        p = f"model.layers.{l}."
+        for fused, parts in FUSED:
+            rows = [shapes[p + q][0] for q in parts]
+            for q, t in zip(parts, torch.split(out.pop(p + fused), rows, dim=0)):
+                out[p + q] = t.contiguous()
+    return out
+
+
 def load_model_dir(path):
     """(Config, {name: fp32 leaf tensor}) from config.json + model.safetensors."""
     with open(f"{path}/config.json") as f:
         cfg = Config(json.load(f))
     tensors, _ = read_safetensors(f"{path}/model.safetensors")
+    if cfg.fused:
+        tensors = unfuse(cfg, tensors)
     params = {}
     for name, shape in cfg.param_shapes().items():
         t = tensors[name].float()
@@ -225,11 +257,12 @@ def make_model_dir(d, config, rng, embed_std=0.02):
         else:
             w = rng.standard_normal(shape) / np.sqrt(shape[1])
         tensors[name] = torch.from_numpy(w.astype(np.float32))
-    write_safetensors(os.path.join(d, "model.safetensors"), tensors, {"format": "pt"})
+    write_safetensors(os.path.join(d, "model.safetensors"), fuse(cfg, tensors) if cfg.fused else tensors,
+                      {"format": "pt"})
     with open(os.path.join(d, "config.json"), "w") as f:
         mt = config.get("model_type", "llama")
         arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "gemma": "GemmaForCausalLM", "granite": "GraniteForCausalLM"}[mt]
+                "gemma": "GemmaForCausalLM", "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM"}[mt]
         act = config.get("hidden_act", "gelu" if mt == "gemma" else "silu")  # Gemma 1.0's files say "gelu"
         json.dump(dict(config, architectures=[arch], model_type=mt, hidden_act=act,
                        torch_dtype="float32"), f, indent=2)

@@ -109,7 +109,8 @@ cmp -s "$WORK/hf/model.safetensors" "$WORK/unsharded/model.safetensors" || fail 
 for q in 'qwen2 "model_type": "qwen2", "tie_word_embeddings": true' \
          'qwen3 "model_type": "qwen3", "head_dim": 24, "tie_word_embeddings": true' \
          'gemma "model_type": "gemma", "head_dim": 24' \
-         'granite "model_type": "granite", "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0625, "logits_scaling": 8.0, "tie_word_embeddings": true'; do
+         'granite "model_type": "granite", "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0625, "logits_scaling": 8.0, "tie_word_embeddings": true' \
+         'phi3 "model_type": "phi3", "tie_word_embeddings": true'; do
   v=${q%% *}
   config_plus "$WORK/$v.json" "$WORK/cfg.json" "${q#* }"
   "$LOOM" train --data "$WORK/data" --config "$WORK/$v.json" --steps 3 --batch 2 --seq 32 --lr 1e-2 \
@@ -119,7 +120,7 @@ import json, struct, sys
 d, v = sys.argv[1], sys.argv[2]
 c = json.load(open(f"{d}/config.json"))
 cls = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
-       "granite": "GraniteForCausalLM"}[v]
+       "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM"}[v]
 assert c["model_type"] == v and c["architectures"] == [cls], c
 raw = open(f"{d}/model.safetensors", "rb").read()
 n = struct.unpack("<Q", raw[:8])[0]
@@ -139,6 +140,12 @@ for l in range(c["num_hidden_layers"]):
         for w in "qk":
             assert any(x != 1 for x in values(p + f"{w}_norm.weight")), f"layer {l} {w}_norm did not train"
         assert p + "q_proj.bias" not in hdr
+    elif v == "phi3":  # the files' fused projections: q, k, v rows in one tensor, gate and up in one
+        C, F = c["hidden_size"], c["intermediate_size"]
+        hs = C // c["num_attention_heads"]
+        assert hdr[p + "qkv_proj.weight"]["shape"] == [C + 2 * c["num_key_value_heads"] * hs, C]
+        assert hdr[f"model.layers.{l}.mlp.gate_up_proj.weight"]["shape"] == [2 * F, C]
+        assert p + "q_proj.weight" not in hdr and f"model.layers.{l}.mlp.up_proj.weight" not in hdr
     elif v == "granite":
         assert (c["embedding_multiplier"], c["residual_multiplier"], c["attention_multiplier"], c["logits_scaling"]) \
             == (12.0, 0.22, 0.0625, 8.0), c
@@ -160,6 +167,14 @@ PY
   "$LOOM" train --data "$WORK/data" --init "$WORK/$v-hf" --steps 1 --batch 2 --seq 32 --out "$WORK/$v-ft" \
     2>/dev/null || fail "train --init a $v export"
 done
+# LoRA on Phi-3's fused q, k, v: the merged model is written, and a note
+# says why there is no PEFT adapter directory (PEFT adapts qkv_proj whole).
+"$LOOM" train --data "$WORK/data" --init "$WORK/phi3-hf" --lora 4 --lora-targets q,v --steps 1 --batch 2 \
+  --seq 32 --out "$WORK/phi3-lora" 2>"$WORK/phi3-lora.log" || { cat "$WORK/phi3-lora.log"; fail "LoRA on Phi-3"; }
+grep -q "no PEFT adapter directory is written" "$WORK/phi3-lora.log" || { cat "$WORK/phi3-lora.log"; fail "no note"; }
+[ -d "$WORK/phi3-lora/adapter" ] && fail "a PEFT adapter directory for Phi-3's fused q, k, v"
+"$LOOM" eval --model "$WORK/phi3-lora/model" --data "$WORK/data" --batch 2 --seq 32 >/dev/null 2>&1 ||
+  fail "eval the merged Phi-3 model"
 # A build without MPI started as one of several processes refuses, instead of
 # every process training alone into the same --out.
 if grep -q "MPI: no" <<<"$("$LOOM" --version)"; then

@@ -325,7 +325,8 @@ $CMP "$WORK/gq.st" "$WORK/g1.st" --rtol 1e-4 >/dev/null || fail "TP=2 --recomput
 # passes the gradient audit.
 for kind in '"model_type": "qwen2"' '"attention_bias": true' '"head_dim": 24, "attention_bias": true' \
             '"model_type": "qwen3", "head_dim": 24' '"model_type": "gemma", "head_dim": 24' \
-            '"model_type": "granite", "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0625, "logits_scaling": 8.0'; do
+            '"model_type": "granite", "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0625, "logits_scaling": 8.0' \
+            '"model_type": "phi3"'; do
   config_plus "$WORK/bias.json" "$WORK/cfg.json" "$kind"
   rm -rf "$WORK/biased" "$WORK/b1" "$WORK/b2" "$WORK/ba"
   $PY - "$WORK/bias.json" "$WORK/biased" "$SRC/tests/python" <<'PYEOF' || fail "no biased model ($kind)"
@@ -335,7 +336,8 @@ sys.path.insert(0, sys.argv[3])
 import llama_ref as ref
 ref.make_model_dir(sys.argv[2], json.load(open(sys.argv[1])), np.random.default_rng(5))
 PYEOF
-  grep -q -e "q_proj.bias" -e "q_norm" "$WORK/biased/model.safetensors" || [[ $kind == *gemma* || $kind == *granite* ]] ||
+  grep -q -e "q_proj.bias" -e "q_norm" -e "qkv_proj" "$WORK/biased/model.safetensors" ||
+    [[ $kind == *gemma* || $kind == *granite* ]] ||
     fail "the model has no biases ($kind)"
   BI=(--data "$WORK/data" --init "$WORK/biased" --seq 16 --eval-every 0 --threads 1 --batch 2 --precision fp32)
   for rc in none full; do
@@ -350,6 +352,17 @@ PYEOF
   timeout 300 $MPI "$LOOM" train "${BI[@]}" --steps 2 --tp 2 --recompute full --check-grads --out "$WORK/ba" \
     2>"$WORK/ba.log" || { cat "$WORK/ba.log"; fail "biases ($kind), TP=2: --check-grads failed"; }
 done
+
+# Phi-3's fused tensors written under TP=2 (q, k and v each gathered in
+# turn into one qkv_proj) hold one process's weights.
+config_plus "$WORK/phi3.json" "$WORK/cfg.json" '"model_type": "phi3"'
+P3=(--data "$WORK/data" --config "$WORK/phi3.json" --seq 16 --eval-every 0 --threads 1 --batch 2 --steps 2 --precision fp32)
+"$LOOM" train "${P3[@]}" --out "$WORK/p31" 2>/dev/null || fail "Phi-3: one process"
+timeout 300 $MPI "$LOOM" train "${P3[@]}" --tp 2 --out "$WORK/p32" 2>"$WORK/p32.log" ||
+  { cat "$WORK/p32.log"; fail "Phi-3: TP=2"; }
+grep -q "qkv_proj" "$WORK/p32/model/model.safetensors" || fail "Phi-3: TP=2 wrote no fused qkv_proj"
+$CMP "$WORK/p32/model/model.safetensors" "$WORK/p31/model/model.safetensors" --rtol 1e-4 >/dev/null ||
+  fail "Phi-3: the model TP=2 saved differs from one process's"
 
 # Tied embeddings (the embedding split by vocabulary under TP, and used
 # again as the lm_head): TP=2 gradients equal one process's, ZeRO-1 equals
