@@ -561,10 +561,12 @@ static loom_status train_loop(trainer *t) {
                               "%s` writes the model without training further, or `loom export --model %s/ckpt-%08d "
                               "--out DIR` writes it elsewhere", loom_last_error(), o->out, o->out, t->state.step);
     }
-    if (t->m->lora.rank && loom_lora_peft_unwritable(t->m) && t->leader)
-        fprintf(stderr, "train: the LoRA adapters are merged into %s; PEFT adapts Phi-3's fused qkv_proj and "
-                "gate_up_proj as one module each, so no PEFT adapter directory is written\n", model_dir);
-    else if (t->m->lora.rank && t->dist.dp_rank == 0) { /* the adapters alone too, for PEFT */
+    if (t->m->lora.rank && loom_lora_peft_unwritable(t->m)) { /* on every rank: none writes one */
+        if (t->leader)
+            fprintf(stderr, "train: the LoRA adapters are merged into %s; PEFT adapts Phi-3's fused qkv_proj and "
+                    "gate_up_proj as one module each, and loom does not write its adapters of their parts in that "
+                    "layout, so no PEFT adapter directory is written\n", model_dir);
+    } else if (t->m->lora.rank && t->dist.dp_rank == 0) { /* the adapters alone too, for PEFT */
         char adapter_dir[4200];
         snprintf(adapter_dir, sizeof adapter_dir, "%s/adapter", o->out);
         /* The base model's directory as an absolute path (null when resumed: the checkpoint does not know it). */

@@ -56,6 +56,12 @@ loom_status train_agree_model(loom_comm *world, const loom_llama_config *c) {
                       (double)c->attention_multiplier, (double)c->logits_scaling, c->fused_proj);
     uint32_t hc = 2166136261u; /* FNV-1a */
     for (int k = 0; k < rl && k < (int)sizeof rec; k++) hc = (hc ^ (unsigned char)rec[k]) * 16777619u;
+    /* longrope's factors and attention factor, byte by byte */
+    const float *parts[3] = {c->rope_short, c->rope_long, &c->rope_attention_factor};
+    size_t counts[3] = {(size_t)c->rope_n_ext, (size_t)c->rope_n_ext, 1};
+    for (int p = 0; c->rope_type == LOOM_ROPE_LONGROPE && p < 3; p++)
+        for (size_t k = 0; k < counts[p] * sizeof(float) && counts[p] <= LOOM_ROPE_EXT_MAX; k++)
+            hc = (hc ^ ((const unsigned char *)parts[p])[k]) * 16777619u;
     int cfg = (int)(hc & 0x7fffffff);
     int v[2] = {cfg, -cfg};
     LOOM_TRY(loom_comm_allreduce_max_int(world, v, 2));

@@ -28,8 +28,14 @@ extern "C" {
 /* Read config.json (Hugging Face names: hidden_size, num_hidden_layers,
  * num_attention_heads, num_key_value_heads, intermediate_size, vocab_size,
  * max_position_embeddings, rope_theta, rms_norm_eps, tie_word_embeddings,
- * rope_scaling: null, "default", "linear" (factor) or "llama3" (factor,
- * low_freq_factor, high_freq_factor, original_max_position_embeddings);
+ * rope_scaling: null, "default", "linear" (factor), "llama3" (factor,
+ * low_freq_factor, high_freq_factor, original_max_position_embeddings) or
+ * "longrope" / "su" (Phi-3's short_factor and long_factor, head size / 2
+ * each, original_max_position_embeddings at the top of the file or in it,
+ * attention_factor where given, else Hugging Face's from the two
+ * contexts; max_seq stops at the original context, below which Hugging
+ * Face uses the short factors, and a saved config says the file's contexts
+ * again, loom's as a sliding_window when shorter);
  * or transformers v5's rope_parameters, which holds rope_theta and the
  * scaling, and must agree with them when a file has both).
  * Optional fields absent from the file take LlamaConfig's defaults:
@@ -136,9 +142,11 @@ loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokeni
  * adapters), LOOM_ERR_UNSUPPORTED (loom_lora_peft_unwritable), LOOM_ERR_IO,
  * LOOM_ERR_NOMEM. */
 loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base_model);
-/* 1 when m's adapters have no PEFT layout: a Phi-3 model (fused_proj) whose
- * adapters adapt q, k, v, gate or up apart, which PEFT adapts as one fused
- * module (qkv_proj, gate_up_proj). Its merged model saves as any other. */
+/* 1 when loom does not write m's adapters in PEFT's layout: a Phi-3 model
+ * (fused_proj) whose adapters adapt q, k, v, gate or up apart, which PEFT
+ * adapts as one fused module each (qkv_proj, gate_up_proj; separate
+ * adapters would be one block-diagonal adapter of rank 3r there, which
+ * loom does not write). Its merged model saves as any other. */
 int loom_lora_peft_unwritable(const loom_llama *m);
 /* A PEFT LoRA adapter directory's setting, from its adapter_config.json:
  * r, lora_alpha (PEFT's default 8), target_modules and lora_dropout.

@@ -260,13 +260,22 @@ int loom_get_threads(void);
  *    f / factor where w > original_max_pos / low_freq_factor, f where
  *    w < original_max_pos / high_freq_factor, and between them
  *    (1 - s) f / factor + s f, s = (original_max_pos / w - low_freq_factor) /
- *    (high_freq_factor - low_freq_factor). */
-typedef enum loom_rope_type { LOOM_ROPE_DEFAULT = 0, LOOM_ROPE_LINEAR = 1, LOOM_ROPE_LLAMA3 = 2 } loom_rope_type;
+ *    (high_freq_factor - low_freq_factor);
+ *  - LOOM_ROPE_LONGROPE (Phi-3's, for positions up to its original
+ *    context): 1 / (ext[i] theta^(2i/HS)), ext its short_factor, and the
+ *    cosines and sines times attention_factor. */
+typedef enum loom_rope_type {
+    LOOM_ROPE_DEFAULT = 0, LOOM_ROPE_LINEAR = 1, LOOM_ROPE_LLAMA3 = 2, LOOM_ROPE_LONGROPE = 3
+} loom_rope_type;
+#define LOOM_ROPE_EXT_MAX 256 /* LONGROPE: frequencies a head may have (a head size of 512) */
 typedef struct loom_rope_freqs {
     float theta;
     loom_rope_type type;
     float factor, low_freq_factor, high_freq_factor; /* factor: LINEAR and LLAMA3; the others: LLAMA3 */
     int original_max_pos;                           /* LLAMA3 */
+    float attention_factor;                         /* LONGROPE: cos and sin times it */
+    int n_ext;                                      /* LONGROPE: HS / 2 factors in ext */
+    float ext[LOOM_ROPE_EXT_MAX];
 } loom_rope_freqs;
 
 #ifdef __cplusplus

@@ -1,7 +1,7 @@
 /*
  * model_dir.c — model directories in the Hugging Face layout: config.json
  * and model.safetensors with Hugging Face LLaMA names (loom's parameter
- * names are those names). Must never: leave a half-written file (every
+ * names are those names, but for Phi-3's fused tensors: file_slot_of). Must never: leave a half-written file (every
  * write is atomic) or a directory whose files come from two saves (all are
  * written before any replaces its old one), or load a tensor whose shape
  * differs from the config.
@@ -241,17 +241,86 @@ static loom_status apply_window(json_t *root, const char *path, loom_llama_confi
  * "llama3" (factor, low_freq_factor, high_freq_factor,
  * original_max_position_embeddings); the others change the math in ways
  * loom does not implement and are refused by name. */
-static loom_status parse_rope_scaling(json_t *rs, const char *path, const char *what, loom_llama_config *c) {
+/* n factors from the JSON array `key` of rs into f; the count in *n (0
+ * when absent: an error for the caller). */
+static loom_status read_factors(json_t *rs, const char *key, const char *path, const char *what, float *f, int *n) {
+    json_t *a = json_object_get(rs, key);
+    *n = 0;
+    if (!json_is_array(a) || json_array_size(a) == 0 || json_array_size(a) > LOOM_ROPE_EXT_MAX)
+        return loom_error(LOOM_ERR_FORMAT, "%s: %s longrope needs \"%s\", a list of 1 to %d numbers", path, what, key,
+                          LOOM_ROPE_EXT_MAX);
+    for (size_t i = 0; i < json_array_size(a); i++) {
+        json_t *v = json_array_get(a, i);
+        float x = json_is_number(v) ? (float)json_number_value(v) : NAN;
+        if (!(x > 0.0f) || !isfinite(x))
+            return loom_error(LOOM_ERR_FORMAT, "%s: %s \"%s\" holds %s at %zu; factors are positive numbers", path,
+                              what, key, json_is_number(v) ? "a value that is not" : "something that is not a number", i);
+        f[i] = x;
+    }
+    *n = (int)json_array_size(a);
+    return LOOM_OK;
+}
+
+/* Phi-3's longrope, as Hugging Face computes it for positions up to the
+ * original context (original_max_position_embeddings, at the top of the
+ * file as Phi-3's have it, or in rs): frequencies divided by its
+ * short_factor, cosines and sines times attention_factor (given, else
+ * sqrt(1 + ln(s) / ln(original)) with s = max_position_embeddings /
+ * original, 1 when s <= 1). Its long_factor, for longer contexts, is kept
+ * to be saved again: loom's context stops at the original one. */
+static loom_status parse_longrope(json_t *root, json_t *rs, const char *path, const char *what,
+                                  loom_llama_config *c) {
+    int ns, nl, hs = loom_llama_head_dim(c);
+    LOOM_TRY(read_factors(rs, "short_factor", path, what, c->rope_short, &ns));
+    LOOM_TRY(read_factors(rs, "long_factor", path, what, c->rope_long, &nl));
+    if (ns != nl || ns != hs / 2)
+        return loom_error(LOOM_ERR_FORMAT, "%s: %s longrope has %d short and %d long factors; a head of %d needs %d "
+                          "of each", path, what, ns, nl, hs, hs / 2);
+    json_t *top = json_object_get(root, "original_max_position_embeddings");
+    json_t *orig = top ? top : json_object_get(rs, "original_max_position_embeddings");
+    if (!json_is_integer(orig) || json_integer_value(orig) <= 0 || json_integer_value(orig) > (1 << 30))
+        return loom_error(LOOM_ERR_FORMAT, "%s: longrope needs original_max_position_embeddings, a positive integer "
+                          "(the context the short factors are for)", path);
+    int original = (int)json_integer_value(orig);
+    double factor = 1.0;
+    json_t *fv = json_object_get(rs, "factor");
+    if (top) factor = (double)c->max_seq / original; /* Phi-3's: the file's context over the original */
+    else if (fv && !json_is_null(fv)) factor = json_is_number(fv) ? json_number_value(fv) : -1.0;
+    if (!(factor > 0.0) || factor > 1e6)
+        return loom_error(LOOM_ERR_FORMAT, "%s: %s longrope's factor must be a positive number", path, what);
+    json_t *av = json_object_get(rs, "attention_factor");
+    double af = factor <= 1.0 ? 1.0 : sqrt(1.0 + log(factor) / log((double)original));
+    if (av && !json_is_null(av)) af = json_is_number(av) ? json_number_value(av) : -1.0;
+    if (!(af > 0.0) || !isfinite((float)af))
+        return loom_error(LOOM_ERR_FORMAT, "%s: %s longrope's attention_factor must be a positive number", path, what);
+    c->rope_type = LOOM_ROPE_LONGROPE;
+    c->rope_n_ext = ns;
+    c->rope_original_max_pos = original;
+    c->rope_factor = factor < 1.0 ? 1.0f : (float)factor;
+    c->rope_attention_factor = (float)af;
+    return LOOM_OK;
+}
+
+static loom_status parse_rope_scaling(json_t *root, json_t *rs, const char *path, const char *what,
+                                      loom_llama_config *c) {
     json_t *t1 = json_object_get(rs, "type"), *t2 = json_object_get(rs, "rope_type"), *t = t1 ? t1 : t2;
     if (!json_is_string(t))
         return loom_error(LOOM_ERR_FORMAT, "%s: %s must be null or an object with a \"rope_type\"", path, what);
     const char *type = json_string_value(t);
     if (t1 && t2 && !json_equal(t1, t2))
         return loom_error(LOOM_ERR_FORMAT, "%s: %s has \"type\" and \"rope_type\" that disagree", path, what);
+    json_t *prf = json_object_get(rs, "partial_rotary_factor"); /* where transformers v5 keeps it */
+    if (prf && !json_is_null(prf) && !(json_is_number(prf) && json_number_value(prf) == 1.0))
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: %s's partial_rotary_factor other than 1 (RoPE on part of each "
+                          "head) is not supported by loom", path, what);
     if (!strcmp(type, "default")) return LOOM_OK;
+    if (!strcmp(type, "longrope") || !strcmp(type, "su")) return parse_longrope(root, rs, path, what, c);
+    if (is_phi3(root)) /* Phi3Config takes no other */
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: %s \"%s\" on a Phi-3 model (Phi-3's take longrope or none)",
+                          path, what, type);
     if (strcmp(type, "linear") && strcmp(type, "llama3"))
-        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: %s \"%s\" is not supported by loom (default, linear and llama3 "
-                          "are)", path, what, type);
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: %s \"%s\" is not supported by loom (default, linear, llama3 and "
+                          "longrope are)", path, what, type);
     c->rope_type = strcmp(type, "linear") ? LOOM_ROPE_LLAMA3 : LOOM_ROPE_LINEAR;
     static const char *const need[] = {"factor", "low_freq_factor", "high_freq_factor",
                                        "original_max_position_embeddings"};
@@ -278,16 +347,16 @@ static loom_status get_rope(json_t *root, const char *path, loom_llama_config *c
     if (rs && !json_is_null(rs)) {
         if (!json_is_object(rs))
             return loom_error(LOOM_ERR_FORMAT, "%s: rope_scaling must be null or an object with a \"rope_type\"", path);
-        LOOM_TRY(parse_rope_scaling(rs, path, "rope_scaling", c));
+        LOOM_TRY(parse_rope_scaling(root, rs, path, "rope_scaling", c));
     }
     if (!rp || json_is_null(rp)) return LOOM_OK;
     if (!json_is_object(rp)) return loom_error(LOOM_ERR_FORMAT, "%s: rope_parameters must be an object", path);
     loom_llama_config v5 = *c;
     v5.rope_type = LOOM_ROPE_DEFAULT;
-    v5.rope_factor = v5.rope_low_freq_factor = v5.rope_high_freq_factor = 0.0f;
-    v5.rope_original_max_pos = 0;
+    v5.rope_factor = v5.rope_low_freq_factor = v5.rope_high_freq_factor = v5.rope_attention_factor = 0.0f;
+    v5.rope_original_max_pos = v5.rope_n_ext = 0;
     LOOM_TRY(get_float(rp, path, "rope_theta", &v5.rope_theta));
-    LOOM_TRY(parse_rope_scaling(rp, path, "rope_parameters", &v5));
+    LOOM_TRY(parse_rope_scaling(root, rp, path, "rope_parameters", &v5));
     int said = json_object_get(root, "rope_theta") || (rs && !json_is_null(rs));
     if (said && !loom_llama_config_same_rope(&v5, c))
         return loom_error(LOOM_ERR_FORMAT, "%s: rope_parameters and rope_theta/rope_scaling disagree", path);
@@ -326,6 +395,9 @@ loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
     }
     if (st == LOOM_OK) st = read_architecture(root, path, c);
     if (st == LOOM_OK) st = get_rope(root, path, c);
+    /* longrope's short factors hold up to its original context: loom's stops there (parse_longrope) */
+    if (st == LOOM_OK && c->rope_type == LOOM_ROPE_LONGROPE && c->max_seq > c->rope_original_max_pos)
+        c->max_seq = c->rope_original_max_pos;
     if (st == LOOM_OK) st = apply_window(root, path, c);
     json_decref(root);
     if (st == LOOM_OK && loom_llama_config_validate(c) != LOOM_OK)
@@ -342,6 +414,42 @@ static double dec(float x) {
         if ((float)strtod(buf, NULL) == x) return strtod(buf, NULL);
     }
     return (double)x;
+}
+
+/* Phi-3's longrope as its files have it: rope_scaling with the short and
+ * long factors (and the attention factor when it is not the one Hugging
+ * Face computes from the contexts), the original context at the top of the
+ * file and the one it extends to as max_position_embeddings; loom's
+ * context, when shorter than the original, as a sliding window (the same
+ * model up to it). 0 when JSON cannot be built. */
+static int save_longrope(json_t *root, const loom_llama_config *c) {
+    json_t *rs = json_pack("{s:s}", "type", "longrope"), *sf = json_array(), *lf = json_array();
+    int ok = rs && sf && lf;
+    for (int i = 0; ok && i < c->rope_n_ext; i++)
+        ok = !json_array_append_new(sf, json_real(dec(c->rope_short[i]))) &&
+             !json_array_append_new(lf, json_real(dec(c->rope_long[i])));
+    if (!ok) {
+        json_decref(rs);
+        json_decref(sf);
+        json_decref(lf);
+        return 0;
+    }
+    ok = !json_object_set_new(rs, "short_factor", sf) && !json_object_set_new(rs, "long_factor", lf);
+    long max_pos = lrint((double)c->rope_factor * c->rope_original_max_pos);
+    double factor = (double)max_pos / c->rope_original_max_pos;
+    float af = (float)(factor <= 1.0 ? 1.0 : sqrt(1.0 + log(factor) / log((double)c->rope_original_max_pos)));
+    if (ok && af != c->rope_attention_factor)
+        ok = !json_object_set_new(rs, "attention_factor", json_real(dec(c->rope_attention_factor)));
+    if (!ok) {
+        json_decref(rs);
+        return 0;
+    }
+    ok = !json_object_set_new(root, "rope_scaling", rs) &&
+         !json_object_set_new(root, "max_position_embeddings", json_integer(max_pos)) &&
+         !json_object_set_new(root, "original_max_position_embeddings", json_integer(c->rope_original_max_pos));
+    if (ok && c->max_seq < (max_pos < c->rope_original_max_pos ? max_pos : c->rope_original_max_pos))
+        ok = !json_object_set_new(root, "sliding_window", json_integer(c->max_seq));
+    return ok;
 }
 
 loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, const char *path) {
@@ -374,10 +482,14 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
                              dt == LOOM_F32 ? "float32" : dt == LOOM_BF16 ? "bfloat16" : "float16",
                              "initializer_range", 0.02);
     int ok = root != NULL;
+    /* Phi3Config's default pad id, 32000, is an embedding row Hugging Face's model refuses below that vocabulary
+     * (and keeps untrained): loom trains every row */
+    if (ok && phi3) ok = !json_object_set_new(root, "pad_token_id", json_null());
     if (ok && !qwen2 && !phi3) /* Qwen 2's class has biases on q, k and v whatever the file says, Phi-3's none */
         ok = !json_object_set_new(root, "attention_bias", json_boolean(c->o_bias));
     if (ok && (qwen2 || qwen3)) ok = !json_object_set_new(root, "use_sliding_window", json_false());
-    if (ok && c->rope_type != LOOM_ROPE_DEFAULT) { /* as Hugging Face's own files write each */
+    if (ok && c->rope_type == LOOM_ROPE_LONGROPE) ok = save_longrope(root, c);
+    else if (ok && c->rope_type != LOOM_ROPE_DEFAULT) { /* as Hugging Face's own files write each */
         json_t *rs = c->rope_type == LOOM_ROPE_LINEAR
                          ? json_pack("{s:s, s:f}", "type", "linear", "factor", dec(c->rope_factor))
                          : json_pack("{s:s, s:f, s:f, s:f, s:i}", "rope_type", "llama3", "factor",
@@ -497,11 +609,11 @@ static loom_status fill_fused(void *user, void *dst, size_t n_bytes) {
         int64_t fs[2];
         loom_llama_param_full_shape(l->m, l[k].i, fs);
         size_t b = (size_t)(fs[0] * fs[1]) * loom_dtype_size(l->dt);
-        loom_status g = b <= left ? fill_weight(&l[k], out, b)
-                                  : loom_error(LOOM_ERR_INVALID, "save weights: a fused tensor's parts overflow it");
+        LOOM_ASSERT(b <= left); /* the tensor was sized as its parts' rows (file_slot_of) */
+        loom_status g = fill_weight(&l[k], out, b);
         if (st == LOOM_OK) st = g;
-        out += b <= left ? b : 0;
-        left -= b <= left ? b : 0;
+        out += b;
+        left -= b;
     }
     return st;
 }
@@ -604,7 +716,11 @@ static loom_status load_param(loom_llama *m, int i, const loom_safetensors *sf, 
     loom_status st = f.parts > 1 ? loom_safetensors_read_rows(sf, f.name, LOOM_F32, f.rows, fs[1], f.row0, fs[0], full)
                                  : loom_safetensors_read(sf, p->name, LOOM_F32, fs, p->tensor->ndim, full);
     if (st != LOOM_OK) st = loom_error(st, "%s (the config and the weights disagree)", loom_last_error());
-    if (st == LOOM_OK) st = io_check_finite(full, (size_t)(fs[0] * fs[1]), path, f.name);
+    char what[320]; /* a fused tensor's part: its rows, where the element index counts from */
+    if (f.parts > 1) snprintf(what, sizeof what, "%s (rows %lld..%lld, counted from the first)", f.name,
+                              (long long)f.row0, (long long)(f.row0 + fs[0]));
+    else snprintf(what, sizeof what, "%s", f.name);
+    if (st == LOOM_OK) st = io_check_finite(full, (size_t)(fs[0] * fs[1]), path, what);
     if (st == LOOM_OK) loom_llama_param_scatter(m, i, full);
     free(full);
     return st;
@@ -752,10 +868,11 @@ loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokeni
 
 /* The adapter files, from each adapter's whole fp32 values (whole[k] for
  * parameter n_base + k). */
-int loom_lora_peft_unwritable(const loom_llama *m) {
-    unsigned fused = 1u << LOOM_LORA_Q | 1u << LOOM_LORA_K | 1u << LOOM_LORA_V | 1u << LOOM_LORA_GATE | 1u << LOOM_LORA_UP;
-    return m->cfg.fused_proj && (m->lora.targets & fused);
-}
+/* The LoRA targets Phi-3's files fuse (qkv_proj, gate_up_proj). */
+static const unsigned fused_targets =
+    1u << LOOM_LORA_Q | 1u << LOOM_LORA_K | 1u << LOOM_LORA_V | 1u << LOOM_LORA_GATE | 1u << LOOM_LORA_UP;
+
+int loom_lora_peft_unwritable(const loom_llama *m) { return m->cfg.fused_proj && (m->lora.targets & fused_targets); }
 
 static loom_status write_peft(loom_llama *m, const char *dir, const char *base_model, float *const *whole) {
     char path[4200];
@@ -806,8 +923,9 @@ loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base
     if (!m->lora.rank) return loom_error(LOOM_ERR_INVALID, "save adapter: the model has no LoRA adapters");
     if (loom_lora_peft_unwritable(m))
         return loom_error(LOOM_ERR_UNSUPPORTED, "save adapter: PEFT adapts Phi-3's fused qkv_proj and gate_up_proj as "
-                          "one module each, and loom's adapters adapt their parts apart: save the model with the "
-                          "adapters merged (loom_model_dir_save), or adapt o_proj and down_proj alone");
+                          "one module each, and loom does not write its adapters of their parts in that form: save "
+                          "the model with the adapters merged (loom_model_dir_save), or adapt o_proj and down_proj "
+                          "alone");
     /* Every adapter whole first (gathered over the TP group, whose every
      * rank calls this; they are small), then TP rank 0 writes. */
     int n = m->n_params - m->n_base;
@@ -891,6 +1009,9 @@ static int name_ends_with(const void *how, const char *name) {
 }
 
 static loom_status peft_name_targets(const char *entry, const char *path, int n_layers, unsigned *targets) {
+    if (strstr(entry, "qkv_proj") || strstr(entry, "gate_up_proj"))
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: target_modules entry \"%.120s\" adapts Phi-3's fused module as "
+                          "one; loom adapts q, k, v (gate, up) apart and cannot load it", path, entry);
     char what[160];
     snprintf(what, sizeof what, "entry \"%.120s\"", entry);
     return peft_select(name_ends_with, entry, what, path, n_layers, targets);
@@ -1064,6 +1185,10 @@ loom_status loom_lora_peft_config_layers(const char *dir, int n_layers, loom_lor
 loom_status loom_lora_load_peft(loom_llama *m, const char *dir) {
     loom_lora_config c;
     LOOM_TRY(loom_lora_peft_config_layers(dir, m->cfg.n_layers, &c));
+    if (m->cfg.fused_proj && (c.targets & fused_targets)) /* PEFT adapts Phi-3's qkv_proj, gate_up_proj whole */
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: the adapter adapts q, k, v, gate or up apart, which a Phi-3 "
+                          "model fuses (qkv_proj, gate_up_proj); loom loads adapters of o_proj and down_proj alone "
+                          "into it", dir);
     if (m->lora.rank) { /* adapters made already: they must be this setting's */
         if (m->lora.rank != c.rank || m->lora.alpha != c.alpha || m->lora.targets != c.targets ||
             !m->lora.rslora != !c.rslora || !m->lora.dora != !c.dora) /* not dropout */

@@ -93,7 +93,10 @@ void rope_fwd_ref(void *out, const void *x, int B, int T, int NH, int HS,
 void rope_inv_freq(const loom_rope_freqs *r, int HS, float *inv_freq);
 /* A loom_rope_freqs with theta and no scaling. */
 static inline loom_rope_freqs rope_plain(float theta) {
-    loom_rope_freqs r = {theta, LOOM_ROPE_DEFAULT, 1.0f, 1.0f, 1.0f, 0};
+    loom_rope_freqs r;
+    memset(&r, 0, sizeof r);
+    r.theta = theta;
+    r.factor = r.low_freq_factor = r.high_freq_factor = 1.0f;
     return r;
 }
 

@@ -2,9 +2,10 @@
  * rope.c — rotary position embedding, Hugging Face LLaMA convention.
  *
  * Owns: the rotation of each head vector x = [x1, x2] (halves of HS) by
- * angle(t, i) = (pos0 + t) * inv_freq[i], and its transpose for backward.
- * Angles follow Hugging Face exactly: inv_freq = 1 / theta^(2i/HS), scaled
- * as its rope_scaling says (linear, llama3: rope_inv_freq), and
+ * angle(t, i) = (pos0 + t) * inv_freq[i], and its transpose for backward
+ * (longrope's cosines and sines are scaled: its transpose is scaled the
+ * same). Angles follow Hugging Face exactly: inv_freq = 1 / theta^(2i/HS),
+ * scaled as its rope_scaling says (linear, llama3, longrope: rope_inv_freq), and
  * position * inv_freq are fp32, cos/sin of that fp32 angle are taken in double
  * and rounded to fp32 (torch's fp32 cos/sin agree to an ulp). Unlike Hugging
  * Face in bf16, cos/sin are not rounded to the activation dtype and the
@@ -18,13 +19,16 @@
 #include <omp.h>
 #include <pthread.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* Hugging Face's order of fp32 operations (modeling_rope_utils.py). */
 void rope_inv_freq(const loom_rope_freqs *r, int HS, float *inv_freq) {
     const float two_pi = (float)6.283185307179586; /* Python's 2 * math.pi, as a float32 tensor takes it */
     for (int i = 0; i < HS / 2; i++) {
         float f = 1.0f / powf(r->theta, (float)(2 * i) / (float)HS);
-        if (r->type == LOOM_ROPE_LINEAR) {
+        if (r->type == LOOM_ROPE_LONGROPE) { /* 1 / (ext * theta^x), as Hugging Face's longrope */
+            f = 1.0f / (r->ext[i] * powf(r->theta, (float)(2 * i) / (float)HS));
+        } else if (r->type == LOOM_ROPE_LINEAR) {
             f = f / r->factor;
         } else if (r->type == LOOM_ROPE_LLAMA3) {
             float old = (float)r->original_max_pos, wavelen = two_pi / f;
@@ -44,24 +48,34 @@ void rope_inv_freq(const loom_rope_freqs *r, int HS, float *inv_freq) {
 static int rope_same(const loom_rope_freqs *a, const loom_rope_freqs *b) {
     if (a->theta != b->theta || a->type != b->type) return 0;
     if (a->type == LOOM_ROPE_DEFAULT) return 1;
+    if (a->type == LOOM_ROPE_LONGROPE)
+        return a->attention_factor == b->attention_factor && a->n_ext == b->n_ext &&
+               !memcmp(a->ext, b->ext, sizeof(float) * (size_t)a->n_ext);
     if (a->factor != b->factor) return 0;
     return a->type == LOOM_ROPE_LINEAR ||
            (a->low_freq_factor == b->low_freq_factor && a->high_freq_factor == b->high_freq_factor &&
             a->original_max_pos == b->original_max_pos);
 }
 
-/* cs, sn: (npos, HS/2) cos and sin of the angles of positions 0 .. npos-1. */
+/* What longrope multiplies the cosines and sines by (1 otherwise). */
+static float rope_amplitude(const loom_rope_freqs *r) {
+    return r->type == LOOM_ROPE_LONGROPE ? r->attention_factor : 1.0f;
+}
+
+/* cs, sn: (npos, HS/2) cos and sin of the angles of positions 0 .. npos-1
+ * (times rope_amplitude, in fp32, as Hugging Face scales them). */
 static void rope_fill(float *cs, float *sn, int npos, int HS, const loom_rope_freqs *r) {
     int H2 = HS / 2;
     float *f = malloc(sizeof *f * (size_t)(H2 ? H2 : 1));
     LOOM_ASSERT(f != NULL); /* HS/2 floats */
     rope_inv_freq(r, HS, f);
+    float amp = rope_amplitude(r);
     #pragma omp parallel for schedule(static) if (npos * H2 > 4096)
     for (int t = 0; t < npos; t++) {
         for (int i = 0; i < H2; i++) {
             double a = (float)t * f[i];
-            cs[(size_t)t * H2 + i] = (float)cos(a);
-            sn[(size_t)t * H2 + i] = (float)sin(a);
+            cs[(size_t)t * H2 + i] = (float)cos(a) * amp;
+            sn[(size_t)t * H2 + i] = (float)sin(a) * amp;
         }
     }
     free(f);
@@ -204,13 +218,14 @@ void rope_fwd_ref(void *out, const void *x, int B, int T, int NH, int HS,
     int H2 = HS / 2;
     float f[H2 > 0 ? H2 : 1];
     rope_inv_freq(r, HS, f);
+    float amp = rope_amplitude(r);
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++)
             for (int h = 0; h < NH; h++)
                 for (int i = 0; i < H2; i++) {
                     size_t off = (((size_t)b * T + t) * NH + h) * HS + i;
                     double a = (float)(pos0 + t) * f[i];
-                    float c = (float)cos(a), s = (float)sin(a);
+                    float c = (float)cos(a) * amp, s = (float)sin(a) * amp;
                     float x1 = loom_load(x, off, dt), x2 = loom_load(x, off + H2, dt);
                     loom_store(out, off, dt, x1 * c - x2 * s);
                     loom_store(out, off + H2, dt, x2 * c + x1 * s);

@@ -57,8 +57,19 @@ loom_status loom_llama_preset(const char *name, loom_llama_config *c) {
 }
 
 loom_rope_freqs loom_llama_rope(const loom_llama_config *c) {
-    loom_rope_freqs r = {c->rope_theta, c->rope_type, c->rope_factor, c->rope_low_freq_factor, c->rope_high_freq_factor,
-                   c->rope_original_max_pos};
+    loom_rope_freqs r;
+    memset(&r, 0, sizeof r); /* no stray bytes: the rope op copies it as bytes */
+    r.theta = c->rope_theta;
+    r.type = c->rope_type;
+    r.factor = c->rope_factor;
+    r.low_freq_factor = c->rope_low_freq_factor;
+    r.high_freq_factor = c->rope_high_freq_factor;
+    r.original_max_pos = c->rope_original_max_pos;
+    if (c->rope_type == LOOM_ROPE_LONGROPE) { /* the short factors: loom's context is the original one */
+        r.attention_factor = c->rope_attention_factor;
+        r.n_ext = c->rope_n_ext;
+        memcpy(r.ext, c->rope_short, sizeof(float) * (size_t)(c->rope_n_ext > 0 ? c->rope_n_ext : 0));
+    }
     return r;
 }
 
@@ -105,9 +116,12 @@ int loom_llama_config_same_model(const loom_llama_config *a, const loom_llama_co
 }
 
 int loom_llama_config_same_rope(const loom_llama_config *a, const loom_llama_config *b) {
+    size_t n = sizeof(float) * (size_t)(a->rope_n_ext > 0 && a->rope_n_ext <= LOOM_ROPE_EXT_MAX ? a->rope_n_ext : 0);
     return a->rope_theta == b->rope_theta && a->rope_type == b->rope_type && a->rope_factor == b->rope_factor &&
            a->rope_low_freq_factor == b->rope_low_freq_factor &&
-           a->rope_high_freq_factor == b->rope_high_freq_factor && a->rope_original_max_pos == b->rope_original_max_pos;
+           a->rope_high_freq_factor == b->rope_high_freq_factor && a->rope_original_max_pos == b->rope_original_max_pos &&
+           a->rope_attention_factor == b->rope_attention_factor && a->rope_n_ext == b->rope_n_ext &&
+           !memcmp(a->rope_short, b->rope_short, n) && !memcmp(a->rope_long, b->rope_long, n);
 }
 
 loom_status loom_llama_config_validate(const loom_llama_config *c) {
@@ -129,6 +143,15 @@ loom_status loom_llama_config_validate(const loom_llama_config *c) {
         return loom_error(LOOM_ERR_INVALID, "model config: rope_theta and norm_eps must be positive");
     loom_rope_freqs r = loom_llama_rope(c);
     if (loom_rope_check(&r) != LOOM_OK) return loom_error(LOOM_ERR_INVALID, "model config: %s", loom_last_error());
+    if (c->rope_type == LOOM_ROPE_LONGROPE &&
+        (c->rope_n_ext != loom_llama_head_dim(c) / 2 || c->rope_original_max_pos <= 0 ||
+         c->max_seq > c->rope_original_max_pos || !(c->rope_factor >= 1.0f) || !isfinite(c->rope_factor)))
+        return loom_error(LOOM_ERR_INVALID, "model config: longrope needs head size / 2 (%d) short and long factors "
+                          "(it has %d), its original context (%d) at least the context (%d) and a factor of 1 or more",
+                          loom_llama_head_dim(c) / 2, c->rope_n_ext, c->rope_original_max_pos, c->max_seq);
+    for (int i = 0; c->rope_type == LOOM_ROPE_LONGROPE && i < c->rope_n_ext; i++)
+        if (!(c->rope_long[i] > 0.0f) || !isfinite(c->rope_long[i]))
+            return loom_error(LOOM_ERR_INVALID, "model config: longrope's long factors must be finite and positive");
     if (c->o_bias && !c->qkv_bias)
         return loom_error(LOOM_ERR_INVALID, "model config: a bias on o needs biases on q, k and v (LLaMA's "
                           "attention_bias has all four, Qwen 2's the three)");
@@ -152,7 +175,8 @@ loom_status loom_llama_config_validate(const loom_llama_config *c) {
     if (loom_llama_has_multipliers(c) && (c->norm_unit_offset || c->qk_norm || (c->qkv_bias && !c->o_bias)))
         return loom_error(LOOM_ERR_INVALID, "model config: Granite's multipliers with Gemma's norms, q/k norms or "
                           "biases on q, k and v alone have no Hugging Face layout");
-    if (c->fused_proj && (c->qkv_bias || c->qk_norm || c->norm_unit_offset || loom_llama_has_multipliers(c)))
+    if (c->fused_proj &&
+        (c->qkv_bias || c->o_bias || c->qk_norm || c->norm_unit_offset || loom_llama_has_multipliers(c)))
         return loom_error(LOOM_ERR_INVALID, "model config: Phi-3's fused projections with attention biases, q/k "
                           "norms, Gemma's norms or Granite's multipliers have no Hugging Face layout");
     return LOOM_OK;

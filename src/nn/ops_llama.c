@@ -106,6 +106,15 @@ loom_status loom_rope_check(const loom_rope_freqs *r) {
     if (!r || !(r->theta > 0.0f) || !isfinite(r->theta))
         return loom_error(LOOM_ERR_INVALID, "rope: theta must be a positive number");
     if (r->type == LOOM_ROPE_DEFAULT) return LOOM_OK;
+    if (r->type == LOOM_ROPE_LONGROPE) {
+        int ok = r->n_ext > 0 && r->n_ext <= LOOM_ROPE_EXT_MAX && r->attention_factor > 0.0f &&
+                 isfinite(r->attention_factor);
+        for (int i = 0; ok && i < r->n_ext; i++) ok = r->ext[i] > 0.0f && isfinite(r->ext[i]);
+        if (!ok)
+            return loom_error(LOOM_ERR_INVALID, "rope: longrope needs 1..%d factors and an attention factor, all "
+                              "finite and positive", LOOM_ROPE_EXT_MAX);
+        return LOOM_OK;
+    }
     if (r->type != LOOM_ROPE_LINEAR && r->type != LOOM_ROPE_LLAMA3)
         return loom_error(LOOM_ERR_INVALID, "rope: unknown scaling type %d", (int)r->type);
     if (!(r->factor > 0.0f) || !isfinite(r->factor))
@@ -130,6 +139,9 @@ loom_status loom_rope_ex(loom_tensor *x, const loom_rope_freqs *r, int pos0, loo
         return loom_error(LOOM_ERR_INVALID, "rope: theta %g must be > 0 and pos0 %d >= 0", r ? (double)r->theta : 0.0,
                           pos0);
     LOOM_TRY(loom_rope_check(r));
+    if (r->type == LOOM_ROPE_LONGROPE && r->n_ext != x->shape[3] / 2)
+        return loom_error(LOOM_ERR_INVALID, "rope: longrope has %d factors for a head of %lld (half of it needed)",
+                          r->n_ext, (long long)x->shape[3]);
     rope_args a;
     memset(&a, 0, sizeof a); /* no stray padding: the arguments are copied as bytes */
     a.r = *r;

@@ -827,6 +827,59 @@ static void test_granite_config(void **state) {
     for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) assert_config_refused(bad[k].extra, bad[k].msg);
 }
 
+/* Phi-3's longrope: the short factors and the attention factor Hugging Face
+ * computes from the contexts (or the file's), the context capped at the
+ * original one; saved as Phi-3.5's files have it and read back the same
+ * (a window below the original context too); "su" is its old name; wrong
+ * counts, missing fields and bad numbers refused by name. */
+static void test_longrope_config(void **state) {
+    (void)state;
+    const char *head = "{\"model_type\": \"phi3\", \"hidden_size\": 16, \"num_hidden_layers\": 1, "
+                       "\"num_attention_heads\": 2, \"intermediate_size\": 24, \"vocab_size\": 40, "
+                       "\"max_position_embeddings\": 131072, \"original_max_position_embeddings\": 4096";
+    char json[1024];
+    snprintf(json, sizeof json, "%s, \"rope_scaling\": {\"type\": \"longrope\", \"short_factor\": [1.0, 1.5, 2.0, 3.0], "
+             "\"long_factor\": [1.0, 4.0, 16.0, 64.0]}}", head);
+    loom_llama_config c = config_of(json), back;
+    assert_true(c.rope_type == LOOM_ROPE_LONGROPE && c.rope_n_ext == 4 && c.max_seq == 4096 &&
+                c.rope_original_max_pos == 4096 && c.rope_factor == 32.0f);
+    assert_true(c.rope_attention_factor == (float)sqrt(1.0 + log(32.0) / log(4096.0)));
+    assert_true(c.rope_short[3] == 3.0f && c.rope_long[3] == 64.0f);
+    loom_rope_freqs r = loom_llama_rope(&c);
+    assert_true(r.type == LOOM_ROPE_LONGROPE && r.n_ext == 4 && r.ext[1] == 1.5f && r.attention_factor == c.rope_attention_factor);
+    back = saved_and_loaded(&c);
+    assert_true(loom_llama_config_same_model(&c, &back));
+    assert_true(saved_text_has("\"max_position_embeddings\": 131072") &&
+                saved_text_has("\"original_max_position_embeddings\": 4096") && saved_text_has("\"longrope\"") &&
+                !saved_text_has("attention_factor") && !saved_text_has("sliding_window"));
+    back.rope_long[2] = 15.0f; /* the long factors are part of the model's file */
+    assert_false(loom_llama_config_same_rope(&c, &back));
+    snprintf(json, sizeof json, "%s, \"sliding_window\": 2047, \"rope_scaling\": {\"type\": \"su\", "
+             "\"short_factor\": [1, 1, 1, 1], \"long_factor\": [2, 2, 2, 2], \"attention_factor\": 1.5}}", head);
+    c = config_of(json);
+    assert_true(c.rope_type == LOOM_ROPE_LONGROPE && c.rope_attention_factor == 1.5f && c.max_seq == 2047);
+    back = saved_and_loaded(&c);
+    assert_true(loom_llama_config_same_model(&c, &back) && saved_text_has("\"attention_factor\": 1.5") &&
+                saved_text_has("\"sliding_window\": 2047"));
+    static const struct { const char *extra, *msg; } bad[] = {
+        {", \"rope_scaling\": {\"type\": \"longrope\", \"short_factor\": [1, 1, 1], \"long_factor\": [1, 1, 1]}}",
+         "longrope has 3 short and 3 long factors; a head of 8 needs 4"},
+        {", \"rope_scaling\": {\"type\": \"longrope\", \"short_factor\": [1, 1, 1, 1]}}", "needs \"long_factor\""},
+        {", \"rope_scaling\": {\"type\": \"longrope\", \"short_factor\": [1, 1, 0, 1], \"long_factor\": [1, 1, 1, 1]}}",
+         "factors are positive numbers"},
+        {", \"rope_scaling\": {\"type\": \"longrope\", \"short_factor\": [1, 1, 1, 1], \"long_factor\": [1, 1, 1, 1], "
+         "\"attention_factor\": -1}}", "attention_factor must be a positive number"},
+    };
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        snprintf(json, sizeof json, "%s%s", head, bad[k].extra);
+        io_write_raw(io_path("config.json"), json, strlen(json));
+        assert_int_not_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
+        IO_ASSERT_MSG(bad[k].msg);
+    }
+    assert_config_refused(", \"rope_scaling\": {\"type\": \"longrope\", \"short_factor\": [1, 1, 1, 1], "
+                          "\"long_factor\": [1, 1, 1, 1]}", "needs original_max_position_embeddings");
+}
+
 /* loom_llama_config_same_model: a copy is the same model; each field that
  * changes the math, changed alone, is not; Granite's multipliers compare
  * by what they do (0, none, is 1; the scale's 0 is 1/sqrt(head size)). */
@@ -879,7 +932,7 @@ static void test_phi3_layout(void **state) {
     assert_true(c.fused_proj && !c.qkv_bias && c.norm_eps == 1e-5f && c.max_seq == 4096);
     loom_llama_config back = saved_and_loaded(&c);
     assert_true(saved_text_has("Phi3ForCausalLM") && saved_text_has("\"model_type\": \"phi3\"") &&
-                !saved_text_has("attention_bias"));
+                !saved_text_has("attention_bias") && saved_text_has("\"pad_token_id\": null"));
     assert_true(back.fused_proj && loom_llama_config_same_model(&c, &back));
     back.fused_proj = 0; /* another file layout: the weights of one do not load into the other */
     assert_false(loom_llama_config_same_weights(&c, &back));
@@ -887,15 +940,20 @@ static void test_phi3_layout(void **state) {
         {", \"model_type\": \"phi3\", \"partial_rotary_factor\": 0.75", "partial_rotary_factor other than 1"},
         {", \"model_type\": \"phi3\", \"resid_pdrop\": 0.1", "resid_pdrop other than 0"},
         {", \"model_type\": \"phi3\", \"embd_pdrop\": 0.1", "embd_pdrop other than 0"},
-        {", \"model_type\": \"phi3\", \"rope_scaling\": {\"type\": \"longrope\", \"long_factor\": [1], "
-         "\"short_factor\": [1]}", "rope_scaling \"longrope\" is not supported"},
+        {", \"rope_scaling\": {\"type\": \"yarn\", \"factor\": 4}", "rope_scaling \"yarn\" is not supported"},
+        {", \"model_type\": \"phi3\", \"rope_scaling\": {\"type\": \"linear\", \"factor\": 4}",
+         "rope_scaling \"linear\" on a Phi-3 model"},
+        {", \"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": 10000.0, \"partial_rotary_factor\": 0.75}",
+         "rope_parameters's partial_rotary_factor other than 1"},
     };
     for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) assert_config_refused(bad[k].extra, bad[k].msg);
     c.max_seq = 8;
-    c.qkv_bias = 1;
+    c.qkv_bias = c.o_bias = 1;
     assert_int_equal(loom_llama_config_validate(&c), LOOM_ERR_INVALID);
     IO_ASSERT_MSG("Phi-3's fused projections with");
-    c.qkv_bias = 0;
+    c.qkv_bias = 0; /* o's alone too */
+    assert_int_equal(loom_llama_config_validate(&c), LOOM_ERR_INVALID);
+    c.o_bias = 0;
 
     loom_llama *m, *got;
     loom_precision p = {LOOM_F32, 0};
@@ -965,6 +1023,27 @@ static void test_phi3_layout(void **state) {
     assert_false(loom_lora_peft_unwritable(m));
     assert_int_equal(loom_lora_save_peft(m, io_path("phi3-adapter"), NULL), LOOM_OK);
     loom_llama_free(m);
+    /* loaded into a Phi-3 model: o's and down's adapters load; adapters of the fused parts, or of the fused
+     * modules themselves (PEFT's), are refused by name */
+    assert_int_equal(loom_llama_new(&c, p, &m), LOOM_OK);
+    assert_int_equal(loom_lora_load_peft(m, io_path("phi3-adapter")), LOOM_OK);
+    loom_llama_free(m);
+    char cfg_path[4200];
+    snprintf(cfg_path, sizeof cfg_path, "%s/adapter_config.json", io_path("phi3-adapter"));
+    static const struct { const char *targets, *msg; } fused[] = {
+        {"[\"q_proj\", \"o_proj\"]", "a Phi-3 model fuses"},
+        {"[\"qkv_proj\", \"o_proj\"]", "adapts Phi-3's fused module as one"},
+    };
+    for (int k = 0; k < 2; k++) {
+        char text[512];
+        snprintf(text, sizeof text, "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 4, \"target_modules\": %s}",
+                 fused[k].targets);
+        io_write_raw(cfg_path, text, strlen(text));
+        assert_int_equal(loom_llama_new(&c, p, &m), LOOM_OK);
+        assert_int_equal(loom_lora_load_peft(m, io_path("phi3-adapter")), LOOM_ERR_UNSUPPORTED);
+        IO_ASSERT_MSG(fused[k].msg);
+        loom_llama_free(m);
+    }
 }
 
 /* A DoRA adapter round-trips as PEFT saves one: use_dora in the config,
@@ -1271,6 +1350,7 @@ int main(void) {
         cmocka_unit_test(test_granite_config),
         cmocka_unit_test(test_phi3_layout),
         cmocka_unit_test(test_same_model),
+        cmocka_unit_test(test_longrope_config),
         cmocka_unit_test(test_gguf_refusals),
     };
     return cmocka_run_group_tests(tests, io_scratch_setup, io_scratch_teardown);

@@ -1,7 +1,8 @@
 /*
  * test_rope.c — RoPE: fast kernel vs reference, vs the Hugging Face formula
  * in double, backward as the inverse rotation, in place, and backward vs
- * central finite differences.
+ * central finite differences; the scaled frequencies (linear, llama3,
+ * Phi-3's longrope).
  */
 #include "testutil.h"
 #include "kernels/kernels.h"
@@ -148,27 +149,32 @@ static double loss_f32(const rope_case *c, const float *x, const float *dout) {
     return L;
 }
 
-/* L = sum(dout * rope(x)) is linear in x, so the central difference has no
- * truncation error; the fp32 rounding of the two outputs x_i touches,
- * ~2 * 2^-24, over 2h = 2e-3, is ~1e-4. */
-static void test_bwd_finite_differences(void **state) {
-    (void)state;
-    rope_case c = {1, 3, 2, 8, 5, {.theta = 10000.0f}};
-    size_t n = rope_n(&c);
-    float *x = rope_input(&c, 5), *dout = rope_input(&c, 6);
+/* rope_bwd of case c against central differences of L = sum(dout *
+ * rope(x)), which is linear in x, so the difference has no truncation
+ * error; the fp32 rounding of the two outputs x_i touches, ~2 * 2^-24 (times
+ * longrope's factor), over 2h = 2e-3, is ~1e-4. */
+static void check_bwd_fd(const rope_case *c, uint64_t seed) {
+    size_t n = rope_n(c);
+    float *x = rope_input(c, seed), *dout = rope_input(c, seed + 1);
     float *dx = malloc(n * 4), *num = malloc(n * 4);
-    rope_bwd(dx, dout, c.B, c.T, c.NH, c.HS, c.pos0, &c.r, LOOM_F32);
+    rope_bwd(dx, dout, c->B, c->T, c->NH, c->HS, c->pos0, &c->r, LOOM_F32);
     for (size_t i = 0; i < n; i++) {
         float x0 = x[i], xp = x0 + FD_STEP, xm = x0 - FD_STEP;
         x[i] = xp;
-        double lp = loss_f32(&c, x, dout);
+        double lp = loss_f32(c, x, dout);
         x[i] = xm;
-        double lm = loss_f32(&c, x, dout);
+        double lm = loss_f32(c, x, dout);
         x[i] = x0;
         num[i] = (float)((lp - lm) / ((double)xp - (double)xm));
     }
     TU_ASSERT_CLOSE(dx, num, n, 1e-3, 1e-3);
     free(x); free(dout); free(dx); free(num);
+}
+
+static void test_bwd_finite_differences(void **state) {
+    (void)state;
+    rope_case c = {1, 3, 2, 8, 5, {.theta = 10000.0f}};
+    check_bwd_fd(&c, 5);
 }
 
 /* Scaled frequencies against Hugging Face's rules worked in double: linear
@@ -179,13 +185,14 @@ static void test_scaled_frequencies(void **state) {
     (void)state;
     enum { HS = 128, H2 = HS / 2 };
     float got[H2];
-    loom_rope_freqs lin = {10000.0f, LOOM_ROPE_LINEAR, 4.0f, 0.0f, 0.0f, 0};
+    loom_rope_freqs lin = {.theta = 10000.0f, .type = LOOM_ROPE_LINEAR, .factor = 4.0f};
     rope_inv_freq(&lin, HS, got);
     for (int i = 0; i < H2; i++) {
         double want = pow(10000.0, -2.0 * i / HS) / 4.0;
         assert_true(fabs(got[i] - want) <= 1e-6 * want);
     }
-    loom_rope_freqs l3 = {500000.0f, LOOM_ROPE_LLAMA3, 8.0f, 1.0f, 4.0f, 8192};
+    loom_rope_freqs l3 = {.theta = 500000.0f, .type = LOOM_ROPE_LLAMA3, .factor = 8.0f, .low_freq_factor = 1.0f,
+                          .high_freq_factor = 4.0f, .original_max_pos = 8192};
     rope_inv_freq(&l3, HS, got);
     int kept = 0, divided = 0, blended = 0;
     for (int i = 0; i < H2; i++) {
@@ -212,6 +219,43 @@ static void test_scaled_frequencies(void **state) {
     free(x); free(a); free(b);
 }
 
+/* Phi-3's longrope with its short factors: against the formula in double
+ * (angle pos / (ext_i theta^(2i/HS)), cosine and sine times the attention
+ * factor), against the reference in each dtype, and its backward (the
+ * scaled rotation's transpose) against central differences; the shared
+ * table tells two sets of factors apart. */
+static void test_longrope(void **state) {
+    (void)state;
+    enum { HS = 16, H2 = HS / 2 };
+    rope_case c = {2, 7, 3, HS, 5, {.theta = 10000.0f, .type = LOOM_ROPE_LONGROPE, .attention_factor = 1.19f,
+                                     .n_ext = H2}};
+    for (int i = 0; i < H2; i++) c.r.ext[i] = 1.0f + 0.37f * (float)i;
+    check_fwd_vs_ref(&c, LOOM_F32);
+    check_fwd_vs_ref(&c, LOOM_BF16);
+    size_t n = rope_n(&c);
+    float *x = rope_input(&c, 12), *o = malloc(n * 4), *want = malloc(n * 4);
+    rope_fwd(o, x, c.B, c.T, c.NH, c.HS, c.pos0, &c.r, LOOM_F32);
+    for (size_t r = 0; r < n / HS; r++) {
+        int t = (int)(r / c.NH % c.T);
+        const float *xr = x + r * HS;
+        for (int i = 0; i < HS; i++) {
+            double a = (c.pos0 + t) / (c.r.ext[i % H2] * pow(c.r.theta, 2.0 * (i % H2) / HS));
+            double rot = i < H2 ? -xr[i + H2] : xr[i - H2];
+            want[r * HS + i] = (float)(1.19 * (xr[i] * cos(a) + rot * sin(a)));
+        }
+    }
+    TU_ASSERT_CLOSE(o, want, n, 8.0 * (c.pos0 + c.T) * 0x1p-24 + 1e-6, 1e-6);
+    check_bwd_fd(&c, 13);
+    rope_case d = c;
+    d.r.ext[3] = 2.5f; /* one factor else: another table */
+    float *o2 = malloc(n * 4);
+    rope_fwd(o2, x, c.B, c.T, c.NH, c.HS, c.pos0, &d.r, LOOM_F32);
+    assert_false(tu_bits_equal(o, o2, n * 4, NULL));
+    check_fwd_vs_ref(&d, LOOM_F32);
+    check_fwd_vs_ref(&c, LOOM_F32);
+    free(x); free(o); free(o2); free(want);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_fwd_vs_ref),
@@ -221,6 +265,7 @@ int main(void) {
         cmocka_unit_test(test_table_reuse),
         cmocka_unit_test(test_bwd_finite_differences),
         cmocka_unit_test(test_scaled_frequencies),
+        cmocka_unit_test(test_longrope),
     };
     return TU_RUN_SIMD_AND_PORTABLE(tests);
 }

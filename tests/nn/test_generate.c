@@ -71,7 +71,7 @@ static void full_logits(loom_llama *m, const int32_t *tok, int n, float *out) {
 
 static void test_cache_matches_forward(void **state) {
     (void)state;
-    for (int tie = 0; tie <= 8; tie++) {
+    for (int tie = 0; tie <= 9; tie++) {
         bias_next = tie > 2 && tie < 7 ? (tie >= 5 ? 2 : tie - 2) : 0; /* 3: Qwen 2's biases, 4-6: attention_bias */
         head_dim_next = tie >= 5 ? 12 : 0; /* 5-7: heads of 12 beside a dim of 32 (4 x 12 = 48) */
         qk_norm_next = tie == 6;           /* 6: Qwen 3's q/k norms */
@@ -79,6 +79,14 @@ static void test_cache_matches_forward(void **state) {
         granite_next = tie == 8;           /* 8: Granite's multipliers */
         loom_llama *m = small_model(LOOM_F32, tie & 1);
         bias_next = head_dim_next = qk_norm_next = gemma_next = granite_next = 0;
+        if (tie == 9) { /* Phi-3's longrope: its short factors and attention factor, up to its original context */
+            m->cfg.rope_type = LOOM_ROPE_LONGROPE;
+            m->cfg.rope_n_ext = loom_llama_head_dim(&m->cfg) / 2;
+            for (int i = 0; i < m->cfg.rope_n_ext; i++) m->cfg.rope_short[i] = m->cfg.rope_long[i] = 1.0f + 0.7f * (float)i;
+            m->cfg.rope_attention_factor = 1.25f;
+            m->cfg.rope_factor = 4.0f;
+            m->cfg.rope_original_max_pos = 24;
+        }
         if (tie == 2) { /* Llama 3.1's RoPE scaling: HS 8 has a kept, a blended and two divided frequencies */
             m->cfg.rope_type = LOOM_ROPE_LLAMA3;
             m->cfg.rope_factor = 8.0f;

@@ -89,6 +89,14 @@ CONFIGS = {
     "phi3": {"model_type": "phi3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 32,
              "sliding_window": 47, "tie_word_embeddings": False, "resid_pdrop": 0.0, "embd_pdrop": 0.0},
+    # Phi-3.5's longrope: frequencies divided by its short factors, cosines and sines times sqrt(1 + ln 8 / ln 32)
+    # (its context 256 over the original 32, which loom's context stops at)
+    "phi3-longrope": {"model_type": "phi3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                      "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": VOCAB,
+                      "max_position_embeddings": 256, "original_max_position_embeddings": 32,
+                      "tie_word_embeddings": False,
+                      "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                                       "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 24.0, 32.0, 40.0]}},
     # LLaMA's attention_bias: q, k, v and o
     "attention-bias": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                        "intermediate_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 32,

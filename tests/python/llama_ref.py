@@ -138,6 +138,15 @@ class Config:
         self.max_seq = d.get("max_position_embeddings", 2048)
         self.rope_theta = float(d.get("rope_theta", 10000.0))
         self.rope_scaling = d.get("rope_scaling")
+        # Phi-3's longrope (for positions up to its original context): cosines and sines times an attention factor,
+        # given or sqrt(1 + ln(s) / ln(original)), s = max_position_embeddings / original (modeling_rope_utils.py)
+        rs = self.rope_scaling or {}
+        self.rope_af = 1.0
+        if rs.get("rope_type", rs.get("type")) in ("longrope", "su"):
+            orig = d.get("original_max_position_embeddings")
+            s = self.max_seq / orig if orig else rs.get("factor", 1.0)
+            orig = orig or rs["original_max_position_embeddings"]
+            self.rope_af = rs.get("attention_factor") or (1.0 if s <= 1.0 else math.sqrt(1 + math.log(s) / math.log(orig)))
         # Phi-3's files fuse q, k, v (qkv_proj) and gate, up (gate_up_proj); Phi3Config's eps is 1e-5
         self.fused = d.get("model_type") == "phi3"
         self.norm_eps = float(d.get("rms_norm_eps", 1e-5 if self.fused else 1e-6))
@@ -222,14 +231,16 @@ def unfuse(cfg, tensors):
 
 
 def load_model_dir(path):
-    """(Config, {name: fp32 leaf tensor}) from config.json + model.safetensors."""
+    """(Config, {name: fp32 leaf tensor}) from config.json + model.safetensors; Phi-3's fused tensors as they
+    are (the forward slices them as Hugging Face's Phi3 does; grads() names their parts)."""
     with open(f"{path}/config.json") as f:
         cfg = Config(json.load(f))
     tensors, _ = read_safetensors(f"{path}/model.safetensors")
+    shapes = cfg.param_shapes()
     if cfg.fused:
-        tensors = unfuse(cfg, tensors)
+        shapes = {k: tuple(v.shape) for k, v in fuse(cfg, {k: torch.empty(s) for k, s in shapes.items()}).items()}
     params = {}
-    for name, shape in cfg.param_shapes().items():
+    for name, shape in shapes.items():
         t = tensors[name].float()
         assert tuple(t.shape) == shape, (name, t.shape, shape)
         params[name] = t.requires_grad_(True)
@@ -281,7 +292,10 @@ def rope_inv_freq(HS, theta, scaling=None):
     factor; "llama3" keeps the high frequencies, divides the low ones by factor, blends between."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, HS, 2, dtype=torch.int64).float() / HS))  # (HS/2) fp32
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind == "linear":
+    if kind in ("longrope", "su"):  # the short factors: positions up to the original context
+        shape = torch.arange(0, HS, 2, dtype=torch.int64).float() / HS
+        inv_freq = 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * theta ** shape)
+    elif kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif kind == "llama3":
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -296,11 +310,11 @@ def rope_inv_freq(HS, theta, scaling=None):
     return inv_freq
 
 
-def rope_cos_sin(T, HS, theta, scaling=None):
+def rope_cos_sin(T, HS, theta, scaling=None, af=1.0):
     inv_freq = rope_inv_freq(HS, theta, scaling)
     freqs = torch.outer(torch.arange(T, dtype=torch.float32), inv_freq)  # (T, HS/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (T, HS)
-    return emb.cos(), emb.sin()
+    return emb.cos() * af, emb.sin() * af
 
 
 def rotate_half(x):
@@ -337,13 +351,20 @@ def lin(x, params, name, cfg):
 def attention(x, params, p, cfg, cos, sin):
     B, T, C = x.shape
     NH, NKV, HS = cfg.n_heads, cfg.n_kv_heads, cfg.head_size
-    q = lin(x, params, p + "self_attn.q_proj", cfg).view(B, T, NH, HS)
-    k = lin(x, params, p + "self_attn.k_proj", cfg).view(B, T, NKV, HS)
+    if cfg.fused:  # Phi3Attention: qkv_proj's output cut at query_pos and after the keys
+        qkv = lin(x, params, p + "self_attn.qkv_proj", cfg)
+        qp = NH * HS
+        q, k, v = qkv[..., :qp], qkv[..., qp:qp + NKV * HS], qkv[..., qp + NKV * HS:]
+        q, k = q.reshape(B, T, NH, HS), k.reshape(B, T, NKV, HS)
+        v = v.reshape(B, T, NKV, HS).transpose(1, 2)
+    else:
+        q = lin(x, params, p + "self_attn.q_proj", cfg).view(B, T, NH, HS)
+        k = lin(x, params, p + "self_attn.k_proj", cfg).view(B, T, NKV, HS)
+        v = lin(x, params, p + "self_attn.v_proj", cfg).view(B, T, NKV, HS).transpose(1, 2)
     if cfg.qk_norm:
         q = rms_norm(q, params[p + "self_attn.q_norm.weight"], cfg.norm_eps)
         k = rms_norm(k, params[p + "self_attn.k_norm.weight"], cfg.norm_eps)
     q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, NH, T, HS)
-    v = lin(x, params, p + "self_attn.v_proj", cfg).view(B, T, NKV, HS).transpose(1, 2)
     cos, sin = cos.to(q.dtype), sin.to(q.dtype)
     q = q * cos + rotate_half(q) * sin
     k = k * cos + rotate_half(k) * sin
@@ -360,8 +381,11 @@ def attention(x, params, p, cfg, cos, sin):
 
 
 def mlp(x, params, p, cfg):
-    g = lin(x, params, p + "mlp.gate_proj", cfg)
-    u = lin(x, params, p + "mlp.up_proj", cfg)
+    if cfg.fused:  # Phi3MLP: gate, up = gate_up_proj(x).chunk(2, dim=-1)
+        g, u = lin(x, params, p + "mlp.gate_up_proj", cfg).chunk(2, dim=-1)
+    else:
+        g = lin(x, params, p + "mlp.gate_proj", cfg)
+        u = lin(x, params, p + "mlp.up_proj", cfg)
     act = F.gelu(g, approximate="tanh") if cfg.gelu else F.silu(g)
     return lin(act * u, params, p + "mlp.down_proj", cfg)
 
@@ -372,7 +396,7 @@ def forward(cfg, params, inputs, targets, dtype=torch.float32):
     the activations are bf16, as in Hugging Face's model.to(torch.bfloat16)."""
     w = {k: v.to(dtype) for k, v in params.items()}
     B, T = inputs.shape
-    cos, sin = rope_cos_sin(T, cfg.head_size, cfg.rope_theta, cfg.rope_scaling)
+    cos, sin = rope_cos_sin(T, cfg.head_size, cfg.rope_theta, cfg.rope_scaling, cfg.rope_af)
     x = F.embedding(inputs, w["model.embed_tokens.weight"])  # (B, T, C)
     if cfg.gemma:  # GemmaModel: times sqrt(hidden_size) as a tensor of the activations' dtype
         x = x * torch.tensor(cfg.dim ** 0.5, dtype=x.dtype)
@@ -402,8 +426,8 @@ def grads(cfg, params, inputs, targets, dtype=torch.float32):
         t.grad = None
     logits, loss = forward(cfg, params, inputs, targets, dtype)
     loss.backward()
-    return logits.detach(), loss.item(), {k: v.grad.detach().float().clone() for k, v in params.items()
-                                         if v.requires_grad}
+    g = {k: v.grad.detach().float().clone() for k, v in params.items() if v.requires_grad}
+    return logits.detach(), loss.item(), unfuse(cfg, g) if cfg.fused else g  # named as loom's parameters
 
 
 # -------------------------------------------------------------- optimizer

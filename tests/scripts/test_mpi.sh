@@ -363,6 +363,12 @@ timeout 300 $MPI "$LOOM" train "${P3[@]}" --tp 2 --out "$WORK/p32" 2>"$WORK/p32.
 grep -q "qkv_proj" "$WORK/p32/model/model.safetensors" || fail "Phi-3: TP=2 wrote no fused qkv_proj"
 $CMP "$WORK/p32/model/model.safetensors" "$WORK/p31/model/model.safetensors" --rtol 1e-4 >/dev/null ||
   fail "Phi-3: the model TP=2 saved differs from one process's"
+# and LoRA on its fused q and v under TP=2: every rank finishes (none writes
+# a PEFT adapter directory), the merged model saved
+timeout 300 $MPI "$LOOM" train "${P3[@]}" --tp 2 --lora 4 --lora-targets q,v --out "$WORK/p3l" 2>"$WORK/p3l.log" ||
+  { cat "$WORK/p3l.log"; fail "Phi-3: LoRA with TP=2"; }
+[ -s "$WORK/p3l/model/model.safetensors" ] && [ ! -d "$WORK/p3l/adapter" ] || fail "Phi-3: LoRA with TP=2 wrote no model"
+grep -q "no PEFT adapter directory is written" "$WORK/p3l.log" || fail "Phi-3: no note of the PEFT adapter"
 
 # Tied embeddings (the embedding split by vocabulary under TP, and used
 # again as the lm_head): TP=2 gradients equal one process's, ZeRO-1 equals
