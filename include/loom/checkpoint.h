@@ -44,7 +44,7 @@ extern "C" {
  * rope_scaling (Qwen2Config's for a "qwen2" file: 32 kv heads, 32768
  * positions; GemmaConfig's for "gemma": 16 kv heads, 8192 positions, head_dim
  * 256, tied). model_type may be "llama", "mistral", "qwen2", "qwen3",
- * "gemma", "granite" or "phi3"; a
+ * "gemma", "granite", "phi3" or "smollm3"; a
  * sliding_window (Mistral's; 4096 when a "mistral" file leaves it out; Qwen
  * 2's only with use_sliding_window, 4096 when left out) shorter than
  * max_position_embeddings caps the context (max_seq), up to which it equals
@@ -71,7 +71,13 @@ extern "C" {
  * read each part's rows), with no attention biases whatever the file
  * says and Phi3Config's rms_norm_eps 1e-5 and 4096 positions by default;
  * partial_rotary_factor other than 1 and resid_pdrop or embd_pdrop other
- * than 0 are refused by name; it saves as Phi3ForCausalLM.
+ * than 0 are refused by name; it saves as Phi3ForCausalLM. "smollm3" is
+ * LLaMA's with every N-th block without RoPE (nope_interval: its
+ * no_rope_layers, 0 at every N-th block, or no_rope_layer_interval, 4 by
+ * default; another pattern is refused), SmolLM3Config's 4 kv heads, 32768
+ * positions, rope_theta 2e6 and tied embeddings by default, and a sliding
+ * window only with use_sliding_window; it saves as SmolLM3ForCausalLM with
+ * its list.
  * hidden_act (any model_type): "silu", or the tanh GELU as
  * "gelu_pytorch_tanh" or "gelu_new" (act).
  * Save writes rope_scaling as Hugging Face's files do ("type": "linear" and

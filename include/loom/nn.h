@@ -90,7 +90,14 @@ typedef struct loom_llama_config {
      * one mlp.gate_up_proj.weight. The model holds them apart; only the
      * files' layout differs. */
     int fused_proj;
+    /* SmolLM3's NoPE layers (model_type "smollm3"): every nope_interval-th
+     * block (blocks l with (l + 1) % nope_interval == 0) rotates nothing;
+     * 0: every block has RoPE. */
+    int nope_interval;
 } loom_llama_config;
+
+/* 1 when block `layer` of cfg applies RoPE (not one of SmolLM3's NoPE blocks). */
+int loom_llama_layer_has_rope(const loom_llama_config *cfg, int layer);
 
 /* The scale of the attention's scores: attention_multiplier, else
  * 1/sqrt(head size). */

@@ -103,6 +103,43 @@ static int is_granite(json_t *root) { return model_type_is(root, "granite"); }
  * gate, up are fused (fused_proj); no attention biases whatever the file
  * says; rms_norm_eps 1e-5 and 4096 positions by default. */
 static int is_phi3(json_t *root) { return model_type_is(root, "phi3"); }
+/* SmolLM3's ("smollm3"): LLaMA's with NoPE blocks (nope_interval); 4 kv
+ * heads, 32768 positions, rope_theta 2e6 and tied embeddings by default; a
+ * sliding window only with use_sliding_window, as Qwen's. */
+static int is_smollm3(json_t *root) { return model_type_is(root, "smollm3"); }
+
+/* SmolLM3's NoPE blocks: no_rope_layers (1: RoPE, 0: none; at least a
+ * block's worth) where given, else every no_rope_layer_interval-th block
+ * (4 by default), as SmolLM3Config makes the list. loom holds the pattern
+ * as that interval: a list that is not every N-th block is refused. */
+static loom_status read_nope(json_t *root, const char *path, loom_llama_config *c) {
+    json_t *list = json_object_get(root, "no_rope_layers"), *iv = json_object_get(root, "no_rope_layer_interval");
+    int L = c->n_layers, n = 0;
+    if (list && !json_is_null(list)) {
+        if (!json_is_array(list) || (int)json_array_size(list) < L)
+            return loom_error(LOOM_ERR_FORMAT, "%s: no_rope_layers must be a list of 0 and 1 with one entry a block "
+                              "(%d)", path, L);
+        for (int l = 0; l < L && !n; l++) /* the first NoPE block gives the interval */
+            if (json_is_integer(json_array_get(list, (size_t)l)) && json_integer_value(json_array_get(list, (size_t)l)) == 0)
+                n = l + 1;
+        for (int l = 0; l < L; l++) {
+            json_t *e = json_array_get(list, (size_t)l);
+            int want = n == 0 || (l + 1) % n != 0;
+            if (!json_is_integer(e) || json_integer_value(e) != want)
+                return loom_error(LOOM_ERR_UNSUPPORTED, "%s: no_rope_layers must be 0 or 1 a block, 0 at every N-th "
+                                  "block (SmolLM3's pattern); block %d breaks it", path, l);
+        }
+    } else {
+        n = 4; /* SmolLM3Config's */
+        if (iv && !json_is_null(iv)) {
+            if (!json_is_integer(iv) || json_integer_value(iv) <= 0 || json_integer_value(iv) > (1 << 20))
+                return loom_error(LOOM_ERR_FORMAT, "%s: no_rope_layer_interval must be a positive integer", path);
+            n = (int)json_integer_value(iv);
+        }
+    }
+    c->nope_interval = n > L ? 0 : n; /* beyond the last block: none */
+    return LOOM_OK;
+}
 
 /* What Phi-3's config can ask that loom does not compute: a rotary part of
  * each head (Phi-4-mini's partial_rotary_factor) and dropout on the
@@ -195,10 +232,11 @@ static loom_status read_architecture(json_t *root, const char *path, loom_llama_
     v = json_object_get(root, "model_type");
     if (v && (!json_is_string(v) || (strcmp(json_string_value(v), "llama") && strcmp(json_string_value(v), "mistral") &&
                                      !is_qwen2(root) && !is_qwen3(root) && !is_gemma(root) && !is_granite(root) &&
-                                     !is_phi3(root))))
+                                     !is_phi3(root) && !is_smollm3(root))))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: model_type \"%s\" is not a LLaMA model (loom reads \"llama\", "
-                          "\"mistral\", \"qwen2\", \"qwen3\", \"gemma\", \"granite\" and \"phi3\")", path,
-                          json_is_string(v) ? json_string_value(v) : "?");
+                          "\"mistral\", \"qwen2\", \"qwen3\", \"gemma\", \"granite\", \"phi3\" and \"smollm3\")",
+                          path, json_is_string(v) ? json_string_value(v) : "?");
+    if (is_smollm3(root)) LOOM_TRY(read_nope(root, path, c));
     c->fused_proj = is_phi3(root);
     if (is_phi3(root)) LOOM_TRY(check_phi3(root, path));
     c->norm_unit_offset = c->scale_embeddings = is_gemma(root);
@@ -223,7 +261,7 @@ static loom_status apply_window(json_t *root, const char *path, loom_llama_confi
     json_t *use = json_object_get(root, "use_sliding_window");
     if (use && !json_is_null(use) && !json_is_boolean(use))
         return loom_error(LOOM_ERR_FORMAT, "%s: use_sliding_window must be true or false", path);
-    if ((is_qwen2(root) || is_qwen3(root)) && !json_is_true(use)) return LOOM_OK;
+    if ((is_qwen2(root) || is_qwen3(root) || is_smollm3(root)) && !json_is_true(use)) return LOOM_OK;
     json_int_t window = 0;
     if (v && !json_is_null(v)) {
         if (!json_is_integer(v) || json_integer_value(v) <= 0)
@@ -372,23 +410,29 @@ loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
     memset(c, 0, sizeof *c);
     /* Absent fields take Hugging Face LlamaConfig's defaults (not loom's
      * presets'): the same directory must give the same model in both. */
-    c->rope_theta = 10000.0f;
-    c->norm_eps = st == LOOM_OK && is_phi3(root) ? 1e-5f : 1e-6f; /* Phi3Config's, LlamaConfig's */
+    c->rope_theta = st == LOOM_OK && is_smollm3(root) ? 2000000.0f : 10000.0f; /* SmolLM3Config's, LlamaConfig's */
+    c->norm_eps = st == LOOM_OK && is_phi3(root) ? 1e-5f : 1e-6f;               /* Phi3Config's, LlamaConfig's */
     if (st == LOOM_OK) st = get_int(root, path, "hidden_size", 1, &c->dim);
     if (st == LOOM_OK) st = get_int(root, path, "num_hidden_layers", 1, &c->n_layers);
     if (st == LOOM_OK) st = get_int(root, path, "num_attention_heads", 1, &c->n_heads);
     /* Qwen2Config's and Qwen3Config's default when absent, 32, GemmaConfig's 16; LlamaConfig's (and theirs
      * for null) the heads */
     json_t *kvh = json_object_get(root, "num_key_value_heads");
-    c->n_kv_heads = !kvh && (is_qwen2(root) || is_qwen3(root)) ? 32 : !kvh && is_gemma(root) ? 16 : c->n_heads;
+    c->n_kv_heads = !kvh && (is_qwen2(root) || is_qwen3(root)) ? 32
+                    : !kvh && is_gemma(root)                    ? 16
+                    : !kvh && is_smollm3(root)                  ? 4
+                                                                : c->n_heads;
     if (st == LOOM_OK) st = get_int(root, path, "num_key_value_heads", 0, &c->n_kv_heads);
     if (st == LOOM_OK) st = get_int(root, path, "intermediate_size", 1, &c->ffn_dim);
     if (st == LOOM_OK) st = get_int(root, path, "vocab_size", 1, &c->vocab_size);
-    c->max_seq = is_qwen2(root) || is_qwen3(root) ? 32768 : is_gemma(root) ? 8192 : is_phi3(root) ? 4096 : 2048;
+    c->max_seq = is_qwen2(root) || is_qwen3(root) || is_smollm3(root) ? 32768
+                 : is_gemma(root)                                      ? 8192
+                 : is_phi3(root)                                       ? 4096
+                                                                       : 2048; /* their configs', LlamaConfig's */
     if (st == LOOM_OK) st = get_int(root, path, "max_position_embeddings", 0, &c->max_seq);
     if (st == LOOM_OK) st = get_float(root, path, "rms_norm_eps", &c->norm_eps);
     json_t *tie = st == LOOM_OK ? json_object_get(root, "tie_word_embeddings") : NULL;
-    c->tie_embeddings = st == LOOM_OK && is_gemma(root); /* GemmaConfig's default */
+    c->tie_embeddings = st == LOOM_OK && (is_gemma(root) || is_smollm3(root)); /* GemmaConfig's, SmolLM3Config's */
     if (tie) {
         if (!json_is_boolean(tie)) st = loom_error(LOOM_ERR_FORMAT, "%s: tie_word_embeddings must be true or false", path);
         else c->tie_embeddings = json_is_true(tie);
@@ -456,6 +500,7 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
     /* The Hugging Face class that reads it: Gemma's (norms of 1 + weight), Granite's (multipliers), Qwen 3's
      * (q/k norms), Qwen 2's (biases on q, k, v alone), LLaMA's */
     int gemma = c->norm_unit_offset, granite = !gemma && loom_llama_has_multipliers(c), phi3 = c->fused_proj;
+    int smollm3 = c->nope_interval > 0;
     int qwen3 = !gemma && !granite && c->qk_norm, qwen2 = !gemma && !granite && !qwen3 && c->qkv_bias && !c->o_bias;
     const char *act = c->act == LOOM_ACT_GELU_TANH ? "gelu_pytorch_tanh" : "silu";
     json_t *root = json_pack("{s:[s], s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:f, s:b, s:s, s:s, s:f}",
@@ -463,6 +508,7 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
                              gemma     ? "GemmaForCausalLM"
                              : granite ? "GraniteForCausalLM"
                              : phi3    ? "Phi3ForCausalLM"
+                             : smollm3 ? "SmolLM3ForCausalLM"
                              : qwen3   ? "Qwen3ForCausalLM"
                              : qwen2   ? "Qwen2ForCausalLM"
                                        : "LlamaForCausalLM",
@@ -470,6 +516,7 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
                              gemma     ? "gemma"
                              : granite ? "granite"
                              : phi3    ? "phi3"
+                             : smollm3 ? "smollm3"
                              : qwen3   ? "qwen3"
                              : qwen2   ? "qwen2"
                                        : "llama",
@@ -487,7 +534,16 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
     if (ok && phi3) ok = !json_object_set_new(root, "pad_token_id", json_null());
     if (ok && !qwen2 && !phi3) /* Qwen 2's class has biases on q, k and v whatever the file says, Phi-3's none */
         ok = !json_object_set_new(root, "attention_bias", json_boolean(c->o_bias));
-    if (ok && (qwen2 || qwen3)) ok = !json_object_set_new(root, "use_sliding_window", json_false());
+    if (ok && (qwen2 || qwen3 || smollm3)) ok = !json_object_set_new(root, "use_sliding_window", json_false());
+    if (ok && smollm3) { /* the list SmolLM3Config makes of the interval, and the interval */
+        json_t *list = json_array();
+        int built = list != NULL;
+        for (int l = 0; built && l < c->n_layers; l++)
+            built = !json_array_append_new(list, json_integer(loom_llama_layer_has_rope(c, l)));
+        if (!built) json_decref(list);
+        ok = built && !json_object_set_new(root, "no_rope_layers", list) && /* taken by root, even on failure */
+             !json_object_set_new(root, "no_rope_layer_interval", json_integer(c->nope_interval));
+    }
     if (ok && c->rope_type == LOOM_ROPE_LONGROPE) ok = save_longrope(root, c);
     else if (ok && c->rope_type != LOOM_ROPE_DEFAULT) { /* as Hugging Face's own files write each */
         json_t *rs = c->rope_type == LOOM_ROPE_LINEAR

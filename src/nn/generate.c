@@ -87,8 +87,10 @@ static loom_status forward_tokens(loom_llama *m, kv_cache *c, scratch *s, const 
             rmsnorm_fwd(s->q, NULL, s->q, loom_tensor_data(y->q_norm->tensor), wo, T * NH, HS, cfg->norm_eps, dt);
             rmsnorm_fwd(kdst, NULL, kdst, loom_tensor_data(y->k_norm->tensor), wo, T * NKV, HS, cfg->norm_eps, dt);
         }
-        rope_fwd(s->q, s->q, 1, T, NH, HS, pos0, &rope, dt);
-        rope_fwd(kdst, kdst, 1, T, NKV, HS, pos0, &rope, dt);
+        if (loom_llama_layer_has_rope(cfg, l)) { /* not one of SmolLM3's NoPE blocks */
+            rope_fwd(s->q, s->q, 1, T, NH, HS, pos0, &rope, dt);
+            rope_fwd(kdst, kdst, 1, T, NKV, HS, pos0, &rope, dt);
+        }
         attention_fwd_scaled(s->att, NULL, s->q, c->k[l], c->v[l], 1, T, pos0 + T, NH, NKV, HS, pos0,
                              loom_llama_attn_scale(cfg), dt);
         LOOM_TRY(linear(m, s, s->o, s->att, y, LOOM_LORA_O, T, Q, C));

@@ -86,6 +86,10 @@ float loom_llama_attn_scale(const loom_llama_config *c) {
     return c->attention_multiplier > 0.0f ? c->attention_multiplier : 1.0f / sqrtf((float)loom_llama_head_dim(c));
 }
 
+int loom_llama_layer_has_rope(const loom_llama_config *c, int layer) {
+    return c->nope_interval <= 0 || (layer + 1) % c->nope_interval != 0;
+}
+
 int loom_llama_has_multipliers(const loom_llama_config *c) {
     return c->embedding_multiplier != 0.0f || c->residual_multiplier != 0.0f || c->attention_multiplier != 0.0f ||
            c->logits_scaling != 0.0f;
@@ -100,7 +104,8 @@ int loom_llama_config_same_weights(const loom_llama_config *a, const loom_llama_
            a->n_kv_heads == b->n_kv_heads && a->ffn_dim == b->ffn_dim && a->vocab_size == b->vocab_size &&
            a->tie_embeddings == b->tie_embeddings && !a->qkv_bias == !b->qkv_bias && !a->o_bias == !b->o_bias &&
            !a->norm_unit_offset == !b->norm_unit_offset && /* Gemma's norm weights are offsets from 1 */
-           !a->fused_proj == !b->fused_proj;                /* Phi-3's files hold q, k, v in one tensor */
+           !a->fused_proj == !b->fused_proj &&              /* Phi-3's files hold q, k, v in one tensor */
+           a->nope_interval == b->nope_interval;            /* SmolLM3's NoPE blocks */
 }
 
 /* A multiplier's effect: 0 (none) is 1. */
@@ -175,6 +180,12 @@ loom_status loom_llama_config_validate(const loom_llama_config *c) {
     if (loom_llama_has_multipliers(c) && (c->norm_unit_offset || c->qk_norm || (c->qkv_bias && !c->o_bias)))
         return loom_error(LOOM_ERR_INVALID, "model config: Granite's multipliers with Gemma's norms, q/k norms or "
                           "biases on q, k and v alone have no Hugging Face layout");
+    if (c->nope_interval < 0 || (c->nope_interval > 0 && (c->fused_proj || c->qk_norm || c->norm_unit_offset ||
+                                                          loom_llama_has_multipliers(c) ||
+                                                          (c->qkv_bias && !c->o_bias))))
+        return loom_error(LOOM_ERR_INVALID, "model config: SmolLM3's NoPE blocks (every %d-th) with Phi-3's files, "
+                          "q/k norms, Gemma's norms, Granite's multipliers or biases on q, k and v alone have no "
+                          "Hugging Face layout", c->nope_interval);
     if (c->fused_proj &&
         (c->qkv_bias || c->o_bias || c->qk_norm || c->norm_unit_offset || loom_llama_has_multipliers(c)))
         return loom_error(LOOM_ERR_INVALID, "model config: Phi-3's fused projections with attention biases, q/k "
@@ -891,8 +902,9 @@ static loom_status attention_part(const struct llama_block_args *a, loom_tensor 
     loom_status st = loom_rmsnorm_ex(x, y->attn_norm->tensor, c->norm_eps, norm_offset(c), &hn);
     if (st == LOOM_OK) st = tp_copy(m->tp_comm, hn, &h);
     loom_rope_freqs rope = loom_llama_rope(c);
-    if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_Q, h, hn, NH, HS, y->q_norm, &rope, &q);
-    if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_K, h, hn, NKV, HS, y->k_norm, &rope, &k);
+    const loom_rope_freqs *r = loom_llama_layer_has_rope(c, a->layer) ? &rope : NULL; /* SmolLM3's NoPE blocks */
+    if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_Q, h, hn, NH, HS, y->q_norm, r, &q);
+    if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_K, h, hn, NKV, HS, y->k_norm, r, &k);
     if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_V, h, hn, NKV, HS, NULL, NULL, &v);
     if (st == LOOM_OK) st = loom_attention_ex(q, k, v, c->attention_multiplier, &att); /* 0: 1/sqrt(HS) */
     if (st == LOOM_OK) st = loom_reshape(att, 2, flat, &att2);

@@ -880,6 +880,52 @@ static void test_longrope_config(void **state) {
                           "\"long_factor\": [1, 1, 1, 1]}", "needs original_max_position_embeddings");
 }
 
+/* SmolLM3's model: its NoPE blocks from no_rope_layers (0 at every N-th
+ * block) or no_rope_layer_interval (4 by default), SmolLM3Config's other
+ * defaults (4 kv heads, 32768 positions, rope_theta 2e6, tied, a window
+ * only with use_sliding_window); saved as SmolLM3's class with its list and
+ * read back the same; a list that is not every N-th block, or too short,
+ * refused by name. */
+static void test_smollm3_config(void **state) {
+    (void)state;
+    const char *head = "{\"model_type\": \"smollm3\", \"hidden_size\": 16, \"num_hidden_layers\": 8, "
+                       "\"num_attention_heads\": 4, \"intermediate_size\": 24, \"vocab_size\": 40";
+    char json[512];
+    snprintf(json, sizeof json, "%s, \"sliding_window\": 64, \"no_rope_layers\": [1, 1, 1, 0, 1, 1, 1, 0, 1, 1]}", head);
+    loom_llama_config c = config_of(json), back;
+    assert_true(c.nope_interval == 4 && c.n_kv_heads == 4 && c.max_seq == 32768 && c.rope_theta == 2e6f &&
+                c.tie_embeddings);
+    for (int l = 0; l < 8; l++) assert_int_equal(loom_llama_layer_has_rope(&c, l), l != 3 && l != 7);
+    back = saved_and_loaded(&c);
+    assert_true(loom_llama_config_same_model(&c, &back) && saved_text_has("SmolLM3ForCausalLM") &&
+                saved_text_has("\"no_rope_layer_interval\": 4"));
+    snprintf(json, sizeof json, "%s}", head); /* SmolLM3Config's list: every 4th */
+    assert_int_equal(config_of(json).nope_interval, 4);
+    snprintf(json, sizeof json, "%s, \"no_rope_layer_interval\": 2}", head);
+    assert_int_equal(config_of(json).nope_interval, 2);
+    snprintf(json, sizeof json, "%s, \"no_rope_layers\": [1, 1, 1, 1, 1, 1, 1, 1]}", head); /* RoPE everywhere */
+    c = config_of(json);
+    assert_int_equal(c.nope_interval, 0);
+    snprintf(json, sizeof json, "%s, \"sliding_window\": 64, \"use_sliding_window\": true}", head);
+    assert_int_equal(config_of(json).max_seq, 64);
+    static const struct { const char *extra, *msg; } bad[] = {
+        {", \"no_rope_layers\": [1, 0, 1, 1, 1, 1, 1, 1]}", "block 3 breaks it"},
+        {", \"no_rope_layers\": [1, 1, 2, 1, 1, 1, 1, 1]}", "block 2 breaks it"},
+        {", \"no_rope_layers\": [1, 1, 1, 0]}", "one entry a block (8)"},
+        {", \"no_rope_layer_interval\": 0}", "no_rope_layer_interval must be a positive integer"},
+    };
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        snprintf(json, sizeof json, "%s%s", head, bad[k].extra);
+        io_write_raw(io_path("config.json"), json, strlen(json));
+        assert_int_not_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
+        IO_ASSERT_MSG(bad[k].msg);
+    }
+    c.nope_interval = 2;
+    c.fused_proj = 1; /* NoPE blocks in Phi-3's files: no layout */
+    assert_int_equal(loom_llama_config_validate(&c), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("SmolLM3's NoPE blocks");
+}
+
 /* loom_llama_config_same_model: a copy is the same model; each field that
  * changes the math, changed alone, is not; Granite's multipliers compare
  * by what they do (0, none, is 1; the scale's 0 is 1/sqrt(head size)). */
@@ -890,7 +936,7 @@ static void test_same_model(void **state) {
                                     "\"residual_multiplier\": 0.5}");
     loom_llama_config b = a;
     assert_true(loom_llama_config_same_model(&a, &b));
-    for (int f = 0; f < 12; f++) {
+    for (int f = 0; f < 13; f++) {
         b = a;
         switch (f) {
         case 0: b.embedding_multiplier = 2.0f; break;
@@ -904,6 +950,7 @@ static void test_same_model(void **state) {
         case 8: b.rope_theta = 500000.0f; break;
         case 9: b.max_seq = 64; break;
         case 10: b.attention_dropout = 0.1f; break;
+        case 11: b.nope_interval = 2; break;
         default: b.fused_proj = 1; break;
         }
         if (loom_llama_config_same_model(&a, &b)) fail_msg("field %d changed alone: still the same model", f);
@@ -1305,6 +1352,10 @@ static void test_gguf_refusals(void **state) {
     assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_F32, tok, io_path("scaled.gguf")), LOOM_ERR_UNSUPPORTED);
     IO_ASSERT_MSG("Phi-3's fused projections");
     m->cfg.fused_proj = 0;
+    m->cfg.nope_interval = 4; /* SmolLM3's */
+    assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_F32, tok, io_path("scaled.gguf")), LOOM_ERR_UNSUPPORTED);
+    IO_ASSERT_MSG("SmolLM3's NoPE blocks");
+    m->cfg.nope_interval = 0;
     /* Tokenizers llama.cpp cannot load: two ids spelling "abc", no end of text. */
     const char *dup = "{\"type\":\"loom-bpe\",\"version\":1,\"vocab_size\":261,"
                       "\"merges\":[[97,98],[256,99],[98,99],[97,258]],\"special\":{\"<|endoftext|>\":260}}";
@@ -1351,6 +1402,7 @@ int main(void) {
         cmocka_unit_test(test_phi3_layout),
         cmocka_unit_test(test_same_model),
         cmocka_unit_test(test_longrope_config),
+        cmocka_unit_test(test_smollm3_config),
         cmocka_unit_test(test_gguf_refusals),
     };
     return cmocka_run_group_tests(tests, io_scratch_setup, io_scratch_teardown);

@@ -17,7 +17,8 @@ head-dim has heads of their own size (q and o wider than the model); qwen3
 normalizes each query and key head (and has DoRA checked too); gemma is
 Gemma's model (norms of 1 + weight, scaled embeddings, the tanh GELU);
 granite has Granite's four multipliers; phi3 reads and writes Phi-3's fused
-qkv_proj and gate_up_proj.
+qkv_proj and gate_up_proj (phi3-longrope scales its RoPE as Phi-3.5's);
+smollm3 has a block without RoPE.
 Prints a table of the errors and exits 1 on any mismatch.
 
 Usage: /usr/bin/python3 crosscheck.py --loom build/loom --workdir DIR
@@ -97,6 +98,11 @@ CONFIGS = {
                       "tie_word_embeddings": False,
                       "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
                                        "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 24.0, 32.0, 40.0]}},
+    # SmolLM3's model: every 2nd block without RoPE (its no_rope_layers list), its rope_theta and tying left to
+    # SmolLM3Config's defaults (2e6, tied)
+    "smollm3": {"model_type": "smollm3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 32,
+                "rms_norm_eps": 1e-6, "no_rope_layers": [1, 0], "use_sliding_window": False},
     # LLaMA's attention_bias: q, k, v and o
     "attention-bias": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                        "intermediate_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 32,

@@ -136,7 +136,7 @@ class Config:
         self.ffn_dim = d["intermediate_size"]
         self.vocab_size = d["vocab_size"]
         self.max_seq = d.get("max_position_embeddings", 2048)
-        self.rope_theta = float(d.get("rope_theta", 10000.0))
+        self.rope_theta = float(d.get("rope_theta", 2000000.0 if d.get("model_type") == "smollm3" else 10000.0))
         self.rope_scaling = d.get("rope_scaling")
         # Phi-3's longrope (for positions up to its original context): cosines and sines times an attention factor,
         # given or sqrt(1 + ln(s) / ln(original)), s = max_position_embeddings / original (modeling_rope_utils.py)
@@ -169,6 +169,12 @@ class Config:
             self.tie = bool(d.get("tie_word_embeddings", True))
             self.n_kv_heads = d.get("num_key_value_heads", 16)
         self.head_size = d.get("head_dim") or (128 if self.qk_norm else 256 if self.gemma else self.dim // self.n_heads)
+        # SmolLM3's NoPE blocks: no_rope_layers (1: RoPE), else every no_rope_layer_interval-th block without
+        self.rope_layers = [1] * self.n_layers
+        if d.get("model_type") == "smollm3":
+            n = d.get("no_rope_layer_interval", 4)
+            self.rope_layers = d.get("no_rope_layers") or [int((l + 1) % n != 0) for l in range(self.n_layers)]
+            self.tie = bool(d.get("tie_word_embeddings", True))
         # Granite's: embeddings times embedding_multiplier, the attention's and the MLP's outputs times
         # residual_multiplier, the scores times attention_multiplier (not 1/sqrt(head size)), the logits divided by
         # logits_scaling; GraniteConfig's 1.0 each
@@ -273,7 +279,8 @@ def make_model_dir(d, config, rng, embed_std=0.02):
     with open(os.path.join(d, "config.json"), "w") as f:
         mt = config.get("model_type", "llama")
         arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "gemma": "GemmaForCausalLM", "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM"}[mt]
+                "gemma": "GemmaForCausalLM", "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM",
+                "smollm3": "SmolLM3ForCausalLM"}[mt]
         act = config.get("hidden_act", "gelu" if mt == "gemma" else "silu")  # Gemma 1.0's files say "gelu"
         json.dump(dict(config, architectures=[arch], model_type=mt, hidden_act=act,
                        torch_dtype="float32"), f, indent=2)
@@ -365,9 +372,10 @@ def attention(x, params, p, cfg, cos, sin):
         q = rms_norm(q, params[p + "self_attn.q_norm.weight"], cfg.norm_eps)
         k = rms_norm(k, params[p + "self_attn.k_norm.weight"], cfg.norm_eps)
     q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, NH, T, HS)
-    cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-    q = q * cos + rotate_half(q) * sin
-    k = k * cos + rotate_half(k) * sin
+    if cos is not None:  # None: one of SmolLM3's NoPE blocks
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
     k = k.repeat_interleave(NH // NKV, dim=1)  # query head h reads kv head h // (NH / NKV)
     v = v.repeat_interleave(NH // NKV, dim=1)
     if cfg.granite:  # GraniteAttention's scaling
@@ -406,7 +414,9 @@ def forward(cfg, params, inputs, targets, dtype=torch.float32):
         x = x * cfg.mult["embedding_multiplier"]
     for l in range(cfg.n_layers):
         p = f"model.layers.{l}."
-        a = attention(rms_norm(x, w[p + "input_layernorm.weight"], cfg.norm_eps, g), w, p, cfg, cos, sin)
+        rope = cfg.rope_layers[l]
+        a = attention(rms_norm(x, w[p + "input_layernorm.weight"], cfg.norm_eps, g), w, p, cfg, cos if rope else None,
+                      sin if rope else None)
         x = x + (a if rm is None else a * rm)
         f = mlp(rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.norm_eps, g), w, p, cfg)
         x = x + (f if rm is None else f * rm)

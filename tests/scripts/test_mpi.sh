@@ -326,7 +326,7 @@ $CMP "$WORK/gq.st" "$WORK/g1.st" --rtol 1e-4 >/dev/null || fail "TP=2 --recomput
 for kind in '"model_type": "qwen2"' '"attention_bias": true' '"head_dim": 24, "attention_bias": true' \
             '"model_type": "qwen3", "head_dim": 24' '"model_type": "gemma", "head_dim": 24' \
             '"model_type": "granite", "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0625, "logits_scaling": 8.0' \
-            '"model_type": "phi3"'; do
+            '"model_type": "phi3"' '"model_type": "smollm3", "no_rope_layer_interval": 2'; do
   config_plus "$WORK/bias.json" "$WORK/cfg.json" "$kind"
   rm -rf "$WORK/biased" "$WORK/b1" "$WORK/b2" "$WORK/ba"
   $PY - "$WORK/bias.json" "$WORK/biased" "$SRC/tests/python" <<'PYEOF' || fail "no biased model ($kind)"
@@ -337,7 +337,7 @@ import llama_ref as ref
 ref.make_model_dir(sys.argv[2], json.load(open(sys.argv[1])), np.random.default_rng(5))
 PYEOF
   grep -q -e "q_proj.bias" -e "q_norm" -e "qkv_proj" "$WORK/biased/model.safetensors" ||
-    [[ $kind == *gemma* || $kind == *granite* ]] ||
+    [[ $kind == *gemma* || $kind == *granite* || $kind == *smollm3* ]] ||
     fail "the model has no biases ($kind)"
   BI=(--data "$WORK/data" --init "$WORK/biased" --seq 16 --eval-every 0 --threads 1 --batch 2 --precision fp32)
   for rc in none full; do
