@@ -30,12 +30,16 @@ extern "C" {
  * max_position_embeddings, rope_theta, rms_norm_eps, tie_word_embeddings,
  * rope_scaling: null, "default", "linear" (factor), "llama3" (factor,
  * low_freq_factor, high_freq_factor, original_max_position_embeddings) or
- * "longrope" / "su" (Phi-3's short_factor and long_factor, head size / 2
- * each, original_max_position_embeddings at the top of the file or in it,
- * attention_factor where given, else Hugging Face's from the two
- * contexts; max_seq stops at the original context, below which Hugging
- * Face uses the short factors, and a saved config says the file's contexts
- * again, loom's as a sliding_window when shorter);
+ * "longrope" / "su" (Phi-3 and LLaMA models: short_factor and long_factor,
+ * head size / 2 each; original_max_position_embeddings at the top of the
+ * file (Phi-3's, 4096 when absent) or, for LLaMA, in rope_scaling; the
+ * attention_factor where given, else Hugging Face's sqrt(1 + ln s /
+ * ln original), s the file's context over the original (or rope_scaling's
+ * factor, for LLaMA without the top-level field); max_seq stops at the
+ * original context, below which Hugging Face uses the short factors, and
+ * a saved config says the file's contexts again, loom's as a
+ * sliding_window when shorter; a factor that is not the ratio of two
+ * whole contexts reads back within a float's rounding of it);
  * or transformers v5's rope_parameters, which holds rope_theta and the
  * scaling, and must agree with them when a file has both).
  * Optional fields absent from the file take LlamaConfig's defaults:
@@ -49,7 +53,8 @@ extern "C" {
  * 2's only with use_sliding_window, 4096 when left out) shorter than
  * max_position_embeddings caps the context (max_seq), up to which it equals
  * loom's full causal attention, and a config saved from it is one whose
- * max_position_embeddings is the window. "qwen2" puts biases on q, k and v
+ * max_position_embeddings is the window (longrope's saves its contexts and
+ * the window apart). "qwen2" puts biases on q, k and v
  * (qkv_bias); LLaMA's attention_bias (read for "llama" or no model_type:
  * Mistral's model has none) on q, k, v and o. A head_dim other than
  * hidden_size / num_attention_heads (Mistral NeMo's) is the heads' own
@@ -81,7 +86,9 @@ extern "C" {
  * hidden_act (any model_type): "silu", or the tanh GELU as
  * "gelu_pytorch_tanh" or "gelu_new" (act).
  * Save writes rope_scaling as Hugging Face's files do ("type": "linear" and
- * factor; "rope_type": "llama3" and its four numbers) when there is one,
+ * factor; "rope_type": "llama3" and its four numbers; "type": "longrope",
+ * its factor lists, and attention_factor when it is not the one the
+ * contexts give) when there is one,
  * and a model with biases on q, k and v alone as Qwen 2's
  * (Qwen2ForCausalLM, model_type "qwen2"), any other as LLaMA's with its
  * attention_bias.

@@ -309,21 +309,32 @@ static loom_status read_factors(json_t *rs, const char *key, const char *path, c
 static loom_status parse_longrope(json_t *root, json_t *rs, const char *path, const char *what,
                                   loom_llama_config *c) {
     int ns, nl, hs = loom_llama_head_dim(c);
+    if (!model_type_is(root, "llama") && !is_phi3(root) && json_object_get(root, "model_type"))
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: %s longrope is read for Phi-3 and LLaMA models only", path, what);
+    if (is_phi3(root) && c->head_dim) /* Phi3Config counts the factors by hidden_size / heads */
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: longrope on a Phi-3 model with a head_dim of its own", path);
     LOOM_TRY(read_factors(rs, "short_factor", path, what, c->rope_short, &ns));
     LOOM_TRY(read_factors(rs, "long_factor", path, what, c->rope_long, &nl));
     if (ns != nl || ns != hs / 2)
         return loom_error(LOOM_ERR_FORMAT, "%s: %s longrope has %d short and %d long factors; a head of %d needs %d "
                           "of each", path, what, ns, nl, hs, hs / 2);
+    /* Phi-3's original context is the top-level field (Phi3Config's 4096 when absent; Hugging Face reads no
+     * other); others may give it in rs */
     json_t *top = json_object_get(root, "original_max_position_embeddings");
-    json_t *orig = top ? top : json_object_get(rs, "original_max_position_embeddings");
-    if (!json_is_integer(orig) || json_integer_value(orig) <= 0 || json_integer_value(orig) > (1 << 30))
+    json_t *inner = json_object_get(rs, "original_max_position_embeddings"), *orig = top ? top : inner;
+    json_int_t original = is_phi3(root) && !top ? 4096 : json_is_integer(orig) ? json_integer_value(orig) : 0;
+    if (original <= 0 || original > (1 << 30))
         return loom_error(LOOM_ERR_FORMAT, "%s: longrope needs original_max_position_embeddings, a positive integer "
                           "(the context the short factors are for)", path);
-    int original = (int)json_integer_value(orig);
-    double factor = 1.0;
+    if (is_phi3(root) && inner && !json_is_null(inner) &&
+        !(json_is_integer(inner) && json_integer_value(inner) == original))
+        return loom_error(LOOM_ERR_FORMAT, "%s: %s's original_max_position_embeddings is not the file's (%lld), "
+                          "which Phi-3 reads", path, what, (long long)original);
+    /* the context it extends to over the original: the file's contexts (Phi-3's; others' when rs gives no
+     * factor), else rs's factor */
+    double factor = (double)c->max_seq / (double)original;
     json_t *fv = json_object_get(rs, "factor");
-    if (top) factor = (double)c->max_seq / original; /* Phi-3's: the file's context over the original */
-    else if (fv && !json_is_null(fv)) factor = json_is_number(fv) ? json_number_value(fv) : -1.0;
+    if (!is_phi3(root) && !top && fv && !json_is_null(fv)) factor = json_is_number(fv) ? json_number_value(fv) : -1.0;
     if (!(factor > 0.0) || factor > 1e6)
         return loom_error(LOOM_ERR_FORMAT, "%s: %s longrope's factor must be a positive number", path, what);
     json_t *av = json_object_get(rs, "attention_factor");
@@ -333,7 +344,7 @@ static loom_status parse_longrope(json_t *root, json_t *rs, const char *path, co
         return loom_error(LOOM_ERR_FORMAT, "%s: %s longrope's attention_factor must be a positive number", path, what);
     c->rope_type = LOOM_ROPE_LONGROPE;
     c->rope_n_ext = ns;
-    c->rope_original_max_pos = original;
+    c->rope_original_max_pos = (int)original;
     c->rope_factor = factor < 1.0 ? 1.0f : (float)factor;
     c->rope_attention_factor = (float)af;
     return LOOM_OK;
@@ -345,7 +356,10 @@ static loom_status parse_rope_scaling(json_t *root, json_t *rs, const char *path
     if (!json_is_string(t))
         return loom_error(LOOM_ERR_FORMAT, "%s: %s must be null or an object with a \"rope_type\"", path, what);
     const char *type = json_string_value(t);
-    if (t1 && t2 && !json_equal(t1, t2))
+    /* "su" is longrope's old name: transformers v5 writes rope_type "longrope" beside the old type "su" */
+    int su_pair = t1 && t2 && json_is_string(t1) && json_is_string(t2) && !strcmp(json_string_value(t1), "su") &&
+                  !strcmp(json_string_value(t2), "longrope");
+    if (t1 && t2 && !json_equal(t1, t2) && !su_pair)
         return loom_error(LOOM_ERR_FORMAT, "%s: %s has \"type\" and \"rope_type\" that disagree", path, what);
     json_t *prf = json_object_get(rs, "partial_rotary_factor"); /* where transformers v5 keeps it */
     if (prf && !json_is_null(prf) && !(json_is_number(prf) && json_number_value(prf) == 1.0))
@@ -529,9 +543,8 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
                              dt == LOOM_F32 ? "float32" : dt == LOOM_BF16 ? "bfloat16" : "float16",
                              "initializer_range", 0.02);
     int ok = root != NULL;
-    /* Phi3Config's default pad id, 32000, is an embedding row Hugging Face's model refuses below that vocabulary
-     * (and keeps untrained): loom trains every row */
-    if (ok && phi3) ok = !json_object_set_new(root, "pad_token_id", json_null());
+    /* Phi3Config's default pad id, 32000, is an embedding row Hugging Face's model refuses below that vocabulary */
+    if (ok && phi3 && c->vocab_size <= 32000) ok = !json_object_set_new(root, "pad_token_id", json_null());
     if (ok && !qwen2 && !phi3) /* Qwen 2's class has biases on q, k and v whatever the file says, Phi-3's none */
         ok = !json_object_set_new(root, "attention_bias", json_boolean(c->o_bias));
     if (ok && (qwen2 || qwen3 || smollm3)) ok = !json_object_set_new(root, "use_sliding_window", json_false());

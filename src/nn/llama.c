@@ -68,7 +68,8 @@ loom_rope_freqs loom_llama_rope(const loom_llama_config *c) {
     if (c->rope_type == LOOM_ROPE_LONGROPE) { /* the short factors: loom's context is the original one */
         r.attention_factor = c->rope_attention_factor;
         r.n_ext = c->rope_n_ext;
-        memcpy(r.ext, c->rope_short, sizeof(float) * (size_t)(c->rope_n_ext > 0 ? c->rope_n_ext : 0));
+        int n = c->rope_n_ext < 0 ? 0 : c->rope_n_ext > LOOM_ROPE_EXT_MAX ? LOOM_ROPE_EXT_MAX : c->rope_n_ext;
+        memcpy(r.ext, c->rope_short, sizeof(float) * (size_t)n); /* n_ext as it is: loom_rope_check refuses it */
     }
     return r;
 }

@@ -861,9 +861,25 @@ static void test_longrope_config(void **state) {
     back = saved_and_loaded(&c);
     assert_true(loom_llama_config_same_model(&c, &back) && saved_text_has("\"attention_factor\": 1.5") &&
                 saved_text_has("\"sliding_window\": 2047"));
+    /* transformers v5's re-save of an "su" file (rope_type longrope beside it); Phi3Config's original context
+     * (4096) when the file gives none; a context under the original saved as a window */
+    const char *v5su = "{\"model_type\": \"phi3\", \"hidden_size\": 16, \"num_hidden_layers\": 1, "
+                       "\"num_attention_heads\": 2, \"intermediate_size\": 24, \"vocab_size\": 40, "
+                       "\"max_position_embeddings\": 2048, \"rope_scaling\": {\"type\": \"su\", \"rope_type\": "
+                       "\"longrope\", \"short_factor\": [1, 1, 1, 1], \"long_factor\": [2, 2, 2, 2]}}";
+    c = config_of(v5su);
+    assert_true(c.rope_type == LOOM_ROPE_LONGROPE && c.rope_original_max_pos == 4096 && c.max_seq == 2048 &&
+                c.rope_attention_factor == 1.0f);
+    back = saved_and_loaded(&c);
+    assert_true(loom_llama_config_same_model(&c, &back) && saved_text_has("\"sliding_window\": 2048") &&
+                saved_text_has("\"max_position_embeddings\": 4096"));
     static const struct { const char *extra, *msg; } bad[] = {
         {", \"rope_scaling\": {\"type\": \"longrope\", \"short_factor\": [1, 1, 1], \"long_factor\": [1, 1, 1]}}",
          "longrope has 3 short and 3 long factors; a head of 8 needs 4"},
+        {", \"rope_scaling\": {\"type\": \"longrope\", \"short_factor\": [1, 1, 1, 1], \"long_factor\": [1, 1, 1, 1], "
+         "\"original_max_position_embeddings\": 8192}}", "is not the file's (4096), which Phi-3 reads"},
+        {", \"head_dim\": 16, \"rope_scaling\": {\"type\": \"longrope\", \"short_factor\": [1, 1, 1, 1, 1, 1, 1, 1], "
+         "\"long_factor\": [1, 1, 1, 1, 1, 1, 1, 1]}}", "longrope on a Phi-3 model with a head_dim of its own"},
         {", \"rope_scaling\": {\"type\": \"longrope\", \"short_factor\": [1, 1, 1, 1]}}", "needs \"long_factor\""},
         {", \"rope_scaling\": {\"type\": \"longrope\", \"short_factor\": [1, 1, 0, 1], \"long_factor\": [1, 1, 1, 1]}}",
          "factors are positive numbers"},
@@ -878,6 +894,9 @@ static void test_longrope_config(void **state) {
     }
     assert_config_refused(", \"rope_scaling\": {\"type\": \"longrope\", \"short_factor\": [1, 1, 1, 1], "
                           "\"long_factor\": [1, 1, 1, 1]}", "needs original_max_position_embeddings");
+    assert_config_refused(", \"model_type\": \"qwen2\", \"rope_scaling\": {\"type\": \"longrope\", \"short_factor\": "
+                          "[1, 1, 1, 1], \"long_factor\": [1, 1, 1, 1], \"original_max_position_embeddings\": 64}",
+                          "longrope is read for Phi-3 and LLaMA models only");
 }
 
 /* SmolLM3's model: its NoPE blocks from no_rope_layers (0 at every N-th

@@ -246,13 +246,18 @@ static void test_longrope(void **state) {
     }
     TU_ASSERT_CLOSE(o, want, n, 8.0 * (c.pos0 + c.T) * 0x1p-24 + 1e-6, 1e-6);
     check_bwd_fd(&c, 13);
-    rope_case d = c;
-    d.r.ext[3] = 2.5f; /* one factor else: another table */
-    float *o2 = malloc(n * 4);
+    rope_case d = c, e = c;
+    d.r.ext[3] = 2.5f;            /* one factor else: another table */
+    e.r.attention_factor = 1.25f; /* the attention factor else: another too */
+    float *o2 = malloc(n * 4), *o3 = malloc(n * 4);
     rope_fwd(o2, x, c.B, c.T, c.NH, c.HS, c.pos0, &d.r, LOOM_F32);
+    rope_fwd(o3, x, c.B, c.T, c.NH, c.HS, c.pos0, &e.r, LOOM_F32);
     assert_false(tu_bits_equal(o, o2, n * 4, NULL));
+    assert_false(tu_bits_equal(o, o3, n * 4, NULL));
     check_fwd_vs_ref(&d, LOOM_F32);
+    check_fwd_vs_ref(&e, LOOM_F32);
     check_fwd_vs_ref(&c, LOOM_F32);
+    free(o3);
     free(x); free(o); free(o2); free(want);
 }
 

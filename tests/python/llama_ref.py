@@ -143,9 +143,9 @@ class Config:
         rs = self.rope_scaling or {}
         self.rope_af = 1.0
         if rs.get("rope_type", rs.get("type")) in ("longrope", "su"):
-            orig = d.get("original_max_position_embeddings")
-            s = self.max_seq / orig if orig else rs.get("factor", 1.0)
-            orig = orig or rs["original_max_position_embeddings"]
+            top = d.get("original_max_position_embeddings")
+            orig = top or rs["original_max_position_embeddings"]
+            s = self.max_seq / orig if top or "factor" not in rs else rs["factor"]
             self.rope_af = rs.get("attention_factor") or (1.0 if s <= 1.0 else math.sqrt(1 + math.log(s) / math.log(orig)))
         # Phi-3's files fuse q, k, v (qkv_proj) and gate, up (gate_up_proj); Phi3Config's eps is 1e-5
         self.fused = d.get("model_type") == "phi3"
