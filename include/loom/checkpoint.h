@@ -48,7 +48,7 @@ extern "C" {
  * rope_scaling (Qwen2Config's for a "qwen2" file: 32 kv heads, 32768
  * positions; GemmaConfig's for "gemma": 16 kv heads, 8192 positions, head_dim
  * 256, tied). model_type may be "llama", "mistral", "qwen2", "qwen3",
- * "gemma", "granite", "phi3" or "smollm3"; a
+ * "gemma", "gemma2", "granite", "phi3" or "smollm3"; a
  * sliding_window (Mistral's; 4096 when a "mistral" file leaves it out; Qwen
  * 2's only with use_sliding_window, 4096 when left out) shorter than
  * max_position_embeddings caps the context (max_seq), up to which it equals
@@ -83,6 +83,14 @@ extern "C" {
  * positions, rope_theta 2e6 and tied embeddings by default, and a sliding
  * window only with use_sliding_window; it saves as SmolLM3ForCausalLM with
  * its list.
+ * "gemma2" is Gemma's with post_norms (a norm of each block's attention and
+ * MLP outputs: post_attention_layernorm and post_feedforward_layernorm,
+ * the MLP's input norm then pre_feedforward_layernorm), the scores scaled
+ * by query_pre_attn_scalar^-0.5 and softcapped at attn_logit_softcapping,
+ * the logits at final_logit_softcapping (Gemma2Config's 256, 50 and 30
+ * when absent; a softcap of null is none), its hidden_activation alone,
+ * and its sliding_window (4096) capping the context; it saves as
+ * Gemma2ForCausalLM with those fields and loom's context as its window.
  * hidden_act (any model_type): "silu", or the tanh GELU as
  * "gelu_pytorch_tanh" or "gelu_new" (act).
  * Save writes rope_scaling as Hugging Face's files do ("type": "linear" and

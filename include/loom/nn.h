@@ -94,6 +94,16 @@ typedef struct loom_llama_config {
      * block (blocks l with (l + 1) % nope_interval == 0) rotates nothing;
      * 0: every block has RoPE. */
     int nope_interval;
+    /* Gemma 2's model (model_type "gemma2", with Gemma's flags): post_norms
+     * normalizes each block's attention and MLP outputs before their
+     * residual adds (its post_attention_layernorm and
+     * post_feedforward_layernorm; the MLP's input norm is then its
+     * pre_feedforward_layernorm); the attention's scaled scores softcapped
+     * at attn_softcap, the logits at final_softcap (c tanh(x / c); 0:
+     * none); the scores scaled by query_pre_attn_scalar^-0.5 (0: the head
+     * size's). */
+    int post_norms;
+    float attn_softcap, final_softcap, query_pre_attn_scalar;
 } loom_llama_config;
 
 /* 1 when block `layer` of cfg applies RoPE (not one of SmolLM3's NoPE blocks). */
@@ -140,6 +150,7 @@ typedef enum loom_lora_target {
 typedef struct loom_llama_layer {
     loom_param *attn_norm, *wq, *wk, *wv, *wo, *mlp_norm, *w_gate, *w_up, *w_down;
     loom_param *bq, *bk, *bv, *bo; /* the attention's biases (NULL: none; loom_llama_config) */
+    loom_param *attn_post_norm, *mlp_post_norm; /* Gemma 2's norms of the outputs (NULL: none; post_norms) */
     loom_param *q_norm, *k_norm;   /* Qwen 3's per-head norms (NULL: none) */
     /* LoRA adapters of the linears (NULL: none): A (rank, in), B (out, rank);
      * with DoRA the magnitudes m (out) too. */

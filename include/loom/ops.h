@@ -27,6 +27,9 @@ loom_status loom_scale(loom_tensor *a, float s, loom_tensor **out);
  * logits / logits_scaling, as PyTorch divides); the gradient is divided
  * the same way. */
 loom_status loom_divide(loom_tensor *a, float d, loom_tensor **out);
+/* cap tanh(x / cap), in fp32 and rounded once (Gemma 2's
+ * final_logit_softcapping; cap > 0); the gradient dy (1 - (y / cap)^2). */
+loom_status loom_softcap(loom_tensor *x, float cap, loom_tensor **out);
 loom_status loom_silu(loom_tensor *x, loom_tensor **out);
 /* silu(gate) * up */
 loom_status loom_swiglu(loom_tensor *gate, loom_tensor *up, loom_tensor **out);
@@ -116,8 +119,11 @@ loom_status loom_rope_check(const loom_rope_freqs *r);
  * size T x T is stored. The scores q . k are scaled by 1/sqrt(HS). */
 loom_status loom_attention(loom_tensor *q, loom_tensor *k, loom_tensor *v, loom_tensor **out);
 /* The same with the scores scaled by `scale` (> 0; 0: 1/sqrt(HS)), as
- * Granite's attention_multiplier sets it. */
-loom_status loom_attention_ex(loom_tensor *q, loom_tensor *k, loom_tensor *v, float scale, loom_tensor **out);
+ * Granite's attention_multiplier sets it, and, with softcap > 0, each
+ * scaled score s made softcap tanh(s / softcap) before the mask and the
+ * softmax (Gemma 2's attn_logit_softcapping; 0: none). */
+loom_status loom_attention_ex(loom_tensor *q, loom_tensor *k, loom_tensor *v, float scale, float softcap,
+                              loom_tensor **out);
 /* out[i] = table[tokens[i]]: table (V, C), n tokens (copied), out (n, C).
  * A token outside [0, V) is LOOM_ERR_INVALID. */
 loom_status loom_embedding(loom_tensor *table, const int32_t *tokens, int n, loom_tensor **out);

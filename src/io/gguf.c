@@ -352,10 +352,11 @@ loom_status loom_llama_save_gguf(loom_llama *m, loom_gguf_type type, const loom_
     const loom_llama_config *c = &m->cfg;
     int granite = loom_llama_has_multipliers(c);
     if (c->rope_type != LOOM_ROPE_DEFAULT || c->qkv_bias || c->head_dim || c->qk_norm || c->norm_unit_offset ||
-        c->act != LOOM_ACT_SILU || granite || c->fused_proj || c->nope_interval)
+        c->act != LOOM_ACT_SILU || granite || c->fused_proj || c->nope_interval || c->post_norms)
         return loom_error(LOOM_ERR_UNSUPPORTED, "GGUF export of a model with %s is not supported: export a "
                           "Hugging Face directory (loom export --format hf) and convert that with llama.cpp's "
-                          "convert_hf_to_gguf.py", c->norm_unit_offset ? "Gemma's architecture"
+                          "convert_hf_to_gguf.py", c->post_norms ? "Gemma 2's architecture"
+                          : c->norm_unit_offset ? "Gemma's architecture"
                           : granite ? "Granite's multipliers" : c->fused_proj ? "Phi-3's fused projections"
                           : c->nope_interval ? "SmolLM3's NoPE blocks"
                           : c->qkv_bias ? "attention biases (Qwen 2's, attention_bias)"

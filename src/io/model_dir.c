@@ -95,6 +95,32 @@ static int is_qwen3(json_t *root) { return model_type_is(root, "qwen3"); }
 /* Gemma's ("gemma"): norms scaling by 1 + weight, embeddings by sqrt(dim),
  * the tanh GELU's gate, heads of 256 and tied embeddings by default. */
 static int is_gemma(json_t *root) { return model_type_is(root, "gemma"); }
+/* Gemma 2's ("gemma2"): Gemma's, with norms of each block's outputs, softcapped scores and logits, the scores
+ * scaled by query_pre_attn_scalar^-0.5, a sliding window (4096) on every other block; Gemma2Config's defaults. */
+static int is_gemma2(json_t *root) { return model_type_is(root, "gemma2"); }
+
+/* A number field of Gemma 2's, into *out: the file's (null: 0, none; refused unless it is positive, or 0
+ * when zero_ok), else def. */
+static loom_status gemma2_number(json_t *root, const char *path, const char *key, float def, float *out) {
+    json_t *v = json_object_get(root, key);
+    *out = def;
+    if (!v) return LOOM_OK;
+    double x = json_is_null(v) ? 0.0 : json_is_number(v) ? json_number_value(v) : -1.0;
+    if (!(x >= 0.0) || !isfinite((float)x))
+        return loom_error(LOOM_ERR_FORMAT, "%s: %s must be a positive number or null", path, key);
+    *out = (float)x;
+    return LOOM_OK;
+}
+
+static loom_status read_gemma2(json_t *root, const char *path, loom_llama_config *c) {
+    c->post_norms = 1;
+    LOOM_TRY(gemma2_number(root, path, "attn_logit_softcapping", 50.0f, &c->attn_softcap));
+    LOOM_TRY(gemma2_number(root, path, "final_logit_softcapping", 30.0f, &c->final_softcap));
+    LOOM_TRY(gemma2_number(root, path, "query_pre_attn_scalar", 256.0f, &c->query_pre_attn_scalar));
+    if (!(c->query_pre_attn_scalar > 0.0f))
+        return loom_error(LOOM_ERR_FORMAT, "%s: query_pre_attn_scalar must be a positive number", path);
+    return LOOM_OK;
+}
 /* Granite's ("granite"): LLaMA's with four multipliers (GraniteConfig's 1 by
  * default, the attention's too: its scale is attention_multiplier, not
  * 1/sqrt(head size)). */
@@ -193,6 +219,10 @@ static loom_status parse_act(json_t *v, const char *path, const char *key, loom_
  * 4.48, which computes them with the exact GELU). Others: hidden_act. */
 static loom_status read_act(json_t *root, const char *path, loom_llama_config *c) {
     json_t *v = json_object_get(root, "hidden_activation"), *a = json_object_get(root, "hidden_act");
+    if (is_gemma2(root)) { /* Gemma2Config's hidden_activation, alone */
+        c->act = LOOM_ACT_GELU_TANH;
+        return v && !json_is_null(v) ? parse_act(v, path, "hidden_activation", &c->act) : LOOM_OK;
+    }
     if (is_gemma(root)) {
         if (v && !json_is_null(v)) return parse_act(v, path, "hidden_activation", &c->act);
         if (!a || (json_is_string(a) && !strcmp(json_string_value(a), "gelu"))) {
@@ -221,7 +251,7 @@ static loom_status read_architecture(json_t *root, const char *path, loom_llama_
         c->qkv_bias = c->o_bias = json_is_true(v);
     }
     v = json_object_get(root, "head_dim"); /* its own (0: dim / n_heads, however the file says it) */
-    json_int_t hd = is_qwen3(root) ? 128 : is_gemma(root) ? 256 : 0; /* Qwen3Config's default, GemmaConfig's */
+    json_int_t hd = is_qwen3(root) ? 128 : is_gemma(root) || is_gemma2(root) ? 256 : 0; /* their configs' defaults */
     if (v && !json_is_null(v)) {
         if (!json_is_integer(v) || json_integer_value(v) <= 0 || json_integer_value(v) > (1 << 20))
             return loom_error(LOOM_ERR_FORMAT, "%s: head_dim must be a positive integer or null", path);
@@ -232,14 +262,15 @@ static loom_status read_architecture(json_t *root, const char *path, loom_llama_
     v = json_object_get(root, "model_type");
     if (v && (!json_is_string(v) || (strcmp(json_string_value(v), "llama") && strcmp(json_string_value(v), "mistral") &&
                                      !is_qwen2(root) && !is_qwen3(root) && !is_gemma(root) && !is_granite(root) &&
-                                     !is_phi3(root) && !is_smollm3(root))))
+                                     !is_phi3(root) && !is_smollm3(root) && !is_gemma2(root))))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: model_type \"%s\" is not a LLaMA model (loom reads \"llama\", "
-                          "\"mistral\", \"qwen2\", \"qwen3\", \"gemma\", \"granite\", \"phi3\" and \"smollm3\")",
-                          path, json_is_string(v) ? json_string_value(v) : "?");
+                          "\"mistral\", \"qwen2\", \"qwen3\", \"gemma\", \"gemma2\", \"granite\", \"phi3\" and "
+                          "\"smollm3\")", path, json_is_string(v) ? json_string_value(v) : "?");
     if (is_smollm3(root)) LOOM_TRY(read_nope(root, path, c));
     c->fused_proj = is_phi3(root);
     if (is_phi3(root)) LOOM_TRY(check_phi3(root, path));
-    c->norm_unit_offset = c->scale_embeddings = is_gemma(root);
+    c->norm_unit_offset = c->scale_embeddings = is_gemma(root) || is_gemma2(root);
+    if (is_gemma2(root)) LOOM_TRY(read_gemma2(root, path, c));
     if (is_granite(root)) LOOM_TRY(read_multipliers(root, path, c));
     v = json_object_get(root, "attention_dropout"); /* a training forward refuses it (loom_llama_forward) */
     if (v && !json_is_null(v)) {
@@ -267,8 +298,8 @@ static loom_status apply_window(json_t *root, const char *path, loom_llama_confi
         if (!json_is_integer(v) || json_integer_value(v) <= 0)
             return loom_error(LOOM_ERR_FORMAT, "%s: sliding_window must be a positive integer or null", path);
         window = json_integer_value(v);
-    } else if (!v && (model_type_is(root, "mistral") || is_qwen2(root) || is_qwen3(root))) {
-        window = 4096; /* MistralConfig's default, and Qwen's (used here only with use_sliding_window) */
+    } else if (!v && (model_type_is(root, "mistral") || is_qwen2(root) || is_qwen3(root) || is_gemma2(root))) {
+        window = 4096; /* MistralConfig's default, Gemma2Config's, and Qwen's (used only with use_sliding_window) */
     }
     if (window && window < c->max_seq) c->max_seq = (int)window;
     return LOOM_OK;
@@ -433,20 +464,20 @@ loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
      * for null) the heads */
     json_t *kvh = json_object_get(root, "num_key_value_heads");
     c->n_kv_heads = !kvh && (is_qwen2(root) || is_qwen3(root)) ? 32
-                    : !kvh && is_gemma(root)                    ? 16
+                    : !kvh && (is_gemma(root) || is_gemma2(root)) ? 16
                     : !kvh && is_smollm3(root)                  ? 4
                                                                 : c->n_heads;
     if (st == LOOM_OK) st = get_int(root, path, "num_key_value_heads", 0, &c->n_kv_heads);
     if (st == LOOM_OK) st = get_int(root, path, "intermediate_size", 1, &c->ffn_dim);
     if (st == LOOM_OK) st = get_int(root, path, "vocab_size", 1, &c->vocab_size);
     c->max_seq = is_qwen2(root) || is_qwen3(root) || is_smollm3(root) ? 32768
-                 : is_gemma(root)                                      ? 8192
+                 : is_gemma(root) || is_gemma2(root)                   ? 8192
                  : is_phi3(root)                                       ? 4096
                                                                        : 2048; /* their configs', LlamaConfig's */
     if (st == LOOM_OK) st = get_int(root, path, "max_position_embeddings", 0, &c->max_seq);
     if (st == LOOM_OK) st = get_float(root, path, "rms_norm_eps", &c->norm_eps);
     json_t *tie = st == LOOM_OK ? json_object_get(root, "tie_word_embeddings") : NULL;
-    c->tie_embeddings = st == LOOM_OK && (is_gemma(root) || is_smollm3(root)); /* GemmaConfig's, SmolLM3Config's */
+    c->tie_embeddings = st == LOOM_OK && (is_gemma(root) || is_gemma2(root) || is_smollm3(root)); /* theirs */
     if (tie) {
         if (!json_is_boolean(tie)) st = loom_error(LOOM_ERR_FORMAT, "%s: tie_word_embeddings must be true or false", path);
         else c->tie_embeddings = json_is_true(tie);
@@ -513,13 +544,15 @@ static int save_longrope(json_t *root, const loom_llama_config *c) {
 loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, const char *path) {
     /* The Hugging Face class that reads it: Gemma's (norms of 1 + weight), Granite's (multipliers), Qwen 3's
      * (q/k norms), Qwen 2's (biases on q, k, v alone), LLaMA's */
-    int gemma = c->norm_unit_offset, granite = !gemma && loom_llama_has_multipliers(c), phi3 = c->fused_proj;
+    int gemma2 = c->post_norms, gemma = !gemma2 && c->norm_unit_offset;
+    int granite = !gemma && !gemma2 && loom_llama_has_multipliers(c), phi3 = c->fused_proj;
     int smollm3 = c->nope_interval > 0;
     int qwen3 = !gemma && !granite && c->qk_norm, qwen2 = !gemma && !granite && !qwen3 && c->qkv_bias && !c->o_bias;
     const char *act = c->act == LOOM_ACT_GELU_TANH ? "gelu_pytorch_tanh" : "silu";
     json_t *root = json_pack("{s:[s], s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:f, s:b, s:s, s:s, s:f}",
                              "architectures",
-                             gemma     ? "GemmaForCausalLM"
+                             gemma2    ? "Gemma2ForCausalLM"
+                             : gemma   ? "GemmaForCausalLM"
                              : granite ? "GraniteForCausalLM"
                              : phi3    ? "Phi3ForCausalLM"
                              : smollm3 ? "SmolLM3ForCausalLM"
@@ -527,7 +560,8 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
                              : qwen2   ? "Qwen2ForCausalLM"
                                        : "LlamaForCausalLM",
                              "model_type",
-                             gemma     ? "gemma"
+                             gemma2    ? "gemma2"
+                             : gemma   ? "gemma"
                              : granite ? "granite"
                              : phi3    ? "phi3"
                              : smollm3 ? "smollm3"
@@ -570,10 +604,19 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
     if (ok && c->attention_dropout > 0.0f)
         ok = !json_object_set_new(root, "attention_dropout", json_real(dec(c->attention_dropout)));
     /* Qwen 3's default head_dim is 128, Gemma's 256, not dim / heads: they always say their own */
-    if (ok && (c->head_dim || qwen3 || gemma))
+    if (ok && (c->head_dim || qwen3 || gemma || gemma2))
         ok = !json_object_set_new(root, "head_dim", json_integer(loom_llama_head_dim(c)));
     /* the field Gemma's class reads before hidden_act (read_act) */
-    if (ok && gemma) ok = !json_object_set_new(root, "hidden_activation", json_string(act));
+    if (ok && (gemma || gemma2)) ok = !json_object_set_new(root, "hidden_activation", json_string(act));
+    if (ok && gemma2) { /* its fields (0: null, none), and loom's context as its window */
+        float qpas = c->query_pre_attn_scalar > 0.0f ? c->query_pre_attn_scalar : (float)loom_llama_head_dim(c);
+        json_t *ac = c->attn_softcap > 0.0f ? json_real(dec(c->attn_softcap)) : json_null();
+        json_t *fc = c->final_softcap > 0.0f ? json_real(dec(c->final_softcap)) : json_null();
+        ok = !json_object_set_new(root, "attn_logit_softcapping", ac) &&
+             !json_object_set_new(root, "final_logit_softcapping", fc) &&
+             !json_object_set_new(root, "query_pre_attn_scalar", json_real(dec(qpas))) &&
+             !json_object_set_new(root, "sliding_window", json_integer(c->max_seq));
+    }
     if (ok && granite) { /* all four, as Granite's files have them (0: none, which is 1; the scale's default) */
         const float m[4] = {c->embedding_multiplier, c->residual_multiplier, loom_llama_attn_scale(c),
                             c->logits_scaling};

@@ -200,6 +200,17 @@ static void attn_fwd_mask(float *st, int q0, int nq, int nqp, int k0, int nk, co
     }
 }
 
+/* Gemma 2's softcap of the visible scores of st (nk rows of ATTN_BQ, nq
+ * columns), each st * sc: attn_softcap; masked ones (-inf) stay masked.
+ * The backward caps the same products the same way (attn_bwd_probs). */
+static void attn_fwd_softcap(float *st, int nq, int nk, float sc, float softcap) {
+    for (int r = 0; r < nk; r++)
+        for (int j = 0; j < nq; j++) {
+            float *v = st + (size_t)r * ATTN_BQ + j;
+            if (*v != -INFINITY) *v = attn_softcap(*v * sc, softcap);
+        }
+}
+
 /* The online softmax step down the columns of st (nk, nq), the scores
  * being st * sc (sc = 1 where st holds them scaled already): st becomes P^T
  * (0 where masked), m and l are updated, corr gets each column's rescale
@@ -330,15 +341,20 @@ static void attn_fwd_block(void *out, float *lse, const void *q, int b, int h, i
         int nk = min_i(kv_end - k0, ATTN_BK);
         attn_fwd_scores(w, q0, nq, k0, nk, s);
         attn_fwd_mask(w->st, q0, nq, nqp, k0, nk, s);
+        float ssc = sc; /* the softmax's scale: 1 once softcapped scores hold it */
+        if (s->softcap > 0.0f) {
+            attn_fwd_softcap(w->st, nq, nk, sc, s->softcap);
+            ssc = 1.0f;
+        }
 #if LOOM_HAVE_SIMD512
-        if (simd_avx512()) attn_fwd_softmax_avx512(w->st, w->m, w->l, w->corr, nqp, nk, sc);
+        if (simd_avx512()) attn_fwd_softmax_avx512(w->st, w->m, w->l, w->corr, nqp, nk, ssc);
         else
 #endif
 #if LOOM_HAVE_X86_SIMD
-        if (simd_avx2()) attn_fwd_softmax_avx2(w->st, w->m, w->l, w->corr, nqp, nk, sc);
+        if (simd_avx2()) attn_fwd_softmax_avx2(w->st, w->m, w->l, w->corr, nqp, nk, ssc);
         else
 #endif
-            attn_fwd_softmax_c(w->st, w->m, w->l, w->corr, nq, nk, sc);
+            attn_fwd_softmax_c(w->st, w->m, w->l, w->corr, nq, nk, ssc);
         for (int j = 0; j < nq; j++) /* exactly 1 where the column max did not move */
             if (w->corr[j] != 1.0f) row_scale(w->acc + (size_t)j * HS, w->corr[j], HS);
         attn_fwd_pv(w, q0, nq, k0, nk, s);
@@ -382,14 +398,15 @@ static void attn_fwd_task(void *out, float *lse, const void *q, const void *k, c
 void attention_fwd(void *out, float *lse, const void *q, const void *k, const void *v,
                    int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
                    loom_dtype dt) {
-    attention_fwd_scaled(out, lse, q, k, v, B, Tq, Tk, NH, NKV, HS, q_pos0, attn_default_scale(HS), dt);
+    attention_fwd_scaled(out, lse, q, k, v, B, Tq, Tk, NH, NKV, HS, q_pos0, attn_default_scale(HS), 0.0f, dt);
 }
 
 void attention_fwd_scaled(void *out, float *lse, const void *q, const void *k, const void *v,
                           int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0, float scale,
-                          loom_dtype dt) {
+                          float softcap, loom_dtype dt) {
     attn_shape s = attn_shape_make(B, Tq, Tk, NH, NKV, HS, q_pos0, dt);
     s.scale = scale;
+    s.softcap = softcap;
     size_t per = attn_fwd_scratch_floats(&s);
     float *ws = workspace_floats(per * (size_t)omp_get_max_threads());
     #pragma omp parallel for schedule(dynamic, 1) if (B * NKV > 1)
@@ -516,10 +533,18 @@ SIMD_AVX512 static void attn_ds_avx512(float *ds, const float *p, float d, int n
  * holds dP on entry. */
 static void attn_bwd_probs(attn_bwd_scratch *w, const float *lse, const float *D, int q0, int nq,
                            int k0, int nk, const attn_shape *s) {
+    float sc = s->dot2 ? s->scale : 1.0f, dcap[ATTN_BK]; /* with a softcap: d capped / d score, 1 - tanh^2 */
     for (int i = 0; i < nq; i++) {
         float *p = w->p + (size_t)i * ATTN_BK, *ds = w->ds + (size_t)i * ATTN_BK;
         int n = attn_visible(s, q0 + i, k0, nk);
-        row_exp_sum(p, n, s->dot2 ? s->scale : 1.0f, lse[i]);
+        if (s->softcap > 0.0f) { /* the forward's capped scores, bit for bit (attn_fwd_softcap) */
+            for (int j = 0; j < n; j++) {
+                p[j] = attn_softcap(p[j] * sc, s->softcap);
+                float th = p[j] / s->softcap;
+                dcap[j] = 1.0f - th * th;
+            }
+        }
+        row_exp_sum(p, n, s->softcap > 0.0f ? 1.0f : sc, lse[i]);
 #if LOOM_HAVE_SIMD512
         if (simd_avx512()) attn_ds_avx512(ds, p, D[i], n);
         else
@@ -529,6 +554,8 @@ static void attn_bwd_probs(attn_bwd_scratch *w, const float *lse, const float *D
         else
 #endif
             attn_ds_c(ds, p, D[i], 0, n);
+        if (s->softcap > 0.0f) /* through the cap to the scaled score */
+            for (int j = 0; j < n; j++) ds[j] *= dcap[j];
         for (int j = n; j < 2 * half_up(nk); j++) p[j] = ds[j] = 0.0f;
     }
 }
@@ -731,15 +758,16 @@ void attention_bwd(void *dq, void *dk, void *dv, const void *dout,
                    const float *lse, int B, int Tq, int Tk, int NH, int NKV, int HS,
                    int q_pos0, loom_dtype dt) {
     attention_bwd_scaled(dq, dk, dv, dout, q, k, v, out, lse, B, Tq, Tk, NH, NKV, HS, q_pos0, attn_default_scale(HS),
-                         dt);
+                         0.0f, dt);
 }
 
 void attention_bwd_scaled(void *dq, void *dk, void *dv, const void *dout,
                           const void *q, const void *k, const void *v, const void *out,
                           const float *lse, int B, int Tq, int Tk, int NH, int NKV, int HS,
-                          int q_pos0, float scale, loom_dtype dt) {
+                          int q_pos0, float scale, float softcap, loom_dtype dt) {
     attn_shape s = attn_shape_make(B, Tq, Tk, NH, NKV, HS, q_pos0, dt);
     s.scale = scale;
+    s.softcap = softcap;
     float *D = workspace_floats((size_t)B * NH * Tq);                                  // (B, NH, Tq)
     size_t per = attn_bwd_scratch_floats(&s);
     float *ws = workspace_floats(per * (size_t)omp_get_max_threads());

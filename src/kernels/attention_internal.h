@@ -19,7 +19,11 @@ typedef struct attn_shape {
     loom_dtype dt;
     int in_place; /* fp32 rows read (and dk, dv, dq summed) where they lie: attention.c's attn_shape_make */
     mm_bf16_fn dot2; /* bf16 inputs, HS a multiple of 16, a CPU with bf16 dot products: every product */
+    float softcap;   /* > 0: each scaled score s becomes softcap tanh(s / softcap) (Gemma 2's); 0: none */
 } attn_shape;
+
+/* A scaled score s softcapped (softcap > 0), as Hugging Face's Gemma 2 computes it: s / c, tanh, times c. */
+static inline float attn_softcap(float s, float softcap) { return softcap * tanhf(s / softcap); }
 
 /* LLaMA's scale of the scores: 1 / sqrt(HS). */
 static inline float attn_default_scale(int HS) { return 1.0f / sqrtf((float)HS); }
@@ -27,7 +31,7 @@ static inline float attn_default_scale(int HS) { return 1.0f / sqrtf((float)HS);
 /* The call's dimensions, scale 1 / sqrt(HS); no flash-kernel choices made. */
 static inline attn_shape attn_shape_plain(int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
                                           loom_dtype dt) {
-    attn_shape s = {B, Tq, Tk, NH, NKV, HS, q_pos0, NH / NKV, attn_default_scale(HS), dt, 0, NULL};
+    attn_shape s = {B, Tq, Tk, NH, NKV, HS, q_pos0, NH / NKV, attn_default_scale(HS), dt, 0, NULL, 0.0f};
     return s;
 }
 

@@ -14,8 +14,10 @@
 #include <math.h>
 #include <string.h>
 
-/* p: (Tk) softmax row of query t of head h (keys 0 .. pos); returns its lse. */
-static float attn_ref_probs(float *p, const void *q, const void *k, int b, int h, int t,
+/* p: (Tk) softmax row of query t of head h (keys 0 .. pos); returns its lse.
+ * With a softcap, dcap (Tk, or NULL) gets each score's d capped / d scaled,
+ * 1 - tanh^2. */
+static float attn_ref_probs(float *p, float *dcap, const void *q, const void *k, int b, int h, int t,
                             const attn_shape *s) {
     int n = s->q_pos0 + t + 1, g = h / s->G;
     float m = -INFINITY, sum = 0.0f;
@@ -25,6 +27,11 @@ static float attn_ref_probs(float *p, const void *q, const void *k, int b, int h
             acc += loom_load(q, q_off(s, b, t, h) + d, s->dt) *
                    loom_load(k, kv_off(s, b, j, g) + d, s->dt);
         p[j] = acc * s->scale;
+        if (s->softcap > 0.0f) {
+            float th = tanhf(p[j] / s->softcap);
+            p[j] = s->softcap * th;
+            if (dcap) dcap[j] = 1.0f - th * th;
+        }
         m = fmaxf(m, p[j]);
     }
     for (int j = 0; j < n; j++) { p[j] = expf(p[j] - m); sum += p[j]; }
@@ -35,19 +42,20 @@ static float attn_ref_probs(float *p, const void *q, const void *k, int b, int h
 void attention_fwd_ref(void *out, float *lse, const void *q, const void *k, const void *v,
                        int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
                        loom_dtype dt) {
-    attention_fwd_ref_scaled(out, lse, q, k, v, B, Tq, Tk, NH, NKV, HS, q_pos0, attn_default_scale(HS), dt);
+    attention_fwd_ref_scaled(out, lse, q, k, v, B, Tq, Tk, NH, NKV, HS, q_pos0, attn_default_scale(HS), 0.0f, dt);
 }
 
 void attention_fwd_ref_scaled(void *out, float *lse, const void *q, const void *k, const void *v,
                               int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0, float scale,
-                              loom_dtype dt) {
+                              float softcap, loom_dtype dt) {
     attn_shape s = attn_shape_plain(B, Tq, Tk, NH, NKV, HS, q_pos0, dt);
     s.scale = scale;
+    s.softcap = softcap;
     float *p = workspace_floats((size_t)Tk); // (Tk)
     for (int b = 0; b < B; b++)
         for (int h = 0; h < NH; h++)
             for (int t = 0; t < Tq; t++) {
-                float l = attn_ref_probs(p, q, k, b, h, t, &s);
+                float l = attn_ref_probs(p, NULL, q, k, b, h, t, &s);
                 if (lse) lse[lse_off(&s, b, h, t)] = l;
                 for (int d = 0; d < HS; d++) {
                     float o = 0.0f;
@@ -59,9 +67,10 @@ void attention_fwd_ref_scaled(void *out, float *lse, const void *q, const void *
     loom_free(p);
 }
 
-/* One query row: dp = dout . v, ds = p (dp - sum(p dp)); dq = scale ds K,
- * dk32 += scale ds q, dv32 += p dout. p, dp: (n). */
-static void attn_ref_bwd_row(void *dq, float *dk32, float *dv32, float *p, float *dp,
+/* One query row: dp = dout . v, ds = p (dp - sum(p dp)) (times dcap with
+ * a softcap); dq = scale ds K, dk32 += scale ds q, dv32 += p dout. p, dp,
+ * dcap: (n). */
+static void attn_ref_bwd_row(void *dq, float *dk32, float *dv32, float *p, float *dp, const float *dcap,
                              const void *dout, const void *q, const void *k, const void *v,
                              int b, int h, int t, const attn_shape *s) {
     int n = s->q_pos0 + t + 1, g = h / s->G, HS = s->HS;
@@ -76,7 +85,7 @@ static void attn_ref_bwd_row(void *dq, float *dk32, float *dv32, float *p, float
     for (int d = 0; d < HS; d++) {
         float acc = 0.0f, qd = loom_load(q, qo + d, s->dt), od = loom_load(dout, qo + d, s->dt);
         for (int j = 0; j < n; j++) {
-            float ds = p[j] * (dp[j] - Dt);
+            float ds = p[j] * (dp[j] - Dt) * (s->softcap > 0.0f ? dcap[j] : 1.0f);
             acc += ds * loom_load(k, kv_off(s, b, j, g) + d, s->dt);
             dk32[kv_off(s, b, j, g) + d] += s->scale * ds * qd;
             dv32[kv_off(s, b, j, g) + d] += p[j] * od;
@@ -89,24 +98,26 @@ void attention_bwd_ref(void *dq, void *dk, void *dv, const void *dout,
                        const void *q, const void *k, const void *v,
                        int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
                        loom_dtype dt) {
-    attention_bwd_ref_scaled(dq, dk, dv, dout, q, k, v, B, Tq, Tk, NH, NKV, HS, q_pos0, attn_default_scale(HS), dt);
+    attention_bwd_ref_scaled(dq, dk, dv, dout, q, k, v, B, Tq, Tk, NH, NKV, HS, q_pos0, attn_default_scale(HS), 0.0f,
+                             dt);
 }
 
 void attention_bwd_ref_scaled(void *dq, void *dk, void *dv, const void *dout,
                               const void *q, const void *k, const void *v,
                               int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0, float scale,
-                              loom_dtype dt) {
+                              float softcap, loom_dtype dt) {
     attn_shape s = attn_shape_plain(B, Tq, Tk, NH, NKV, HS, q_pos0, dt);
     s.scale = scale;
+    s.softcap = softcap;
     size_t nkv = (size_t)B * Tk * NKV * HS;
-    float *dk32 = workspace_floats(2 * nkv + 2 * (size_t)Tk); // (B, Tk, NKV, HS) x 2
-    float *dv32 = dk32 + nkv, *p = dv32 + nkv, *dp = p + Tk;
+    float *dk32 = workspace_floats(2 * nkv + 3 * (size_t)Tk); // (B, Tk, NKV, HS) x 2
+    float *dv32 = dk32 + nkv, *p = dv32 + nkv, *dp = p + Tk, *dcap = dp + Tk;
     memset(dk32, 0, 2 * nkv * sizeof(float));
     for (int b = 0; b < B; b++)
         for (int h = 0; h < NH; h++)
             for (int t = 0; t < Tq; t++) {
-                attn_ref_probs(p, q, k, b, h, t, &s);
-                attn_ref_bwd_row(dq, dk32, dv32, p, dp, dout, q, k, v, b, h, t, &s);
+                attn_ref_probs(p, dcap, q, k, b, h, t, &s);
+                attn_ref_bwd_row(dq, dk32, dv32, p, dp, dcap, dout, q, k, v, b, h, t, &s);
             }
     for (size_t i = 0; i < nkv; i++) {
         loom_store(dk, i, dt, dk32[i]);

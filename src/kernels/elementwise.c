@@ -190,6 +190,21 @@ void divide_fwd(void *out, const void *a, float d, size_t n, loom_dtype dt) {
     FOR_CHUNKS(n, lo, hi, PICK(divide_avx512, divide_avx2, divide_c)(out, a, d, lo, hi, dt));
 }
 
+/* Gemma 2's logits: x / c, tanh, times c, in fp32 and rounded once (tanhf
+ * has no vector form here: one model's logits, once a step). */
+void softcap_fwd(void *out, const void *x, float cap, size_t n, loom_dtype dt) {
+    FOR_CHUNKS(n, lo, hi, for (size_t i = lo; i < hi; i++) loom_store(out, i, dt, cap * tanhf(loom_load(x, i, dt) / cap)));
+}
+
+/* dx = dy (1 - (y / c)^2), y the forward's output (tanh's derivative from
+ * its result, as PyTorch's tanh backward takes it). dx may be dy. */
+void softcap_bwd(void *dx, const void *dy, const void *y, float cap, size_t n, loom_dtype dt) {
+    FOR_CHUNKS(n, lo, hi, for (size_t i = lo; i < hi; i++) {
+        float t = loom_load(y, i, dt) / cap;
+        loom_store(dx, i, dt, loom_load(dy, i, dt) * (1.0f - t * t));
+    });
+}
+
 void accumulate(void *dst, loom_dtype dst_dt, const void *src, loom_dtype src_dt,
                 float scale, size_t n) {
     FOR_CHUNKS(n, lo, hi, PICK(accumulate_avx512, accumulate_avx2, accumulate_c)(dst, dst_dt, src, src_dt, scale, lo, hi));

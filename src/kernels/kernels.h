@@ -110,13 +110,15 @@ static inline loom_rope_freqs rope_plain(float theta) {
  * lse: (B, NH, Tq) f32 log-sum-exp of the scaled scores, kept for backward
  * (may be NULL when no backward follows). Scores are q . k times scale:
  * 1/sqrt(HS) here, the caller's with the _scaled forms (Granite's
- * attention_multiplier). */
+ * attention_multiplier, Gemma 2's query_pre_attn_scalar^-0.5), which also
+ * take a softcap: > 0, each scaled score s is softcap tanh(s / softcap)
+ * before the mask and softmax (Gemma 2's attn_logit_softcapping); 0 none. */
 void attention_fwd(void *out, float *lse, const void *q, const void *k, const void *v,
                    int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
                    loom_dtype dt);
 void attention_fwd_scaled(void *out, float *lse, const void *q, const void *k, const void *v,
                           int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0, float scale,
-                          loom_dtype dt);
+                          float softcap, loom_dtype dt);
 /* dq: (B,Tq,NH,HS), dk, dv: (B,Tk,NKV,HS), all dt, written (not accumulated);
  * they must not overlap the inputs (fp32 inputs are read where they lie while
  * dk, dv accumulate). */
@@ -127,7 +129,7 @@ void attention_bwd(void *dq, void *dk, void *dv, const void *dout,
 void attention_bwd_scaled(void *dq, void *dk, void *dv, const void *dout,
                           const void *q, const void *k, const void *v, const void *out,
                           const float *lse, int B, int Tq, int Tk, int NH, int NKV, int HS,
-                          int q_pos0, float scale, loom_dtype dt);
+                          int q_pos0, float scale, float softcap, loom_dtype dt);
 /* References (attention_ref.c): materialise each softmax row, fp32 everywhere. */
 void attention_fwd_ref(void *out, float *lse, const void *q, const void *k, const void *v,
                        int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
@@ -139,11 +141,11 @@ void attention_bwd_ref(void *dq, void *dk, void *dv, const void *dout,
 /* The references with the scores times scale. */
 void attention_fwd_ref_scaled(void *out, float *lse, const void *q, const void *k, const void *v,
                               int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0, float scale,
-                              loom_dtype dt);
+                              float softcap, loom_dtype dt);
 void attention_bwd_ref_scaled(void *dq, void *dk, void *dv, const void *dout,
                               const void *q, const void *k, const void *v,
                               int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0, float scale,
-                              loom_dtype dt);
+                              float softcap, loom_dtype dt);
 
 /* ---------------------------------------------------------- SiLU, SwiGLU */
 
@@ -196,6 +198,10 @@ void scale_fwd(void *out, const void *a, float s, size_t n, loom_dtype dt);
  * (Granite's logits: a multiply by 1/d differs in the last bit for d not a
  * power of two). */
 void divide_fwd(void *out, const void *a, float d, size_t n, loom_dtype dt);
+/* out = cap tanh(x / cap) (Gemma 2's final_logit_softcapping), in fp32;
+ * softcap_bwd: dx = dy (1 - (y / cap)^2) from the output y (dx may be dy). */
+void softcap_fwd(void *out, const void *x, float cap, size_t n, loom_dtype dt);
+void softcap_bwd(void *dx, const void *dy, const void *y, float cap, size_t n, loom_dtype dt);
 /* dst (dst_dt) += scale * src (src_dt): gradient accumulation. */
 void accumulate(void *dst, loom_dtype dst_dt, const void *src, loom_dtype src_dt,
                 float scale, size_t n);

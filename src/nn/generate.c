@@ -92,8 +92,10 @@ static loom_status forward_tokens(loom_llama *m, kv_cache *c, scratch *s, const 
             rope_fwd(kdst, kdst, 1, T, NKV, HS, pos0, &rope, dt);
         }
         attention_fwd_scaled(s->att, NULL, s->q, c->k[l], c->v[l], 1, T, pos0 + T, NH, NKV, HS, pos0,
-                             loom_llama_attn_scale(cfg), dt);
+                             loom_llama_attn_scale(cfg), cfg->attn_softcap, dt);
         LOOM_TRY(linear(m, s, s->o, s->att, y, LOOM_LORA_O, T, Q, C));
+        if (y->attn_post_norm) /* Gemma 2's norm of the attention's output */
+            rmsnorm_fwd(s->o, NULL, s->o, loom_tensor_data(y->attn_post_norm->tensor), wo, T, C, cfg->norm_eps, dt);
         if (rm != 0.0f) scale_fwd(s->o, s->o, rm, TC, dt);
         add_fwd(s->x, s->x, s->o, TC, dt);
         rmsnorm_fwd(s->h, rs, s->x, loom_tensor_data(y->mlp_norm->tensor), wo, T, C, cfg->norm_eps, dt);
@@ -101,6 +103,8 @@ static loom_status forward_tokens(loom_llama *m, kv_cache *c, scratch *s, const 
         LOOM_TRY(linear(m, s, s->u, s->h, y, LOOM_LORA_UP, T, C, F));
         (cfg->act == LOOM_ACT_GELU_TANH ? geglu_fwd : swiglu_fwd)(s->g, s->g, s->u, (size_t)T * (size_t)F, dt);
         LOOM_TRY(linear(m, s, s->o, s->g, y, LOOM_LORA_DOWN, T, F, C));
+        if (y->mlp_post_norm) /* and of the MLP's */
+            rmsnorm_fwd(s->o, NULL, s->o, loom_tensor_data(y->mlp_post_norm->tensor), wo, T, C, cfg->norm_eps, dt);
         if (rm != 0.0f) scale_fwd(s->o, s->o, rm, TC, dt);
         add_fwd(s->x, s->x, s->o, TC, dt);
     }
@@ -111,6 +115,8 @@ static loom_status forward_tokens(loom_llama *m, kv_cache *c, scratch *s, const 
     rmsnorm_fwd(s->h, &rs1, last, loom_tensor_data(m->final_norm->tensor), wo, 1, C, cfg->norm_eps, dt);
     LOOM_TRY(gemm(0, 1, 1, cfg->vocab_size, C, 1.0f, s->h, C, loom_tensor_data(m->lm_head->tensor), C, dt, 0.0f,
                   s->logits, cfg->vocab_size, LOOM_F32, NULL, LOOM_F32));
+    if (cfg->final_softcap > 0.0f) /* Gemma 2's */
+        softcap_fwd(s->logits, s->logits, cfg->final_softcap, (size_t)cfg->vocab_size, LOOM_F32);
     if (cfg->logits_scaling != 0.0f) /* Granite's, divided as the training forward divides its logits */
         divide_fwd(s->logits, s->logits, cfg->logits_scaling, (size_t)cfg->vocab_size, LOOM_F32);
     return LOOM_OK;

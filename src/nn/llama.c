@@ -84,7 +84,9 @@ float loom_llama_embed_scale(const loom_llama_config *c, loom_dtype dt) {
 }
 
 float loom_llama_attn_scale(const loom_llama_config *c) {
-    return c->attention_multiplier > 0.0f ? c->attention_multiplier : 1.0f / sqrtf((float)loom_llama_head_dim(c));
+    if (c->attention_multiplier > 0.0f) return c->attention_multiplier;                              /* Granite's */
+    if (c->query_pre_attn_scalar > 0.0f) return (float)(1.0 / sqrt((double)c->query_pre_attn_scalar)); /* Gemma 2's */
+    return 1.0f / sqrtf((float)loom_llama_head_dim(c));
 }
 
 int loom_llama_layer_has_rope(const loom_llama_config *c, int layer) {
@@ -106,7 +108,8 @@ int loom_llama_config_same_weights(const loom_llama_config *a, const loom_llama_
            a->tie_embeddings == b->tie_embeddings && !a->qkv_bias == !b->qkv_bias && !a->o_bias == !b->o_bias &&
            !a->norm_unit_offset == !b->norm_unit_offset && /* Gemma's norm weights are offsets from 1 */
            !a->fused_proj == !b->fused_proj &&              /* Phi-3's files hold q, k, v in one tensor */
-           a->nope_interval == b->nope_interval;            /* SmolLM3's NoPE blocks */
+           a->nope_interval == b->nope_interval &&          /* SmolLM3's NoPE blocks */
+           !a->post_norms == !b->post_norms;                /* Gemma 2's norms of the blocks' outputs */
 }
 
 /* A multiplier's effect: 0 (none) is 1. */
@@ -118,7 +121,8 @@ int loom_llama_config_same_model(const loom_llama_config *a, const loom_llama_co
            effective(a->embedding_multiplier) == effective(b->embedding_multiplier) &&
            effective(a->residual_multiplier) == effective(b->residual_multiplier) &&
            effective(a->logits_scaling) == effective(b->logits_scaling) &&
-           loom_llama_attn_scale(a) == loom_llama_attn_scale(b) && a->attention_dropout == b->attention_dropout;
+           loom_llama_attn_scale(a) == loom_llama_attn_scale(b) && a->attention_dropout == b->attention_dropout &&
+           a->attn_softcap == b->attn_softcap && a->final_softcap == b->final_softcap;
 }
 
 int loom_llama_config_same_rope(const loom_llama_config *a, const loom_llama_config *b) {
@@ -187,6 +191,17 @@ loom_status loom_llama_config_validate(const loom_llama_config *c) {
         return loom_error(LOOM_ERR_INVALID, "model config: SmolLM3's NoPE blocks (every %d-th) with Phi-3's files, "
                           "q/k norms, Gemma's norms, Granite's multipliers or biases on q, k and v alone have no "
                           "Hugging Face layout", c->nope_interval);
+    if (!(c->attn_softcap >= 0.0f) || !isfinite(c->attn_softcap) || !(c->final_softcap >= 0.0f) ||
+        !isfinite(c->final_softcap) || !(c->query_pre_attn_scalar >= 0.0f) || !isfinite(c->query_pre_attn_scalar))
+        return loom_error(LOOM_ERR_INVALID, "model config: softcaps and query_pre_attn_scalar must be finite and "
+                          "positive (0: none)");
+    int gemma2_only = c->attn_softcap > 0.0f || c->final_softcap > 0.0f || c->query_pre_attn_scalar > 0.0f;
+    if ((c->post_norms || gemma2_only) &&
+        (!c->post_norms || !c->norm_unit_offset || c->qk_norm || c->fused_proj || c->nope_interval ||
+         loom_llama_has_multipliers(c)))
+        return loom_error(LOOM_ERR_INVALID, "model config: norms of the blocks' outputs, softcaps and "
+                          "query_pre_attn_scalar come together with Gemma's norms (Gemma 2's model), without q/k "
+                          "norms, Phi-3's files, NoPE blocks or Granite's multipliers");
     if (c->fused_proj &&
         (c->qkv_bias || c->o_bias || c->qk_norm || c->norm_unit_offset || loom_llama_has_multipliers(c)))
         return loom_error(LOOM_ERR_INVALID, "model config: Phi-3's fused projections with attention biases, q/k "
@@ -250,7 +265,7 @@ static loom_status llama_create(const loom_llama_config *cfg, loom_precision pre
     int L = cfg->n_layers, C = cfg->dim, HS = loom_llama_head_dim(cfg);
     int Q = cfg->n_heads * HS, KV = cfg->n_kv_heads * HS;
     m->layers = calloc((size_t)L, sizeof *m->layers);
-    m->params = calloc(15 * (size_t)L + 3, sizeof *m->params);
+    m->params = calloc(17 * (size_t)L + 3, sizeof *m->params); /* at most 17 a block (spec below) */
     if (!m->layers || !m->params) { loom_llama_free(m); return LOOM_ERR_NOMEM; }
     loom_dtype dt = prec.compute;
     char name[160];
@@ -258,7 +273,7 @@ static loom_status llama_create(const loom_llama_config *cfg, loom_precision pre
     for (int l = 0; l < L && st == LOOM_OK; l++) {
         loom_llama_layer *y = &m->layers[l];
         /* Hugging Face's order; a bias splits as its weight's rows (o's is whole) */
-        int qb = cfg->qkv_bias, ob = cfg->o_bias, qkn = cfg->qk_norm;
+        int qb = cfg->qkv_bias, ob = cfg->o_bias, qkn = cfg->qk_norm, pn = cfg->post_norms;
         struct { const char *suffix; int ndim; int64_t d0, d1; int split; loom_param **slot; int has; } spec[] = {
             {"input_layernorm.weight", 1, C, 0, -1, &y->attn_norm, 1},
             {"self_attn.q_proj.weight", 2, Q, C, 0, &y->wq, 1},
@@ -271,10 +286,13 @@ static loom_status llama_create(const loom_llama_config *cfg, loom_precision pre
             {"self_attn.o_proj.bias", 1, C, 0, -1, &y->bo, ob},
             {"self_attn.q_norm.weight", 1, HS, 0, -1, &y->q_norm, qkn},
             {"self_attn.k_norm.weight", 1, HS, 0, -1, &y->k_norm, qkn},
-            {"post_attention_layernorm.weight", 1, C, 0, -1, &y->mlp_norm, 1},
+            /* Gemma 2's norm of the attention's output takes the name LLaMA's MLP input norm has */
+            {"post_attention_layernorm.weight", 1, C, 0, -1, &y->attn_post_norm, pn},
+            {pn ? "pre_feedforward_layernorm.weight" : "post_attention_layernorm.weight", 1, C, 0, -1, &y->mlp_norm, 1},
             {"mlp.gate_proj.weight", 2, cfg->ffn_dim, C, 0, &y->w_gate, 1},
             {"mlp.up_proj.weight", 2, cfg->ffn_dim, C, 0, &y->w_up, 1},
             {"mlp.down_proj.weight", 2, C, cfg->ffn_dim, 1, &y->w_down, 1},
+            {"post_feedforward_layernorm.weight", 1, C, 0, -1, &y->mlp_post_norm, pn},
         };
         for (size_t i = 0; i < sizeof spec / sizeof spec[0] && st == LOOM_OK; i++) {
             if (!spec[i].has) continue;
@@ -907,7 +925,7 @@ static loom_status attention_part(const struct llama_block_args *a, loom_tensor 
     if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_Q, h, hn, NH, HS, y->q_norm, r, &q);
     if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_K, h, hn, NKV, HS, y->k_norm, r, &k);
     if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_V, h, hn, NKV, HS, NULL, NULL, &v);
-    if (st == LOOM_OK) st = loom_attention_ex(q, k, v, c->attention_multiplier, &att); /* 0: 1/sqrt(HS) */
+    if (st == LOOM_OK) st = loom_attention_ex(q, k, v, loom_llama_attn_scale(c), c->attn_softcap, &att);
     if (st == LOOM_OK) st = loom_reshape(att, 2, flat, &att2);
     if (st == LOOM_OK) st = block_linear(a, LOOM_LORA_O, att2, NULL, out); /* g-reduced inside */
     RELEASE(hn, h, q, k, v, att, att2);
@@ -929,16 +947,28 @@ static loom_status mlp_part(const struct llama_block_args *a, loom_tensor *x, lo
     return st;
 }
 
+/* *x normalized by norm's weight (Gemma 2's norms of a block's outputs); *x is replaced. */
+static loom_status post_norm(const loom_llama *m, const loom_param *norm, loom_tensor **x) {
+    loom_tensor *y = NULL;
+    loom_status st = loom_rmsnorm_ex(*x, norm->tensor, m->cfg.norm_eps, norm_offset(&m->cfg), &y);
+    loom_tensor_release(*x);
+    *x = y;
+    return st;
+}
+
 /* One transformer block: x + attn(norm(x)), then + mlp(norm(.)). x (B*T, C). */
 static loom_status block_region(void *user, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
     (void)n_in; (void)n_out;
     const struct llama_block_args *a = user;
     loom_tensor *att = NULL, *x2 = NULL, *mlp = NULL;
+    const loom_llama_layer *y = &a->m->layers[a->layer];
     float rm = a->m->cfg.residual_multiplier; /* Granite's */
     loom_status st = attention_part(a, in[0], &att);
+    if (st == LOOM_OK && y->attn_post_norm) st = post_norm(a->m, y->attn_post_norm, &att); /* Gemma 2's */
     if (st == LOOM_OK) st = scale_by(&att, rm);
     if (st == LOOM_OK) st = loom_add(in[0], att, &x2);
     if (st == LOOM_OK) st = mlp_part(a, x2, &mlp);
+    if (st == LOOM_OK && y->mlp_post_norm) st = post_norm(a->m, y->mlp_post_norm, &mlp);
     if (st == LOOM_OK) st = scale_by(&mlp, rm);
     if (st == LOOM_OK) st = loom_add(x2, mlp, &out[0]);
     RELEASE(att, x2, mlp);
@@ -982,6 +1012,11 @@ loom_status loom_llama_forward(loom_llama *m, const int32_t *tokens, const int32
     }
     if (st == LOOM_OK) st = loom_rmsnorm_ex(x, m->final_norm->tensor, c->norm_eps, norm_offset(c), &h);
     if (st == LOOM_OK) st = loom_fused_linear(h, m->lm_head->tensor, NULL, &logits);
+    if (st == LOOM_OK && c->final_softcap > 0.0f) { /* Gemma 2's */
+        loom_tensor *l = logits;
+        st = loom_softcap(l, c->final_softcap, &logits);
+        loom_tensor_release(l);
+    }
     if (st == LOOM_OK && c->logits_scaling != 0.0f && c->logits_scaling != 1.0f) { /* Granite's, divided as HF does */
         loom_tensor *l = logits;
         st = loom_divide(l, c->logits_scaling, &logits);

@@ -5,6 +5,7 @@
 #include "nn/op_util.h"
 #include "kernels/gemm_internal.h"
 
+#include <math.h>
 #include <stdlib.h>
 
 static loom_status apply1(const loom_function *fn, loom_tensor *a, loom_tensor *b, const void *args,
@@ -120,6 +121,41 @@ static loom_status scale_op(loom_tensor *a, float s, int divide, loom_tensor **o
 loom_status loom_scale(loom_tensor *a, float s, loom_tensor **out) { return scale_op(a, s, 0, out); }
 
 loom_status loom_divide(loom_tensor *a, float d, loom_tensor **out) { return scale_op(a, d, 1, out); }
+
+/* --------------------------------------------------------------- softcap */
+
+static loom_status softcap_forward(loom_fn_ctx *ctx, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
+    (void)n_in; (void)n_out;
+    const float *cap = loom_ctx_args(ctx);
+    out[0] = op_new_like(in[0], in[0]->dtype);
+    if (!out[0]) return LOOM_ERR_NOMEM;
+    softcap_fwd(loom_tensor_data(out[0]), loom_tensor_data(in[0]), *cap, (size_t)loom_tensor_numel(in[0]),
+                in[0]->dtype);
+    return loom_ctx_save(ctx, out, 1); /* the derivative from the output, as tanh's */
+}
+
+static loom_status softcap_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, int n_out, loom_tensor **gin,
+                                    int n_in) {
+    (void)n_out; (void)n_in;
+    const float *cap = loom_ctx_args(ctx);
+    loom_tensor *y;
+    OP_SAVED(ctx, 0, y);
+    gin[0] = op_grad_in_place(gout[0]); /* softcap_bwd reads dy[i] before writing dx[i] */
+    if (!gin[0]) return LOOM_ERR_NOMEM;
+    softcap_bwd(loom_tensor_data(gin[0]), loom_tensor_data(gout[0]), loom_tensor_data(y), *cap,
+                (size_t)loom_tensor_numel(y), y->dtype);
+    return LOOM_OK;
+}
+
+static const loom_function softcap_function = {"softcap", 1, 1, 0, softcap_forward, softcap_backward};
+
+loom_status loom_softcap(loom_tensor *x, float cap, loom_tensor **out) {
+    *out = NULL;
+    LOOM_TRY(op_check_contiguous("softcap", "x", x));
+    if (!(cap > 0.0f) || !isfinite(cap))
+        return loom_error(LOOM_ERR_INVALID, "softcap: the cap %g must be a finite number > 0", (double)cap);
+    return apply1(&softcap_function, x, NULL, &cap, sizeof cap, out);
+}
 
 /* ------------------------------------------------------------ silu/swiglu */
 

@@ -758,7 +758,7 @@ static void test_gemma_config(void **state) {
         {", \"hidden_act\": \"gelu\"", "hidden_act \"gelu\" is not supported"}, /* the exact GELU */
         {", \"hidden_act\": 3", "hidden_act \"?\" is not supported"},
         {", \"model_type\": \"gemma\", \"hidden_activation\": \"relu\"", "hidden_activation \"relu\" is not supported"},
-        {", \"model_type\": \"gemma2\"", "model_type \"gemma2\" is not a LLaMA model"},
+        {", \"model_type\": \"gemma3_text\"", "model_type \"gemma3_text\" is not a LLaMA model"},
     };
     for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) assert_config_refused(bad[k].extra, bad[k].msg);
     c = config_of("{\"model_type\": \"gemma\", \"hidden_size\": 16, \"num_hidden_layers\": 1, "
@@ -779,6 +779,48 @@ static void test_gemma_config(void **state) {
         assert_true(norm ? zeros == loom_param_numel(m->params[i]) : zeros == 0);
     }
     loom_llama_free(m);
+}
+
+/* Gemma 2's model: Gemma's flags with its norms of the blocks' outputs,
+ * softcaps (Gemma2Config's 50 and 30 when left out; null, none) and
+ * query_pre_attn_scalar (256, the scores' scale its -0.5th power), its
+ * window of 4096 capping the context, hidden_activation alone; saved as
+ * Gemma2ForCausalLM and read back the same; parameters named as its files
+ * name them; bad numbers and layouts refused. */
+static void test_gemma2_config(void **state) {
+    (void)state;
+    const char *g = "{\"model_type\": \"gemma2\", \"hidden_size\": 16, \"num_hidden_layers\": 1, "
+                    "\"num_attention_heads\": 2, \"num_key_value_heads\": 1, \"head_dim\": 8, \"intermediate_size\": 24, "
+                    "\"vocab_size\": 40, \"hidden_act\": \"silu\"}";
+    loom_llama_config c = config_of(g), back;
+    assert_true(c.post_norms && c.norm_unit_offset && c.scale_embeddings && c.act == LOOM_ACT_GELU_TANH &&
+                c.tie_embeddings && c.max_seq == 4096);
+    assert_true(c.attn_softcap == 50.0f && c.final_softcap == 30.0f && c.query_pre_attn_scalar == 256.0f &&
+                loom_llama_attn_scale(&c) == 0.0625f);
+    back = saved_and_loaded(&c);
+    assert_true(loom_llama_config_same_model(&c, &back) && saved_text_has("Gemma2ForCausalLM") &&
+                saved_text_has("\"attn_logit_softcapping\": 50") && saved_text_has("\"query_pre_attn_scalar\": 256"));
+    c.attn_softcap = 0.0f; /* none: null, read back as none */
+    back = saved_and_loaded(&c);
+    assert_true(saved_text_has("\"attn_logit_softcapping\": null") && back.attn_softcap == 0.0f);
+    loom_llama *m;
+    loom_precision p = {LOOM_F32, 0};
+    assert_int_equal(loom_llama_new(&c, p, &m), LOOM_OK);
+    assert_string_equal(m->layers[0].attn_post_norm->name, "model.layers.0.post_attention_layernorm.weight");
+    assert_string_equal(m->layers[0].mlp_norm->name, "model.layers.0.pre_feedforward_layernorm.weight");
+    assert_string_equal(m->layers[0].mlp_post_norm->name, "model.layers.0.post_feedforward_layernorm.weight");
+    loom_llama_free(m);
+    assert_config_refused(", \"model_type\": \"gemma2\", \"attn_logit_softcapping\": -1",
+                          "attn_logit_softcapping must be a positive number or null");
+    assert_config_refused(", \"model_type\": \"gemma2\", \"query_pre_attn_scalar\": null",
+                          "query_pre_attn_scalar must be a positive number");
+    c.fused_proj = 1; /* with Phi-3's files */
+    assert_int_equal(loom_llama_config_validate(&c), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("come together with Gemma's norms");
+    c.fused_proj = 0;
+    c.norm_unit_offset = c.scale_embeddings = 0; /* its norms without Gemma's */
+    assert_int_equal(loom_llama_config_validate(&c), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("come together with Gemma's norms");
 }
 
 /* Granite's model: its four multipliers read (GraniteConfig's 1 where left
@@ -1371,6 +1413,10 @@ static void test_gguf_refusals(void **state) {
     assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_F32, tok, io_path("scaled.gguf")), LOOM_ERR_UNSUPPORTED);
     IO_ASSERT_MSG("Phi-3's fused projections");
     m->cfg.fused_proj = 0;
+    m->cfg.post_norms = 1; /* Gemma 2's (the flag is what export reads) */
+    assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_F32, tok, io_path("scaled.gguf")), LOOM_ERR_UNSUPPORTED);
+    IO_ASSERT_MSG("Gemma 2's architecture");
+    m->cfg.post_norms = 0;
     m->cfg.nope_interval = 4; /* SmolLM3's */
     assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_F32, tok, io_path("scaled.gguf")), LOOM_ERR_UNSUPPORTED);
     IO_ASSERT_MSG("SmolLM3's NoPE blocks");
@@ -1417,6 +1463,7 @@ int main(void) {
         cmocka_unit_test(test_generation_config),
         cmocka_unit_test(test_bias_config),
         cmocka_unit_test(test_gemma_config),
+        cmocka_unit_test(test_gemma2_config),
         cmocka_unit_test(test_granite_config),
         cmocka_unit_test(test_phi3_layout),
         cmocka_unit_test(test_same_model),

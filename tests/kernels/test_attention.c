@@ -90,12 +90,12 @@ static void assert_close_dt(const void *a, const void *b, size_t n, loom_dtype d
  * fp32 path's error. The bound per element (a reference run on |v| with the
  * scores times scale, times 1 + 2u for its own rounding), or NULL when P
  * stays fp32. */
-static float *pv_rounding_bound_scaled(const attn_data *d, float scale) {
+static float *pv_rounding_bound_capped(const attn_data *d, float scale, float softcap) {
     if (d->dt != LOOM_BF16 || d->c.HS % 16 != 0 || !mm_bf16_tiles()) return NULL;
     float *va = tu_to_f32(d->v, d->nkv, d->dt);
     for (size_t i = 0; i < d->nkv; i++) va[i] = fabsf(va[i]);
     void *vabs = tu_from_f32(va, d->nkv, d->dt), *o = malloc(d->nq * 2);
-    attention_fwd_ref_scaled(o, NULL, d->q, d->k, vabs, CASE_ARGS(d->c), scale, d->dt);
+    attention_fwd_ref_scaled(o, NULL, d->q, d->k, vabs, CASE_ARGS(d->c), scale, softcap, d->dt);
     float *bound = tu_to_f32(o, d->nq, d->dt);
     double u = unit_roundoff(d->dt);
     for (size_t i = 0; i < d->nq; i++) bound[i] = (float)(u * (1.0 + 2.0 * u) * bound[i]);
@@ -103,7 +103,9 @@ static float *pv_rounding_bound_scaled(const attn_data *d, float scale) {
     return bound;
 }
 
-static float *pv_rounding_bound(const attn_data *d) { return pv_rounding_bound_scaled(d, 1.0f / sqrtf((float)d->c.HS)); }
+static float *pv_rounding_bound(const attn_data *d) {
+    return pv_rounding_bound_capped(d, 1.0f / sqrtf((float)d->c.HS), 0.0f);
+}
 
 /* |got - want| <= atol + bound[i] + rtol |want| for every element (bound
  * NULL: no per-element term). */
@@ -150,8 +152,9 @@ static void test_fwd_vs_ref(void **state) {
 }
 
 /* Independent oracle in double on the dt-rounded inputs: query t of head h
- * uses kv head h / (NH / NKV) and keys 0 .. pos0 + t; scores times scale. */
-static void attention_double_scaled(float *out, float *lse, const attn_data *d, double scale) {
+ * uses kv head h / (NH / NKV) and keys 0 .. pos0 + t; scores times scale,
+ * then softcap tanh(. / softcap) with a softcap. */
+static void attention_double_capped(float *out, float *lse, const attn_data *d, double scale, double softcap) {
     const attn_case *c = &d->c;
     int G = c->NH / c->NKV;
     double *p = malloc(sizeof(double) * c->Tk);
@@ -168,6 +171,7 @@ static void attention_double_scaled(float *out, float *lse, const attn_data *d, 
                         p[j] += (double)loom_load(d->q, qo + e, d->dt) *
                                 loom_load(d->k, ko + e, d->dt);
                     p[j] *= scale;
+                    if (softcap > 0.0) p[j] = softcap * tanh(p[j] / softcap);
                     m = fmax(m, p[j]);
                 }
                 for (int j = 0; j < n; j++) sum += (p[j] = exp(p[j] - m));
@@ -185,7 +189,7 @@ static void attention_double_scaled(float *out, float *lse, const attn_data *d, 
 }
 
 static void attention_double(float *out, float *lse, const attn_data *d) {
-    attention_double_scaled(out, lse, d, 1.0 / sqrt((double)d->c.HS));
+    attention_double_capped(out, lse, d, 1.0 / sqrt((double)d->c.HS), 0.0);
 }
 
 /* fp32 accumulation error (< 1e-5 here) plus one rounding to dt (u), and
@@ -394,32 +398,33 @@ static void test_bwd_finite_differences(void **state) {
 }
 
 /* A scale of the caller's (Granite's attention_multiplier, here 0.9 and
- * 0.05, not 1/sqrt(HS)): the forward against the formula in double with
- * that scale, the backward against the reference with it, within the
- * tolerances of the checks above; and not the default scale's output. */
+ * 0.05, not 1/sqrt(HS)), and softcapped scores (Gemma 2's, a cap of 2
+ * that the scores, up to ~20, press against): the forward against the
+ * formula in double, the backward against the reference, within the
+ * tolerances of the checks above; and not the default's output. */
 static void test_caller_scale(void **state) {
     (void)state;
-    const float scales[2] = {0.9f, 0.05f};
+    const float scales[3] = {0.9f, 0.05f, 0.9f}, caps[3] = {0.0f, 0.0f, 2.0f};
     const attn_case *cases[3] = {&CASES[0], &CASES[2], &CASES[15]}; /* GQA, one new token, bf16 pairs */
     for (int ci = 0; ci < 3; ci++)
         for (int di = 0; di < 2; di++)
-            for (int si = 0; si < 2; si++) {
+            for (int si = 0; si < 3; si++) {
                 const attn_case *c = cases[ci];
                 loom_dtype dt = di ? LOOM_BF16 : LOOM_F32;
-                float sc = scales[si];
+                float sc = scales[si], cap = caps[si];
                 attn_data d = data_make(c, dt, 900);
                 void *o = malloc(d.nq * 4), *o0 = malloc(d.nq * 4);
                 float *l = malloc(d.nlse * 4), *wo = malloc(d.nq * 4), *wl = malloc(d.nlse * 4);
-                attention_fwd_scaled(o, l, d.q, d.k, d.v, CASE_ARGS(*c), sc, dt);
+                attention_fwd_scaled(o, l, d.q, d.k, d.v, CASE_ARGS(*c), sc, cap, dt);
                 attention_fwd(o0, NULL, d.q, d.k, d.v, CASE_ARGS(*c), dt);
                 assert_false(tu_bits_equal(o, o0, d.nq * loom_dtype_size(dt), NULL));
-                attention_double_scaled(wo, wl, &d, sc);
-                float *got = tu_to_f32(o, d.nq, dt), *bound = pv_rounding_bound_scaled(&d, sc);
+                attention_double_capped(wo, wl, &d, sc, cap);
+                float *got = tu_to_f32(o, d.nq, dt), *bound = pv_rounding_bound_capped(&d, sc, cap);
                 assert_close_bound(got, wo, bound, d.nq, 1e-5, unit_roundoff(dt) + 1e-5);
                 TU_ASSERT_CLOSE(l, wl, d.nlse, 1e-5, 1e-5);
                 attn_grads g1 = grads_alloc(&d), g2 = grads_alloc(&d);
-                attention_bwd_scaled(g1.dq, g1.dk, g1.dv, d.dout, d.q, d.k, d.v, o, l, CASE_ARGS(*c), sc, dt);
-                attention_bwd_ref_scaled(g2.dq, g2.dk, g2.dv, d.dout, d.q, d.k, d.v, CASE_ARGS(*c), sc, dt);
+                attention_bwd_scaled(g1.dq, g1.dk, g1.dv, d.dout, d.q, d.k, d.v, o, l, CASE_ARGS(*c), sc, cap, dt);
+                attention_bwd_ref_scaled(g2.dq, g2.dk, g2.dv, d.dout, d.q, d.k, d.v, CASE_ARGS(*c), sc, cap, dt);
                 double u = unit_roundoff(dt), atol = dt == LOOM_F32 ? 1e-5 : 4.0 * u, rtol = 2.0 * u + 1e-5;
                 assert_close_dt(g1.dq, g2.dq, d.nq, dt, atol, rtol);
                 assert_close_dt(g1.dk, g2.dk, d.nkv, dt, atol, rtol);

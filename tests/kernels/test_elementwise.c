@@ -64,6 +64,36 @@ static void test_binary_ops(void **state) {
             }
 }
 
+/* Gemma 2's softcap: cap tanh(x / cap) against the formula in double (fp32
+ * tanhf: a few 2^-24, then one rounding to dt), its backward against
+ * dy (1 - (y / cap)^2) from the output, in place too. */
+static void test_softcap(void **state) {
+    (void)state;
+    const float cap = 1.5f;
+    for (int d = 0; d < 3; d++)
+        for (int s = 0; s < 4; s++) {
+            size_t n = sizes[s];
+            loom_dtype dt = dtypes[d];
+            void *x = random_dt(n, dt, -6, 6, 40 + n), *dy = random_dt(n, dt, -1, 1, 41 + n);
+            void *y = malloc(n * 4 + 1), *dx = malloc(n * 4 + 1);
+            float *want = malloc(n * 4 + 1), *wantd = malloc(n * 4 + 1);
+            softcap_fwd(y, x, cap, n, dt);
+            softcap_bwd(dx, dy, y, cap, n, dt);
+            for (size_t i = 0; i < n; i++) {
+                want[i] = (float)(cap * tanh((double)loom_load(x, i, dt) / cap));
+                double t = loom_load(y, i, dt) / (double)cap;
+                wantd[i] = (float)(loom_load(dy, i, dt) * (1.0 - t * t));
+            }
+            double u = dt == LOOM_F32 ? 0x1p-24 : dt == LOOM_BF16 ? 0x1p-8 : 0x1p-11;
+            float *got = tu_to_f32(y, n, dt), *gotd = tu_to_f32(dx, n, dt);
+            TU_ASSERT_CLOSE(got, want, n, 1e-6, u + 1e-6);
+            TU_ASSERT_CLOSE(gotd, wantd, n, 1e-6, u + 1e-5);
+            softcap_bwd(dy, dy, y, cap, n, dt); /* dx over dy */
+            assert_true(tu_bits_equal(dy, dx, n * loom_dtype_size(dt), "softcap_bwd in place"));
+            free(x); free(dy); free(y); free(dx); free(want); free(wantd); free(got); free(gotd);
+        }
+}
+
 /* dst += scale * src in every (dst, src) dtype pair. */
 static void test_accumulate(void **state) {
     (void)state;
@@ -410,6 +440,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_binary_ops),
         cmocka_unit_test(test_accumulate),
+        cmocka_unit_test(test_softcap),
         cmocka_unit_test(test_sumsq),
         cmocka_unit_test(test_has_nonfinite),
         cmocka_unit_test(test_dropout_mask),

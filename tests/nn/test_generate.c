@@ -16,6 +16,7 @@ static int head_dim_next; /* and heads of this size (0: dim / heads) */
 static int qk_norm_next;  /* and Qwen 3's norms of each query and key head (drawn around 1) */
 static int gemma_next;    /* and Gemma's norms (1 + weight, weights drawn around 0), scaled embeddings, GELU */
 static int granite_next;  /* and Granite's multipliers */
+static int gemma2_next;   /* and Gemma 2's (with gemma_next): norms of the outputs, softcaps, its scale */
 
 static loom_llama *model_with_context(loom_dtype dt, int tie, int max_seq) {
     loom_llama_config c;
@@ -28,6 +29,10 @@ static loom_llama *model_with_context(loom_dtype dt, int tie, int max_seq) {
     c.qk_norm = qk_norm_next;
     c.norm_unit_offset = c.scale_embeddings = gemma_next;
     c.act = gemma_next ? LOOM_ACT_GELU_TANH : LOOM_ACT_SILU;
+    c.post_norms = gemma2_next;
+    c.attn_softcap = gemma2_next ? 2.0f : 0.0f;
+    c.final_softcap = gemma2_next ? 4.0f : 0.0f;
+    c.query_pre_attn_scalar = gemma2_next ? 10.0f : 0.0f;
     if (granite_next) {
         c.embedding_multiplier = 12.0f;
         c.residual_multiplier = 0.22f;
@@ -71,14 +76,15 @@ static void full_logits(loom_llama *m, const int32_t *tok, int n, float *out) {
 
 static void test_cache_matches_forward(void **state) {
     (void)state;
-    for (int tie = 0; tie <= 10; tie++) {
+    for (int tie = 0; tie <= 11; tie++) {
         bias_next = tie > 2 && tie < 7 ? (tie >= 5 ? 2 : tie - 2) : 0; /* 3: Qwen 2's biases, 4-6: attention_bias */
         head_dim_next = tie >= 5 ? 12 : 0; /* 5-7: heads of 12 beside a dim of 32 (4 x 12 = 48) */
         qk_norm_next = tie == 6;           /* 6: Qwen 3's q/k norms */
-        gemma_next = tie == 7;             /* 7: Gemma's model, tied */
+        gemma_next = tie == 7 || tie == 11; /* 7: Gemma's model, tied; 11: Gemma 2's */
+        gemma2_next = tie == 11;
         granite_next = tie == 8;           /* 8: Granite's multipliers */
         loom_llama *m = small_model(LOOM_F32, tie & 1);
-        bias_next = head_dim_next = qk_norm_next = gemma_next = granite_next = 0;
+        bias_next = head_dim_next = qk_norm_next = gemma_next = granite_next = gemma2_next = 0;
         if (tie == 10) m->cfg.nope_interval = 2; /* SmolLM3's: the second block without RoPE */
         if (tie == 9) { /* Phi-3's longrope: its short factors and attention factor, up to its original context */
             m->cfg.rope_type = LOOM_ROPE_LONGROPE;

@@ -79,6 +79,12 @@ CONFIGS = {
     "gemma": {"model_type": "gemma", "hidden_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 96, "vocab_size": VOCAB,
               "max_position_embeddings": 32, "rms_norm_eps": 1e-6, "hidden_act": "gelu"},
+    # Gemma 2's model: Gemma's, with norms of each block's outputs, the scores scaled by 24^-0.5 and softcapped at
+    # 5 (low enough to bend these scores), the logits at 3; heads of 32, GemmaConfig-style defaults otherwise
+    "gemma2": {"model_type": "gemma2", "hidden_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 96, "vocab_size": VOCAB,
+               "max_position_embeddings": 32, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 24,
+               "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0, "sliding_window": 4096},
     # Granite's model: the embeddings times 12, each block's outputs times 0.22 before their residual adds, the
     # scores times 0.0625 (not 1/sqrt(16)), the logits divided by 10 (not a power of two), tied
     "granite": {"model_type": "granite", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -159,13 +159,22 @@ class Config:
         # Gemma's: norms scale by 1 + weight (computed in fp32), embeddings by sqrt(hidden_size) in the activations'
         # dtype, the tanh GELU's gate (hidden_activation, which its first files leave out and call hidden_act
         # "gelu"), heads of 256, tied, 16 kv heads by default
-        self.gemma = d.get("model_type") == "gemma"
+        # Gemma 2's, beside Gemma's: norms of each block's attention and MLP outputs (post_attention_layernorm,
+        # post_feedforward_layernorm; the MLP's input norm is pre_feedforward_layernorm), the scores scaled by
+        # query_pre_attn_scalar^-0.5 and softcapped, the logits softcapped; hidden_activation alone
+        self.gemma2 = d.get("model_type") == "gemma2"
+        self.gemma = d.get("model_type") == "gemma" or self.gemma2
         act = d.get("hidden_act", "silu")
-        if self.gemma:  # hidden_activation; else hidden_act, where "gelu" (or nothing) means the tanh GELU
+        if self.gemma2:
+            act = d.get("hidden_activation") or "gelu_pytorch_tanh"
+        elif self.gemma:  # hidden_activation; else hidden_act, where "gelu" (or nothing) means the tanh GELU
             act = d.get("hidden_activation") or ("gelu_pytorch_tanh" if d.get("hidden_act", "gelu") == "gelu" else act)
+        self.attn_softcap = d.get("attn_logit_softcapping", 50.0) if self.gemma2 else None
+        self.final_softcap = d.get("final_logit_softcapping", 30.0) if self.gemma2 else None
+        self.qpas = d.get("query_pre_attn_scalar", 256) if self.gemma2 else None
         assert act in ("silu", "gelu_pytorch_tanh", "gelu_new"), act
         self.gelu = act != "silu"
-        if self.gemma:
+        if self.gemma:  # Gemma 2's too
             self.tie = bool(d.get("tie_word_embeddings", True))
             self.n_kv_heads = d.get("num_key_value_heads", 16)
         self.head_size = d.get("head_dim") or (128 if self.qk_norm else 256 if self.gemma else self.dim // self.n_heads)
@@ -198,10 +207,14 @@ class Config:
             if self.qk_norm:
                 s[p + "self_attn.q_norm.weight"] = (self.head_size,)
                 s[p + "self_attn.k_norm.weight"] = (self.head_size,)
-            s[p + "post_attention_layernorm.weight"] = (C,)
+            s[p + "post_attention_layernorm.weight"] = (C,)  # Gemma 2's: the attention output's norm
+            if self.gemma2:
+                s[p + "pre_feedforward_layernorm.weight"] = (C,)
             s[p + "mlp.gate_proj.weight"] = (F_, C)
             s[p + "mlp.up_proj.weight"] = (F_, C)
             s[p + "mlp.down_proj.weight"] = (C, F_)
+            if self.gemma2:
+                s[p + "post_feedforward_layernorm.weight"] = (C,)
         s["model.norm.weight"] = (C,)
         if not self.tie:
             s["lm_head.weight"] = (V, C)
@@ -279,7 +292,8 @@ def make_model_dir(d, config, rng, embed_std=0.02):
     with open(os.path.join(d, "config.json"), "w") as f:
         mt = config.get("model_type", "llama")
         arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "gemma": "GemmaForCausalLM", "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM",
+                "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "granite": "GraniteForCausalLM",
+                "phi3": "Phi3ForCausalLM",
                 "smollm3": "SmolLM3ForCausalLM"}[mt]
         act = config.get("hidden_act", "gelu" if mt == "gemma" else "silu")  # Gemma 1.0's files say "gelu"
         json.dump(dict(config, architectures=[arch], model_type=mt, hidden_act=act,
@@ -380,6 +394,10 @@ def attention(x, params, p, cfg, cos, sin):
     v = v.repeat_interleave(NH // NKV, dim=1)
     if cfg.granite:  # GraniteAttention's scaling
         s = (q @ k.transpose(-1, -2)) * cfg.mult["attention_multiplier"]
+    elif cfg.gemma2:  # Gemma2Attention: query_pre_attn_scalar's scaling, then the softcap
+        s = (q @ k.transpose(-1, -2)) * cfg.qpas ** -0.5
+        if cfg.attn_softcap:
+            s = torch.tanh(s / cfg.attn_softcap) * cfg.attn_softcap
     else:
         s = q @ k.transpose(-1, -2) / math.sqrt(HS)  # (B, NH, T, T)
     mask = torch.ones(T, T, dtype=torch.bool).triu(1)
@@ -417,14 +435,22 @@ def forward(cfg, params, inputs, targets, dtype=torch.float32):
         rope = cfg.rope_layers[l]
         a = attention(rms_norm(x, w[p + "input_layernorm.weight"], cfg.norm_eps, g), w, p, cfg, cos if rope else None,
                       sin if rope else None)
+        if cfg.gemma2:
+            a = rms_norm(a, w[p + "post_attention_layernorm.weight"], cfg.norm_eps, g)
         x = x + (a if rm is None else a * rm)
-        f = mlp(rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.norm_eps, g), w, p, cfg)
+        if cfg.gemma2:
+            f = mlp(rms_norm(x, w[p + "pre_feedforward_layernorm.weight"], cfg.norm_eps, g), w, p, cfg)
+            f = rms_norm(f, w[p + "post_feedforward_layernorm.weight"], cfg.norm_eps, g)
+        else:
+            f = mlp(rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.norm_eps, g), w, p, cfg)
         x = x + (f if rm is None else f * rm)
     x = rms_norm(x, w["model.norm.weight"], cfg.norm_eps, g)
     head = w["model.embed_tokens.weight"] if cfg.tie else w["lm_head.weight"]
     logits = F.linear(x, head)  # (B, T, V)
     if cfg.granite:  # GraniteForCausalLM
         logits = logits / cfg.mult["logits_scaling"]
+    if cfg.gemma2 and cfg.final_softcap:  # Gemma2ForCausalLM
+        logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
     loss = F.cross_entropy(logits.float().view(-1, cfg.vocab_size), targets.reshape(-1), ignore_index=-1)
     return logits, loss
 

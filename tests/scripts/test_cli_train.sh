@@ -111,7 +111,8 @@ for q in 'qwen2 "model_type": "qwen2", "tie_word_embeddings": true' \
          'gemma "model_type": "gemma", "head_dim": 24' \
          'granite "model_type": "granite", "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0625, "logits_scaling": 8.0, "tie_word_embeddings": true' \
          'phi3 "model_type": "phi3", "tie_word_embeddings": true' \
-         'smollm3 "model_type": "smollm3", "no_rope_layer_interval": 2'; do
+         'smollm3 "model_type": "smollm3", "no_rope_layer_interval": 2' \
+         'gemma2 "model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 24'; do
   v=${q%% *}
   config_plus "$WORK/$v.json" "$WORK/cfg.json" "${q#* }"
   "$LOOM" train --data "$WORK/data" --config "$WORK/$v.json" --steps 3 --batch 2 --seq 32 --lr 1e-2 \
@@ -121,7 +122,8 @@ import json, struct, sys
 d, v = sys.argv[1], sys.argv[2]
 c = json.load(open(f"{d}/config.json"))
 cls = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
-       "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}[v]
+       "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+       "gemma2": "Gemma2ForCausalLM"}[v]
 assert c["model_type"] == v and c["architectures"] == [cls], c
 raw = open(f"{d}/model.safetensors", "rb").read()
 n = struct.unpack("<Q", raw[:8])[0]
@@ -147,6 +149,10 @@ for l in range(c["num_hidden_layers"]):
         assert hdr[p + "qkv_proj.weight"]["shape"] == [C + 2 * c["num_key_value_heads"] * hs, C]
         assert hdr[f"model.layers.{l}.mlp.gate_up_proj.weight"]["shape"] == [2 * F, C]
         assert p + "q_proj.weight" not in hdr and f"model.layers.{l}.mlp.up_proj.weight" not in hdr
+    elif v == "gemma2":  # its four norms a block, softcaps as Gemma2Config's
+        assert (c["attn_logit_softcapping"], c["final_logit_softcapping"], c["query_pre_attn_scalar"]) == (50, 30, 24), c
+        for nm in ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"):
+            assert any(x != 0 for x in values(f"model.layers.{l}.{nm}.weight")), f"layer {l} {nm} did not train"
     elif v == "smollm3":
         assert c["no_rope_layers"] == [1, 0] and c["no_rope_layer_interval"] == 2 and c["tie_word_embeddings"], c
     elif v == "granite":

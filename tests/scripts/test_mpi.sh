@@ -326,7 +326,8 @@ $CMP "$WORK/gq.st" "$WORK/g1.st" --rtol 1e-4 >/dev/null || fail "TP=2 --recomput
 for kind in '"model_type": "qwen2"' '"attention_bias": true' '"head_dim": 24, "attention_bias": true' \
             '"model_type": "qwen3", "head_dim": 24' '"model_type": "gemma", "head_dim": 24' \
             '"model_type": "granite", "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0625, "logits_scaling": 8.0' \
-            '"model_type": "phi3"' '"model_type": "smollm3", "no_rope_layer_interval": 2'; do
+            '"model_type": "phi3"' '"model_type": "smollm3", "no_rope_layer_interval": 2' \
+            '"model_type": "gemma2", "head_dim": 16, "attn_logit_softcapping": 2.0, "query_pre_attn_scalar": 24'; do
   config_plus "$WORK/bias.json" "$WORK/cfg.json" "$kind"
   rm -rf "$WORK/biased" "$WORK/b1" "$WORK/b2" "$WORK/ba"
   $PY - "$WORK/bias.json" "$WORK/biased" "$SRC/tests/python" <<'PYEOF' || fail "no biased model ($kind)"
