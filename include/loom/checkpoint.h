@@ -82,13 +82,14 @@ extern "C" {
  * default; another pattern is refused), SmolLM3Config's 4 kv heads, 32768
  * positions, rope_theta 2e6 and tied embeddings by default, and a sliding
  * window only with use_sliding_window; it saves as SmolLM3ForCausalLM with
- * its list.
+ * its list (one without a NoPE block as LLaMA's, the same model).
  * "gemma2" is Gemma's with post_norms (a norm of each block's attention and
  * MLP outputs: post_attention_layernorm and post_feedforward_layernorm,
  * the MLP's input norm then pre_feedforward_layernorm), the scores scaled
  * by query_pre_attn_scalar^-0.5 and softcapped at attn_logit_softcapping,
  * the logits at final_logit_softcapping (Gemma2Config's 256, 50 and 30
- * when absent; a softcap of null is none), its hidden_activation alone,
+ * when absent, and 4 kv heads; a softcap of null is none), its
+ * hidden_activation alone,
  * and its sliding_window (4096) capping the context; it saves as
  * Gemma2ForCausalLM with those fields and loom's context as its window.
  * hidden_act (any model_type): "silu", or the tanh GELU as

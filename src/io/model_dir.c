@@ -99,8 +99,7 @@ static int is_gemma(json_t *root) { return model_type_is(root, "gemma"); }
  * scaled by query_pre_attn_scalar^-0.5, a sliding window (4096) on every other block; Gemma2Config's defaults. */
 static int is_gemma2(json_t *root) { return model_type_is(root, "gemma2"); }
 
-/* A number field of Gemma 2's, into *out: the file's (null: 0, none; refused unless it is positive, or 0
- * when zero_ok), else def. */
+/* A number field of Gemma 2's, into *out: the file's (null or 0: none; refused when negative), else def. */
 static loom_status gemma2_number(json_t *root, const char *path, const char *key, float def, float *out) {
     json_t *v = json_object_get(root, key);
     *out = def;
@@ -134,6 +133,13 @@ static int is_phi3(json_t *root) { return model_type_is(root, "phi3"); }
  * sliding window only with use_sliding_window, as Qwen's. */
 static int is_smollm3(json_t *root) { return model_type_is(root, "smollm3"); }
 
+/* An entry of no_rope_layers: 1 (RoPE) or 0 (none), as an integer or a boolean; -1 otherwise. */
+static int nope_entry(json_t *e) {
+    if (json_is_boolean(e)) return json_is_true(e);
+    return json_is_integer(e) && (json_integer_value(e) == 0 || json_integer_value(e) == 1) ? (int)json_integer_value(e)
+                                                                                          : -1;
+}
+
 /* SmolLM3's NoPE blocks: no_rope_layers (1: RoPE, 0: none; at least a
  * block's worth) where given, else every no_rope_layer_interval-th block
  * (4 by default), as SmolLM3Config makes the list. loom holds the pattern
@@ -146,12 +152,10 @@ static loom_status read_nope(json_t *root, const char *path, loom_llama_config *
             return loom_error(LOOM_ERR_FORMAT, "%s: no_rope_layers must be a list of 0 and 1 with one entry a block "
                               "(%d)", path, L);
         for (int l = 0; l < L && !n; l++) /* the first NoPE block gives the interval */
-            if (json_is_integer(json_array_get(list, (size_t)l)) && json_integer_value(json_array_get(list, (size_t)l)) == 0)
-                n = l + 1;
+            if (nope_entry(json_array_get(list, (size_t)l)) == 0) n = l + 1;
         for (int l = 0; l < L; l++) {
-            json_t *e = json_array_get(list, (size_t)l);
             int want = n == 0 || (l + 1) % n != 0;
-            if (!json_is_integer(e) || json_integer_value(e) != want)
+            if (nope_entry(json_array_get(list, (size_t)l)) != want)
                 return loom_error(LOOM_ERR_UNSUPPORTED, "%s: no_rope_layers must be 0 or 1 a block, 0 at every N-th "
                                   "block (SmolLM3's pattern); block %d breaks it", path, l);
         }
@@ -464,7 +468,8 @@ loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
      * for null) the heads */
     json_t *kvh = json_object_get(root, "num_key_value_heads");
     c->n_kv_heads = !kvh && (is_qwen2(root) || is_qwen3(root)) ? 32
-                    : !kvh && (is_gemma(root) || is_gemma2(root)) ? 16
+                    : !kvh && is_gemma(root)                    ? 16
+                    : !kvh && is_gemma2(root)                   ? 4 /* Gemma2Config's (with its 256 scalar) */
                     : !kvh && is_smollm3(root)                  ? 4
                                                                 : c->n_heads;
     if (st == LOOM_OK) st = get_int(root, path, "num_key_value_heads", 0, &c->n_kv_heads);
@@ -614,7 +619,9 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
         json_t *fc = c->final_softcap > 0.0f ? json_real(dec(c->final_softcap)) : json_null();
         ok = !json_object_set_new(root, "attn_logit_softcapping", ac) &&
              !json_object_set_new(root, "final_logit_softcapping", fc) &&
-             !json_object_set_new(root, "query_pre_attn_scalar", json_real(dec(qpas))) &&
+             !json_object_set_new(root, "query_pre_attn_scalar", qpas == floorf(qpas) && qpas < 1e9f /* an int, */
+                                      ? json_integer((json_int_t)qpas)                        /* as its files */
+                                      : json_real(dec(qpas))) &&
              !json_object_set_new(root, "sliding_window", json_integer(c->max_seq));
     }
     if (ok && granite) { /* all four, as Granite's files have them (0: none, which is 1; the scale's default) */

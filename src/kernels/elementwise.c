@@ -196,13 +196,19 @@ void softcap_fwd(void *out, const void *x, float cap, size_t n, loom_dtype dt) {
     FOR_CHUNKS(n, lo, hi, for (size_t i = lo; i < hi; i++) loom_store(out, i, dt, cap * tanhf(loom_load(x, i, dt) / cap)));
 }
 
+/* dx = dy (1 - (y / c)^2) over [lo, hi): softcap_bwd. */
+static void softcap_bwd_range(void *dx, const void *dy, const void *y, float cap, size_t lo, size_t hi,
+                              loom_dtype dt) {
+    for (size_t i = lo; i < hi; i++) {
+        float t = loom_load(y, i, dt) / cap, t2 = t * t; /* a rounded y may exceed cap: tanh's derivative is >= 0 */
+        loom_store(dx, i, dt, loom_load(dy, i, dt) * (1.0f - (t2 < 1.0f ? t2 : 1.0f)));
+    }
+}
+
 /* dx = dy (1 - (y / c)^2), y the forward's output (tanh's derivative from
  * its result, as PyTorch's tanh backward takes it). dx may be dy. */
 void softcap_bwd(void *dx, const void *dy, const void *y, float cap, size_t n, loom_dtype dt) {
-    FOR_CHUNKS(n, lo, hi, for (size_t i = lo; i < hi; i++) {
-        float t = loom_load(y, i, dt) / cap;
-        loom_store(dx, i, dt, loom_load(dy, i, dt) * (1.0f - t * t));
-    });
+    FOR_CHUNKS(n, lo, hi, softcap_bwd_range(dx, dy, y, cap, lo, hi, dt));
 }
 
 void accumulate(void *dst, loom_dtype dst_dt, const void *src, loom_dtype src_dt,

@@ -107,7 +107,7 @@ static inline loom_rope_freqs rope_plain(float theta) {
  * q, out: (B, Tq, NH, HS) dt;  k, v: (B, Tk, NKV, HS) dt;  NH % NKV == 0,
  * query head h uses kv head h / (NH / NKV). Query t sits at absolute position
  * q_pos0 + t and sees keys 0 .. q_pos0 + t (so Tk >= q_pos0 + Tq).
- * lse: (B, NH, Tq) f32 log-sum-exp of the scaled scores, kept for backward
+ * lse: (B, NH, Tq) f32 log-sum-exp of the scaled (and capped) scores, kept for backward
  * (may be NULL when no backward follows). Scores are q . k times scale:
  * 1/sqrt(HS) here, the caller's with the _scaled forms (Granite's
  * attention_multiplier, Gemma 2's query_pre_attn_scalar^-0.5), which also

@@ -197,11 +197,12 @@ loom_status loom_llama_config_validate(const loom_llama_config *c) {
                           "positive (0: none)");
     int gemma2_only = c->attn_softcap > 0.0f || c->final_softcap > 0.0f || c->query_pre_attn_scalar > 0.0f;
     if ((c->post_norms || gemma2_only) &&
-        (!c->post_norms || !c->norm_unit_offset || c->qk_norm || c->fused_proj || c->nope_interval ||
-         loom_llama_has_multipliers(c)))
+        (!c->post_norms || !c->norm_unit_offset || !(c->query_pre_attn_scalar > 0.0f) || c->qk_norm ||
+         c->fused_proj || c->nope_interval || loom_llama_has_multipliers(c)))
         return loom_error(LOOM_ERR_INVALID, "model config: norms of the blocks' outputs, softcaps and "
-                          "query_pre_attn_scalar come together with Gemma's norms (Gemma 2's model), without q/k "
-                          "norms, Phi-3's files, NoPE blocks or Granite's multipliers");
+                          "query_pre_attn_scalar (which Gemma 2's model needs) come together with Gemma's norms "
+                          "(Gemma 2's model), without q/k norms, Phi-3's files, NoPE blocks or Granite's "
+                          "multipliers");
     if (c->fused_proj &&
         (c->qkv_bias || c->o_bias || c->qk_norm || c->norm_unit_offset || loom_llama_has_multipliers(c)))
         return loom_error(LOOM_ERR_INVALID, "model config: Phi-3's fused projections with attention biases, q/k "

@@ -790,16 +790,16 @@ static void test_gemma_config(void **state) {
 static void test_gemma2_config(void **state) {
     (void)state;
     const char *g = "{\"model_type\": \"gemma2\", \"hidden_size\": 16, \"num_hidden_layers\": 1, "
-                    "\"num_attention_heads\": 2, \"num_key_value_heads\": 1, \"head_dim\": 8, \"intermediate_size\": 24, "
+                    "\"num_attention_heads\": 8, \"head_dim\": 8, \"intermediate_size\": 24, "
                     "\"vocab_size\": 40, \"hidden_act\": \"silu\"}";
     loom_llama_config c = config_of(g), back;
     assert_true(c.post_norms && c.norm_unit_offset && c.scale_embeddings && c.act == LOOM_ACT_GELU_TANH &&
-                c.tie_embeddings && c.max_seq == 4096);
+                c.tie_embeddings && c.max_seq == 4096 && c.n_kv_heads == 4); /* Gemma2Config's 4 kv heads */
     assert_true(c.attn_softcap == 50.0f && c.final_softcap == 30.0f && c.query_pre_attn_scalar == 256.0f &&
                 loom_llama_attn_scale(&c) == 0.0625f);
     back = saved_and_loaded(&c);
     assert_true(loom_llama_config_same_model(&c, &back) && saved_text_has("Gemma2ForCausalLM") &&
-                saved_text_has("\"attn_logit_softcapping\": 50") && saved_text_has("\"query_pre_attn_scalar\": 256"));
+                saved_text_has("\"attn_logit_softcapping\": 50") && saved_text_has("\"query_pre_attn_scalar\": 256,"));
     c.attn_softcap = 0.0f; /* none: null, read back as none */
     back = saved_and_loaded(&c);
     assert_true(saved_text_has("\"attn_logit_softcapping\": null") && back.attn_softcap == 0.0f);
@@ -964,6 +964,8 @@ static void test_smollm3_config(void **state) {
     assert_int_equal(config_of(json).nope_interval, 4);
     snprintf(json, sizeof json, "%s, \"no_rope_layer_interval\": 2}", head);
     assert_int_equal(config_of(json).nope_interval, 2);
+    snprintf(json, sizeof json, "%s, \"no_rope_layers\": [true, false, true, false, 1, 0, true, false]}", head);
+    assert_int_equal(config_of(json).nope_interval, 2); /* booleans as Hugging Face takes them */
     snprintf(json, sizeof json, "%s, \"no_rope_layers\": [1, 1, 1, 1, 1, 1, 1, 1]}", head); /* RoPE everywhere */
     c = config_of(json);
     assert_int_equal(c.nope_interval, 0);
@@ -972,6 +974,7 @@ static void test_smollm3_config(void **state) {
     static const struct { const char *extra, *msg; } bad[] = {
         {", \"no_rope_layers\": [1, 0, 1, 1, 1, 1, 1, 1]}", "block 3 breaks it"},
         {", \"no_rope_layers\": [1, 1, 2, 1, 1, 1, 1, 1]}", "block 2 breaks it"},
+        {", \"no_rope_layers\": [true, true, true, false, true, true, false, false]}", "block 6 breaks it"},
         {", \"no_rope_layers\": [1, 1, 1, 0]}", "one entry a block (8)"},
         {", \"no_rope_layer_interval\": 0}", "no_rope_layer_interval must be a positive integer"},
     };
@@ -997,7 +1000,7 @@ static void test_same_model(void **state) {
                                     "\"residual_multiplier\": 0.5}");
     loom_llama_config b = a;
     assert_true(loom_llama_config_same_model(&a, &b));
-    for (int f = 0; f < 13; f++) {
+    for (int f = 0; f < 17; f++) {
         b = a;
         switch (f) {
         case 0: b.embedding_multiplier = 2.0f; break;
@@ -1012,6 +1015,10 @@ static void test_same_model(void **state) {
         case 9: b.max_seq = 64; break;
         case 10: b.attention_dropout = 0.1f; break;
         case 11: b.nope_interval = 2; break;
+        case 12: b.attn_softcap = 50.0f; break;
+        case 13: b.final_softcap = 30.0f; break;
+        case 14: b.post_norms = 1; break;
+        case 15: b.attention_multiplier = 0.0f; b.query_pre_attn_scalar = 4.0f; break; /* a scale of 0.5, not 1 */
         default: b.fused_proj = 1; break;
         }
         if (loom_llama_config_same_model(&a, &b)) fail_msg("field %d changed alone: still the same model", f);

@@ -174,9 +174,9 @@ class Config:
         self.qpas = d.get("query_pre_attn_scalar", 256) if self.gemma2 else None
         assert act in ("silu", "gelu_pytorch_tanh", "gelu_new"), act
         self.gelu = act != "silu"
-        if self.gemma:  # Gemma 2's too
+        if self.gemma:  # Gemma 2's too (its default kv heads 4)
             self.tie = bool(d.get("tie_word_embeddings", True))
-            self.n_kv_heads = d.get("num_key_value_heads", 16)
+            self.n_kv_heads = d.get("num_key_value_heads", 4 if self.gemma2 else 16)
         self.head_size = d.get("head_dim") or (128 if self.qk_norm else 256 if self.gemma else self.dim // self.n_heads)
         # SmolLM3's NoPE blocks: no_rope_layers (1: RoPE), else every no_rope_layer_interval-th block without
         self.rope_layers = [1] * self.n_layers

@@ -151,6 +151,7 @@ for l in range(c["num_hidden_layers"]):
         assert p + "q_proj.weight" not in hdr and f"model.layers.{l}.mlp.up_proj.weight" not in hdr
     elif v == "gemma2":  # its four norms a block, softcaps as Gemma2Config's
         assert (c["attn_logit_softcapping"], c["final_logit_softcapping"], c["query_pre_attn_scalar"]) == (50, 30, 24), c
+        assert isinstance(c["query_pre_attn_scalar"], int), c  # as Gemma2Config's strict int field wants it
         for nm in ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"):
             assert any(x != 0 for x in values(f"model.layers.{l}.{nm}.weight")), f"layer {l} {nm} did not train"
     elif v == "smollm3":
