@@ -1,10 +1,11 @@
 /*
  * model_dir.c — model directories in the Hugging Face layout: config.json
  * and model.safetensors with Hugging Face LLaMA names (loom's parameter
- * names are those names, but for Phi-3's fused tensors: file_slot_of). Must never: leave a half-written file (every
- * write is atomic) or a directory whose files come from two saves (all are
- * written before any replaces its old one), or load a tensor whose shape
- * differs from the config.
+ * names are those names, but for Phi-3's fused tensors: file_slot_of).
+ * Must never: leave a half-written file (every write is atomic) or a
+ * directory whose files come from two saves (all are written before any
+ * replaces its old one), or load a tensor whose shape differs from the
+ * config.
  */
 #include "loom/checkpoint.h"
 #include "io/io_internal.h"
@@ -263,10 +264,12 @@ static loom_status read_architecture(json_t *root, const char *path, loom_llama_
     }
     if (hd && (c->dim % c->n_heads || hd != c->dim / c->n_heads)) c->head_dim = (int)hd;
     /* Other model types are other architectures under similar names. */
+    static const char *const known[] = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "granite", "phi3",
+                                        "smollm3"};
     v = json_object_get(root, "model_type");
-    if (v && (!json_is_string(v) || (strcmp(json_string_value(v), "llama") && strcmp(json_string_value(v), "mistral") &&
-                                     !is_qwen2(root) && !is_qwen3(root) && !is_gemma(root) && !is_granite(root) &&
-                                     !is_phi3(root) && !is_smollm3(root) && !is_gemma2(root))))
+    int read = !v;
+    for (size_t k = 0; !read && k < sizeof known / sizeof known[0]; k++) read = model_type_is(root, known[k]);
+    if (!read)
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: model_type \"%s\" is not a LLaMA model (loom reads \"llama\", "
                           "\"mistral\", \"qwen2\", \"qwen3\", \"gemma\", \"gemma2\", \"granite\", \"phi3\" and "
                           "\"smollm3\")", path, json_is_string(v) ? json_string_value(v) : "?");
@@ -309,11 +312,6 @@ static loom_status apply_window(json_t *root, const char *path, loom_llama_confi
     return LOOM_OK;
 }
 
-/* The scaling in object rs (`what` names it in messages): "type" (which
- * Hugging Face takes first) or "rope_type" "default", "linear" (factor) or
- * "llama3" (factor, low_freq_factor, high_freq_factor,
- * original_max_position_embeddings); the others change the math in ways
- * loom does not implement and are refused by name. */
 /* n factors from the JSON array `key` of rs into f; the count in *n (0
  * when absent: an error for the caller). */
 static loom_status read_factors(json_t *rs, const char *key, const char *path, const char *what, float *f, int *n) {
@@ -385,6 +383,12 @@ static loom_status parse_longrope(json_t *root, json_t *rs, const char *path, co
     return LOOM_OK;
 }
 
+/* The scaling in object rs (`what` names it in messages): "type" (which
+ * Hugging Face takes first) or "rope_type" "default", "linear" (factor),
+ * "llama3" (factor, low_freq_factor, high_freq_factor,
+ * original_max_position_embeddings) or "longrope" / "su" (parse_longrope);
+ * the others change the math in ways loom does not implement and are
+ * refused by name. */
 static loom_status parse_rope_scaling(json_t *root, json_t *rs, const char *path, const char *what,
                                       loom_llama_config *c) {
     json_t *t1 = json_object_get(rs, "type"), *t2 = json_object_get(rs, "rope_type"), *t = t1 ? t1 : t2;
@@ -528,7 +532,8 @@ static int save_longrope(json_t *root, const loom_llama_config *c) {
         json_decref(lf);
         return 0;
     }
-    ok = !json_object_set_new(rs, "short_factor", sf) && !json_object_set_new(rs, "long_factor", lf);
+    int set_s = !json_object_set_new(rs, "short_factor", sf), set_l = !json_object_set_new(rs, "long_factor", lf);
+    ok = set_s && set_l; /* each taken by rs, even on failure */
     long max_pos = lrint((double)c->rope_factor * c->rope_original_max_pos);
     double factor = (double)max_pos / c->rope_original_max_pos;
     float af = (float)(factor <= 1.0 ? 1.0 : sqrt(1.0 + log(factor) / log((double)c->rope_original_max_pos)));
@@ -547,8 +552,9 @@ static int save_longrope(json_t *root, const loom_llama_config *c) {
 }
 
 loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, const char *path) {
-    /* The Hugging Face class that reads it: Gemma's (norms of 1 + weight), Granite's (multipliers), Qwen 3's
-     * (q/k norms), Qwen 2's (biases on q, k, v alone), LLaMA's */
+    /* The Hugging Face class that reads it: Gemma 2's (norms of the outputs), Gemma's (norms of 1 + weight),
+     * Granite's (multipliers), Phi-3's (fused files), SmolLM3's (NoPE blocks), Qwen 3's (q/k norms), Qwen 2's
+     * (biases on q, k, v alone), LLaMA's; loom_llama_config_validate keeps them apart */
     int gemma2 = c->post_norms, gemma = !gemma2 && c->norm_unit_offset;
     int granite = !gemma && !gemma2 && loom_llama_has_multipliers(c), phi3 = c->fused_proj;
     int smollm3 = c->nope_interval > 0;

@@ -60,6 +60,19 @@ static loom_status linear(const loom_llama *m, scratch *s, void *out, const void
     return LOOM_OK;
 }
 
+/* x (T, C) += a block's output o (T, C, overwritten): normalized first by
+ * norm (Gemma 2's; NULL: none), times Granite's residual multiplier where
+ * the model has one, as the training forward's block. */
+static void add_output(void *x, void *o, const loom_param *norm, const loom_llama_config *cfg, int T,
+                       loom_dtype dt) {
+    size_t TC = (size_t)T * (size_t)cfg->dim;
+    if (norm)
+        rmsnorm_fwd(o, NULL, o, loom_tensor_data(norm->tensor), cfg->norm_unit_offset ? 1.0f : 0.0f, T, cfg->dim,
+                    cfg->norm_eps, dt);
+    if (cfg->residual_multiplier != 0.0f) scale_fwd(o, o, cfg->residual_multiplier, TC, dt);
+    add_fwd(x, x, o, TC, dt);
+}
+
 /* Run T new tokens at positions cache->len .. through every layer; leaves
  * the last position's logits in s->logits. */
 static loom_status forward_tokens(loom_llama *m, kv_cache *c, scratch *s, const int32_t *tokens, int T) {
@@ -72,9 +85,8 @@ static loom_status forward_tokens(loom_llama *m, kv_cache *c, scratch *s, const 
     float wo = cfg->norm_unit_offset ? 1.0f : 0.0f; /* Gemma's norms scale by 1 + weight */
     embedding_fwd(s->x, tokens, loom_tensor_data(m->embed->tensor), T, C, dt);
     size_t TC = (size_t)T * (size_t)C;
-    float em = cfg->embedding_multiplier, rm = cfg->residual_multiplier; /* Granite's (0: none) */
-    if (cfg->scale_embeddings) scale_fwd(s->x, s->x, loom_llama_embed_scale(cfg, dt), TC, dt);
-    if (em != 0.0f) scale_fwd(s->x, s->x, em, TC, dt);
+    if (cfg->scale_embeddings) scale_fwd(s->x, s->x, loom_llama_embed_scale(cfg, dt), TC, dt); /* Gemma's */
+    if (cfg->embedding_multiplier != 0.0f) scale_fwd(s->x, s->x, cfg->embedding_multiplier, TC, dt); /* Granite's */
     for (int l = 0; l < cfg->n_layers; l++) {
         const loom_llama_layer *y = &m->layers[l];
         float *rs = s->rstd;
@@ -94,19 +106,13 @@ static loom_status forward_tokens(loom_llama *m, kv_cache *c, scratch *s, const 
         attention_fwd_scaled(s->att, NULL, s->q, c->k[l], c->v[l], 1, T, pos0 + T, NH, NKV, HS, pos0,
                              loom_llama_attn_scale(cfg), cfg->attn_softcap, dt);
         LOOM_TRY(linear(m, s, s->o, s->att, y, LOOM_LORA_O, T, Q, C));
-        if (y->attn_post_norm) /* Gemma 2's norm of the attention's output */
-            rmsnorm_fwd(s->o, NULL, s->o, loom_tensor_data(y->attn_post_norm->tensor), wo, T, C, cfg->norm_eps, dt);
-        if (rm != 0.0f) scale_fwd(s->o, s->o, rm, TC, dt);
-        add_fwd(s->x, s->x, s->o, TC, dt);
+        add_output(s->x, s->o, y->attn_post_norm, cfg, T, dt);
         rmsnorm_fwd(s->h, rs, s->x, loom_tensor_data(y->mlp_norm->tensor), wo, T, C, cfg->norm_eps, dt);
         LOOM_TRY(linear(m, s, s->g, s->h, y, LOOM_LORA_GATE, T, C, F));
         LOOM_TRY(linear(m, s, s->u, s->h, y, LOOM_LORA_UP, T, C, F));
         (cfg->act == LOOM_ACT_GELU_TANH ? geglu_fwd : swiglu_fwd)(s->g, s->g, s->u, (size_t)T * (size_t)F, dt);
         LOOM_TRY(linear(m, s, s->o, s->g, y, LOOM_LORA_DOWN, T, F, C));
-        if (y->mlp_post_norm) /* and of the MLP's */
-            rmsnorm_fwd(s->o, NULL, s->o, loom_tensor_data(y->mlp_post_norm->tensor), wo, T, C, cfg->norm_eps, dt);
-        if (rm != 0.0f) scale_fwd(s->o, s->o, rm, TC, dt);
-        add_fwd(s->x, s->x, s->o, TC, dt);
+        add_output(s->x, s->o, y->mlp_post_norm, cfg, T, dt);
     }
     c->len += T;
     /* Only the last position's logits are needed. */

@@ -854,14 +854,18 @@ static loom_status dora_output(const struct llama_block_args *a, loom_lora_targe
     return st;
 }
 
-/* *x times s, replacing *x, unless s is 0 (none) or 1. */
-static loom_status scale_by(loom_tensor **x, float s) {
-    if (s == 0.0f || s == 1.0f) return LOOM_OK;
+/* *x replaced by op(*x, v): loom_scale, loom_divide, loom_softcap. */
+static loom_status replace_by(loom_tensor **x, loom_status (*op)(loom_tensor *, float, loom_tensor **), float v) {
     loom_tensor *y = NULL;
-    loom_status st = loom_scale(*x, s, &y);
+    loom_status st = op(*x, v, &y);
     loom_tensor_release(*x);
     *x = y;
     return st;
+}
+
+/* *x times s, replacing *x, unless s is 0 (none) or 1. */
+static loom_status scale_by(loom_tensor **x, float s) {
+    return s == 0.0f || s == 1.0f ? LOOM_OK : replace_by(x, loom_scale, s);
 }
 
 /* x in dtype dt: x itself when it is, else a cast. */
@@ -1013,16 +1017,9 @@ loom_status loom_llama_forward(loom_llama *m, const int32_t *tokens, const int32
     }
     if (st == LOOM_OK) st = loom_rmsnorm_ex(x, m->final_norm->tensor, c->norm_eps, norm_offset(c), &h);
     if (st == LOOM_OK) st = loom_fused_linear(h, m->lm_head->tensor, NULL, &logits);
-    if (st == LOOM_OK && c->final_softcap > 0.0f) { /* Gemma 2's */
-        loom_tensor *l = logits;
-        st = loom_softcap(l, c->final_softcap, &logits);
-        loom_tensor_release(l);
-    }
-    if (st == LOOM_OK && c->logits_scaling != 0.0f && c->logits_scaling != 1.0f) { /* Granite's, divided as HF does */
-        loom_tensor *l = logits;
-        st = loom_divide(l, c->logits_scaling, &logits);
-        loom_tensor_release(l);
-    }
+    if (st == LOOM_OK && c->final_softcap > 0.0f) st = replace_by(&logits, loom_softcap, c->final_softcap); /* Gemma 2 */
+    if (st == LOOM_OK && c->logits_scaling != 0.0f && c->logits_scaling != 1.0f) /* Granite's, divided as HF does */
+        st = replace_by(&logits, loom_divide, c->logits_scaling);
     if (st == LOOM_OK && loss && targets) st = loom_cross_entropy(logits, targets, N, -1, loss);
     if (st == LOOM_OK && logits_out) *logits_out = loom_tensor_retain(logits);
     RELEASE(x, h, logits);
