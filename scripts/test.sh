@@ -14,7 +14,7 @@ ninja -C build -j "$jobs"
 echo "== ASan + UBSan build"
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_WERROR=ON -DLOOM_SANITIZE=ON >/dev/null
 ninja -C build-asan -j "$jobs"
-(cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+(cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 LOOM_TEST_SANITIZED=1 \
    ctest --output-on-failure -j 1 -E 'scripts/test_bench')   # timing a sanitized build measures nothing
 echo "== build without MPI (one process)"
 cmake -S . -B build-nompi -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_WERROR=ON -DLOOM_WITH_MPI=OFF >/dev/null
