@@ -487,7 +487,8 @@ static void test_thread_count_invariant(void **state) {
  * element (the tiles add each element's products in order, the softmax
  * works column by column, the exps are the same): forward and backward give
  * the same bits at both levels, fp32 and bf16 (fp32 products: the bf16 dot
- * products are capped off), on every case. */
+ * products are capped off), on every case, every other one with a scale of
+ * its own and softcapped scores. */
 static void test_levels_agree(void **state) {
     (void)state;
     const char *was = loom_simd_name(); /* a static name: restored at the end */
@@ -500,13 +501,16 @@ static void test_levels_agree(void **state) {
             void *o[2];
             float *l[2];
             attn_grads g[2];
+            /* every other case with a scale of its own and softcapped scores (Granite's, Gemma 2's) */
+            float sc = i % 2 ? 0.5f : 1.0f / sqrtf((float)d.c.HS), cap = i % 2 ? 2.0f : 0.0f;
             for (int lv = 0; lv < 2; lv++) {
                 assert_int_equal(loom_set_simd_level(lv ? "avx2" : "avx512f"), LOOM_OK);
                 o[lv] = malloc(d.nq * 4);
                 l[lv] = malloc(d.nlse * 4);
-                attention_fwd(o[lv], l[lv], d.q, d.k, d.v, CASE_ARGS(d.c), d.dt);
+                attention_fwd_scaled(o[lv], l[lv], d.q, d.k, d.v, CASE_ARGS(d.c), sc, cap, d.dt);
                 g[lv] = grads_alloc(&d);
-                run_flash_bwd(&g[lv], &d);
+                attention_bwd_scaled(g[lv].dq, g[lv].dk, g[lv].dv, d.dout, d.q, d.k, d.v, o[lv], l[lv], CASE_ARGS(d.c),
+                                     sc, cap, d.dt);
             }
             assert_int_equal(loom_set_simd_level(was), LOOM_OK);
             assert_true(tu_bits_equal(o[0], o[1], d.nq * es, "out"));
