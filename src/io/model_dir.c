@@ -87,6 +87,41 @@ static int model_type_is(json_t *root, const char *name) {
     return json_is_string(mt) && !strcmp(json_string_value(mt), name);
 }
 
+/* The config classes loom reads, by model_type, with the defaults each
+ * gives the fields a file leaves out. */
+typedef struct family {
+    const char *type;
+    float theta, eps;   /* rope_theta, rms_norm_eps */
+    int kv_heads;       /* num_key_value_heads when absent (0: the heads; null is the heads for all) */
+    int max_seq, tie;   /* max_position_embeddings, tie_word_embeddings */
+    int head_dim;       /* 0: hidden_size / heads */
+    int window;         /* sliding_window when absent (0: none) */
+    int window_if_used; /* the window applies only with use_sliding_window */
+} family;
+
+static const family families[] = {
+    /* type       theta  eps    kv  max    tie hd   window used */
+    {"llama",     1e4f,  1e-6f, 0,  2048,  0,  0,   0,     0},
+    {"mistral",   1e4f,  1e-6f, 0,  2048,  0,  0,   4096,  0}, /* MistralConfig's window */
+    {"qwen2",     1e4f,  1e-6f, 32, 32768, 0,  0,   4096,  1},
+    {"qwen3",     1e4f,  1e-6f, 32, 32768, 0,  128, 4096,  1},
+    {"gemma",     1e4f,  1e-6f, 16, 8192,  1,  256, 0,     0},
+    {"gemma2",    1e4f,  1e-6f, 4,  8192,  1,  256, 4096,  0}, /* 4 kv heads with its 256 scalar */
+    {"granite",   1e4f,  1e-6f, 0,  2048,  0,  0,   0,     0},
+    {"phi3",      1e4f,  1e-5f, 0,  4096,  0,  0,   0,     0},
+    {"smollm3",   2e6f,  1e-6f, 4,  32768, 1,  0,   0,     1},
+};
+
+/* The family of root's model_type: LLaMA's when it has none, NULL for a
+ * model_type loom does not read. */
+static const family *family_of(json_t *root) {
+    json_t *mt = json_object_get(root, "model_type");
+    if (!mt) return &families[0];
+    for (size_t k = 0; json_is_string(mt) && k < sizeof families / sizeof families[0]; k++)
+        if (!strcmp(json_string_value(mt), families[k].type)) return &families[k];
+    return NULL;
+}
+
 /* Qwen 2's model (model_type "qwen2") is LLaMA's with biases on q, k and
  * v; Qwen 3's ("qwen3") with a norm of each query and key head instead
  * (and LLaMA's attention_bias). Both have a sliding window only where
@@ -255,8 +290,9 @@ static loom_status read_architecture(json_t *root, const char *path, loom_llama_
         if (!json_is_boolean(v)) return loom_error(LOOM_ERR_FORMAT, "%s: attention_bias must be true or false", path);
         c->qkv_bias = c->o_bias = json_is_true(v);
     }
+    const family *f = family_of(root);
     v = json_object_get(root, "head_dim"); /* its own (0: dim / n_heads, however the file says it) */
-    json_int_t hd = is_qwen3(root) ? 128 : is_gemma(root) || is_gemma2(root) ? 256 : 0; /* their configs' defaults */
+    json_int_t hd = f ? f->head_dim : 0;   /* Qwen3Config's 128, Gemma's 256 */
     if (v && !json_is_null(v)) {
         if (!json_is_integer(v) || json_integer_value(v) <= 0 || json_integer_value(v) > (1 << 20))
             return loom_error(LOOM_ERR_FORMAT, "%s: head_dim must be a positive integer or null", path);
@@ -264,12 +300,8 @@ static loom_status read_architecture(json_t *root, const char *path, loom_llama_
     }
     if (hd && (c->dim % c->n_heads || hd != c->dim / c->n_heads)) c->head_dim = (int)hd;
     /* Other model types are other architectures under similar names. */
-    static const char *const known[] = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "granite", "phi3",
-                                        "smollm3"};
     v = json_object_get(root, "model_type");
-    int read = !v;
-    for (size_t k = 0; !read && k < sizeof known / sizeof known[0]; k++) read = model_type_is(root, known[k]);
-    if (!read)
+    if (!f)
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: model_type \"%s\" is not a LLaMA model (loom reads \"llama\", "
                           "\"mistral\", \"qwen2\", \"qwen3\", \"gemma\", \"gemma2\", \"granite\", \"phi3\" and "
                           "\"smollm3\")", path, json_is_string(v) ? json_string_value(v) : "?");
@@ -299,14 +331,13 @@ static loom_status apply_window(json_t *root, const char *path, loom_llama_confi
     json_t *use = json_object_get(root, "use_sliding_window");
     if (use && !json_is_null(use) && !json_is_boolean(use))
         return loom_error(LOOM_ERR_FORMAT, "%s: use_sliding_window must be true or false", path);
-    if ((is_qwen2(root) || is_qwen3(root) || is_smollm3(root)) && !json_is_true(use)) return LOOM_OK;
-    json_int_t window = 0;
+    const family *f = family_of(root); /* read_architecture refused model types it is not */
+    if (f->window_if_used && !json_is_true(use)) return LOOM_OK;
+    json_int_t window = v ? 0 : f->window; /* the config class's when absent; null: none */
     if (v && !json_is_null(v)) {
         if (!json_is_integer(v) || json_integer_value(v) <= 0)
             return loom_error(LOOM_ERR_FORMAT, "%s: sliding_window must be a positive integer or null", path);
         window = json_integer_value(v);
-    } else if (!v && (model_type_is(root, "mistral") || is_qwen2(root) || is_qwen3(root) || is_gemma2(root))) {
-        window = 4096; /* MistralConfig's default, Gemma2Config's, and Qwen's (used only with use_sliding_window) */
     }
     if (window && window < c->max_seq) c->max_seq = (int)window;
     return LOOM_OK;
@@ -461,32 +492,25 @@ loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
     loom_status st = LOOM_OK;
     if (!json_is_object(root)) st = loom_error(LOOM_ERR_FORMAT, "%s: expected a JSON object", path);
     memset(c, 0, sizeof *c);
-    /* Absent fields take Hugging Face LlamaConfig's defaults (not loom's
-     * presets'): the same directory must give the same model in both. */
-    c->rope_theta = st == LOOM_OK && is_smollm3(root) ? 2000000.0f : 10000.0f; /* SmolLM3Config's, LlamaConfig's */
-    c->norm_eps = st == LOOM_OK && is_phi3(root) ? 1e-5f : 1e-6f;               /* Phi3Config's, LlamaConfig's */
+    /* Absent fields take the Hugging Face config class's defaults (not
+     * loom's presets'): the same directory must give the same model in both.
+     * A model_type loom does not read takes LlamaConfig's until
+     * read_architecture refuses it. */
+    const family *f = family_of(root) ? family_of(root) : &families[0];
+    c->rope_theta = f->theta;
+    c->norm_eps = f->eps;
     if (st == LOOM_OK) st = get_int(root, path, "hidden_size", 1, &c->dim);
     if (st == LOOM_OK) st = get_int(root, path, "num_hidden_layers", 1, &c->n_layers);
     if (st == LOOM_OK) st = get_int(root, path, "num_attention_heads", 1, &c->n_heads);
-    /* Qwen2Config's and Qwen3Config's default when absent, 32, GemmaConfig's 16; LlamaConfig's (and theirs
-     * for null) the heads */
-    json_t *kvh = json_object_get(root, "num_key_value_heads");
-    c->n_kv_heads = !kvh && (is_qwen2(root) || is_qwen3(root)) ? 32
-                    : !kvh && is_gemma(root)                    ? 16
-                    : !kvh && is_gemma2(root)                   ? 4 /* Gemma2Config's (with its 256 scalar) */
-                    : !kvh && is_smollm3(root)                  ? 4
-                                                                : c->n_heads;
+    c->n_kv_heads = !json_object_get(root, "num_key_value_heads") && f->kv_heads ? f->kv_heads : c->n_heads;
     if (st == LOOM_OK) st = get_int(root, path, "num_key_value_heads", 0, &c->n_kv_heads);
     if (st == LOOM_OK) st = get_int(root, path, "intermediate_size", 1, &c->ffn_dim);
     if (st == LOOM_OK) st = get_int(root, path, "vocab_size", 1, &c->vocab_size);
-    c->max_seq = is_qwen2(root) || is_qwen3(root) || is_smollm3(root) ? 32768
-                 : is_gemma(root) || is_gemma2(root)                   ? 8192
-                 : is_phi3(root)                                       ? 4096
-                                                                       : 2048; /* their configs', LlamaConfig's */
+    c->max_seq = f->max_seq;
     if (st == LOOM_OK) st = get_int(root, path, "max_position_embeddings", 0, &c->max_seq);
     if (st == LOOM_OK) st = get_float(root, path, "rms_norm_eps", &c->norm_eps);
     json_t *tie = st == LOOM_OK ? json_object_get(root, "tie_word_embeddings") : NULL;
-    c->tie_embeddings = st == LOOM_OK && (is_gemma(root) || is_gemma2(root) || is_smollm3(root)); /* theirs */
+    c->tie_embeddings = f->tie;
     if (tie) {
         if (!json_is_boolean(tie)) st = loom_error(LOOM_ERR_FORMAT, "%s: tie_word_embeddings must be true or false", path);
         else c->tie_embeddings = json_is_true(tie);
@@ -560,25 +584,14 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
     int smollm3 = c->nope_interval > 0;
     int qwen3 = !gemma && !granite && c->qk_norm, qwen2 = !gemma && !granite && !qwen3 && c->qkv_bias && !c->o_bias;
     const char *act = c->act == LOOM_ACT_GELU_TANH ? "gelu_pytorch_tanh" : "silu";
+    static const struct { const char *cls, *type; } layouts[] = {
+        {"LlamaForCausalLM", "llama"},     {"Qwen2ForCausalLM", "qwen2"},     {"Qwen3ForCausalLM", "qwen3"},
+        {"SmolLM3ForCausalLM", "smollm3"}, {"Phi3ForCausalLM", "phi3"},       {"GraniteForCausalLM", "granite"},
+        {"GemmaForCausalLM", "gemma"},     {"Gemma2ForCausalLM", "gemma2"},
+    };
+    int layout = gemma2 ? 7 : gemma ? 6 : granite ? 5 : phi3 ? 4 : smollm3 ? 3 : qwen3 ? 2 : qwen2 ? 1 : 0;
     json_t *root = json_pack("{s:[s], s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:f, s:b, s:s, s:s, s:f}",
-                             "architectures",
-                             gemma2    ? "Gemma2ForCausalLM"
-                             : gemma   ? "GemmaForCausalLM"
-                             : granite ? "GraniteForCausalLM"
-                             : phi3    ? "Phi3ForCausalLM"
-                             : smollm3 ? "SmolLM3ForCausalLM"
-                             : qwen3   ? "Qwen3ForCausalLM"
-                             : qwen2   ? "Qwen2ForCausalLM"
-                                       : "LlamaForCausalLM",
-                             "model_type",
-                             gemma2    ? "gemma2"
-                             : gemma   ? "gemma"
-                             : granite ? "granite"
-                             : phi3    ? "phi3"
-                             : smollm3 ? "smollm3"
-                             : qwen3   ? "qwen3"
-                             : qwen2   ? "qwen2"
-                                       : "llama",
+                             "architectures", layouts[layout].cls, "model_type", layouts[layout].type,
                              "hidden_size", c->dim,
                              "num_hidden_layers", c->n_layers, "num_attention_heads", c->n_heads,
                              "num_key_value_heads", c->n_kv_heads, "intermediate_size", c->ffn_dim,

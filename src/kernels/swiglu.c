@@ -197,24 +197,27 @@ void silu_bwd(void *dx, const void *dout, const void *x, size_t n, loom_dtype dt
     run(F_SILU_BWD, &a, n);
 }
 
+/* A gate's function f over (gate, up) and, backward, dout (NULL forward). */
+static void run_glu(int f, void *o0, void *o1, const void *dout, const void *gate, const void *up, size_t n,
+                    loom_dtype dt) {
+    ew_args a = {.o0 = o0, .o1 = o1, .x = gate, .y = up, .d = dout, .dt = dt};
+    run(f, &a, n);
+}
+
 void swiglu_fwd(void *out, const void *gate, const void *up, size_t n, loom_dtype dt) {
-    ew_args a = {.o0 = out, .x = gate, .y = up, .dt = dt};
-    run(F_SWIGLU, &a, n);
+    run_glu(F_SWIGLU, out, NULL, NULL, gate, up, n, dt);
 }
 
 void swiglu_bwd(void *dgate, void *dup, const void *dout, const void *gate,
                 const void *up, size_t n, loom_dtype dt) {
-    ew_args a = {.o0 = dgate, .o1 = dup, .x = gate, .y = up, .d = dout, .dt = dt};
-    run(F_SWIGLU_BWD, &a, n);
+    run_glu(F_SWIGLU_BWD, dgate, dup, dout, gate, up, n, dt);
 }
 
 void geglu_fwd(void *out, const void *gate, const void *up, size_t n, loom_dtype dt) {
-    ew_args a = {.o0 = out, .x = gate, .y = up, .dt = dt};
-    run(F_GEGLU, &a, n);
+    run_glu(F_GEGLU, out, NULL, NULL, gate, up, n, dt);
 }
 
 void geglu_bwd(void *dgate, void *dup, const void *dout, const void *gate,
                const void *up, size_t n, loom_dtype dt) {
-    ew_args a = {.o0 = dgate, .o1 = dup, .x = gate, .y = up, .d = dout, .dt = dt};
-    run(F_GEGLU_BWD, &a, n);
+    run_glu(F_GEGLU_BWD, dgate, dup, dout, gate, up, n, dt);
 }

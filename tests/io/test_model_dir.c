@@ -549,6 +549,15 @@ static void assert_config_refused(const char *extra, const char *msg) {
     IO_ASSERT_MSG(msg);
 }
 
+/* Whether the config file written last holds `what`. */
+static int saved_text_has(const char *what) {
+    size_t n;
+    char *text = (char *)io_read_raw(io_path("config.json"), &n);
+    int has = strstr(text, what) != NULL;
+    free(text);
+    return has;
+}
+
 /* c saved as config.json and loaded back. */
 static loom_llama_config saved_and_loaded(const loom_llama_config *c) {
     loom_llama_config back;
@@ -625,13 +634,10 @@ static void test_bias_config(void **state) {
         back = saved_and_loaded(&c);
         assert_true(back.qkv_bias == c.qkv_bias && back.o_bias == c.o_bias);
         assert_true(loom_llama_config_same_weights(&c, &back));
-        size_t n;
-        char *text = (char *)io_read_raw(io_path("config.json"), &n);
-        int qwen = strstr(text, "\"model_type\": \"qwen2\"") != NULL;
+        int qwen = saved_text_has("\"model_type\": \"qwen2\"");
         assert_int_equal(qwen, c.qkv_bias && !c.o_bias);
-        assert_true(qwen ? strstr(text, "Qwen2ForCausalLM") && !strstr(text, "attention_bias")
-                         : strstr(text, c.o_bias ? "\"attention_bias\": true" : "\"attention_bias\": false") != NULL);
-        free(text);
+        assert_true(qwen ? saved_text_has("Qwen2ForCausalLM") && !saved_text_has("attention_bias")
+                         : saved_text_has(c.o_bias ? "\"attention_bias\": true" : "\"attention_bias\": false"));
     }
     back.qkv_bias = 1;
     assert_false(loom_llama_config_same_weights(&c, &back)); /* the biases are weights */
@@ -658,11 +664,8 @@ static void test_bias_config(void **state) {
                 c.max_seq == 32768);
     c.head_dim = 0; /* 512 / 32 */
     back = saved_and_loaded(&c);
-    size_t n3;
-    char *t3 = (char *)io_read_raw(io_path("config.json"), &n3);
-    assert_true(strstr(t3, "\"model_type\": \"qwen3\"") && strstr(t3, "Qwen3ForCausalLM") &&
-                strstr(t3, "\"head_dim\": 16") && strstr(t3, "\"attention_bias\": true"));
-    free(t3);
+    assert_true(saved_text_has("\"model_type\": \"qwen3\"") && saved_text_has("Qwen3ForCausalLM") &&
+                saved_text_has("\"head_dim\": 16") && saved_text_has("\"attention_bias\": true"));
     assert_true(back.qk_norm && loom_llama_config_same_weights(&c, &back));
     back.qk_norm = 0;
     assert_false(loom_llama_config_same_weights(&c, &back));
@@ -694,15 +697,6 @@ static void test_bias_config(void **state) {
     c.max_seq = 8; c.rope_theta = 10000.0f; c.norm_eps = 1e-5f; c.o_bias = 1;
     assert_int_equal(loom_llama_config_validate(&c), LOOM_ERR_INVALID);
     IO_ASSERT_MSG("a bias on o needs biases on q, k and v");
-}
-
-/* Whether the config file written last holds `what`. */
-static int saved_text_has(const char *what) {
-    size_t n;
-    char *text = (char *)io_read_raw(io_path("config.json"), &n);
-    int has = strstr(text, what) != NULL;
-    free(text);
-    return has;
 }
 
 /* Gemma's model: model_type "gemma" gives norms of 1 + weight, embeddings
