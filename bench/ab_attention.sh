@@ -25,7 +25,9 @@ lib=$bin/libloom.a
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/src/kernels"
-for f in attention.c kernel_rows.c kernel_rows.h kernels.h; do
+for f in attention.c kernel_rows.c kernel_rows.h kernels.h attention_internal.h; do
+  # attention_internal.h is younger than the script: older revisions have none to take
+  git -C "$root" cat-file -e "$rev:src/kernels/$f" 2>/dev/null || continue
   git -C "$root" show "$rev:src/kernels/$f" > "$work/src/kernels/$f"
 done
 # What the library's build defines (src/kernels/*.c see the same macros).

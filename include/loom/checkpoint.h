@@ -37,8 +37,8 @@ extern "C" {
  * ln original), s the file's context over the original (or rope_scaling's
  * factor, for LLaMA without the top-level field); max_seq stops at the
  * original context, below which Hugging Face uses the short factors, and
- * a saved config says the file's contexts again, loom's as a
- * sliding_window when shorter; a factor that is not the ratio of two
+ * a saved config says the file's contexts again (loom's as
+ * max_position_embeddings when it extends to none); a factor that is not the ratio of two
  * whole contexts reads back within a float's rounding of it);
  * or transformers v5's rope_parameters, which holds rope_theta and the
  * scaling, and must agree with them when a file has both).
@@ -48,13 +48,17 @@ extern "C" {
  * rope_scaling (Qwen2Config's for a "qwen2" file: 32 kv heads, 32768
  * positions; GemmaConfig's for "gemma": 16 kv heads, 8192 positions, head_dim
  * 256, tied). model_type may be "llama", "mistral", "qwen2", "qwen3",
- * "gemma", "gemma2", "granite", "phi3" or "smollm3"; a
- * sliding_window (Mistral's; 4096 when a "mistral" file leaves it out; Qwen
- * 2's only with use_sliding_window, 4096 when left out) shorter than
- * max_position_embeddings caps the context (max_seq), up to which it equals
- * loom's full causal attention, and a config saved from it is one whose
- * max_position_embeddings is the window (longrope's saves its contexts and
- * the window apart). "qwen2" puts biases on q, k and v
+ * "gemma", "gemma2", "granite", "phi3" or "smollm3". sliding_window is
+ * computed as a window (sliding_window, window_from,
+ * window_global_interval): Mistral's (4096 when a "mistral" file leaves it
+ * out) and Phi-3's on every block, Gemma 2's (4096) on every other block
+ * from the first, Qwen 2's and Qwen 3's (4096) only with
+ * use_sliding_window and on the blocks from max_window_layers (28) on; a
+ * layer_types list ("sliding_attention" / "full_attention" a block) says
+ * the blocks for any, and one that is not such a pattern is refused, as is
+ * SmolLM3's window (on its NoPE blocks). The context (max_seq) is the
+ * file's; a config with a window saves it as its class reads it (LLaMA's
+ * layout as MistralForCausalLM). "qwen2" puts biases on q, k and v
  * (qkv_bias); LLaMA's attention_bias (read for "llama" or no model_type:
  * Mistral's model has none) on q, k, v and o. A head_dim other than
  * hidden_size / num_attention_heads (Mistral NeMo's) is the heads' own
@@ -80,8 +84,8 @@ extern "C" {
  * LLaMA's with every N-th block without RoPE (nope_interval: its
  * no_rope_layers, 0 at every N-th block, or no_rope_layer_interval, 4 by
  * default; another pattern is refused), SmolLM3Config's 4 kv heads, 32768
- * positions, rope_theta 2e6 and tied embeddings by default, and a sliding
- * window only with use_sliding_window; it saves as SmolLM3ForCausalLM with
+ * positions, rope_theta 2e6 and tied embeddings by default (and
+ * use_sliding_window refused); it saves as SmolLM3ForCausalLM with
  * its list (one without a NoPE block as LLaMA's, the same model).
  * "gemma2" is Gemma's with post_norms (a norm of each block's attention and
  * MLP outputs: post_attention_layernorm and post_feedforward_layernorm,
@@ -90,8 +94,8 @@ extern "C" {
  * the logits at final_logit_softcapping (Gemma2Config's 256, 50 and 30
  * when absent, and 4 kv heads; a softcap of null is none), its
  * hidden_activation alone,
- * and its sliding_window (4096) capping the context; it saves as
- * Gemma2ForCausalLM with those fields and loom's context as its window.
+ * and its sliding_window (4096) on every other block; it saves as
+ * Gemma2ForCausalLM with those fields and its window.
  * hidden_act (any model_type): "silu", or the tanh GELU as
  * "gelu_pytorch_tanh" or "gelu_new" (act).
  * Save writes rope_scaling as Hugging Face's files do ("type": "linear" and

@@ -104,10 +104,21 @@ typedef struct loom_llama_config {
      * size's). */
     int post_norms;
     float attn_softcap, final_softcap, query_pre_attn_scalar;
+    /* Sliding-window attention (0: none): in the blocks it applies to, the
+     * query at position t sees only the sliding_window keys t -
+     * sliding_window + 1 .. t. It applies to every block from window_from
+     * on (Qwen's max_window_layers; 0 for Mistral's, Phi-3's, Gemma 2's)
+     * except every window_global_interval-th, blocks l with (l + 1) %
+     * interval == 0, which keep full attention (Gemma 2's 2; 0: none).
+     * Without a window both are 0. */
+    int sliding_window, window_from, window_global_interval;
 } loom_llama_config;
 
 /* 1 when block `layer` of cfg applies RoPE (not one of SmolLM3's NoPE blocks). */
 int loom_llama_layer_has_rope(const loom_llama_config *cfg, int layer);
+/* The sliding window of block `layer` of cfg (loom_attention_opts.window): sliding_window in the
+ * blocks it applies to, else 0 (full causal attention). */
+int loom_llama_layer_window(const loom_llama_config *cfg, int layer);
 
 /* The scale of the attention's scores: attention_multiplier, else
  * 1/sqrt(head size). */

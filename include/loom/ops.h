@@ -118,11 +118,18 @@ loom_status loom_rope_check(const loom_rope_freqs *r);
  * with NH % NKV == 0; out (B, T, NH, HS). Flash-style kernel: nothing of
  * size T x T is stored. The scores q . k are scaled by 1/sqrt(HS). */
 loom_status loom_attention(loom_tensor *q, loom_tensor *k, loom_tensor *v, loom_tensor **out);
-/* The same with the scores scaled by `scale` (> 0; 0: 1/sqrt(HS)), as
- * Granite's attention_multiplier sets it, and, with softcap > 0, each
- * scaled score s made softcap tanh(s / softcap) before the mask and the
- * softmax (Gemma 2's attn_logit_softcapping; 0: none). */
-loom_status loom_attention_ex(loom_tensor *q, loom_tensor *k, loom_tensor *v, float scale, float softcap,
+/* How loom_attention_ex forms the scores and which keys each query sees. */
+typedef struct loom_attention_opts {
+    float scale;   /* the scores' scale, > 0 (Granite's attention_multiplier); 0: 1/sqrt(HS) */
+    float softcap; /* > 0: each scaled score s made softcap tanh(s / softcap) before the mask and the
+                      softmax (Gemma 2's attn_logit_softcapping); 0: none */
+    int window;    /* > 0: the query at position t sees keys t - window + 1 .. t only (a sliding
+                      window of that many keys, itself included: Mistral's sliding_window); 0: 0 .. t */
+} loom_attention_opts;
+/* loom_attention with opts (NULL: loom_attention's). A scale or softcap
+ * that is negative or not finite, or a negative window, is
+ * LOOM_ERR_INVALID. */
+loom_status loom_attention_ex(loom_tensor *q, loom_tensor *k, loom_tensor *v, const loom_attention_opts *opts,
                               loom_tensor **out);
 /* out[i] = table[tokens[i]]: table (V, C), n tokens (copied), out (n, C).
  * A token outside [0, V) is LOOM_ERR_INVALID. */

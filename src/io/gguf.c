@@ -276,7 +276,10 @@ static void put_metadata(gbuf *b, const loom_llama *m, loom_gguf_type type, cons
     static const uint32_t file_type[] = {FILE_ALL_F32, FILE_MOSTLY_F16, FILE_MOSTLY_BF16, FILE_MOSTLY_Q8_0};
     kv_u32(b, "general.file_type", file_type[type]); /* the matrices' type, as written */
     kv_u32(b, "general.alignment", GGUF_ALIGN);
-    kv_u32(b, "llama.context_length", (uint32_t)c->max_seq);
+    /* llama.cpp's "llama" architecture has no sliding window (Mistral's): the context stops at the window, up to
+     * which full attention is the same */
+    int ctx = c->sliding_window > 0 && c->sliding_window < c->max_seq ? c->sliding_window : c->max_seq;
+    kv_u32(b, "llama.context_length", (uint32_t)ctx);
     kv_u32(b, "llama.embedding_length", (uint32_t)c->dim);
     kv_u32(b, "llama.block_count", (uint32_t)c->n_layers);
     kv_u32(b, "llama.feed_forward_length", (uint32_t)c->ffn_dim);

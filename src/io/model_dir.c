@@ -96,20 +96,22 @@ typedef struct family {
     int max_seq, tie;   /* max_position_embeddings, tie_word_embeddings */
     int head_dim;       /* 0: hidden_size / heads */
     int window;         /* sliding_window when absent (0: none) */
-    int window_if_used; /* the window applies only with use_sliding_window */
+    int window_if_used; /* the window applies only with use_sliding_window, from block max_window_layers on */
+    int window_from;    /* max_window_layers when absent */
+    int window_global;  /* every N-th block keeps full attention (Gemma 2's 2; 0: none) */
 } family;
 
 static const family families[] = {
-    /* type       theta  eps    kv  max    tie hd   window used */
-    {"llama",     1e4f,  1e-6f, 0,  2048,  0,  0,   0,     0},
-    {"mistral",   1e4f,  1e-6f, 0,  2048,  0,  0,   4096,  0}, /* MistralConfig's window */
-    {"qwen2",     1e4f,  1e-6f, 32, 32768, 0,  0,   4096,  1},
-    {"qwen3",     1e4f,  1e-6f, 32, 32768, 0,  128, 4096,  1},
-    {"gemma",     1e4f,  1e-6f, 16, 8192,  1,  256, 0,     0},
-    {"gemma2",    1e4f,  1e-6f, 4,  8192,  1,  256, 4096,  0}, /* 4 kv heads with its 256 scalar */
-    {"granite",   1e4f,  1e-6f, 0,  2048,  0,  0,   0,     0},
-    {"phi3",      1e4f,  1e-5f, 0,  4096,  0,  0,   0,     0},
-    {"smollm3",   2e6f,  1e-6f, 4,  32768, 1,  0,   0,     1},
+    /* type       theta  eps    kv  max    tie hd   window used from global */
+    {"llama",     1e4f,  1e-6f, 0,  2048,  0,  0,   0,     0,   0,   0},
+    {"mistral",   1e4f,  1e-6f, 0,  2048,  0,  0,   4096,  0,   0,   0}, /* MistralConfig's window */
+    {"qwen2",     1e4f,  1e-6f, 32, 32768, 0,  0,   4096,  1,   28,  0},
+    {"qwen3",     1e4f,  1e-6f, 32, 32768, 0,  128, 4096,  1,   28,  0},
+    {"gemma",     1e4f,  1e-6f, 16, 8192,  1,  256, 0,     0,   0,   0},
+    {"gemma2",    1e4f,  1e-6f, 4,  8192,  1,  256, 4096,  0,   0,   2}, /* 4 kv heads with its 256 scalar */
+    {"granite",   1e4f,  1e-6f, 0,  2048,  0,  0,   0,     0,   0,   0},
+    {"phi3",      1e4f,  1e-5f, 0,  4096,  0,  0,   0,     0,   0,   0},
+    {"smollm3",   2e6f,  1e-6f, 4,  32768, 1,  0,   0,     1,   0,   0},
 };
 
 /* The family of root's model_type: LLaMA's when it has none, NULL for a
@@ -320,12 +322,44 @@ static loom_status read_architecture(json_t *root, const char *path, loom_llama_
     return read_act(root, path, c);
 }
 
-/* Mistral's model is LLaMA's but for a sliding attention window (4096 when
- * a "mistral" config does not say), which equals full causal attention up
- * to its length: loom's context is then the shorter of the two, where both
- * compute the same. Qwen 2's window applies only with use_sliding_window
- * (and then to some layers: to be safe, loom's context ends where it
- * would begin). */
+/* The blocks of a layer_types list (Hugging Face's since 4.53:
+ * "sliding_attention" or "full_attention" a block) as loom holds them: the
+ * window from the first sliding block on, but every N-th block
+ * (c->window_global_interval) full. A list of another pattern is refused. */
+static loom_status read_layer_types(json_t *list, const char *path, loom_llama_config *c) {
+    int L = c->n_layers, from = -1, global = 0;
+    if (!json_is_array(list) || (int)json_array_size(list) < L)
+        return loom_error(LOOM_ERR_FORMAT, "%s: layer_types must be a list with one entry a block (%d)", path, L);
+    for (int pass = 0; pass < 2; pass++) /* the pattern from the first blocks, then every block against it */
+        for (int l = 0; l < L; l++) {
+            const char *t = json_string_value(json_array_get(list, (size_t)l));
+            if (!t || (strcmp(t, "sliding_attention") && strcmp(t, "full_attention")))
+                return loom_error(LOOM_ERR_FORMAT, "%s: layer_types[%d] must be \"sliding_attention\" or "
+                                  "\"full_attention\"", path, l);
+            int sliding = !strcmp(t, "sliding_attention");
+            if (pass == 0 && sliding && from < 0) from = l;
+            if (pass == 0 && !sliding && from >= 0 && !global) global = l + 1; /* the first full one after */
+            if (pass == 1 && sliding != (from >= 0 && l >= from && (!global || (l + 1) % global != 0)))
+                return loom_error(LOOM_ERR_UNSUPPORTED, "%s: layer_types must slide from one block on with full "
+                                  "attention every N-th block or none (Mistral's, Qwen's, Gemma 2's patterns); "
+                                  "block %d breaks it", path, l);
+        }
+    if (from < 0) { /* no block slides */
+        c->sliding_window = c->window_from = c->window_global_interval = 0;
+        return LOOM_OK;
+    }
+    c->window_from = from;
+    c->window_global_interval = global;
+    return LOOM_OK;
+}
+
+/* The sliding window (Mistral's: 4096 when a "mistral" config does not
+ * say) and the blocks it applies to, as each config class has them: every
+ * block (Mistral's, Phi-3's), every other from the first (Gemma 2's), or,
+ * only with use_sliding_window, every block from max_window_layers on
+ * (Qwen 2's and Qwen 3's); a layer_types list says it for any. SmolLM3's
+ * window, on its NoPE blocks, is refused. A window as long as the context
+ * or longer changes nothing, and is kept as the file says it. */
 static loom_status apply_window(json_t *root, const char *path, loom_llama_config *c) {
     json_t *v = json_object_get(root, "sliding_window");
     json_t *use = json_object_get(root, "use_sliding_window");
@@ -339,7 +373,23 @@ static loom_status apply_window(json_t *root, const char *path, loom_llama_confi
             return loom_error(LOOM_ERR_FORMAT, "%s: sliding_window must be a positive integer or null", path);
         window = json_integer_value(v);
     }
-    if (window && window < c->max_seq) c->max_seq = (int)window;
+    if (!window) return LOOM_OK;
+    if (is_smollm3(root))
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: SmolLM3's sliding window (on its NoPE blocks) is not computed "
+                          "by loom; set use_sliding_window to false", path);
+    c->sliding_window = window > (1 << 30) ? 1 << 30 : (int)window; /* past any context: the same */
+    c->window_global_interval = f->window_global;
+    c->window_from = f->window_from;
+    json_t *mwl = f->window_if_used ? json_object_get(root, "max_window_layers") : NULL;
+    if (mwl && !json_is_null(mwl)) {
+        if (!json_is_integer(mwl) || json_integer_value(mwl) < 0)
+            return loom_error(LOOM_ERR_FORMAT, "%s: max_window_layers must be a non-negative integer", path);
+        c->window_from = json_integer_value(mwl) > c->n_layers ? c->n_layers : (int)json_integer_value(mwl);
+    }
+    json_t *types = json_object_get(root, "layer_types");
+    if (types && !json_is_null(types)) LOOM_TRY(read_layer_types(types, path, c));
+    if (c->window_from >= c->n_layers) /* no block has it */
+        c->sliding_window = c->window_from = c->window_global_interval = 0;
     return LOOM_OK;
 }
 
@@ -541,9 +591,8 @@ static double dec(float x) {
 /* Phi-3's longrope as its files have it: rope_scaling with the short and
  * long factors (and the attention factor when it is not the one Hugging
  * Face computes from the contexts), the original context at the top of the
- * file and the one it extends to as max_position_embeddings; loom's
- * context, when shorter than the original, as a sliding window (the same
- * model up to it). 0 when JSON cannot be built. */
+ * file and the one it extends to as max_position_embeddings (loom's context
+ * when it extends to none: a factor of 1). 0 when JSON cannot be built. */
 static int save_longrope(json_t *root, const loom_llama_config *c) {
     json_t *rs = json_pack("{s:s}", "type", "longrope"), *sf = json_array(), *lf = json_array();
     int ok = rs && sf && lf;
@@ -567,18 +616,17 @@ static int save_longrope(json_t *root, const loom_llama_config *c) {
         json_decref(rs);
         return 0;
     }
-    ok = !json_object_set_new(root, "rope_scaling", rs) &&
-         !json_object_set_new(root, "max_position_embeddings", json_integer(max_pos)) &&
-         !json_object_set_new(root, "original_max_position_embeddings", json_integer(c->rope_original_max_pos));
-    if (ok && c->max_seq < (max_pos < c->rope_original_max_pos ? max_pos : c->rope_original_max_pos))
-        ok = !json_object_set_new(root, "sliding_window", json_integer(c->max_seq));
-    return ok;
+    return !json_object_set_new(root, "rope_scaling", rs) &&
+           !json_object_set_new(root, "max_position_embeddings",
+                                json_integer(c->rope_factor > 1.0f ? max_pos : c->max_seq)) &&
+           !json_object_set_new(root, "original_max_position_embeddings", json_integer(c->rope_original_max_pos));
 }
 
 loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, const char *path) {
     /* The Hugging Face class that reads it: Gemma 2's (norms of the outputs), Gemma's (norms of 1 + weight),
      * Granite's (multipliers), Phi-3's (fused files), SmolLM3's (NoPE blocks), Qwen 3's (q/k norms), Qwen 2's
-     * (biases on q, k, v alone), LLaMA's; loom_llama_config_validate keeps them apart */
+     * (biases on q, k, v alone), Mistral's (LLaMA's with a sliding window), LLaMA's;
+     * loom_llama_config_validate keeps them apart and has each one's windows as its class does */
     int gemma2 = c->post_norms, gemma = !gemma2 && c->norm_unit_offset;
     int granite = !gemma && !gemma2 && loom_llama_has_multipliers(c), phi3 = c->fused_proj;
     int smollm3 = c->nope_interval > 0;
@@ -587,9 +635,11 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
     static const struct { const char *cls, *type; } layouts[] = {
         {"LlamaForCausalLM", "llama"},     {"Qwen2ForCausalLM", "qwen2"},     {"Qwen3ForCausalLM", "qwen3"},
         {"SmolLM3ForCausalLM", "smollm3"}, {"Phi3ForCausalLM", "phi3"},       {"GraniteForCausalLM", "granite"},
-        {"GemmaForCausalLM", "gemma"},     {"Gemma2ForCausalLM", "gemma2"},
+        {"GemmaForCausalLM", "gemma"},     {"Gemma2ForCausalLM", "gemma2"},   {"MistralForCausalLM", "mistral"},
     };
     int layout = gemma2 ? 7 : gemma ? 6 : granite ? 5 : phi3 ? 4 : smollm3 ? 3 : qwen3 ? 2 : qwen2 ? 1 : 0;
+    if (layout == 0 && c->sliding_window > 0) layout = 8;
+    json_t *window = c->sliding_window > 0 ? json_integer(c->sliding_window) : json_null();
     json_t *root = json_pack("{s:[s], s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:f, s:b, s:s, s:s, s:f}",
                              "architectures", layouts[layout].cls, "model_type", layouts[layout].type,
                              "hidden_size", c->dim,
@@ -603,9 +653,19 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
     int ok = root != NULL;
     /* Phi3Config's default pad id, 32000, is an embedding row Hugging Face's model refuses below that vocabulary */
     if (ok && phi3 && c->vocab_size <= 32000) ok = !json_object_set_new(root, "pad_token_id", json_null());
-    if (ok && !qwen2 && !phi3) /* Qwen 2's class has biases on q, k and v whatever the file says, Phi-3's none */
+    if (ok && !qwen2 && !phi3 && layout != 8) /* Qwen 2's class has biases on q, k and v, Phi-3's and Mistral's none */
         ok = !json_object_set_new(root, "attention_bias", json_boolean(c->o_bias));
-    if (ok && (qwen2 || qwen3 || smollm3)) ok = !json_object_set_new(root, "use_sliding_window", json_false());
+    /* the window as each class reads it (null: none; Mistral's and Gemma 2's classes have 4096 when absent) */
+    if (ok && (qwen2 || qwen3 || smollm3)) {
+        ok = !json_object_set_new(root, "use_sliding_window", json_boolean(c->sliding_window > 0));
+        if (ok && c->sliding_window > 0)
+            ok = !json_object_set_new(root, "max_window_layers", json_integer(c->window_from));
+    }
+    if (ok && (layout == 8 || phi3 || gemma2 || c->sliding_window > 0)) {
+        ok = !json_object_set_new(root, "sliding_window", window);
+        window = NULL; /* taken by root, even on failure */
+    }
+    json_decref(window);
     if (ok && smollm3) { /* the list SmolLM3Config makes of the interval, and the interval */
         json_t *list = json_array();
         int built = list != NULL;
@@ -632,7 +692,7 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
         ok = !json_object_set_new(root, "head_dim", json_integer(loom_llama_head_dim(c)));
     /* the field Gemma's class reads before hidden_act (read_act) */
     if (ok && (gemma || gemma2)) ok = !json_object_set_new(root, "hidden_activation", json_string(act));
-    if (ok && gemma2) { /* its fields (0: null, none), and loom's context as its window */
+    if (ok && gemma2) { /* its fields (0: null, none) */
         float qpas = c->query_pre_attn_scalar > 0.0f ? c->query_pre_attn_scalar : (float)loom_llama_head_dim(c);
         json_t *ac = c->attn_softcap > 0.0f ? json_real(dec(c->attn_softcap)) : json_null();
         json_t *fc = c->final_softcap > 0.0f ? json_real(dec(c->final_softcap)) : json_null();
@@ -640,8 +700,7 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
              !json_object_set_new(root, "final_logit_softcapping", fc) &&
              !json_object_set_new(root, "query_pre_attn_scalar", qpas == floorf(qpas) && qpas < 1e9f /* an int, */
                                       ? json_integer((json_int_t)qpas)                        /* as its files */
-                                      : json_real(dec(qpas))) &&
-             !json_object_set_new(root, "sliding_window", json_integer(c->max_seq));
+                                      : json_real(dec(qpas)));
     }
     if (ok && granite) { /* all four, as Granite's files have them (0: none, which is 1; the scale's default) */
         const float m[4] = {c->embedding_multiplier, c->residual_multiplier, loom_llama_attn_scale(c),

@@ -190,12 +190,15 @@ static void load_qt_scaled(float *qt, float *tmp, const void *q, int b, int h, i
 }
 
 /* Column j of st (nk, ATTN_BQ) is query q0 + j; set the keys it does not
- * see, and the padding columns [nq, nqp), to -inf. */
+ * see (later than itself, or before its window), and the padding columns
+ * [nq, nqp), to -inf. */
 static void attn_fwd_mask(float *st, int q0, int nq, int nqp, int k0, int nk, const attn_shape *s) {
     for (int r = 0; r < nk; r++) {
         float *row = st + (size_t)r * ATTN_BQ;
         int first = k0 + r - s->q_pos0 - q0; // first query column that sees key k0 + r
         for (int j = 0; j < nq && j < first; j++) row[j] = -INFINITY;
+        if (s->window > 0) /* and the columns whose window starts after it */
+            for (int j = first + s->window < 0 ? 0 : first + s->window; j < nq; j++) row[j] = -INFINITY;
         for (int j = nq; j < nqp; j++) row[j] = -INFINITY;
     }
 }
@@ -337,7 +340,8 @@ static void attn_fwd_block(void *out, float *lse, const void *q, int b, int h, i
         load_qt_scaled(w->qt, w->acc, q, b, h, q0, nq, s);
     memset(w->acc, 0, (size_t)nq * HS * sizeof(float));
     for (int j = 0; j < nqp; j++) { w->m[j] = -INFINITY; w->l[j] = 0.0f; }
-    for (int k0 = 0; k0 < kv_end; k0 += ATTN_BK) {
+    /* from the key block holding the first key the block's first query sees */
+    for (int k0 = attn_first_key(s, q0) / ATTN_BK * ATTN_BK; k0 < kv_end; k0 += ATTN_BK) {
         int nk = min_i(kv_end - k0, ATTN_BK);
         attn_fwd_scores(w, q0, nq, k0, nk, s);
         attn_fwd_mask(w->st, q0, nq, nqp, k0, nk, s);
@@ -398,15 +402,14 @@ static void attn_fwd_task(void *out, float *lse, const void *q, const void *k, c
 void attention_fwd(void *out, float *lse, const void *q, const void *k, const void *v,
                    int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
                    loom_dtype dt) {
-    attention_fwd_scaled(out, lse, q, k, v, B, Tq, Tk, NH, NKV, HS, q_pos0, attn_default_scale(HS), 0.0f, dt);
+    attention_fwd_ex(out, lse, q, k, v, B, Tq, Tk, NH, NKV, HS, q_pos0, &(attn_opts){attn_default_scale(HS), 0.0f, 0},
+                     dt);
 }
 
-void attention_fwd_scaled(void *out, float *lse, const void *q, const void *k, const void *v,
-                          int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0, float scale,
-                          float softcap, loom_dtype dt) {
-    attn_shape s = attn_shape_make(B, Tq, Tk, NH, NKV, HS, q_pos0, dt);
-    s.scale = scale;
-    s.softcap = softcap;
+void attention_fwd_ex(void *out, float *lse, const void *q, const void *k, const void *v,
+                      int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0, const attn_opts *o,
+                      loom_dtype dt) {
+    attn_shape s = attn_shape_with(attn_shape_make(B, Tq, Tk, NH, NKV, HS, q_pos0, dt), o);
     size_t per = attn_fwd_scratch_floats(&s);
     float *ws = workspace_floats(per * (size_t)omp_get_max_threads());
     #pragma omp parallel for schedule(dynamic, 1) if (B * NKV > 1)
@@ -526,9 +529,9 @@ SIMD_AVX512 static void attn_ds_avx512(float *ds, const float *p, float d, int n
 }
 #endif
 
-/* P = exp(S - lse) for the block, then dS = P (dP - D); both exactly 0 past
- * the keys a query sees (where S and dP were not computed), up to an even
- * column count. w->p holds S on entry (with dot2 the unscaled q k^T: the exp
+/* P = exp(S - lse) for the block, then dS = P (dP - D); both exactly 0
+ * outside the keys a query sees (past them S and dP were not computed;
+ * before its window they were, and are dropped), up to an even column count. w->p holds S on entry (with dot2 the unscaled q k^T: the exp
  * applies the scale, rounding as the forward's softmax) and P on exit; w->ds
  * holds dP on entry. */
 static void attn_bwd_probs(attn_bwd_scratch *w, const float *lse, const float *D, int q0, int nq,
@@ -537,6 +540,9 @@ static void attn_bwd_probs(attn_bwd_scratch *w, const float *lse, const float *D
     for (int i = 0; i < nq; i++) {
         float *p = w->p + (size_t)i * ATTN_BK, *ds = w->ds + (size_t)i * ATTN_BK;
         int n = attn_visible(s, q0 + i, k0, nk);
+        int lo = min_i(n, attn_first_key(s, q0 + i) > k0 ? attn_first_key(s, q0 + i) - k0 : 0); // window's start
+        for (int j = 0; j < lo; j++) p[j] = ds[j] = 0.0f;
+        p += lo, ds += lo, n -= lo;
         if (s->softcap > 0.0f) { /* the forward's capped scores, bit for bit (attn_fwd_softcap) */
             for (int j = 0; j < n; j++) {
                 p[j] = attn_softcap(p[j] * sc, s->softcap);
@@ -556,7 +562,7 @@ static void attn_bwd_probs(attn_bwd_scratch *w, const float *lse, const float *D
             attn_ds_c(ds, p, D[i], 0, n);
         if (s->softcap > 0.0f) /* through the cap to the scaled score */
             for (int j = 0; j < n; j++) ds[j] *= dcap[j];
-        for (int j = n; j < 2 * half_up(nk); j++) p[j] = ds[j] = 0.0f;
+        for (int j = n; j < 2 * half_up(nk) - lo; j++) p[j] = ds[j] = 0.0f;
     }
 }
 
@@ -652,10 +658,13 @@ static void attn_bwd_block(attn_bwd_scratch *w, const float *lse, const float *D
 static void attn_bwd_head(attn_bwd_scratch *w, const float *lse, const float *D, int b, int h,
                           const attn_shape *s) {
     for (int k0 = 0; k0 < s->q_pos0 + s->Tq && k0 < s->Tk; k0 += ATTN_BK) {
+        int nk = min_i(s->Tk - k0, ATTN_BK);
         int t_first = k0 - s->q_pos0 > 0 ? k0 - s->q_pos0 : 0; // first query seeing k0
         if (s->dot2) t_first = t_first / 2 * 2;                  // pairs of queries start even
-        for (int q0 = t_first; q0 < s->Tq; q0 += ATTN_BQ)
-            attn_bwd_block(w, lse, D, b, h, q0, min_i(s->Tq - q0, ATTN_BQ), k0, min_i(s->Tk - k0, ATTN_BK), s);
+        int t_end = s->Tq; // past the last query whose window holds a key of the block
+        if (s->window > 0) t_end = min_i(t_end, k0 + nk - 1 + s->window - s->q_pos0);
+        for (int q0 = t_first; q0 < t_end; q0 += ATTN_BQ)
+            attn_bwd_block(w, lse, D, b, h, q0, min_i(s->Tq - q0, ATTN_BQ), k0, nk, s);
     }
 }
 
@@ -757,17 +766,15 @@ void attention_bwd(void *dq, void *dk, void *dv, const void *dout,
                    const void *q, const void *k, const void *v, const void *out,
                    const float *lse, int B, int Tq, int Tk, int NH, int NKV, int HS,
                    int q_pos0, loom_dtype dt) {
-    attention_bwd_scaled(dq, dk, dv, dout, q, k, v, out, lse, B, Tq, Tk, NH, NKV, HS, q_pos0, attn_default_scale(HS),
-                         0.0f, dt);
+    attention_bwd_ex(dq, dk, dv, dout, q, k, v, out, lse, B, Tq, Tk, NH, NKV, HS, q_pos0,
+                     &(attn_opts){attn_default_scale(HS), 0.0f, 0}, dt);
 }
 
-void attention_bwd_scaled(void *dq, void *dk, void *dv, const void *dout,
-                          const void *q, const void *k, const void *v, const void *out,
-                          const float *lse, int B, int Tq, int Tk, int NH, int NKV, int HS,
-                          int q_pos0, float scale, float softcap, loom_dtype dt) {
-    attn_shape s = attn_shape_make(B, Tq, Tk, NH, NKV, HS, q_pos0, dt);
-    s.scale = scale;
-    s.softcap = softcap;
+void attention_bwd_ex(void *dq, void *dk, void *dv, const void *dout,
+                      const void *q, const void *k, const void *v, const void *out,
+                      const float *lse, int B, int Tq, int Tk, int NH, int NKV, int HS,
+                      int q_pos0, const attn_opts *o, loom_dtype dt) {
+    attn_shape s = attn_shape_with(attn_shape_make(B, Tq, Tk, NH, NKV, HS, q_pos0, dt), o);
     float *D = workspace_floats((size_t)B * NH * Tq);                                  // (B, NH, Tq)
     size_t per = attn_bwd_scratch_floats(&s);
     float *ws = workspace_floats(per * (size_t)omp_get_max_threads());

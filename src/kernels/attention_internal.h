@@ -9,6 +9,7 @@
 #define LOOM_ATTENTION_INTERNAL_H
 
 #include "kernels/kernel_rows.h"
+#include "kernels/kernels.h"
 
 #include <math.h>
 
@@ -20,6 +21,7 @@ typedef struct attn_shape {
     int in_place; /* fp32 rows read (and dk, dv, dq summed) where they lie: attention.c's attn_shape_make */
     mm_bf16_fn dot2; /* bf16 inputs, HS a multiple of 16, a CPU with bf16 dot products: every product */
     float softcap;   /* > 0: each scaled score s becomes softcap tanh(s / softcap) (Gemma 2's); 0: none */
+    int window;      /* > 0: query t sees keys from attn_first_key on (a sliding window); 0: from key 0 */
 } attn_shape;
 
 /* A scaled score s softcapped (softcap > 0), as Hugging Face's Gemma 2 computes it: s / c, tanh, times c. */
@@ -31,8 +33,23 @@ static inline float attn_default_scale(int HS) { return 1.0f / sqrtf((float)HS);
 /* The call's dimensions, scale 1 / sqrt(HS); no flash-kernel choices made. */
 static inline attn_shape attn_shape_plain(int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
                                           loom_dtype dt) {
-    attn_shape s = {B, Tq, Tk, NH, NKV, HS, q_pos0, NH / NKV, attn_default_scale(HS), dt, 0, NULL, 0.0f};
+    attn_shape s = {B, Tq, Tk, NH, NKV, HS, q_pos0, NH / NKV, attn_default_scale(HS), dt, 0, NULL, 0.0f, 0};
     return s;
+}
+
+/* The call's dimensions with the caller's scale, softcap and window. */
+static inline attn_shape attn_shape_with(attn_shape s, const attn_opts *o) {
+    s.scale = o->scale;
+    s.softcap = o->softcap;
+    s.window = o->window;
+    return s;
+}
+
+/* The first key that query t sees: its window's first (0 without a window,
+ * or while the window reaches back past key 0). It sees keys up to q_pos0 + t. */
+static inline int attn_first_key(const attn_shape *s, int t) {
+    int lo = s->q_pos0 + t - s->window + 1;
+    return s->window > 0 && lo > 0 ? lo : 0;
 }
 
 /* Element offsets of rows in q/out/dq (B, Tq, NH, HS), k/v (B, Tk, NKV, HS)

@@ -102,23 +102,34 @@ static inline loom_rope_freqs rope_plain(float theta) {
 
 /* ------------------------------------------------------------- attention */
 
+/* How the scores of an attention call are formed and which keys a query
+ * sees: scores are q . k times scale (1/sqrt(HS) for LLaMA; Granite's
+ * attention_multiplier, Gemma 2's query_pre_attn_scalar^-0.5), then, with
+ * softcap > 0, softcap tanh(s / softcap) (Gemma 2's attn_logit_softcapping;
+ * 0: none). With window > 0 the query at position p sees only the keys
+ * p - window + 1 .. p (Mistral's sliding_window: window keys, itself
+ * included); 0: every key up to p. */
+typedef struct attn_opts {
+    float scale, softcap;
+    int window;
+} attn_opts;
+
 /* Causal scaled-dot-product attention with grouped-query heads, flash-style:
  * blocked over keys with an online softmax; no Tq x Tk matrix is stored.
  * q, out: (B, Tq, NH, HS) dt;  k, v: (B, Tk, NKV, HS) dt;  NH % NKV == 0,
  * query head h uses kv head h / (NH / NKV). Query t sits at absolute position
- * q_pos0 + t and sees keys 0 .. q_pos0 + t (so Tk >= q_pos0 + Tq).
+ * q_pos0 + t and sees keys 0 .. q_pos0 + t (so Tk >= q_pos0 + Tq), or the
+ * window's last ones (attn_opts).
  * lse: (B, NH, Tq) f32 log-sum-exp of the scaled (and capped) scores, kept for backward
- * (may be NULL when no backward follows). Scores are q . k times scale:
- * 1/sqrt(HS) here, the caller's with the _scaled forms (Granite's
- * attention_multiplier, Gemma 2's query_pre_attn_scalar^-0.5), which also
- * take a softcap: > 0, each scaled score s is softcap tanh(s / softcap)
- * before the mask and softmax (Gemma 2's attn_logit_softcapping); 0 none. */
+ * (may be NULL when no backward follows). attention_fwd and attention_bwd
+ * are LLaMA's: scale 1/sqrt(HS), no softcap, no window; the _ex forms take
+ * the caller's attn_opts. */
 void attention_fwd(void *out, float *lse, const void *q, const void *k, const void *v,
                    int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
                    loom_dtype dt);
-void attention_fwd_scaled(void *out, float *lse, const void *q, const void *k, const void *v,
-                          int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0, float scale,
-                          float softcap, loom_dtype dt);
+void attention_fwd_ex(void *out, float *lse, const void *q, const void *k, const void *v,
+                      int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0, const attn_opts *o,
+                      loom_dtype dt);
 /* dq: (B,Tq,NH,HS), dk, dv: (B,Tk,NKV,HS), all dt, written (not accumulated);
  * they must not overlap the inputs (fp32 inputs are read where they lie while
  * dk, dv accumulate). */
@@ -126,10 +137,10 @@ void attention_bwd(void *dq, void *dk, void *dv, const void *dout,
                    const void *q, const void *k, const void *v, const void *out,
                    const float *lse, int B, int Tq, int Tk, int NH, int NKV, int HS,
                    int q_pos0, loom_dtype dt);
-void attention_bwd_scaled(void *dq, void *dk, void *dv, const void *dout,
-                          const void *q, const void *k, const void *v, const void *out,
-                          const float *lse, int B, int Tq, int Tk, int NH, int NKV, int HS,
-                          int q_pos0, float scale, float softcap, loom_dtype dt);
+void attention_bwd_ex(void *dq, void *dk, void *dv, const void *dout,
+                      const void *q, const void *k, const void *v, const void *out,
+                      const float *lse, int B, int Tq, int Tk, int NH, int NKV, int HS,
+                      int q_pos0, const attn_opts *o, loom_dtype dt);
 /* References (attention_ref.c): materialise each softmax row, fp32 everywhere. */
 void attention_fwd_ref(void *out, float *lse, const void *q, const void *k, const void *v,
                        int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
@@ -138,14 +149,13 @@ void attention_bwd_ref(void *dq, void *dk, void *dv, const void *dout,
                        const void *q, const void *k, const void *v,
                        int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
                        loom_dtype dt);
-/* The references with the scores times scale. */
-void attention_fwd_ref_scaled(void *out, float *lse, const void *q, const void *k, const void *v,
-                              int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0, float scale,
-                              float softcap, loom_dtype dt);
-void attention_bwd_ref_scaled(void *dq, void *dk, void *dv, const void *dout,
-                              const void *q, const void *k, const void *v,
-                              int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0, float scale,
-                              float softcap, loom_dtype dt);
+void attention_fwd_ref_ex(void *out, float *lse, const void *q, const void *k, const void *v,
+                          int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0, const attn_opts *o,
+                          loom_dtype dt);
+void attention_bwd_ref_ex(void *dq, void *dk, void *dv, const void *dout,
+                          const void *q, const void *k, const void *v,
+                          int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0, const attn_opts *o,
+                          loom_dtype dt);
 
 /* ---------------------------------------------------------- SiLU, SwiGLU */
 

@@ -93,6 +93,19 @@ int loom_llama_layer_has_rope(const loom_llama_config *c, int layer) {
     return c->nope_interval <= 0 || (layer + 1) % c->nope_interval != 0;
 }
 
+int loom_llama_layer_window(const loom_llama_config *c, int layer) {
+    if (c->sliding_window <= 0 || layer < c->window_from) return 0;
+    int global = c->window_global_interval > 0 && (layer + 1) % c->window_global_interval == 0;
+    return global ? 0 : c->sliding_window;
+}
+
+/* 1 when a and b give every block the same window. */
+static int same_windows(const loom_llama_config *a, const loom_llama_config *b) {
+    for (int l = 0; l < a->n_layers; l++)
+        if (loom_llama_layer_window(a, l) != loom_llama_layer_window(b, l)) return 0;
+    return 1;
+}
+
 int loom_llama_has_multipliers(const loom_llama_config *c) {
     return c->embedding_multiplier != 0.0f || c->residual_multiplier != 0.0f || c->attention_multiplier != 0.0f ||
            c->logits_scaling != 0.0f;
@@ -122,7 +135,7 @@ int loom_llama_config_same_model(const loom_llama_config *a, const loom_llama_co
            effective(a->residual_multiplier) == effective(b->residual_multiplier) &&
            effective(a->logits_scaling) == effective(b->logits_scaling) &&
            loom_llama_attn_scale(a) == loom_llama_attn_scale(b) && a->attention_dropout == b->attention_dropout &&
-           a->attn_softcap == b->attn_softcap && a->final_softcap == b->final_softcap;
+           a->attn_softcap == b->attn_softcap && a->final_softcap == b->final_softcap && same_windows(a, b);
 }
 
 int loom_llama_config_same_rope(const loom_llama_config *a, const loom_llama_config *b) {
@@ -132,6 +145,36 @@ int loom_llama_config_same_rope(const loom_llama_config *a, const loom_llama_con
            a->rope_high_freq_factor == b->rope_high_freq_factor && a->rope_original_max_pos == b->rope_original_max_pos &&
            a->rope_attention_factor == b->rope_attention_factor && a->rope_n_ext == b->rope_n_ext &&
            !memcmp(a->rope_short, b->rope_short, n) && !memcmp(a->rope_long, b->rope_long, n);
+}
+
+/* A sliding window as the config class that saves c can say it
+ * (loom_llama_config_save): every block (Mistral's, which LLaMA's layout
+ * becomes, without attention_bias; Phi-3's), every block from
+ * max_window_layers on (Qwen 2's, Qwen 3's) or every other block from the
+ * first (Gemma 2's); Gemma's and Granite's have none, and SmolLM3's (on
+ * its NoPE blocks) is not computed. */
+static loom_status check_window(const loom_llama_config *c) {
+    if (c->sliding_window < 0 || c->window_from < 0 || c->window_global_interval < 0 ||
+        (!c->sliding_window && (c->window_from || c->window_global_interval)))
+        return loom_error(LOOM_ERR_INVALID, "model config: sliding window %d, from block %d, full attention every %d "
+                          "blocks: none may be negative, and the last two need a window", c->sliding_window,
+                          c->window_from, c->window_global_interval);
+    if (!c->sliding_window) return LOOM_OK;
+    int qwen = c->qk_norm || (c->qkv_bias && !c->o_bias);
+    const char *why = c->post_norms ? (c->window_from || c->window_global_interval != 2
+                                           ? "Gemma 2's is on every other block from the first" : NULL)
+                      : c->norm_unit_offset || loom_llama_has_multipliers(c) ? "Gemma's and Granite's have none"
+                      : c->nope_interval > 0 ? "SmolLM3's is on its NoPE blocks, which loom does not compute"
+                      : qwen ? (c->window_global_interval ? "Qwen's are on every block from max_window_layers on"
+                                                          : NULL)
+                      : c->window_from || c->window_global_interval ? "Mistral's and Phi-3's are on every block"
+                      : c->o_bias && !c->fused_proj ? "Mistral's model, LLaMA's with one, has no attention_bias"
+                                                    : NULL;
+    if (why)
+        return loom_error(LOOM_ERR_INVALID, "model config: a sliding window (%d) from block %d with full attention "
+                          "every %d blocks has no Hugging Face layout here: %s", c->sliding_window, c->window_from,
+                          c->window_global_interval, why);
+    return LOOM_OK;
 }
 
 loom_status loom_llama_config_validate(const loom_llama_config *c) {
@@ -207,7 +250,7 @@ loom_status loom_llama_config_validate(const loom_llama_config *c) {
         (c->qkv_bias || c->o_bias || c->qk_norm || c->norm_unit_offset || loom_llama_has_multipliers(c)))
         return loom_error(LOOM_ERR_INVALID, "model config: Phi-3's fused projections with attention biases, q/k "
                           "norms, Gemma's norms or Granite's multipliers have no Hugging Face layout");
-    return LOOM_OK;
+    return check_window(c);
 }
 
 /* A parameter of m. split: -1 replicated, 0 rows split (column-parallel),
@@ -930,7 +973,8 @@ static loom_status attention_part(const struct llama_block_args *a, loom_tensor 
     if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_Q, h, hn, NH, HS, y->q_norm, r, &q);
     if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_K, h, hn, NKV, HS, y->k_norm, r, &k);
     if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_V, h, hn, NKV, HS, NULL, NULL, &v);
-    if (st == LOOM_OK) st = loom_attention_ex(q, k, v, loom_llama_attn_scale(c), c->attn_softcap, &att);
+    loom_attention_opts ao = {loom_llama_attn_scale(c), c->attn_softcap, loom_llama_layer_window(c, a->layer)};
+    if (st == LOOM_OK) st = loom_attention_ex(q, k, v, &ao, &att);
     if (st == LOOM_OK) st = loom_reshape(att, 2, flat, &att2);
     if (st == LOOM_OK) st = block_linear(a, LOOM_LORA_O, att2, NULL, out); /* g-reduced inside */
     RELEASE(hn, h, q, k, v, att, att2);

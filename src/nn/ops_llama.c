@@ -157,15 +157,9 @@ loom_status loom_rope(loom_tensor *x, float theta, int pos0, loom_tensor **out) 
 
 /* ------------------------------------------------------------- attention */
 
-/* How the attention's scores are formed: q . k times scale, then softcapped
- * (softcap > 0). */
-typedef struct attention_args {
-    float scale, softcap;
-} attention_args;
-
 static loom_status attention_forward(loom_fn_ctx *ctx, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
     (void)n_in; (void)n_out;
-    const attention_args *a = loom_ctx_args(ctx);
+    const attn_opts *a = loom_ctx_args(ctx);
     loom_tensor *q = in[0], *k = in[1], *v = in[2];
     int B = (int)q->shape[0], T = (int)q->shape[1], NH = (int)q->shape[2], HS = (int)q->shape[3];
     int NKV = (int)k->shape[2];
@@ -173,8 +167,8 @@ static loom_status attention_forward(loom_fn_ctx *ctx, loom_tensor *const *in, i
     out[0] = op_new_like(q, q->dtype);
     loom_tensor *lse = loom_tensor_new(LOOM_F32, 3, lse_shape, LOOM_MEM_ACTIVATIONS); /* (B, NH, T) */
     if (!out[0] || !lse) { loom_tensor_release(lse); return LOOM_ERR_NOMEM; }
-    attention_fwd_scaled(loom_tensor_data(out[0]), loom_tensor_data(lse), loom_tensor_data(q), loom_tensor_data(k),
-                         loom_tensor_data(v), B, T, T, NH, NKV, HS, 0, a->scale, a->softcap, q->dtype);
+    attention_fwd_ex(loom_tensor_data(out[0]), loom_tensor_data(lse), loom_tensor_data(q), loom_tensor_data(k),
+                     loom_tensor_data(v), B, T, T, NH, NKV, HS, 0, a, q->dtype);
     loom_tensor *save[5] = {q, k, v, out[0], lse};
     loom_status st = loom_ctx_save(ctx, save, 5);
     loom_tensor_release(lse);
@@ -184,7 +178,7 @@ static loom_status attention_forward(loom_fn_ctx *ctx, loom_tensor *const *in, i
 static loom_status attention_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, int n_out, loom_tensor **gin,
                                       int n_in) {
     (void)n_out; (void)n_in;
-    const attention_args *a = loom_ctx_args(ctx);
+    const attn_opts *a = loom_ctx_args(ctx);
     loom_tensor *q, *k, *v, *o, *lse;
     OP_SAVED(ctx, 0, q);
     OP_SAVED(ctx, 1, k);
@@ -197,10 +191,9 @@ static loom_status attention_backward(loom_fn_ctx *ctx, loom_tensor *const *gout
     gin[1] = op_new_like(k, k->dtype);
     gin[2] = op_new_like(v, v->dtype);
     if (!gin[0] || !gin[1] || !gin[2]) return LOOM_ERR_NOMEM;
-    attention_bwd_scaled(loom_tensor_data(gin[0]), loom_tensor_data(gin[1]), loom_tensor_data(gin[2]),
-                         loom_tensor_data(gout[0]), loom_tensor_data(q), loom_tensor_data(k), loom_tensor_data(v),
-                         loom_tensor_data(o), loom_tensor_data(lse), B, T, T, NH, NKV, HS, 0, a->scale, a->softcap,
-                         q->dtype);
+    attention_bwd_ex(loom_tensor_data(gin[0]), loom_tensor_data(gin[1]), loom_tensor_data(gin[2]),
+                     loom_tensor_data(gout[0]), loom_tensor_data(q), loom_tensor_data(k), loom_tensor_data(v),
+                     loom_tensor_data(o), loom_tensor_data(lse), B, T, T, NH, NKV, HS, 0, a, q->dtype);
     return LOOM_OK;
 }
 
@@ -212,11 +205,14 @@ static const loom_function attention_function = {"attention", 3, 1, LOOM_FN_EXPE
                                                  attention_backward};
 
 loom_status loom_attention(loom_tensor *q, loom_tensor *k, loom_tensor *v, loom_tensor **out) {
-    return loom_attention_ex(q, k, v, 0.0f, 0.0f, out);
+    return loom_attention_ex(q, k, v, NULL, out);
 }
 
-loom_status loom_attention_ex(loom_tensor *q, loom_tensor *k, loom_tensor *v, float scale, float softcap,
+loom_status loom_attention_ex(loom_tensor *q, loom_tensor *k, loom_tensor *v, const loom_attention_opts *opts,
                               loom_tensor **out) {
+    static const loom_attention_opts plain = {0.0f, 0.0f, 0};
+    if (!opts) opts = &plain;
+    float scale = opts->scale, softcap = opts->softcap;
     char a[96], b[96];
     *out = NULL;
     LOOM_TRY(op_check_contiguous("attention", "q", q));
@@ -235,7 +231,10 @@ loom_status loom_attention_ex(loom_tensor *q, loom_tensor *k, loom_tensor *v, fl
     if (!(softcap >= 0.0f) || !isfinite(softcap))
         return loom_error(LOOM_ERR_INVALID, "attention: the softcap %g must be a finite number >= 0 (0: none)",
                           (double)softcap);
-    attention_args args = {scale != 0.0f ? scale : 1.0f / sqrtf((float)q->shape[3]), softcap};
+    if (opts->window < 0)
+        return loom_error(LOOM_ERR_INVALID, "attention: the window %d must be >= 0 (0: every earlier key)",
+                          opts->window);
+    attn_opts args = {scale != 0.0f ? scale : 1.0f / sqrtf((float)q->shape[3]), softcap, opts->window};
     loom_tensor *in[3] = {q, k, v};
     return loom_function_apply(&attention_function, in, 3, out, 1, &args, sizeof args);
 }

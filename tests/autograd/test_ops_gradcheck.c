@@ -138,11 +138,18 @@ static loom_status op_rope(loom_tensor **in, void *u, loom_tensor **out) { (void
 static loom_status op_attention(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_attention(in[0], in[1], in[2], out); }
 static loom_status op_attention_scaled(loom_tensor **in, void *u, loom_tensor **out) {
     (void)u;
-    return loom_attention_ex(in[0], in[1], in[2], 0.6f, 0.0f, out); /* Granite's attention_multiplier, not 1/sqrt(8) */
+    loom_attention_opts o = {0.6f, 0.0f, 0}; /* Granite's attention_multiplier, not 1/sqrt(8) */
+    return loom_attention_ex(in[0], in[1], in[2], &o, out);
 }
 static loom_status op_attention_softcap(loom_tensor **in, void *u, loom_tensor **out) {
     (void)u;
-    return loom_attention_ex(in[0], in[1], in[2], 0.9f, 1.5f, out); /* Gemma 2's softcap, low enough to bend */
+    loom_attention_opts o = {0.9f, 1.5f, 0}; /* Gemma 2's softcap, low enough to bend */
+    return loom_attention_ex(in[0], in[1], in[2], &o, out);
+}
+static loom_status op_attention_window(loom_tensor **in, void *u, loom_tensor **out) {
+    (void)u;
+    loom_attention_opts o = {0.0f, 0.0f, 2}; /* Mistral's sliding window, two keys */
+    return loom_attention_ex(in[0], in[1], in[2], &o, out);
 }
 static loom_status op_softcap(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_softcap(in[0], 1.3f, out); }
 static loom_status op_cast_f32(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_cast(in[0], LOOM_F32, out); }
@@ -301,6 +308,10 @@ static void test_llama_ops(void **state) {
                     {rand_tensor(4, SHAPE(2, 5, 4, 8), -1, 1, 31), rand_tensor(4, SHAPE(2, 5, 2, 8), -1, 1, 32),
                      rand_tensor(4, SHAPE(2, 5, 2, 8), -1, 1, 33)}, NULL};
     run_gradcheck(&ac, "attention (softcapped scores)");
+    gradcheck aw = {op_attention_window, NULL, 3,
+                    {rand_tensor(4, SHAPE(2, 5, 4, 8), -1, 1, 35), rand_tensor(4, SHAPE(2, 5, 2, 8), -1, 1, 36),
+                     rand_tensor(4, SHAPE(2, 5, 2, 8), -1, 1, 37)}, NULL};
+    run_gradcheck(&aw, "attention (a sliding window)");
     gradcheck sc = {op_softcap, NULL, 1, {rand_tensor(2, SHAPE(3, 7), -3, 3, 34)}, NULL};
     run_gradcheck(&sc, "softcap");
     gradcheck em = {op_embedding, NULL, 1, {rand_tensor(2, SHAPE(5, 6), -1, 1, 26)}, NULL};

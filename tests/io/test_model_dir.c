@@ -534,7 +534,9 @@ static void test_peft_adapter(void **state) {
 static loom_llama_config config_of(const char *json) {
     loom_llama_config c;
     io_write_raw(io_path("config.json"), json, strlen(json));
-    assert_int_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
+    loom_status st = loom_llama_config_load(io_path("config.json"), &c);
+    if (st != LOOM_OK) fprintf(stderr, "config_of: %s\n", loom_last_error());
+    assert_int_equal(st, LOOM_OK);
     return c;
 }
 
@@ -596,12 +598,12 @@ static void test_rope_scaling_config(void **state) {
     back = config_of(v5);
     assert_true(back.rope_theta == 500000.0f && back.rope_type == LOOM_ROPE_LLAMA3 && back.rope_factor == 32.0f &&
                 back.rope_original_max_pos == 8192);
-    /* Mistral: the window (4096 unless said) caps the context */
+    /* Mistral: the window (4096 unless said) on every block, the context as the file says */
     const char *mistral = "{\"model_type\": \"mistral\", \"hidden_size\": 16, \"num_hidden_layers\": 1, "
                           "\"num_attention_heads\": 2, \"intermediate_size\": 24, \"vocab_size\": 40, "
                           "\"max_position_embeddings\": 32768}";
     back = config_of(mistral);
-    assert_int_equal(back.max_seq, 4096);
+    assert_true(back.max_seq == 32768 && back.sliding_window == 4096 && loom_llama_layer_window(&back, 0) == 4096);
 }
 
 /* The attention's biases in config.json: Qwen 2's model_type gives q, k
@@ -612,16 +614,20 @@ static void test_rope_scaling_config(void **state) {
  * on o alone are refused by name. */
 static void test_bias_config(void **state) {
     (void)state;
-    static const struct { const char *extra; int qkv, o, max_seq; } good[] = {
-        {"", 0, 0, 2048},
-        {", \"attention_bias\": false", 0, 0, 2048},
-        {", \"attention_bias\": true, \"attention_dropout\": 0.0", 1, 1, 2048},
-        {", \"model_type\": \"qwen2\"", 1, 0, 32768}, /* Qwen2Config's context */
+    static const struct { const char *extra; int qkv, o, max_seq, window; } good[] = {
+        {"", 0, 0, 2048, 0},
+        {", \"attention_bias\": false", 0, 0, 2048, 0},
+        {", \"attention_bias\": true, \"attention_dropout\": 0.0", 1, 1, 2048, 0},
+        {", \"model_type\": \"qwen2\"", 1, 0, 32768, 0}, /* Qwen2Config's context */
         {", \"model_type\": \"qwen2\", \"attention_bias\": true, \"sliding_window\": 64, "
-         "\"use_sliding_window\": false", 1, 0, 32768},
-        {", \"model_type\": \"qwen2\", \"sliding_window\": 64, \"use_sliding_window\": true", 1, 0, 64},
-        {", \"model_type\": \"qwen2\", \"use_sliding_window\": true", 1, 0, 4096}, /* Qwen2Config's window */
-        {", \"model_type\": \"mistral\", \"attention_bias\": true", 0, 0, 2048}, /* Mistral's has none */
+         "\"use_sliding_window\": false", 1, 0, 32768, 0},
+        /* from max_window_layers on: Qwen2Config's 28, past the one block */
+        {", \"model_type\": \"qwen2\", \"sliding_window\": 64, \"use_sliding_window\": true", 1, 0, 32768, 0},
+        {", \"model_type\": \"qwen2\", \"sliding_window\": 64, \"use_sliding_window\": true, "
+         "\"max_window_layers\": 0", 1, 0, 32768, 64},
+        {", \"model_type\": \"qwen2\", \"use_sliding_window\": true, \"max_window_layers\": 0", 1, 0, 32768,
+         4096}, /* Qwen2Config's window */
+        {", \"model_type\": \"mistral\", \"attention_bias\": true", 0, 0, 2048, 4096}, /* Mistral's has none */
     };
     char json[512];
     loom_llama_config c, back;
@@ -631,13 +637,15 @@ static void test_bias_config(void **state) {
         io_write_raw(io_path("config.json"), json, strlen(json));
         assert_int_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
         assert_true(c.qkv_bias == good[k].qkv && c.o_bias == good[k].o && c.max_seq == good[k].max_seq);
+        assert_int_equal(loom_llama_layer_window(&c, 0), good[k].window);
         back = saved_and_loaded(&c);
-        assert_true(back.qkv_bias == c.qkv_bias && back.o_bias == c.o_bias);
+        assert_true(back.qkv_bias == c.qkv_bias && back.o_bias == c.o_bias && loom_llama_config_same_model(&c, &back));
         assert_true(loom_llama_config_same_weights(&c, &back));
-        int qwen = saved_text_has("\"model_type\": \"qwen2\"");
+        int qwen = saved_text_has("\"model_type\": \"qwen2\""), mistral = saved_text_has("MistralForCausalLM");
         assert_int_equal(qwen, c.qkv_bias && !c.o_bias);
-        assert_true(qwen ? saved_text_has("Qwen2ForCausalLM") && !saved_text_has("attention_bias")
-                         : saved_text_has(c.o_bias ? "\"attention_bias\": true" : "\"attention_bias\": false"));
+        assert_int_equal(mistral, !qwen && c.sliding_window > 0); /* LLaMA's with a window */
+        assert_true(qwen || mistral ? !saved_text_has("attention_bias") /* Qwen 2's q, k, v have them, Mistral's none */
+                                    : saved_text_has(c.o_bias ? "\"attention_bias\": true" : "\"attention_bias\": false"));
     }
     back.qkv_bias = 1;
     assert_false(loom_llama_config_same_weights(&c, &back)); /* the biases are weights */
@@ -778,22 +786,25 @@ static void test_gemma_config(void **state) {
 /* Gemma 2's model: Gemma's flags with its norms of the blocks' outputs,
  * softcaps (Gemma2Config's 50 and 30 when left out; null, none) and
  * query_pre_attn_scalar (256, the scores' scale its -0.5th power), its
- * window of 4096 capping the context, hidden_activation alone; saved as
+ * window of 4096 on every other block, hidden_activation alone; saved as
  * Gemma2ForCausalLM and read back the same; parameters named as its files
  * name them; bad numbers and layouts refused. */
 static void test_gemma2_config(void **state) {
     (void)state;
-    const char *g = "{\"model_type\": \"gemma2\", \"hidden_size\": 16, \"num_hidden_layers\": 1, "
+    const char *g = "{\"model_type\": \"gemma2\", \"hidden_size\": 16, \"num_hidden_layers\": 3, "
                     "\"num_attention_heads\": 8, \"head_dim\": 8, \"intermediate_size\": 24, "
                     "\"vocab_size\": 40, \"hidden_act\": \"silu\"}";
     loom_llama_config c = config_of(g), back;
     assert_true(c.post_norms && c.norm_unit_offset && c.scale_embeddings && c.act == LOOM_ACT_GELU_TANH &&
-                c.tie_embeddings && c.max_seq == 4096 && c.n_kv_heads == 4); /* Gemma2Config's 4 kv heads */
+                c.tie_embeddings && c.max_seq == 8192 && c.n_kv_heads == 4); /* Gemma2Config's 4 kv heads */
+    assert_true(loom_llama_layer_window(&c, 0) == 4096 && loom_llama_layer_window(&c, 1) == 0 &&
+                loom_llama_layer_window(&c, 2) == 4096); /* the even blocks slide */
     assert_true(c.attn_softcap == 50.0f && c.final_softcap == 30.0f && c.query_pre_attn_scalar == 256.0f &&
                 loom_llama_attn_scale(&c) == 0.0625f);
     back = saved_and_loaded(&c);
     assert_true(loom_llama_config_same_model(&c, &back) && saved_text_has("Gemma2ForCausalLM") &&
-                saved_text_has("\"attn_logit_softcapping\": 50") && saved_text_has("\"query_pre_attn_scalar\": 256,"));
+                saved_text_has("\"attn_logit_softcapping\": 50") && saved_text_has("\"query_pre_attn_scalar\": 256") &&
+                saved_text_has("\"sliding_window\": 4096"));
     c.attn_softcap = 0.0f; /* none: null, read back as none */
     back = saved_and_loaded(&c);
     assert_true(saved_text_has("\"attn_logit_softcapping\": null") && back.attn_softcap == 0.0f);
@@ -866,7 +877,7 @@ static void test_granite_config(void **state) {
 /* Phi-3's longrope: the short factors and the attention factor Hugging Face
  * computes from the contexts (or the file's), the context capped at the
  * original one; saved as Phi-3.5's files have it and read back the same
- * (a window below the original context too); "su" is its old name; wrong
+ * (with a sliding window, Phi-3-mini's 2047, too); "su" is its old name; wrong
  * counts, missing fields and bad numbers refused by name. */
 static void test_longrope_config(void **state) {
     (void)state;
@@ -887,18 +898,19 @@ static void test_longrope_config(void **state) {
     assert_true(loom_llama_config_same_model(&c, &back));
     assert_true(saved_text_has("\"max_position_embeddings\": 131072") &&
                 saved_text_has("\"original_max_position_embeddings\": 4096") && saved_text_has("\"longrope\"") &&
-                !saved_text_has("attention_factor") && !saved_text_has("sliding_window"));
+                !saved_text_has("attention_factor") && saved_text_has("\"sliding_window\": null"));
     back.rope_long[2] = 15.0f; /* the long factors are part of the model's file */
     assert_false(loom_llama_config_same_rope(&c, &back));
     snprintf(json, sizeof json, "%s, \"sliding_window\": 2047, \"rope_scaling\": {\"type\": \"su\", "
              "\"short_factor\": [1, 1, 1, 1], \"long_factor\": [2, 2, 2, 2], \"attention_factor\": 1.5}}", head);
     c = config_of(json);
-    assert_true(c.rope_type == LOOM_ROPE_LONGROPE && c.rope_attention_factor == 1.5f && c.max_seq == 2047);
+    assert_true(c.rope_type == LOOM_ROPE_LONGROPE && c.rope_attention_factor == 1.5f && c.max_seq == 4096 &&
+                c.sliding_window == 2047 && loom_llama_layer_window(&c, 0) == 2047);
     back = saved_and_loaded(&c);
     assert_true(loom_llama_config_same_model(&c, &back) && saved_text_has("\"attention_factor\": 1.5") &&
                 saved_text_has("\"sliding_window\": 2047"));
     /* transformers v5's re-save of an "su" file (rope_type longrope beside it); Phi3Config's original context
-     * (4096) when the file gives none; a context under the original saved as a window */
+     * (4096) when the file gives none; a context under the original saved as the file's context */
     const char *v5su = "{\"model_type\": \"phi3\", \"hidden_size\": 16, \"num_hidden_layers\": 1, "
                        "\"num_attention_heads\": 2, \"intermediate_size\": 24, \"vocab_size\": 40, "
                        "\"max_position_embeddings\": 2048, \"rope_scaling\": {\"type\": \"su\", \"rope_type\": "
@@ -907,8 +919,8 @@ static void test_longrope_config(void **state) {
     assert_true(c.rope_type == LOOM_ROPE_LONGROPE && c.rope_original_max_pos == 4096 && c.max_seq == 2048 &&
                 c.rope_attention_factor == 1.0f);
     back = saved_and_loaded(&c);
-    assert_true(loom_llama_config_same_model(&c, &back) && saved_text_has("\"sliding_window\": 2048") &&
-                saved_text_has("\"max_position_embeddings\": 4096"));
+    assert_true(loom_llama_config_same_model(&c, &back) && saved_text_has("\"sliding_window\": null") &&
+                saved_text_has("\"max_position_embeddings\": 2048"));
     static const struct { const char *extra, *msg; } bad[] = {
         {", \"rope_scaling\": {\"type\": \"longrope\", \"short_factor\": [1, 1, 1], \"long_factor\": [1, 1, 1]}}",
          "longrope has 3 short and 3 long factors; a head of 8 needs 4"},
@@ -933,6 +945,92 @@ static void test_longrope_config(void **state) {
     assert_config_refused(", \"model_type\": \"qwen2\", \"rope_scaling\": {\"type\": \"longrope\", \"short_factor\": "
                           "[1, 1, 1, 1], \"long_factor\": [1, 1, 1, 1], \"original_max_position_embeddings\": 64}",
                           "longrope is read for Phi-3 and LLaMA models only");
+}
+
+/* Sliding windows and the blocks they apply to: Qwen 2's from
+ * max_window_layers on (only with use_sliding_window), a layer_types list
+ * for any family, each saved as its class says it and read back the same;
+ * a window on other blocks is another model; lists of other patterns,
+ * and windows a class cannot say, refused by name. */
+static void test_window_config(void **state) {
+    (void)state;
+    const char *head = "{\"hidden_size\": 16, \"num_hidden_layers\": 3, \"num_attention_heads\": 2, "
+                       "\"num_key_value_heads\": 2, \"intermediate_size\": 24, \"vocab_size\": 40";
+    char json[768];
+    snprintf(json, sizeof json, "%s, \"model_type\": \"qwen2\", \"use_sliding_window\": true, "
+             "\"sliding_window\": 64, \"max_window_layers\": 1}", head);
+    loom_llama_config c = config_of(json), back;
+    assert_true(loom_llama_layer_window(&c, 0) == 0 && loom_llama_layer_window(&c, 1) == 64 &&
+                loom_llama_layer_window(&c, 2) == 64);
+    back = saved_and_loaded(&c);
+    assert_true(loom_llama_config_same_model(&c, &back) && saved_text_has("\"use_sliding_window\": true") &&
+                saved_text_has("\"max_window_layers\": 1") && saved_text_has("\"sliding_window\": 64"));
+    back.window_from = 2; /* the window on other blocks: another model, the same weights */
+    assert_false(loom_llama_config_same_model(&c, &back));
+    assert_true(loom_llama_config_same_weights(&c, &back));
+    back = c;
+    back.sliding_window = 65;
+    assert_false(loom_llama_config_same_model(&c, &back));
+    /* layer_types, for Qwen's (over max_window_layers) and Gemma 2's */
+    snprintf(json, sizeof json, "%s, \"model_type\": \"qwen2\", \"use_sliding_window\": true, \"sliding_window\": 8, "
+             "\"layer_types\": [\"full_attention\", \"full_attention\", \"sliding_attention\"]}", head);
+    c = config_of(json);
+    assert_true(c.window_from == 2 && loom_llama_layer_window(&c, 1) == 0 && loom_llama_layer_window(&c, 2) == 8);
+    snprintf(json, sizeof json, "%s, \"model_type\": \"gemma2\", \"head_dim\": 8, \"sliding_window\": 8, "
+             "\"layer_types\": [\"sliding_attention\", \"full_attention\", \"sliding_attention\"]}", head);
+    c = config_of(json);
+    assert_true(c.window_from == 0 && c.window_global_interval == 2 && loom_llama_layer_window(&c, 1) == 0 &&
+                loom_llama_layer_window(&c, 2) == 8);
+    snprintf(json, sizeof json, "%s, \"model_type\": \"mistral\", \"sliding_window\": 8, \"layer_types\": "
+             "[\"full_attention\", \"full_attention\", \"full_attention\"]}", head); /* none slides */
+    c = config_of(json);
+    assert_true(c.sliding_window == 0 && c.window_from == 0);
+    back = saved_and_loaded(&c);
+    assert_true(saved_text_has("LlamaForCausalLM") && loom_llama_config_same_model(&c, &back));
+    static const struct { const char *extra, *msg; } bad[] = {
+        {", \"model_type\": \"mistral\", \"layer_types\": [\"sliding_attention\", \"full_attention\", "
+         "\"full_attention\"]}", "block 2 breaks it"},
+        {", \"model_type\": \"mistral\", \"layer_types\": [\"sliding_attention\", \"local\", "
+         "\"full_attention\"]}", "layer_types[1] must be"},
+        {", \"model_type\": \"mistral\", \"layer_types\": [\"sliding_attention\"]}", "one entry a block (3)"},
+        /* windows the class cannot say */
+        {", \"model_type\": \"mistral\", \"layer_types\": [\"full_attention\", \"sliding_attention\", "
+         "\"sliding_attention\"]}", "Mistral's and Phi-3's are on every block"},
+        {", \"model_type\": \"gemma2\", \"head_dim\": 8, \"layer_types\": [\"sliding_attention\", "
+         "\"sliding_attention\", \"sliding_attention\"]}", "Gemma 2's is on every other block from the first"},
+        {", \"model_type\": \"qwen2\", \"use_sliding_window\": true, \"layer_types\": [\"sliding_attention\", "
+         "\"full_attention\", \"sliding_attention\"]}", "Qwen's are on every block from"},
+        {", \"model_type\": \"qwen2\", \"use_sliding_window\": true, \"max_window_layers\": -1}",
+         "max_window_layers must be a non-negative integer"},
+    };
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        snprintf(json, sizeof json, "%s%s", head, bad[k].extra);
+        io_write_raw(io_path("config.json"), json, strlen(json));
+        assert_int_not_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
+        IO_ASSERT_MSG(bad[k].msg);
+    }
+    snprintf(json, sizeof json, "%s, \"model_type\": \"gemma\", \"head_dim\": 8}", head);
+    c = config_of(json);
+    c.sliding_window = 8; /* Gemma's class has no window */
+    assert_int_equal(loom_llama_config_validate(&c), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("Gemma's and Granite's have none");
+    snprintf(json, sizeof json, "%s, \"model_type\": \"smollm3\", \"no_rope_layer_interval\": 2}", head);
+    c = config_of(json);
+    c.sliding_window = 8; /* SmolLM3's class puts it on the NoPE blocks */
+    assert_int_equal(loom_llama_config_validate(&c), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("SmolLM3's is on its NoPE blocks");
+    snprintf(json, sizeof json, "%s, \"attention_bias\": true}", head);
+    c = config_of(json);
+    c.sliding_window = 8; /* LLaMA's with a window is Mistral's, which has no attention_bias */
+    assert_int_equal(loom_llama_config_validate(&c), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("has no attention_bias");
+    c.o_bias = c.qkv_bias = 0;
+    c.sliding_window = -1;
+    assert_int_equal(loom_llama_config_validate(&c), LOOM_ERR_INVALID);
+    c.sliding_window = 0;
+    c.window_from = 1; /* blocks of a window there is not */
+    assert_int_equal(loom_llama_config_validate(&c), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("the last two need a window");
 }
 
 /* SmolLM3's model: its NoPE blocks from no_rope_layers (0 at every N-th
@@ -964,7 +1062,9 @@ static void test_smollm3_config(void **state) {
     c = config_of(json);
     assert_int_equal(c.nope_interval, 0);
     snprintf(json, sizeof json, "%s, \"sliding_window\": 64, \"use_sliding_window\": true}", head);
-    assert_int_equal(config_of(json).max_seq, 64);
+    io_write_raw(io_path("config.json"), json, strlen(json)); /* SmolLM3's window, on its NoPE blocks */
+    assert_int_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_ERR_UNSUPPORTED);
+    IO_ASSERT_MSG("SmolLM3's sliding window (on its NoPE blocks) is not computed");
     static const struct { const char *extra, *msg; } bad[] = {
         {", \"no_rope_layers\": [1, 0, 1, 1, 1, 1, 1, 1]}", "block 3 breaks it"},
         {", \"no_rope_layers\": [1, 1, 2, 1, 1, 1, 1, 1]}", "block 2 breaks it"},
@@ -1469,6 +1569,7 @@ int main(void) {
         cmocka_unit_test(test_phi3_layout),
         cmocka_unit_test(test_same_model),
         cmocka_unit_test(test_longrope_config),
+        cmocka_unit_test(test_window_config),
         cmocka_unit_test(test_smollm3_config),
         cmocka_unit_test(test_gguf_refusals),
     };

@@ -3,8 +3,9 @@
  * references (f32, bf16, f16), forward vs a double-precision formula,
  * backward vs central finite differences, the causal mask, the KV-cache
  * shapes (q_pos0 > 0, Tq = 1 and 3), sizes off the block sizes (32 queries,
- * 64 keys), a scale of the caller's (Granite's), and bit-reproducibility
- * across thread counts.
+ * 64 keys), a scale of the caller's (Granite's), softcapped scores (Gemma
+ * 2's), sliding windows (Mistral's), and bit-reproducibility across thread
+ * counts.
  */
 #include "testutil.h"
 #include "kernels/kernels.h"
@@ -90,12 +91,12 @@ static void assert_close_dt(const void *a, const void *b, size_t n, loom_dtype d
  * fp32 path's error. The bound per element (a reference run on |v| with the
  * scores times scale, times 1 + 2u for its own rounding), or NULL when P
  * stays fp32. */
-static float *pv_rounding_bound_capped(const attn_data *d, float scale, float softcap) {
+static float *pv_rounding_bound_opts(const attn_data *d, const attn_opts *ao) {
     if (d->dt != LOOM_BF16 || d->c.HS % 16 != 0 || !mm_bf16_tiles()) return NULL;
     float *va = tu_to_f32(d->v, d->nkv, d->dt);
     for (size_t i = 0; i < d->nkv; i++) va[i] = fabsf(va[i]);
     void *vabs = tu_from_f32(va, d->nkv, d->dt), *o = malloc(d->nq * 2);
-    attention_fwd_ref_scaled(o, NULL, d->q, d->k, vabs, CASE_ARGS(d->c), scale, softcap, d->dt);
+    attention_fwd_ref_ex(o, NULL, d->q, d->k, vabs, CASE_ARGS(d->c), ao, d->dt);
     float *bound = tu_to_f32(o, d->nq, d->dt);
     double u = unit_roundoff(d->dt);
     for (size_t i = 0; i < d->nq; i++) bound[i] = (float)(u * (1.0 + 2.0 * u) * bound[i]);
@@ -104,7 +105,8 @@ static float *pv_rounding_bound_capped(const attn_data *d, float scale, float so
 }
 
 static float *pv_rounding_bound(const attn_data *d) {
-    return pv_rounding_bound_capped(d, 1.0f / sqrtf((float)d->c.HS), 0.0f);
+    attn_opts ao = {1.0f / sqrtf((float)d->c.HS), 0.0f, 0};
+    return pv_rounding_bound_opts(d, &ao);
 }
 
 /* |got - want| <= atol + bound[i] + rtol |want| for every element (bound
@@ -152,9 +154,11 @@ static void test_fwd_vs_ref(void **state) {
 }
 
 /* Independent oracle in double on the dt-rounded inputs: query t of head h
- * uses kv head h / (NH / NKV) and keys 0 .. pos0 + t; scores times scale,
- * then softcap tanh(. / softcap) with a softcap. */
-static void attention_double_capped(float *out, float *lse, const attn_data *d, double scale, double softcap) {
+ * uses kv head h / (NH / NKV) and keys 0 .. pos0 + t (with a window W > 0,
+ * only the last W of them); scores times scale, then softcap tanh(. /
+ * softcap) with a softcap. */
+static void attention_double_opts(float *out, float *lse, const attn_data *d, double scale, double softcap,
+                                  int window) {
     const attn_case *c = &d->c;
     int G = c->NH / c->NKV;
     double *p = malloc(sizeof(double) * c->Tk);
@@ -162,9 +166,9 @@ static void attention_double_capped(float *out, float *lse, const attn_data *d, 
         for (int t = 0; t < c->Tq; t++)
             for (int h = 0; h < c->NH; h++) {
                 size_t qo = (((size_t)b * c->Tq + t) * c->NH + h) * c->HS;
-                int n = c->pos0 + t + 1;
+                int n = c->pos0 + t + 1, lo = window > 0 && n > window ? n - window : 0;
                 double m = -INFINITY, sum = 0.0;
-                for (int j = 0; j < n; j++) {
+                for (int j = lo; j < n; j++) {
                     size_t ko = (((size_t)b * c->Tk + j) * c->NKV + h / G) * c->HS;
                     p[j] = 0.0;
                     for (int e = 0; e < c->HS; e++)
@@ -174,11 +178,11 @@ static void attention_double_capped(float *out, float *lse, const attn_data *d, 
                     if (softcap > 0.0) p[j] = softcap * tanh(p[j] / softcap);
                     m = fmax(m, p[j]);
                 }
-                for (int j = 0; j < n; j++) sum += (p[j] = exp(p[j] - m));
+                for (int j = lo; j < n; j++) sum += (p[j] = exp(p[j] - m));
                 lse[((size_t)b * c->NH + h) * c->Tq + t] = (float)(m + log(sum));
                 for (int e = 0; e < c->HS; e++) {
                     double o = 0.0;
-                    for (int j = 0; j < n; j++) {
+                    for (int j = lo; j < n; j++) {
                         size_t vo = (((size_t)b * c->Tk + j) * c->NKV + h / G) * c->HS;
                         o += p[j] * loom_load(d->v, vo + e, d->dt);
                     }
@@ -189,7 +193,7 @@ static void attention_double_capped(float *out, float *lse, const attn_data *d, 
 }
 
 static void attention_double(float *out, float *lse, const attn_data *d) {
-    attention_double_capped(out, lse, d, 1.0 / sqrt((double)d->c.HS), 0.0);
+    attention_double_opts(out, lse, d, 1.0 / sqrt((double)d->c.HS), 0.0, 0);
 }
 
 /* fp32 accumulation error (< 1e-5 here) plus one rounding to dt (u), and
@@ -300,15 +304,18 @@ static attn_grads grads_alloc(const attn_data *d) {
 
 static void grads_free(attn_grads *g) { free(g->dq); free(g->dk); free(g->dv); }
 
-/* The flash backward: forward for out and lse, then backward. */
-static void run_flash_bwd(attn_grads *g, const attn_data *d) {
+/* The flash backward with ao (NULL: LLaMA's): forward for out and lse, then backward. */
+static void run_flash_bwd_opts(attn_grads *g, const attn_data *d, const attn_opts *ao) {
+    attn_opts plain = {1.0f / sqrtf((float)d->c.HS), 0.0f, 0};
     void *o = malloc(d->nq * 4);
     float *l = malloc(d->nlse * 4);
-    attention_fwd(o, l, d->q, d->k, d->v, CASE_ARGS(d->c), d->dt);
-    attention_bwd(g->dq, g->dk, g->dv, d->dout, d->q, d->k, d->v, o, l, CASE_ARGS(d->c), d->dt);
+    attention_fwd_ex(o, l, d->q, d->k, d->v, CASE_ARGS(d->c), ao ? ao : &plain, d->dt);
+    attention_bwd_ex(g->dq, g->dk, g->dv, d->dout, d->q, d->k, d->v, o, l, CASE_ARGS(d->c), ao ? ao : &plain, d->dt);
     free(o);
     free(l);
 }
+
+static void run_flash_bwd(attn_grads *g, const attn_data *d) { run_flash_bwd_opts(g, d, NULL); }
 
 /* f32: recomputation from lse and D = rowsum(dout * out) vs the materialised
  * softmax: fp32 reassociation only, relative 1e-5 of gradients that are
@@ -344,10 +351,11 @@ static void test_bwd_vs_ref(void **state) {
     }
 }
 
-/* L = sum(dout * attention(q, k, v)) in double from the f32 kernel. */
-static double loss_f32(const attn_data *d) {
+/* L = sum(dout * attention(q, k, v)) in double from the f32 kernel, with
+ * the scores and keys of ao. */
+static double loss_f32(const attn_data *d, const attn_opts *ao) {
     float *o = malloc(d->nq * 4);
-    attention_fwd(o, NULL, d->qf, d->kf, d->vf, CASE_ARGS(d->c), LOOM_F32);
+    attention_fwd_ex(o, NULL, d->qf, d->kf, d->vf, CASE_ARGS(d->c), ao, LOOM_F32);
     double L = 0.0;
     for (size_t i = 0; i < d->nq; i++) L += (double)d->df[i] * o[i];
     free(o);
@@ -355,13 +363,13 @@ static double loss_f32(const attn_data *d) {
 }
 
 /* Central differences of L w.r.t. every element of p (n): num (n). */
-static void fd_grad(float *num, attn_data *d, float *p, size_t n) {
+static void fd_grad(float *num, attn_data *d, const attn_opts *ao, float *p, size_t n) {
     for (size_t i = 0; i < n; i++) {
         float p0 = p[i], pp = p0 + FD_STEP, pm = p0 - FD_STEP;
         p[i] = pp;
-        double lp = loss_f32(d);
+        double lp = loss_f32(d, ao);
         p[i] = pm;
-        double lm = loss_f32(d);
+        double lm = loss_f32(d, ao);
         p[i] = p0;
         num[i] = (float)((lp - lm) / ((double)pp - (double)pm));
     }
@@ -371,16 +379,17 @@ static void fd_grad(float *num, attn_data *d, float *p, size_t n) {
  * row that sees it (<= Tq * NH * HS = 288 here), each by independent fp32
  * noise ~2^-24 |out|: ~1e-6 on L, ~5e-4 on the quotient by 2h at the very
  * worst, ~1e-4 typically. Gradients here are O(0.1 .. 1). */
-static void check_bwd_fd(const attn_case *c) {
+static void check_bwd_fd(const attn_case *c, int window) {
     attn_data d = data_make(c, LOOM_F32, 700);
+    attn_opts ao = {1.0f / sqrtf((float)c->HS), 0.0f, window};
     attn_grads g = grads_alloc(&d);
-    run_flash_bwd(&g, &d);
+    run_flash_bwd_opts(&g, &d, &ao);
     float *num = malloc((d.nq > d.nkv ? d.nq : d.nkv) * 4);
-    fd_grad(num, &d, d.qf, d.nq);
+    fd_grad(num, &d, &ao, d.qf, d.nq);
     TU_ASSERT_CLOSE((float *)g.dq, num, d.nq, 1e-3, 5e-3);
-    fd_grad(num, &d, d.kf, d.nkv);
+    fd_grad(num, &d, &ao, d.kf, d.nkv);
     TU_ASSERT_CLOSE((float *)g.dk, num, d.nkv, 1e-3, 5e-3);
-    fd_grad(num, &d, d.vf, d.nkv);
+    fd_grad(num, &d, &ao, d.vf, d.nkv);
     TU_ASSERT_CLOSE((float *)g.dv, num, d.nkv, 1e-3, 5e-3);
     free(num);
     grads_free(&g);
@@ -394,7 +403,37 @@ static void test_bwd_finite_differences(void **state) {
         {1, 3, 10, 4, 1, 8, 5}, // KV-cache shape with two unseen keys
         {2, 1, 6, 4, 2, 4, 5},  // one new token
     };
-    for (size_t i = 0; i < sizeof fd_cases / sizeof fd_cases[0]; i++) check_bwd_fd(&fd_cases[i]);
+    for (size_t i = 0; i < sizeof fd_cases / sizeof fd_cases[0]; i++) {
+        check_bwd_fd(&fd_cases[i], 0);
+        check_bwd_fd(&fd_cases[i], 3); /* a sliding window of three keys */
+    }
+}
+
+/* The kernels with ao on case c in dt: the forward against the formula in
+ * double, the backward against the reference, within the tolerances of the
+ * checks above; and the output the same bits as LLaMA's attention's
+ * (scale 1/sqrt(HS), no cap, no window) exactly when same_as_plain. */
+static void check_opts(const attn_case *c, loom_dtype dt, uint64_t seed, const attn_opts *ao, int same_as_plain) {
+    attn_data d = data_make(c, dt, seed);
+    void *o = malloc(d.nq * 4), *o0 = malloc(d.nq * 4);
+    float *l = malloc(d.nlse * 4), *wo = malloc(d.nq * 4), *wl = malloc(d.nlse * 4);
+    attention_fwd_ex(o, l, d.q, d.k, d.v, CASE_ARGS(*c), ao, dt);
+    attention_fwd(o0, NULL, d.q, d.k, d.v, CASE_ARGS(*c), dt);
+    assert_int_equal(tu_bits_equal(o, o0, d.nq * loom_dtype_size(dt), NULL), same_as_plain);
+    attention_double_opts(wo, wl, &d, ao->scale, ao->softcap, ao->window);
+    float *got = tu_to_f32(o, d.nq, dt), *bound = pv_rounding_bound_opts(&d, ao);
+    assert_close_bound(got, wo, bound, d.nq, 1e-5, unit_roundoff(dt) + 1e-5);
+    TU_ASSERT_CLOSE(l, wl, d.nlse, 1e-5, 1e-5);
+    attn_grads g1 = grads_alloc(&d), g2 = grads_alloc(&d);
+    attention_bwd_ex(g1.dq, g1.dk, g1.dv, d.dout, d.q, d.k, d.v, o, l, CASE_ARGS(*c), ao, dt);
+    attention_bwd_ref_ex(g2.dq, g2.dk, g2.dv, d.dout, d.q, d.k, d.v, CASE_ARGS(*c), ao, dt);
+    double u = unit_roundoff(dt), atol = dt == LOOM_F32 ? 1e-5 : 4.0 * u, rtol = 2.0 * u + 1e-5;
+    assert_close_dt(g1.dq, g2.dq, d.nq, dt, atol, rtol);
+    assert_close_dt(g1.dk, g2.dk, d.nkv, dt, atol, rtol);
+    assert_close_dt(g1.dv, g2.dv, d.nkv, dt, atol, rtol);
+    grads_free(&g1); grads_free(&g2);
+    free(o); free(o0); free(l); free(wo); free(wl); free(got); free(bound);
+    data_free(&d);
 }
 
 /* A scale of the caller's (Granite's attention_multiplier, here 0.9 and
@@ -412,27 +451,84 @@ static void test_caller_scale(void **state) {
                 const attn_case *c = cases[ci];
                 loom_dtype dt = di ? LOOM_BF16 : LOOM_F32;
                 float sc = scales[si], cap = caps[si];
-                attn_data d = data_make(c, dt, 900);
-                void *o = malloc(d.nq * 4), *o0 = malloc(d.nq * 4);
-                float *l = malloc(d.nlse * 4), *wo = malloc(d.nq * 4), *wl = malloc(d.nlse * 4);
-                attention_fwd_scaled(o, l, d.q, d.k, d.v, CASE_ARGS(*c), sc, cap, dt);
-                attention_fwd(o0, NULL, d.q, d.k, d.v, CASE_ARGS(*c), dt);
-                assert_false(tu_bits_equal(o, o0, d.nq * loom_dtype_size(dt), NULL));
-                attention_double_capped(wo, wl, &d, sc, cap);
-                float *got = tu_to_f32(o, d.nq, dt), *bound = pv_rounding_bound_capped(&d, sc, cap);
-                assert_close_bound(got, wo, bound, d.nq, 1e-5, unit_roundoff(dt) + 1e-5);
-                TU_ASSERT_CLOSE(l, wl, d.nlse, 1e-5, 1e-5);
-                attn_grads g1 = grads_alloc(&d), g2 = grads_alloc(&d);
-                attention_bwd_scaled(g1.dq, g1.dk, g1.dv, d.dout, d.q, d.k, d.v, o, l, CASE_ARGS(*c), sc, cap, dt);
-                attention_bwd_ref_scaled(g2.dq, g2.dk, g2.dv, d.dout, d.q, d.k, d.v, CASE_ARGS(*c), sc, cap, dt);
-                double u = unit_roundoff(dt), atol = dt == LOOM_F32 ? 1e-5 : 4.0 * u, rtol = 2.0 * u + 1e-5;
-                assert_close_dt(g1.dq, g2.dq, d.nq, dt, atol, rtol);
-                assert_close_dt(g1.dk, g2.dk, d.nkv, dt, atol, rtol);
-                assert_close_dt(g1.dv, g2.dv, d.nkv, dt, atol, rtol);
-                grads_free(&g1); grads_free(&g2);
-                free(o); free(o0); free(l); free(wo); free(wl); free(got); free(bound);
-                data_free(&d);
+                attn_opts ao = {sc, cap, 0};
+                check_opts(c, dt, 900, &ao, 0);
             }
+}
+
+/* Sliding windows (Mistral's): the forward against the formula in double,
+ * the backward against the reference, within the tolerances above; windows
+ * of one key (itself), a few, one key block and one past it, and one wider
+ * than the context (the same bits as none); on cases with several blocks
+ * of queries and keys (whole key blocks before every window are skipped),
+ * the KV-cache shapes and the bf16 pairs. */
+static void test_sliding_window(void **state) {
+    (void)state;
+    const attn_case many = {1, 200, 200, 2, 1, 16, 0}; /* windows far shorter than the context */
+    const attn_case *cases[5] = {&CASES[1], &CASES[2], &CASES[5], &CASES[15], &many};
+    const int windows[5] = {1, 5, 64, 65, 1000};
+    for (int ci = 0; ci < 5; ci++)
+        for (int di = 0; di < 2; di++)
+            for (int wi = 0; wi < 5; wi++) {
+                const attn_case *c = cases[ci];
+                attn_opts ao = {1.0f / sqrtf((float)c->HS), 0.0f, windows[wi]};
+                /* a window as long as the keys any query sees changes nothing; a shorter one changes outputs */
+                check_opts(c, di ? LOOM_BF16 : LOOM_F32, 950 + ci, &ao, windows[wi] >= c->pos0 + c->Tq);
+            }
+}
+
+/* A key that no query's window holds counts for nothing: keys and values
+ * there made huge (scores that would overflow exp unless masked first)
+ * change no output bit, and their gradients are exactly 0; a key inside
+ * some window changes the queries whose window holds it and no other. fp32
+ * and bf16 (the pairs), key blocks skipped whole and cut by a window. (A
+ * block cut by a window multiplies the rows before it by P = 0, so they
+ * must be finite, as a model's earlier keys and values are.) */
+static void check_window_unseen_keys(const attn_case *c, loom_dtype dt, int window, int key) {
+    attn_data d = data_make(c, dt, 990);
+    attn_opts ao = {1.0f / sqrtf((float)c->HS), 0.0f, window};
+    size_t es = loom_dtype_size(dt), row = (size_t)c->NKV * c->HS, qrow = (size_t)c->NH * c->HS;
+    void *o1 = malloc(d.nq * es), *o2 = malloc(d.nq * es), *dq = malloc(d.nq * es);
+    void *dk = malloc(d.nkv * es), *dv = malloc(d.nkv * es);
+    float *l = malloc(d.nlse * 4);
+    attention_fwd_ex(o1, l, d.q, d.k, d.v, CASE_ARGS(*c), &ao, dt);
+    int first_seen = c->pos0 - window + 1 > 0 ? c->pos0 - window + 1 : 0; /* the first query's first key */
+    for (size_t i = 0; i < (size_t)first_seen * row; i++) { /* keys before every window */
+        loom_store(d.k, i, dt, 1e4f);
+        loom_store(d.v, i, dt, -1e4f);
+    }
+    attention_fwd_ex(o2, NULL, d.q, d.k, d.v, CASE_ARGS(*c), &ao, dt);
+    assert_true(tu_bits_equal(o1, o2, d.nq * es, "out"));
+    memset(dk, 0xff, d.nkv * es);
+    memset(dv, 0xff, d.nkv * es);
+    attention_bwd_ex(dq, dk, dv, d.dout, d.q, d.k, d.v, o1, l, CASE_ARGS(*c), &ao, dt);
+    for (size_t i = 0; i < (size_t)first_seen * row; i++)
+        assert_true(loom_load(dk, i, dt) == 0.0f && loom_load(dv, i, dt) == 0.0f);
+    for (size_t i = (size_t)first_seen * row; i < d.nkv; i++)
+        assert_true(isfinite(loom_load(dk, i, dt)) && isfinite(loom_load(dv, i, dt)));
+    /* move one key inside the windows: queries key - pos0 .. key - pos0 + window - 1 change, the rest do not */
+    data_free(&d);
+    d = data_make(c, dt, 990);
+    for (size_t e = 0; e < row; e++) loom_store(d.v, (size_t)key * row + e, dt, loom_load(d.v, (size_t)key * row + e, dt) + 0.5f);
+    attention_fwd_ex(o2, NULL, d.q, d.k, d.v, CASE_ARGS(*c), &ao, dt);
+    for (int t = 0; t < c->Tq; t++) {
+        int pos = c->pos0 + t, sees = key <= pos && pos - key < window;
+        assert_int_equal(!tu_bits_equal((char *)o1 + t * qrow * es, (char *)o2 + t * qrow * es, qrow * es, NULL), sees);
+    }
+    free(o1); free(o2); free(l); free(dq); free(dk); free(dv);
+    data_free(&d);
+}
+
+static void test_window_unseen_keys(void **state) {
+    (void)state;
+    const attn_case kv = {1, 3, 200, 4, 2, 16, 190}, train = {1, 200, 200, 2, 1, 16, 0};
+    for (int di = 0; di < 2; di++) {
+        loom_dtype dt = di ? LOOM_BF16 : LOOM_F32;
+        check_window_unseen_keys(&kv, dt, 70, 130);   /* the cache's first 121 keys: one block whole, one cut */
+        check_window_unseen_keys(&kv, dt, 7, 186);
+        check_window_unseen_keys(&train, dt, 5, 100); /* every key is in some window: no key set to NaN */
+        check_window_unseen_keys(&train, dt, 64, 3);
+    }
 }
 
 /* Every output element is summed by one task in a fixed order: 1 and 2
@@ -452,6 +548,8 @@ static void test_avx512_tiles(void **state) {
     test_fwd_formula(state);
     test_bwd_vs_ref(state);
     test_kv_cache_unseen_keys(state);
+    test_sliding_window(state);
+    test_window_unseen_keys(state);
     mm_bf16_set_tiles(NULL);
     mm_f32_set_tiles(NULL);
 #else
@@ -488,7 +586,7 @@ static void test_thread_count_invariant(void **state) {
  * works column by column, the exps are the same): forward and backward give
  * the same bits at both levels, fp32 and bf16 (fp32 products: the bf16 dot
  * products are capped off), on every case, every other one with a scale of
- * its own and softcapped scores. */
+ * its own and softcapped scores, every third with a sliding window. */
 static void test_levels_agree(void **state) {
     (void)state;
     const char *was = loom_simd_name(); /* a static name: restored at the end */
@@ -503,14 +601,15 @@ static void test_levels_agree(void **state) {
             attn_grads g[2];
             /* every other case with a scale of its own and softcapped scores (Granite's, Gemma 2's) */
             float sc = i % 2 ? 0.5f : 1.0f / sqrtf((float)d.c.HS), cap = i % 2 ? 2.0f : 0.0f;
+            attn_opts ao = {sc, cap, i % 3 ? 0 : 21}; /* and every third with Mistral's window */
             for (int lv = 0; lv < 2; lv++) {
                 assert_int_equal(loom_set_simd_level(lv ? "avx2" : "avx512f"), LOOM_OK);
                 o[lv] = malloc(d.nq * 4);
                 l[lv] = malloc(d.nlse * 4);
-                attention_fwd_scaled(o[lv], l[lv], d.q, d.k, d.v, CASE_ARGS(d.c), sc, cap, d.dt);
+                attention_fwd_ex(o[lv], l[lv], d.q, d.k, d.v, CASE_ARGS(d.c), &ao, d.dt);
                 g[lv] = grads_alloc(&d);
-                attention_bwd_scaled(g[lv].dq, g[lv].dk, g[lv].dv, d.dout, d.q, d.k, d.v, o[lv], l[lv], CASE_ARGS(d.c),
-                                     sc, cap, d.dt);
+                attention_bwd_ex(g[lv].dq, g[lv].dk, g[lv].dv, d.dout, d.q, d.k, d.v, o[lv], l[lv], CASE_ARGS(d.c), &ao,
+                                 d.dt);
             }
             assert_int_equal(loom_set_simd_level(was), LOOM_OK);
             assert_true(tu_bits_equal(o[0], o[1], d.nq * es, "out"));
@@ -535,6 +634,8 @@ int main(void) {
         cmocka_unit_test(test_caller_scale),
         cmocka_unit_test(test_causal_mask),
         cmocka_unit_test(test_kv_cache_unseen_keys),
+        cmocka_unit_test(test_sliding_window),
+        cmocka_unit_test(test_window_unseen_keys),
         cmocka_unit_test(test_bwd_vs_ref),
         cmocka_unit_test(test_bwd_finite_differences),
         cmocka_unit_test(test_thread_count_invariant),

@@ -2,7 +2,8 @@
  * test_generate.c — KV-cache inference against the training forward: the
  * next-token logits from the cache path equal the last row of the full
  * forward's logits, one-pass prompt processing equals token-by-token, and
- * greedy generation picks the argmax of the full forward at every step.
+ * greedy generation picks the argmax of the full forward at every step
+ * (with sliding windows too).
  */
 #include "testutil.h"
 
@@ -74,6 +75,17 @@ static void full_logits(loom_llama *m, const int32_t *tok, int n, float *out) {
     loom_tensor_release(logits);
 }
 
+/* The cache path's next-token logits after tok[0 .. n) equal the full
+ * forward's, for n = 1, 7, 13, 19. */
+static void assert_cache_matches(loom_llama *m, const int32_t *tok) {
+    float a[50], b[50];
+    for (int n = 1; n <= 19; n += 6) {
+        full_logits(m, tok, n, a);
+        assert_int_equal(loom_llama_next_logits(m, tok, n, b), LOOM_OK);
+        TU_ASSERT_CLOSE(b, a, 50, 1e-4, 1e-4);
+    }
+}
+
 static void test_cache_matches_forward(void **state) {
     (void)state;
     for (int tie = 0; tie <= 11; tie++) {
@@ -103,11 +115,50 @@ static void test_cache_matches_forward(void **state) {
         }
         int32_t tok[20];
         for (int i = 0; i < 20; i++) tok[i] = (i * 7 + 3) % 50;
+        assert_cache_matches(m, tok);
+        loom_llama_free(m);
+    }
+}
+
+/* Sliding windows (Mistral's on every block; Qwen's from its second block;
+ * Gemma 2's on its first of two), each shorter than the text: the cache
+ * path's prefill equals the full forward, greedy generation one token at a
+ * time (queries past the cache's first keys) picks the full forward's
+ * argmax at every step, and the window changes the logits (it bites). */
+static void test_window_cache(void **state) {
+    (void)state;
+    for (int kind = 0; kind < 3; kind++) {
+        bias_next = kind == 1; /* Qwen 2's biases */
+        gemma_next = gemma2_next = kind == 2;
+        loom_llama *m = small_model(LOOM_F32, kind == 2);
+        bias_next = gemma_next = gemma2_next = 0;
+        m->cfg.sliding_window = kind == 0 ? 3 : kind == 1 ? 2 : 4;
+        m->cfg.window_from = kind == 1;
+        m->cfg.window_global_interval = kind == 2 ? 2 : 0;
+        assert_int_equal(loom_llama_config_validate(&m->cfg), LOOM_OK);
+        int32_t tok[20], seq[24] = {5, 17, 2};
+        for (int i = 0; i < 20; i++) tok[i] = (i * 7 + 3) % 50;
+        assert_cache_matches(m, tok);
         float a[50], b[50];
-        for (int n = 1; n <= 20; n += 6) {
-            full_logits(m, tok, n, a);
-            assert_int_equal(loom_llama_next_logits(m, tok, n, b), LOOM_OK);
-            TU_ASSERT_CLOSE(b, a, 50, 1e-4, 1e-4);
+        full_logits(m, tok, 19, a);
+        int window = m->cfg.sliding_window;
+        m->cfg.sliding_window = m->cfg.window_from = m->cfg.window_global_interval = 0;
+        full_logits(m, tok, 19, b);
+        assert_false(tu_bits_equal(a, b, sizeof a, NULL));
+        m->cfg.sliding_window = window;
+        m->cfg.window_from = kind == 1;
+        m->cfg.window_global_interval = kind == 2 ? 2 : 0;
+        int32_t out[16];
+        int n_out = 0;
+        loom_sampler greedy = {0.0f, 1.0f, 1, 0, 0, 0.0f, 0.0f};
+        assert_int_equal(loom_llama_generate(m, seq, 3, 12, &greedy, -1, out, &n_out), LOOM_OK);
+        assert_int_equal(n_out, 12);
+        for (int i = 0; i < n_out; i++) {
+            full_logits(m, seq, 3 + i, a);
+            int best = 0;
+            for (int v = 1; v < 50; v++) if (a[v] > a[best]) best = v;
+            assert_int_equal(out[i], best);
+            seq[3 + i] = out[i];
         }
         loom_llama_free(m);
     }
@@ -403,6 +454,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_cache_matches_forward),
         cmocka_unit_test(test_greedy_matches_argmax),
+        cmocka_unit_test(test_window_cache),
         cmocka_unit_test(test_repetition_penalty),
         cmocka_unit_test(test_sampling_distribution),
         cmocka_unit_test(test_bf16_cache),

@@ -18,7 +18,9 @@ normalizes each query and key head (and has DoRA checked too); gemma is
 Gemma's model (norms of 1 + weight, scaled embeddings, the tanh GELU);
 granite has Granite's four multipliers; phi3 reads and writes Phi-3's fused
 qkv_proj and gate_up_proj (phi3-longrope scales its RoPE as Phi-3.5's);
-smollm3 has a block without RoPE.
+smollm3 has a block without RoPE. Sliding windows shorter than the
+sequence: mistral (every block), gemma2 (every other), qwen3 (from
+max_window_layers on), phi3.
 Prints a table of the errors and exits 1 on any mismatch.
 
 Usage: /usr/bin/python3 crosscheck.py --loom build/loom --workdir DIR
@@ -68,11 +70,18 @@ CONFIGS = {
                  "head_dim": 24, "intermediate_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 32,
                  "rms_norm_eps": 1e-5, "tie_word_embeddings": False},
     # Qwen 3's model: each query and key head normalized (q_norm, k_norm) before RoPE, heads of 24 (its
-    # default head_dim, 128, would be far wider than this model), tied
+    # default head_dim, 128, would be far wider than this model), tied; a sliding window of 4 keys on the
+    # blocks from max_window_layers (1) on, as Qwen's with use_sliding_window
     "qwen3": {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 24, "intermediate_size": 96, "vocab_size": VOCAB,
               "max_position_embeddings": 32, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-              "tie_word_embeddings": True, "attention_bias": False, "use_sliding_window": False},
+              "tie_word_embeddings": True, "attention_bias": False, "use_sliding_window": True,
+              "sliding_window": 4, "max_window_layers": 1},
+    # Mistral's model: LLaMA's with a sliding window on every block, 6 keys of the 16 positions
+    "mistral": {"model_type": "mistral", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": VOCAB,
+                "max_position_embeddings": 32, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+                "sliding_window": 6},
     # Gemma's model: norms of 1 + weight, embeddings times sqrt(48) (not a whole number), the tanh GELU's gate
     # (which Gemma 1.0's files call hidden_act "gelu" and leave hidden_activation out), tied by default, one kv
     # head (Gemma 2B's multi-query attention), heads of 32 beside a dim of 48
@@ -80,11 +89,12 @@ CONFIGS = {
               "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 96, "vocab_size": VOCAB,
               "max_position_embeddings": 32, "rms_norm_eps": 1e-6, "hidden_act": "gelu"},
     # Gemma 2's model: Gemma's, with norms of each block's outputs, the scores scaled by 24^-0.5 and softcapped at
-    # 5 (low enough to bend these scores), the logits at 3; heads of 32, GemmaConfig-style defaults otherwise
+    # 5 (low enough to bend these scores), the logits at 3, a window of 5 keys on the first block (of every two);
+    # heads of 32, GemmaConfig-style defaults otherwise
     "gemma2": {"model_type": "gemma2", "hidden_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 96, "vocab_size": VOCAB,
                "max_position_embeddings": 32, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 24,
-               "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0, "sliding_window": 4096},
+               "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0, "sliding_window": 5},
     # Granite's model: the embeddings times 12, each block's outputs times 0.22 before their residual adds, the
     # scores times 0.0625 (not 1/sqrt(16)), the logits divided by 10 (not a power of two), tied
     "granite": {"model_type": "granite", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -92,10 +102,10 @@ CONFIGS = {
                 "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "embedding_multiplier": 12.0,
                 "residual_multiplier": 0.22, "attention_multiplier": 0.0625, "logits_scaling": 10.0},
     # Phi-3's model: LLaMA's, in files whose q, k, v are one qkv_proj and gate, up one gate_up_proj; its
-    # rms_norm_eps left out (Phi3Config's 1e-5), a sliding window past the context, untied
+    # rms_norm_eps left out (Phi3Config's 1e-5), a sliding window of 7 keys (as Phi-3-mini-4k's 2047), untied
     "phi3": {"model_type": "phi3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 32,
-             "sliding_window": 47, "tie_word_embeddings": False, "resid_pdrop": 0.0, "embd_pdrop": 0.0},
+             "sliding_window": 7, "tie_word_embeddings": False, "resid_pdrop": 0.0, "embd_pdrop": 0.0},
     # Phi-3.5's longrope: frequencies divided by its short factors, cosines and sines times sqrt(1 + ln 8 / ln 32)
     # (its context 256 over the original 32, which loom's context stops at)
     "phi3-longrope": {"model_type": "phi3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -190,6 +190,22 @@ class Config:
         self.granite = d.get("model_type") == "granite"
         self.mult = {k: float(d.get(k, 1.0)) for k in ("embedding_multiplier", "residual_multiplier",
                                                          "attention_multiplier", "logits_scaling")}
+        # Sliding windows, as each config class sets them (windows[l]: keys a query of block l sees, None: all):
+        # Mistral's (4096 by default) and Phi-3's on every block, Gemma 2's (4096) on the even blocks, Qwen's
+        # (4096) only with use_sliding_window and from max_window_layers (28) on; a layer_types list over these
+        mt = d.get("model_type", "llama")
+        w = d.get("sliding_window", 4096 if mt in ("mistral", "gemma2", "qwen2", "qwen3") else None)
+        if mt in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
+            w = None
+        if mt == "gemma2":
+            sliding = [bool((l + 1) % 2) for l in range(self.n_layers)]
+        elif mt in ("qwen2", "qwen3"):
+            sliding = [l >= d.get("max_window_layers", 28) for l in range(self.n_layers)]
+        else:
+            sliding = [mt in ("mistral", "phi3")] * self.n_layers
+        if d.get("layer_types") is not None:
+            sliding = [t == "sliding_attention" for t in d["layer_types"]]
+        self.windows = [w if sliding[l] else None for l in range(self.n_layers)]
         self.lora_scale = None  # LoRA's alpha / rank, when params hold adapters
 
     def param_shapes(self):
@@ -294,7 +310,7 @@ def make_model_dir(d, config, rng, embed_std=0.02):
         arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "granite": "GraniteForCausalLM",
                 "phi3": "Phi3ForCausalLM",
-                "smollm3": "SmolLM3ForCausalLM"}[mt]
+                "smollm3": "SmolLM3ForCausalLM", "mistral": "MistralForCausalLM"}[mt]
         act = config.get("hidden_act", "gelu" if mt == "gemma" else "silu")  # Gemma 1.0's files say "gelu"
         json.dump(dict(config, architectures=[arch], model_type=mt, hidden_act=act,
                        torch_dtype="float32"), f, indent=2)
@@ -369,7 +385,7 @@ def lin(x, params, name, cfg):
     return out if bias is None else out + bias
 
 
-def attention(x, params, p, cfg, cos, sin):
+def attention(x, params, p, cfg, cos, sin, window=None):
     B, T, C = x.shape
     NH, NKV, HS = cfg.n_heads, cfg.n_kv_heads, cfg.head_size
     if cfg.fused:  # Phi3Attention: qkv_proj's output cut at query_pos and after the keys
@@ -401,6 +417,8 @@ def attention(x, params, p, cfg, cos, sin):
     else:
         s = q @ k.transpose(-1, -2) / math.sqrt(HS)  # (B, NH, T, T)
     mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+    if window is not None:  # masking_utils' sliding window: key j seen by query i when i - window < j <= i
+        mask |= torch.ones(T, T, dtype=torch.bool).tril(-window)
     s = s.masked_fill(mask, float("-inf"))
     a = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v  # (B, NH, T, HS)
     return lin(a.transpose(1, 2).reshape(B, T, NH * HS), params, p + "self_attn.o_proj", cfg)
@@ -434,7 +452,7 @@ def forward(cfg, params, inputs, targets, dtype=torch.float32):
         p = f"model.layers.{l}."
         rope = cfg.rope_layers[l]
         a = attention(rms_norm(x, w[p + "input_layernorm.weight"], cfg.norm_eps, g), w, p, cfg, cos if rope else None,
-                      sin if rope else None)
+                      sin if rope else None, cfg.windows[l])
         if cfg.gemma2:
             a = rms_norm(a, w[p + "post_attention_layernorm.weight"], cfg.norm_eps, g)
         x = x + (a if rm is None else a * rm)
