@@ -48,7 +48,7 @@ extern "C" {
  * rope_scaling (Qwen2Config's for a "qwen2" file: 32 kv heads, 32768
  * positions; GemmaConfig's for "gemma": 16 kv heads, 8192 positions, head_dim
  * 256, tied). model_type may be "llama", "mistral", "qwen2", "qwen3",
- * "gemma", "gemma2", "granite", "phi3" or "smollm3". sliding_window is
+ * "gemma", "gemma2", "gemma3_text", "granite", "phi3" or "smollm3". sliding_window is
  * computed as a window (sliding_window, window_from,
  * window_global_interval): Mistral's (4096 when a "mistral" file leaves it
  * out) and Phi-3's on every block, Gemma 2's (4096) on every other block
@@ -96,6 +96,14 @@ extern "C" {
  * hidden_activation alone,
  * and its sliding_window (4096) on every other block; it saves as
  * Gemma2ForCausalLM with those fields and its window.
+ * "gemma3_text" (Gemma 3's text model) is Gemma 2's with qk_norm (its
+ * q/k norms scaling by 1 + weight too), no softcaps unless the file says,
+ * Gemma3TextConfig's defaults (rope_theta 1e6, 4 kv heads, 131072
+ * positions, head_dim 256, tied), its window (4096) on every block but
+ * every sliding_window_pattern-th (6; or layer_types), and those blocks
+ * rotating with the plain RoPE of rope_local_base_freq (10000,
+ * rope_local_theta); it saves as Gemma3ForCausalLM with both the pattern
+ * and layer_types. A Gemma 3 without a window is refused.
  * hidden_act (any model_type): "silu", or the tanh GELU as
  * "gelu_pytorch_tanh" or "gelu_new" (act).
  * Save writes rope_scaling as Hugging Face's files do ("type": "linear" and

@@ -112,6 +112,12 @@ typedef struct loom_llama_config {
      * interval == 0, which keep full attention (Gemma 2's 2; 0: none).
      * Without a window both are 0. */
     int sliding_window, window_from, window_global_interval;
+    /* Gemma 3's model (model_type "gemma3_text": Gemma 2's flags with
+     * qk_norm, its q/k norms scaling by 1 + weight too): the blocks with a
+     * window rotate with the plain RoPE of this theta (its
+     * rope_local_base_freq), the others with rope_theta and the scaling;
+     * 0: every block the same. */
+    float rope_local_theta;
 } loom_llama_config;
 
 /* 1 when block `layer` of cfg applies RoPE (not one of SmolLM3's NoPE blocks). */
@@ -135,6 +141,9 @@ int loom_llama_head_dim(const loom_llama_config *cfg);
 
 /* The RoPE of a config: its theta and scaling. */
 loom_rope_freqs loom_llama_rope(const loom_llama_config *cfg);
+/* The RoPE of block `layer`: Gemma 3's local one (rope_local_theta, no
+ * scaling) on its blocks with a window, else loom_llama_rope's. */
+loom_rope_freqs loom_llama_layer_rope(const loom_llama_config *cfg, int layer);
 
 /* "tiny" (288/6/6/6/768/4096/256) and "small" (512/8/8/8/1376/8192/512). */
 loom_status loom_llama_preset(const char *name, loom_llama_config *cfg);

@@ -358,7 +358,7 @@ loom_status loom_llama_save_gguf(loom_llama *m, loom_gguf_type type, const loom_
         c->act != LOOM_ACT_SILU || granite || c->fused_proj || c->nope_interval || c->post_norms)
         return loom_error(LOOM_ERR_UNSUPPORTED, "GGUF export of a model with %s is not supported: export a "
                           "Hugging Face directory (loom export --format hf) and convert that with llama.cpp's "
-                          "convert_hf_to_gguf.py", c->post_norms ? "Gemma 2's architecture"
+                          "convert_hf_to_gguf.py", c->post_norms ? "Gemma 2's or 3's architecture"
                           : c->norm_unit_offset ? "Gemma's architecture"
                           : granite ? "Granite's multipliers" : c->fused_proj ? "Phi-3's fused projections"
                           : c->nope_interval ? "SmolLM3's NoPE blocks"

@@ -112,6 +112,7 @@ static const family families[] = {
     {"granite",   1e4f,  1e-6f, 0,  2048,  0,  0,   0,     0,   0,   0},
     {"phi3",      1e4f,  1e-5f, 0,  4096,  0,  0,   0,     0,   0,   0},
     {"smollm3",   2e6f,  1e-6f, 4,  32768, 1,  0,   0,     1,   0,   0},
+    {"gemma3_text", 1e6f, 1e-6f, 4, 131072, 1, 256, 4096,  0,   0,   6}, /* sliding_window_pattern 6 */
 };
 
 /* The family of root's model_type: LLaMA's when it has none, NULL for a
@@ -136,8 +137,12 @@ static int is_gemma(json_t *root) { return model_type_is(root, "gemma"); }
 /* Gemma 2's ("gemma2"): Gemma's, with norms of each block's outputs, softcapped scores and logits, the scores
  * scaled by query_pre_attn_scalar^-0.5, a sliding window (4096) on every other block; Gemma2Config's defaults. */
 static int is_gemma2(json_t *root) { return model_type_is(root, "gemma2"); }
+/* Gemma 3's text model ("gemma3_text"): Gemma 2's with q/k norms (of 1 + weight), no softcaps by default, a
+ * window on every block but every sliding_window_pattern-th (6), whose blocks rotate with their own base
+ * (rope_local_base_freq, 10000); Gemma3TextConfig's defaults. */
+static int is_gemma3(json_t *root) { return model_type_is(root, "gemma3_text"); }
 
-/* A number field of Gemma 2's, into *out: the file's (null or 0: none; refused when negative), else def. */
+/* A number field of Gemma 2's or 3's, into *out: the file's (null or 0: none; refused when negative), else def. */
 static loom_status gemma2_number(json_t *root, const char *path, const char *key, float def, float *out) {
     json_t *v = json_object_get(root, key);
     *out = def;
@@ -149,13 +154,21 @@ static loom_status gemma2_number(json_t *root, const char *path, const char *key
     return LOOM_OK;
 }
 
+/* Gemma 2's fields (Gemma2Config's softcaps 50 and 30 by default) or Gemma 3's (none by default, its local
+ * RoPE base). */
 static loom_status read_gemma2(json_t *root, const char *path, loom_llama_config *c) {
+    int g3 = is_gemma3(root);
     c->post_norms = 1;
-    LOOM_TRY(gemma2_number(root, path, "attn_logit_softcapping", 50.0f, &c->attn_softcap));
-    LOOM_TRY(gemma2_number(root, path, "final_logit_softcapping", 30.0f, &c->final_softcap));
+    LOOM_TRY(gemma2_number(root, path, "attn_logit_softcapping", g3 ? 0.0f : 50.0f, &c->attn_softcap));
+    LOOM_TRY(gemma2_number(root, path, "final_logit_softcapping", g3 ? 0.0f : 30.0f, &c->final_softcap));
     LOOM_TRY(gemma2_number(root, path, "query_pre_attn_scalar", 256.0f, &c->query_pre_attn_scalar));
     if (!(c->query_pre_attn_scalar > 0.0f))
         return loom_error(LOOM_ERR_FORMAT, "%s: query_pre_attn_scalar must be a positive number", path);
+    if (g3) {
+        LOOM_TRY(gemma2_number(root, path, "rope_local_base_freq", 10000.0f, &c->rope_local_theta));
+        if (!(c->rope_local_theta > 0.0f))
+            return loom_error(LOOM_ERR_FORMAT, "%s: rope_local_base_freq must be a positive number", path);
+    }
     return LOOM_OK;
 }
 /* Granite's ("granite"): LLaMA's with four multipliers (GraniteConfig's 1 by
@@ -261,7 +274,7 @@ static loom_status parse_act(json_t *v, const char *path, const char *key, loom_
  * 4.48, which computes them with the exact GELU). Others: hidden_act. */
 static loom_status read_act(json_t *root, const char *path, loom_llama_config *c) {
     json_t *v = json_object_get(root, "hidden_activation"), *a = json_object_get(root, "hidden_act");
-    if (is_gemma2(root)) { /* Gemma2Config's hidden_activation, alone */
+    if (is_gemma2(root) || is_gemma3(root)) { /* Gemma2Config's (Gemma3TextConfig's) hidden_activation, alone */
         c->act = LOOM_ACT_GELU_TANH;
         return v && !json_is_null(v) ? parse_act(v, path, "hidden_activation", &c->act) : LOOM_OK;
     }
@@ -284,7 +297,7 @@ static loom_status read_architecture(json_t *root, const char *path, loom_llama_
     if (v && json_is_true(v))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: mlp_bias = true is not supported by loom's LLaMA", path);
     v = json_object_get(root, "attention_bias");
-    c->qk_norm = is_qwen3(root);
+    c->qk_norm = is_qwen3(root) || is_gemma3(root);
     if (is_qwen2(root)) {
         c->qkv_bias = 1; /* Qwen 2's attention has them whatever the file says; o has none */
     } else if (v && !json_is_null(v) && !model_type_is(root, "mistral") && !is_phi3(root)) {
@@ -305,13 +318,14 @@ static loom_status read_architecture(json_t *root, const char *path, loom_llama_
     v = json_object_get(root, "model_type");
     if (!f)
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: model_type \"%s\" is not a LLaMA model (loom reads \"llama\", "
-                          "\"mistral\", \"qwen2\", \"qwen3\", \"gemma\", \"gemma2\", \"granite\", \"phi3\" and "
-                          "\"smollm3\")", path, json_is_string(v) ? json_string_value(v) : "?");
+                          "\"mistral\", \"qwen2\", \"qwen3\", \"gemma\", \"gemma2\", \"gemma3_text\", \"granite\", "
+                          "\"phi3\" and \"smollm3\"; Gemma 3's multimodal \"gemma3\" files hold its text model "
+                          "under other names)", path, json_is_string(v) ? json_string_value(v) : "?");
     if (is_smollm3(root)) LOOM_TRY(read_nope(root, path, c));
     c->fused_proj = is_phi3(root);
     if (is_phi3(root)) LOOM_TRY(check_phi3(root, path));
-    c->norm_unit_offset = c->scale_embeddings = is_gemma(root) || is_gemma2(root);
-    if (is_gemma2(root)) LOOM_TRY(read_gemma2(root, path, c));
+    c->norm_unit_offset = c->scale_embeddings = is_gemma(root) || is_gemma2(root) || is_gemma3(root);
+    if (is_gemma2(root) || is_gemma3(root)) LOOM_TRY(read_gemma2(root, path, c));
     if (is_granite(root)) LOOM_TRY(read_multipliers(root, path, c));
     v = json_object_get(root, "attention_dropout"); /* a training forward refuses it (loom_llama_forward) */
     if (v && !json_is_null(v)) {
@@ -355,9 +369,10 @@ static loom_status read_layer_types(json_t *list, const char *path, loom_llama_c
 
 /* The sliding window (Mistral's: 4096 when a "mistral" config does not
  * say) and the blocks it applies to, as each config class has them: every
- * block (Mistral's, Phi-3's), every other from the first (Gemma 2's), or,
- * only with use_sliding_window, every block from max_window_layers on
- * (Qwen 2's and Qwen 3's); a layer_types list says it for any. SmolLM3's
+ * block (Mistral's, Phi-3's), every other from the first (Gemma 2's),
+ * every block but every sliding_window_pattern-th (Gemma 3's), or, only
+ * with use_sliding_window, every block from max_window_layers on (Qwen 2's
+ * and Qwen 3's); a layer_types list says it for any. SmolLM3's
  * window, on its NoPE blocks, is refused. A window as long as the context
  * or longer changes nothing, and is kept as the file says it. */
 static loom_status apply_window(json_t *root, const char *path, loom_llama_config *c) {
@@ -385,6 +400,13 @@ static loom_status apply_window(json_t *root, const char *path, loom_llama_confi
         if (!json_is_integer(mwl) || json_integer_value(mwl) < 0)
             return loom_error(LOOM_ERR_FORMAT, "%s: max_window_layers must be a non-negative integer", path);
         c->window_from = json_integer_value(mwl) > c->n_layers ? c->n_layers : (int)json_integer_value(mwl);
+    }
+    json_t *pat = is_gemma3(root) ? json_object_get(root, "sliding_window_pattern") : NULL;
+    if (pat && !json_is_null(pat)) { /* Gemma 3's older files: every pattern-th block full */
+        if (!json_is_integer(pat) || json_integer_value(pat) <= 0)
+            return loom_error(LOOM_ERR_FORMAT, "%s: sliding_window_pattern must be a positive integer", path);
+        c->window_global_interval = json_integer_value(pat) > (1 << 30) ? 1 << 30 : (int)json_integer_value(pat);
+        if (c->window_global_interval == 1) c->window_from = c->n_layers; /* every block full */
     }
     json_t *types = json_object_get(root, "layer_types");
     if (types && !json_is_null(types)) LOOM_TRY(read_layer_types(types, path, c));
@@ -622,22 +644,40 @@ static int save_longrope(json_t *root, const loom_llama_config *c) {
            !json_object_set_new(root, "original_max_position_embeddings", json_integer(c->rope_original_max_pos));
 }
 
+/* Gemma 3's own fields: its local RoPE base, and its blocks with a window
+ * as the older files say them (sliding_window_pattern) and the newer
+ * (layer_types). 0 when JSON cannot be built. */
+static int save_gemma3(json_t *root, const loom_llama_config *c) {
+    json_t *types = json_array();
+    int built = types != NULL;
+    for (int l = 0; built && l < c->n_layers; l++)
+        built = !json_array_append_new(types, json_string(loom_llama_layer_window(c, l) ? "sliding_attention"
+                                                                                         : "full_attention"));
+    if (!built) json_decref(types);
+    return built && !json_object_set_new(root, "layer_types", types) && /* taken by root, even on failure */
+           !json_object_set_new(root, "sliding_window_pattern", json_integer(c->window_global_interval)) &&
+           !json_object_set_new(root, "rope_local_base_freq", json_real(dec(c->rope_local_theta)));
+}
+
 loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, const char *path) {
-    /* The Hugging Face class that reads it: Gemma 2's (norms of the outputs), Gemma's (norms of 1 + weight),
+    /* The Hugging Face class that reads it: Gemma 3's (norms of the outputs and q/k norms), Gemma 2's (norms
+     * of the outputs; post: either), Gemma's (norms of 1 + weight),
      * Granite's (multipliers), Phi-3's (fused files), SmolLM3's (NoPE blocks), Qwen 3's (q/k norms), Qwen 2's
      * (biases on q, k, v alone), Mistral's (LLaMA's with a sliding window), LLaMA's;
      * loom_llama_config_validate keeps them apart and has each one's windows as its class does */
-    int gemma2 = c->post_norms, gemma = !gemma2 && c->norm_unit_offset;
-    int granite = !gemma && !gemma2 && loom_llama_has_multipliers(c), phi3 = c->fused_proj;
+    int post = c->post_norms, gemma3 = post && c->qk_norm, gemma = !post && c->norm_unit_offset;
+    int granite = !gemma && !post && loom_llama_has_multipliers(c), phi3 = c->fused_proj;
     int smollm3 = c->nope_interval > 0;
-    int qwen3 = !gemma && !granite && c->qk_norm, qwen2 = !gemma && !granite && !qwen3 && c->qkv_bias && !c->o_bias;
+    int qwen3 = !gemma && !post && !granite && c->qk_norm;
+    int qwen2 = !gemma && !post && !granite && !qwen3 && c->qkv_bias && !c->o_bias;
     const char *act = c->act == LOOM_ACT_GELU_TANH ? "gelu_pytorch_tanh" : "silu";
     static const struct { const char *cls, *type; } layouts[] = {
         {"LlamaForCausalLM", "llama"},     {"Qwen2ForCausalLM", "qwen2"},     {"Qwen3ForCausalLM", "qwen3"},
         {"SmolLM3ForCausalLM", "smollm3"}, {"Phi3ForCausalLM", "phi3"},       {"GraniteForCausalLM", "granite"},
         {"GemmaForCausalLM", "gemma"},     {"Gemma2ForCausalLM", "gemma2"},   {"MistralForCausalLM", "mistral"},
+        {"Gemma3ForCausalLM", "gemma3_text"},
     };
-    int layout = gemma2 ? 7 : gemma ? 6 : granite ? 5 : phi3 ? 4 : smollm3 ? 3 : qwen3 ? 2 : qwen2 ? 1 : 0;
+    int layout = gemma3 ? 9 : post ? 7 : gemma ? 6 : granite ? 5 : phi3 ? 4 : smollm3 ? 3 : qwen3 ? 2 : qwen2 ? 1 : 0;
     if (layout == 0 && c->sliding_window > 0) layout = 8;
     json_t *window = c->sliding_window > 0 ? json_integer(c->sliding_window) : json_null();
     json_t *root = json_pack("{s:[s], s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:f, s:b, s:s, s:s, s:f}",
@@ -655,13 +695,13 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
     if (ok && phi3 && c->vocab_size <= 32000) ok = !json_object_set_new(root, "pad_token_id", json_null());
     if (ok && !qwen2 && !phi3 && layout != 8) /* Qwen 2's class has biases on q, k and v, Phi-3's and Mistral's none */
         ok = !json_object_set_new(root, "attention_bias", json_boolean(c->o_bias));
-    /* the window as each class reads it (null: none; Mistral's and Gemma 2's classes have 4096 when absent) */
+    /* the window as each class reads it (null: none; Mistral's and Gemma's classes have 4096 when absent) */
     if (ok && (qwen2 || qwen3 || smollm3)) {
         ok = !json_object_set_new(root, "use_sliding_window", json_boolean(c->sliding_window > 0));
         if (ok && c->sliding_window > 0)
             ok = !json_object_set_new(root, "max_window_layers", json_integer(c->window_from));
     }
-    if (ok && (layout == 8 || phi3 || gemma2 || c->sliding_window > 0)) {
+    if (ok && (layout == 8 || phi3 || post || c->sliding_window > 0)) {
         ok = !json_object_set_new(root, "sliding_window", window);
         window = NULL; /* taken by root, even on failure */
     }
@@ -688,11 +728,12 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
     if (ok && c->attention_dropout > 0.0f)
         ok = !json_object_set_new(root, "attention_dropout", json_real(dec(c->attention_dropout)));
     /* Qwen 3's default head_dim is 128, Gemma's 256, not dim / heads: they always say their own */
-    if (ok && (c->head_dim || qwen3 || gemma || gemma2))
+    if (ok && (c->head_dim || qwen3 || gemma || post))
         ok = !json_object_set_new(root, "head_dim", json_integer(loom_llama_head_dim(c)));
     /* the field Gemma's class reads before hidden_act (read_act) */
-    if (ok && (gemma || gemma2)) ok = !json_object_set_new(root, "hidden_activation", json_string(act));
-    if (ok && gemma2) { /* its fields (0: null, none) */
+    if (ok && (gemma || post)) ok = !json_object_set_new(root, "hidden_activation", json_string(act));
+    if (ok && gemma3) ok = save_gemma3(root, c);
+    if (ok && post) { /* Gemma 2's and 3's fields (0: null, none) */
         float qpas = c->query_pre_attn_scalar > 0.0f ? c->query_pre_attn_scalar : (float)loom_llama_head_dim(c);
         json_t *ac = c->attn_softcap > 0.0f ? json_real(dec(c->attn_softcap)) : json_null();
         json_t *fc = c->final_softcap > 0.0f ? json_real(dec(c->final_softcap)) : json_null();

@@ -81,7 +81,6 @@ static loom_status forward_tokens(loom_llama *m, kv_cache *c, scratch *s, const 
     int C = cfg->dim, NH = cfg->n_heads, NKV = cfg->n_kv_heads, HS = loom_llama_head_dim(cfg), Q = NH * HS;
     int KV = NKV * HS, F = cfg->ffn_dim;
     int pos0 = c->len;
-    loom_rope_freqs rope = loom_llama_rope(cfg);
     float wo = cfg->norm_unit_offset ? 1.0f : 0.0f; /* Gemma's norms scale by 1 + weight */
     embedding_fwd(s->x, tokens, loom_tensor_data(m->embed->tensor), T, C, dt);
     size_t TC = (size_t)T * (size_t)C;
@@ -100,6 +99,7 @@ static loom_status forward_tokens(loom_llama *m, kv_cache *c, scratch *s, const 
             rmsnorm_fwd(kdst, NULL, kdst, loom_tensor_data(y->k_norm->tensor), wo, T * NKV, HS, cfg->norm_eps, dt);
         }
         if (loom_llama_layer_has_rope(cfg, l)) { /* not one of SmolLM3's NoPE blocks */
+            loom_rope_freqs rope = loom_llama_layer_rope(cfg, l); /* Gemma 3's local one on its windowed blocks */
             rope_fwd(s->q, s->q, 1, T, NH, HS, pos0, &rope, dt);
             rope_fwd(kdst, kdst, 1, T, NKV, HS, pos0, &rope, dt);
         }

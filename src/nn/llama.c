@@ -74,6 +74,15 @@ loom_rope_freqs loom_llama_rope(const loom_llama_config *c) {
     return r;
 }
 
+loom_rope_freqs loom_llama_layer_rope(const loom_llama_config *c, int layer) {
+    if (!(c->rope_local_theta > 0.0f) || !loom_llama_layer_window(c, layer)) return loom_llama_rope(c);
+    loom_rope_freqs r;
+    memset(&r, 0, sizeof r); /* Gemma 3's rotary_emb_local: the default RoPE of its own base */
+    r.theta = c->rope_local_theta;
+    r.type = LOOM_ROPE_DEFAULT;
+    return r;
+}
+
 int loom_llama_head_dim(const loom_llama_config *c) {
     return c->head_dim ? c->head_dim : c->n_heads > 0 ? c->dim / c->n_heads : 0;
 }
@@ -140,7 +149,8 @@ int loom_llama_config_same_model(const loom_llama_config *a, const loom_llama_co
 
 int loom_llama_config_same_rope(const loom_llama_config *a, const loom_llama_config *b) {
     size_t n = sizeof(float) * (size_t)(a->rope_n_ext > 0 && a->rope_n_ext <= LOOM_ROPE_EXT_MAX ? a->rope_n_ext : 0);
-    return a->rope_theta == b->rope_theta && a->rope_type == b->rope_type && a->rope_factor == b->rope_factor &&
+    return a->rope_theta == b->rope_theta && a->rope_local_theta == b->rope_local_theta &&
+           a->rope_type == b->rope_type && a->rope_factor == b->rope_factor &&
            a->rope_low_freq_factor == b->rope_low_freq_factor &&
            a->rope_high_freq_factor == b->rope_high_freq_factor && a->rope_original_max_pos == b->rope_original_max_pos &&
            a->rope_attention_factor == b->rope_attention_factor && a->rope_n_ext == b->rope_n_ext &&
@@ -150,9 +160,9 @@ int loom_llama_config_same_rope(const loom_llama_config *a, const loom_llama_con
 /* A sliding window as the config class that saves c can say it
  * (loom_llama_config_save): every block (Mistral's, which LLaMA's layout
  * becomes, without attention_bias; Phi-3's), every block from
- * max_window_layers on (Qwen 2's, Qwen 3's) or every other block from the
- * first (Gemma 2's); Gemma's and Granite's have none, and SmolLM3's (on
- * its NoPE blocks) is not computed. */
+ * max_window_layers on (Qwen 2's, Qwen 3's), every other block from the
+ * first (Gemma 2's) or every block but every N-th (Gemma 3's); Gemma's and
+ * Granite's have none, and SmolLM3's (on its NoPE blocks) is not computed. */
 static loom_status check_window(const loom_llama_config *c) {
     if (c->sliding_window < 0 || c->window_from < 0 || c->window_global_interval < 0 ||
         (!c->sliding_window && (c->window_from || c->window_global_interval)))
@@ -161,8 +171,10 @@ static loom_status check_window(const loom_llama_config *c) {
                           c->window_from, c->window_global_interval);
     if (!c->sliding_window) return LOOM_OK;
     int qwen = c->qk_norm || (c->qkv_bias && !c->o_bias);
-    const char *why = c->post_norms ? (c->window_from || c->window_global_interval != 2
-                                           ? "Gemma 2's is on every other block from the first" : NULL)
+    const char *why = c->post_norms && c->qk_norm ? (c->window_from || c->window_global_interval < 2
+                                                         ? "Gemma 3's is on every block but every N-th" : NULL)
+                      : c->post_norms ? (c->window_from || c->window_global_interval != 2
+                                             ? "Gemma 2's is on every other block from the first" : NULL)
                       : c->norm_unit_offset || loom_llama_has_multipliers(c) ? "Gemma's and Granite's have none"
                       : c->nope_interval > 0 ? "SmolLM3's is on its NoPE blocks, which loom does not compute"
                       : qwen ? (c->window_global_interval ? "Qwen's are on every block from max_window_layers on"
@@ -216,9 +228,10 @@ loom_status loom_llama_config_validate(const loom_llama_config *c) {
     if (!c->norm_unit_offset != !c->scale_embeddings)
         return loom_error(LOOM_ERR_INVALID, "model config: norms scaled by 1 + weight and embeddings scaled by "
                           "sqrt(dim) come together (Gemma's model); one alone has no Hugging Face layout");
-    if (c->norm_unit_offset && (c->qk_norm || (c->qkv_bias && !c->o_bias)))
-        return loom_error(LOOM_ERR_INVALID, "model config: Gemma's model has no q/k norms and no biases on q, k "
-                          "and v alone (its attention_bias puts them on all four)");
+    if (c->norm_unit_offset && ((c->qk_norm && !c->post_norms) || (c->qkv_bias && !c->o_bias)))
+        return loom_error(LOOM_ERR_INVALID, "model config: Gemma's model has no q/k norms (Gemma 3's, with the "
+                          "norms of the blocks' outputs, has) and no biases on q, k and v alone (its "
+                          "attention_bias puts them on all four)");
     const float mult[4] = {c->embedding_multiplier, c->residual_multiplier, c->attention_multiplier,
                            c->logits_scaling};
     for (int i = 0; i < 4; i++)
@@ -240,12 +253,18 @@ loom_status loom_llama_config_validate(const loom_llama_config *c) {
                           "positive (0: none)");
     int gemma2_only = c->attn_softcap > 0.0f || c->final_softcap > 0.0f || c->query_pre_attn_scalar > 0.0f;
     if ((c->post_norms || gemma2_only) &&
-        (!c->post_norms || !c->norm_unit_offset || !(c->query_pre_attn_scalar > 0.0f) || c->qk_norm ||
-         c->fused_proj || c->nope_interval || loom_llama_has_multipliers(c)))
+        (!c->post_norms || !c->norm_unit_offset || !(c->query_pre_attn_scalar > 0.0f) || c->fused_proj ||
+         c->nope_interval || loom_llama_has_multipliers(c)))
         return loom_error(LOOM_ERR_INVALID, "model config: norms of the blocks' outputs, softcaps and "
-                          "query_pre_attn_scalar (which Gemma 2's model needs) come together with Gemma's norms "
-                          "(Gemma 2's model), without q/k norms, Phi-3's files, NoPE blocks or Granite's "
-                          "multipliers");
+                          "query_pre_attn_scalar (which Gemma 2's and 3's models need) come together with Gemma's "
+                          "norms, without Phi-3's files, NoPE blocks or Granite's multipliers");
+    int gemma3 = c->post_norms && c->qk_norm;
+    if (!(c->rope_local_theta >= 0.0f) || !isfinite(c->rope_local_theta) ||
+        (gemma3 && (!(c->rope_local_theta > 0.0f) || c->sliding_window <= 0)) ||
+        (!gemma3 && c->rope_local_theta != 0.0f))
+        return loom_error(LOOM_ERR_INVALID, "model config: a local RoPE base (rope_local_base_freq %g) is Gemma 3's, "
+                          "whose model (Gemma 2's with q/k norms) needs one, finite and positive, and a sliding "
+                          "window (%d)", (double)c->rope_local_theta, c->sliding_window);
     if (c->fused_proj &&
         (c->qkv_bias || c->o_bias || c->qk_norm || c->norm_unit_offset || loom_llama_has_multipliers(c)))
         return loom_error(LOOM_ERR_INVALID, "model config: Phi-3's fused projections with attention biases, q/k "
@@ -968,7 +987,7 @@ static loom_status attention_part(const struct llama_block_args *a, loom_tensor 
     int64_t flat[2] = {(int64_t)a->B * a->T, (int64_t)NH * HS};
     loom_status st = loom_rmsnorm_ex(x, y->attn_norm->tensor, c->norm_eps, norm_offset(c), &hn);
     if (st == LOOM_OK) st = tp_copy(m->tp_comm, hn, &h);
-    loom_rope_freqs rope = loom_llama_rope(c);
+    loom_rope_freqs rope = loom_llama_layer_rope(c, a->layer);
     const loom_rope_freqs *r = loom_llama_layer_has_rope(c, a->layer) ? &rope : NULL; /* SmolLM3's NoPE blocks */
     if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_Q, h, hn, NH, HS, y->q_norm, r, &q);
     if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_K, h, hn, NKV, HS, y->k_norm, r, &k);

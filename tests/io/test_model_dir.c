@@ -760,7 +760,7 @@ static void test_gemma_config(void **state) {
         {", \"hidden_act\": \"gelu\"", "hidden_act \"gelu\" is not supported"}, /* the exact GELU */
         {", \"hidden_act\": 3", "hidden_act \"?\" is not supported"},
         {", \"model_type\": \"gemma\", \"hidden_activation\": \"relu\"", "hidden_activation \"relu\" is not supported"},
-        {", \"model_type\": \"gemma3_text\"", "model_type \"gemma3_text\" is not a LLaMA model"},
+        {", \"model_type\": \"gemma3n_text\"", "model_type \"gemma3n_text\" is not a LLaMA model"},
     };
     for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) assert_config_refused(bad[k].extra, bad[k].msg);
     c = config_of("{\"model_type\": \"gemma\", \"hidden_size\": 16, \"num_hidden_layers\": 1, "
@@ -826,6 +826,63 @@ static void test_gemma2_config(void **state) {
     c.norm_unit_offset = c.scale_embeddings = 0; /* its norms without Gemma's */
     assert_int_equal(loom_llama_config_validate(&c), LOOM_ERR_INVALID);
     IO_ASSERT_MSG("come together with Gemma's norms");
+}
+
+/* Gemma 3's text model: Gemma 2's with q/k norms (offsets from 1), no
+ * softcaps, Gemma3TextConfig's defaults (1e6 and 10000 as its global and
+ * local RoPE bases, 4 kv heads, 131072 positions, a window of 4096 on every
+ * block but every 6th); sliding_window_pattern (its older files) or
+ * layer_types give the blocks; the windowed blocks rotate with the local
+ * base; saved as Gemma3ForCausalLM with both and read back the same; its
+ * multimodal "gemma3" files, and a Gemma 3 without a window, refused by name. */
+static void test_gemma3_config(void **state) {
+    (void)state;
+    const char *g = "{\"model_type\": \"gemma3_text\", \"hidden_size\": 16, \"num_hidden_layers\": 7, "
+                    "\"num_attention_heads\": 8, \"head_dim\": 8, \"intermediate_size\": 24, \"vocab_size\": 40}";
+    loom_llama_config c = config_of(g), back;
+    assert_true(c.post_norms && c.qk_norm && c.norm_unit_offset && c.scale_embeddings && c.act == LOOM_ACT_GELU_TANH &&
+                c.tie_embeddings && c.max_seq == 131072 && c.n_kv_heads == 4 && c.rope_theta == 1e6f &&
+                c.rope_local_theta == 10000.0f && c.attn_softcap == 0.0f && c.final_softcap == 0.0f &&
+                loom_llama_attn_scale(&c) == 0.0625f);
+    for (int l = 0; l < 7; l++) {
+        loom_rope_freqs r = loom_llama_layer_rope(&c, l);
+        assert_int_equal(loom_llama_layer_window(&c, l), l == 5 ? 0 : 4096); /* the 6th block is global */
+        assert_true(r.theta == (l == 5 ? 1e6f : 10000.0f));
+    }
+    back = saved_and_loaded(&c);
+    assert_true(loom_llama_config_same_model(&c, &back) && saved_text_has("Gemma3ForCausalLM") &&
+                saved_text_has("\"gemma3_text\"") && saved_text_has("\"sliding_window_pattern\": 6") &&
+                saved_text_has("\"rope_local_base_freq\": 10000") && saved_text_has("\"attn_logit_softcapping\": null") &&
+                saved_text_has("\"full_attention\""));
+    back.rope_local_theta = 20000.0f; /* another local base: another model */
+    assert_false(loom_llama_config_same_model(&c, &back));
+    char json[768];
+    snprintf(json, sizeof json, "%.*s, \"sliding_window\": 5, \"sliding_window_pattern\": 3, \"rope_scaling\": "
+             "{\"rope_type\": \"linear\", \"factor\": 8.0}, \"rope_local_base_freq\": 5000.0}", (int)strlen(g) - 1, g);
+    c = config_of(json);
+    assert_true(loom_llama_layer_window(&c, 1) == 5 && loom_llama_layer_window(&c, 2) == 0 && c.rope_local_theta == 5000.0f);
+    assert_true(loom_llama_layer_rope(&c, 2).type == LOOM_ROPE_LINEAR && loom_llama_layer_rope(&c, 1).type == LOOM_ROPE_DEFAULT);
+    back = saved_and_loaded(&c);
+    assert_true(loom_llama_config_same_model(&c, &back));
+    c = config_of("{\"model_type\": \"gemma3_text\", \"hidden_size\": 16, \"num_hidden_layers\": 3, "
+                  "\"num_attention_heads\": 8, \"head_dim\": 8, \"intermediate_size\": 24, \"vocab_size\": 40, "
+                  "\"layer_types\": [\"sliding_attention\", \"full_attention\", \"sliding_attention\"]}");
+    assert_true(c.window_global_interval == 2 && loom_llama_layer_window(&c, 2) == 4096 &&
+                loom_llama_layer_window(&c, 1) == 0);
+    static const struct { const char *extra, *msg; } bad[] = {
+        {", \"model_type\": \"gemma3\"", "Gemma 3's multimodal \"gemma3\" files"},
+        {", \"model_type\": \"gemma3_text\", \"head_dim\": 8, \"num_key_value_heads\": 2, \"sliding_window\": null",
+         "Gemma 3's, whose model (Gemma 2's with q/k norms) needs"},
+        {", \"model_type\": \"gemma3_text\", \"head_dim\": 8, \"num_key_value_heads\": 2, \"sliding_window_pattern\": 0",
+         "sliding_window_pattern must be a positive integer"},
+        {", \"model_type\": \"gemma3_text\", \"head_dim\": 8, \"num_key_value_heads\": 2, \"rope_local_base_freq\": -1",
+         "rope_local_base_freq must be a positive number"},
+    };
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) assert_config_refused(bad[k].extra, bad[k].msg);
+    c = config_of(g);
+    c.qk_norm = 0; /* Gemma 2's with a local base */
+    assert_int_equal(loom_llama_config_validate(&c), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("a local RoPE base");
 }
 
 /* Granite's model: its four multipliers read (GraniteConfig's 1 where left
@@ -1516,7 +1573,7 @@ static void test_gguf_refusals(void **state) {
     m->cfg.fused_proj = 0;
     m->cfg.post_norms = 1; /* Gemma 2's (the flag is what export reads) */
     assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_F32, tok, io_path("scaled.gguf")), LOOM_ERR_UNSUPPORTED);
-    IO_ASSERT_MSG("Gemma 2's architecture");
+    IO_ASSERT_MSG("Gemma 2's or 3's architecture");
     m->cfg.post_norms = 0;
     m->cfg.nope_interval = 4; /* SmolLM3's */
     assert_int_equal(loom_llama_save_gguf(m, LOOM_GGUF_F32, tok, io_path("scaled.gguf")), LOOM_ERR_UNSUPPORTED);
@@ -1570,6 +1627,7 @@ int main(void) {
         cmocka_unit_test(test_same_model),
         cmocka_unit_test(test_longrope_config),
         cmocka_unit_test(test_window_config),
+        cmocka_unit_test(test_gemma3_config),
         cmocka_unit_test(test_smollm3_config),
         cmocka_unit_test(test_gguf_refusals),
     };

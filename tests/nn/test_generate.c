@@ -17,7 +17,8 @@ static int head_dim_next; /* and heads of this size (0: dim / heads) */
 static int qk_norm_next;  /* and Qwen 3's norms of each query and key head (drawn around 1) */
 static int gemma_next;    /* and Gemma's norms (1 + weight, weights drawn around 0), scaled embeddings, GELU */
 static int granite_next;  /* and Granite's multipliers */
-static int gemma2_next;   /* and Gemma 2's (with gemma_next): norms of the outputs, softcaps, its scale */
+static int gemma2_next;   /* and Gemma 2's (with gemma_next): norms of the outputs, softcaps, its scale; with
+                          * qk_norm_next Gemma 3's (a window on every other block, a local RoPE base) */
 
 static loom_llama *model_with_context(loom_dtype dt, int tie, int max_seq) {
     loom_llama_config c;
@@ -34,6 +35,11 @@ static loom_llama *model_with_context(loom_dtype dt, int tie, int max_seq) {
     c.attn_softcap = gemma2_next ? 2.0f : 0.0f;
     c.final_softcap = gemma2_next ? 4.0f : 0.0f;
     c.query_pre_attn_scalar = gemma2_next ? 10.0f : 0.0f;
+    if (gemma2_next && qk_norm_next) { /* Gemma 3's: a window, and a local RoPE base on its blocks */
+        c.sliding_window = 4;
+        c.window_global_interval = 2;
+        c.rope_local_theta = 50.0f; /* far from the global 10000 */
+    }
     if (granite_next) {
         c.embedding_multiplier = 12.0f;
         c.residual_multiplier = 0.22f;
@@ -121,33 +127,34 @@ static void test_cache_matches_forward(void **state) {
 }
 
 /* Sliding windows (Mistral's on every block; Qwen's from its second block;
- * Gemma 2's on its first of two), each shorter than the text: the cache
+ * Gemma 2's on its first of two; Gemma 3's, whose windowed block rotates
+ * with a local base, with q/k norms), each shorter than the text: the cache
  * path's prefill equals the full forward, greedy generation one token at a
  * time (queries past the cache's first keys) picks the full forward's
  * argmax at every step, and the window changes the logits (it bites). */
 static void test_window_cache(void **state) {
     (void)state;
-    for (int kind = 0; kind < 3; kind++) {
+    for (int kind = 0; kind < 4; kind++) {
         bias_next = kind == 1; /* Qwen 2's biases */
-        gemma_next = gemma2_next = kind == 2;
+        gemma_next = gemma2_next = kind >= 2;
+        qk_norm_next = kind == 3; /* Gemma 3's */
         loom_llama *m = small_model(LOOM_F32, kind == 2);
-        bias_next = gemma_next = gemma2_next = 0;
+        bias_next = gemma_next = gemma2_next = qk_norm_next = 0;
         m->cfg.sliding_window = kind == 0 ? 3 : kind == 1 ? 2 : 4;
         m->cfg.window_from = kind == 1;
-        m->cfg.window_global_interval = kind == 2 ? 2 : 0;
+        m->cfg.window_global_interval = kind >= 2 ? 2 : 0;
         assert_int_equal(loom_llama_config_validate(&m->cfg), LOOM_OK);
         int32_t tok[20], seq[24] = {5, 17, 2};
         for (int i = 0; i < 20; i++) tok[i] = (i * 7 + 3) % 50;
         assert_cache_matches(m, tok);
         float a[50], b[50];
         full_logits(m, tok, 19, a);
-        int window = m->cfg.sliding_window;
+        loom_llama_config with = m->cfg;
         m->cfg.sliding_window = m->cfg.window_from = m->cfg.window_global_interval = 0;
+        m->cfg.rope_local_theta = 0.0f;
         full_logits(m, tok, 19, b);
         assert_false(tu_bits_equal(a, b, sizeof a, NULL));
-        m->cfg.sliding_window = window;
-        m->cfg.window_from = kind == 1;
-        m->cfg.window_global_interval = kind == 2 ? 2 : 0;
+        m->cfg = with;
         int32_t out[16];
         int n_out = 0;
         loom_sampler greedy = {0.0f, 1.0f, 1, 0, 0, 0.0f, 0.0f};

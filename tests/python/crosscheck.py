@@ -16,7 +16,8 @@ Configs with biases: qwen2 (q, k, v) and attention-bias (q, k, v, o);
 head-dim has heads of their own size (q and o wider than the model); qwen3
 normalizes each query and key head (and has DoRA checked too); gemma is
 Gemma's model (norms of 1 + weight, scaled embeddings, the tanh GELU);
-granite has Granite's four multipliers; phi3 reads and writes Phi-3's fused
+gemma3 is Gemma 3's text model (q/k norms, a local RoPE base on its
+windowed blocks); granite has Granite's four multipliers; phi3 reads and writes Phi-3's fused
 qkv_proj and gate_up_proj (phi3-longrope scales its RoPE as Phi-3.5's);
 smollm3 has a block without RoPE. Sliding windows shorter than the
 sequence: mistral (every block), gemma2 (every other), qwen3 (from
@@ -95,6 +96,14 @@ CONFIGS = {
                "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 96, "vocab_size": VOCAB,
                "max_position_embeddings": 32, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 24,
                "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0, "sliding_window": 5},
+    # Gemma 3's text model: Gemma 2's blocks with q/k norms of 1 + weight, no softcaps, a window of 5 keys on
+    # every block but every 3rd (its older sliding_window_pattern), whose blocks rotate with rope_local_base_freq
+    # (10000) and the others with rope_theta (1e6, Gemma3TextConfig's) and a linear scaling
+    "gemma3": {"model_type": "gemma3_text", "hidden_size": 48, "num_hidden_layers": 3, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 96, "vocab_size": VOCAB,
+               "max_position_embeddings": 32, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 24,
+               "sliding_window": 5, "sliding_window_pattern": 3,
+               "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
     # Granite's model: the embeddings times 12, each block's outputs times 0.22 before their residual adds, the
     # scores times 0.0625 (not 1/sqrt(16)), the logits divided by 10 (not a power of two), tied
     "granite": {"model_type": "granite", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -155,7 +164,8 @@ TOL_FP32 = 1e-4
 # As a check that this is the error of bf16 and not of loom, the same error of
 # torch's own pure-bf16 model (model.to(bfloat16), as Hugging Face runs it)
 # is the yardstick: per tensor, loom's error must stay below 3x torch's (or the
-# tolerance, whichever is smaller). loom keeps fp32 main_grad and computes
+# tolerance, whichever is smaller; where torch's own error is above the
+# tolerance, 1.5x torch's: bf16_tolerance). loom keeps fp32 main_grad and computes
 # inside its kernels in fp32, so it measures about half of torch's error
 # (the ratio per tensor was at most 1.1 over those 14 draws).
 TOL_BF16_LOGITS = 3e-2
@@ -255,27 +265,34 @@ def load_dumps(logits_path, grads_path, like):
     return logits.view_as(like), float(lmeta["loss"]), gr
 
 
+def bf16_tolerance(tol, yard):
+    """A bf16 tensor's tolerance given torch's own pure-bf16 error on it: within 3x torch's or tol, whichever is
+    smaller; on a tensor where torch's own error exceeds tol (an ill-conditioned one: measured 0.067 on a
+    Gemma 3 k_norm gradient, where loom's was 0.066), within 1.5x torch's, at most 2 tol."""
+    return max(min(tol, BF16_VS_TORCH * max(yard, 1e-3)), min(1.5 * yard, 2 * tol))
+
+
 def check_grads(rep, label, loom_grads, torch_grads, tol, yardstick=None, note=""):
     """Every gradient; the table gets the worst tensor and a FAIL row per bad one."""
     missing = set(torch_grads) ^ set(loom_grads)
     if missing:
         rep.failures.append(f"{label}: gradient names differ: {sorted(missing)}")
         return
-    worst, worst_name, bad = -1.0, "", 0
+    worst, worst_name, worst_tol, bad = -1.0, "", tol, 0
     for name, g in torch_grads.items():
         lg = loom_grads[name]
         if tuple(lg.shape) != tuple(g.shape):
             rep.failures.append(f"{label}: {name}: shape {tuple(lg.shape)} != {tuple(g.shape)}")
             continue
         e = rel_err(lg, g)
-        t = tol if yardstick is None else min(tol, BF16_VS_TORCH * max(yardstick[name], 1e-3))
+        t = tol if yardstick is None else bf16_tolerance(tol, yardstick[name])
         if not e <= t:
             bad += 1
             rep.check(f"{label} grad {name}", e, t)
         if not e <= worst:
-            worst, worst_name = e, name
+            worst, worst_name, worst_tol = e, name, t
     if not bad:
-        rep.check(f"{label} grads, worst of {len(torch_grads)}", worst, tol, f"({worst_name}){note}")
+        rep.check(f"{label} grads, worst of {len(torch_grads)}", worst, worst_tol, f"({worst_name}){note}")
 
 
 def check_first_step(rep, loom, work, name, data_dir, model_dir, inputs, targets):

@@ -136,7 +136,8 @@ class Config:
         self.ffn_dim = d["intermediate_size"]
         self.vocab_size = d["vocab_size"]
         self.max_seq = d.get("max_position_embeddings", 2048)
-        self.rope_theta = float(d.get("rope_theta", 2000000.0 if d.get("model_type") == "smollm3" else 10000.0))
+        mt = d.get("model_type", "llama")
+        self.rope_theta = float(d.get("rope_theta", {"smollm3": 2e6, "gemma3_text": 1e6}.get(mt, 10000.0)))
         self.rope_scaling = d.get("rope_scaling")
         # Phi-3's longrope (for positions up to its original context): cosines and sines times an attention factor,
         # given or sqrt(1 + ln(s) / ln(original)), s = max_position_embeddings / original (modeling_rope_utils.py)
@@ -153,7 +154,11 @@ class Config:
         self.tie = bool(d.get("tie_word_embeddings", False))
         # Qwen 2's attention has biases on q, k and v; LLaMA's attention_bias puts them on o too
         # Qwen 3's: a norm of each query and key head before RoPE, LLaMA's attention_bias, head_dim 128 by default
-        qwen2, self.qk_norm = d.get("model_type") == "qwen2", d.get("model_type") == "qwen3"
+        # Gemma 3's (text): Gemma 2's, with q/k norms of 1 + weight, no softcaps by default, its windowed blocks
+        # rotating with rope_local_base_freq (Gemma3TextConfig's 10000; rope_theta 1e6)
+        self.gemma3 = mt == "gemma3_text"
+        self.rope_local = float(d.get("rope_local_base_freq", 10000.0)) if self.gemma3 else None
+        qwen2, self.qk_norm = mt == "qwen2", mt in ("qwen3", "gemma3_text")
         self.qkv_bias = qwen2 or bool(d.get("attention_bias", False))
         self.o_bias = not qwen2 and bool(d.get("attention_bias", False))
         # Gemma's: norms scale by 1 + weight (computed in fp32), embeddings by sqrt(hidden_size) in the activations'
@@ -162,22 +167,22 @@ class Config:
         # Gemma 2's, beside Gemma's: norms of each block's attention and MLP outputs (post_attention_layernorm,
         # post_feedforward_layernorm; the MLP's input norm is pre_feedforward_layernorm), the scores scaled by
         # query_pre_attn_scalar^-0.5 and softcapped, the logits softcapped; hidden_activation alone
-        self.gemma2 = d.get("model_type") == "gemma2"
-        self.gemma = d.get("model_type") == "gemma" or self.gemma2
+        self.gemma2 = mt in ("gemma2", "gemma3_text")  # the post norms, scale, softcaps and activation
+        self.gemma = mt == "gemma" or self.gemma2
         act = d.get("hidden_act", "silu")
         if self.gemma2:
             act = d.get("hidden_activation") or "gelu_pytorch_tanh"
         elif self.gemma:  # hidden_activation; else hidden_act, where "gelu" (or nothing) means the tanh GELU
             act = d.get("hidden_activation") or ("gelu_pytorch_tanh" if d.get("hidden_act", "gelu") == "gelu" else act)
-        self.attn_softcap = d.get("attn_logit_softcapping", 50.0) if self.gemma2 else None
-        self.final_softcap = d.get("final_logit_softcapping", 30.0) if self.gemma2 else None
+        self.attn_softcap = d.get("attn_logit_softcapping", None if self.gemma3 else 50.0) if self.gemma2 else None
+        self.final_softcap = d.get("final_logit_softcapping", None if self.gemma3 else 30.0) if self.gemma2 else None
         self.qpas = d.get("query_pre_attn_scalar", 256) if self.gemma2 else None
         assert act in ("silu", "gelu_pytorch_tanh", "gelu_new"), act
         self.gelu = act != "silu"
         if self.gemma:  # Gemma 2's too (its default kv heads 4)
             self.tie = bool(d.get("tie_word_embeddings", True))
             self.n_kv_heads = d.get("num_key_value_heads", 4 if self.gemma2 else 16)
-        self.head_size = d.get("head_dim") or (128 if self.qk_norm else 256 if self.gemma else self.dim // self.n_heads)
+        self.head_size = d.get("head_dim") or (128 if mt == "qwen3" else 256 if self.gemma else self.dim // self.n_heads)
         # SmolLM3's NoPE blocks: no_rope_layers (1: RoPE), else every no_rope_layer_interval-th block without
         self.rope_layers = [1] * self.n_layers
         if d.get("model_type") == "smollm3":
@@ -193,12 +198,12 @@ class Config:
         # Sliding windows, as each config class sets them (windows[l]: keys a query of block l sees, None: all):
         # Mistral's (4096 by default) and Phi-3's on every block, Gemma 2's (4096) on the even blocks, Qwen's
         # (4096) only with use_sliding_window and from max_window_layers (28) on; a layer_types list over these
-        mt = d.get("model_type", "llama")
-        w = d.get("sliding_window", 4096 if mt in ("mistral", "gemma2", "qwen2", "qwen3") else None)
+        w = d.get("sliding_window", 4096 if mt in ("mistral", "gemma2", "gemma3_text", "qwen2", "qwen3") else None)
         if mt in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
             w = None
-        if mt == "gemma2":
-            sliding = [bool((l + 1) % 2) for l in range(self.n_layers)]
+        if mt in ("gemma2", "gemma3_text"):  # Gemma 3's older files: sliding_window_pattern (6)
+            n = d.get("sliding_window_pattern", 6) if self.gemma3 else 2
+            sliding = [bool((l + 1) % n) for l in range(self.n_layers)]
         elif mt in ("qwen2", "qwen3"):
             sliding = [l >= d.get("max_window_layers", 28) for l in range(self.n_layers)]
         else:
@@ -310,7 +315,8 @@ def make_model_dir(d, config, rng, embed_std=0.02):
         arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "granite": "GraniteForCausalLM",
                 "phi3": "Phi3ForCausalLM",
-                "smollm3": "SmolLM3ForCausalLM", "mistral": "MistralForCausalLM"}[mt]
+                "smollm3": "SmolLM3ForCausalLM", "mistral": "MistralForCausalLM",
+                "gemma3_text": "Gemma3ForCausalLM"}[mt]
         act = config.get("hidden_act", "gelu" if mt == "gemma" else "silu")  # Gemma 1.0's files say "gelu"
         json.dump(dict(config, architectures=[arch], model_type=mt, hidden_act=act,
                        torch_dtype="float32"), f, indent=2)
@@ -398,9 +404,9 @@ def attention(x, params, p, cfg, cos, sin, window=None):
         q = lin(x, params, p + "self_attn.q_proj", cfg).view(B, T, NH, HS)
         k = lin(x, params, p + "self_attn.k_proj", cfg).view(B, T, NKV, HS)
         v = lin(x, params, p + "self_attn.v_proj", cfg).view(B, T, NKV, HS).transpose(1, 2)
-    if cfg.qk_norm:
-        q = rms_norm(q, params[p + "self_attn.q_norm.weight"], cfg.norm_eps)
-        k = rms_norm(k, params[p + "self_attn.k_norm.weight"], cfg.norm_eps)
+    if cfg.qk_norm:  # Gemma 3's scale by 1 + weight
+        q = rms_norm(q, params[p + "self_attn.q_norm.weight"], cfg.norm_eps, cfg.gemma)
+        k = rms_norm(k, params[p + "self_attn.k_norm.weight"], cfg.norm_eps, cfg.gemma)
     q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, NH, T, HS)
     if cos is not None:  # None: one of SmolLM3's NoPE blocks
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
@@ -441,6 +447,8 @@ def forward(cfg, params, inputs, targets, dtype=torch.float32):
     w = {k: v.to(dtype) for k, v in params.items()}
     B, T = inputs.shape
     cos, sin = rope_cos_sin(T, cfg.head_size, cfg.rope_theta, cfg.rope_scaling, cfg.rope_af)
+    if cfg.gemma3:  # Gemma3TextModel's rotary_emb_local: the default RoPE of its own base, on the windowed blocks
+        cos_l, sin_l = rope_cos_sin(T, cfg.head_size, cfg.rope_local, None, 1.0)
     x = F.embedding(inputs, w["model.embed_tokens.weight"])  # (B, T, C)
     if cfg.gemma:  # GemmaModel: times sqrt(hidden_size) as a tensor of the activations' dtype
         x = x * torch.tensor(cfg.dim ** 0.5, dtype=x.dtype)
@@ -451,8 +459,9 @@ def forward(cfg, params, inputs, targets, dtype=torch.float32):
     for l in range(cfg.n_layers):
         p = f"model.layers.{l}."
         rope = cfg.rope_layers[l]
-        a = attention(rms_norm(x, w[p + "input_layernorm.weight"], cfg.norm_eps, g), w, p, cfg, cos if rope else None,
-                      sin if rope else None, cfg.windows[l])
+        c_, s_ = (cos_l, sin_l) if cfg.gemma3 and cfg.windows[l] is not None else (cos, sin)
+        a = attention(rms_norm(x, w[p + "input_layernorm.weight"], cfg.norm_eps, g), w, p, cfg, c_ if rope else None,
+                      s_ if rope else None, cfg.windows[l])
         if cfg.gemma2:
             a = rms_norm(a, w[p + "post_attention_layernorm.weight"], cfg.norm_eps, g)
         x = x + (a if rm is None else a * rm)

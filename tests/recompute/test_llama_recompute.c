@@ -122,22 +122,24 @@ static void free_result(run_result *r) {
  * (norms of the blocks' outputs, softcapped scores and logits, its sliding
  * window on every other block); with Granite's multipliers; and with
  * Mistral's window on every block (Qwen 3's layout has one from its second
- * block). Windows of 2 and 3 keys in sequences of 8. */
+ * block); and as Gemma 3's (Gemma 2's with q/k norms and a local RoPE base
+ * on its windowed blocks). Windows of 2 and 3 keys in sequences of 8. */
 static void test_matrix(void **state) {
     (void)state;
     loom_llama_config cfg = small_config(2);
     const loom_dtype dts[3] = {LOOM_F32, LOOM_BF16, LOOM_F16};
     const loom_recompute_mode modes[3] = {LOOM_RECOMPUTE_REENTRANT, LOOM_RECOMPUTE_NONREENTRANT, LOOM_RECOMPUTE_SELECTIVE};
-    for (int db = 0; db < 18; db++) {
-        int d = db % 3, gemma2 = db >= 12 && db < 15, gemma = (db >= 6 && db < 9) || gemma2;
-        int granite = db >= 9 && db < 12, mistral = db >= 15, qwen3 = db >= 3 && db < 6;
-        cfg.qkv_bias = cfg.o_bias = db >= 3 && !mistral;
-        cfg.qk_norm = qwen3;
+    for (int db = 0; db < 21; db++) {
+        int d = db % 3, gemma3 = db >= 18, gemma2 = (db >= 12 && db < 15) || gemma3;
+        int gemma = (db >= 6 && db < 9) || gemma2;
+        int granite = db >= 9 && db < 12, mistral = db >= 15 && db < 18, qwen3 = db >= 3 && db < 6;
+        cfg.qkv_bias = cfg.o_bias = db >= 3 && !mistral && !gemma3;
+        cfg.qk_norm = qwen3 || gemma3;
         cfg.embedding_multiplier = granite ? 12.0f : 0.0f;
         cfg.residual_multiplier = granite ? 0.22f : 0.0f;
         cfg.attention_multiplier = granite ? 0.0625f : 0.0f;
         cfg.logits_scaling = granite ? 8.0f : 0.0f;
-        cfg.head_dim = db >= 3 && !mistral ? 12 : 0;
+        cfg.head_dim = db >= 3 && !mistral && !gemma3 ? 12 : 0;
         cfg.norm_unit_offset = cfg.scale_embeddings = gemma;
         cfg.act = gemma ? LOOM_ACT_GELU_TANH : LOOM_ACT_SILU;
         cfg.post_norms = gemma2; /* Gemma 2's: norms of the outputs, softcaps, its scale */
@@ -147,6 +149,7 @@ static void test_matrix(void **state) {
         cfg.sliding_window = gemma2 || mistral ? 3 : qwen3 ? 2 : 0;
         cfg.window_from = qwen3;
         cfg.window_global_interval = gemma2 ? 2 : 0;
+        cfg.rope_local_theta = gemma3 ? 100.0f : 0.0f;
         assert_int_equal(loom_llama_config_validate(&cfg), LOOM_OK);
         for (int mg = 0; mg <= 1; mg++) {
             loom_precision prec = {dts[d], mg};

@@ -112,7 +112,8 @@ for q in 'qwen2 "model_type": "qwen2", "tie_word_embeddings": true' \
          'granite "model_type": "granite", "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0625, "logits_scaling": 8.0, "tie_word_embeddings": true' \
          'phi3 "model_type": "phi3", "tie_word_embeddings": true' \
          'smollm3 "model_type": "smollm3", "no_rope_layer_interval": 2' \
-         'gemma2 "model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 24'; do
+         'gemma2 "model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 24' \
+         'gemma3_text "model_type": "gemma3_text", "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8, "sliding_window_pattern": 2'; do
   v=${q%% *}
   config_plus "$WORK/$v.json" "$WORK/cfg.json" "${q#* }"
   "$LOOM" train --data "$WORK/data" --config "$WORK/$v.json" --steps 3 --batch 2 --seq 32 --lr 1e-2 \
@@ -123,7 +124,7 @@ d, v = sys.argv[1], sys.argv[2]
 c = json.load(open(f"{d}/config.json"))
 cls = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
        "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-       "gemma2": "Gemma2ForCausalLM"}[v]
+       "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}[v]
 assert c["model_type"] == v and c["architectures"] == [cls], c
 raw = open(f"{d}/model.safetensors", "rb").read()
 n = struct.unpack("<Q", raw[:8])[0]
@@ -154,6 +155,11 @@ for l in range(c["num_hidden_layers"]):
         assert isinstance(c["query_pre_attn_scalar"], int), c  # as Gemma2Config's strict int field wants it
         for nm in ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"):
             assert any(x != 0 for x in values(f"model.layers.{l}.{nm}.weight")), f"layer {l} {nm} did not train"
+    elif v == "gemma3_text":  # q/k norms of 1 + weight, trained; its window and bases as Gemma3TextConfig's
+        assert c["sliding_window"] == 8 and c["sliding_window_pattern"] == 2 and c["rope_local_base_freq"] == 10000, c
+        assert c["layer_types"] == ["sliding_attention", "full_attention"] and c["attn_logit_softcapping"] is None, c
+        for w in "qk":
+            assert any(x != 0 for x in values(p + f"{w}_norm.weight")), f"layer {l} {w}_norm did not train"
     elif v == "smollm3":
         assert c["no_rope_layers"] == [1, 0] and c["no_rope_layer_interval"] == 2 and c["tie_word_embeddings"], c
     elif v == "granite":
