@@ -40,6 +40,12 @@ extern "C" {
  * a saved config says the file's contexts again (loom's as
  * max_position_embeddings when it extends to none); a factor that is not the ratio of two
  * whole contexts reads back within a float's rounding of it);
+ * "yarn" (any model but Phi-3: factor, else the file's context over the
+ * original; original_max_position_embeddings, else the file's context;
+ * attention_factor, else 0.1 ln(factor) + 1, or the ratio of mscale's and
+ * mscale_all_dim's when both are given; beta_fast 32, beta_slow 1 and
+ * truncate true unless said; the context the file's; saved with every
+ * parameter, the attention factor included);
  * or transformers v5's rope_parameters, which holds rope_theta and the
  * scaling, and must agree with them when a file has both).
  * Optional fields absent from the file take LlamaConfig's defaults:

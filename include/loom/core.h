@@ -263,19 +263,28 @@ int loom_get_threads(void);
  *    (high_freq_factor - low_freq_factor);
  *  - LOOM_ROPE_LONGROPE (Phi-3's, for positions up to its original
  *    context): 1 / (ext[i] theta^(2i/HS)), ext its short_factor, and the
- *    cosines and sines times attention_factor. */
+ *    cosines and sines times attention_factor;
+ *  - LOOM_ROPE_YARN (YaRN: Qwen's long contexts, DeepSeek's): with p_i =
+ *    theta^(2i/HS), the correction range [low, high] of dimensions
+ *    HS log(original_max_pos / (2 pi beta)) / (2 log theta) for beta =
+ *    beta_fast and beta_slow (floored and ceiled when truncate, clamped to
+ *    [0, HS - 1]) and ramp r_i = clamp((i - low) / (high - low), 0, 1),
+ *    e = 1 - r: (1 / (factor p_i)) (1 - e) + (1 / p_i) e, and the cosines
+ *    and sines times attention_factor. */
 typedef enum loom_rope_type {
-    LOOM_ROPE_DEFAULT = 0, LOOM_ROPE_LINEAR = 1, LOOM_ROPE_LLAMA3 = 2, LOOM_ROPE_LONGROPE = 3
+    LOOM_ROPE_DEFAULT = 0, LOOM_ROPE_LINEAR = 1, LOOM_ROPE_LLAMA3 = 2, LOOM_ROPE_LONGROPE = 3, LOOM_ROPE_YARN = 4
 } loom_rope_type;
 #define LOOM_ROPE_EXT_MAX 256 /* LONGROPE: frequencies a head may have (a head size of 512) */
 typedef struct loom_rope_freqs {
     float theta;
     loom_rope_type type;
-    float factor, low_freq_factor, high_freq_factor; /* factor: LINEAR and LLAMA3; the others: LLAMA3 */
-    int original_max_pos;                           /* LLAMA3 */
-    float attention_factor;                         /* LONGROPE: cos and sin times it */
+    float factor, low_freq_factor, high_freq_factor; /* factor: LINEAR, LLAMA3 and YARN; the others: LLAMA3 */
+    int original_max_pos;                           /* LLAMA3 and YARN */
+    float attention_factor;                         /* LONGROPE and YARN: cos and sin times it */
     int n_ext;                                      /* LONGROPE: HS / 2 factors in ext */
     float ext[LOOM_ROPE_EXT_MAX];
+    float beta_fast, beta_slow;                     /* YARN: the correction range's rotations (32 and 1) */
+    int truncate;                                   /* YARN: the range floored and ceiled (Hugging Face's default) */
 } loom_rope_freqs;
 
 #ifdef __cplusplus

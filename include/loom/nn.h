@@ -43,17 +43,21 @@ typedef struct loom_llama_config {
     float norm_eps;
     int tie_embeddings; /* lm_head shares model.embed_tokens.weight */
     /* RoPE scaling, Hugging Face's rope_scaling (loom_rope_freqs in core.h): none
-     * (LOOM_ROPE_DEFAULT, zero), linear (factor), llama3 (all four) or
+     * (LOOM_ROPE_DEFAULT, zero), linear (factor), llama3 (all four),
      * longrope (Phi-3's: rope_original_max_pos, the context it was trained
      * at, which caps max_seq, so that its short factors apply; rope_factor,
      * the context it extends to over that; its attention factor and its
-     * short and long factors, rope_n_ext = head size / 2 of each). */
+     * short and long factors, rope_n_ext = head size / 2 of each) or yarn
+     * (rope_factor, rope_original_max_pos, rope_attention_factor and the
+     * three fields below). */
     loom_rope_type rope_type;
     float rope_factor, rope_low_freq_factor, rope_high_freq_factor;
     int rope_original_max_pos;
     float rope_attention_factor;
     int rope_n_ext;
     float rope_short[LOOM_ROPE_EXT_MAX], rope_long[LOOM_ROPE_EXT_MAX];
+    float rope_beta_fast, rope_beta_slow; /* yarn's correction range (Hugging Face's 32 and 1) */
+    int rope_truncate;                     /* yarn's range floored and ceiled (Hugging Face's default, 1) */
     /* Biases of the attention's linears (Hugging Face's "<linear>.bias"
      * tensors): qkv_bias on q, k and v (Qwen 2's model, model_type "qwen2"),
      * o_bias on o too (LLaMA's attention_bias, which sets both; o_bias

@@ -95,6 +95,7 @@ typedef struct family {
     int kv_heads;       /* num_key_value_heads when absent (0: the heads; null is the heads for all) */
     int max_seq, tie;   /* max_position_embeddings, tie_word_embeddings */
     int head_dim;       /* 0: hidden_size / heads */
+    int windows;        /* its class reads sliding_window (1), and layer_types too (2); 0: neither */
     int window;         /* sliding_window when absent (0: none) */
     int window_if_used; /* the window applies only with use_sliding_window, from block max_window_layers on */
     int window_from;    /* max_window_layers when absent */
@@ -102,17 +103,17 @@ typedef struct family {
 } family;
 
 static const family families[] = {
-    /* type       theta  eps    kv  max    tie hd   window used from global */
-    {"llama",     1e4f,  1e-6f, 0,  2048,  0,  0,   0,     0,   0,   0},
-    {"mistral",   1e4f,  1e-6f, 0,  2048,  0,  0,   4096,  0,   0,   0}, /* MistralConfig's window */
-    {"qwen2",     1e4f,  1e-6f, 32, 32768, 0,  0,   4096,  1,   28,  0},
-    {"qwen3",     1e4f,  1e-6f, 32, 32768, 0,  128, 4096,  1,   28,  0},
-    {"gemma",     1e4f,  1e-6f, 16, 8192,  1,  256, 0,     0,   0,   0},
-    {"gemma2",    1e4f,  1e-6f, 4,  8192,  1,  256, 4096,  0,   0,   2}, /* 4 kv heads with its 256 scalar */
-    {"granite",   1e4f,  1e-6f, 0,  2048,  0,  0,   0,     0,   0,   0},
-    {"phi3",      1e4f,  1e-5f, 0,  4096,  0,  0,   0,     0,   0,   0},
-    {"smollm3",   2e6f,  1e-6f, 4,  32768, 1,  0,   0,     1,   0,   0},
-    {"gemma3_text", 1e6f, 1e-6f, 4, 131072, 1, 256, 4096,  0,   0,   6}, /* sliding_window_pattern 6 */
+    /* type       theta  eps    kv  max    tie hd  reads window used from global */
+    {"llama",     1e4f,  1e-6f, 0,  2048,  0,  0,   0,  0,     0,   0,   0},
+    {"mistral",   1e4f,  1e-6f, 0,  2048,  0,  0,   1,  4096,  0,   0,   0}, /* MistralConfig's window */
+    {"qwen2",     1e4f,  1e-6f, 32, 32768, 0,  0,   2,  4096,  1,   28,  0},
+    {"qwen3",     1e4f,  1e-6f, 32, 32768, 0,  128, 2,  4096,  1,   28,  0},
+    {"gemma",     1e4f,  1e-6f, 16, 8192,  1,  256, 0,  0,     0,   0,   0},
+    {"gemma2",    1e4f,  1e-6f, 4,  8192,  1,  256, 2,  4096,  0,   0,   2}, /* 4 kv heads with its 256 scalar */
+    {"granite",   1e4f,  1e-6f, 0,  2048,  0,  0,   0,  0,     0,   0,   0},
+    {"phi3",      1e4f,  1e-5f, 0,  4096,  0,  0,   1,  0,     0,   0,   0},
+    {"smollm3",   2e6f,  1e-6f, 4,  32768, 1,  0,   2,  0,     1,   0,   0},
+    {"gemma3_text", 1e6f, 1e-6f, 4, 131072, 1, 256, 2,  4096,  0,   0,   6}, /* sliding_window_pattern 6 */
 };
 
 /* The family of root's model_type: LLaMA's when it has none, NULL for a
@@ -372,7 +373,9 @@ static loom_status read_layer_types(json_t *list, const char *path, loom_llama_c
  * block (Mistral's, Phi-3's), every other from the first (Gemma 2's),
  * every block but every sliding_window_pattern-th (Gemma 3's), or, only
  * with use_sliding_window, every block from max_window_layers on (Qwen 2's
- * and Qwen 3's); a layer_types list says it for any. SmolLM3's
+ * and Qwen 3's); a layer_types list says it for the classes that read one
+ * (not Mistral's or Phi-3's). LLaMA's, Gemma's and Granite's classes have
+ * no window, and a sliding_window in their files means nothing. SmolLM3's
  * window, on its NoPE blocks, is refused. A window as long as the context
  * or longer changes nothing, and is kept as the file says it. */
 static loom_status apply_window(json_t *root, const char *path, loom_llama_config *c) {
@@ -381,7 +384,7 @@ static loom_status apply_window(json_t *root, const char *path, loom_llama_confi
     if (use && !json_is_null(use) && !json_is_boolean(use))
         return loom_error(LOOM_ERR_FORMAT, "%s: use_sliding_window must be true or false", path);
     const family *f = family_of(root); /* read_architecture refused model types it is not */
-    if (f->window_if_used && !json_is_true(use)) return LOOM_OK;
+    if (!f->windows || (f->window_if_used && !json_is_true(use))) return LOOM_OK; /* LlamaConfig has none */
     json_int_t window = v ? 0 : f->window; /* the config class's when absent; null: none */
     if (v && !json_is_null(v)) {
         if (!json_is_integer(v) || json_integer_value(v) <= 0)
@@ -408,7 +411,7 @@ static loom_status apply_window(json_t *root, const char *path, loom_llama_confi
         c->window_global_interval = json_integer_value(pat) > (1 << 30) ? 1 << 30 : (int)json_integer_value(pat);
         if (c->window_global_interval == 1) c->window_from = c->n_layers; /* every block full */
     }
-    json_t *types = json_object_get(root, "layer_types");
+    json_t *types = f->windows > 1 ? json_object_get(root, "layer_types") : NULL; /* Mistral's, Phi-3's: none */
     if (types && !json_is_null(types)) LOOM_TRY(read_layer_types(types, path, c));
     if (c->window_from >= c->n_layers) /* no block has it */
         c->sliding_window = c->window_from = c->window_global_interval = 0;
@@ -486,10 +489,59 @@ static loom_status parse_longrope(json_t *root, json_t *rs, const char *path, co
     return LOOM_OK;
 }
 
+/* An optional positive number `key` of rs into *out (def when absent,
+ * null or, as Hugging Face's `or` takes it, 0). */
+static loom_status yarn_number(json_t *rs, const char *path, const char *what, const char *key, double def,
+                               double *out) {
+    json_t *v = json_object_get(rs, key);
+    *out = !v || json_is_null(v) || (json_is_number(v) && json_number_value(v) == 0.0) ? def
+           : json_is_number(v) ? json_number_value(v) : -1.0;
+    if (!(*out > 0.0) || !isfinite((float)*out))
+        return loom_error(LOOM_ERR_FORMAT, "%s: %s yarn's %s must be a positive number", path, what, key);
+    return LOOM_OK;
+}
+
+/* YaRN's parameters as Hugging Face's _compute_yarn_parameters reads them:
+ * factor (else the context over the original one), the original context
+ * (else max_position_embeddings), attention_factor (else 0.1 ln(factor) + 1,
+ * or the ratio of mscale's and mscale_all_dim's when both are given),
+ * beta_fast and beta_slow (32 and 1), truncate (true). The context is the
+ * file's: YaRN's frequencies do not depend on the length. */
+static loom_status parse_yarn(json_t *rs, const char *path, const char *what, loom_llama_config *c) {
+    double original, factor, af, beta_fast, beta_slow, ms, msa;
+    LOOM_TRY(yarn_number(rs, path, what, "original_max_position_embeddings", c->max_seq, &original));
+    if (original != floor(original) || original > (1 << 30))
+        return loom_error(LOOM_ERR_FORMAT, "%s: %s yarn's original_max_position_embeddings must be a whole number",
+                          path, what);
+    LOOM_TRY(yarn_number(rs, path, what, "factor", c->max_seq / original, &factor));
+    LOOM_TRY(yarn_number(rs, path, what, "beta_fast", 32.0, &beta_fast));
+    LOOM_TRY(yarn_number(rs, path, what, "beta_slow", 1.0, &beta_slow));
+    LOOM_TRY(yarn_number(rs, path, what, "mscale", 1.0, &ms));
+    LOOM_TRY(yarn_number(rs, path, what, "mscale_all_dim", 1.0, &msa));
+    int both = json_number_value(json_object_get(rs, "mscale")) && json_number_value(json_object_get(rs, "mscale_all_dim"));
+    double m1 = factor <= 1.0 ? 1.0 : 0.1 * (both ? ms : 1.0) * log(factor) + 1.0;
+    double m2 = factor <= 1.0 || !both ? 1.0 : 0.1 * msa * log(factor) + 1.0;
+    LOOM_TRY(yarn_number(rs, path, what, "attention_factor", m1 / m2, &af));
+    json_t *tr = json_object_get(rs, "truncate");
+    if (tr && !json_is_null(tr) && !json_is_boolean(tr))
+        return loom_error(LOOM_ERR_FORMAT, "%s: %s yarn's truncate must be true or false", path, what);
+    c->rope_type = LOOM_ROPE_YARN;
+    c->rope_factor = (float)factor;
+    c->rope_original_max_pos = (int)original;
+    c->rope_attention_factor = (float)af;
+    c->rope_beta_fast = (float)beta_fast;
+    c->rope_beta_slow = (float)beta_slow;
+    c->rope_truncate = !tr || json_is_null(tr) || json_is_true(tr);
+    loom_rope_freqs r = loom_llama_rope(c);
+    if (loom_rope_check(&r) != LOOM_OK) return loom_error(LOOM_ERR_FORMAT, "%s: %s: %s", path, what, loom_last_error());
+    return LOOM_OK;
+}
+
 /* The scaling in object rs (`what` names it in messages): "type" (which
  * Hugging Face takes first) or "rope_type" "default", "linear" (factor),
  * "llama3" (factor, low_freq_factor, high_freq_factor,
- * original_max_position_embeddings) or "longrope" / "su" (parse_longrope);
+ * original_max_position_embeddings), "longrope" / "su" (parse_longrope) or
+ * "yarn" (parse_yarn);
  * the others change the math in ways loom does not implement and are
  * refused by name. */
 static loom_status parse_rope_scaling(json_t *root, json_t *rs, const char *path, const char *what,
@@ -509,12 +561,13 @@ static loom_status parse_rope_scaling(json_t *root, json_t *rs, const char *path
                           "head) is not supported by loom", path, what);
     if (!strcmp(type, "default")) return LOOM_OK;
     if (!strcmp(type, "longrope") || !strcmp(type, "su")) return parse_longrope(root, rs, path, what, c);
+    if (!strcmp(type, "yarn") && !is_phi3(root)) return parse_yarn(rs, path, what, c);
     if (is_phi3(root)) /* Phi3Config takes no other */
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: %s \"%s\" on a Phi-3 model (Phi-3's take longrope or none)",
                           path, what, type);
     if (strcmp(type, "linear") && strcmp(type, "llama3"))
-        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: %s \"%s\" is not supported by loom (default, linear, llama3 and "
-                          "longrope are)", path, what, type);
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: %s \"%s\" is not supported by loom (default, linear, llama3, "
+                          "longrope and yarn are)", path, what, type);
     c->rope_type = strcmp(type, "linear") ? LOOM_ROPE_LLAMA3 : LOOM_ROPE_LINEAR;
     static const char *const need[] = {"factor", "low_freq_factor", "high_freq_factor",
                                        "original_max_position_embeddings"};
@@ -548,7 +601,8 @@ static loom_status get_rope(json_t *root, const char *path, loom_llama_config *c
     loom_llama_config v5 = *c;
     v5.rope_type = LOOM_ROPE_DEFAULT;
     v5.rope_factor = v5.rope_low_freq_factor = v5.rope_high_freq_factor = v5.rope_attention_factor = 0.0f;
-    v5.rope_original_max_pos = v5.rope_n_ext = 0;
+    v5.rope_beta_fast = v5.rope_beta_slow = 0.0f;
+    v5.rope_original_max_pos = v5.rope_n_ext = v5.rope_truncate = 0;
     LOOM_TRY(get_float(rp, path, "rope_theta", &v5.rope_theta));
     LOOM_TRY(parse_rope_scaling(root, rp, path, "rope_parameters", &v5));
     int said = json_object_get(root, "rope_theta") || (rs && !json_is_null(rs));
@@ -701,6 +755,16 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
         if (ok && c->sliding_window > 0)
             ok = !json_object_set_new(root, "max_window_layers", json_integer(c->window_from));
     }
+    if (ok && post && !gemma3 && c->sliding_window <= 0) { /* Gemma 2 without one: Hugging Face's model needs a
+        * number, so a window as long as the context and every block full (which newer versions read) */
+        json_decref(window);
+        window = json_integer(c->max_seq);
+        json_t *types = json_array();
+        ok = types != NULL;
+        for (int l = 0; ok && l < c->n_layers; l++) ok = !json_array_append_new(types, json_string("full_attention"));
+        if (!ok) json_decref(types);
+        ok = ok && !json_object_set_new(root, "layer_types", types); /* taken by root, even on failure */
+    }
     if (ok && (layout == 8 || phi3 || post || c->sliding_window > 0)) {
         ok = !json_object_set_new(root, "sliding_window", window);
         window = NULL; /* taken by root, even on failure */
@@ -719,6 +783,12 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
     else if (ok && c->rope_type != LOOM_ROPE_DEFAULT) { /* as Hugging Face's own files write each */
         json_t *rs = c->rope_type == LOOM_ROPE_LINEAR
                          ? json_pack("{s:s, s:f}", "type", "linear", "factor", dec(c->rope_factor))
+                     : c->rope_type == LOOM_ROPE_YARN /* the attention factor too: it may come from mscales */
+                         ? json_pack("{s:s, s:f, s:i, s:f, s:f, s:f, s:b}", "rope_type", "yarn", "factor",
+                                     dec(c->rope_factor), "original_max_position_embeddings", c->rope_original_max_pos,
+                                     "attention_factor", dec(c->rope_attention_factor), "beta_fast",
+                                     dec(c->rope_beta_fast), "beta_slow", dec(c->rope_beta_slow), "truncate",
+                                     c->rope_truncate)
                          : json_pack("{s:s, s:f, s:f, s:f, s:i}", "rope_type", "llama3", "factor",
                                      dec(c->rope_factor), "low_freq_factor", dec(c->rope_low_freq_factor),
                                      "high_freq_factor", dec(c->rope_high_freq_factor),

@@ -4,7 +4,9 @@
  *
  * Owns: softmax(q k^T * scale + causal mask) v for query heads that share
  * key/value heads, and its backward. Query t sits at absolute position
- * q_pos0 + t and sees keys 0 .. q_pos0 + t.
+ * q_pos0 + t and sees keys 0 .. q_pos0 + t, or with a sliding window W the
+ * last W of them (attn_first_key: key blocks before a query block's first
+ * window are skipped, keys before each query's window masked).
  *
  * Both directions work in fp32 on blocks of ATTN_BQ queries x ATTN_BK keys,
  * with the products as small matrix multiplies (mm_f32: AVX-512F, AVX2/FMA
@@ -108,7 +110,8 @@ static void pack_row_pairs(uint32_t *dst, int ldd, const void *src, size_t ld, l
 
 static int min_i(int a, int b) { return a < b ? a : b; }
 
-/* Number of keys in [k0, k0 + nk) that query t sees (0 if none). */
+/* Number of keys in [k0, k0 + nk) up to query t's position, the causal
+ * bound (0 if none); a window may hide the first of them (attn_first_key). */
 static int attn_visible(const attn_shape *s, int t, int k0, int nk) {
     int n = s->q_pos0 + t - k0 + 1;
     return n < 0 ? 0 : (n < nk ? n : nk);

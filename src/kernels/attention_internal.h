@@ -37,11 +37,13 @@ static inline attn_shape attn_shape_plain(int B, int Tq, int Tk, int NH, int NKV
     return s;
 }
 
-/* The call's dimensions with the caller's scale, softcap and window. */
+/* The call's dimensions with the caller's scale, softcap and window; a
+ * window that holds every key up to the last query is none (so the
+ * kernels' sums of positions and the window stay far from INT_MAX). */
 static inline attn_shape attn_shape_with(attn_shape s, const attn_opts *o) {
     s.scale = o->scale;
     s.softcap = o->softcap;
-    s.window = o->window;
+    s.window = o->window >= s.q_pos0 + s.Tq ? 0 : o->window;
     return s;
 }
 

@@ -5,7 +5,7 @@
  * angle(t, i) = (pos0 + t) * inv_freq[i], and its transpose for backward
  * (longrope's cosines and sines are scaled: its transpose is scaled the
  * same). Angles follow Hugging Face exactly: inv_freq = 1 / theta^(2i/HS),
- * scaled as its rope_scaling says (linear, llama3, longrope: rope_inv_freq), and
+ * scaled as its rope_scaling says (linear, llama3, longrope, yarn: rope_inv_freq), and
  * position * inv_freq are fp32, cos/sin of that fp32 angle are taken in double
  * and rounded to fp32 (torch's fp32 cos/sin agree to an ulp). Unlike Hugging
  * Face in bf16, cos/sin are not rounded to the activation dtype and the
@@ -21,6 +21,32 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* YaRN's dimension that turns num_rotations times over the original
+ * context (Hugging Face's find_correction_dim, in double as Python). */
+static double yarn_dim(double num_rotations, int HS, double theta, int original) {
+    return (HS * log(original / (num_rotations * 2.0 * 3.141592653589793))) / (2.0 * log(theta));
+}
+
+/* YaRN's blend of the interpolated and extrapolated frequency of pair i,
+ * its ramp over the correction range [low, high] (find_correction_range,
+ * linear_ramp_factor): the fp32 operations Hugging Face's tensors take. */
+static float yarn_freq(const loom_rope_freqs *r, int HS, int i) {
+    double low = yarn_dim(r->beta_fast, HS, r->theta, r->original_max_pos);
+    double high = yarn_dim(r->beta_slow, HS, r->theta, r->original_max_pos);
+    if (r->truncate) {
+        low = floor(low);
+        high = ceil(high);
+    }
+    low = low > 0.0 ? low : 0.0;
+    high = high < HS - 1 ? high : HS - 1;
+    if (low == high) high += 0.001; /* as Hugging Face keeps the ramp finite */
+    float ramp = ((float)i - (float)low) / (float)(high - low);
+    ramp = ramp < 0.0f ? 0.0f : ramp > 1.0f ? 1.0f : ramp;
+    float p = powf(r->theta, (float)(2 * i) / (float)HS), e = 1.0f - ramp;
+    float extrapolated = 1.0f / p, interpolated = 1.0f / (r->factor * p);
+    return interpolated * (1.0f - e) + extrapolated * e;
+}
+
 /* Hugging Face's order of fp32 operations (modeling_rope_utils.py). */
 void rope_inv_freq(const loom_rope_freqs *r, int HS, float *inv_freq) {
     const float two_pi = (float)6.283185307179586; /* Python's 2 * math.pi, as a float32 tensor takes it */
@@ -28,6 +54,8 @@ void rope_inv_freq(const loom_rope_freqs *r, int HS, float *inv_freq) {
         float f = 1.0f / powf(r->theta, (float)(2 * i) / (float)HS);
         if (r->type == LOOM_ROPE_LONGROPE) { /* 1 / (ext * theta^x), as Hugging Face's longrope */
             f = 1.0f / (r->ext[i] * powf(r->theta, (float)(2 * i) / (float)HS));
+        } else if (r->type == LOOM_ROPE_YARN) {
+            f = yarn_freq(r, HS, i);
         } else if (r->type == LOOM_ROPE_LINEAR) {
             f = f / r->factor;
         } else if (r->type == LOOM_ROPE_LLAMA3) {
@@ -52,14 +80,17 @@ static int rope_same(const loom_rope_freqs *a, const loom_rope_freqs *b) {
         return a->attention_factor == b->attention_factor && a->n_ext == b->n_ext &&
                !memcmp(a->ext, b->ext, sizeof(float) * (size_t)a->n_ext);
     if (a->factor != b->factor) return 0;
+    if (a->type == LOOM_ROPE_YARN)
+        return a->original_max_pos == b->original_max_pos && a->attention_factor == b->attention_factor &&
+               a->beta_fast == b->beta_fast && a->beta_slow == b->beta_slow && !a->truncate == !b->truncate;
     return a->type == LOOM_ROPE_LINEAR ||
            (a->low_freq_factor == b->low_freq_factor && a->high_freq_factor == b->high_freq_factor &&
             a->original_max_pos == b->original_max_pos);
 }
 
-/* What longrope multiplies the cosines and sines by (1 otherwise). */
+/* What longrope and YaRN multiply the cosines and sines by (1 otherwise). */
 static float rope_amplitude(const loom_rope_freqs *r) {
-    return r->type == LOOM_ROPE_LONGROPE ? r->attention_factor : 1.0f;
+    return r->type == LOOM_ROPE_LONGROPE || r->type == LOOM_ROPE_YARN ? r->attention_factor : 1.0f;
 }
 
 /* cs, sn: (npos, HS/2) cos and sin of the angles of positions 0 .. npos-1

@@ -65,6 +65,12 @@ loom_rope_freqs loom_llama_rope(const loom_llama_config *c) {
     r.low_freq_factor = c->rope_low_freq_factor;
     r.high_freq_factor = c->rope_high_freq_factor;
     r.original_max_pos = c->rope_original_max_pos;
+    if (c->rope_type == LOOM_ROPE_YARN) {
+        r.attention_factor = c->rope_attention_factor;
+        r.beta_fast = c->rope_beta_fast;
+        r.beta_slow = c->rope_beta_slow;
+        r.truncate = c->rope_truncate;
+    }
     if (c->rope_type == LOOM_ROPE_LONGROPE) { /* the short factors: loom's context is the original one */
         r.attention_factor = c->rope_attention_factor;
         r.n_ext = c->rope_n_ext;
@@ -154,6 +160,8 @@ int loom_llama_config_same_rope(const loom_llama_config *a, const loom_llama_con
            a->rope_low_freq_factor == b->rope_low_freq_factor &&
            a->rope_high_freq_factor == b->rope_high_freq_factor && a->rope_original_max_pos == b->rope_original_max_pos &&
            a->rope_attention_factor == b->rope_attention_factor && a->rope_n_ext == b->rope_n_ext &&
+           a->rope_beta_fast == b->rope_beta_fast && a->rope_beta_slow == b->rope_beta_slow &&
+           !a->rope_truncate == !b->rope_truncate &&
            !memcmp(a->rope_short, b->rope_short, n) && !memcmp(a->rope_long, b->rope_long, n);
 }
 

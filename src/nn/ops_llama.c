@@ -115,10 +115,17 @@ loom_status loom_rope_check(const loom_rope_freqs *r) {
                               "finite and positive", LOOM_ROPE_EXT_MAX);
         return LOOM_OK;
     }
-    if (r->type != LOOM_ROPE_LINEAR && r->type != LOOM_ROPE_LLAMA3)
+    if (r->type != LOOM_ROPE_LINEAR && r->type != LOOM_ROPE_LLAMA3 && r->type != LOOM_ROPE_YARN)
         return loom_error(LOOM_ERR_INVALID, "rope: unknown scaling type %d", (int)r->type);
     if (!(r->factor > 0.0f) || !isfinite(r->factor))
         return loom_error(LOOM_ERR_INVALID, "rope: the scaling factor %g must be positive", (double)r->factor);
+    if (r->type == LOOM_ROPE_YARN &&
+        (r->original_max_pos <= 0 || !(r->attention_factor > 0.0f) || !isfinite(r->attention_factor) ||
+         !(r->beta_fast > 0.0f) || !isfinite(r->beta_fast) || !(r->beta_slow > 0.0f) || !isfinite(r->beta_slow)))
+        return loom_error(LOOM_ERR_INVALID, "rope: yarn needs original_max_position_embeddings (%d) > 0 and an "
+                          "attention factor (%g), beta_fast (%g) and beta_slow (%g), all finite and positive",
+                          r->original_max_pos, (double)r->attention_factor, (double)r->beta_fast,
+                          (double)r->beta_slow);
     if (r->type == LOOM_ROPE_LLAMA3 &&
         (!(r->low_freq_factor > 0.0f) || !(r->high_freq_factor > r->low_freq_factor) ||
          !isfinite(r->high_freq_factor) || r->original_max_pos <= 0))

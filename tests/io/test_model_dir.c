@@ -1004,6 +1004,62 @@ static void test_longrope_config(void **state) {
                           "longrope is read for Phi-3 and LLaMA models only");
 }
 
+/* YaRN as Hugging Face reads it: Qwen 2.5's form (factor and the original
+ * context; betas 32 and 1, truncated, attention factor 0.1 ln 4 + 1), the
+ * context the file's; DeepSeek's mscales (their ratio); the factor from the
+ * contexts when left out; transformers v5's rope_parameters; saved with
+ * every parameter and read back the same; bad values refused by name. */
+static void test_yarn_config(void **state) {
+    (void)state;
+    const char *head = "{\"model_type\": \"qwen2\", \"hidden_size\": 16, \"num_hidden_layers\": 1, "
+                       "\"num_attention_heads\": 2, \"num_key_value_heads\": 2, \"intermediate_size\": 24, "
+                       "\"vocab_size\": 40, \"max_position_embeddings\": 32768";
+    char json[768];
+    snprintf(json, sizeof json, "%s, \"rope_scaling\": {\"type\": \"yarn\", \"factor\": 4.0, "
+             "\"original_max_position_embeddings\": 32768}}", head);
+    loom_llama_config c = config_of(json), back;
+    assert_true(c.rope_type == LOOM_ROPE_YARN && c.rope_factor == 4.0f && c.rope_original_max_pos == 32768 &&
+                c.rope_beta_fast == 32.0f && c.rope_beta_slow == 1.0f && c.rope_truncate && c.max_seq == 32768);
+    assert_true(c.rope_attention_factor == (float)(0.1 * log(4.0) + 1.0));
+    loom_rope_freqs r = loom_llama_rope(&c);
+    assert_true(r.type == LOOM_ROPE_YARN && r.attention_factor == c.rope_attention_factor && r.truncate == 1 &&
+                r.beta_fast == 32.0f && r.original_max_pos == 32768);
+    back = saved_and_loaded(&c);
+    assert_true(loom_llama_config_same_model(&c, &back) && saved_text_has("\"yarn\"") &&
+                saved_text_has("\"beta_fast\": 32") && saved_text_has("\"truncate\": true"));
+    back.rope_beta_slow = 2.0f; /* another correction range: another RoPE */
+    assert_false(loom_llama_config_same_rope(&c, &back));
+    back = c;
+    back.rope_truncate = 0;
+    assert_false(loom_llama_config_same_rope(&c, &back));
+    /* DeepSeek's: the attention factor is the ratio of the two mscales' (1 when equal); not truncated */
+    snprintf(json, sizeof json, "%s, \"rope_scaling\": {\"type\": \"yarn\", \"factor\": 40, \"mscale\": 0.707, "
+             "\"mscale_all_dim\": 0.707, \"original_max_position_embeddings\": 4096, \"beta_fast\": 32, "
+             "\"beta_slow\": 1, \"truncate\": false}}", head);
+    c = config_of(json);
+    assert_true(c.rope_attention_factor == 1.0f && !c.rope_truncate && c.rope_factor == 40.0f);
+    back = saved_and_loaded(&c);
+    assert_true(loom_llama_config_same_model(&c, &back) && saved_text_has("\"truncate\": false"));
+    snprintf(json, sizeof json, "%s, \"rope_scaling\": {\"type\": \"yarn\", \"mscale\": 2.0, \"mscale_all_dim\": 1.0, "
+             "\"original_max_position_embeddings\": 8192}}", head); /* the factor from the contexts: 4 */
+    c = config_of(json);
+    assert_true(c.rope_factor == 4.0f &&
+                c.rope_attention_factor == (float)((0.2 * log(4.0) + 1.0) / (0.1 * log(4.0) + 1.0)));
+    snprintf(json, sizeof json, "%s, \"rope_parameters\": {\"rope_theta\": 1000000.0, \"rope_type\": \"yarn\", "
+             "\"factor\": 4.0, \"original_max_position_embeddings\": 32768}}", head); /* transformers v5 */
+    c = config_of(json);
+    assert_true(c.rope_type == LOOM_ROPE_YARN && c.rope_theta == 1e6f && c.rope_factor == 4.0f);
+    static const struct { const char *extra, *msg; } bad[] = {
+        {", \"rope_scaling\": {\"type\": \"yarn\", \"factor\": -4}", "yarn's factor must be a positive number"},
+        {", \"rope_scaling\": {\"type\": \"yarn\", \"factor\": 4, \"beta_fast\": \"x\"}",
+         "yarn's beta_fast must be a positive number"},
+        {", \"rope_scaling\": {\"type\": \"yarn\", \"factor\": 4, \"truncate\": 1}", "yarn's truncate must be true or false"},
+        {", \"rope_scaling\": {\"type\": \"yarn\", \"factor\": 4, \"original_max_position_embeddings\": 10.5}",
+         "original_max_position_embeddings must be a whole number"},
+    };
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) assert_config_refused(bad[k].extra, bad[k].msg);
+}
+
 /* Sliding windows and the blocks they apply to: Qwen 2's from
  * max_window_layers on (only with use_sliding_window), a layer_types list
  * for any family, each saved as its class says it and read back the same;
@@ -1038,21 +1094,31 @@ static void test_window_config(void **state) {
     c = config_of(json);
     assert_true(c.window_from == 0 && c.window_global_interval == 2 && loom_llama_layer_window(&c, 1) == 0 &&
                 loom_llama_layer_window(&c, 2) == 8);
+    /* MistralConfig reads no layer_types (every block slides), LlamaConfig no sliding_window (none does) */
     snprintf(json, sizeof json, "%s, \"model_type\": \"mistral\", \"sliding_window\": 8, \"layer_types\": "
-             "[\"full_attention\", \"full_attention\", \"full_attention\"]}", head); /* none slides */
+             "[\"full_attention\", \"full_attention\", \"full_attention\"]}", head);
+    c = config_of(json);
+    assert_true(loom_llama_layer_window(&c, 0) == 8 && loom_llama_layer_window(&c, 2) == 8);
+    snprintf(json, sizeof json, "%s, \"sliding_window\": 8, \"use_sliding_window\": true}", head);
     c = config_of(json);
     assert_true(c.sliding_window == 0 && c.window_from == 0);
     back = saved_and_loaded(&c);
     assert_true(saved_text_has("LlamaForCausalLM") && loom_llama_config_same_model(&c, &back));
+    /* Gemma 2 without a window: Hugging Face's model needs a number, so the context's, and every block full */
+    snprintf(json, sizeof json, "%s, \"model_type\": \"gemma2\", \"head_dim\": 8, \"sliding_window\": null}", head);
+    c = config_of(json);
+    assert_int_equal(c.sliding_window, 0);
+    back = saved_and_loaded(&c);
+    assert_true(loom_llama_config_same_model(&c, &back) && saved_text_has("\"sliding_window\": 8192") &&
+                saved_text_has("\"full_attention\"") && !saved_text_has("\"sliding_attention\""));
     static const struct { const char *extra, *msg; } bad[] = {
-        {", \"model_type\": \"mistral\", \"layer_types\": [\"sliding_attention\", \"full_attention\", "
-         "\"full_attention\"]}", "block 2 breaks it"},
-        {", \"model_type\": \"mistral\", \"layer_types\": [\"sliding_attention\", \"local\", "
+        {", \"model_type\": \"gemma2\", \"head_dim\": 8, \"layer_types\": [\"sliding_attention\", "
+         "\"full_attention\", \"full_attention\"]}", "block 2 breaks it"},
+        {", \"model_type\": \"gemma2\", \"head_dim\": 8, \"layer_types\": [\"sliding_attention\", \"local\", "
          "\"full_attention\"]}", "layer_types[1] must be"},
-        {", \"model_type\": \"mistral\", \"layer_types\": [\"sliding_attention\"]}", "one entry a block (3)"},
+        {", \"model_type\": \"gemma2\", \"head_dim\": 8, \"layer_types\": [\"sliding_attention\"]}",
+         "one entry a block (3)"},
         /* windows the class cannot say */
-        {", \"model_type\": \"mistral\", \"layer_types\": [\"full_attention\", \"sliding_attention\", "
-         "\"sliding_attention\"]}", "Mistral's and Phi-3's are on every block"},
         {", \"model_type\": \"gemma2\", \"head_dim\": 8, \"layer_types\": [\"sliding_attention\", "
          "\"sliding_attention\", \"sliding_attention\"]}", "Gemma 2's is on every other block from the first"},
         {", \"model_type\": \"qwen2\", \"use_sliding_window\": true, \"layer_types\": [\"sliding_attention\", "
@@ -1066,8 +1132,14 @@ static void test_window_config(void **state) {
         assert_int_not_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
         IO_ASSERT_MSG(bad[k].msg);
     }
-    snprintf(json, sizeof json, "%s, \"model_type\": \"gemma\", \"head_dim\": 8}", head);
+    snprintf(json, sizeof json, "%s, \"model_type\": \"mistral\"}", head);
     c = config_of(json);
+    c.window_from = 1; /* Mistral's class slides every block */
+    assert_int_equal(loom_llama_config_validate(&c), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("Mistral's and Phi-3's are on every block");
+    snprintf(json, sizeof json, "%s, \"model_type\": \"gemma\", \"head_dim\": 8, \"sliding_window\": 8}", head);
+    c = config_of(json); /* GemmaConfig reads no window */
+    assert_int_equal(c.sliding_window, 0);
     c.sliding_window = 8; /* Gemma's class has no window */
     assert_int_equal(loom_llama_config_validate(&c), LOOM_ERR_INVALID);
     IO_ASSERT_MSG("Gemma's and Granite's have none");
@@ -1206,7 +1278,8 @@ static void test_phi3_layout(void **state) {
         {", \"model_type\": \"phi3\", \"partial_rotary_factor\": 0.75", "partial_rotary_factor other than 1"},
         {", \"model_type\": \"phi3\", \"resid_pdrop\": 0.1", "resid_pdrop other than 0"},
         {", \"model_type\": \"phi3\", \"embd_pdrop\": 0.1", "embd_pdrop other than 0"},
-        {", \"rope_scaling\": {\"type\": \"yarn\", \"factor\": 4}", "rope_scaling \"yarn\" is not supported"},
+        {", \"model_type\": \"phi3\", \"rope_scaling\": {\"type\": \"yarn\", \"factor\": 4}",
+         "rope_scaling \"yarn\" on a Phi-3 model"},
         {", \"model_type\": \"phi3\", \"rope_scaling\": {\"type\": \"linear\", \"factor\": 4}",
          "rope_scaling \"linear\" on a Phi-3 model"},
         {", \"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": 10000.0, \"partial_rotary_factor\": 0.75}",
@@ -1627,6 +1700,7 @@ int main(void) {
         cmocka_unit_test(test_same_model),
         cmocka_unit_test(test_longrope_config),
         cmocka_unit_test(test_window_config),
+        cmocka_unit_test(test_yarn_config),
         cmocka_unit_test(test_gemma3_config),
         cmocka_unit_test(test_smollm3_config),
         cmocka_unit_test(test_gguf_refusals),

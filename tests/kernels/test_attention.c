@@ -11,6 +11,7 @@
 #include "kernels/kernels.h"
 #include "kernels/kernel_rows.h"
 
+#include <limits.h>
 #include <math.h>
 
 #define FD_STEP 1e-3f
@@ -458,23 +459,27 @@ static void test_caller_scale(void **state) {
 
 /* Sliding windows (Mistral's): the forward against the formula in double,
  * the backward against the reference, within the tolerances above; windows
- * of one key (itself), a few, one key block and one past it, and one wider
+ * of one key (itself), a few, one key block and one past it, and ones wider
  * than the context (the same bits as none); on cases with several blocks
  * of queries and keys (whole key blocks before every window are skipped),
  * the KV-cache shapes and the bf16 pairs. */
-static void test_sliding_window(void **state) {
-    (void)state;
+static void check_sliding_windows(int nw) {
     const attn_case many = {1, 200, 200, 2, 1, 16, 0}; /* windows far shorter than the context */
     const attn_case *cases[5] = {&CASES[1], &CASES[2], &CASES[5], &CASES[15], &many};
-    const int windows[5] = {1, 5, 64, 65, 1000};
+    const int windows[6] = {5, 65, INT_MAX, 1, 64, 1000}; /* INT_MAX: no sum of it with a position overflows */
     for (int ci = 0; ci < 5; ci++)
         for (int di = 0; di < 2; di++)
-            for (int wi = 0; wi < 5; wi++) {
+            for (int wi = 0; wi < nw; wi++) {
                 const attn_case *c = cases[ci];
                 attn_opts ao = {1.0f / sqrtf((float)c->HS), 0.0f, windows[wi]};
                 /* a window as long as the keys any query sees changes nothing; a shorter one changes outputs */
                 check_opts(c, di ? LOOM_BF16 : LOOM_F32, 950 + ci, &ao, windows[wi] >= c->pos0 + c->Tq);
             }
+}
+
+static void test_sliding_window(void **state) {
+    (void)state;
+    check_sliding_windows(6);
 }
 
 /* A key that no query's window holds counts for nothing: keys and values
@@ -548,7 +553,7 @@ static void test_avx512_tiles(void **state) {
     test_fwd_formula(state);
     test_bwd_vs_ref(state);
     test_kv_cache_unseen_keys(state);
-    test_sliding_window(state);
+    check_sliding_windows(3); /* a window inside a key block, one past it, and none */
     test_window_unseen_keys(state);
     mm_bf16_set_tiles(NULL);
     mm_f32_set_tiles(NULL);

@@ -2,7 +2,7 @@
  * test_rope.c — RoPE: fast kernel vs reference, vs the Hugging Face formula
  * in double, backward as the inverse rotation, in place, and backward vs
  * central finite differences; the scaled frequencies (linear, llama3,
- * Phi-3's longrope).
+ * Phi-3's longrope, YaRN).
  */
 #include "testutil.h"
 #include "kernels/kernels.h"
@@ -219,6 +219,25 @@ static void test_scaled_frequencies(void **state) {
     free(x); free(a); free(b);
 }
 
+/* The kernel's forward o of x against the rotation in double by the angles
+ * pos * freq[i % (HS / 2)] with cosines and sines times amp; the fp32
+ * angle's rounding (~pos * 2^-24) dominates the tolerance. */
+static void assert_rotation(const rope_case *c, const float *x, const float *o, const double *freq, double amp) {
+    size_t n = rope_n(c);
+    int H2 = c->HS / 2;
+    float *want = malloc(n * 4);
+    for (size_t r = 0; r < n / (size_t)c->HS; r++) {
+        int t = (int)(r / (size_t)c->NH % (size_t)c->T);
+        const float *xr = x + r * (size_t)c->HS;
+        for (int i = 0; i < c->HS; i++) {
+            double a = (c->pos0 + t) * freq[i % H2], rot = i < H2 ? -xr[i + H2] : xr[i - H2];
+            want[r * (size_t)c->HS + i] = (float)(amp * (xr[i] * cos(a) + rot * sin(a)));
+        }
+    }
+    TU_ASSERT_CLOSE(o, want, n, 8.0 * (c->pos0 + c->T) * 0x1p-24 + 1e-6, 1e-6);
+    free(want);
+}
+
 /* Phi-3's longrope with its short factors: against the formula in double
  * (angle pos / (ext_i theta^(2i/HS)), cosine and sine times the attention
  * factor), against the reference in each dtype, and its backward (the
@@ -233,18 +252,11 @@ static void test_longrope(void **state) {
     check_fwd_vs_ref(&c, LOOM_F32);
     check_fwd_vs_ref(&c, LOOM_BF16);
     size_t n = rope_n(&c);
-    float *x = rope_input(&c, 12), *o = malloc(n * 4), *want = malloc(n * 4);
+    float *x = rope_input(&c, 12), *o = malloc(n * 4);
+    double freq[H2];
+    for (int i = 0; i < H2; i++) freq[i] = 1.0 / (c.r.ext[i] * pow(c.r.theta, 2.0 * i / HS));
     rope_fwd(o, x, c.B, c.T, c.NH, c.HS, c.pos0, &c.r, LOOM_F32);
-    for (size_t r = 0; r < n / HS; r++) {
-        int t = (int)(r / c.NH % c.T);
-        const float *xr = x + r * HS;
-        for (int i = 0; i < HS; i++) {
-            double a = (c.pos0 + t) / (c.r.ext[i % H2] * pow(c.r.theta, 2.0 * (i % H2) / HS));
-            double rot = i < H2 ? -xr[i + H2] : xr[i - H2];
-            want[r * HS + i] = (float)(1.19 * (xr[i] * cos(a) + rot * sin(a)));
-        }
-    }
-    TU_ASSERT_CLOSE(o, want, n, 8.0 * (c.pos0 + c.T) * 0x1p-24 + 1e-6, 1e-6);
+    assert_rotation(&c, x, o, freq, 1.19);
     check_bwd_fd(&c, 13);
     rope_case d = c, e = c;
     d.r.ext[3] = 2.5f;            /* one factor else: another table */
@@ -258,7 +270,76 @@ static void test_longrope(void **state) {
     check_fwd_vs_ref(&e, LOOM_F32);
     check_fwd_vs_ref(&c, LOOM_F32);
     free(o3);
-    free(x); free(o); free(o2); free(want);
+    free(x); free(o); free(o2);
+}
+
+/* YaRN's frequency of pair i worked in double from the paper's rules (as
+ * Hugging Face's _compute_yarn_parameters states them): the dimensions
+ * d(beta) = HS ln(orig / (2 pi beta)) / (2 ln theta) for beta_fast and
+ * beta_slow bound a ramp (floored and ceiled with truncate) between the
+ * extrapolated frequency (kept) and the interpolated one (divided by
+ * factor). */
+static double yarn_want(const loom_rope_freqs *r, int HS, int i) {
+    double lo = HS * log(r->original_max_pos / (2.0 * M_PI * r->beta_fast)) / (2.0 * log(r->theta));
+    double hi = HS * log(r->original_max_pos / (2.0 * M_PI * r->beta_slow)) / (2.0 * log(r->theta));
+    if (r->truncate) lo = floor(lo), hi = ceil(hi);
+    lo = fmax(lo, 0.0);
+    hi = fmin(hi, HS - 1.0);
+    double ramp = fmin(fmax((i - lo) / (hi - lo), 0.0), 1.0), f = pow(r->theta, -2.0 * i / HS);
+    return f / r->factor * ramp + f * (1.0 - ramp);
+}
+
+/* YaRN (Qwen 2.5's numbers: theta 1e6, factor 4 over 32768 positions, HS
+ * 128): the frequencies against yarn_want, truncated and not, with pairs
+ * kept, divided and blended; the kernel against the formula in double
+ * (cosines and sines times the attention factor), the reference in each
+ * dtype and finite differences; the shared table tells the betas, the
+ * truncation and the attention factor apart. */
+static void test_yarn(void **state) {
+    (void)state;
+    enum { HS = 128, H2 = HS / 2 };
+    loom_rope_freqs y = {.theta = 1e6f, .type = LOOM_ROPE_YARN, .factor = 4.0f, .original_max_pos = 32768,
+                         .attention_factor = 1.1386294f, .beta_fast = 32.0f, .beta_slow = 1.0f, .truncate = 1};
+    float got[H2];
+    for (int tr = 1; tr >= 0; tr--) {
+        y.truncate = tr;
+        rope_inv_freq(&y, HS, got);
+        int kept = 0, divided = 0, blended = 0;
+        for (int i = 0; i < H2; i++) {
+            double want = yarn_want(&y, HS, i), f = pow(1e6, -2.0 * i / HS);
+            if (!(fabs(got[i] - want) <= 1e-5 * want)) fail_msg("truncate %d: inv_freq[%d] = %g, want %g", tr, i, got[i], want);
+            kept += fabs(want - f) <= 1e-9 * f;
+            divided += fabs(want - f / 4.0) <= 1e-9 * f;
+        }
+        blended = H2 - kept - divided;
+        assert_true(kept > 0 && divided > 0 && blended > 0);
+    }
+    y.truncate = 1;
+    rope_case c = {1, 5, 2, HS, 40000, y}; /* positions past the original context */
+    check_fwd_vs_ref(&c, LOOM_F32);
+    check_fwd_vs_ref(&c, LOOM_BF16);
+    size_t n = rope_n(&c);
+    float *x = rope_input(&c, 21), *o = malloc(n * 4);
+    double freq[H2];
+    for (int i = 0; i < H2; i++) freq[i] = yarn_want(&y, HS, i);
+    rope_fwd(o, x, c.B, c.T, c.NH, c.HS, c.pos0, &c.r, LOOM_F32);
+    assert_rotation(&c, x, o, freq, 1.1386294); /* positions ~4e4, past the original context */
+    rope_case small = {1, 3, 2, 16, 5, {.theta = 10000.0f, .type = LOOM_ROPE_YARN, .factor = 8.0f,
+                                        .original_max_pos = 64, .attention_factor = 1.2f, .beta_fast = 32.0f,
+                                        .beta_slow = 1.0f, .truncate = 1}};
+    check_bwd_fd(&small, 22);
+    rope_case d = c, e = c, f = c;
+    d.r.beta_slow = 2.0f;           /* another range: another table */
+    e.r.truncate = 0;               /* not truncated: another too */
+    f.r.attention_factor = 1.0f;    /* and another attention factor */
+    const rope_case *others[3] = {&d, &e, &f};
+    float *o2 = malloc(n * 4);
+    for (int k = 0; k < 3; k++) {
+        rope_fwd(o2, x, c.B, c.T, c.NH, c.HS, c.pos0, &others[k]->r, LOOM_F32);
+        assert_false(tu_bits_equal(o, o2, n * 4, NULL));
+        check_fwd_vs_ref(others[k], LOOM_F32);
+    }
+    free(x); free(o); free(o2);
 }
 
 int main(void) {
@@ -271,6 +352,7 @@ int main(void) {
         cmocka_unit_test(test_bwd_finite_differences),
         cmocka_unit_test(test_scaled_frequencies),
         cmocka_unit_test(test_longrope),
+        cmocka_unit_test(test_yarn),
     };
     return TU_RUN_SIMD_AND_PORTABLE(tests);
 }

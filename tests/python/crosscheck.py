@@ -19,7 +19,7 @@ Gemma's model (norms of 1 + weight, scaled embeddings, the tanh GELU);
 gemma3 is Gemma 3's text model (q/k norms, a local RoPE base on its
 windowed blocks); granite has Granite's four multipliers; phi3 reads and writes Phi-3's fused
 qkv_proj and gate_up_proj (phi3-longrope scales its RoPE as Phi-3.5's);
-smollm3 has a block without RoPE. Sliding windows shorter than the
+smollm3 has a block without RoPE; yarn scales Qwen 2's RoPE by YaRN. Sliding windows shorter than the
 sequence: mistral (every block), gemma2 (every other), qwen3 (from
 max_window_layers on), phi3.
 Prints a table of the errors and exits 1 on any mismatch.
@@ -60,6 +60,12 @@ CONFIGS = {
                     "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
                     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    # YaRN (Qwen 2.5's long contexts): factor 4 over an original context whose correction range here keeps
+    # three frequencies, divides two and blends three; cosines and sines times 0.1 ln 4 + 1
+    "yarn": {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 32,
+             "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+             "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}},
     # Qwen 2's model: biases on q, k and v (the file says so by its model_type alone), tied as Qwen 2.5's
     # small ones; its sliding_window is not applied without use_sliding_window
     "qwen2": {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -148,6 +148,16 @@ class Config:
             orig = top or rs["original_max_position_embeddings"]
             s = self.max_seq / orig if top or "factor" not in rs else rs["factor"]
             self.rope_af = rs.get("attention_factor") or (1.0 if s <= 1.0 else math.sqrt(1 + math.log(s) / math.log(orig)))
+        if rs.get("rope_type", rs.get("type")) == "yarn":  # _compute_yarn_parameters' defaults, resolved here
+            orig = rs.get("original_max_position_embeddings") or self.max_seq
+            factor = rs.get("factor") or self.max_seq / orig
+
+            def mscale(scale, m=1.0):
+                return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+            both = rs.get("mscale") and rs.get("mscale_all_dim")
+            self.rope_af = rs.get("attention_factor") or (
+                mscale(factor, rs["mscale"]) / mscale(factor, rs["mscale_all_dim"]) if both else mscale(factor))
+            self.rope_scaling = dict(rs, factor=factor, original_max_position_embeddings=orig)
         # Phi-3's files fuse q, k, v (qkv_proj) and gate, up (gate_up_proj); Phi3Config's eps is 1e-5
         self.fused = d.get("model_type") == "phi3"
         self.norm_eps = float(d.get("rms_norm_eps", 1e-5 if self.fused else 1e-6))
@@ -338,6 +348,22 @@ def rope_inv_freq(HS, theta, scaling=None):
     if kind in ("longrope", "su"):  # the short factors: positions up to the original context
         shape = torch.arange(0, HS, 2, dtype=torch.int64).float() / HS
         inv_freq = 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * theta ** shape)
+    elif kind == "yarn":  # the extrapolated frequencies below the correction range, interpolated above, a ramp between
+        factor, orig = scaling["factor"], scaling["original_max_position_embeddings"]
+        beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+        def corr(rotations):
+            return HS * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        low, high = corr(beta_fast), corr(beta_slow)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, HS - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(HS // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        pos = theta ** (torch.arange(0, HS, 2).float() / HS)
+        keep = 1 - ramp
+        inv_freq = 1.0 / (factor * pos) * (1 - keep) + 1.0 / pos * keep
     elif kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif kind == "llama3":

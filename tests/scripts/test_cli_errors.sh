@@ -90,11 +90,11 @@ config_plus "$WORK/mistral.json" "$WORK/cfg.json" '"model_type": "mistral", "sli
   --out "$WORK/mistral" >/dev/null 2>"$WORK/mistral.log" || { cat "$WORK/mistral.log"; fail "a Mistral config past its window"; }
 grep -q '"sliding_window": 16' "$WORK/mistral/model/config.json" &&
   grep -q 'MistralForCausalLM' "$WORK/mistral/model/config.json" || fail "the window was not saved as Mistral's"
-config_plus "$WORK/mistral.json" "$WORK/cfg.json" '"sliding_window": 1.5'
+config_plus "$WORK/mistral.json" "$WORK/cfg.json" '"model_type": "mistral", "sliding_window": 1.5'
 expect_error "sliding_window must be a positive integer" "$LOOM" train --data "$WORK/data" --config "$WORK/mistral.json"
 # transformers v5 keeps theta and the scaling in rope_parameters; with the old fields too they must agree.
-config_plus "$WORK/v5.json" "$WORK/cfg.json" '"rope_parameters": {"rope_theta": 500000.0, "rope_type": "yarn", "factor": 4.0}'
-expect_error 'rope_parameters "yarn" is not supported' "$LOOM" train --data "$WORK/data" --config "$WORK/v5.json"
+config_plus "$WORK/v5.json" "$WORK/cfg.json" '"rope_parameters": {"rope_theta": 500000.0, "rope_type": "dynamic", "factor": 4.0}'
+expect_error 'rope_parameters "dynamic" is not supported' "$LOOM" train --data "$WORK/data" --config "$WORK/v5.json"
 config_plus "$WORK/v5.json" "$WORK/cfg.json" '"rope_theta": 10000.0, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}'
 expect_error "rope_parameters and rope_theta/rope_scaling disagree" "$LOOM" train --data "$WORK/data" --config "$WORK/v5.json"
 # Optional fields set to null take their defaults, as in Hugging Face's
