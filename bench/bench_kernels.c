@@ -7,10 +7,13 @@
  * a step.
  *
  * Usage: build/bench_kernels [--preset tiny|small] [--batch B] [--dtype f32|bf16]
- *                            [--threads N] [--reps R]
+ *                            [--threads N] [--reps R] [--seq T] [--window W]
+ * --seq sets the sequence length (the preset's context by default);
+ * --window gives the attention a sliding window of W keys (0: none).
  */
 #include "kernels/kernels.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -63,13 +66,13 @@ static void print_pair(const char *name, timing f, timing b, const char *shape) 
 
 static int usage(void) {
     fprintf(stderr, "usage: bench_kernels [--preset tiny|small] [--batch B] [--dtype f32|bf16] "
-                    "[--threads N] [--reps R]\n");
+                    "[--threads N] [--reps R] [--seq T] [--window W]\n");
     return 2;
 }
 
 int main(int argc, char **argv) {
     const char *preset = "tiny", *dtype = "f32";
-    int batch = 8, threads = 0, reps = 30;
+    int batch = 8, threads = 0, reps = 30, seq = 0, window = 0;
     for (int i = 1; i < argc; i += 2) { /* --flag value pairs */
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v) return usage();
@@ -78,14 +81,16 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--batch")) batch = atoi(v);
         else if (!strcmp(argv[i], "--threads")) threads = atoi(v);
         else if (!strcmp(argv[i], "--reps")) reps = atoi(v);
+        else if (!strcmp(argv[i], "--seq")) seq = atoi(v);
+        else if (!strcmp(argv[i], "--window")) window = atoi(v);
         else return usage();
     }
     int tiny = !strcmp(preset, "tiny");
-    if ((!tiny && strcmp(preset, "small")) || batch < 1 || reps < 1 || threads < 0 ||
+    if ((!tiny && strcmp(preset, "small")) || batch < 1 || reps < 1 || threads < 0 || seq < 0 || window < 0 ||
         (strcmp(dtype, "f32") && strcmp(dtype, "bf16")))
         return usage();
     loom_dtype dt = strcmp(dtype, "f32") ? LOOM_BF16 : LOOM_F32;
-    int B = batch, T = tiny ? 256 : 512, C = tiny ? 288 : 512, NH = tiny ? 6 : 8, F = tiny ? 768 : 1376;
+    int B = batch, T = seq ? seq : tiny ? 256 : 512, C = tiny ? 288 : 512, NH = tiny ? 6 : 8, F = tiny ? 768 : 1376;
     int HS = C / NH, N = B * T;
     if (threads) loom_set_threads(threads);
 
@@ -98,9 +103,11 @@ int main(int argc, char **argv) {
     float *lse = random_data((size_t)B * NH * T, LOOM_F32, 15), *rstd = random_data((size_t)N, LOOM_F32, 16);
     float *dw = random_data((size_t)C, LOOM_F32, 17);
 
-    attention_fwd(out, lse, q, k, v, B, T, T, NH, NH, HS, 0, dt); /* real lse for the backward */
-    timing af = TIME_CALL(reps, attention_fwd(out, lse, q, k, v, B, T, T, NH, NH, HS, 0, dt));
-    timing ab = TIME_CALL(reps, attention_bwd(dq, dk, dv, dout, q, k, v, out, lse, B, T, T, NH, NH, HS, 0, dt));
+    attn_opts ao = {1.0f / sqrtf((float)HS), 0.0f, window};
+    attention_fwd_ex(out, lse, q, k, v, B, T, T, NH, NH, HS, 0, &ao, dt); /* real lse for the backward */
+    timing af = TIME_CALL(reps, attention_fwd_ex(out, lse, q, k, v, B, T, T, NH, NH, HS, 0, &ao, dt));
+    timing ab =
+        TIME_CALL(reps, attention_bwd_ex(dq, dk, dv, dout, q, k, v, out, lse, B, T, T, NH, NH, HS, 0, &ao, dt));
     timing nf_ = TIME_CALL(reps, rmsnorm_fwd(out, rstd, q, w, 0.0f, N, C, 1e-5f, dt));
     timing nb = TIME_CALL(reps, rmsnorm_bwd(dq, dw, dout, q, w, 0.0f, rstd, N, C, dt));
     loom_rope_freqs rope = rope_plain(10000.0f);
@@ -112,7 +119,8 @@ int main(int argc, char **argv) {
     char shape[96];
     printf("bench_kernels preset=%s batch=%d dtype=%s threads=%d reps=%d (ms per call: best, then mean)\n", preset,
            batch, dtype, loom_get_threads(), reps);
-    snprintf(shape, sizeof shape, "B=%d T=%d heads=%d head_size=%d, causal", B, T, NH, HS);
+    if (window) snprintf(shape, sizeof shape, "B=%d T=%d heads=%d head_size=%d, causal, window=%d", B, T, NH, HS, window);
+    else snprintf(shape, sizeof shape, "B=%d T=%d heads=%d head_size=%d, causal", B, T, NH, HS);
     print_pair("attention", af, ab, shape);
     snprintf(shape, sizeof shape, "%d x %d", N, C);
     print_pair("rmsnorm", nf_, nb, shape);

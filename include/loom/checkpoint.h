@@ -59,10 +59,13 @@ extern "C" {
  * window_global_interval): Mistral's (4096 when a "mistral" file leaves it
  * out) and Phi-3's on every block, Gemma 2's (4096) on every other block
  * from the first, Qwen 2's and Qwen 3's (4096) only with
- * use_sliding_window and on the blocks from max_window_layers (28) on; a
- * layer_types list ("sliding_attention" / "full_attention" a block) says
- * the blocks for any, and one that is not such a pattern is refused, as is
- * SmolLM3's window (on its NoPE blocks). The context (max_seq) is the
+ * use_sliding_window and on the blocks from max_window_layers (28) on,
+ * Gemma 3's below; a layer_types list ("sliding_attention" /
+ * "full_attention" a block) says the blocks for the classes that read one
+ * (Gemma 2's and 3's, Qwen 2's and 3's; not Mistral's or Phi-3's), and one
+ * that is not such a pattern is refused, as is SmolLM3's window (on its
+ * NoPE blocks). LLaMA's, Gemma's and Granite's classes have no window: a
+ * sliding_window in their files is not read. The context (max_seq) is the
  * file's; a config with a window saves it as its class reads it (LLaMA's
  * layout as MistralForCausalLM). "qwen2" puts biases on q, k and v
  * (qkv_bias); LLaMA's attention_bias (read for "llama" or no model_type:
@@ -101,7 +104,12 @@ extern "C" {
  * when absent, and 4 kv heads; a softcap of null is none), its
  * hidden_activation alone,
  * and its sliding_window (4096) on every other block; it saves as
- * Gemma2ForCausalLM with those fields and its window.
+ * Gemma2ForCausalLM with those fields and its window (without one, the
+ * context as its window and layer_types every block full, which
+ * transformers can run). use_bidirectional_attention (EmbeddingGemma's) is
+ * refused for any model_type. Gemma 3's v5 files give rope_parameters per
+ * layer type: full_attention's is read as the RoPE, sliding_attention's
+ * theta as the local base.
  * "gemma3_text" (Gemma 3's text model) is Gemma 2's with qk_norm (its
  * q/k norms scaling by 1 + weight too), no softcaps unless the file says,
  * Gemma3TextConfig's defaults (rope_theta 1e6, 4 kv heads, 131072

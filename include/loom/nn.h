@@ -67,8 +67,9 @@ typedef struct loom_llama_config {
      * (Hugging Face's head_dim: Mistral NeMo's 128 beside a dim of 5120), q
      * then projecting to n_heads x head_dim and o back from it. */
     int head_dim;
-    /* Qwen 3's RMSNorm of each query and key head (weights of head_dim,
-     * q_norm and k_norm) after the projection, before RoPE. */
+    /* Qwen 3's and Gemma 3's RMSNorm of each query and key head (weights of
+     * head_dim, q_norm and k_norm; 1 + weight with Gemma's norms) after the
+     * projection, before RoPE. */
     int qk_norm;
     /* Hugging Face's attention_dropout: loom's attention has none, so a
      * training forward refuses a config that asks for it (evaluation and

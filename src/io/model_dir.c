@@ -297,6 +297,10 @@ static loom_status read_architecture(json_t *root, const char *path, loom_llama_
     json_t *v = json_object_get(root, "mlp_bias");
     if (v && json_is_true(v))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: mlp_bias = true is not supported by loom's LLaMA", path);
+    v = json_object_get(root, "use_bidirectional_attention");
+    if (v && json_is_true(v)) /* EmbeddingGemma's gemma3_text files */
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: use_bidirectional_attention = true (an embedding model, as "
+                          "EmbeddingGemma) is not a causal language model; loom trains causal ones", path);
     v = json_object_get(root, "attention_bias");
     c->qk_norm = is_qwen3(root) || is_gemma3(root);
     if (is_qwen2(root)) {
@@ -501,12 +505,15 @@ static loom_status yarn_number(json_t *rs, const char *path, const char *what, c
     return LOOM_OK;
 }
 
-/* YaRN's parameters as Hugging Face's _compute_yarn_parameters reads them:
- * factor (else the context over the original one), the original context
- * (else max_position_embeddings), attention_factor (else 0.1 ln(factor) + 1,
- * or the ratio of mscale's and mscale_all_dim's when both are given),
- * beta_fast and beta_slow (32 and 1), truncate (true). The context is the
- * file's: YaRN's frequencies do not depend on the length. */
+/* YaRN's parameters as Hugging Face's _compute_yarn_parameters reads them
+ * (transformers 4.56 and later, v5: an explicit factor wins; 4.50-4.55 put
+ * the contexts' ratio in its place whenever the original context is
+ * given): factor (else the context over the original one), the original
+ * context (else max_position_embeddings), attention_factor (else
+ * 0.1 ln(factor) + 1, or the ratio of mscale's and mscale_all_dim's when
+ * both are given), beta_fast and beta_slow (32 and 1), truncate (true; null
+ * is false). The context is the file's: YaRN's frequencies do not depend on
+ * the length. */
 static loom_status parse_yarn(json_t *rs, const char *path, const char *what, loom_llama_config *c) {
     double original, factor, af, beta_fast, beta_slow, ms, msa;
     LOOM_TRY(yarn_number(rs, path, what, "original_max_position_embeddings", c->max_seq, &original));
@@ -531,7 +538,7 @@ static loom_status parse_yarn(json_t *rs, const char *path, const char *what, lo
     c->rope_attention_factor = (float)af;
     c->rope_beta_fast = (float)beta_fast;
     c->rope_beta_slow = (float)beta_slow;
-    c->rope_truncate = !tr || json_is_null(tr) || json_is_true(tr);
+    c->rope_truncate = !tr || json_is_true(tr); /* null: Hugging Face's .get("truncate", True) is None, false */
     loom_rope_freqs r = loom_llama_rope(c);
     if (loom_rope_check(&r) != LOOM_OK) return loom_error(LOOM_ERR_FORMAT, "%s: %s: %s", path, what, loom_last_error());
     return LOOM_OK;
@@ -585,11 +592,45 @@ static loom_status parse_rope_scaling(json_t *root, json_t *rs, const char *path
     return LOOM_OK;
 }
 
+/* Gemma 3's rope_parameters in transformers v5, one per layer type: the
+ * sliding blocks' (the default RoPE of its rope_theta: the local base,
+ * which must agree with rope_local_base_freq where the file has that too)
+ * into c; *rp becomes the full-attention blocks' entry, read as any model's
+ * (NULL: Gemma3TextConfig's). Another model's per-type entries are refused. */
+static loom_status gemma3_rope_parameters(json_t *root, const char *path, json_t **rp, loom_llama_config *c) {
+    json_t *full = json_object_get(*rp, "full_attention"), *sl = json_object_get(*rp, "sliding_attention");
+    if (!full && !sl) return LOOM_OK;
+    if (!is_gemma3(root))
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: rope_parameters per layer type are read for Gemma 3 only", path);
+    if ((full && !json_is_object(full)) || (sl && !json_is_object(sl)))
+        return loom_error(LOOM_ERR_FORMAT, "%s: rope_parameters' full_attention and sliding_attention must be objects",
+                          path);
+    if (sl) {
+        json_t *t = json_object_get(sl, "rope_type"), *th = json_object_get(sl, "rope_theta");
+        if (t && !json_is_null(t) && !(json_is_string(t) && !strcmp(json_string_value(t), "default")))
+            return loom_error(LOOM_ERR_UNSUPPORTED, "%s: Gemma 3's sliding blocks take the default RoPE, not a scaling",
+                              path);
+        if (th && !json_is_null(th)) {
+            if (!json_is_number(th) || !(json_number_value(th) > 0.0))
+                return loom_error(LOOM_ERR_FORMAT, "%s: rope_parameters' sliding_attention rope_theta must be a "
+                                  "positive number", path);
+            json_t *top = json_object_get(root, "rope_local_base_freq");
+            if (top && !json_is_null(top) && (float)json_number_value(top) != (float)json_number_value(th))
+                return loom_error(LOOM_ERR_FORMAT, "%s: rope_parameters' sliding_attention rope_theta and "
+                                  "rope_local_base_freq disagree", path);
+            c->rope_local_theta = (float)json_number_value(th);
+        }
+    }
+    *rp = full;
+    return LOOM_OK;
+}
+
 /* The RoPE: rope_theta and rope_scaling (transformers before v5), or
- * rope_parameters (v5: theta and the scaling in one object); a file with
- * both must say the same in both. */
+ * rope_parameters (v5: theta and the scaling in one object; Gemma 3's one
+ * per layer type); a file with both must say the same in both. */
 static loom_status get_rope(json_t *root, const char *path, loom_llama_config *c) {
     json_t *rs = json_object_get(root, "rope_scaling"), *rp = json_object_get(root, "rope_parameters");
+    if (json_is_object(rp)) LOOM_TRY(gemma3_rope_parameters(root, path, &rp, c));
     LOOM_TRY(get_float(root, path, "rope_theta", &c->rope_theta));
     if (rs && !json_is_null(rs)) {
         if (!json_is_object(rs))

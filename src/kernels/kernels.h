@@ -91,6 +91,9 @@ void rope_fwd_ref(void *out, const void *x, int B, int T, int NH, int HS,
                   int pos0, const loom_rope_freqs *r, loom_dtype dt);
 /* inv_freq[0 .. HS/2) of r, in fp32 as Hugging Face computes them. */
 void rope_inv_freq(const loom_rope_freqs *r, int HS, float *inv_freq);
+/* cos/sin tables the rope kernels have built so far in this process (a
+ * few are cached, one per RoPE and head size): for tests. */
+unsigned long rope_table_builds(void);
 /* A loom_rope_freqs with theta and no scaling. */
 static inline loom_rope_freqs rope_plain(float theta) {
     loom_rope_freqs r;

@@ -112,20 +112,44 @@ static void rope_fill(float *cs, float *sn, int npos, int HS, const loom_rope_fr
     free(f);
 }
 
-/* The angles depend only on (HS, theta, position), so one table serves
- * every call: it is built once per shape (and grown when a call reaches
- * past its last position) instead of taking T x HS/2 double-precision
- * cos/sin per call. Tables are immutable and reference-counted: a call
- * holds the one it reads, and a table replaced meanwhile is freed by the
- * last holder. The cache's own table is released with the process. */
+/* The angles depend only on (HS, the frequencies, position), so one table
+ * serves every call of a RoPE: it is built once per shape (and grown when a
+ * call reaches past its last position) instead of taking T x HS/2
+ * double-precision cos/sin per call. A few tables are kept, the least
+ * recently used replaced: a model whose blocks alternate between RoPEs
+ * (Gemma 3's local and global ones) reuses each instead of rebuilding at
+ * every switch. Tables are immutable and reference-counted: a call holds
+ * the one it reads, and a table replaced meanwhile is freed by the last
+ * holder. The cache's own tables are released with the process. */
 typedef struct rope_cache_table {
     int HS, npos, refs;
     loom_rope_freqs r;
     float *cs, *sn; /* (npos, HS/2) each */
 } rope_cache_table;
 
+#define ROPE_CACHE_SLOTS 4
 static pthread_mutex_t rope_cache_lock = PTHREAD_MUTEX_INITIALIZER;
-static rope_cache_table *rope_cache; /* guarded by rope_cache_lock */
+static rope_cache_table *rope_cache[ROPE_CACHE_SLOTS]; /* guarded by rope_cache_lock, as the two below */
+static unsigned long rope_cache_used[ROPE_CACHE_SLOTS], rope_cache_clock, rope_cache_builds;
+
+unsigned long rope_table_builds(void) {
+    pthread_mutex_lock(&rope_cache_lock);
+    unsigned long n = rope_cache_builds;
+    pthread_mutex_unlock(&rope_cache_lock);
+    return n;
+}
+
+/* The slot of (HS, r): its table's, else an empty one, else the least recently used. */
+static int rope_slot_locked(int HS, const loom_rope_freqs *r) {
+    int best = 0;
+    for (int s = 0; s < ROPE_CACHE_SLOTS; s++) {
+        const rope_cache_table *t = rope_cache[s];
+        if (t && t->HS == HS && rope_same(&t->r, r)) return s;
+        if (!rope_cache[best]) continue;
+        if (!t || rope_cache_used[s] < rope_cache_used[best]) best = s;
+    }
+    return best;
+}
 
 static void rope_table_unref_locked(rope_cache_table *tb) {
     if (--tb->refs == 0) {
@@ -138,7 +162,8 @@ static void rope_table_unref_locked(rope_cache_table *tb) {
  * NULL when out of memory. */
 static rope_cache_table *rope_table_get(int HS, const loom_rope_freqs *r, int need) {
     pthread_mutex_lock(&rope_cache_lock);
-    rope_cache_table *tb = rope_cache;
+    int slot = rope_slot_locked(HS, r);
+    rope_cache_table *tb = rope_cache[slot];
     if (!tb || tb->HS != HS || !rope_same(&tb->r, r) || tb->npos < need) {
         int npos = need;
         if (tb && tb->HS == HS && rope_same(&tb->r, r) && need < 2 * tb->npos) npos = 2 * tb->npos;
@@ -153,8 +178,10 @@ static rope_cache_table *rope_table_get(int HS, const loom_rope_freqs *r, int ne
         *nt = (rope_cache_table){HS, npos, 1, *r, buf, buf + (size_t)npos * (HS / 2)};
         rope_fill(nt->cs, nt->sn, npos, HS, r);
         if (tb) rope_table_unref_locked(tb);
-        rope_cache = tb = nt;
+        rope_cache[slot] = tb = nt;
+        rope_cache_builds++;
     }
+    rope_cache_used[slot] = ++rope_cache_clock;
     tb->refs++;
     pthread_mutex_unlock(&rope_cache_lock);
     return tb;

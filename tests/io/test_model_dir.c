@@ -869,6 +869,15 @@ static void test_gemma3_config(void **state) {
                   "\"layer_types\": [\"sliding_attention\", \"full_attention\", \"sliding_attention\"]}");
     assert_true(c.window_global_interval == 2 && loom_llama_layer_window(&c, 2) == 4096 &&
                 loom_llama_layer_window(&c, 1) == 0);
+    /* transformers v5's file: rope_parameters per layer type, the local base in the sliding blocks' entry */
+    snprintf(json, sizeof json, "%.*s, \"rope_parameters\": {\"full_attention\": {\"rope_type\": \"linear\", "
+             "\"factor\": 8.0, \"rope_theta\": 1000000.0}, \"sliding_attention\": {\"rope_type\": \"default\", "
+             "\"rope_theta\": 5000.0}}}", (int)strlen(g) - 1, g);
+    c = config_of(json);
+    assert_true(c.rope_theta == 1e6f && c.rope_type == LOOM_ROPE_LINEAR && c.rope_factor == 8.0f &&
+                c.rope_local_theta == 5000.0f);
+    back = saved_and_loaded(&c);
+    assert_true(loom_llama_config_same_model(&c, &back) && saved_text_has("\"rope_local_base_freq\": 5000"));
     static const struct { const char *extra, *msg; } bad[] = {
         {", \"model_type\": \"gemma3\"", "Gemma 3's multimodal \"gemma3\" files"},
         {", \"model_type\": \"gemma3_text\", \"head_dim\": 8, \"num_key_value_heads\": 2, \"sliding_window\": null",
@@ -877,6 +886,16 @@ static void test_gemma3_config(void **state) {
          "sliding_window_pattern must be a positive integer"},
         {", \"model_type\": \"gemma3_text\", \"head_dim\": 8, \"num_key_value_heads\": 2, \"rope_local_base_freq\": -1",
          "rope_local_base_freq must be a positive number"},
+        {", \"model_type\": \"gemma3_text\", \"head_dim\": 8, \"num_key_value_heads\": 2, \"rope_local_base_freq\": 10000, "
+         "\"rope_parameters\": {\"sliding_attention\": {\"rope_type\": \"default\", \"rope_theta\": 20000}}",
+         "sliding_attention rope_theta and rope_local_base_freq disagree"},
+        {", \"model_type\": \"gemma3_text\", \"head_dim\": 8, \"num_key_value_heads\": 2, \"rope_parameters\": "
+         "{\"sliding_attention\": {\"rope_type\": \"linear\", \"factor\": 2, \"rope_theta\": 10000}}",
+         "sliding blocks take the default RoPE"},
+        {", \"rope_parameters\": {\"full_attention\": {\"rope_type\": \"default\", \"rope_theta\": 10000}}",
+         "per layer type are read for Gemma 3 only"},
+        {", \"model_type\": \"gemma3_text\", \"head_dim\": 8, \"num_key_value_heads\": 2, "
+         "\"use_bidirectional_attention\": true", "is not a causal language model"},
     };
     for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) assert_config_refused(bad[k].extra, bad[k].msg);
     c = config_of(g);
@@ -1038,6 +1057,8 @@ static void test_yarn_config(void **state) {
              "\"beta_slow\": 1, \"truncate\": false}}", head);
     c = config_of(json);
     assert_true(c.rope_attention_factor == 1.0f && !c.rope_truncate && c.rope_factor == 40.0f);
+    snprintf(json, sizeof json, "%s, \"rope_scaling\": {\"type\": \"yarn\", \"factor\": 4, \"truncate\": null}}", head);
+    assert_false(config_of(json).rope_truncate); /* Hugging Face's .get("truncate", True) is None: false */
     back = saved_and_loaded(&c);
     assert_true(loom_llama_config_same_model(&c, &back) && saved_text_has("\"truncate\": false"));
     snprintf(json, sizeof json, "%s, \"rope_scaling\": {\"type\": \"yarn\", \"mscale\": 2.0, \"mscale_all_dim\": 1.0, "

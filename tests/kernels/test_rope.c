@@ -139,6 +139,23 @@ static void test_table_reuse(void **state) {
     for (size_t i = 0; i < sizeof seq / sizeof seq[0]; i++) check_fwd_vs_ref(&seq[i], LOOM_F32);
 }
 
+/* Blocks that alternate between two RoPEs (Gemma 3's local and global
+ * ones), decoding one token at a time: each keeps its table, which grows
+ * by doubling, so 64 positions x 6 blocks build a handful of tables, not
+ * one per switch (a single-table cache built 384 here). */
+static void test_tables_of_two_ropes(void **state) {
+    (void)state;
+    loom_rope_freqs local = {.theta = 10000.0f}, global = {.theta = 1e6f, .type = LOOM_ROPE_LINEAR, .factor = 8.0f};
+    float x[2 * 32], o[2 * 32];
+    tu_fill_uniform(x, 64, -1.0f, 1.0f, 31);
+    unsigned long before = rope_table_builds();
+    for (int pos = 0; pos < 64; pos++)
+        for (int l = 0; l < 6; l++) rope_fwd(o, x, 1, 1, 2, 32, pos, l % 3 == 2 ? &global : &local, LOOM_F32);
+    unsigned long built = rope_table_builds() - before;
+    if (built > 16) fail_msg("%lu tables built for two RoPEs over 64 positions", built);
+    assert_true(built >= 2);
+}
+
 static double loss_f32(const rope_case *c, const float *x, const float *dout) {
     size_t n = rope_n(c);
     float *o = malloc(n * 4);
@@ -349,6 +366,7 @@ int main(void) {
         cmocka_unit_test(test_bwd_inverts_fwd),
         cmocka_unit_test(test_in_place),
         cmocka_unit_test(test_table_reuse),
+        cmocka_unit_test(test_tables_of_two_ropes),
         cmocka_unit_test(test_bwd_finite_differences),
         cmocka_unit_test(test_scaled_frequencies),
         cmocka_unit_test(test_longrope),

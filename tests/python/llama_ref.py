@@ -135,7 +135,9 @@ class Config:
         self.n_kv_heads = d.get("num_key_value_heads") or self.n_heads
         self.ffn_dim = d["intermediate_size"]
         self.vocab_size = d["vocab_size"]
-        self.max_seq = d.get("max_position_embeddings", 2048)
+        self.max_seq = d.get("max_position_embeddings", {"qwen2": 32768, "qwen3": 32768, "smollm3": 32768,
+                                                          "gemma": 8192, "gemma2": 8192, "gemma3_text": 131072,
+                                                          "phi3": 4096}.get(d.get("model_type"), 2048))
         mt = d.get("model_type", "llama")
         self.rope_theta = float(d.get("rope_theta", {"smollm3": 2e6, "gemma3_text": 1e6}.get(mt, 10000.0)))
         self.rope_scaling = d.get("rope_scaling")
@@ -218,9 +220,10 @@ class Config:
             sliding = [l >= d.get("max_window_layers", 28) for l in range(self.n_layers)]
         else:
             sliding = [mt in ("mistral", "phi3")] * self.n_layers
-        if d.get("layer_types") is not None:
+        if d.get("layer_types") is not None and mt in ("gemma2", "gemma3_text", "qwen2", "qwen3"):  # who read it
             sliding = [t == "sliding_attention" for t in d["layer_types"]]
         self.windows = [w if sliding[l] else None for l in range(self.n_layers)]
+        self.sliding = sliding  # Gemma 3's local RoPE follows the pattern, a window or not
         self.lora_scale = None  # LoRA's alpha / rank, when params hold adapters
 
     def param_shapes(self):
@@ -485,7 +488,7 @@ def forward(cfg, params, inputs, targets, dtype=torch.float32):
     for l in range(cfg.n_layers):
         p = f"model.layers.{l}."
         rope = cfg.rope_layers[l]
-        c_, s_ = (cos_l, sin_l) if cfg.gemma3 and cfg.windows[l] is not None else (cos, sin)
+        c_, s_ = (cos_l, sin_l) if cfg.gemma3 and cfg.sliding[l] else (cos, sin)
         a = attention(rms_norm(x, w[p + "input_layernorm.weight"], cfg.norm_eps, g), w, p, cfg, c_ if rope else None,
                       s_ if rope else None, cfg.windows[l])
         if cfg.gemma2:

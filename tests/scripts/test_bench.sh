@@ -88,7 +88,10 @@ for dt in f32 bf16; do
     grep -qE "^$n +fwd=[0-9.]+ bwd=[0-9.]+  mean fwd=[0-9.]+ bwd=[0-9.]+  \(" <<<"$k" || fail "bench_kernels lacks $n: $k"
   done
 done
-for bad in "--preset huge" "--dtype f64" "--reps 0" "--batch" "--frobnicate 1"; do
+# a sliding window and a sequence length of the caller's
+k=$("$bin/bench_kernels" --batch 1 --reps 1 --threads 1 --seq 96 --window 16)
+grep -qE "^attention +fwd=[0-9.]+ .*T=96 .*window=16\)" <<<"$k" || fail "bench_kernels --seq --window: $k"
+for bad in "--preset huge" "--dtype f64" "--reps 0" "--batch" "--frobnicate 1" "--window -1" "--seq -2"; do
   if "$bin/bench_kernels" $bad >/dev/null 2>&1; then fail "bench_kernels accepted $bad"; fi
 done
 
