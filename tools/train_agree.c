@@ -46,7 +46,7 @@ loom_status train_agree_settings(loom_comm *world, const char *record) {
 loom_status train_agree_model(loom_comm *world, const loom_llama_config *c) {
     if (loom_comm_size(world) == 1) return LOOM_OK;
     char rec[1024];
-    int rl = snprintf(rec, sizeof rec, "%d %d %d %d %d %d %d %d %d %d %d %d %d %a %a %a %a %a %a %d %d %d %d %a %a %a %a %d %d %d %a %a %a %d %d %d %a %a %a %d %a", c->dim,
+    int rl = snprintf(rec, sizeof rec, "%d %d %d %d %d %d %d %d %d %d %d %d %d %a %a %a %a %a %a %d %d %d %d %a %a %a %a %d %d %d %a %a %a %d %d %d %a %a %a %d %a %d", c->dim,
                       c->n_layers, c->n_heads, c->n_kv_heads, loom_llama_head_dim(c), c->ffn_dim, c->vocab_size,
                       c->max_seq, c->tie_embeddings, c->qkv_bias, c->o_bias, c->qk_norm, (int)c->rope_type,
                       (double)c->rope_theta, (double)c->norm_eps, (double)c->rope_factor,
@@ -57,7 +57,8 @@ loom_status train_agree_model(loom_comm *world, const loom_llama_config *c) {
                       c->post_norms, (double)c->attn_softcap, (double)c->final_softcap,
                       (double)c->query_pre_attn_scalar, c->sliding_window, c->window_from,
                       c->window_global_interval, (double)c->rope_local_theta, (double)c->rope_beta_fast,
-                      (double)c->rope_beta_slow, c->rope_truncate, (double)c->rope_attention_factor);
+                      (double)c->rope_beta_slow, c->rope_truncate, (double)c->rope_attention_factor,
+                      loom_llama_rotary_dim(c));
     uint32_t hc = 2166136261u; /* FNV-1a */
     for (int k = 0; k < rl && k < (int)sizeof rec; k++) hc = (hc ^ (unsigned char)rec[k]) * 16777619u;
     /* longrope's factors, byte by byte */

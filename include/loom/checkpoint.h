@@ -88,8 +88,11 @@ extern "C" {
  * (fused_proj: loom_llama_save_weights writes them so, and the loaders
  * read each part's rows), with no attention biases whatever the file
  * says and Phi3Config's rms_norm_eps 1e-5 and 4096 positions by default;
- * partial_rotary_factor other than 1 and resid_pdrop or embd_pdrop other
- * than 0 are refused by name; it saves as Phi3ForCausalLM. "smollm3" is
+ * partial_rotary_factor (Phi-4-mini's 0.75; at the top of the file or in
+ * v5's rope_parameters) turns only int(head size x factor) of each head
+ * (loom_llama_rotary_dim; longrope's factors count half of that), other
+ * models' classes having none; resid_pdrop or embd_pdrop other than 0 are
+ * refused by name; it saves as Phi3ForCausalLM. "smollm3" is
  * LLaMA's with every N-th block without RoPE (nope_interval: its
  * no_rope_layers, 0 at every N-th block, or no_rope_layer_interval, 4 by
  * default; another pattern is refused), SmolLM3Config's 4 kv heads, 32768

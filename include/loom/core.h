@@ -285,6 +285,8 @@ typedef struct loom_rope_freqs {
     float ext[LOOM_ROPE_EXT_MAX];
     float beta_fast, beta_slow;                     /* YARN: the correction range's rotations (32 and 1) */
     int truncate;                                   /* YARN: the range floored and ceiled (Hugging Face's default) */
+    int rotary_dim; /* > 0: only the first rotary_dim of each head rotate (Phi-4-mini's partial_rotary_factor:
+                       its halves pair, its frequencies theta^(-2i/rotary_dim)), the rest pass through; 0: all */
 } loom_rope_freqs;
 
 #ifdef __cplusplus

@@ -58,6 +58,10 @@ typedef struct loom_llama_config {
     float rope_short[LOOM_ROPE_EXT_MAX], rope_long[LOOM_ROPE_EXT_MAX];
     float rope_beta_fast, rope_beta_slow; /* yarn's correction range (Hugging Face's 32 and 1) */
     int rope_truncate;                     /* yarn's range floored and ceiled (Hugging Face's default, 1) */
+    /* Phi-3's partial_rotary_factor (Phi-4-mini's 0.75; 0: 1, the whole
+     * head): the first int(head size x factor) of each head rotate, the
+     * rest pass through (loom_llama_rotary_dim). */
+    float partial_rotary_factor;
     /* Biases of the attention's linears (Hugging Face's "<linear>.bias"
      * tensors): qkv_bias on q, k and v (Qwen 2's model, model_type "qwen2"),
      * o_bias on o too (LLaMA's attention_bias, which sets both; o_bias
@@ -143,6 +147,9 @@ float loom_llama_embed_scale(const loom_llama_config *cfg, loom_dtype dt);
 
 /* The attention's head size of a config: head_dim, or dim / n_heads. */
 int loom_llama_head_dim(const loom_llama_config *cfg);
+/* The part of each head RoPE turns: int(head size x partial_rotary_factor)
+ * as Hugging Face's Phi-3 takes it, or the head size. */
+int loom_llama_rotary_dim(const loom_llama_config *cfg);
 
 /* The RoPE of a config: its theta and scaling. */
 loom_rope_freqs loom_llama_rope(const loom_llama_config *cfg);

@@ -223,14 +223,27 @@ static loom_status read_nope(json_t *root, const char *path, loom_llama_config *
     return LOOM_OK;
 }
 
-/* What Phi-3's config can ask that loom does not compute: a rotary part of
- * each head (Phi-4-mini's partial_rotary_factor) and dropout on the
+/* Phi-3's partial_rotary_factor v (from the top of the file or, in
+ * transformers v5, rope_parameters: both must agree), a number in (0, 1]
+ * (null: 1), into c (1: 0, the whole head). */
+static loom_status read_partial(json_t *v, const char *path, const char *what, loom_llama_config *c) {
+    if (!v || json_is_null(v)) return LOOM_OK;
+    double f = json_is_number(v) ? json_number_value(v) : -1.0;
+    if (!(f > 0.0 && f <= 1.0))
+        return loom_error(LOOM_ERR_FORMAT, "%s: %s partial_rotary_factor must be a number in (0, 1]", path, what);
+    float p = f == 1.0 ? 0.0f : (float)f;
+    if (c->partial_rotary_factor != 0.0f && c->partial_rotary_factor != p)
+        return loom_error(LOOM_ERR_FORMAT, "%s: the two partial_rotary_factor fields disagree", path);
+    c->partial_rotary_factor = p;
+    return LOOM_OK;
+}
+
+/* Phi-3's rotary part of each head (Phi-4-mini's partial_rotary_factor),
+ * and what its config can ask that loom does not compute: dropout on the
  * residual branches or the embeddings (0 in the released models). */
-static loom_status check_phi3(json_t *root, const char *path) {
-    json_t *v = json_object_get(root, "partial_rotary_factor");
-    if (v && !json_is_null(v) && !(json_is_number(v) && json_number_value(v) == 1.0))
-        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: partial_rotary_factor other than 1 (RoPE on part of each head) "
-                          "is not supported by loom", path);
+static loom_status read_phi3(json_t *root, const char *path, loom_llama_config *c) {
+    LOOM_TRY(read_partial(json_object_get(root, "partial_rotary_factor"), path, "its", c));
+    json_t *v;
     static const char *const drop[2] = {"resid_pdrop", "embd_pdrop"};
     for (int i = 0; i < 2; i++) {
         v = json_object_get(root, drop[i]);
@@ -328,7 +341,7 @@ static loom_status read_architecture(json_t *root, const char *path, loom_llama_
                           "under other names)", path, json_is_string(v) ? json_string_value(v) : "?");
     if (is_smollm3(root)) LOOM_TRY(read_nope(root, path, c));
     c->fused_proj = is_phi3(root);
-    if (is_phi3(root)) LOOM_TRY(check_phi3(root, path));
+    if (is_phi3(root)) LOOM_TRY(read_phi3(root, path, c));
     c->norm_unit_offset = c->scale_embeddings = is_gemma(root) || is_gemma2(root) || is_gemma3(root);
     if (is_gemma2(root) || is_gemma3(root)) LOOM_TRY(read_gemma2(root, path, c));
     if (is_granite(root)) LOOM_TRY(read_multipliers(root, path, c));
@@ -451,7 +464,7 @@ static loom_status read_factors(json_t *rs, const char *key, const char *path, c
  * to be saved again: loom's context stops at the original one. */
 static loom_status parse_longrope(json_t *root, json_t *rs, const char *path, const char *what,
                                   loom_llama_config *c) {
-    int ns, nl, hs = loom_llama_head_dim(c);
+    int ns, nl, hs = loom_llama_rotary_dim(c); /* Phi3Config counts the rotary part's frequencies */
     if (!model_type_is(root, "llama") && !is_phi3(root) && json_object_get(root, "model_type"))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: %s longrope is read for Phi-3 and LLaMA models only", path, what);
     if (is_phi3(root) && c->head_dim) /* Phi3Config counts the factors by hidden_size / heads */
@@ -459,8 +472,8 @@ static loom_status parse_longrope(json_t *root, json_t *rs, const char *path, co
     LOOM_TRY(read_factors(rs, "short_factor", path, what, c->rope_short, &ns));
     LOOM_TRY(read_factors(rs, "long_factor", path, what, c->rope_long, &nl));
     if (ns != nl || ns != hs / 2)
-        return loom_error(LOOM_ERR_FORMAT, "%s: %s longrope has %d short and %d long factors; a head of %d needs %d "
-                          "of each", path, what, ns, nl, hs, hs / 2);
+        return loom_error(LOOM_ERR_FORMAT, "%s: %s longrope has %d short and %d long factors; a rotary part of %d "
+                          "needs %d of each", path, what, ns, nl, hs, hs / 2);
     /* Phi-3's original context is the top-level field (Phi3Config's 4096 when absent; Hugging Face reads no
      * other); others may give it in rs */
     json_t *top = json_object_get(root, "original_max_position_embeddings");
@@ -563,9 +576,10 @@ static loom_status parse_rope_scaling(json_t *root, json_t *rs, const char *path
     if (t1 && t2 && !json_equal(t1, t2) && !su_pair)
         return loom_error(LOOM_ERR_FORMAT, "%s: %s has \"type\" and \"rope_type\" that disagree", path, what);
     json_t *prf = json_object_get(rs, "partial_rotary_factor"); /* where transformers v5 keeps it */
-    if (prf && !json_is_null(prf) && !(json_is_number(prf) && json_number_value(prf) == 1.0))
+    if (is_phi3(root)) LOOM_TRY(read_partial(prf, path, what, c));
+    else if (prf && !json_is_null(prf) && !(json_is_number(prf) && json_number_value(prf) == 1.0))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: %s's partial_rotary_factor other than 1 (RoPE on part of each "
-                          "head) is not supported by loom", path, what);
+                          "head) is read for Phi-3 models only, whose class turns part of each head", path, what);
     if (!strcmp(type, "default")) return LOOM_OK;
     if (!strcmp(type, "longrope") || !strcmp(type, "su")) return parse_longrope(root, rs, path, what, c);
     if (!strcmp(type, "yarn") && !is_phi3(root)) return parse_yarn(rs, path, what, c);
@@ -646,6 +660,7 @@ static loom_status get_rope(json_t *root, const char *path, loom_llama_config *c
     v5.rope_original_max_pos = v5.rope_n_ext = v5.rope_truncate = 0;
     LOOM_TRY(get_float(rp, path, "rope_theta", &v5.rope_theta));
     LOOM_TRY(parse_rope_scaling(root, rp, path, "rope_parameters", &v5));
+    c->partial_rotary_factor = v5.partial_rotary_factor; /* read_partial held both to agree */
     int said = json_object_get(root, "rope_theta") || (rs && !json_is_null(rs));
     if (said && !loom_llama_config_same_rope(&v5, c))
         return loom_error(LOOM_ERR_FORMAT, "%s: rope_parameters and rope_theta/rope_scaling disagree", path);
@@ -788,6 +803,8 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
     int ok = root != NULL;
     /* Phi3Config's default pad id, 32000, is an embedding row Hugging Face's model refuses below that vocabulary */
     if (ok && phi3 && c->vocab_size <= 32000) ok = !json_object_set_new(root, "pad_token_id", json_null());
+    if (ok && phi3 && c->partial_rotary_factor > 0.0f) /* Phi-4-mini's */
+        ok = !json_object_set_new(root, "partial_rotary_factor", json_real(dec(c->partial_rotary_factor)));
     if (ok && !qwen2 && !phi3 && layout != 8) /* Qwen 2's class has biases on q, k and v, Phi-3's and Mistral's none */
         ok = !json_object_set_new(root, "attention_bias", json_boolean(c->o_bias));
     /* the window as each class reads it (null: none; Mistral's and Gemma's classes have 4096 when absent) */

@@ -81,7 +81,10 @@ void rmsnorm_bwd_ref(void *dx, float *dw, const void *dout, const void *x,
 /* Hugging Face LLaMA rotate-half convention: for each head vector
  * x = [x1, x2] (halves of HS), out = x*cos + rotate_half(x)*sin with
  * rotate_half(x) = [-x2, x1], angle(t, i) = (pos0 + t) * inv_freq[i]
- * (rope_inv_freq). x, out: (B, T, NH, HS) dt; out may equal x (in place). */
+ * (rope_inv_freq). With r->rotary_dim, x1 and x2 are the halves of the
+ * head's first rotary_dim elements, and the rest pass through (Phi-3's
+ * partial_rotary_factor). x, out: (B, T, NH, HS) dt; out may equal x (in
+ * place). */
 void rope_fwd(void *out, const void *x, int B, int T, int NH, int HS,
               int pos0, const loom_rope_freqs *r, loom_dtype dt);
 /* The transpose rotation: dx from dout. dx may equal dout. */
@@ -89,8 +92,11 @@ void rope_bwd(void *dx, const void *dout, int B, int T, int NH, int HS,
               int pos0, const loom_rope_freqs *r, loom_dtype dt);
 void rope_fwd_ref(void *out, const void *x, int B, int T, int NH, int HS,
                   int pos0, const loom_rope_freqs *r, loom_dtype dt);
-/* inv_freq[0 .. HS/2) of r, in fp32 as Hugging Face computes them. */
+/* inv_freq[0 .. HS/2) of r, in fp32 as Hugging Face computes them; HS here
+ * is the rotary part's size (rope_rotary_dim). */
 void rope_inv_freq(const loom_rope_freqs *r, int HS, float *inv_freq);
+/* The elements of a head of HS that rotate: r->rotary_dim, else HS. */
+int rope_rotary_dim(const loom_rope_freqs *r, int HS);
 /* cos/sin tables the rope kernels have built so far in this process (a
  * few are cached, one per RoPE and head size): for tests. */
 unsigned long rope_table_builds(void);

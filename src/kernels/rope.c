@@ -72,9 +72,11 @@ void rope_inv_freq(const loom_rope_freqs *r, int HS, float *inv_freq) {
     }
 }
 
+int rope_rotary_dim(const loom_rope_freqs *r, int HS) { return r->rotary_dim > 0 ? r->rotary_dim : HS; }
+
 /* The same frequencies: the fields each type uses. */
 static int rope_same(const loom_rope_freqs *a, const loom_rope_freqs *b) {
-    if (a->theta != b->theta || a->type != b->type) return 0;
+    if (a->theta != b->theta || a->type != b->type || a->rotary_dim != b->rotary_dim) return 0;
     if (a->type == LOOM_ROPE_DEFAULT) return 1;
     if (a->type == LOOM_ROPE_LONGROPE)
         return a->attention_factor == b->attention_factor && a->n_ext == b->n_ext &&
@@ -225,9 +227,9 @@ SIMD_AVX2 static void rope_rotate_avx2(float *y, const float *x, const float *c,
  * time, rotated and stored. Either way out may be x. */
 static void rope_apply(void *out, const void *x, int B, int T, int NH, int HS,
                        int pos0, const loom_rope_freqs *r, float sign, loom_dtype dt) {
-    int H2 = HS / 2, nt = omp_get_max_threads();
+    int RD = rope_rotary_dim(r, HS), H2 = RD / 2, nt = omp_get_max_threads();
     size_t row = (size_t)NH * HS;
-    rope_cache_table *tb = rope_table_get(HS, r, pos0 + T);
+    rope_cache_table *tb = rope_table_get(RD, r, pos0 + T);
     LOOM_ASSERT(tb != NULL); /* kernels have no error channel; a few KiB */
     const float *cs = tb->cs + (size_t)pos0 * H2, *sn = tb->sn + (size_t)pos0 * H2;
     float *rows = workspace_floats((size_t)nt * row);
@@ -246,6 +248,8 @@ static void rope_apply(void *out, const void *x, int B, int T, int NH, int HS,
         }
         for (int h = 0; h < NH; h++) {
             size_t o = (size_t)h * HS;
+            if (RD < HS && y != xr) /* the part that does not rotate, as it is */
+                memcpy(y + o + RD, xr + o + RD, sizeof(float) * (size_t)(HS - RD));
 #if LOOM_HAVE_X86_SIMD
             if (avx2) {
                 rope_rotate_avx2(y + o, xr + o, c, s, sign, H2);
@@ -273,13 +277,17 @@ void rope_bwd(void *dx, const void *dout, int B, int T, int NH, int HS,
 
 void rope_fwd_ref(void *out, const void *x, int B, int T, int NH, int HS,
                   int pos0, const loom_rope_freqs *r, loom_dtype dt) {
-    int H2 = HS / 2;
+    int RD = rope_rotary_dim(r, HS), H2 = RD / 2;
     float f[H2 > 0 ? H2 : 1];
-    rope_inv_freq(r, HS, f);
+    rope_inv_freq(r, RD, f);
     float amp = rope_amplitude(r);
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++)
-            for (int h = 0; h < NH; h++)
+            for (int h = 0; h < NH; h++) {
+                for (int i = RD; i < HS; i++) { /* passed through */
+                    size_t off = (((size_t)b * T + t) * NH + h) * HS + i;
+                    loom_store(out, off, dt, loom_load(x, off, dt));
+                }
                 for (int i = 0; i < H2; i++) {
                     size_t off = (((size_t)b * T + t) * NH + h) * HS + i;
                     double a = (float)(pos0 + t) * f[i];
@@ -288,4 +296,5 @@ void rope_fwd_ref(void *out, const void *x, int B, int T, int NH, int HS,
                     loom_store(out, off, dt, x1 * c - x2 * s);
                     loom_store(out, off + H2, dt, x2 * c + x1 * s);
                 }
+            }
 }

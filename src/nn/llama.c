@@ -65,6 +65,7 @@ loom_rope_freqs loom_llama_rope(const loom_llama_config *c) {
     r.low_freq_factor = c->rope_low_freq_factor;
     r.high_freq_factor = c->rope_high_freq_factor;
     r.original_max_pos = c->rope_original_max_pos;
+    r.rotary_dim = loom_llama_rotary_dim(c) < loom_llama_head_dim(c) ? loom_llama_rotary_dim(c) : 0;
     if (c->rope_type == LOOM_ROPE_YARN) {
         r.attention_factor = c->rope_attention_factor;
         r.beta_fast = c->rope_beta_fast;
@@ -91,6 +92,12 @@ loom_rope_freqs loom_llama_layer_rope(const loom_llama_config *c, int layer) {
 
 int loom_llama_head_dim(const loom_llama_config *c) {
     return c->head_dim ? c->head_dim : c->n_heads > 0 ? c->dim / c->n_heads : 0;
+}
+
+int loom_llama_rotary_dim(const loom_llama_config *c) {
+    int hs = loom_llama_head_dim(c);
+    double f = c->partial_rotary_factor;
+    return f > 0.0 && f < 1.0 ? (int)(hs * f) : hs; /* Python's int(head_dim * factor) */
 }
 
 float loom_llama_embed_scale(const loom_llama_config *c, loom_dtype dt) {
@@ -156,6 +163,7 @@ int loom_llama_config_same_model(const loom_llama_config *a, const loom_llama_co
 int loom_llama_config_same_rope(const loom_llama_config *a, const loom_llama_config *b) {
     size_t n = sizeof(float) * (size_t)(a->rope_n_ext > 0 && a->rope_n_ext <= LOOM_ROPE_EXT_MAX ? a->rope_n_ext : 0);
     return a->rope_theta == b->rope_theta && a->rope_local_theta == b->rope_local_theta &&
+           loom_llama_rotary_dim(a) == loom_llama_rotary_dim(b) &&
            a->rope_type == b->rope_type && a->rope_factor == b->rope_factor &&
            a->rope_low_freq_factor == b->rope_low_freq_factor &&
            a->rope_high_freq_factor == b->rope_high_freq_factor && a->rope_original_max_pos == b->rope_original_max_pos &&
@@ -216,12 +224,18 @@ loom_status loom_llama_config_validate(const loom_llama_config *c) {
         return loom_error(LOOM_ERR_INVALID, "model config: rope_theta and norm_eps must be positive");
     loom_rope_freqs r = loom_llama_rope(c);
     if (loom_rope_check(&r) != LOOM_OK) return loom_error(LOOM_ERR_INVALID, "model config: %s", loom_last_error());
+    if (!(c->partial_rotary_factor >= 0.0f && c->partial_rotary_factor <= 1.0f) ||
+        (c->partial_rotary_factor > 0.0f && c->partial_rotary_factor < 1.0f &&
+         (!c->fused_proj || loom_llama_rotary_dim(c) < 2 || loom_llama_rotary_dim(c) % 2)))
+        return loom_error(LOOM_ERR_INVALID, "model config: partial_rotary_factor %g is Phi-3's (its class alone turns "
+                          "part of each head), in (0, 1], and must leave an even rotary part of 2 or more (%d)",
+                          (double)c->partial_rotary_factor, loom_llama_rotary_dim(c));
     if (c->rope_type == LOOM_ROPE_LONGROPE &&
-        (c->rope_n_ext != loom_llama_head_dim(c) / 2 || c->rope_original_max_pos <= 0 ||
+        (c->rope_n_ext != loom_llama_rotary_dim(c) / 2 || c->rope_original_max_pos <= 0 ||
          c->max_seq > c->rope_original_max_pos || !(c->rope_factor >= 1.0f) || !isfinite(c->rope_factor)))
-        return loom_error(LOOM_ERR_INVALID, "model config: longrope needs head size / 2 (%d) short and long factors "
+        return loom_error(LOOM_ERR_INVALID, "model config: longrope needs rotary size / 2 (%d) short and long factors "
                           "(it has %d), its original context (%d) at least the context (%d) and a factor of 1 or more",
-                          loom_llama_head_dim(c) / 2, c->rope_n_ext, c->rope_original_max_pos, c->max_seq);
+                          loom_llama_rotary_dim(c) / 2, c->rope_n_ext, c->rope_original_max_pos, c->max_seq);
     for (int i = 0; c->rope_type == LOOM_ROPE_LONGROPE && i < c->rope_n_ext; i++)
         if (!(c->rope_long[i] > 0.0f) || !isfinite(c->rope_long[i]))
             return loom_error(LOOM_ERR_INVALID, "model config: longrope's long factors must be finite and positive");

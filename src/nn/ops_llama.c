@@ -105,6 +105,9 @@ static const loom_function rope_function = {"rope", 1, 1, 0, rope_forward, rope_
 loom_status loom_rope_check(const loom_rope_freqs *r) {
     if (!r || !(r->theta > 0.0f) || !isfinite(r->theta))
         return loom_error(LOOM_ERR_INVALID, "rope: theta must be a positive number");
+    if (r->rotary_dim < 0 || r->rotary_dim % 2)
+        return loom_error(LOOM_ERR_INVALID, "rope: the rotary part of a head (%d) must be even and positive (0: all)",
+                          r->rotary_dim);
     if (r->type == LOOM_ROPE_DEFAULT) return LOOM_OK;
     if (r->type == LOOM_ROPE_LONGROPE) {
         int ok = r->n_ext > 0 && r->n_ext <= LOOM_ROPE_EXT_MAX && r->attention_factor > 0.0f &&
@@ -146,9 +149,13 @@ loom_status loom_rope_ex(loom_tensor *x, const loom_rope_freqs *r, int pos0, loo
         return loom_error(LOOM_ERR_INVALID, "rope: theta %g must be > 0 and pos0 %d >= 0", r ? (double)r->theta : 0.0,
                           pos0);
     LOOM_TRY(loom_rope_check(r));
-    if (r->type == LOOM_ROPE_LONGROPE && r->n_ext != x->shape[3] / 2)
-        return loom_error(LOOM_ERR_INVALID, "rope: longrope has %d factors for a head of %lld (half of it needed)",
-                          r->n_ext, (long long)x->shape[3]);
+    if (r->rotary_dim > x->shape[3])
+        return loom_error(LOOM_ERR_INVALID, "rope: a rotary part of %d is more than the head of %lld", r->rotary_dim,
+                          (long long)x->shape[3]);
+    int rd = r->rotary_dim > 0 ? r->rotary_dim : (int)x->shape[3];
+    if (r->type == LOOM_ROPE_LONGROPE && r->n_ext != rd / 2)
+        return loom_error(LOOM_ERR_INVALID, "rope: longrope has %d factors for a rotary part of %d (half of it "
+                          "needed)", r->n_ext, rd);
     rope_args a;
     memset(&a, 0, sizeof a); /* no stray padding: the arguments are copied as bytes */
     a.r = *r;

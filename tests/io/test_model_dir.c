@@ -551,6 +551,17 @@ static void assert_config_refused(const char *extra, const char *msg) {
     IO_ASSERT_MSG(msg);
 }
 
+/* The config text head (an object's first members) followed by extra
+ * (which closes it) is refused, naming msg. */
+static void assert_refused_with(const char *head, const char *extra, const char *msg) {
+    char json[1024];
+    loom_llama_config c;
+    snprintf(json, sizeof json, "%s%s", head, extra);
+    io_write_raw(io_path("config.json"), json, strlen(json));
+    assert_int_not_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
+    IO_ASSERT_MSG(msg);
+}
+
 /* Whether the config file written last holds `what`. */
 static int saved_text_has(const char *what) {
     size_t n;
@@ -999,7 +1010,7 @@ static void test_longrope_config(void **state) {
                 saved_text_has("\"max_position_embeddings\": 2048"));
     static const struct { const char *extra, *msg; } bad[] = {
         {", \"rope_scaling\": {\"type\": \"longrope\", \"short_factor\": [1, 1, 1], \"long_factor\": [1, 1, 1]}}",
-         "longrope has 3 short and 3 long factors; a head of 8 needs 4"},
+         "longrope has 3 short and 3 long factors; a rotary part of 8 needs 4"},
         {", \"rope_scaling\": {\"type\": \"longrope\", \"short_factor\": [1, 1, 1, 1], \"long_factor\": [1, 1, 1, 1], "
          "\"original_max_position_embeddings\": 8192}}", "is not the file's (4096), which Phi-3 reads"},
         {", \"head_dim\": 16, \"rope_scaling\": {\"type\": \"longrope\", \"short_factor\": [1, 1, 1, 1, 1, 1, 1, 1], "
@@ -1010,17 +1021,54 @@ static void test_longrope_config(void **state) {
         {", \"rope_scaling\": {\"type\": \"longrope\", \"short_factor\": [1, 1, 1, 1], \"long_factor\": [1, 1, 1, 1], "
          "\"attention_factor\": -1}}", "attention_factor must be a positive number"},
     };
-    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
-        snprintf(json, sizeof json, "%s%s", head, bad[k].extra);
-        io_write_raw(io_path("config.json"), json, strlen(json));
-        assert_int_not_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
-        IO_ASSERT_MSG(bad[k].msg);
-    }
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) assert_refused_with(head, bad[k].extra, bad[k].msg);
     assert_config_refused(", \"rope_scaling\": {\"type\": \"longrope\", \"short_factor\": [1, 1, 1, 1], "
                           "\"long_factor\": [1, 1, 1, 1]}", "needs original_max_position_embeddings");
     assert_config_refused(", \"model_type\": \"qwen2\", \"rope_scaling\": {\"type\": \"longrope\", \"short_factor\": "
                           "[1, 1, 1, 1], \"long_factor\": [1, 1, 1, 1], \"original_max_position_embeddings\": 64}",
                           "longrope is read for Phi-3 and LLaMA models only");
+}
+
+/* Phi-4-mini's rotary part of each head: partial_rotary_factor (at the
+ * top, or in v5's rope_parameters, which must agree), int(head size x
+ * factor) of each head rotating, longrope's factors counted over it; saved
+ * and read back the same; another rotary part is another RoPE; other
+ * models' refused (their classes turn the whole head). */
+static void test_partial_rotary_config(void **state) {
+    (void)state;
+    const char *head = "{\"model_type\": \"phi3\", \"hidden_size\": 64, \"num_hidden_layers\": 1, "
+                       "\"num_attention_heads\": 4, \"intermediate_size\": 24, \"vocab_size\": 40, "
+                       "\"max_position_embeddings\": 256, \"original_max_position_embeddings\": 32";
+    char json[1024];
+    snprintf(json, sizeof json, "%s, \"partial_rotary_factor\": 0.75, \"tie_word_embeddings\": true, \"rope_scaling\": "
+             "{\"type\": \"longrope\", \"short_factor\": [1, 1.5, 2, 2.5, 3, 3.5], \"long_factor\": [1, 2, 4, 8, 16, 32]}}",
+             head);
+    loom_llama_config c = config_of(json), back;
+    assert_true(c.partial_rotary_factor == 0.75f && loom_llama_rotary_dim(&c) == 12 && c.rope_n_ext == 6);
+    loom_rope_freqs r = loom_llama_rope(&c);
+    assert_true(r.rotary_dim == 12 && r.n_ext == 6);
+    back = saved_and_loaded(&c);
+    assert_true(loom_llama_config_same_model(&c, &back) && saved_text_has("\"partial_rotary_factor\": 0.75"));
+    back.partial_rotary_factor = 0.5f; /* 8 of 16: another RoPE */
+    assert_false(loom_llama_config_same_rope(&c, &back));
+    snprintf(json, sizeof json, "%s, \"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": 10000.0, "
+             "\"partial_rotary_factor\": 0.5}}", head); /* transformers v5 */
+    c = config_of(json);
+    assert_int_equal(loom_llama_rotary_dim(&c), 8);
+    static const struct { const char *extra, *msg; } bad[] = {
+        {", \"partial_rotary_factor\": 0.75, \"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": 10000.0, "
+         "\"partial_rotary_factor\": 0.5}}", "the two partial_rotary_factor fields disagree"},
+        {", \"partial_rotary_factor\": 0.75, \"rope_scaling\": {\"type\": \"longrope\", \"short_factor\": "
+         "[1, 1, 1, 1, 1, 1, 1, 1], \"long_factor\": [1, 1, 1, 1, 1, 1, 1, 1]}}", "a rotary part of 12 needs 6"},
+    };
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) assert_refused_with(head, bad[k].extra, bad[k].msg);
+    assert_config_refused(", \"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": 10000.0, "
+                          "\"partial_rotary_factor\": 0.5}", "is read for Phi-3 models only");
+    c = config_of("{\"hidden_size\": 64, \"num_hidden_layers\": 1, \"num_attention_heads\": 4, \"intermediate_size\": 24, "
+                  "\"vocab_size\": 40}");
+    c.partial_rotary_factor = 0.5f; /* LLaMA's class turns the whole head */
+    assert_int_equal(loom_llama_config_validate(&c), LOOM_ERR_INVALID);
+    IO_ASSERT_MSG("partial_rotary_factor 0.5 is Phi-3's");
 }
 
 /* YaRN as Hugging Face reads it: Qwen 2.5's form (factor and the original
@@ -1147,12 +1195,7 @@ static void test_window_config(void **state) {
         {", \"model_type\": \"qwen2\", \"use_sliding_window\": true, \"max_window_layers\": -1}",
          "max_window_layers must be a non-negative integer"},
     };
-    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
-        snprintf(json, sizeof json, "%s%s", head, bad[k].extra);
-        io_write_raw(io_path("config.json"), json, strlen(json));
-        assert_int_not_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
-        IO_ASSERT_MSG(bad[k].msg);
-    }
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) assert_refused_with(head, bad[k].extra, bad[k].msg);
     snprintf(json, sizeof json, "%s, \"model_type\": \"mistral\"}", head);
     c = config_of(json);
     c.window_from = 1; /* Mistral's class slides every block */
@@ -1222,12 +1265,7 @@ static void test_smollm3_config(void **state) {
         {", \"no_rope_layers\": [1, 1, 1, 0]}", "one entry a block (8)"},
         {", \"no_rope_layer_interval\": 0}", "no_rope_layer_interval must be a positive integer"},
     };
-    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
-        snprintf(json, sizeof json, "%s%s", head, bad[k].extra);
-        io_write_raw(io_path("config.json"), json, strlen(json));
-        assert_int_not_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
-        IO_ASSERT_MSG(bad[k].msg);
-    }
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) assert_refused_with(head, bad[k].extra, bad[k].msg);
     c.nope_interval = 2;
     c.fused_proj = 1; /* NoPE blocks in Phi-3's files: no layout */
     assert_int_equal(loom_llama_config_validate(&c), LOOM_ERR_INVALID);
@@ -1296,7 +1334,8 @@ static void test_phi3_layout(void **state) {
     back.fused_proj = 0; /* another file layout: the weights of one do not load into the other */
     assert_false(loom_llama_config_same_weights(&c, &back));
     static const struct { const char *extra, *msg; } bad[] = {
-        {", \"model_type\": \"phi3\", \"partial_rotary_factor\": 0.75", "partial_rotary_factor other than 1"},
+        {", \"model_type\": \"phi3\", \"partial_rotary_factor\": 1.5", "partial_rotary_factor must be a number in (0, 1]"},
+        {", \"model_type\": \"phi3\", \"partial_rotary_factor\": 0.1", "must leave an even rotary part of 2 or more (0)"},
         {", \"model_type\": \"phi3\", \"resid_pdrop\": 0.1", "resid_pdrop other than 0"},
         {", \"model_type\": \"phi3\", \"embd_pdrop\": 0.1", "embd_pdrop other than 0"},
         {", \"model_type\": \"phi3\", \"rope_scaling\": {\"type\": \"yarn\", \"factor\": 4}",
@@ -1722,6 +1761,7 @@ int main(void) {
         cmocka_unit_test(test_longrope_config),
         cmocka_unit_test(test_window_config),
         cmocka_unit_test(test_yarn_config),
+        cmocka_unit_test(test_partial_rotary_config),
         cmocka_unit_test(test_gemma3_config),
         cmocka_unit_test(test_smollm3_config),
         cmocka_unit_test(test_gguf_refusals),

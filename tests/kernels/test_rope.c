@@ -2,7 +2,7 @@
  * test_rope.c — RoPE: fast kernel vs reference, vs the Hugging Face formula
  * in double, backward as the inverse rotation, in place, and backward vs
  * central finite differences; the scaled frequencies (linear, llama3,
- * Phi-3's longrope, YaRN).
+ * Phi-3's longrope, YaRN) and a rotary part of each head (Phi-4-mini's).
  */
 #include "testutil.h"
 #include "kernels/kernels.h"
@@ -290,6 +290,48 @@ static void test_longrope(void **state) {
     free(x); free(o); free(o2);
 }
 
+/* A rotary part of each head (Phi-4-mini's partial_rotary_factor: 12 of
+ * 16 here): its halves pair with the frequencies theta^(-2i/12), the other
+ * 4 elements pass through bit for bit; against the formula in double, the
+ * reference in each dtype, in place, and finite differences; with
+ * longrope's factors, 6 of them; the table tells it from the whole head's. */
+static void test_partial_rotary(void **state) {
+    (void)state;
+    enum { HS = 16, RD = 12, R2 = RD / 2 };
+    rope_case c = {2, 5, 3, HS, 7, {.theta = 10000.0f, .rotary_dim = RD}};
+    check_fwd_vs_ref(&c, LOOM_F32);
+    check_fwd_vs_ref(&c, LOOM_BF16);
+    size_t n = rope_n(&c);
+    float *x = rope_input(&c, 41), *o = malloc(n * 4), *want = malloc(n * 4), *whole = malloc(n * 4);
+    rope_fwd(o, x, c.B, c.T, c.NH, c.HS, c.pos0, &c.r, LOOM_F32);
+    for (size_t r = 0; r < n / HS; r++) {
+        int t = (int)(r / c.NH % c.T);
+        const float *xr = x + r * HS;
+        for (int i = 0; i < HS; i++) {
+            if (i >= RD) { want[r * HS + i] = xr[i]; continue; }
+            double a = (c.pos0 + t) * pow(10000.0, -2.0 * (i % R2) / RD), rot = i < R2 ? -xr[i + R2] : xr[i - R2];
+            want[r * HS + i] = (float)(xr[i] * cos(a) + rot * sin(a));
+        }
+    }
+    TU_ASSERT_CLOSE(o, want, n, 8.0 * (c.pos0 + c.T) * 0x1p-24 + 1e-6, 1e-6);
+    for (size_t r = 0; r < n / HS; r++) /* passed through, exactly */
+        assert_true(tu_bits_equal(o + r * HS + RD, x + r * HS + RD, (HS - RD) * 4, "pass-through"));
+    memcpy(whole, x, n * 4); /* in place */
+    rope_fwd(whole, whole, c.B, c.T, c.NH, c.HS, c.pos0, &c.r, LOOM_F32);
+    assert_true(tu_bits_equal(whole, o, n * 4, "in place"));
+    rope_case full = c;
+    full.r.rotary_dim = 0;
+    rope_fwd(whole, x, c.B, c.T, c.NH, c.HS, c.pos0, &full.r, LOOM_F32);
+    assert_false(tu_bits_equal(whole, o, n * 4, NULL));
+    check_bwd_fd(&c, 42);
+    rope_case lr = {1, 4, 2, HS, 3, {.theta = 10000.0f, .type = LOOM_ROPE_LONGROPE, .attention_factor = 1.1f,
+                                     .n_ext = R2, .rotary_dim = RD}};
+    for (int i = 0; i < R2; i++) lr.r.ext[i] = 1.0f + 0.5f * (float)i;
+    check_fwd_vs_ref(&lr, LOOM_F32);
+    check_bwd_fd(&lr, 43);
+    free(x); free(o); free(want); free(whole);
+}
+
 /* YaRN's frequency of pair i worked in double from the paper's rules (as
  * Hugging Face's _compute_yarn_parameters states them): the dimensions
  * d(beta) = HS ln(orig / (2 pi beta)) / (2 ln theta) for beta_fast and
@@ -371,6 +413,7 @@ int main(void) {
         cmocka_unit_test(test_scaled_frequencies),
         cmocka_unit_test(test_longrope),
         cmocka_unit_test(test_yarn),
+        cmocka_unit_test(test_partial_rotary),
     };
     return TU_RUN_SIMD_AND_PORTABLE(tests);
 }

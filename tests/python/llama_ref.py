@@ -195,6 +195,9 @@ class Config:
             self.tie = bool(d.get("tie_word_embeddings", True))
             self.n_kv_heads = d.get("num_key_value_heads", 4 if self.gemma2 else 16)
         self.head_size = d.get("head_dim") or (128 if mt == "qwen3" else 256 if self.gemma else self.dim // self.n_heads)
+        # Phi-3's partial_rotary_factor (Phi-4-mini's): RoPE turns the first int(head_size * factor) of each head
+        prf = d.get("partial_rotary_factor") or (d.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0
+        self.rotary = int(self.head_size * prf) if self.fused else self.head_size
         # SmolLM3's NoPE blocks: no_rope_layers (1: RoPE), else every no_rope_layer_interval-th block without
         self.rope_layers = [1] * self.n_layers
         if d.get("model_type") == "smollm3":
@@ -439,8 +442,9 @@ def attention(x, params, p, cfg, cos, sin, window=None):
     q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, NH, T, HS)
     if cos is not None:  # None: one of SmolLM3's NoPE blocks
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        rd = cfg.rotary  # Phi3Attention: the rotary part turns, the rest passes
+        q = torch.cat((q[..., :rd] * cos + rotate_half(q[..., :rd]) * sin, q[..., rd:]), dim=-1)
+        k = torch.cat((k[..., :rd] * cos + rotate_half(k[..., :rd]) * sin, k[..., rd:]), dim=-1)
     k = k.repeat_interleave(NH // NKV, dim=1)  # query head h reads kv head h // (NH / NKV)
     v = v.repeat_interleave(NH // NKV, dim=1)
     if cfg.granite:  # GraniteAttention's scaling
@@ -475,7 +479,7 @@ def forward(cfg, params, inputs, targets, dtype=torch.float32):
     the activations are bf16, as in Hugging Face's model.to(torch.bfloat16)."""
     w = {k: v.to(dtype) for k, v in params.items()}
     B, T = inputs.shape
-    cos, sin = rope_cos_sin(T, cfg.head_size, cfg.rope_theta, cfg.rope_scaling, cfg.rope_af)
+    cos, sin = rope_cos_sin(T, cfg.rotary, cfg.rope_theta, cfg.rope_scaling, cfg.rope_af)
     if cfg.gemma3:  # Gemma3TextModel's rotary_emb_local: the default RoPE of its own base, on the windowed blocks
         cos_l, sin_l = rope_cos_sin(T, cfg.head_size, cfg.rope_local, None, 1.0)
     x = F.embedding(inputs, w["model.embed_tokens.weight"])  # (B, T, C)
