@@ -373,7 +373,7 @@ static loom_status read_layer_types(json_t *list, const char *path, loom_llama_c
             if (pass == 0 && !sliding && from >= 0 && !global) global = l + 1; /* the first full one after */
             if (pass == 1 && sliding != (from >= 0 && l >= from && (!global || (l + 1) % global != 0)))
                 return loom_error(LOOM_ERR_UNSUPPORTED, "%s: layer_types must slide from one block on with full "
-                                  "attention every N-th block or none (Mistral's, Qwen's, Gemma 2's patterns); "
+                                  "attention every N-th block or none (Qwen's, Gemma 2's and 3's patterns); "
                                   "block %d breaks it", path, l);
         }
     if (from < 0) { /* no block slides */
