@@ -31,7 +31,7 @@ extern "C" {
  * rope_scaling: null, "default", "linear" (factor), "llama3" (factor,
  * low_freq_factor, high_freq_factor, original_max_position_embeddings) or
  * "longrope" / "su" (Phi-3 and LLaMA models: short_factor and long_factor,
- * head size / 2 each; original_max_position_embeddings at the top of the
+ * rotary size / 2 each; original_max_position_embeddings at the top of the
  * file (Phi-3's, 4096 when absent) or, for LLaMA, in rope_scaling; the
  * attention_factor where given, else Hugging Face's sqrt(1 + ln s /
  * ln original), s the file's context over the original (or rope_scaling's

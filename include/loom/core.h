@@ -139,6 +139,10 @@ static inline void loom_store(void *p, size_t i, loom_dtype dt, float v) {
     default: ((float *)p)[i] = v; break;
     }
 }
+/* The shortest decimal that reads back as x (0.22 rather than the float's
+ * 0.219999999), as a double: the number a config file said, as Python
+ * holds it. */
+double loom_float_decimal(float x);
 /* Round a float through dtype dt and back (the value a store/load would give). */
 static inline float loom_round_to(float v, loom_dtype dt) {
     switch (dt) {
@@ -253,7 +257,8 @@ int loom_get_threads(void);
 /* ------------------------------------------------------ RoPE frequencies */
 
 /* The rotary embedding's frequencies, shared by the rope kernel, loom_rope_ex
- * and the model config: inv_freq[i] = theta^(-2i/HS) for i < HS/2, then
+ * and the model config: inv_freq[i] = theta^(-2i/HS) for i < HS/2 (HS the
+ * rotary part of a head: rotary_dim, else the head), then
  * scaled as Hugging Face's rope_scaling says:
  *  - LOOM_ROPE_LINEAR: each divided by factor;
  *  - LOOM_ROPE_LLAMA3 (Llama 3.1 and later): with wavelength w = 2 pi / f,
@@ -274,14 +279,14 @@ int loom_get_threads(void);
 typedef enum loom_rope_type {
     LOOM_ROPE_DEFAULT = 0, LOOM_ROPE_LINEAR = 1, LOOM_ROPE_LLAMA3 = 2, LOOM_ROPE_LONGROPE = 3, LOOM_ROPE_YARN = 4
 } loom_rope_type;
-#define LOOM_ROPE_EXT_MAX 256 /* LONGROPE: frequencies a head may have (a head size of 512) */
+#define LOOM_ROPE_EXT_MAX 256 /* LONGROPE: frequencies a head may have (a rotary part of 512) */
 typedef struct loom_rope_freqs {
     float theta;
     loom_rope_type type;
     float factor, low_freq_factor, high_freq_factor; /* factor: LINEAR, LLAMA3 and YARN; the others: LLAMA3 */
     int original_max_pos;                           /* LLAMA3 and YARN */
     float attention_factor;                         /* LONGROPE and YARN: cos and sin times it */
-    int n_ext;                                      /* LONGROPE: HS / 2 factors in ext */
+    int n_ext;                                      /* LONGROPE: rotary size / 2 factors in ext */
     float ext[LOOM_ROPE_EXT_MAX];
     float beta_fast, beta_slow;                     /* YARN: the correction range's rotations (32 and 1) */
     int truncate;                                   /* YARN: the range floored and ceiled (Hugging Face's default) */

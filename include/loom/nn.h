@@ -47,7 +47,7 @@ typedef struct loom_llama_config {
      * longrope (Phi-3's: rope_original_max_pos, the context it was trained
      * at, which caps max_seq, so that its short factors apply; rope_factor,
      * the context it extends to over that; its attention factor and its
-     * short and long factors, rope_n_ext = head size / 2 of each) or yarn
+     * short and long factors, rope_n_ext = rotary size / 2 of each) or yarn
      * (rope_factor, rope_original_max_pos, rope_attention_factor and the
      * three fields below). */
     loom_rope_type rope_type;

@@ -108,9 +108,11 @@ loom_status loom_rmsnorm_ex(loom_tensor *x, loom_tensor *w, float eps, float w_o
  * theta^(-2i/HS). */
 loom_status loom_rope(loom_tensor *x, float theta, int pos0, loom_tensor **out);
 /* The same with the frequencies of r (loom_rope_freqs in core.h: scaled as
- * Hugging Face's rope_scaling says). Errors: LOOM_ERR_INVALID (theta or a
- * factor not positive or not finite, low_freq_factor >= high_freq_factor,
- * original_max_pos <= 0 for llama3, an unknown type). */
+ * Hugging Face's rope_scaling says; with rotary_dim, on that part of each
+ * head). Errors: LOOM_ERR_INVALID (theta or a factor not positive or not
+ * finite, low_freq_factor >= high_freq_factor, original_max_pos <= 0 for
+ * llama3 or yarn, an unknown type, a rotary part odd or longer than the
+ * head, longrope's factors not half the rotary part). */
 loom_status loom_rope_ex(loom_tensor *x, const loom_rope_freqs *r, int pos0, loom_tensor **out);
 /* LOOM_OK when r is a RoPE loom_rope_ex takes, else LOOM_ERR_INVALID naming the field. */
 loom_status loom_rope_check(const loom_rope_freqs *r);

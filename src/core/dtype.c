@@ -5,6 +5,8 @@
 #include "loom/core.h"
 #include "core/simd.h"
 
+#include <stdio.h>
+#include <stdlib.h>
 #include <strings.h>
 
 const char *loom_dtype_name(loom_dtype dt) {
@@ -51,4 +53,13 @@ void loom_convert(void *dst, loom_dtype dst_dt, const void *src, loom_dtype src_
             }
         }
     }
+}
+
+double loom_float_decimal(float x) {
+    char buf[32];
+    for (int p = 1; p < 9; p++) {
+        snprintf(buf, sizeof buf, "%.*g", p, (double)x);
+        if ((float)strtod(buf, NULL) == x) return strtod(buf, NULL);
+    }
+    return (double)x;
 }

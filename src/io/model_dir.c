@@ -225,13 +225,13 @@ static loom_status read_nope(json_t *root, const char *path, loom_llama_config *
 
 /* Phi-3's partial_rotary_factor v (from the top of the file or, in
  * transformers v5, rope_parameters: both must agree), a number in (0, 1]
- * (null: 1), into c (1: 0, the whole head). */
+ * (null: not said), into c (0: not said, the whole head). */
 static loom_status read_partial(json_t *v, const char *path, const char *what, loom_llama_config *c) {
     if (!v || json_is_null(v)) return LOOM_OK;
     double f = json_is_number(v) ? json_number_value(v) : -1.0;
     if (!(f > 0.0 && f <= 1.0))
         return loom_error(LOOM_ERR_FORMAT, "%s: %s partial_rotary_factor must be a number in (0, 1]", path, what);
-    float p = f == 1.0 ? 0.0f : (float)f;
+    float p = (float)f;
     if (c->partial_rotary_factor != 0.0f && c->partial_rotary_factor != p)
         return loom_error(LOOM_ERR_FORMAT, "%s: the two partial_rotary_factor fields disagree", path);
     c->partial_rotary_factor = p;
@@ -342,6 +342,10 @@ static loom_status read_architecture(json_t *root, const char *path, loom_llama_
     if (is_smollm3(root)) LOOM_TRY(read_nope(root, path, c));
     c->fused_proj = is_phi3(root);
     if (is_phi3(root)) LOOM_TRY(read_phi3(root, path, c));
+    v = json_object_get(root, "partial_rotary_factor");
+    if (!is_phi3(root) && v && !json_is_null(v) && !(json_is_number(v) && json_number_value(v) == 1.0))
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: partial_rotary_factor other than 1 is read for Phi-3 models "
+                          "only, whose class turns part of each head", path);
     c->norm_unit_offset = c->scale_embeddings = is_gemma(root) || is_gemma2(root) || is_gemma3(root);
     if (is_gemma2(root) || is_gemma3(root)) LOOM_TRY(read_gemma2(root, path, c));
     if (is_granite(root)) LOOM_TRY(read_multipliers(root, path, c));
@@ -709,16 +713,8 @@ loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
     return st;
 }
 
-/* The shortest decimal that reads back as x: 0.22 rather than the float's
- * 0.219999999, as Hugging Face's files say it. */
-static double dec(float x) {
-    char buf[32];
-    for (int p = 1; p < 9; p++) {
-        snprintf(buf, sizeof buf, "%.*g", p, (double)x);
-        if ((float)strtod(buf, NULL) == x) return strtod(buf, NULL);
-    }
-    return (double)x;
-}
+/* A config's number as Hugging Face's files say it (loom_float_decimal). */
+static double dec(float x) { return loom_float_decimal(x); }
 
 /* Phi-3's longrope as its files have it: rope_scaling with the short and
  * long factors (and the attention factor when it is not the one Hugging
@@ -803,7 +799,7 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
     int ok = root != NULL;
     /* Phi3Config's default pad id, 32000, is an embedding row Hugging Face's model refuses below that vocabulary */
     if (ok && phi3 && c->vocab_size <= 32000) ok = !json_object_set_new(root, "pad_token_id", json_null());
-    if (ok && phi3 && c->partial_rotary_factor > 0.0f) /* Phi-4-mini's */
+    if (ok && phi3 && c->partial_rotary_factor > 0.0f && c->partial_rotary_factor < 1.0f) /* Phi-4-mini's */
         ok = !json_object_set_new(root, "partial_rotary_factor", json_real(dec(c->partial_rotary_factor)));
     if (ok && !qwen2 && !phi3 && layout != 8) /* Qwen 2's class has biases on q, k and v, Phi-3's and Mistral's none */
         ok = !json_object_set_new(root, "attention_bias", json_boolean(c->o_bias));

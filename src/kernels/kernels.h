@@ -98,7 +98,7 @@ void rope_inv_freq(const loom_rope_freqs *r, int HS, float *inv_freq);
 /* The elements of a head of HS that rotate: r->rotary_dim, else HS. */
 int rope_rotary_dim(const loom_rope_freqs *r, int HS);
 /* cos/sin tables the rope kernels have built so far in this process (a
- * few are cached, one per RoPE and head size): for tests. */
+ * few are cached, one per RoPE and rotary size): for tests. */
 unsigned long rope_table_builds(void);
 /* A loom_rope_freqs with theta and no scaling. */
 static inline loom_rope_freqs rope_plain(float theta) {

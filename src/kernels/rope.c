@@ -1,7 +1,8 @@
 /*
  * rope.c — rotary position embedding, Hugging Face LLaMA convention.
  *
- * Owns: the rotation of each head vector x = [x1, x2] (halves of HS) by
+ * Owns: the rotation of each head vector x = [x1, x2] (halves of HS, or of
+ * its first rotary_dim elements, the rest passing through) by
  * angle(t, i) = (pos0 + t) * inv_freq[i], and its transpose for backward
  * (longrope's cosines and sines are scaled: its transpose is scaled the
  * same). Angles follow Hugging Face exactly: inv_freq = 1 / theta^(2i/HS),

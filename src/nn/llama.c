@@ -96,8 +96,9 @@ int loom_llama_head_dim(const loom_llama_config *c) {
 
 int loom_llama_rotary_dim(const loom_llama_config *c) {
     int hs = loom_llama_head_dim(c);
-    double f = c->partial_rotary_factor;
-    return f > 0.0 && f < 1.0 ? (int)(hs * f) : hs; /* Python's int(head_dim * factor) */
+    /* Python's int(head_dim * factor), the factor as the file says it (0.9, not the float's 0.899999976) */
+    double f = c->partial_rotary_factor > 0.0f ? loom_float_decimal(c->partial_rotary_factor) : 1.0;
+    return f < 1.0 ? (int)(hs * f) : hs;
 }
 
 float loom_llama_embed_scale(const loom_llama_config *c, loom_dtype dt) {
@@ -222,14 +223,14 @@ loom_status loom_llama_config_validate(const loom_llama_config *c) {
                           c->n_kv_heads);
     if (!(c->rope_theta > 0.0f) || !(c->norm_eps > 0.0f))
         return loom_error(LOOM_ERR_INVALID, "model config: rope_theta and norm_eps must be positive");
-    loom_rope_freqs r = loom_llama_rope(c);
-    if (loom_rope_check(&r) != LOOM_OK) return loom_error(LOOM_ERR_INVALID, "model config: %s", loom_last_error());
     if (!(c->partial_rotary_factor >= 0.0f && c->partial_rotary_factor <= 1.0f) ||
         (c->partial_rotary_factor > 0.0f && c->partial_rotary_factor < 1.0f &&
          (!c->fused_proj || loom_llama_rotary_dim(c) < 2 || loom_llama_rotary_dim(c) % 2)))
         return loom_error(LOOM_ERR_INVALID, "model config: partial_rotary_factor %g is Phi-3's (its class alone turns "
                           "part of each head), in (0, 1], and must leave an even rotary part of 2 or more (%d)",
                           (double)c->partial_rotary_factor, loom_llama_rotary_dim(c));
+    loom_rope_freqs r = loom_llama_rope(c);
+    if (loom_rope_check(&r) != LOOM_OK) return loom_error(LOOM_ERR_INVALID, "model config: %s", loom_last_error());
     if (c->rope_type == LOOM_ROPE_LONGROPE &&
         (c->rope_n_ext != loom_llama_rotary_dim(c) / 2 || c->rope_original_max_pos <= 0 ||
          c->max_seq > c->rope_original_max_pos || !(c->rope_factor >= 1.0f) || !isfinite(c->rope_factor)))

@@ -1064,6 +1064,12 @@ static void test_partial_rotary_config(void **state) {
     for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) assert_refused_with(head, bad[k].extra, bad[k].msg);
     assert_config_refused(", \"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": 10000.0, "
                           "\"partial_rotary_factor\": 0.5}", "is read for Phi-3 models only");
+    assert_config_refused(", \"partial_rotary_factor\": 0.5", "is read for Phi-3 models only");
+    assert_refused_with(head, ", \"partial_rotary_factor\": 1.0, \"rope_parameters\": {\"rope_type\": \"default\", "
+                        "\"rope_theta\": 10000.0, \"partial_rotary_factor\": 0.75}}", "fields disagree");
+    snprintf(json, sizeof json, "%s, \"head_dim\": 40, \"partial_rotary_factor\": 0.9}", head);
+    c = config_of(json); /* Python's int(40 * 0.9) is 36; the float 0.9 times 40 is 35.99999 */
+    assert_int_equal(loom_llama_rotary_dim(&c), 36);
     c = config_of("{\"hidden_size\": 64, \"num_hidden_layers\": 1, \"num_attention_heads\": 4, \"intermediate_size\": 24, "
                   "\"vocab_size\": 40}");
     c.partial_rotary_factor = 0.5f; /* LLaMA's class turns the whole head */

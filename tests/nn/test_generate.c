@@ -96,7 +96,7 @@ static void test_cache_matches_forward(void **state) {
     (void)state;
     for (int tie = 0; tie <= 12; tie++) {
         bias_next = tie > 2 && tie < 7 ? (tie >= 5 ? 2 : tie - 2) : 0; /* 3: Qwen 2's biases, 4-6: attention_bias */
-        head_dim_next = tie >= 5 ? 12 : 0; /* 5-7: heads of 12 beside a dim of 32 (4 x 12 = 48) */
+        head_dim_next = tie >= 5 ? 12 : 0; /* 5 on: heads of 12 beside a dim of 32 (4 x 12 = 48) */
         qk_norm_next = tie == 6;           /* 6: Qwen 3's q/k norms */
         gemma_next = tie == 7 || tie == 11; /* 7: Gemma's model, tied; 11: Gemma 2's */
         gemma2_next = tie == 11;
@@ -104,7 +104,7 @@ static void test_cache_matches_forward(void **state) {
         loom_llama *m = small_model(LOOM_F32, tie & 1);
         bias_next = head_dim_next = qk_norm_next = gemma_next = granite_next = gemma2_next = 0;
         if (tie == 10) m->cfg.nope_interval = 2; /* SmolLM3's: the second block without RoPE */
-        if (tie == 12) { /* Phi-4-mini's rotary part: 4 of each head of 8 */
+        if (tie == 12) { /* Phi-4-mini's rotary part: 6 of each head of 12 */
             m->cfg.fused_proj = 1;
             m->cfg.partial_rotary_factor = 0.5f;
         }
