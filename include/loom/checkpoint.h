@@ -40,6 +40,9 @@ extern "C" {
  * a saved config says the file's contexts again (loom's as
  * max_position_embeddings when it extends to none); a factor that is not the ratio of two
  * whole contexts reads back within a float's rounding of it);
+ * "dynamic" (any model but Phi-3: factor; the default frequencies, which
+ * Hugging Face's dynamic NTK scaling keeps up to max_position_embeddings,
+ * loom's context; an original context other than that is refused);
  * "yarn" (any model but Phi-3: factor, else the file's context over the
  * original; original_max_position_embeddings, else the file's context;
  * attention_factor, else 0.1 ln(factor) + 1, or the ratio of mscale's and

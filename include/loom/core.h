@@ -275,15 +275,20 @@ int loom_get_threads(void);
  *    beta_fast and beta_slow (floored and ceiled when truncate, clamped to
  *    [0, HS - 1]) and ramp r_i = clamp((i - low) / (high - low), 0, 1),
  *    e = 1 - r: (1 / (factor p_i)) (1 - e) + (1 / p_i) e, and the cosines
- *    and sines times attention_factor. */
+ *    and sines times attention_factor;
+ *  - LOOM_ROPE_DYNAMIC (dynamic NTK scaling, factor): the default
+ *    frequencies, which Hugging Face's dynamic scaling keeps up to
+ *    max_position_embeddings and changes only past it (a model config
+ *    with it stops its context there). */
 typedef enum loom_rope_type {
-    LOOM_ROPE_DEFAULT = 0, LOOM_ROPE_LINEAR = 1, LOOM_ROPE_LLAMA3 = 2, LOOM_ROPE_LONGROPE = 3, LOOM_ROPE_YARN = 4
+    LOOM_ROPE_DEFAULT = 0, LOOM_ROPE_LINEAR = 1, LOOM_ROPE_LLAMA3 = 2, LOOM_ROPE_LONGROPE = 3, LOOM_ROPE_YARN = 4,
+    LOOM_ROPE_DYNAMIC = 5
 } loom_rope_type;
 #define LOOM_ROPE_EXT_MAX 256 /* LONGROPE: frequencies a head may have (a rotary part of 512) */
 typedef struct loom_rope_freqs {
     float theta;
     loom_rope_type type;
-    float factor, low_freq_factor, high_freq_factor; /* factor: LINEAR, LLAMA3 and YARN; the others: LLAMA3 */
+    float factor, low_freq_factor, high_freq_factor; /* factor: LINEAR, LLAMA3, YARN, DYNAMIC; the others: LLAMA3 */
     int original_max_pos;                           /* LLAMA3 and YARN */
     float attention_factor;                         /* LONGROPE and YARN: cos and sin times it */
     int n_ext;                                      /* LONGROPE: rotary size / 2 factors in ext */

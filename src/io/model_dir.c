@@ -587,12 +587,27 @@ static loom_status parse_rope_scaling(json_t *root, json_t *rs, const char *path
     if (!strcmp(type, "default")) return LOOM_OK;
     if (!strcmp(type, "longrope") || !strcmp(type, "su")) return parse_longrope(root, rs, path, what, c);
     if (!strcmp(type, "yarn") && !is_phi3(root)) return parse_yarn(rs, path, what, c);
+    if (!strcmp(type, "dynamic") && !is_phi3(root)) { /* the default frequencies up to the file's context */
+        json_t *o = json_object_get(rs, "original_max_position_embeddings");
+        if (o && !json_is_null(o) && !(json_is_integer(o) && json_integer_value(o) == c->max_seq))
+            return loom_error(LOOM_ERR_UNSUPPORTED, "%s: %s \"dynamic\" with an original context other than "
+                              "max_position_embeddings is not supported by loom (transformers versions differ on it)",
+                              path, what);
+        if (!json_is_number(json_object_get(rs, "factor")))
+            return loom_error(LOOM_ERR_FORMAT, "%s: %s \"dynamic\" needs \"factor\" (a number)", path, what);
+        c->rope_type = LOOM_ROPE_DYNAMIC;
+        LOOM_TRY(get_float(rs, path, "factor", &c->rope_factor));
+        loom_rope_freqs r = loom_llama_rope(c);
+        if (loom_rope_check(&r) != LOOM_OK)
+            return loom_error(LOOM_ERR_FORMAT, "%s: %s: %s", path, what, loom_last_error());
+        return LOOM_OK;
+    }
     if (is_phi3(root)) /* Phi3Config takes no other */
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: %s \"%s\" on a Phi-3 model (Phi-3's take longrope or none)",
                           path, what, type);
     if (strcmp(type, "linear") && strcmp(type, "llama3"))
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: %s \"%s\" is not supported by loom (default, linear, llama3, "
-                          "longrope and yarn are)", path, what, type);
+                          "longrope, yarn and dynamic are)", path, what, type);
     c->rope_type = strcmp(type, "linear") ? LOOM_ROPE_LLAMA3 : LOOM_ROPE_LINEAR;
     static const char *const need[] = {"factor", "low_freq_factor", "high_freq_factor",
                                        "original_max_position_embeddings"};
@@ -835,8 +850,9 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
     }
     if (ok && c->rope_type == LOOM_ROPE_LONGROPE) ok = save_longrope(root, c);
     else if (ok && c->rope_type != LOOM_ROPE_DEFAULT) { /* as Hugging Face's own files write each */
-        json_t *rs = c->rope_type == LOOM_ROPE_LINEAR
-                         ? json_pack("{s:s, s:f}", "type", "linear", "factor", dec(c->rope_factor))
+        json_t *rs = c->rope_type == LOOM_ROPE_LINEAR || c->rope_type == LOOM_ROPE_DYNAMIC
+                         ? json_pack("{s:s, s:f}", "type", c->rope_type == LOOM_ROPE_LINEAR ? "linear" : "dynamic",
+                                     "factor", dec(c->rope_factor))
                      : c->rope_type == LOOM_ROPE_YARN /* the attention factor too: it may come from mscales */
                          ? json_pack("{s:s, s:f, s:i, s:f, s:f, s:f, s:b}", "rope_type", "yarn", "factor",
                                      dec(c->rope_factor), "original_max_position_embeddings", c->rope_original_max_pos,

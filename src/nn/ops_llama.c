@@ -118,7 +118,8 @@ loom_status loom_rope_check(const loom_rope_freqs *r) {
                               "finite and positive", LOOM_ROPE_EXT_MAX);
         return LOOM_OK;
     }
-    if (r->type != LOOM_ROPE_LINEAR && r->type != LOOM_ROPE_LLAMA3 && r->type != LOOM_ROPE_YARN)
+    if (r->type != LOOM_ROPE_LINEAR && r->type != LOOM_ROPE_LLAMA3 && r->type != LOOM_ROPE_YARN &&
+        r->type != LOOM_ROPE_DYNAMIC)
         return loom_error(LOOM_ERR_INVALID, "rope: unknown scaling type %d", (int)r->type);
     if (!(r->factor > 0.0f) || !isfinite(r->factor))
         return loom_error(LOOM_ERR_INVALID, "rope: the scaling factor %g must be positive", (double)r->factor);

@@ -20,6 +20,7 @@
 #include <sys/stat.h>
 
 #include "io/io_internal.h"
+#include "kernels/kernels.h"
 #include "loom/loom.h"
 
 static loom_llama *model(uint64_t seed) {
@@ -1077,7 +1078,8 @@ static void test_partial_rotary_config(void **state) {
     IO_ASSERT_MSG("partial_rotary_factor 0.5 is Phi-3's");
 }
 
-/* YaRN as Hugging Face reads it: Qwen 2.5's form (factor and the original
+/* YaRN as Hugging Face reads it (and dynamic NTK, the default frequencies
+ * within the file's context): Qwen 2.5's form (factor and the original
  * context; betas 32 and 1, truncated, attention factor 0.1 ln 4 + 1), the
  * context the file's; DeepSeek's mscales (their ratio); the factor from the
  * contexts when left out; transformers v5's rope_parameters; saved with
@@ -1124,7 +1126,21 @@ static void test_yarn_config(void **state) {
              "\"factor\": 4.0, \"original_max_position_embeddings\": 32768}}", head); /* transformers v5 */
     c = config_of(json);
     assert_true(c.rope_type == LOOM_ROPE_YARN && c.rope_theta == 1e6f && c.rope_factor == 4.0f);
+    /* dynamic NTK: the default frequencies up to the file's context, where Hugging Face's are the same */
+    snprintf(json, sizeof json, "%s, \"rope_scaling\": {\"type\": \"dynamic\", \"factor\": 2.0}}", head);
+    c = config_of(json);
+    assert_true(c.rope_type == LOOM_ROPE_DYNAMIC && c.rope_factor == 2.0f && c.max_seq == 32768);
+    back = saved_and_loaded(&c);
+    assert_true(loom_llama_config_same_model(&c, &back) && saved_text_has("\"dynamic\""));
+    float fd[4], f0[4];
+    loom_rope_freqs rd = loom_llama_rope(&c), r0 = {.theta = c.rope_theta};
+    rope_inv_freq(&rd, 8, fd);
+    rope_inv_freq(&r0, 8, f0);
+    assert_memory_equal(fd, f0, sizeof fd);
     static const struct { const char *extra, *msg; } bad[] = {
+        {", \"rope_scaling\": {\"type\": \"dynamic\", \"factor\": 2.0, \"original_max_position_embeddings\": 4096}",
+         "\"dynamic\" with an original context other than max_position_embeddings"},
+        {", \"rope_scaling\": {\"type\": \"dynamic\"}", "\"dynamic\" needs \"factor\""},
         {", \"rope_scaling\": {\"type\": \"yarn\", \"factor\": -4}", "yarn's factor must be a positive number"},
         {", \"rope_scaling\": {\"type\": \"yarn\", \"factor\": 4, \"beta_fast\": \"x\"}",
          "yarn's beta_fast must be a positive number"},

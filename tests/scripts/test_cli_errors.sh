@@ -64,8 +64,8 @@ echo '{"hidden_size": 64, "num_hidden_layers": 2' > "$WORK/broken.json"
 expect_error "broken.json" "$LOOM" train --data "$WORK/data" --config "$WORK/broken.json"
 echo '{"hidden_size": 65, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 8, "vocab_size": 512}' > "$WORK/odd.json"
 expect_error "heads" "$LOOM" train --data "$WORK/data" --config "$WORK/odd.json"
-config_plus "$WORK/scaled.json" "$WORK/cfg.json" '"rope_scaling": {"type": "dynamic", "factor": 2.0}'
-expect_error 'rope_scaling "dynamic" is not supported' "$LOOM" train --data "$WORK/data" --config "$WORK/scaled.json"
+config_plus "$WORK/scaled.json" "$WORK/cfg.json" '"rope_scaling": {"type": "mrope", "factor": 2.0}'
+expect_error 'rope_scaling "mrope" is not supported' "$LOOM" train --data "$WORK/data" --config "$WORK/scaled.json"
 config_plus "$WORK/scaled.json" "$WORK/cfg.json" '"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0, "original_max_position_embeddings": 64}'
 expect_error "rope_scaling: .*low_freq_factor" "$LOOM" train --data "$WORK/data" --config "$WORK/scaled.json"
 config_plus "$WORK/scaled.json" "$WORK/cfg.json" '"rope_scaling": {"rope_type": "llama3", "factor": 8.0}'
@@ -93,8 +93,8 @@ grep -q '"sliding_window": 16' "$WORK/mistral/model/config.json" &&
 config_plus "$WORK/mistral.json" "$WORK/cfg.json" '"model_type": "mistral", "sliding_window": 1.5'
 expect_error "sliding_window must be a positive integer" "$LOOM" train --data "$WORK/data" --config "$WORK/mistral.json"
 # transformers v5 keeps theta and the scaling in rope_parameters; with the old fields too they must agree.
-config_plus "$WORK/v5.json" "$WORK/cfg.json" '"rope_parameters": {"rope_theta": 500000.0, "rope_type": "dynamic", "factor": 4.0}'
-expect_error 'rope_parameters "dynamic" is not supported' "$LOOM" train --data "$WORK/data" --config "$WORK/v5.json"
+config_plus "$WORK/v5.json" "$WORK/cfg.json" '"rope_parameters": {"rope_theta": 500000.0, "rope_type": "mrope", "factor": 4.0}'
+expect_error 'rope_parameters "mrope" is not supported' "$LOOM" train --data "$WORK/data" --config "$WORK/v5.json"
 config_plus "$WORK/v5.json" "$WORK/cfg.json" '"rope_theta": 10000.0, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}'
 expect_error "rope_parameters and rope_theta/rope_scaling disagree" "$LOOM" train --data "$WORK/data" --config "$WORK/v5.json"
 # Optional fields set to null take their defaults, as in Hugging Face's
