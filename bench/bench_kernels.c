@@ -119,8 +119,8 @@ int main(int argc, char **argv) {
     char shape[96];
     printf("bench_kernels preset=%s batch=%d dtype=%s threads=%d reps=%d (ms per call: best, then mean)\n", preset,
            batch, dtype, loom_get_threads(), reps);
-    if (window) snprintf(shape, sizeof shape, "B=%d T=%d heads=%d head_size=%d, causal, window=%d", B, T, NH, HS, window);
-    else snprintf(shape, sizeof shape, "B=%d T=%d heads=%d head_size=%d, causal", B, T, NH, HS);
+    int n = snprintf(shape, sizeof shape, "B=%d T=%d heads=%d head_size=%d, causal", B, T, NH, HS);
+    if (window && n > 0 && n < (int)sizeof shape) snprintf(shape + n, sizeof shape - (size_t)n, ", window=%d", window);
     print_pair("attention", af, ab, shape);
     snprintf(shape, sizeof shape, "%d x %d", N, C);
     print_pair("rmsnorm", nf_, nb, shape);

@@ -542,7 +542,9 @@ static loom_status parse_yarn(json_t *rs, const char *path, const char *what, lo
     LOOM_TRY(yarn_number(rs, path, what, "beta_slow", 1.0, &beta_slow));
     LOOM_TRY(yarn_number(rs, path, what, "mscale", 1.0, &ms));
     LOOM_TRY(yarn_number(rs, path, what, "mscale_all_dim", 1.0, &msa));
-    int both = json_number_value(json_object_get(rs, "mscale")) && json_number_value(json_object_get(rs, "mscale_all_dim"));
+    /* Hugging Face's `if mscale and mscale_all_dim`: both given and not 0 */
+    int both = json_number_value(json_object_get(rs, "mscale")) != 0.0 &&
+               json_number_value(json_object_get(rs, "mscale_all_dim")) != 0.0;
     double m1 = factor <= 1.0 ? 1.0 : 0.1 * (both ? ms : 1.0) * log(factor) + 1.0;
     double m2 = factor <= 1.0 || !both ? 1.0 : 0.1 * msa * log(factor) + 1.0;
     LOOM_TRY(yarn_number(rs, path, what, "attention_factor", m1 / m2, &af));

@@ -534,7 +534,8 @@ SIMD_AVX512 static void attn_ds_avx512(float *ds, const float *p, float d, int n
 
 /* P = exp(S - lse) for the block, then dS = P (dP - D); both exactly 0
  * outside the keys a query sees (past them S and dP were not computed;
- * before its window they were, and are dropped), up to an even column count. w->p holds S on entry (with dot2 the unscaled q k^T: the exp
+ * before its window they were, and are dropped), up to an even column
+ * count. w->p holds S on entry (with dot2 the unscaled q k^T: the exp
  * applies the scale, rounding as the forward's softmax) and P on exit; w->ds
  * holds dP on entry. */
 static void attn_bwd_probs(attn_bwd_scratch *w, const float *lse, const float *D, int q0, int nq,
