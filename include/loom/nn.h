@@ -58,7 +58,7 @@ typedef struct loom_llama_config {
     float rope_short[LOOM_ROPE_EXT_MAX], rope_long[LOOM_ROPE_EXT_MAX];
     float rope_beta_fast, rope_beta_slow; /* yarn's correction range (Hugging Face's 32 and 1) */
     int rope_truncate;                     /* yarn's range floored and ceiled (Hugging Face's default, 1) */
-    /* Phi-3's partial_rotary_factor (Phi-4-mini's 0.75; 0: 1, the whole
+    /* Phi-3's partial_rotary_factor (Phi-4-mini's 0.75; 0 or 1: the whole
      * head): the first int(head size x factor) of each head rotate, the
      * rest pass through (loom_llama_rotary_dim). */
     float partial_rotary_factor;
@@ -116,9 +116,10 @@ typedef struct loom_llama_config {
     /* Sliding-window attention (0: none): in the blocks it applies to, the
      * query at position t sees only the sliding_window keys t -
      * sliding_window + 1 .. t. It applies to every block from window_from
-     * on (Qwen's max_window_layers; 0 for Mistral's, Phi-3's, Gemma 2's)
+     * on (Qwen's max_window_layers; 0 for Mistral's, Phi-3's, Gemma's)
      * except every window_global_interval-th, blocks l with (l + 1) %
-     * interval == 0, which keep full attention (Gemma 2's 2; 0: none).
+     * interval == 0, which keep full attention (Gemma 2's 2, Gemma 3's 6;
+     * 0: none).
      * Without a window both are 0. */
     int sliding_window, window_from, window_global_interval;
     /* Gemma 3's model (model_type "gemma3_text": Gemma 2's flags with
