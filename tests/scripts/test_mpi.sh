@@ -16,6 +16,13 @@ make_data "$WORK/data"
 small_config "$WORK/cfg.json" 512
 D=(--data "$WORK/data" --config "$WORK/cfg.json" --seq 16 --eval-every 0 --threads 1)
 losses() { grep -o '"loss":[0-9.e+-]*' "$1/metrics.jsonl" | cut -d: -f2; }
+# SETTINGS: the settings a loop runs, every one, or under the sanitizers
+# (LOOM_TEST_SANITIZED, scripts/test.sh) the first only: the release build
+# checks each one's numbers, the sanitizers the memory of the paths they share.
+settings() {
+  SETTINGS=("$@")
+  if [ -n "${LOOM_TEST_SANITIZED:-}" ]; then SETTINGS=("$1"); fi
+}
 close() { # $1 $2 files of numbers, $3 relative tolerance
   paste "$1" "$2" | awk -v r="$3" '{ d = $1 - $2; if (d < 0) d = -d; if (d > r * ($2 < 0 ? -$2 : $2)) { print "loss " NR ": " $1 " vs " $2; bad = 1 } } END { exit bad }'
 }
@@ -77,7 +84,8 @@ read -r zw zo <<<"$(weights_opt "$WORK/z1.log")"
 awk -v pw="$pw" -v po="$po" -v zw="$zw" -v zo="$zo" 'BEGIN { exit !(zw == pw && zo <= 0.6 * po) }' ||
   fail "ZeRO-1 fp32: weights $zw MiB (plain $pw), optimizer $zo MiB (plain $po)"
 Z=("${D[@]}" --batch 2 --steps 4 --precision bf16 --grad-accum 2 --bucket-size 5000)
-for rc in "none nonreentrant" "full reentrant" "selective nonreentrant"; do
+settings "none nonreentrant" "full reentrant" "selective nonreentrant"
+for rc in "${SETTINGS[@]}"; do
   set -- $rc
   R=(--recompute $1 --recompute-mode $2)
   timeout 300 $MPI "$LOOM" train "${Z[@]}" "${R[@]}" --overlap off --out "$WORK/p0" 2>"$WORK/p0.log"
@@ -99,7 +107,8 @@ done
 # The same with gradients kept in half precision (master-grad off: ZeRO-1
 # rounds its shard of the fp32 sum as plain DP rounds the sum into each
 # p->grad) and with fp16 loss scaling, skipped steps included.
-for pm in "bf16 off" "fp16 on" "fp16 off"; do
+settings "bf16 off" "fp16 on" "fp16 off"
+for pm in "${SETTINGS[@]}"; do
   set -- $pm
   H=("${D[@]}" --batch 2 --steps 6 --grad-accum 2 --lr 0.3 --clip 0 --warmup 0 --precision $1 --master-grad $2)
   timeout 300 $MPI "$LOOM" train "${H[@]}" --overlap off --out "$WORK/h0" 2>/dev/null
@@ -202,7 +211,8 @@ done
 # Each recompute mode under TP=2, resumed from the one-process fp32 checkpoint at step 3 (B
 # not zero: A's gradients and the adapters' own f and g run in the
 # replays), gives one process's step-4 gradients.
-for rc in "full reentrant" "full nonreentrant" "selective nonreentrant"; do
+settings "full reentrant" "full nonreentrant" "selective nonreentrant"
+for rc in "${SETTINGS[@]}"; do
   set -- $rc
   timeout 300 $MPI "$LOOM" train "${D[@]}" "${LT[@]}" --precision fp32 --tp 2 --recompute $1 --recompute-mode $2 \
     --check-grads --resume "$WORK/lf1/ckpt-00000003" --out "$WORK/lr2" --dump-grads "$WORK/lr2.st" 2>"$WORK/lr2.log" ||
