@@ -767,17 +767,24 @@ static int save_longrope(json_t *root, const loom_llama_config *c) {
            !json_object_set_new(root, "original_max_position_embeddings", json_integer(c->rope_original_max_pos));
 }
 
-/* Gemma 3's own fields: its local RoPE base, and its blocks with a window
- * as the older files say them (sliding_window_pattern) and the newer
- * (layer_types). 0 when JSON cannot be built. */
-static int save_gemma3(json_t *root, const loom_llama_config *c) {
+/* layer_types: each block's "sliding_attention" (with a window) or
+ * "full_attention", as transformers 4.53 and later read them. 0 when JSON
+ * cannot be built. */
+static int save_layer_types(json_t *root, const loom_llama_config *c) {
     json_t *types = json_array();
     int built = types != NULL;
     for (int l = 0; built && l < c->n_layers; l++)
         built = !json_array_append_new(types, json_string(loom_llama_layer_window(c, l) ? "sliding_attention"
                                                                                          : "full_attention"));
     if (!built) json_decref(types);
-    return built && !json_object_set_new(root, "layer_types", types) && /* taken by root, even on failure */
+    return built && !json_object_set_new(root, "layer_types", types); /* taken by root, even on failure */
+}
+
+/* Gemma 3's own fields: its local RoPE base, and its blocks with a window
+ * as the older files say them (sliding_window_pattern) and the newer
+ * (layer_types). 0 when JSON cannot be built. */
+static int save_gemma3(json_t *root, const loom_llama_config *c) {
+    return save_layer_types(root, c) &&
            !json_object_set_new(root, "sliding_window_pattern", json_integer(c->window_global_interval)) &&
            !json_object_set_new(root, "rope_local_base_freq", json_real(dec(c->rope_local_theta)));
 }
@@ -830,11 +837,7 @@ loom_status loom_llama_config_save(const loom_llama_config *c, loom_dtype dt, co
         * number, so a window as long as the context and every block full (which newer versions read) */
         json_decref(window);
         window = json_integer(c->max_seq);
-        json_t *types = json_array();
-        ok = types != NULL;
-        for (int l = 0; ok && l < c->n_layers; l++) ok = !json_array_append_new(types, json_string("full_attention"));
-        if (!ok) json_decref(types);
-        ok = ok && !json_object_set_new(root, "layer_types", types); /* taken by root, even on failure */
+        ok = save_layer_types(root, c); /* without a window, every block full */
     }
     if (ok && (layout == 8 || phi3 || post || c->sliding_window > 0)) {
         ok = !json_object_set_new(root, "sliding_window", window);

@@ -544,7 +544,7 @@ static void attn_bwd_probs(attn_bwd_scratch *w, const float *lse, const float *D
     for (int i = 0; i < nq; i++) {
         float *p = w->p + (size_t)i * ATTN_BK, *ds = w->ds + (size_t)i * ATTN_BK;
         int n = attn_visible(s, q0 + i, k0, nk);
-        int lo = min_i(n, attn_first_key(s, q0 + i) > k0 ? attn_first_key(s, q0 + i) - k0 : 0); // window's start
+        int first = attn_first_key(s, q0 + i), lo = min_i(n, first > k0 ? first - k0 : 0); // the window's start
         for (int j = 0; j < lo; j++) p[j] = ds[j] = 0.0f;
         p += lo, ds += lo, n -= lo;
         if (s->softcap > 0.0f) { /* the forward's capped scores, bit for bit (attn_fwd_softcap) */

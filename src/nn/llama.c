@@ -65,7 +65,8 @@ loom_rope_freqs loom_llama_rope(const loom_llama_config *c) {
     r.low_freq_factor = c->rope_low_freq_factor;
     r.high_freq_factor = c->rope_high_freq_factor;
     r.original_max_pos = c->rope_original_max_pos;
-    r.rotary_dim = loom_llama_rotary_dim(c) < loom_llama_head_dim(c) ? loom_llama_rotary_dim(c) : 0;
+    int rd = loom_llama_rotary_dim(c);
+    r.rotary_dim = rd < loom_llama_head_dim(c) ? rd : 0;
     if (c->rope_type == LOOM_ROPE_YARN) {
         r.attention_factor = c->rope_attention_factor;
         r.beta_fast = c->rope_beta_fast;

@@ -136,20 +136,9 @@ static loom_status op_rmsnorm_unit(loom_tensor **in, void *u, loom_tensor **out)
 }
 static loom_status op_rope(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_rope(in[0], 10000.0f, 3, out); }
 static loom_status op_attention(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_attention(in[0], in[1], in[2], out); }
-static loom_status op_attention_scaled(loom_tensor **in, void *u, loom_tensor **out) {
-    (void)u;
-    loom_attention_opts o = {0.6f, 0.0f, 0}; /* Granite's attention_multiplier, not 1/sqrt(8) */
-    return loom_attention_ex(in[0], in[1], in[2], &o, out);
-}
-static loom_status op_attention_softcap(loom_tensor **in, void *u, loom_tensor **out) {
-    (void)u;
-    loom_attention_opts o = {0.9f, 1.5f, 0}; /* Gemma 2's softcap, low enough to bend */
-    return loom_attention_ex(in[0], in[1], in[2], &o, out);
-}
-static loom_status op_attention_window(loom_tensor **in, void *u, loom_tensor **out) {
-    (void)u;
-    loom_attention_opts o = {0.0f, 0.0f, 2}; /* Mistral's sliding window, two keys */
-    return loom_attention_ex(in[0], in[1], in[2], &o, out);
+/* u: the loom_attention_opts */
+static loom_status op_attention_ex(loom_tensor **in, void *u, loom_tensor **out) {
+    return loom_attention_ex(in[0], in[1], in[2], u, out);
 }
 static loom_status op_softcap(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_softcap(in[0], 1.3f, out); }
 static loom_status op_cast_f32(loom_tensor **in, void *u, loom_tensor **out) { (void)u; return loom_cast(in[0], LOOM_F32, out); }
@@ -296,22 +285,19 @@ static void test_llama_ops(void **state) {
     run_gradcheck(&ru, "rmsnorm (weights offset from 1)");
     gradcheck rp = {op_rope, NULL, 1, {rand_tensor(4, SHAPE(2, 3, 2, 8), -1, 1, 22)}, NULL};
     run_gradcheck(&rp, "rope");
-    gradcheck at = {op_attention, NULL, 3,
-                    {rand_tensor(4, SHAPE(2, 5, 4, 8), -1, 1, 23), rand_tensor(4, SHAPE(2, 5, 2, 8), -1, 1, 24),
-                     rand_tensor(4, SHAPE(2, 5, 2, 8), -1, 1, 25)}, NULL};
-    run_gradcheck(&at, "attention (GQA)");
-    gradcheck as = {op_attention_scaled, NULL, 3,
-                    {rand_tensor(4, SHAPE(2, 5, 4, 8), -1, 1, 28), rand_tensor(4, SHAPE(2, 5, 2, 8), -1, 1, 29),
-                     rand_tensor(4, SHAPE(2, 5, 2, 8), -1, 1, 30)}, NULL};
-    run_gradcheck(&as, "attention (a scale of its own)");
-    gradcheck ac = {op_attention_softcap, NULL, 3,
-                    {rand_tensor(4, SHAPE(2, 5, 4, 8), -1, 1, 31), rand_tensor(4, SHAPE(2, 5, 2, 8), -1, 1, 32),
-                     rand_tensor(4, SHAPE(2, 5, 2, 8), -1, 1, 33)}, NULL};
-    run_gradcheck(&ac, "attention (softcapped scores)");
-    gradcheck aw = {op_attention_window, NULL, 3,
-                    {rand_tensor(4, SHAPE(2, 5, 4, 8), -1, 1, 35), rand_tensor(4, SHAPE(2, 5, 2, 8), -1, 1, 36),
-                     rand_tensor(4, SHAPE(2, 5, 2, 8), -1, 1, 37)}, NULL};
-    run_gradcheck(&aw, "attention (a sliding window)");
+    /* GQA: 4 query heads over 2 kv heads; LLaMA's, then a scale of its own (Granite's attention_multiplier,
+     * not 1/sqrt(8)), Gemma 2's softcap (low enough to bend), Mistral's sliding window (two keys) */
+    static const loom_attention_opts opts[4] = {{0.0f, 0.0f, 0}, {0.6f, 0.0f, 0}, {0.9f, 1.5f, 0}, {0.0f, 0.0f, 2}};
+    static const uint64_t seeds[4] = {23, 28, 31, 35};
+    static const char *const names[4] = {"attention (GQA)", "attention (a scale of its own)",
+                                         "attention (softcapped scores)", "attention (a sliding window)"};
+    for (int i = 0; i < 4; i++) {
+        gradcheck at = {i ? op_attention_ex : op_attention, (void *)&opts[i], 3,
+                        {rand_tensor(4, SHAPE(2, 5, 4, 8), -1, 1, seeds[i]),
+                         rand_tensor(4, SHAPE(2, 5, 2, 8), -1, 1, seeds[i] + 1),
+                         rand_tensor(4, SHAPE(2, 5, 2, 8), -1, 1, seeds[i] + 2)}, NULL};
+        run_gradcheck(&at, names[i]);
+    }
     gradcheck sc = {op_softcap, NULL, 1, {rand_tensor(2, SHAPE(3, 7), -3, 3, 34)}, NULL};
     run_gradcheck(&sc, "softcap");
     gradcheck em = {op_embedding, NULL, 1, {rand_tensor(2, SHAPE(5, 6), -1, 1, 26)}, NULL};
