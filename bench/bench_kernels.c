@@ -7,9 +7,10 @@
  * a step.
  *
  * Usage: build/bench_kernels [--preset tiny|small] [--batch B] [--dtype f32|bf16]
- *                            [--threads N] [--reps R] [--seq T] [--window W]
+ *                            [--threads N] [--reps R] [--seq T] [--window W] [--dropout P]
  * --seq sets the sequence length (the preset's context by default);
- * --window gives the attention a sliding window of W keys (0: none).
+ * --window gives the attention a sliding window of W keys (0: none);
+ * --dropout drops its probabilities with chance P (0: none).
  */
 #include "kernels/kernels.h"
 
@@ -66,13 +67,14 @@ static void print_pair(const char *name, timing f, timing b, const char *shape) 
 
 static int usage(void) {
     fprintf(stderr, "usage: bench_kernels [--preset tiny|small] [--batch B] [--dtype f32|bf16] "
-                    "[--threads N] [--reps R] [--seq T] [--window W]\n");
+                    "[--threads N] [--reps R] [--seq T] [--window W] [--dropout P]\n");
     return 2;
 }
 
 int main(int argc, char **argv) {
     const char *preset = "tiny", *dtype = "f32";
     int batch = 8, threads = 0, reps = 30, seq = 0, window = 0;
+    float dropout = 0.0f;
     for (int i = 1; i < argc; i += 2) { /* --flag value pairs */
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v) return usage();
@@ -83,10 +85,12 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--reps")) reps = atoi(v);
         else if (!strcmp(argv[i], "--seq")) seq = atoi(v);
         else if (!strcmp(argv[i], "--window")) window = atoi(v);
+        else if (!strcmp(argv[i], "--dropout")) dropout = strtof(v, NULL);
         else return usage();
     }
     int tiny = !strcmp(preset, "tiny");
     if ((!tiny && strcmp(preset, "small")) || batch < 1 || reps < 1 || threads < 0 || seq < 0 || window < 0 ||
+        !(dropout >= 0.0f && dropout < 1.0f) ||
         (strcmp(dtype, "f32") && strcmp(dtype, "bf16")))
         return usage();
     loom_dtype dt = strcmp(dtype, "f32") ? LOOM_BF16 : LOOM_F32;
@@ -103,7 +107,7 @@ int main(int argc, char **argv) {
     float *lse = random_data((size_t)B * NH * T, LOOM_F32, 15), *rstd = random_data((size_t)N, LOOM_F32, 16);
     float *dw = random_data((size_t)C, LOOM_F32, 17);
 
-    attn_opts ao = {1.0f / sqrtf((float)HS), 0.0f, window};
+    attn_opts ao = {.scale = 1.0f / sqrtf((float)HS), .window = window, .drop = {.p = dropout, .seed = 1}};
     attention_fwd_ex(out, lse, q, k, v, B, T, T, NH, NH, HS, 0, &ao, dt); /* real lse for the backward */
     timing af = TIME_CALL(reps, attention_fwd_ex(out, lse, q, k, v, B, T, T, NH, NH, HS, 0, &ao, dt));
     timing ab =
@@ -120,7 +124,10 @@ int main(int argc, char **argv) {
     printf("bench_kernels preset=%s batch=%d dtype=%s threads=%d reps=%d (ms per call: best, then mean)\n", preset,
            batch, dtype, loom_get_threads(), reps);
     int n = snprintf(shape, sizeof shape, "B=%d T=%d heads=%d head_size=%d, causal", B, T, NH, HS);
-    if (window && n > 0 && n < (int)sizeof shape) snprintf(shape + n, sizeof shape - (size_t)n, ", window=%d", window);
+    if (window && n > 0 && n < (int)sizeof shape)
+        n += snprintf(shape + n, sizeof shape - (size_t)n, ", window=%d", window);
+    if (dropout > 0.0f && n > 0 && n < (int)sizeof shape)
+        snprintf(shape + n, sizeof shape - (size_t)n, ", dropout=%g", (double)dropout);
     print_pair("attention", af, ab, shape);
     snprintf(shape, sizeof shape, "%d x %d", N, C);
     print_pair("rmsnorm", nf_, nb, shape);

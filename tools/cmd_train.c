@@ -769,7 +769,7 @@ static int run(int argc, char **argv) {
         {"lora-init", FLAG_STRING, &o->lora_init, "DIR",
          "LoRA: start from this PEFT adapter directory on the --init model: its r, alpha and targets (--lora flags "
          "given must match) and, unless --lora-dropout is given, its dropout"},
-        {"seed", FLAG_INT, &o->seed, "N", "seed for initialisation and LoRA's A (default 1337)"},
+        {"seed", FLAG_INT, &o->seed, "N", "seed for initialisation, LoRA's A and the dropout masks (default 1337)"},
         {"threads", FLAG_INT, &o->threads, "N", "OpenMP threads (default: OMP_NUM_THREADS, else the cores this process may use)"},
         {"eval-every", FLAG_INT, &o->eval_every, "N", "validation loss every N steps; 0 disables (default 50)"},
         {"eval-batches", FLAG_INT, &o->eval_batches, "N", "validation batches per evaluation (default 4)"},

@@ -136,8 +136,8 @@ extern "C" {
  * Errors: LOOM_ERR_IO, LOOM_ERR_FORMAT (naming the file and the field),
  * LOOM_ERR_UNSUPPORTED (mlp_bias, another activation (the exact GELU among
  * them), another rope_scaling,
- * another model_type). An attention_dropout is kept, and a training forward
- * refuses it (loom's attention has no dropout). */
+ * another model_type). An attention_dropout is kept, and applied by a
+ * training forward. */
 loom_status loom_llama_config_load(const char *path, loom_llama_config *cfg);
 loom_status loom_llama_config_save(const loom_llama_config *cfg, loom_dtype weights_dtype, const char *path);
 

@@ -75,9 +75,11 @@ typedef struct loom_llama_config {
      * head_dim, q_norm and k_norm; 1 + weight with Gemma's norms) after the
      * projection, before RoPE. */
     int qk_norm;
-    /* Hugging Face's attention_dropout: loom's attention has none, so a
-     * training forward refuses a config that asks for it (evaluation and
-     * generation, where Hugging Face applies none either, run). */
+    /* Hugging Face's attention_dropout: in a training forward (gradients
+     * on) each attention probability is dropped with this chance
+     * (loom_attention_opts.dropout), the mask the whole global batch's, so
+     * data- and tensor-parallel ranks together draw one process's;
+     * evaluation and generation, as Hugging Face's, apply none. */
     float attention_dropout;
     /* The MLP's gate: SwiGLU (LOOM_ACT_SILU, zero) or GeGLU with the tanh
      * GELU (LOOM_ACT_GELU_TANH: Gemma's; Hugging Face's hidden_act

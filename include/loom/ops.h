@@ -127,10 +127,18 @@ typedef struct loom_attention_opts {
                       softmax (Gemma 2's attn_logit_softcapping); 0: none */
     int window;    /* > 0: the query at position t sees keys t - window + 1 .. t only (a sliding
                       window of that many keys, itself included: Mistral's sliding_window); 0: 0 .. t */
+    float dropout; /* > 0: each probability of the softmax dropped with this chance before it weighs
+                      the values, the kept ones scaled by 1 / (1 - dropout) (Hugging Face's
+                      attention_dropout in training); the mask drawn from the default RNG as
+                      loom_dropout's over the whole batch's (B, NH, T, T) probabilities and
+                      regenerated in backward; 0: none */
+    loom_window dropout_at; /* where the call lies in that whole batch: its batch rows are rows row0 ..
+                               of `rows`, its query heads heads col0 .. of `cols` (a data-parallel
+                               rank's rows, a tensor-parallel rank's heads); zeros: the call is the whole */
 } loom_attention_opts;
 /* loom_attention with opts (NULL: loom_attention's). A scale or softcap
- * that is negative or not finite, or a negative window, is
- * LOOM_ERR_INVALID. */
+ * that is negative or not finite, a negative window, a dropout outside
+ * [0, 1) or a dropout_at the call does not lie in is LOOM_ERR_INVALID. */
 loom_status loom_attention_ex(loom_tensor *q, loom_tensor *k, loom_tensor *v, const loom_attention_opts *opts,
                               loom_tensor **out);
 /* out[i] = table[tokens[i]]: table (V, C), n tokens (copied), out (n, C).

@@ -349,7 +349,7 @@ static loom_status read_architecture(json_t *root, const char *path, loom_llama_
     c->norm_unit_offset = c->scale_embeddings = is_gemma(root) || is_gemma2(root) || is_gemma3(root);
     if (is_gemma2(root) || is_gemma3(root)) LOOM_TRY(read_gemma2(root, path, c));
     if (is_granite(root)) LOOM_TRY(read_multipliers(root, path, c));
-    v = json_object_get(root, "attention_dropout"); /* a training forward refuses it (loom_llama_forward) */
+    v = json_object_get(root, "attention_dropout"); /* a training forward applies it (loom_llama_forward) */
     if (v && !json_is_null(v)) {
         if (!json_is_number(v) || !(json_number_value(v) >= 0.0 && json_number_value(v) < 1.0))
             return loom_error(LOOM_ERR_FORMAT, "%s: attention_dropout must be a number in [0, 1)", path);

@@ -41,6 +41,10 @@
  * are paired by rows instead of converted: attn_bwd_block_pairs).
  * The task owns dk, dv of its kv head and dq of its query heads, so no two
  * threads write the same row.
+ * Dropout (FlashAttention-2's): the forward multiplies P by the mask's
+ * factors Z (0 or 1 / (1 - p), from Philox counters by element:
+ * attn_dropout_row) after the online softmax has summed it, before P v; the
+ * backward regenerates Z, dS = P (dP Z - D) and dV += (P Z)^T dout.
  * On blocks the causal mask cuts (the diagonal), both directions run their
  * products in strips of ATTN_STRIP rows that stop where every further term
  * is masked: what is left out is either never read (masked scores) or exact
@@ -330,6 +334,19 @@ static void attn_fwd_pv(const attn_fwd_scratch *w, int q0, int nq, int k0, int n
     }
 }
 
+/* Attention dropout on P^T (st: nk keys x nq query columns) before it
+ * weighs the values: each probability a query sees times its mask's factor
+ * (attn_dropout_row); the others are 0 already, and l keeps the sum of P. */
+static void attn_fwd_dropout(float *st, int b, int h, int q0, int nq, int k0, int nk, const attn_shape *s) {
+    float z[ATTN_BK];
+    for (int j = 0; j < nq; j++) {
+        int n = attn_visible(s, q0 + j, k0, nk), first = attn_first_key(s, q0 + j);
+        int lo = first > k0 ? min_i(first - k0, n) : 0;
+        attn_dropout_row(z + lo, s, b, h, q0 + j, k0 + lo, n - lo);
+        for (int r = lo; r < n; r++) st[(size_t)r * ATTN_BQ + j] *= z[r];
+    }
+}
+
 /* Queries [q0, q0 + nq) of head h: out rows and lse. */
 static void attn_fwd_block(void *out, float *lse, const void *q, int b, int h, int q0, int nq, const attn_shape *s,
                            attn_fwd_scratch *w) {
@@ -364,6 +381,7 @@ static void attn_fwd_block(void *out, float *lse, const void *q, int b, int h, i
             attn_fwd_softmax_c(w->st, w->m, w->l, w->corr, nq, nk, ssc);
         for (int j = 0; j < nq; j++) /* exactly 1 where the column max did not move */
             if (w->corr[j] != 1.0f) row_scale(w->acc + (size_t)j * HS, w->corr[j], HS);
+        if (s->drop.p > 0.0f) attn_fwd_dropout(w->st, b, h, q0, nq, k0, nk, s);
         attn_fwd_pv(w, q0, nq, k0, nk, s);
     }
     for (int j = 0; j < nq; j++) {
@@ -405,7 +423,7 @@ static void attn_fwd_task(void *out, float *lse, const void *q, const void *k, c
 void attention_fwd(void *out, float *lse, const void *q, const void *k, const void *v,
                    int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
                    loom_dtype dt) {
-    attention_fwd_ex(out, lse, q, k, v, B, Tq, Tk, NH, NKV, HS, q_pos0, &(attn_opts){attn_default_scale(HS), 0.0f, 0},
+    attention_fwd_ex(out, lse, q, k, v, B, Tq, Tk, NH, NKV, HS, q_pos0, &(attn_opts){.scale = attn_default_scale(HS)},
                      dt);
 }
 
@@ -537,10 +555,12 @@ SIMD_AVX512 static void attn_ds_avx512(float *ds, const float *p, float d, int n
  * before its window they were, and are dropped), up to an even column
  * count. w->p holds S on entry (with dot2 the unscaled q k^T: the exp
  * applies the scale, rounding as the forward's softmax) and P on exit; w->ds
- * holds dP on entry. */
-static void attn_bwd_probs(attn_bwd_scratch *w, const float *lse, const float *D, int q0, int nq,
+ * holds dP on entry. With dropout (mask factors Z, the forward's) dS = P
+ * (dP Z - D) and w->p gets P Z, the weights of the values (FlashAttention-2). */
+static void attn_bwd_probs(attn_bwd_scratch *w, const float *lse, const float *D, int b, int h, int q0, int nq,
                            int k0, int nk, const attn_shape *s) {
     float sc = s->dot2 ? s->scale : 1.0f, dcap[ATTN_BK]; /* with a softcap: d capped / d score, 1 - tanh^2 */
+    float z[ATTN_BK];                                     /* with dropout: the mask's factors */
     for (int i = 0; i < nq; i++) {
         float *p = w->p + (size_t)i * ATTN_BK, *ds = w->ds + (size_t)i * ATTN_BK;
         int n = attn_visible(s, q0 + i, k0, nk);
@@ -555,6 +575,10 @@ static void attn_bwd_probs(attn_bwd_scratch *w, const float *lse, const float *D
             }
         }
         row_exp_sum(p, n, s->softcap > 0.0f ? 1.0f : sc, lse[i]);
+        if (s->drop.p > 0.0f) { /* through the mask to P */
+            attn_dropout_row(z, s, b, h, q0 + i, k0 + lo, n);
+            for (int j = 0; j < n; j++) ds[j] *= z[j];
+        }
 #if LOOM_HAVE_SIMD512
         if (simd_avx512()) attn_ds_avx512(ds, p, D[i], n);
         else
@@ -566,6 +590,8 @@ static void attn_bwd_probs(attn_bwd_scratch *w, const float *lse, const float *D
             attn_ds_c(ds, p, D[i], 0, n);
         if (s->softcap > 0.0f) /* through the cap to the scaled score */
             for (int j = 0; j < n; j++) ds[j] *= dcap[j];
+        if (s->drop.p > 0.0f)
+            for (int j = 0; j < n; j++) p[j] *= z[j];
         for (int j = n; j < 2 * half_up(nk) - lo; j++) p[j] = ds[j] = 0.0f;
     }
 }
@@ -633,7 +659,7 @@ static void attn_bwd_block(attn_bwd_scratch *w, const float *lse, const float *D
         mm_f32(ni, kn, HS, qs + (size_t)i0 * HS, HS, 0, w->kt + k0, Tk, sp, ATTN_BK, 0);      // S = qs k^T
         mm_f32(ni, kn, HS, dout + (size_t)i0 * w->lddo, w->lddo, 0, w->vt + k0, Tk, dp, ATTN_BK, 0); // dP = dout v^T
     }
-    attn_bwd_probs(w, lse + l0, D + l0, q0, nq, k0, nk, s);
+    attn_bwd_probs(w, lse + l0, D + l0, b, h, q0, nq, k0, nk, s);
     if (s->dot2) {
         attn_bwd_block_pairs(w, q0, nq, k0, nk, s);
         return;
@@ -771,7 +797,7 @@ void attention_bwd(void *dq, void *dk, void *dv, const void *dout,
                    const float *lse, int B, int Tq, int Tk, int NH, int NKV, int HS,
                    int q_pos0, loom_dtype dt) {
     attention_bwd_ex(dq, dk, dv, dout, q, k, v, out, lse, B, Tq, Tk, NH, NKV, HS, q_pos0,
-                     &(attn_opts){attn_default_scale(HS), 0.0f, 0}, dt);
+                     &(attn_opts){.scale = attn_default_scale(HS)}, dt);
 }
 
 void attention_bwd_ex(void *dq, void *dk, void *dv, const void *dout,

@@ -22,6 +22,7 @@ typedef struct attn_shape {
     mm_bf16_fn dot2; /* bf16 inputs, HS a multiple of 16, a CPU with bf16 dot products: every product */
     float softcap;   /* > 0: each scaled score s becomes softcap tanh(s / softcap) (Gemma 2's); 0: none */
     int window;      /* > 0: query t sees keys from attn_first_key on (a sliding window); 0: from key 0 */
+    attn_dropout drop; /* p > 0: the probabilities dropped out (attn_dropout_row); B_all, NH_all filled in */
 } attn_shape;
 
 /* A scaled score s softcapped (softcap > 0), as Hugging Face's Gemma 2 computes it: s / c, tanh, times c. */
@@ -33,7 +34,8 @@ static inline float attn_default_scale(int HS) { return 1.0f / sqrtf((float)HS);
 /* The call's dimensions, scale 1 / sqrt(HS); no flash-kernel choices made. */
 static inline attn_shape attn_shape_plain(int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
                                           loom_dtype dt) {
-    attn_shape s = {B, Tq, Tk, NH, NKV, HS, q_pos0, NH / NKV, attn_default_scale(HS), dt, 0, NULL, 0.0f, 0};
+    attn_shape s = {.B = B, .Tq = Tq, .Tk = Tk, .NH = NH, .NKV = NKV, .HS = HS, .q_pos0 = q_pos0, .G = NH / NKV,
+                    .scale = attn_default_scale(HS), .dt = dt};
     return s;
 }
 
@@ -44,6 +46,9 @@ static inline attn_shape attn_shape_with(attn_shape s, const attn_opts *o) {
     s.scale = o->scale;
     s.softcap = o->softcap;
     s.window = o->window >= s.q_pos0 + s.Tq ? 0 : o->window;
+    s.drop = o->drop;
+    if (!s.drop.B_all) s.drop.B_all = s.B;
+    if (!s.drop.NH_all) s.drop.NH_all = s.NH;
     return s;
 }
 
@@ -52,6 +57,24 @@ static inline attn_shape attn_shape_with(attn_shape s, const attn_opts *o) {
 static inline int attn_first_key(const attn_shape *s, int t) {
     int lo = s->q_pos0 + t - s->window + 1;
     return s->window > 0 && lo > 0 ? lo : 0;
+}
+
+/* z[j] = attention dropout's factor for the probability of query t of
+ * head h (batch row b) for key k0 + j, j < n: 1 / (1 - p) where the mask
+ * keeps it, else 0 (loom_dropout's rule on the whole batch's (B_all,
+ * NH_all, Tq, Tk) probabilities: kernels.h's attn_dropout). */
+static inline void attn_dropout_row(float *z, const attn_shape *s, int b, int h, int t, int k0, int n) {
+    const attn_dropout *d = &s->drop;
+    uint64_t e0 = (((uint64_t)(d->b0 + b) * (uint64_t)d->NH_all + (uint64_t)(d->h0 + h)) * (uint64_t)s->Tq +
+                   (uint64_t)t) * (uint64_t)s->Tk + (uint64_t)k0;
+    float keep = 1.0f / (1.0f - d->p);
+    uint32_t r[4];
+    uint64_t have = UINT64_MAX; /* the Philox block r holds */
+    for (int j = 0; j < n; j++) {
+        uint64_t e = e0 + (uint64_t)j;
+        if (e / 4 != have) loom_philox4x32(d->seed, d->offset + (have = e / 4), r);
+        z[j] = loom_u32_to_unit(r[e % 4]) >= d->p ? keep : 0.0f;
+    }
 }
 
 /* Element offsets of rows in q/out/dq (B, Tq, NH, HS), k/v (B, Tk, NKV, HS)

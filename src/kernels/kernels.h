@@ -111,17 +111,33 @@ static inline loom_rope_freqs rope_plain(float theta) {
 
 /* ------------------------------------------------------------- attention */
 
+/* Attention dropout's mask is loom_dropout's over the whole batch's
+ * probabilities (B_all, NH_all, Tq, Tk): element e is kept when lane e % 4
+ * of Philox(seed, offset + e / 4), mapped to [0, 1), is >= p (dropout.c's
+ * rule); the whole draws dropout_blocks(B_all NH_all Tq Tk) blocks. */
+typedef struct attn_dropout {
+    float p;               /* > 0: each probability is dropped with chance p, the rest scaled by 1 / (1 - p) */
+    uint64_t seed, offset; /* the whole mask's Philox stream */
+    int b0, B_all;         /* this call's batch rows are rows b0 .. of the whole's B_all (0: its own B) */
+    int h0, NH_all;        /* its query heads are heads h0 .. of the whole's NH_all (0: its own NH) */
+} attn_dropout;
+
 /* How the scores of an attention call are formed and which keys a query
  * sees: scores are q . k times scale (1/sqrt(HS) for LLaMA; Granite's
  * attention_multiplier, Gemma 2's query_pre_attn_scalar^-0.5), then, with
  * softcap > 0, softcap tanh(s / softcap) (Gemma 2's attn_logit_softcapping;
  * 0: none). With window > 0 the query at position p sees only the keys
  * p - window + 1 .. p (Mistral's sliding_window: window keys, itself
- * included); 0: every key up to p. */
+ * included); 0: every key up to p. With drop.p > 0 the softmax's
+ * probabilities are dropped out before they weigh the values (P Z v, Z the
+ * mask over 1 - p; the softmax's sum is of P), the backward regenerating
+ * the mask from (seed, offset), as FlashAttention-2 does. */
 typedef struct attn_opts {
     float scale, softcap;
     int window;
+    attn_dropout drop; /* attention dropout (Hugging Face's attention_dropout, training); p 0: none */
 } attn_opts;
+
 
 /* Causal scaled-dot-product attention with grouped-query heads, flash-style:
  * blocked over keys with an online softmax; no Tq x Tk matrix is stored.

@@ -103,7 +103,8 @@ static loom_status forward_tokens(loom_llama *m, kv_cache *c, scratch *s, const 
             rope_fwd(s->q, s->q, 1, T, NH, HS, pos0, &rope, dt);
             rope_fwd(kdst, kdst, 1, T, NKV, HS, pos0, &rope, dt);
         }
-        attn_opts ao = {loom_llama_attn_scale(cfg), cfg->attn_softcap, loom_llama_layer_window(cfg, l)};
+        attn_opts ao = {.scale = loom_llama_attn_scale(cfg), .softcap = cfg->attn_softcap,
+                        .window = loom_llama_layer_window(cfg, l)};
         attention_fwd_ex(s->att, NULL, s->q, c->k[l], c->v[l], 1, T, pos0 + T, NH, NKV, HS, pos0, &ao, dt);
         LOOM_TRY(linear(m, s, s->o, s->att, y, LOOM_LORA_O, T, Q, C));
         add_output(s->x, s->o, y->attn_post_norm, cfg, T, dt);

@@ -1016,7 +1016,13 @@ static loom_status attention_part(const struct llama_block_args *a, loom_tensor 
     if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_Q, h, hn, NH, HS, y->q_norm, r, &q);
     if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_K, h, hn, NKV, HS, y->k_norm, r, &k);
     if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_V, h, hn, NKV, HS, NULL, NULL, &v);
-    loom_attention_opts ao = {loom_llama_attn_scale(c), c->attn_softcap, loom_llama_layer_window(c, a->layer)};
+    loom_attention_opts ao = {.scale = loom_llama_attn_scale(c), .softcap = c->attn_softcap,
+                              .window = loom_llama_layer_window(c, a->layer)};
+    if (a->training && c->attention_dropout > 0.0f) { /* this rank's rows and heads of the whole batch's mask */
+        ao.dropout = c->attention_dropout;
+        ao.dropout_at = (loom_window){(int64_t)m->dp_rank * a->B, (int64_t)m->dp_size * a->B, (int64_t)m->tp_rank * NH,
+                                      (int64_t)m->tp_size * NH};
+    }
     if (st == LOOM_OK) st = loom_attention_ex(q, k, v, &ao, &att);
     if (st == LOOM_OK) st = loom_reshape(att, 2, flat, &att2);
     if (st == LOOM_OK) st = block_linear(a, LOOM_LORA_O, att2, NULL, out); /* g-reduced inside */
@@ -1078,10 +1084,6 @@ loom_status loom_llama_forward(loom_llama *m, const int32_t *tokens, const int32
     if (m->recompute.blocks < 0)
         return loom_error(LOOM_ERR_INVALID, "llama forward: recompute.blocks is %d (0: every block, or 1..%d)",
                           m->recompute.blocks, c->n_layers);
-    if (c->attention_dropout > 0.0f && loom_grad_enabled())
-        return loom_error(LOOM_ERR_UNSUPPORTED, "llama forward: the config's attention_dropout is %g, and loom's "
-                          "attention has no dropout: set it to 0 in config.json to train (LoRA's --lora-dropout is "
-                          "the dropout loom has)", (double)c->attention_dropout);
     int N = B * T;
     /* Whether this forward trains is decided here, outside every region (a
      * reentrant region runs its first forward without gradients), and kept

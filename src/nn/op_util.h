@@ -29,6 +29,13 @@ static inline int64_t op_rows(const loom_tensor *t) {
     return c ? loom_tensor_numel(t) / c : 0;
 }
 
+/* Whether [start, start + n) lies in [0, all) (all 0: is [0, n)): a
+ * loom_window's rows or columns. */
+static inline int op_window_fits(int64_t start, int64_t n, int64_t all) {
+    if (!all) return start == 0;
+    return all > 0 && start >= 0 && n <= all && start <= all - n;
+}
+
 loom_status op_check_contiguous(const char *op, const char *what, const loom_tensor *t);
 loom_status op_check_same(const char *op, const loom_tensor *a, const loom_tensor *b);
 loom_status op_check_dtype(const char *op, const loom_tensor *a, const loom_tensor *b);

@@ -293,12 +293,6 @@ loom_status loom_dropout(loom_tensor *x, float p, loom_tensor **out) {
     return loom_dropout_window(x, p, NULL, out);
 }
 
-/* Whether [start, start + n) lies in [0, all) (all 0: is [0, n)). */
-static int window_fits(int64_t start, int64_t n, int64_t all) {
-    if (!all) return start == 0;
-    return all > 0 && start >= 0 && n <= all && start <= all - n;
-}
-
 loom_status loom_dropout_window(loom_tensor *x, float p, const loom_window *w, loom_tensor **out) {
     LOOM_TRY(op_check_contiguous("dropout", "x", x));
     if (!(p >= 0.0f && p < 1.0f))
@@ -306,7 +300,7 @@ loom_status loom_dropout_window(loom_tensor *x, float p, const loom_window *w, l
     dropout_args a = {p, {0, 0, 0, 0}};
     if (w) a.w = *w;
     int64_t cols = x->ndim ? x->shape[x->ndim - 1] : 1, rows = cols ? loom_tensor_numel(x) / cols : 0;
-    if (!window_fits(a.w.row0, rows, a.w.rows) || !window_fits(a.w.col0, cols, a.w.cols))
+    if (!op_window_fits(a.w.row0, rows, a.w.rows) || !op_window_fits(a.w.col0, cols, a.w.cols))
         return loom_error(LOOM_ERR_INVALID,
                           "dropout: %lld rows from row %lld and %lld columns from column %lld do not lie in a "
                           "%lld x %lld tensor (0: x's own)",

@@ -5,6 +5,7 @@
  */
 #include "nn/op_util.h"
 
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 
@@ -172,12 +173,36 @@ loom_status loom_rope(loom_tensor *x, float theta, int pos0, loom_tensor **out) 
 
 /* ------------------------------------------------------------- attention */
 
+/* The Philox stream of a dropout's mask, drawn in forward and kept for backward. */
+typedef struct attention_state {
+    uint64_t seed, offset;
+} attention_state;
+
+/* The call's options with its dropout's stream (when it has a dropout). */
+static attn_opts attention_opts(loom_fn_ctx *ctx) {
+    attn_opts o = *(const attn_opts *)loom_ctx_args(ctx);
+    if (o.drop.p > 0.0f) {
+        const attention_state *st = loom_ctx_state(ctx, sizeof *st);
+        o.drop.seed = st->seed;
+        o.drop.offset = st->offset;
+    }
+    return o;
+}
+
 static loom_status attention_forward(loom_fn_ctx *ctx, loom_tensor *const *in, int n_in, loom_tensor **out, int n_out) {
     (void)n_in; (void)n_out;
-    const attn_opts *a = loom_ctx_args(ctx);
     loom_tensor *q = in[0], *k = in[1], *v = in[2];
     int B = (int)q->shape[0], T = (int)q->shape[1], NH = (int)q->shape[2], HS = (int)q->shape[3];
     int NKV = (int)k->shape[2];
+    const attn_opts *args = loom_ctx_args(ctx);
+    if (args->drop.p > 0.0f) { /* the whole batch's mask's draws, as loom_dropout's of it */
+        loom_rng *rng = loom_rng_default();
+        attention_state *st = loom_ctx_state(ctx, sizeof *st);
+        st->seed = rng->seed;
+        st->offset = loom_rng_reserve(rng, dropout_blocks((size_t)args->drop.B_all * (size_t)args->drop.NH_all *
+                                                          (size_t)T * (size_t)T));
+    }
+    attn_opts o = attention_opts(ctx), *a = &o;
     int64_t lse_shape[3] = {B, NH, T};
     out[0] = op_new_like(q, q->dtype);
     loom_tensor *lse = loom_tensor_new(LOOM_F32, 3, lse_shape, LOOM_MEM_ACTIVATIONS); /* (B, NH, T) */
@@ -193,7 +218,7 @@ static loom_status attention_forward(loom_fn_ctx *ctx, loom_tensor *const *in, i
 static loom_status attention_backward(loom_fn_ctx *ctx, loom_tensor *const *gout, int n_out, loom_tensor **gin,
                                       int n_in) {
     (void)n_out; (void)n_in;
-    const attn_opts *a = loom_ctx_args(ctx);
+    attn_opts opts = attention_opts(ctx), *a = &opts;
     loom_tensor *q, *k, *v, *o, *lse;
     OP_SAVED(ctx, 0, q);
     OP_SAVED(ctx, 1, k);
@@ -225,7 +250,7 @@ loom_status loom_attention(loom_tensor *q, loom_tensor *k, loom_tensor *v, loom_
 
 loom_status loom_attention_ex(loom_tensor *q, loom_tensor *k, loom_tensor *v, const loom_attention_opts *opts,
                               loom_tensor **out) {
-    static const loom_attention_opts plain = {0.0f, 0.0f, 0};
+    static const loom_attention_opts plain = {0};
     if (!opts) opts = &plain;
     float scale = opts->scale, softcap = opts->softcap;
     char a[96], b[96];
@@ -249,7 +274,25 @@ loom_status loom_attention_ex(loom_tensor *q, loom_tensor *k, loom_tensor *v, co
     if (opts->window < 0)
         return loom_error(LOOM_ERR_INVALID, "attention: the window %d must be >= 0 (0: every earlier key)",
                           opts->window);
-    attn_opts args = {scale != 0.0f ? scale : 1.0f / sqrtf((float)q->shape[3]), softcap, opts->window};
+    const loom_window *at = &opts->dropout_at;
+    if (!(opts->dropout >= 0.0f && opts->dropout < 1.0f))
+        return loom_error(LOOM_ERR_INVALID, "attention: the dropout %g must be in [0, 1)", (double)opts->dropout);
+    if (!op_window_fits(at->row0, q->shape[0], at->rows) || !op_window_fits(at->col0, q->shape[2], at->cols) ||
+        at->rows > INT_MAX || at->cols > INT_MAX)
+        return loom_error(LOOM_ERR_INVALID, "attention: dropout_at's %lld batch rows from row %lld and %lld heads "
+                          "from head %lld do not lie in a batch of %lld rows of %lld heads (0: the call's own)",
+                          (long long)q->shape[0], (long long)at->row0, (long long)q->shape[2], (long long)at->col0,
+                          (long long)at->rows, (long long)at->cols);
+    int64_t B_all = at->rows ? at->rows : q->shape[0], NH_all = at->cols ? at->cols : q->shape[2], T = q->shape[1];
+    if (B_all && NH_all && T && B_all > INT64_MAX / NH_all / T / T)
+        return loom_error(LOOM_ERR_INVALID, "attention: a dropout mask over %lld batch rows of %lld heads of %lld x "
+                          "%lld probabilities is too large", (long long)B_all, (long long)NH_all, (long long)T,
+                          (long long)T);
+    attn_opts args = {.scale = scale != 0.0f ? scale : 1.0f / sqrtf((float)q->shape[3]), .softcap = softcap,
+                      .window = opts->window};
+    if (opts->dropout > 0.0f)
+        args.drop = (attn_dropout){.p = opts->dropout, .b0 = (int)at->row0, .B_all = (int)B_all, .h0 = (int)at->col0,
+                                   .NH_all = (int)NH_all};
     loom_tensor *in[3] = {q, k, v};
     return loom_function_apply(&attention_function, in, 3, out, 1, &args, sizeof args);
 }

@@ -11,6 +11,7 @@
  */
 #include "testutil.h"
 
+#include <limits.h>
 #include <math.h>
 #include <string.h>
 
@@ -226,6 +227,35 @@ static void test_dropout_window_refusals(void **state) {
     loom_tape_clear();
 }
 
+/* Attention's dropout outside [0, 1), a dropout_at the call does not lie
+ * in, or a whole batch too large to count is refused by name. */
+static void test_attention_dropout_refusals(void **state) {
+    (void)state;
+    loom_tensor *q = rand_tensor(4, SHAPE(2, 5, 4, 8), -1, 1, 12), *kv = rand_tensor(4, SHAPE(2, 5, 2, 8), -1, 1, 13);
+    loom_tensor *y = NULL;
+    static const loom_attention_opts bad[] = {
+        {.dropout = 1.0f}, {.dropout = -0.1f}, {.dropout = NAN},
+        {.dropout = 0.1f, .dropout_at = {1, 0, 0, 0}},  /* a row offset in the call's own rows */
+        {.dropout = 0.1f, .dropout_at = {2, 3, 0, 0}},  /* past the last batch row */
+        {.dropout = 0.1f, .dropout_at = {0, 0, 1, 4}},  /* past the last head */
+        {.dropout = 0.1f, .dropout_at = {0, 2, 0, (int64_t)INT_MAX + 1}}, /* more heads than an int */
+        {.dropout = 0.1f, .dropout_at = {0, INT_MAX, 0, INT_MAX}},        /* a mask too large to count */
+    };
+    static const char *const why[] = {"must be in [0, 1)", "must be in [0, 1)", "must be in [0, 1)", "do not lie in",
+                                      "do not lie in", "do not lie in", "do not lie in", "too large"};
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        assert_int_equal(loom_attention_ex(q, kv, kv, &bad[k], &y), LOOM_ERR_INVALID);
+        assert_null(y);
+        assert_non_null(strstr(loom_last_error(), why[k]));
+    }
+    loom_attention_opts fits = {.dropout = 0.1f, .dropout_at = {6, 8, 8, 12}}; /* the last rows, the last heads */
+    assert_int_equal(loom_attention_ex(q, kv, kv, &fits, &y), LOOM_OK);
+    loom_tensor_release(y);
+    loom_tensor_release(q);
+    loom_tensor_release(kv);
+    loom_tape_clear();
+}
+
 static void test_cast_half(void **state) {
     (void)state;
     const loom_dtype half[2] = {LOOM_BF16, LOOM_F16};
@@ -286,12 +316,16 @@ static void test_llama_ops(void **state) {
     gradcheck rp = {op_rope, NULL, 1, {rand_tensor(4, SHAPE(2, 3, 2, 8), -1, 1, 22)}, NULL};
     run_gradcheck(&rp, "rope");
     /* GQA: 4 query heads over 2 kv heads; LLaMA's, then a scale of its own (Granite's attention_multiplier,
-     * not 1/sqrt(8)), Gemma 2's softcap (low enough to bend), Mistral's sliding window (two keys) */
-    static const loom_attention_opts opts[4] = {{0.0f, 0.0f, 0}, {0.6f, 0.0f, 0}, {0.9f, 1.5f, 0}, {0.0f, 0.0f, 2}};
-    static const uint64_t seeds[4] = {23, 28, 31, 35};
-    static const char *const names[4] = {"attention (GQA)", "attention (a scale of its own)",
-                                         "attention (softcapped scores)", "attention (a sliding window)"};
-    for (int i = 0; i < 4; i++) {
+     * not 1/sqrt(8)), Gemma 2's softcap (low enough to bend), Mistral's sliding window (two keys), dropout
+     * (Granite 3's attention_dropout, heavier), and dropout as batch rows 1..2 of 3 and heads 4..7 of 12 */
+    static const loom_attention_opts opts[6] = {
+        {0}, {.scale = 0.6f}, {.scale = 0.9f, .softcap = 1.5f}, {.window = 2}, {.dropout = 0.3f},
+        {.dropout = 0.3f, .dropout_at = {1, 3, 4, 12}}};
+    static const uint64_t seeds[6] = {23, 28, 31, 35, 37, 41};
+    static const char *const names[6] = {"attention (GQA)", "attention (a scale of its own)",
+                                         "attention (softcapped scores)", "attention (a sliding window)",
+                                         "attention (dropout)", "attention (dropout, part of a batch)"};
+    for (int i = 0; i < 6; i++) {
         gradcheck at = {i ? op_attention_ex : op_attention, (void *)&opts[i], 3,
                         {rand_tensor(4, SHAPE(2, 5, 4, 8), -1, 1, seeds[i]),
                          rand_tensor(4, SHAPE(2, 5, 2, 8), -1, 1, seeds[i] + 1),
@@ -311,6 +345,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_elementwise),
         cmocka_unit_test(test_dropout_window_refusals),
+        cmocka_unit_test(test_attention_dropout_refusals),
         cmocka_unit_test(test_cast_half),
         cmocka_unit_test(test_linear_ops),
         cmocka_unit_test(test_llama_ops),

@@ -106,7 +106,7 @@ static float *pv_rounding_bound_opts(const attn_data *d, const attn_opts *ao) {
 }
 
 static float *pv_rounding_bound(const attn_data *d) {
-    attn_opts ao = {1.0f / sqrtf((float)d->c.HS), 0.0f, 0};
+    attn_opts ao = {.scale = 1.0f / sqrtf((float)d->c.HS)};
     return pv_rounding_bound_opts(d, &ao);
 }
 
@@ -157,9 +157,10 @@ static void test_fwd_vs_ref(void **state) {
 /* Independent oracle in double on the dt-rounded inputs: query t of head h
  * uses kv head h / (NH / NKV) and keys 0 .. pos0 + t (with a window W > 0,
  * only the last W of them); scores times scale, then softcap tanh(. /
- * softcap) with a softcap. */
+ * softcap) with a softcap; with z (B, NH, Tq, Tk) each probability weighs
+ * its value times z (dropout's factors). */
 static void attention_double_opts(float *out, float *lse, const attn_data *d, double scale, double softcap,
-                                  int window) {
+                                  int window, const float *z) {
     const attn_case *c = &d->c;
     int G = c->NH / c->NKV;
     double *p = malloc(sizeof(double) * c->Tk);
@@ -185,7 +186,8 @@ static void attention_double_opts(float *out, float *lse, const attn_data *d, do
                     double o = 0.0;
                     for (int j = lo; j < n; j++) {
                         size_t vo = (((size_t)b * c->Tk + j) * c->NKV + h / G) * c->HS;
-                        o += p[j] * loom_load(d->v, vo + e, d->dt);
+                        double zj = z ? z[(((size_t)b * c->NH + h) * c->Tq + t) * c->Tk + j] : 1.0;
+                        o += p[j] * zj * loom_load(d->v, vo + e, d->dt);
                     }
                     out[qo + e] = (float)(o / sum);
                 }
@@ -194,7 +196,7 @@ static void attention_double_opts(float *out, float *lse, const attn_data *d, do
 }
 
 static void attention_double(float *out, float *lse, const attn_data *d) {
-    attention_double_opts(out, lse, d, 1.0 / sqrt((double)d->c.HS), 0.0, 0);
+    attention_double_opts(out, lse, d, 1.0 / sqrt((double)d->c.HS), 0.0, 0, NULL);
 }
 
 /* fp32 accumulation error (< 1e-5 here) plus one rounding to dt (u), and
@@ -307,7 +309,7 @@ static void grads_free(attn_grads *g) { free(g->dq); free(g->dk); free(g->dv); }
 
 /* The flash backward with ao (NULL: LLaMA's): forward for out and lse, then backward. */
 static void run_flash_bwd_opts(attn_grads *g, const attn_data *d, const attn_opts *ao) {
-    attn_opts plain = {1.0f / sqrtf((float)d->c.HS), 0.0f, 0};
+    attn_opts plain = {.scale = 1.0f / sqrtf((float)d->c.HS)};
     void *o = malloc(d->nq * 4);
     float *l = malloc(d->nlse * 4);
     attention_fwd_ex(o, l, d->q, d->k, d->v, CASE_ARGS(d->c), ao ? ao : &plain, d->dt);
@@ -380,9 +382,10 @@ static void fd_grad(float *num, attn_data *d, const attn_opts *ao, float *p, siz
  * row that sees it (<= Tq * NH * HS = 288 here), each by independent fp32
  * noise ~2^-24 |out|: ~1e-6 on L, ~5e-4 on the quotient by 2h at the very
  * worst, ~1e-4 typically. Gradients here are O(0.1 .. 1). */
-static void check_bwd_fd(const attn_case *c, int window) {
+static void check_bwd_fd(const attn_case *c, int window, float dropout) {
     attn_data d = data_make(c, LOOM_F32, 700);
-    attn_opts ao = {1.0f / sqrtf((float)c->HS), 0.0f, window};
+    attn_opts ao = {.scale = 1.0f / sqrtf((float)c->HS), .window = window,
+                    .drop = {.p = dropout, .seed = 3, .offset = 40}}; /* one mask for every evaluation */
     attn_grads g = grads_alloc(&d);
     run_flash_bwd_opts(&g, &d, &ao);
     float *num = malloc((d.nq > d.nkv ? d.nq : d.nkv) * 4);
@@ -405,8 +408,10 @@ static void test_bwd_finite_differences(void **state) {
         {2, 1, 6, 4, 2, 4, 5},  // one new token
     };
     for (size_t i = 0; i < sizeof fd_cases / sizeof fd_cases[0]; i++) {
-        check_bwd_fd(&fd_cases[i], 0);
-        check_bwd_fd(&fd_cases[i], 3); /* a sliding window of three keys */
+        check_bwd_fd(&fd_cases[i], 0, 0.0f);
+        check_bwd_fd(&fd_cases[i], 3, 0.0f); /* a sliding window of three keys */
+        check_bwd_fd(&fd_cases[i], 0, 0.3f); /* dropout (the mask fixed by its stream) */
+        check_bwd_fd(&fd_cases[i], 3, 0.3f);
     }
 }
 
@@ -421,7 +426,7 @@ static void check_opts(const attn_case *c, loom_dtype dt, uint64_t seed, const a
     attention_fwd_ex(o, l, d.q, d.k, d.v, CASE_ARGS(*c), ao, dt);
     attention_fwd(o0, NULL, d.q, d.k, d.v, CASE_ARGS(*c), dt);
     assert_int_equal(tu_bits_equal(o, o0, d.nq * loom_dtype_size(dt), NULL), same_as_plain);
-    attention_double_opts(wo, wl, &d, ao->scale, ao->softcap, ao->window);
+    attention_double_opts(wo, wl, &d, ao->scale, ao->softcap, ao->window, NULL);
     float *got = tu_to_f32(o, d.nq, dt), *bound = pv_rounding_bound_opts(&d, ao);
     assert_close_bound(got, wo, bound, d.nq, 1e-5, unit_roundoff(dt) + 1e-5);
     TU_ASSERT_CLOSE(l, wl, d.nlse, 1e-5, 1e-5);
@@ -452,7 +457,7 @@ static void test_caller_scale(void **state) {
                 const attn_case *c = cases[ci];
                 loom_dtype dt = di ? LOOM_BF16 : LOOM_F32;
                 float sc = scales[si], cap = caps[si];
-                attn_opts ao = {sc, cap, 0};
+                attn_opts ao = {.scale = sc, .softcap = cap};
                 check_opts(c, dt, 900, &ao, 0);
             }
 }
@@ -471,7 +476,7 @@ static void check_sliding_windows(int nw) {
         for (int di = 0; di < 2; di++)
             for (int wi = 0; wi < nw; wi++) {
                 const attn_case *c = cases[ci];
-                attn_opts ao = {1.0f / sqrtf((float)c->HS), 0.0f, windows[wi]};
+                attn_opts ao = {.scale = 1.0f / sqrtf((float)c->HS), .window = windows[wi]};
                 /* a window as long as the keys any query sees changes nothing; a shorter one changes outputs */
                 check_opts(c, di ? LOOM_BF16 : LOOM_F32, 950 + ci, &ao, windows[wi] >= c->pos0 + c->Tq);
             }
@@ -491,7 +496,7 @@ static void test_sliding_window(void **state) {
  * must be finite, as a model's earlier keys and values are.) */
 static void check_window_unseen_keys(const attn_case *c, loom_dtype dt, int window, int key) {
     attn_data d = data_make(c, dt, 990);
-    attn_opts ao = {1.0f / sqrtf((float)c->HS), 0.0f, window};
+    attn_opts ao = {.scale = 1.0f / sqrtf((float)c->HS), .window = window};
     size_t es = loom_dtype_size(dt), row = (size_t)c->NKV * c->HS, qrow = (size_t)c->NH * c->HS;
     void *o1 = malloc(d.nq * es), *o2 = malloc(d.nq * es), *dq = malloc(d.nq * es);
     void *dk = malloc(d.nkv * es), *dv = malloc(d.nkv * es);
@@ -536,6 +541,133 @@ static void test_window_unseen_keys(void **state) {
     }
 }
 
+/* ---------------------------------------------------------------- dropout */
+
+/* Dropout p (with a window, softcap and scale as given) from one stream. */
+static attn_opts dropout_opts(const attn_case *c, float p, int window, float softcap) {
+    attn_opts ao = {.scale = 1.0f / sqrtf((float)c->HS), .softcap = softcap, .window = window,
+                    .drop = {.p = p, .seed = 77, .offset = 1000}};
+    return ao;
+}
+
+/* Attention dropout is loom_dropout's mask over the whole (B, NH, Tq, Tk)
+ * probabilities: the forward against the formula in double whose
+ * probabilities weigh the values times the factors dropout_fwd (dropout.c)
+ * gives a tensor of ones with the same stream, within the tolerances of the
+ * checks above; lse is the softmax's, which dropout leaves as it is; the
+ * mask drops about p of the probabilities, and moves every output row the
+ * mask touches. The backward against the reference. */
+static void check_dropout(const attn_case *c, loom_dtype dt, const attn_opts *ao) {
+    attn_data d = data_make(c, dt, 960);
+    size_t nz = (size_t)c->B * c->NH * c->Tq * c->Tk, dropped = 0, seen = 0;
+    float *ones = malloc(nz * 4), *z = malloc(nz * 4);
+    for (size_t i = 0; i < nz; i++) ones[i] = 1.0f;
+    dropout_fwd(z, ones, nz, ao->drop.p, ao->drop.seed, ao->drop.offset, LOOM_F32);
+    for (int bh = 0; bh < c->B * c->NH; bh++)
+        for (int t = 0; t < c->Tq; t++) {
+            int n = c->pos0 + t + 1, lo = ao->window > 0 && n > ao->window ? n - ao->window : 0;
+            for (int j = lo; j < n; j++) dropped += z[((size_t)bh * c->Tq + t) * c->Tk + j] == 0.0f;
+            seen += (size_t)(n - lo);
+        }
+    double frac = (double)dropped / (double)seen, sd = sqrt(ao->drop.p * (1.0 - ao->drop.p) / (double)seen);
+    assert_true(fabs(frac - ao->drop.p) < 5.0 * sd);
+    void *o = malloc(d.nq * 4), *o0 = malloc(d.nq * 4);
+    float *l = malloc(d.nlse * 4), *wo = malloc(d.nq * 4), *wl = malloc(d.nlse * 4);
+    attention_fwd_ex(o, l, d.q, d.k, d.v, CASE_ARGS(*c), ao, dt);
+    attn_opts none = *ao;
+    none.drop.p = 0.0f;
+    attention_fwd_ex(o0, NULL, d.q, d.k, d.v, CASE_ARGS(*c), &none, dt);
+    assert_false(tu_bits_equal(o, o0, d.nq * loom_dtype_size(dt), NULL));
+    attention_double_opts(wo, wl, &d, ao->scale, ao->softcap, ao->window, z);
+    float *got = tu_to_f32(o, d.nq, dt), *bound = pv_rounding_bound_opts(&d, ao);
+    assert_close_bound(got, wo, bound, d.nq, 1e-5, unit_roundoff(dt) + 1e-5);
+    TU_ASSERT_CLOSE(l, wl, d.nlse, 1e-5, 1e-5);
+    attn_grads g1 = grads_alloc(&d), g2 = grads_alloc(&d);
+    attention_bwd_ex(g1.dq, g1.dk, g1.dv, d.dout, d.q, d.k, d.v, o, l, CASE_ARGS(*c), ao, dt);
+    attention_bwd_ref_ex(g2.dq, g2.dk, g2.dv, d.dout, d.q, d.k, d.v, CASE_ARGS(*c), ao, dt);
+    /* the reference's tolerances (check_bwd_vs_ref) on gradients up to 1 / (1 - p) larger */
+    double u = unit_roundoff(dt), atol = (dt == LOOM_F32 ? 1e-5 : 4.0 * u) / (1.0 - ao->drop.p);
+    double rtol = 2.0 * u + 1e-5;
+    assert_close_dt(g1.dq, g2.dq, d.nq, dt, atol, rtol);
+    assert_close_dt(g1.dk, g2.dk, d.nkv, dt, atol, rtol);
+    assert_close_dt(g1.dv, g2.dv, d.nkv, dt, atol, rtol);
+    grads_free(&g1); grads_free(&g2);
+    free(o); free(o0); free(l); free(wo); free(wl); free(got); free(bound); free(ones); free(z);
+    data_free(&d);
+}
+
+/* Granite 3's 0.1 and a heavy 0.5; on GQA, several blocks of both kinds,
+ * the KV-cache shapes, the bf16 pairs, with a window and a softcap. */
+static void test_dropout(void **state) {
+    (void)state;
+    const attn_case many = {1, 200, 200, 2, 1, 16, 0};
+    const attn_case *cases[5] = {&CASES[0], &CASES[1], &CASES[3], &CASES[15], &many};
+    for (int ci = 0; ci < 5; ci++)
+        for (int di = 0; di < 2; di++) {
+            loom_dtype dt = di ? LOOM_BF16 : LOOM_F32;
+            attn_opts a = dropout_opts(cases[ci], 0.1f, 0, 0.0f), b = dropout_opts(cases[ci], 0.5f, 21, 2.0f);
+            check_dropout(cases[ci], dt, &a);
+            check_dropout(cases[ci], dt, &b);
+        }
+}
+
+/* Rows [r0, r0 + nr) of heads [h0, h0 + nh) of a (B, T, H, HS) buffer of
+ * dt: a (nr, T, nh, HS) copy. */
+static void *part_of(const void *src, loom_dtype dt, int T, int H, int HS, int r0, int nr, int h0, int nh) {
+    size_t es = loom_dtype_size(dt), row = (size_t)nh * HS * es;
+    char *dst = malloc((size_t)nr * T * row);
+    for (int b = 0; b < nr; b++)
+        for (int t = 0; t < T; t++)
+            memcpy(dst + ((size_t)b * T + t) * row, (const char *)src + ((((size_t)(r0 + b) * T + t) * H + h0) * HS) * es,
+                   row);
+    return dst;
+}
+
+/* A call on batch row 1 of 2 and query heads 2..3 of 4 (kv head 1 of 2),
+ * told where it lies (drop.b0, B_all, h0, NH_all: a data-parallel rank's
+ * rows, a tensor-parallel rank's heads), gives the bits the whole call
+ * gives there, forward and backward: the ranks together draw one
+ * process's mask. */
+static void check_dropout_part(loom_dtype dt) {
+    const attn_case *c = &CASES[0], part = {1, c->Tq, c->Tk, 2, 1, c->HS, c->pos0}; /* B 2, GQA, bf16 pairs */
+    attn_data d = data_make(c, dt, 970);
+    size_t es = loom_dtype_size(dt);
+    attn_opts whole = dropout_opts(c, 0.2f, 0, 0.0f), ao = whole;
+    ao.drop.b0 = 1, ao.drop.B_all = 2, ao.drop.h0 = 2, ao.drop.NH_all = 4;
+    attn_grads g = grads_alloc(&d);
+    void *o = malloc(d.nq * es);
+    float *l = malloc(d.nlse * 4);
+    attention_fwd_ex(o, l, d.q, d.k, d.v, CASE_ARGS(*c), &whole, dt);
+    attention_bwd_ex(g.dq, g.dk, g.dv, d.dout, d.q, d.k, d.v, o, l, CASE_ARGS(*c), &whole, dt);
+    void *q = part_of(d.q, dt, c->Tq, 4, c->HS, 1, 1, 2, 2), *k = part_of(d.k, dt, c->Tk, 2, c->HS, 1, 1, 1, 1);
+    void *v = part_of(d.v, dt, c->Tk, 2, c->HS, 1, 1, 1, 1), *dout = part_of(d.dout, dt, c->Tq, 4, c->HS, 1, 1, 2, 2);
+    size_t nq = (size_t)c->Tq * 2 * c->HS, nkv = (size_t)c->Tk * c->HS;
+    void *po = malloc(nq * es), *pdq = malloc(nq * es), *pdk = malloc(nkv * es), *pdv = malloc(nkv * es);
+    float *pl = malloc((size_t)2 * c->Tq * 4);
+    attention_fwd_ex(po, pl, q, k, v, CASE_ARGS(part), &ao, dt);
+    attention_bwd_ex(pdq, pdk, pdv, dout, q, k, v, po, pl, CASE_ARGS(part), &ao, dt);
+    void *wo = part_of(o, dt, c->Tq, 4, c->HS, 1, 1, 2, 2), *wdq = part_of(g.dq, dt, c->Tq, 4, c->HS, 1, 1, 2, 2);
+    void *wdk = part_of(g.dk, dt, c->Tk, 2, c->HS, 1, 1, 1, 1), *wdv = part_of(g.dv, dt, c->Tk, 2, c->HS, 1, 1, 1, 1);
+    assert_true(tu_bits_equal(po, wo, nq * es, "out"));
+    assert_true(tu_bits_equal(pdq, wdq, nq * es, "dq"));
+    assert_true(tu_bits_equal(pdk, wdk, nkv * es, "dk"));
+    assert_true(tu_bits_equal(pdv, wdv, nkv * es, "dv"));
+    /* told nothing, the part draws the whole's first rows' mask instead: other bits */
+    attn_opts own = whole;
+    attention_fwd_ex(po, NULL, q, k, v, CASE_ARGS(part), &own, dt);
+    assert_false(tu_bits_equal(po, wo, nq * es, NULL));
+    free(q); free(k); free(v); free(dout); free(po); free(pdq); free(pdk); free(pdv); free(pl);
+    free(wo); free(wdq); free(wdk); free(wdv); free(o); free(l);
+    grads_free(&g);
+    data_free(&d);
+}
+
+static void test_dropout_part_of_batch(void **state) {
+    (void)state;
+    check_dropout_part(LOOM_F32);
+    check_dropout_part(LOOM_BF16);
+}
+
 /* Every output element is summed by one task in a fixed order: 1 and 2
  * threads give the same bits, forward and backward. */
 /* The flash kernels as an AVX-512 CPU runs them: every small product
@@ -563,13 +695,13 @@ static void test_avx512_tiles(void **state) {
 #endif
 }
 
-static void check_thread_count_invariant(const attn_case *c) {
+static void check_thread_count_invariant(const attn_case *c, const attn_opts *ao) {
     attn_data d = data_make(c, LOOM_BF16, 800);
     attn_grads g1 = grads_alloc(&d), g2 = grads_alloc(&d);
     loom_set_threads(1);
-    run_flash_bwd(&g1, &d);
+    run_flash_bwd_opts(&g1, &d, ao);
     loom_set_threads(2);
-    run_flash_bwd(&g2, &d);
+    run_flash_bwd_opts(&g2, &d, ao);
     loom_set_threads(0);
     assert_true(tu_bits_equal(g1.dq, g2.dq, d.nq * 2, "dq"));
     assert_true(tu_bits_equal(g1.dk, g2.dk, d.nkv * 2, "dk"));
@@ -579,11 +711,13 @@ static void check_thread_count_invariant(const attn_case *c) {
 }
 
 /* A head size of 8 (fp32 products) and of 16 (bf16 pairs where the CPU has
- * them), several tasks per thread. */
+ * them), several tasks per thread; dropout's mask is the same. */
 static void test_thread_count_invariant(void **state) {
     (void)state;
-    check_thread_count_invariant(&CASES[5]);
-    check_thread_count_invariant(&CASES[0]);
+    check_thread_count_invariant(&CASES[5], NULL);
+    check_thread_count_invariant(&CASES[0], NULL);
+    attn_opts drop = dropout_opts(&CASES[0], 0.3f, 0, 0.0f); /* and with dropout */
+    check_thread_count_invariant(&CASES[0], &drop);
 }
 
 /* The AVX-512F and AVX2 paths run the same fp32 operations on every
@@ -591,7 +725,8 @@ static void test_thread_count_invariant(void **state) {
  * works column by column, the exps are the same): forward and backward give
  * the same bits at both levels, fp32 and bf16 (fp32 products: the bf16 dot
  * products are capped off), on every case, every other one with a scale of
- * its own and softcapped scores, every third with a sliding window. */
+ * its own and softcapped scores, every third with a sliding window, every
+ * fourth with dropout. */
 static void test_levels_agree(void **state) {
     (void)state;
     const char *was = loom_simd_name(); /* a static name: restored at the end */
@@ -606,7 +741,8 @@ static void test_levels_agree(void **state) {
             attn_grads g[2];
             /* every other case with a scale of its own and softcapped scores (Granite's, Gemma 2's) */
             float sc = i % 2 ? 0.5f : 1.0f / sqrtf((float)d.c.HS), cap = i % 2 ? 2.0f : 0.0f;
-            attn_opts ao = {sc, cap, i % 3 ? 0 : 21}; /* and every third with Mistral's window */
+            attn_opts ao = {.scale = sc, .softcap = cap, .window = i % 3 ? 0 : 21}; /* and every third with Mistral's window */
+            if (i % 4 == 1) ao.drop = (attn_dropout){.p = 0.25f, .seed = 9, .offset = 5}; /* every fourth with dropout */
             for (int lv = 0; lv < 2; lv++) {
                 assert_int_equal(loom_set_simd_level(lv ? "avx2" : "avx512f"), LOOM_OK);
                 o[lv] = malloc(d.nq * 4);
@@ -643,6 +779,8 @@ int main(void) {
         cmocka_unit_test(test_window_unseen_keys),
         cmocka_unit_test(test_bwd_vs_ref),
         cmocka_unit_test(test_bwd_finite_differences),
+        cmocka_unit_test(test_dropout),
+        cmocka_unit_test(test_dropout_part_of_batch),
         cmocka_unit_test(test_thread_count_invariant),
         cmocka_unit_test(test_avx512_tiles),
         cmocka_unit_test(test_levels_agree),

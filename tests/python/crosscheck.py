@@ -17,7 +17,8 @@ head-dim has heads of their own size (q and o wider than the model); qwen3
 normalizes each query and key head (and has DoRA checked too); gemma is
 Gemma's model (norms of 1 + weight, scaled embeddings, the tanh GELU);
 gemma3 is Gemma 3's text model (q/k norms, a local RoPE base on its
-windowed blocks); granite has Granite's four multipliers; phi3 reads and writes Phi-3's fused
+windowed blocks); granite has Granite's four multipliers and Granite 3's
+attention dropout (the reference drawing loom's Philox masks); phi3 reads and writes Phi-3's fused
 qkv_proj and gate_up_proj (phi3-longrope scales its RoPE as Phi-3.5's;
 phi4-mini turns 12 of each head's 16, as Phi-4-mini's partial RoPE);
 smollm3 has a block without RoPE; yarn scales Qwen 2's RoPE by YaRN. Sliding windows shorter than the
@@ -112,11 +113,13 @@ CONFIGS = {
                "sliding_window": 5, "sliding_window_pattern": 3,
                "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
     # Granite's model: the embeddings times 12, each block's outputs times 0.22 before their residual adds, the
-    # scores times 0.0625 (not 1/sqrt(16)), the logits divided by 10 (not a power of two), tied
+    # scores times 0.0625 (not 1/sqrt(16)), the logits divided by 10 (not a power of two), tied; Granite 3's
+    # attention dropout of 0.1 while training, the reference drawing loom's masks (llama_ref.dropout_factors)
     "granite": {"model_type": "granite", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                 "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": VOCAB, "max_position_embeddings": 32,
                 "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "embedding_multiplier": 12.0,
-                "residual_multiplier": 0.22, "attention_multiplier": 0.0625, "logits_scaling": 10.0},
+                "residual_multiplier": 0.22, "attention_multiplier": 0.0625, "logits_scaling": 10.0,
+                "attention_dropout": 0.1},
     # Phi-3's model: LLaMA's, in files whose q, k, v are one qkv_proj and gate, up one gate_up_proj; its
     # rms_norm_eps left out (Phi3Config's 1e-5), a sliding window of 7 keys (as Phi-3-mini-4k's 2047), untied
     "phi3": {"model_type": "phi3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -317,7 +320,7 @@ def check_first_step(rep, loom, work, name, data_dir, model_dir, inputs, targets
     lpath, gpath = os.path.join(work, f"{name}-fp32-logits.st"), os.path.join(work, f"{name}-fp32-grads.st")
     run_loom(loom, out, "--data", data_dir, "--init", model_dir, "--dump-logits", lpath, "--dump-grads", gpath,
              "--precision", "fp32", "--master-grad", "on", "--batch", B, "--seq", T, "--steps", 1)
-    logits, loss, g = ref.grads(cfg, params, inputs, targets)
+    logits, loss, g = ref.grads(cfg, params, inputs, targets, rng=ref.train_rng())
     l_logits, l_loss, l_grads = load_dumps(lpath, gpath, logits)
     rep.check(f"{name} fp32 logits", rel_err(l_logits, logits), TOL_FP32)
     rep.check(f"{name} fp32 loss", abs(l_loss - loss) / abs(loss), TOL_FP32, f"(torch {loss:.6f})")
@@ -330,8 +333,8 @@ def check_first_step(rep, loom, work, name, data_dir, model_dir, inputs, targets
              "--precision", "bf16", "--master-grad", "on", "--batch", B, "--seq", T, "--steps", 1)
     with torch.no_grad():
         rounded = {k: v.to(torch.bfloat16).float().requires_grad_(True) for k, v in params.items()}
-    logits, loss, g = ref.grads(cfg, rounded, inputs, targets)
-    t_logits, t_loss, t_g = ref.grads(cfg, rounded, inputs, targets, dtype=torch.bfloat16)
+    logits, loss, g = ref.grads(cfg, rounded, inputs, targets, rng=ref.train_rng())
+    t_logits, t_loss, t_g = ref.grads(cfg, rounded, inputs, targets, dtype=torch.bfloat16, rng=ref.train_rng())
     yard = {k: rel_err(t_g[k], g[k]) for k in g}
     yard_logits, yard_loss = rel_err(t_logits.float(), logits), abs(t_loss - loss) / abs(loss)
     l_logits, l_loss, l_grads = load_dumps(lpath, gpath, logits)

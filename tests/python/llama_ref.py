@@ -189,6 +189,7 @@ class Config:
         self.attn_softcap = d.get("attn_logit_softcapping", None if self.gemma3 else 50.0) if self.gemma2 else None
         self.final_softcap = d.get("final_logit_softcapping", None if self.gemma3 else 30.0) if self.gemma2 else None
         self.qpas = d.get("query_pre_attn_scalar", 256) if self.gemma2 else None
+        self.attn_dropout = float(d.get("attention_dropout") or 0.0)  # training forwards only
         assert act in ("silu", "gelu_pytorch_tanh", "gelu_new"), act
         self.gelu = act != "silu"
         if self.gemma:  # Gemma 2's too (its default kv heads 4)
@@ -423,7 +424,48 @@ def lin(x, params, name, cfg):
     return out if bias is None else out + bias
 
 
-def attention(x, params, p, cfg, cos, sin, window=None):
+# ---------------------------------------------------------------- dropout
+
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+
+
+def philox4x32(seed, counters):
+    """Philox4x32-10 (Salmon et al., SC 2011) of the 64-bit counters (uint64
+    array) under the 64-bit seed, as loom's src/core/rng.c keys it: counter
+    {low, high, 0, 0}, key {low, high}. Returns (n, 4) uint32."""
+    m32 = np.uint64(0xFFFFFFFF)
+    c = [counters & m32, counters >> np.uint64(32), np.zeros_like(counters), np.zeros_like(counters)]
+    k0, k1 = seed & 0xFFFFFFFF, seed >> 32
+    for _ in range(10):
+        p0, p1 = np.uint64(_PHILOX_M[0]) * c[0], np.uint64(_PHILOX_M[1]) * c[2]
+        c = [(p1 >> np.uint64(32)) ^ c[1] ^ np.uint64(k0), p1 & m32, (p0 >> np.uint64(32)) ^ c[3] ^ np.uint64(k1),
+             p0 & m32]
+        k0, k1 = (k0 + _PHILOX_W[0]) & 0xFFFFFFFF, (k1 + _PHILOX_W[1]) & 0xFFFFFFFF
+    return np.stack(c, axis=1).astype(np.uint32)
+
+
+# Random123's known answer for Philox4x32-10, counter and key zero
+assert [int(v) for v in philox4x32(0, np.zeros(1, dtype=np.uint64))[0]] == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C,
+                                                                             0x9B00DBD8]
+
+
+def dropout_factors(rng, shape, p):
+    """loom's dropout mask over a tensor of `shape` drawn from rng (a dict:
+    seed, and the offset in 4 x 32-bit blocks, moved past the tensor's
+    draws, as loom_rng_reserve does): element e is kept when lane e % 4 of
+    Philox(seed, offset + e / 4), as (bits >> 8) / 2^24, is >= p. Returns the
+    fp32 factors 1 / (1 - p) or 0."""
+    n = int(np.prod(shape))
+    blocks = (n + 3) // 4
+    r = philox4x32(rng["seed"], np.arange(blocks, dtype=np.uint64) + np.uint64(rng["offset"])).reshape(-1)[:n]
+    rng["offset"] += blocks
+    u = (r >> 8).astype(np.float32) * np.float32(1.0 / 16777216.0)
+    keep = np.float32(1.0) / (np.float32(1.0) - np.float32(p))
+    return torch.from_numpy(np.where(u >= np.float32(p), keep, np.float32(0.0)).astype(np.float32)).view(shape)
+
+
+def attention(x, params, p, cfg, cos, sin, window=None, rng=None):
     B, T, C = x.shape
     NH, NKV, HS = cfg.n_heads, cfg.n_kv_heads, cfg.head_size
     if cfg.fused:  # Phi3Attention: qkv_proj's output cut at query_pos and after the keys
@@ -459,7 +501,10 @@ def attention(x, params, p, cfg, cos, sin, window=None):
     if window is not None:  # masking_utils' sliding window: key j seen by query i when i - window < j <= i
         mask |= torch.ones(T, T, dtype=torch.bool).tril(-window)
     s = s.masked_fill(mask, float("-inf"))
-    a = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v  # (B, NH, T, HS)
+    a = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    if rng is not None and cfg.attn_dropout > 0:  # the eager attention's dropout(attn_weights) in training
+        a = a * dropout_factors(rng, a.shape, cfg.attn_dropout).to(a.dtype)
+    a = a @ v  # (B, NH, T, HS)
     return lin(a.transpose(1, 2).reshape(B, T, NH * HS), params, p + "self_attn.o_proj", cfg)
 
 
@@ -473,10 +518,12 @@ def mlp(x, params, p, cfg):
     return lin(act * u, params, p + "mlp.down_proj", cfg)
 
 
-def forward(cfg, params, inputs, targets, dtype=torch.float32):
+def forward(cfg, params, inputs, targets, dtype=torch.float32, rng=None):
     """Logits (B, T, V) in `dtype` and the fp32 mean cross-entropy over
     targets != -1. With dtype bf16 every weight is cast (differentiably) and
-    the activations are bf16, as in Hugging Face's model.to(torch.bfloat16)."""
+    the activations are bf16, as in Hugging Face's model.to(torch.bfloat16).
+    rng (training: loom's default RNG, a dict of seed and offset): the
+    config's attention dropout draws its masks from it, block by block."""
     w = {k: v.to(dtype) for k, v in params.items()}
     B, T = inputs.shape
     cos, sin = rope_cos_sin(T, cfg.rotary, cfg.rope_theta, cfg.rope_scaling, cfg.rope_af)
@@ -494,7 +541,7 @@ def forward(cfg, params, inputs, targets, dtype=torch.float32):
         rope = cfg.rope_layers[l]
         c_, s_ = (cos_l, sin_l) if cfg.gemma3 and cfg.sliding[l] else (cos, sin)
         a = attention(rms_norm(x, w[p + "input_layernorm.weight"], cfg.norm_eps, g), w, p, cfg, c_ if rope else None,
-                      s_ if rope else None, cfg.windows[l])
+                      s_ if rope else None, cfg.windows[l], rng)
         if cfg.gemma2:
             a = rms_norm(a, w[p + "post_attention_layernorm.weight"], cfg.norm_eps, g)
         x = x + (a if rm is None else a * rm)
@@ -515,12 +562,17 @@ def forward(cfg, params, inputs, targets, dtype=torch.float32):
     return logits, loss
 
 
-def grads(cfg, params, inputs, targets, dtype=torch.float32):
+def train_rng(seed=1337):
+    """loom train's default RNG at its first step (--seed, 1337 unless said)."""
+    return {"seed": seed, "offset": 0}
+
+
+def grads(cfg, params, inputs, targets, dtype=torch.float32, rng=None):
     """(logits, loss, {name: fp32 gradient}) of one forward and backward, for
-    the parameters that require one."""
+    the parameters that require one; rng: forward's."""
     for t in params.values():
         t.grad = None
-    logits, loss = forward(cfg, params, inputs, targets, dtype)
+    logits, loss = forward(cfg, params, inputs, targets, dtype, rng)
     loss.backward()
     g = {k: v.grad.detach().float().clone() for k, v in params.items() if v.requires_grad}
     return logits.detach(), loss.item(), unfuse(cfg, g) if cfg.fused else g  # named as loom's parameters
@@ -601,11 +653,12 @@ def train(cfg, params, data, B, T, steps, lr, min_lr, warmup, weight_decay, clip
     opt = AdamW(stepped, weight_decay)
     it = batches(data, B, T)
     losses = []
+    rng = train_rng()
     for step in range(steps):
         inputs, targets = next(it)
         for p in params.values():
             p.grad = None
-        _, loss = forward(cfg, params, inputs, targets)
+        _, loss = forward(cfg, params, inputs, targets, rng=rng)
         loss.backward()
         losses.append(loss.item())
         _, mult = clip_multiplier(stepped, clip)

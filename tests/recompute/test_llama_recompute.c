@@ -120,7 +120,8 @@ static void free_result(run_result *r) {
  * heads of their own size and Qwen 3's q/k norms; as Gemma's model (norms
  * of 1 + weight, scaled embeddings, the tanh GELU's gate) and Gemma 2's
  * (norms of the blocks' outputs, softcapped scores and logits, its sliding
- * window on every other block); with Granite's multipliers; and with
+ * window on every other block); with Granite's multipliers and
+ * attention dropout (each mode replays the forward's masks); and with
  * Mistral's window on every block (Qwen 3's layout has one from its second
  * block); and as Gemma 3's (Gemma 2's with q/k norms and a local RoPE base
  * on its windowed blocks). Windows of 2 and 3 keys in sequences of 8. */
@@ -139,6 +140,7 @@ static void test_matrix(void **state) {
         cfg.residual_multiplier = granite ? 0.22f : 0.0f;
         cfg.attention_multiplier = granite ? 0.0625f : 0.0f;
         cfg.logits_scaling = granite ? 8.0f : 0.0f;
+        cfg.attention_dropout = granite ? 0.1f : 0.0f; /* Granite 3's */
         cfg.head_dim = db >= 3 && !mistral && !gemma3 ? 12 : 0;
         cfg.norm_unit_offset = cfg.scale_embeddings = gemma;
         cfg.act = gemma ? LOOM_ACT_GELU_TANH : LOOM_ACT_SILU;
@@ -190,6 +192,46 @@ static void test_matrix(void **state) {
             free_result(&ref);
         }
     }
+}
+
+/* The config's attention dropout acts in a training forward only: the
+ * training loss moves with it (and with the RNG's seed), an evaluation
+ * forward (no gradients) gives the bits of the model without it. */
+static void test_attention_dropout(void **state) {
+    (void)state;
+    loom_llama_config cfg = small_config(2), none = cfg;
+    cfg.attention_dropout = 0.3f;
+    loom_precision prec = {LOOM_BF16, 1};
+    run_result with = run_step(&cfg, prec, LOOM_RECOMPUTE_NONE, 2, 8, 1, 1.0f);
+    run_result without = run_step(&none, prec, LOOM_RECOMPUTE_NONE, 2, 8, 1, 1.0f);
+    assert_true(isfinite(with.loss) && with.loss != without.loss);
+    assert_true(with.all_written);
+    free_result(&with);
+    free_result(&without);
+    float eval[2], train[2];
+    int32_t tok[16], tgt[16];
+    make_tokens(tok, tgt, 16, cfg.vocab_size, 78, 0);
+    for (int k = 0; k < 2; k++) { /* with dropout, then without */
+        loom_llama *m;
+        assert_int_equal(loom_llama_new(k ? &none : &cfg, prec, &m), LOOM_OK);
+        loom_llama_init_weights(m, 1234);
+        loom_tensor *loss = NULL;
+        loom_no_grad_enter();
+        assert_int_equal(loom_llama_forward(m, tok, tgt, 2, 8, &loss, NULL), LOOM_OK);
+        loom_no_grad_exit();
+        eval[k] = loom_tensor_get(loss, 0);
+        loom_tensor_release(loss);
+        for (int seed = 0; seed < 2 && !k; seed++) { /* two seeds, two masks */
+            loom_rng_init(loom_rng_default(), 7 + (uint64_t)seed);
+            assert_int_equal(loom_llama_forward(m, tok, tgt, 2, 8, &loss, NULL), LOOM_OK);
+            train[seed] = loom_tensor_get(loss, 0);
+            loom_tensor_release(loss);
+            loom_tape_clear();
+        }
+        loom_llama_free(m);
+    }
+    assert_memory_equal(&eval[0], &eval[1], sizeof eval[0]);
+    assert_true(train[0] != train[1]);
 }
 
 /* The gradients' values in every precision and master-grad setting, against
@@ -446,6 +488,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_matrix),
         cmocka_unit_test(test_precisions_against_fp32),
+        cmocka_unit_test(test_attention_dropout),
         cmocka_unit_test(test_matrix_wide_rows),
         cmocka_unit_test(test_microbatch_accumulation),
         cmocka_unit_test(test_other_shape_before_backward),

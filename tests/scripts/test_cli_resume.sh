@@ -19,12 +19,14 @@ for prec in fp32 fp16; do
   [ "$(losses "$WORK/c-$prec" | head -1 | cut -d, -f1)" = '"step":11' ] || fail "$prec: resume did not start at step 11"
 done
 # Resume meets recompute, micro-batches, half-precision gradients, fp16
-# skipped steps and validation: resumed at step 2 and at step 6, the same
-# final weights and the same validation losses as the run without a stop.
+# skipped steps, validation and attention dropout (its masks drawn on from
+# the checkpoint's RNG): resumed at step 2 and at step 6, the same final
+# weights and the same validation losses as the run without a stop.
 vals() { grep -o '"step":[0-9]*,"val_loss":[0-9.e+-]*' "$1/metrics.jsonl"; }
+config_plus "$WORK/adrop.json" "$WORK/cfg.json" '"attention_dropout": 0.2'
 for s in "fp16 on full nonreentrant" "fp16 off full reentrant" "bf16 off selective nonreentrant"; do
   set -- $s
-  M=(--data "$WORK/data" --config "$WORK/cfg.json" --batch 2 --seq 32 --grad-accum 2 --steps 9 --warmup 0
+  M=(--data "$WORK/data" --config "$WORK/adrop.json" --batch 2 --seq 32 --grad-accum 2 --steps 9 --warmup 0
      --lr 0.3 --clip 0 --eval-every 3 --eval-batches 2 --precision $1 --master-grad $2 --recompute $3
      --recompute-mode $4)
   "$LOOM" train "${M[@]}" --out "$WORK/m" --ckpt-every 2 --keep 5 2>/dev/null

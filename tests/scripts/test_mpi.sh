@@ -251,6 +251,19 @@ close <(losses "$WORK/ld1") <(losses "$WORK/ld3") 1e-5 || fail "LoRA, DP=2: loss
 timeout 300 mpirun -np 4 --oversubscribe "$LOOM" train "${LD[@]}" --tp 2 --batch 1 --out "$WORK/ld4" 2>"$WORK/ld.log" ||
   { cat "$WORK/ld.log"; fail "LoRA, TP=2 x DP=2: dropout failed"; }
 close <(losses "$WORK/ld1") <(losses "$WORK/ld4") 1e-5 || fail "LoRA, TP=2 x DP=2: losses with dropout differ"
+# Attention dropout (the config's attention_dropout) draws one process's masks
+# too: each rank its batch rows and query heads of the whole batch's, so TP=2
+# and TP=2 x DP=2 (4 ranks) train as one process at the global batch.
+config_plus "$WORK/adrop.json" "$WORK/cfg.json" '"attention_dropout": 0.1'
+AD=(--data "$WORK/data" --config "$WORK/adrop.json" --seq 16 --eval-every 0 --threads 1 --precision fp32 --steps 4)
+"$LOOM" train "${AD[@]}" --batch 2 --out "$WORK/ad1" 2>/dev/null
+timeout 300 $MPI "$LOOM" train "${AD[@]}" --batch 2 --tp 2 --out "$WORK/ad2" 2>"$WORK/ad.log" ||
+  { cat "$WORK/ad.log"; fail "attention dropout, TP=2: training failed"; }
+close <(losses "$WORK/ad1") <(losses "$WORK/ad2") 1e-5 || fail "attention dropout, TP=2: losses differ"
+timeout 300 mpirun -np 4 --oversubscribe "$LOOM" train "${AD[@]}" --tp 2 --batch 1 --out "$WORK/ad3" 2>"$WORK/ad.log" ||
+  { cat "$WORK/ad.log"; fail "attention dropout, TP=2 x DP=2: training failed"; }
+close <(losses "$WORK/ad1") <(losses "$WORK/ad3") 1e-5 || fail "attention dropout, TP=2 x DP=2: losses differ"
+rm -rf "$WORK/ad1" "$WORK/ad2" "$WORK/ad3"
 # DoRA trains under data parallelism (ZeRO-1 here) and under TP=2 as one
 # process does: its magnitudes split as B's rows for q, k, v, gate and up,
 # whole for o and down, whose norms sum the ranks' columns. The same losses
