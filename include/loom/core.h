@@ -203,6 +203,10 @@ const char *loom_mem_category_name(loom_mem_category cat);
  * (seed, offset); the same pair always gives the same numbers, so any random
  * stream (dropout in a recomputed block, say) can be replayed exactly. */
 void loom_philox4x32(uint64_t seed, uint64_t counter, uint32_t out[4]);
+/* n consecutive blocks: out[4 i + lane] = lane of loom_philox4x32(seed,
+ * first + i), i < n (the same words, several blocks at a time where the CPU
+ * has AVX-512F or AVX2). */
+void loom_philox4x32_blocks(uint64_t seed, uint64_t first, size_t n, uint32_t *out);
 
 typedef struct loom_rng {
     uint64_t seed;

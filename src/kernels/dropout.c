@@ -15,6 +15,8 @@
 
 #define PARALLEL_MIN_BLOCKS 4096
 
+enum { CHUNK = 16 }; /* Philox blocks drawn at a time (loom_philox4x32_blocks) */
+
 /* out[i] = mask_{e0 + i} * in[i] / (1 - p): elements e0.. of a tensor's
  * masks. Forward and backward are this one map. */
 static void dropout_apply(void *out, const void *in, size_t n, size_t e0, float p, uint64_t seed,
@@ -25,16 +27,17 @@ static void dropout_apply(void *out, const void *in, size_t n, size_t e0, float 
     }
     if (n == 0) return;
     float scale = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f;
-    size_t b0 = e0 / 4, nblocks = (e0 + n - 1) / 4 - b0 + 1;
-    #pragma omp parallel for schedule(dynamic, 4096) if (nblocks > PARALLEL_MIN_BLOCKS)
-    for (size_t b = 0; b < nblocks; b++) {
-        uint32_t r[4];
-        loom_philox4x32(seed, offset + b0 + b, r);
-        for (size_t lane = 0; lane < 4; lane++) {
-            size_t g = 4 * (b0 + b) + lane; /* the element's index in the whole */
+    size_t b0 = e0 / 4, nblocks = (e0 + n - 1) / 4 - b0 + 1, nchunks = (nblocks + CHUNK - 1) / CHUNK;
+    #pragma omp parallel for schedule(dynamic, 256) if (nblocks > PARALLEL_MIN_BLOCKS)
+    for (size_t c = 0; c < nchunks; c++) {
+        uint32_t r[4 * CHUNK];
+        size_t cb = b0 + c * CHUNK, m = nblocks - c * CHUNK < CHUNK ? nblocks - c * CHUNK : CHUNK;
+        loom_philox4x32_blocks(seed, offset + cb, m, r);
+        for (size_t k = 0; k < 4 * m; k++) {
+            size_t g = 4 * cb + k; /* the element's index in the whole */
             if (g < e0 || g - e0 >= n) continue;
             size_t i = g - e0;
-            int keep = loom_u32_to_unit(r[lane]) >= p;
+            int keep = loom_u32_to_unit(r[k]) >= p;
             loom_store(out, i, dt, keep ? loom_load(in, i, dt) * scale : 0.0f);
         }
     }

@@ -123,6 +123,38 @@ static void test_uniform_matches_blocks(void **state) {
     }
 }
 
+/* loom_philox4x32_blocks gives loom_philox4x32's words at every SIMD
+ * level (16 and 8 blocks at a time, and one by one): counts around the
+ * vector widths, runs whose counters cross 2^32 (the high word carries),
+ * seeds with both halves set; nothing past the n blocks is written. */
+static void test_blocks_match(void **state) {
+    (void)state;
+    const char *was = loom_simd_name(); /* a static name: restored at the end */
+    const char *levels[3] = {"avx512f", "avx2", "portable"};
+    const size_t ns[] = {0, 1, 7, 8, 9, 15, 16, 17, 31, 33, 100};
+    const uint64_t firsts[] = {0, 5, 0xFFFFFFF5ull, 0x123456789ull}, seeds[] = {0, 0x0123456789abcdefull};
+    uint32_t got[4 * 100 + 1], want[4];
+    int ran = 0;
+    for (int lv = 0; lv < 3; lv++) {
+        if (loom_set_simd_level(levels[lv]) != LOOM_OK) continue; /* a CPU or build without it */
+        ran++;
+        for (size_t a = 0; a < sizeof seeds / sizeof seeds[0]; a++)
+            for (size_t f = 0; f < sizeof firsts / sizeof firsts[0]; f++)
+                for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++) {
+                    size_t n = ns[k];
+                    got[4 * n] = 0xA5A5A5A5u;
+                    loom_philox4x32_blocks(seeds[a], firsts[f], n, got);
+                    assert_true(got[4 * n] == 0xA5A5A5A5u);
+                    for (size_t i = 0; i < n; i++) {
+                        loom_philox4x32(seeds[a], firsts[f] + i, want);
+                        assert_memory_equal(got + 4 * i, want, sizeof want);
+                    }
+                }
+    }
+    assert_int_equal(loom_set_simd_level(was), LOOM_OK);
+    assert_true(ran == 3 || strncmp(was, "avx512", 6) != 0); /* every level where the CPU has them all */
+}
+
 static void test_replay(void **state) {
     (void)state;
     enum { N = 4099 };
@@ -283,6 +315,7 @@ int main(void) {
         cmocka_unit_test(test_distinct),
         cmocka_unit_test(test_unit_range),
         cmocka_unit_test(test_uniform_matches_blocks),
+        cmocka_unit_test(test_blocks_match),
         cmocka_unit_test(test_replay),
         cmocka_unit_test(test_offset_is_tail),
         cmocka_unit_test(test_reserve),
