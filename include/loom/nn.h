@@ -45,9 +45,11 @@ typedef struct loom_llama_config {
     /* RoPE scaling, Hugging Face's rope_scaling (loom_rope_freqs in core.h): none
      * (LOOM_ROPE_DEFAULT, zero), linear (factor), llama3 (all four),
      * longrope (Phi-3's: rope_original_max_pos, the context it was trained
-     * at, which caps max_seq, so that its short factors apply; rope_factor,
-     * the context it extends to over that; its attention factor and its
-     * short and long factors, rope_n_ext = rotary size / 2 of each) or yarn
+     * at, its short factors rotating a forward within it and its long ones
+     * one past it (loom_llama_layer_rope_at; a LLaMA file's longrope caps
+     * max_seq at it instead); rope_factor, the context it extends to over
+     * that; its attention factor and its short and long factors,
+     * rope_n_ext = rotary size / 2 of each) or yarn
      * (rope_factor, rope_original_max_pos, rope_attention_factor and the
      * three fields below). */
     loom_rope_type rope_type;
@@ -159,6 +161,13 @@ loom_rope_freqs loom_llama_rope(const loom_llama_config *cfg);
 /* The RoPE of block `layer`: Gemma 3's local one (rope_local_theta, no
  * scaling) on its blocks with a window, else loom_llama_rope's. */
 loom_rope_freqs loom_llama_layer_rope(const loom_llama_config *cfg, int layer);
+/* The RoPE block `layer` of a forward over positions up to `positions` - 1
+ * rotates with: loom_llama_layer_rope's, with longrope's long factors
+ * (rope_long) in place of the short ones when positions passes the
+ * original context (rope_original_max_pos), as Hugging Face's longrope
+ * update compares the forward's largest position + 1 with it. A training
+ * forward of T tokens passes T; a KV-cache step its last position + 1. */
+loom_rope_freqs loom_llama_layer_rope_at(const loom_llama_config *cfg, int layer, int positions);
 
 /* "tiny" (288/6/6/6/768/4096/256) and "small" (512/8/8/8/1376/8192/512). */
 loom_status loom_llama_preset(const char *name, loom_llama_config *cfg);

@@ -459,13 +459,13 @@ static loom_status read_factors(json_t *rs, const char *key, const char *path, c
     return LOOM_OK;
 }
 
-/* Phi-3's longrope, as Hugging Face computes it for positions up to the
- * original context (original_max_position_embeddings, at the top of the
- * file as Phi-3's have it, or in rs): frequencies divided by its
- * short_factor, cosines and sines times attention_factor (given, else
- * sqrt(1 + ln(s) / ln(original)) with s = max_position_embeddings /
- * original, 1 when s <= 1). Its long_factor, for longer contexts, is kept
- * to be saved again: loom's context stops at the original one. */
+/* Phi-3's longrope, as Hugging Face computes it: frequencies divided by
+ * its short_factor for a forward whose positions stay within the original
+ * context (original_max_position_embeddings, at the top of the file as
+ * Phi-3's have it, or in rs), by its long_factor for one past it
+ * (loom_llama_layer_rope_at); cosines and sines times attention_factor
+ * (given, else sqrt(1 + ln(s) / ln(original)) with s =
+ * max_position_embeddings / original, 1 when s <= 1). */
 static loom_status parse_longrope(json_t *root, json_t *rs, const char *path, const char *what,
                                   loom_llama_config *c) {
     int ns, nl, hs = loom_llama_rotary_dim(c); /* Phi3Config counts the rotary part's frequencies */
@@ -720,8 +720,10 @@ loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
     }
     if (st == LOOM_OK) st = read_architecture(root, path, c);
     if (st == LOOM_OK) st = get_rope(root, path, c);
-    /* longrope's short factors hold up to its original context: loom's stops there (parse_longrope) */
-    if (st == LOOM_OK && c->rope_type == LOOM_ROPE_LONGROPE && c->max_seq > c->rope_original_max_pos)
+    /* Phi-3's longrope turns to its long factors past the original context (loom_llama_layer_rope_at, as
+     * Hugging Face's Phi-3 with Phi3Config's original_max_position_embeddings); a LLaMA file's stops at its
+     * original context, where transformers versions differ on which context they compare with */
+    if (st == LOOM_OK && c->rope_type == LOOM_ROPE_LONGROPE && !is_phi3(root) && c->max_seq > c->rope_original_max_pos)
         c->max_seq = c->rope_original_max_pos;
     if (st == LOOM_OK) st = apply_window(root, path, c);
     json_decref(root);

@@ -99,7 +99,9 @@ static loom_status forward_tokens(loom_llama *m, kv_cache *c, scratch *s, const 
             rmsnorm_fwd(kdst, NULL, kdst, loom_tensor_data(y->k_norm->tensor), wo, T * NKV, HS, cfg->norm_eps, dt);
         }
         if (loom_llama_layer_has_rope(cfg, l)) { /* not one of SmolLM3's NoPE blocks */
-            loom_rope_freqs rope = loom_llama_layer_rope(cfg, l); /* Gemma 3's local one on its windowed blocks */
+            /* Gemma 3's local one on its windowed blocks; longrope's long factors once this call's positions
+             * pass the original context (its cached keys keep theirs, as Hugging Face's) */
+            loom_rope_freqs rope = loom_llama_layer_rope_at(cfg, l, pos0 + T);
             rope_fwd(s->q, s->q, 1, T, NH, HS, pos0, &rope, dt);
             rope_fwd(kdst, kdst, 1, T, NKV, HS, pos0, &rope, dt);
         }

@@ -73,7 +73,7 @@ loom_rope_freqs loom_llama_rope(const loom_llama_config *c) {
         r.beta_slow = c->rope_beta_slow;
         r.truncate = c->rope_truncate;
     }
-    if (c->rope_type == LOOM_ROPE_LONGROPE) { /* the short factors: loom's context is the original one */
+    if (c->rope_type == LOOM_ROPE_LONGROPE) { /* the short factors (loom_llama_layer_rope_at: the long ones) */
         r.attention_factor = c->rope_attention_factor;
         r.n_ext = c->rope_n_ext;
         int n = c->rope_n_ext < 0 ? 0 : c->rope_n_ext > LOOM_ROPE_EXT_MAX ? LOOM_ROPE_EXT_MAX : c->rope_n_ext;
@@ -88,6 +88,14 @@ loom_rope_freqs loom_llama_layer_rope(const loom_llama_config *c, int layer) {
     memset(&r, 0, sizeof r); /* Gemma 3's rotary_emb_local: the default RoPE of its own base */
     r.theta = c->rope_local_theta;
     r.type = LOOM_ROPE_DEFAULT;
+    return r;
+}
+
+loom_rope_freqs loom_llama_layer_rope_at(const loom_llama_config *c, int layer, int positions) {
+    loom_rope_freqs r = loom_llama_layer_rope(c, layer);
+    if (r.type == LOOM_ROPE_LONGROPE && positions > c->rope_original_max_pos) /* Hugging Face's longrope update */
+        memcpy(r.ext, c->rope_long, sizeof(float) * (size_t)(r.n_ext < 0 ? 0 : r.n_ext > LOOM_ROPE_EXT_MAX
+                                                                                    ? LOOM_ROPE_EXT_MAX : r.n_ext));
     return r;
 }
 
@@ -234,10 +242,10 @@ loom_status loom_llama_config_validate(const loom_llama_config *c) {
     if (loom_rope_check(&r) != LOOM_OK) return loom_error(LOOM_ERR_INVALID, "model config: %s", loom_last_error());
     if (c->rope_type == LOOM_ROPE_LONGROPE &&
         (c->rope_n_ext != loom_llama_rotary_dim(c) / 2 || c->rope_original_max_pos <= 0 ||
-         c->max_seq > c->rope_original_max_pos || !(c->rope_factor >= 1.0f) || !isfinite(c->rope_factor)))
+         !(c->rope_factor >= 1.0f) || !isfinite(c->rope_factor)))
         return loom_error(LOOM_ERR_INVALID, "model config: longrope needs rotary size / 2 (%d) short and long factors "
-                          "(it has %d), its original context (%d) at least the context (%d) and a factor of 1 or more",
-                          loom_llama_rotary_dim(c) / 2, c->rope_n_ext, c->rope_original_max_pos, c->max_seq);
+                          "(it has %d), an original context (%d) of 1 or more and a factor of 1 or more",
+                          loom_llama_rotary_dim(c) / 2, c->rope_n_ext, c->rope_original_max_pos);
     for (int i = 0; c->rope_type == LOOM_ROPE_LONGROPE && i < c->rope_n_ext; i++)
         if (!(c->rope_long[i] > 0.0f) || !isfinite(c->rope_long[i]))
             return loom_error(LOOM_ERR_INVALID, "model config: longrope's long factors must be finite and positive");
@@ -1011,7 +1019,7 @@ static loom_status attention_part(const struct llama_block_args *a, loom_tensor 
     int64_t flat[2] = {(int64_t)a->B * a->T, (int64_t)NH * HS};
     loom_status st = loom_rmsnorm_ex(x, y->attn_norm->tensor, c->norm_eps, norm_offset(c), &hn);
     if (st == LOOM_OK) st = tp_copy(m->tp_comm, hn, &h);
-    loom_rope_freqs rope = loom_llama_layer_rope(c, a->layer);
+    loom_rope_freqs rope = loom_llama_layer_rope_at(c, a->layer, a->T); /* positions 0 .. T - 1 */
     const loom_rope_freqs *r = loom_llama_layer_has_rope(c, a->layer) ? &rope : NULL; /* SmolLM3's NoPE blocks */
     if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_Q, h, hn, NH, HS, y->q_norm, r, &q);
     if (st == LOOM_OK) st = project_heads(a, LOOM_LORA_K, h, hn, NKV, HS, y->k_norm, r, &k);

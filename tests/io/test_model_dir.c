@@ -963,8 +963,9 @@ static void test_granite_config(void **state) {
 }
 
 /* Phi-3's longrope: the short factors and the attention factor Hugging Face
- * computes from the contexts (or the file's), the context capped at the
- * original one; saved as Phi-3.5's files have it and read back the same
+ * computes from the contexts (or the file's), the file's whole context,
+ * the long factors for a forward past the original one (a LLaMA file's
+ * context capped at the original instead); saved as Phi-3.5's files have it and read back the same
  * (with a sliding window, Phi-3-mini's 2047, too); "su" is its old name; wrong
  * counts, missing fields and bad numbers refused by name. */
 static void test_longrope_config(void **state) {
@@ -976,12 +977,17 @@ static void test_longrope_config(void **state) {
     snprintf(json, sizeof json, "%s, \"rope_scaling\": {\"type\": \"longrope\", \"short_factor\": [1.0, 1.5, 2.0, 3.0], "
              "\"long_factor\": [1.0, 4.0, 16.0, 64.0]}}", head);
     loom_llama_config c = config_of(json), back;
-    assert_true(c.rope_type == LOOM_ROPE_LONGROPE && c.rope_n_ext == 4 && c.max_seq == 4096 &&
+    assert_true(c.rope_type == LOOM_ROPE_LONGROPE && c.rope_n_ext == 4 && c.max_seq == 131072 &&
                 c.rope_original_max_pos == 4096 && c.rope_factor == 32.0f);
     assert_true(c.rope_attention_factor == (float)sqrt(1.0 + log(32.0) / log(4096.0)));
     assert_true(c.rope_short[3] == 3.0f && c.rope_long[3] == 64.0f);
     loom_rope_freqs r = loom_llama_rope(&c);
     assert_true(r.type == LOOM_ROPE_LONGROPE && r.n_ext == 4 && r.ext[1] == 1.5f && r.attention_factor == c.rope_attention_factor);
+    /* a forward over positions up to the original context rotates with the short factors, one past it with the long */
+    loom_rope_freqs within = loom_llama_layer_rope_at(&c, 0, 4096), past = loom_llama_layer_rope_at(&c, 0, 4097);
+    assert_memory_equal(&within, &r, sizeof r);
+    assert_true(past.ext[0] == 1.0f && past.ext[1] == 4.0f && past.ext[3] == 64.0f && past.n_ext == 4 &&
+                past.attention_factor == r.attention_factor);
     back = saved_and_loaded(&c);
     assert_true(loom_llama_config_same_model(&c, &back));
     assert_true(saved_text_has("\"max_position_embeddings\": 131072") &&
@@ -992,7 +998,7 @@ static void test_longrope_config(void **state) {
     snprintf(json, sizeof json, "%s, \"sliding_window\": 2047, \"rope_scaling\": {\"type\": \"su\", "
              "\"short_factor\": [1, 1, 1, 1], \"long_factor\": [2, 2, 2, 2], \"attention_factor\": 1.5}}", head);
     c = config_of(json);
-    assert_true(c.rope_type == LOOM_ROPE_LONGROPE && c.rope_attention_factor == 1.5f && c.max_seq == 4096 &&
+    assert_true(c.rope_type == LOOM_ROPE_LONGROPE && c.rope_attention_factor == 1.5f && c.max_seq == 131072 &&
                 c.sliding_window == 2047 && loom_llama_layer_window(&c, 0) == 2047);
     back = saved_and_loaded(&c);
     assert_true(loom_llama_config_same_model(&c, &back) && saved_text_has("\"attention_factor\": 1.5") &&
@@ -1025,6 +1031,12 @@ static void test_longrope_config(void **state) {
     for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) assert_refused_with(head, bad[k].extra, bad[k].msg);
     assert_config_refused(", \"rope_scaling\": {\"type\": \"longrope\", \"short_factor\": [1, 1, 1, 1], "
                           "\"long_factor\": [1, 1, 1, 1]}", "needs original_max_position_embeddings");
+    /* a LLaMA file's longrope: its context stops at the original one */
+    c = config_of("{\"model_type\": \"llama\", \"hidden_size\": 16, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
+                  "\"intermediate_size\": 24, \"vocab_size\": 40, \"max_position_embeddings\": 256, \"rope_scaling\": "
+                  "{\"type\": \"longrope\", \"short_factor\": [1, 1, 1, 1], \"long_factor\": [2, 2, 2, 2], "
+                  "\"original_max_position_embeddings\": 64}}");
+    assert_true(c.rope_type == LOOM_ROPE_LONGROPE && c.rope_original_max_pos == 64 && c.max_seq == 64);
     assert_config_refused(", \"model_type\": \"qwen2\", \"rope_scaling\": {\"type\": \"longrope\", \"short_factor\": "
                           "[1, 1, 1, 1], \"long_factor\": [1, 1, 1, 1], \"original_max_position_embeddings\": 64}",
                           "longrope is read for Phi-3 and LLaMA models only");

@@ -130,6 +130,64 @@ static void test_cache_matches_forward(void **state) {
     }
 }
 
+/* longrope (Phi-3's) past its original context: a forward over more
+ * positions than the original rotates every position with the long
+ * factors (as Hugging Face's longrope update does), one within it with the
+ * short; the training forward and the cache path's prefill alike, each the
+ * bits of a model whose only factors are those. Greedy generation across
+ * the original context: its picks within it the short model's, and past
+ * it, where each step rotates with the long factors (its cached keys keep
+ * the short ones, as Hugging Face's), not all of them. */
+static void test_longrope_long_factors(void **state) {
+    (void)state;
+    loom_llama *m = small_model(LOOM_F32, 0), *one = small_model(LOOM_F32, 0); /* the same weights */
+    m->cfg.rope_type = LOOM_ROPE_LONGROPE;
+    m->cfg.rope_n_ext = loom_llama_head_dim(&m->cfg) / 2;
+    for (int i = 0; i < m->cfg.rope_n_ext; i++) {
+        m->cfg.rope_short[i] = 1.0f + 0.7f * (float)i;
+        m->cfg.rope_long[i] = 1.0f + 5.0f * (float)i;
+    }
+    m->cfg.rope_attention_factor = 1.25f;
+    m->cfg.rope_factor = 3.0f;
+    m->cfg.rope_original_max_pos = 8;
+    assert_int_equal(loom_llama_config_validate(&m->cfg), LOOM_OK);
+    int32_t tok[20], seq[24] = {5, 17, 2};
+    for (int i = 0; i < 20; i++) tok[i] = (i * 7 + 3) % 50;
+    float a[50], b[50];
+    for (int k = 0; k < 2; k++) { /* the short model (n = 8), then the long one (n = 12) */
+        int n = k ? 12 : 8;
+        one->cfg = m->cfg;
+        one->cfg.rope_original_max_pos = 24; /* never past it */
+        if (k) memcpy(one->cfg.rope_short, m->cfg.rope_long, sizeof m->cfg.rope_long);
+        full_logits(m, tok, n, a);
+        full_logits(one, tok, n, b);
+        assert_true(tu_bits_equal(a, b, sizeof a, "longrope forward"));
+        assert_int_equal(loom_llama_next_logits(m, tok, n, a), LOOM_OK); /* one prefill call */
+        TU_ASSERT_CLOSE(a, b, 50, 1e-4, 1e-4);
+    }
+    full_logits(m, tok, 12, a); /* and the long factors are not the short ones here */
+    memcpy(one->cfg.rope_short, m->cfg.rope_short, sizeof m->cfg.rope_short);
+    full_logits(one, tok, 12, b);
+    assert_false(tu_bits_equal(a, b, sizeof a, NULL));
+    int32_t out[12];
+    int n_out = 0;
+    loom_sampler greedy = {0.0f, 1.0f, 1, 0, 0, 0.0f, 0.0f};
+    assert_int_equal(loom_llama_generate(m, seq, 3, 12, &greedy, -1, out, &n_out), LOOM_OK);
+    assert_int_equal(n_out, 12);
+    int differ = 0;
+    for (int i = 0; i < 12; i++) { /* pick i is made at position 2 + i */
+        full_logits(one, seq, 3 + i, a);
+        int best = 0;
+        for (int v = 1; v < 50; v++) if (a[v] > a[best]) best = v;
+        if (i < 6) assert_int_equal(out[i], best); /* positions up to 7: the short model's picks */
+        else differ += out[i] != best; /* past them the steps rotate with the long factors */
+        seq[3 + i] = out[i];
+    }
+    assert_true(differ > 0);
+    loom_llama_free(m);
+    loom_llama_free(one);
+}
+
 /* Sliding windows (Mistral's on every block; Qwen's from its second block;
  * Gemma 2's on its first of two; Gemma 3's, whose windowed block rotates
  * with a local base, with q/k norms), each shorter than the text: the cache
@@ -466,6 +524,7 @@ int main(void) {
         cmocka_unit_test(test_cache_matches_forward),
         cmocka_unit_test(test_greedy_matches_argmax),
         cmocka_unit_test(test_window_cache),
+        cmocka_unit_test(test_longrope_long_factors),
         cmocka_unit_test(test_repetition_penalty),
         cmocka_unit_test(test_sampling_distribution),
         cmocka_unit_test(test_bf16_cache),

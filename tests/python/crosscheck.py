@@ -19,7 +19,8 @@ Gemma's model (norms of 1 + weight, scaled embeddings, the tanh GELU);
 gemma3 is Gemma 3's text model (q/k norms, a local RoPE base on its
 windowed blocks); granite has Granite's four multipliers and Granite 3's
 attention dropout (the reference drawing loom's Philox masks); phi3 reads and writes Phi-3's fused
-qkv_proj and gate_up_proj (phi3-longrope scales its RoPE as Phi-3.5's;
+qkv_proj and gate_up_proj (phi3-longrope scales its RoPE as Phi-3.5's
+within its original context, phi3-long past it, with its long factors;
 phi4-mini turns 12 of each head's 16, as Phi-4-mini's partial RoPE);
 smollm3 has a block without RoPE; yarn scales Qwen 2's RoPE by YaRN. Sliding windows shorter than the
 sequence: mistral (every block), gemma2 (every other), qwen3 (from
@@ -133,6 +134,12 @@ CONFIGS = {
                       "tie_word_embeddings": False,
                       "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
                                        "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 24.0, 32.0, 40.0]}},
+    # Phi-3.5's longrope past its original context: 8 positions, so the 16 of a batch rotate with the long factors
+    "phi3-long": {"model_type": "phi3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": VOCAB,
+                  "max_position_embeddings": 64, "original_max_position_embeddings": 8, "tie_word_embeddings": False,
+                  "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                                   "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0]}},
     # Phi-4-mini's: RoPE on 12 of each head's 16 (partial_rotary_factor 0.75), longrope's 6 factors over them, tied
     "phi4-mini": {"model_type": "phi3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                   "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": VOCAB,

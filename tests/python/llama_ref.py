@@ -141,8 +141,10 @@ class Config:
         mt = d.get("model_type", "llama")
         self.rope_theta = float(d.get("rope_theta", {"smollm3": 2e6, "gemma3_text": 1e6}.get(mt, 10000.0)))
         self.rope_scaling = d.get("rope_scaling")
-        # Phi-3's longrope (for positions up to its original context): cosines and sines times an attention factor,
-        # given or sqrt(1 + ln(s) / ln(original)), s = max_position_embeddings / original (modeling_rope_utils.py)
+        # Phi-3's longrope: its short factors for a forward within its original context, its long ones for one past
+        # it (the longrope update: the forward's largest position + 1 against the original); cosines and sines times
+        # an attention factor, given or sqrt(1 + ln(s) / ln(original)), s = max_position_embeddings / original
+        # (modeling_rope_utils.py)
         rs = self.rope_scaling or {}
         self.rope_af = 1.0
         if rs.get("rope_type", rs.get("type")) in ("longrope", "su"):
@@ -150,6 +152,7 @@ class Config:
             orig = top or rs["original_max_position_embeddings"]
             s = self.max_seq / orig if top or "factor" not in rs else rs["factor"]
             self.rope_af = rs.get("attention_factor") or (1.0 if s <= 1.0 else math.sqrt(1 + math.log(s) / math.log(orig)))
+            self.rope_scaling = dict(rs, original_max_position_embeddings=orig)
         if rs.get("rope_type", rs.get("type")) == "yarn":  # _compute_yarn_parameters' defaults, resolved here
             orig = rs.get("original_max_position_embeddings") or self.max_seq
             factor = rs.get("factor") or self.max_seq / orig
@@ -347,14 +350,16 @@ def rms_norm(x, w, eps, gemma=False):
     return w * y.to(x.dtype)
 
 
-def rope_inv_freq(HS, theta, scaling=None):
+def rope_inv_freq(HS, theta, scaling=None, seq_len=0):
     """Hugging Face's inv_freq (modeling_rope_utils.py), scaled as rope_scaling says: "linear" divides by
-    factor; "llama3" keeps the high frequencies, divides the low ones by factor, blends between."""
+    factor; "llama3" keeps the high frequencies, divides the low ones by factor, blends between; "longrope" by
+    its short factors, or its long ones for a forward of seq_len positions past the original context."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, HS, 2, dtype=torch.int64).float() / HS))  # (HS/2) fp32
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind in ("longrope", "su"):  # the short factors: positions up to the original context
+    if kind in ("longrope", "su"):
         shape = torch.arange(0, HS, 2, dtype=torch.int64).float() / HS
-        inv_freq = 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * theta ** shape)
+        ext = scaling["long_factor" if seq_len > scaling["original_max_position_embeddings"] else "short_factor"]
+        inv_freq = 1.0 / (torch.tensor(ext, dtype=torch.float32) * theta ** shape)
     elif kind == "yarn":  # the extrapolated frequencies below the correction range, interpolated above, a ramp between
         factor, orig = scaling["factor"], scaling["original_max_position_embeddings"]
         beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
@@ -387,7 +392,7 @@ def rope_inv_freq(HS, theta, scaling=None):
 
 
 def rope_cos_sin(T, HS, theta, scaling=None, af=1.0):
-    inv_freq = rope_inv_freq(HS, theta, scaling)
+    inv_freq = rope_inv_freq(HS, theta, scaling, T)
     freqs = torch.outer(torch.arange(T, dtype=torch.float32), inv_freq)  # (T, HS/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (T, HS)
     return emb.cos() * af, emb.sin() * af
