@@ -279,6 +279,9 @@ loom_status loom_llama_config_validate(const loom_llama_config *c) {
         return loom_error(LOOM_ERR_INVALID, "model config: SmolLM3's NoPE blocks (every %d-th) with Phi-3's files, "
                           "q/k norms, Gemma's norms, Granite's multipliers or biases on q, k and v alone have no "
                           "Hugging Face layout", c->nope_interval);
+    if (!(c->attention_dropout >= 0.0f && c->attention_dropout < 1.0f))
+        return loom_error(LOOM_ERR_INVALID, "model config: attention_dropout %g must be in [0, 1)",
+                          (double)c->attention_dropout);
     if (!(c->attn_softcap >= 0.0f) || !isfinite(c->attn_softcap) || !(c->final_softcap >= 0.0f) ||
         !isfinite(c->final_softcap) || !(c->query_pre_attn_scalar >= 0.0f) || !isfinite(c->query_pre_attn_scalar))
         return loom_error(LOOM_ERR_INVALID, "model config: softcaps and query_pre_attn_scalar must be finite and "

@@ -277,14 +277,14 @@ loom_status loom_attention_ex(loom_tensor *q, loom_tensor *k, loom_tensor *v, co
     const loom_window *at = &opts->dropout_at;
     if (!(opts->dropout >= 0.0f && opts->dropout < 1.0f))
         return loom_error(LOOM_ERR_INVALID, "attention: the dropout %g must be in [0, 1)", (double)opts->dropout);
-    if (!op_window_fits(at->row0, q->shape[0], at->rows) || !op_window_fits(at->col0, q->shape[2], at->cols) ||
-        at->rows > INT_MAX || at->cols > INT_MAX)
+    if (!op_window_fits(at->row0, q->shape[0], at->rows) || !op_window_fits(at->col0, q->shape[2], at->cols))
         return loom_error(LOOM_ERR_INVALID, "attention: dropout_at's %lld batch rows from row %lld and %lld heads "
                           "from head %lld do not lie in a batch of %lld rows of %lld heads (0: the call's own)",
                           (long long)q->shape[0], (long long)at->row0, (long long)q->shape[2], (long long)at->col0,
                           (long long)at->rows, (long long)at->cols);
     int64_t B_all = at->rows ? at->rows : q->shape[0], NH_all = at->cols ? at->cols : q->shape[2], T = q->shape[1];
-    if (B_all && NH_all && T && B_all > INT64_MAX / NH_all / T / T)
+    if (opts->dropout > 0.0f &&
+        (B_all > INT_MAX || NH_all > INT_MAX || (NH_all && T && B_all > INT64_MAX / NH_all / T / T)))
         return loom_error(LOOM_ERR_INVALID, "attention: a dropout mask over %lld batch rows of %lld heads of %lld x "
                           "%lld probabilities is too large", (long long)B_all, (long long)NH_all, (long long)T,
                           (long long)T);

@@ -238,11 +238,11 @@ static void test_attention_dropout_refusals(void **state) {
         {.dropout = 0.1f, .dropout_at = {1, 0, 0, 0}},  /* a row offset in the call's own rows */
         {.dropout = 0.1f, .dropout_at = {2, 3, 0, 0}},  /* past the last batch row */
         {.dropout = 0.1f, .dropout_at = {0, 0, 1, 4}},  /* past the last head */
-        {.dropout = 0.1f, .dropout_at = {0, 2, 0, (int64_t)INT_MAX + 1}}, /* more heads than an int */
+        {.dropout = 0.1f, .dropout_at = {0, 2, 0, (int64_t)INT_MAX + 1}}, /* more heads than an int counts */
         {.dropout = 0.1f, .dropout_at = {0, INT_MAX, 0, INT_MAX}},        /* a mask too large to count */
     };
     static const char *const why[] = {"must be in [0, 1)", "must be in [0, 1)", "must be in [0, 1)", "do not lie in",
-                                      "do not lie in", "do not lie in", "do not lie in", "too large"};
+                                      "do not lie in", "do not lie in", "too large", "too large"};
     for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
         assert_int_equal(loom_attention_ex(q, kv, kv, &bad[k], &y), LOOM_ERR_INVALID);
         assert_null(y);

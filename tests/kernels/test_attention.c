@@ -553,10 +553,10 @@ static attn_opts dropout_opts(const attn_case *c, float p, int window, float sof
 /* Attention dropout is loom_dropout's mask over the whole (B, NH, Tq, Tk)
  * probabilities: the forward against the formula in double whose
  * probabilities weigh the values times the factors dropout_fwd (dropout.c)
- * gives a tensor of ones with the same stream, within the tolerances of the
- * checks above; lse is the softmax's, which dropout leaves as it is; the
- * mask drops about p of the probabilities, and moves every output row the
- * mask touches. The backward against the reference. */
+ * gives a tensor of ones with the same stream (that mask dropping about p
+ * of the probabilities the queries see), within the tolerances of the
+ * checks above, and not the output without dropout; lse is the softmax's,
+ * which dropout leaves as it is. The backward against the reference. */
 static void check_dropout(const attn_case *c, loom_dtype dt, const attn_opts *ao) {
     attn_data d = data_make(c, dt, 960);
     size_t nz = (size_t)c->B * c->NH * c->Tq * c->Tk, dropped = 0, seen = 0;

@@ -371,7 +371,7 @@ static void test_frozen_and_finite_differences(void **state) {
 
 /* Every recompute mode gives the adapters the no-recompute gradients, bit
  * for bit (bf16 compute, fp32 main_grad). */
-static void recompute_bit_identical(float alpha, float dropout) {
+static void recompute_bit_identical(float alpha, float dropout, float attention_dropout) {
     loom_recompute_mode modes[] = {LOOM_RECOMPUTE_NONE, LOOM_RECOMPUTE_REENTRANT, LOOM_RECOMPUTE_NONREENTRANT,
                                    LOOM_RECOMPUTE_SELECTIVE};
     float ref_loss = 0.0f;
@@ -382,6 +382,7 @@ static void recompute_bit_identical(float alpha, float dropout) {
         loom_llama *m = new_model(prec);
         add_adapters_alpha(m, LOOM_LORA_ALL, 0.2f, alpha);
         m->lora.dropout = dropout;
+        m->cfg.attention_dropout = attention_dropout;
         m->recompute.mode = modes[k];
         loom_llama_zero_grad(m);
         float l = loss_of(m, 1, NULL);
@@ -412,9 +413,12 @@ static void recompute_bit_identical(float alpha, float dropout) {
 /* alpha 5 (a scale op after B) and alpha 3 = rank (a scale of 1: no op) */
 static void test_recompute_bit_identical(void **state) {
     (void)state;
-    recompute_bit_identical(5.0f, 0.0f);
-    recompute_bit_identical(3.0f, 0.0f);
-    recompute_bit_identical(5.0f, 0.25f); /* the replays draw the forward's dropout masks */
+    recompute_bit_identical(5.0f, 0.0f, 0.0f);
+    recompute_bit_identical(3.0f, 0.0f, 0.0f);
+    recompute_bit_identical(5.0f, 0.25f, 0.0f); /* the replays draw the forward's dropout masks */
+    /* and with the attention's dropout between the adapters': selective recompute keeps the attention, whose
+     * draws a replay must step over (the RNG set to where the kept op left it) for the later dropouts' masks */
+    recompute_bit_identical(5.0f, 0.25f, 0.3f);
 }
 
 /* LoRA's dropout: in training forwards only. A no-grad forward (evaluation)
@@ -658,8 +662,8 @@ static void test_dora(void **state) {
     loom_llama_free(d);
 
     dora_next = 1;
-    recompute_bit_identical(5.0f, 0.0f);
-    recompute_bit_identical(5.0f, 0.25f);
+    recompute_bit_identical(5.0f, 0.0f, 0.0f);
+    recompute_bit_identical(5.0f, 0.25f, 0.0f);
     dora_next = 0;
 }
 
@@ -763,7 +767,7 @@ static void test_with_biases(void **state) {
     bias_next = 1;
     for (dora_next = 0; dora_next <= 1; dora_next++) {
         test_starts_at_base(state);
-        recompute_bit_identical(5.0f, 0.25f);
+        recompute_bit_identical(5.0f, 0.25f, 0.0f);
         test_merged_weights(state);
         test_generation_uses_adapters(state);
     }

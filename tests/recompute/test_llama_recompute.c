@@ -196,10 +196,17 @@ static void test_matrix(void **state) {
 
 /* The config's attention dropout acts in a training forward only: the
  * training loss moves with it (and with the RNG's seed), an evaluation
- * forward (no gradients) gives the bits of the model without it. */
+ * forward (no gradients) gives the bits of the model without it; one
+ * outside [0, 1) is refused. */
 static void test_attention_dropout(void **state) {
     (void)state;
     loom_llama_config cfg = small_config(2), none = cfg;
+    const float bad[3] = {1.0f, -0.1f, NAN}; /* outside [0, 1): refused by name */
+    for (int k = 0; k < 3; k++) {
+        cfg.attention_dropout = bad[k];
+        assert_int_equal(loom_llama_config_validate(&cfg), LOOM_ERR_INVALID);
+        assert_non_null(strstr(loom_last_error(), "attention_dropout"));
+    }
     cfg.attention_dropout = 0.3f;
     loom_precision prec = {LOOM_BF16, 1};
     run_result with = run_step(&cfg, prec, LOOM_RECOMPUTE_NONE, 2, 8, 1, 1.0f);
