@@ -100,7 +100,7 @@ static loom_status forward_tokens(loom_llama *m, kv_cache *c, scratch *s, const 
         }
         if (loom_llama_layer_has_rope(cfg, l)) { /* not one of SmolLM3's NoPE blocks */
             /* Gemma 3's local one on its windowed blocks; longrope's long factors once this call's positions
-             * pass the original context (its cached keys keep theirs, as Hugging Face's) */
+             * pass the original context (generation runs the cache again then: loom_llama_generate_until) */
             loom_rope_freqs rope = loom_llama_layer_rope_at(cfg, l, pos0 + T);
             rope_fwd(s->q, s->q, 1, T, NH, HS, pos0, &rope, dt);
             rope_fwd(kdst, kdst, 1, T, NKV, HS, pos0, &rope, dt);
@@ -338,11 +338,21 @@ loom_status loom_llama_generate_until(loom_llama *m, const int32_t *prompt, int 
      * positions are the most the cache can take, and max_seq. */
     long long reach = (long long)n_prompt + (n_new > 1 ? n_new - 1 : 0);
     int cap = reach < m->cfg.max_seq ? (int)reach : m->cfg.max_seq;
-    loom_status st = state_init(m, n_prompt, cap, &c, &s);
+    /* longrope: the step that first passes the original context runs every
+     * token again, all with the long factors, into an emptied cache, as
+     * Hugging Face's Phi-3 drops its cache there (prepare_inputs_for_generation);
+     * the scratch then holds that many tokens, and `all` the tokens so far. */
+    int orig = m->cfg.rope_original_max_pos;
+    int restart = m->cfg.rope_type == LOOM_ROPE_LONGROPE && n_prompt <= orig && cap > orig;
+    int32_t *all = restart ? malloc((size_t)cap * sizeof *all) : NULL;
+    loom_status st = restart && !all ? loom_error(LOOM_ERR_NOMEM, "generate: out of memory") : LOOM_OK;
+    if (st == LOOM_OK) st = state_init(m, restart ? orig + 1 : n_prompt, cap, &c, &s);
     if (st != LOOM_OK) {
+        free(all);
         free(seen);
         return st;
     }
+    if (all) memcpy(all, prompt, (size_t)n_prompt * sizeof *all);
     st = forward_tokens(m, &c, &s, prompt, n_prompt);
     for (int i = 0; i < n_new && st == LOOM_OK; i++) {
         for (int v = 0; v < m->cfg.vocab_size; v++)
@@ -361,9 +371,16 @@ loom_status loom_llama_generate_until(loom_llama *m, const int32_t *prompt, int 
         int stopped = 0;
         for (int k = 0; k < n_stops; k++) stopped |= next == stops[k];
         if (stopped || i + 1 == n_new || c.len >= c.cap) break;
-        st = forward_tokens(m, &c, &s, &next, 1);
+        if (all) all[c.len] = next;
+        if (restart && c.len == orig) { /* the cache's keys rotated with the short factors: run them all again */
+            c.len = 0;
+            st = forward_tokens(m, &c, &s, all, orig + 1);
+        } else {
+            st = forward_tokens(m, &c, &s, &next, 1);
+        }
     }
     state_free(m, &c, &s);
+    free(all);
     free(seen);
     return st;
 }

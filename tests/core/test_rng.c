@@ -136,7 +136,8 @@ static void test_blocks_match(void **state) {
     uint32_t got[4 * 100 + 1], want[4];
     int ran = 0;
     for (int lv = 0; lv < 3; lv++) {
-        if (loom_set_simd_level(levels[lv]) != LOOM_OK) continue; /* a CPU or build without it */
+        /* a CPU or build without the level runs a lower one: that level's pass covers it */
+        if (loom_set_simd_level(levels[lv]) != LOOM_OK || strcmp(loom_simd_name(), levels[lv]) != 0) continue;
         ran++;
         for (size_t a = 0; a < sizeof seeds / sizeof seeds[0]; a++)
             for (size_t f = 0; f < sizeof firsts / sizeof firsts[0]; f++)
