@@ -64,19 +64,10 @@ static inline int attn_first_key(const attn_shape *s, int t) {
  * keeps it, else 0 (loom_dropout's rule on the whole batch's (B_all,
  * NH_all, Tq, Tk) probabilities: kernels.h's attn_dropout). */
 static inline void attn_dropout_row(float *z, const attn_shape *s, int b, int h, int t, int k0, int n) {
-    enum { CHUNK = 32 }; /* Philox blocks drawn at a time: 128 probabilities */
     const attn_dropout *d = &s->drop;
     uint64_t e0 = (((uint64_t)(d->b0 + b) * (uint64_t)d->NH_all + (uint64_t)(d->h0 + h)) * (uint64_t)s->Tq +
                    (uint64_t)t) * (uint64_t)s->Tk + (uint64_t)k0;
-    float keep = 1.0f / (1.0f - d->p);
-    uint32_t w[4 * CHUNK];
-    for (int j0 = 0; j0 < n;) {
-        uint64_t e = e0 + (uint64_t)j0;
-        int lane = (int)(e % 4), m = n - j0 < 4 * CHUNK - lane ? n - j0 : 4 * CHUNK - lane;
-        loom_philox4x32_blocks(d->seed, d->offset + e / 4, (size_t)(lane + m + 3) / 4, w);
-        for (int j = 0; j < m; j++) z[j0 + j] = loom_u32_to_unit(w[lane + j]) >= d->p ? keep : 0.0f;
-        j0 += m;
-    }
+    dropout_factors(z, (size_t)n, e0, d->p, d->seed, d->offset);
 }
 
 /* Element offsets of rows in q/out/dq (B, Tq, NH, HS), k/v (B, Tk, NKV, HS)

@@ -275,6 +275,11 @@ void dropout_bwd(void *din, const void *dout, size_t n, float p,
  * dropout_bwd over rows * cols. */
 void dropout_window(void *out, const void *in, size_t rows, size_t cols, size_t row0, size_t col0, size_t width,
                     float p, uint64_t seed, uint64_t offset, loom_dtype dt);
+/* z[j] = 1 / (1 - p) where the mask of element e0 + j of a tensor drawn
+ * from (seed, offset) keeps it, else 0, j < n (the rule above, the blocks
+ * drawn several at a time: loom_philox4x32_blocks); on the calling thread.
+ * Attention dropout's factors (attention_internal.h) are these. */
+void dropout_factors(float *z, size_t n, uint64_t e0, float p, uint64_t seed, uint64_t offset);
 /* Number of Philox blocks a dropout over n elements consumes. */
 static inline uint64_t dropout_blocks(size_t n) { return (uint64_t)((n + 3) / 4); }
 
