@@ -9,7 +9,9 @@
  * of their summed times, and the largest difference between their results
  * (0 when the change keeps every sum's order).
  *
- * Usage (through bench/ab_attention.sh): ab_attention [reps] [threads] [tiny|small]
+ * Usage (through bench/ab_attention.sh): ab_attention [reps] [threads] [tiny|small] [window]
+ * A window > 0 runs both sides' attention_*_ex with that sliding window
+ * (revisions from 2026-12-02 on have them).
  */
 #include "kernels/kernels.h"
 
@@ -25,7 +27,17 @@ void attention_bwd_B(void *dq, void *dk, void *dv, const void *dout, const void 
                      const void *out, const float *lse, int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
                      loom_dtype dt);
 
+/* The other side's _ex forms, weak: revisions before sliding windows have none. */
+__attribute__((weak)) void attention_fwd_ex_B(void *out, float *lse, const void *q, const void *k, const void *v,
+                                              int B, int Tq, int Tk, int NH, int NKV, int HS, int q_pos0,
+                                              const attn_opts *o, loom_dtype dt);
+__attribute__((weak)) void attention_bwd_ex_B(void *dq, void *dk, void *dv, const void *dout, const void *q,
+                                              const void *k, const void *v, const void *out, const float *lse, int B,
+                                              int Tq, int Tk, int NH, int NKV, int HS, int q_pos0, const attn_opts *o,
+                                              loom_dtype dt);
+
 static int B = 8, T = 256, NH = 6, HS = 48; /* tiny's attention; small's with "small" */
+static attn_opts window_opts; /* window > 0: the _ex forms with it */
 
 static double now(void) {
     struct timespec t;
@@ -52,25 +64,40 @@ typedef struct side {
 
 static void run(int b_side, const side *s, float *const in[4]) {
     const float *q = in[0], *k = in[1], *v = in[2], *dout = in[3];
-    if (b_side) attention_fwd_B(s->out, s->lse, q, k, v, B, T, T, NH, NH, HS, 0, LOOM_F32);
+    const attn_opts *o = &window_opts;
+    if (o->window && b_side) attention_fwd_ex_B(s->out, s->lse, q, k, v, B, T, T, NH, NH, HS, 0, o, LOOM_F32);
+    else if (o->window) attention_fwd_ex(s->out, s->lse, q, k, v, B, T, T, NH, NH, HS, 0, o, LOOM_F32);
+    else if (b_side) attention_fwd_B(s->out, s->lse, q, k, v, B, T, T, NH, NH, HS, 0, LOOM_F32);
     else attention_fwd(s->out, s->lse, q, k, v, B, T, T, NH, NH, HS, 0, LOOM_F32);
     (void)dout;
 }
 
 static void run_bwd(int b_side, const side *s, float *const in[4]) {
     const float *q = in[0], *k = in[1], *v = in[2], *dout = in[3];
-    if (b_side) attention_bwd_B(s->dq, s->dk, s->dv, dout, q, k, v, s->out, s->lse, B, T, T, NH, NH, HS, 0, LOOM_F32);
+    const attn_opts *o = &window_opts;
+    if (o->window && b_side)
+        attention_bwd_ex_B(s->dq, s->dk, s->dv, dout, q, k, v, s->out, s->lse, B, T, T, NH, NH, HS, 0, o, LOOM_F32);
+    else if (o->window)
+        attention_bwd_ex(s->dq, s->dk, s->dv, dout, q, k, v, s->out, s->lse, B, T, T, NH, NH, HS, 0, o, LOOM_F32);
+    else if (b_side)
+        attention_bwd_B(s->dq, s->dk, s->dv, dout, q, k, v, s->out, s->lse, B, T, T, NH, NH, HS, 0, LOOM_F32);
     else attention_bwd(s->dq, s->dk, s->dv, dout, q, k, v, s->out, s->lse, B, T, T, NH, NH, HS, 0, LOOM_F32);
 }
 
 int main(int argc, char **argv) {
     int reps = argc > 1 ? atoi(argv[1]) : 40, threads = argc > 2 ? atoi(argv[2]) : 2;
     const char *preset = argc > 3 ? argv[3] : "tiny";
-    if (reps < 2 || threads < 1 || (strcmp(preset, "tiny") && strcmp(preset, "small"))) {
-        fprintf(stderr, "usage: ab_attention [reps >= 2] [threads >= 1] [tiny|small]\n");
+    int window = argc > 4 ? atoi(argv[4]) : 0;
+    if (reps < 2 || threads < 1 || (strcmp(preset, "tiny") && strcmp(preset, "small")) || window < 0) {
+        fprintf(stderr, "usage: ab_attention [reps >= 2] [threads >= 1] [tiny|small] [window >= 0]\n");
+        return 2;
+    }
+    if (window && (!attention_fwd_ex_B || !attention_bwd_ex_B)) {
+        fprintf(stderr, "ab_attention: the other revision has no attention_fwd_ex (no windows)\n");
         return 2;
     }
     if (!strcmp(preset, "small")) { B = 4; T = 512; NH = 8; HS = 64; }
+    window_opts = (attn_opts){.scale = 1.0f / sqrtf((float)HS), .window = window};
     loom_set_threads(threads);
     size_t n = (size_t)B * T * NH * HS, nl = (size_t)B * NH * T;
     float *in[4] = {random_floats(n, 1), random_floats(n, 2), random_floats(n, 3), random_floats(n, 4)};
@@ -112,8 +139,8 @@ int main(int argc, char **argv) {
         double med = reps % 2 ? t[i][reps / 2] : 0.5 * (t[i][reps / 2 - 1] + t[i][reps / 2]);
         printf("ab_attention %-20s best %.3f ms, median %.3f ms\n", name[i], t[i][0] * 1e3, med * 1e3);
     }
-    printf("ab_attention B=%d T=%d heads=%d head_size=%d fp32, %d threads, %d alternating calls each: "
+    printf("ab_attention B=%d T=%d heads=%d head_size=%d window=%d fp32, %d threads, %d alternating calls each: "
            "this tree / the other = %.3f (summed time); max difference: output %.3g, gradients %.3g\n",
-           B, T, NH, HS, threads, reps, sum[0] / sum[1], diff_out, diff_grad);
+           B, T, NH, HS, window, threads, reps, sum[0] / sum[1], diff_out, diff_grad);
     return 0;
 }

@@ -2,7 +2,8 @@
 # ab_attention.sh — flash attention of this tree against another git
 # revision's, alternated call by call in one process (bench/ab_attention.c).
 #
-# Usage: bench/ab_attention.sh REV [REPS] [THREADS] [tiny|small]
+# Usage: bench/ab_attention.sh REV [REPS] [THREADS] [tiny|small] [WINDOW]
+# (WINDOW > 0: both sides with that sliding window, REV from 2026-12-02 on.)
 # Builds REV's src/kernels/attention.c and kernel_rows.c with every global
 # they define renamed (attention_fwd_B, mm_f32_B, ...) and links them beside this tree's
 # build/libloom.a (run scripts/build.sh first; LOOM_BINARY_DIR names another
@@ -11,10 +12,11 @@
 # print about 1.00 (the spread of that number is the instrument's noise).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-rev=${1:?usage: bench/ab_attention.sh REV [REPS] [THREADS] [tiny|small]}
+rev=${1:?usage: bench/ab_attention.sh REV [REPS] [THREADS] [tiny|small] [WINDOW]}
 reps=${2:-40}
 threads=${3:-2}
 preset=${4:-tiny}
+window=${5:-0}
 case $preset in
   tiny | small) ;;
   *) echo "ab_attention: unknown preset '$preset': use tiny or small" >&2; exit 2 ;;
@@ -51,4 +53,4 @@ libs=$(awk '/^build loom:/{f = 1} f && /^ *LINK_LIBRARIES = /{sub(/^ *LINK_LIBRA
 (cd "$bin" && cc -O2 -fopenmp -std=gnu11 $defs -I"$root/include" -I"$root/src" "$root/bench/ab_attention.c" \
   "$work/attention_B.o" "$work/rows_B.o" -o "$work/ab_attention" $libs -lm)
 echo "# $(date -u +%Y-%m-%dT%H:%MZ) this tree ($(git -C "$root" rev-parse --short HEAD)$(git -C "$root" diff --quiet || echo +changes)) against $rev"
-"$work/ab_attention" "$reps" "$threads" "$preset"
+"$work/ab_attention" "$reps" "$threads" "$preset" "$window"

@@ -121,6 +121,24 @@ static int attn_visible(const attn_shape *s, int t, int k0, int nk) {
     return n < 0 ? 0 : (n < nk ? n : nk);
 }
 
+/* Keys before query t's window in a key block at k0 (0 without a window,
+ * or where its window starts at or before k0), rounded down to a multiple
+ * of `round`: products over the block's keys may start there, every term
+ * before it being P = 0 or dS = 0 (never read where the scores are masked). */
+static int attn_window_skip(const attn_shape *s, int t, int k0, int round) {
+    int first = attn_first_key(s, t);
+    return first > k0 ? (first - k0) / round * round : 0;
+}
+
+/* One past the last query (of those from q0) whose window holds key `key`,
+ * rounded up to a multiple of `round`; n without a window. */
+static int attn_window_end(const attn_shape *s, int key, int q0, int n, int round) {
+    if (s->window <= 0) return n;
+    int end = key + s->window - s->q_pos0 - q0; /* the query at key + window - 1 is its last */
+    end = (end + round - 1) / round * round;
+    return end < n ? end : n;
+}
+
 /* Load n rows starting at time t0 of head `head` from a (B, T, H, HS) buffer
  * into dst (n, HS) fp32. */
 static void load_rows(float *dst, const void *src, int T, int H, int b, int t0, int head,
@@ -297,40 +315,47 @@ SIMD_AVX512 static void attn_fwd_softmax_avx512(float *st, float *m, float *l, f
 
 /* St (nk, ATTN_BQ) = k qs^T for keys [k0, k0 + nk) and queries [q0, q0 + nq),
  * in strips of ATTN_STRIP keys: a strip starts at the first column (rounded
- * down to a whole tile) that sees one of its keys; what it skips is masked. */
+ * down to a whole tile) that sees one of its keys and, with a window, ends
+ * past the last column whose window holds one (rounded up); what it skips
+ * is masked. */
 static void attn_fwd_scores(const attn_fwd_scratch *w, int q0, int nq, int k0, int nk, const attn_shape *s) {
     int ld = w->ldkv;
     for (int r0 = 0; r0 < nk; r0 += ATTN_STRIP) {
         int c0 = k0 + r0 - s->q_pos0 - q0; // first column that sees key k0 + r0
         c0 = c0 <= 0 ? 0 : c0 / ATTN_STRIP * ATTN_STRIP;
-        if (c0 >= nq) continue;
         int nr = min_i(nk - r0, ATTN_STRIP);
+        int c1 = attn_window_end(s, k0 + r0 + nr - 1, q0, nq, ATTN_STRIP);
+        if (c0 >= c1) continue;
         float *st = w->st + (size_t)r0 * ATTN_BQ + c0;
         if (s->dot2) { /* k q^T from the bf16 pairs (the softmax scales it); qt holds the packed queries */
-            s->dot2(nr, round16(nq - c0), s->HS / 2, w->k2 + (size_t)(k0 + r0) * w->ldk2, w->ldk2, 1,
+            s->dot2(nr, round16(c1 - c0), s->HS / 2, w->k2 + (size_t)(k0 + r0) * w->ldk2, w->ldk2, 1,
                     (const uint32_t *)w->qt + c0, ATTN_BQ, st, ATTN_BQ, 0);
             continue;
         }
-        mm_f32(nr, nq - c0, s->HS, w->k + (size_t)(k0 + r0) * ld, ld, 0, w->qt + c0, ATTN_BQ, st, ATTN_BQ, 0);
+        mm_f32(nr, c1 - c0, s->HS, w->k + (size_t)(k0 + r0) * ld, ld, 0, w->qt + c0, ATTN_BQ, st, ATTN_BQ, 0);
     }
 }
 
 /* acc += P v, P = st^T (nq, nk), in strips of ATTN_STRIP queries, each over
- * the keys its last query sees: the products left out are exact zeros at
- * the end of each sum. With dot2, over pairs of keys, P rounded to bf16 (a
- * strip's odd last key pairs with one it does not see: P = 0 there). */
+ * the keys its last query sees, from the first key its first query's
+ * window holds: the products left out are exact zeros at the start or end
+ * of each sum. With dot2, over pairs of keys, P rounded to bf16 (a strip's
+ * odd last key pairs with one it does not see: P = 0 there). */
 static void attn_fwd_pv(const attn_fwd_scratch *w, int q0, int nq, int k0, int nk, const attn_shape *s) {
     int ld = w->ldkv, HS = s->HS;
     if (s->dot2) pack_row_pairs(w->pt, ATTN_BQ, w->st, ATTN_BQ, LOOM_F32, nk, (nq + 7) / 8 * 8);
     for (int j0 = 0; j0 < nq; j0 += ATTN_STRIP) {
         int nj = min_i(nq - j0, ATTN_STRIP);
         int kn = attn_visible(s, q0 + j0 + nj - 1, k0, nk);
+        int lo = attn_window_skip(s, q0 + j0, k0, 2); // before the strip's first window: P = 0 (even: pairs)
+        if (lo >= kn) continue;
         if (s->dot2) {
-            s->dot2(nj, HS, half_up(kn), w->pt + j0, 1, ATTN_BQ, w->vp + (size_t)k0 / 2 * HS, HS,
-                    w->acc + (size_t)j0 * HS, HS, 1);
+            s->dot2(nj, HS, half_up(kn) - lo / 2, w->pt + (size_t)lo / 2 * ATTN_BQ + j0, 1, ATTN_BQ,
+                    w->vp + (size_t)(k0 + lo) / 2 * HS, HS, w->acc + (size_t)j0 * HS, HS, 1);
             continue;
         }
-        mm_f32(nj, HS, kn, w->st + j0, ATTN_BQ, 1, w->v + (size_t)k0 * ld, ld, w->acc + (size_t)j0 * HS, HS, 1);
+        mm_f32(nj, HS, kn - lo, w->st + (size_t)lo * ATTN_BQ + j0, ATTN_BQ, 1, w->v + (size_t)(k0 + lo) * ld, ld,
+               w->acc + (size_t)j0 * HS, HS, 1);
     }
 }
 
@@ -618,17 +643,19 @@ static void attn_bwd_block_pairs(attn_bwd_scratch *w, int q0, int nq, int k0, in
         int nr = min_i(nk - r0, ATTN_STRIP);
         int i0 = k0 + r0 - s->q_pos0 - q0; // first query that sees key k0 + r0
         i0 = i0 < 0 ? 0 : i0 / 2 * 2;
-        if (i0 >= nq) continue;
+        int i1 = attn_window_end(s, k0 + r0 + nr - 1, q0, nq, 2); // past the last window holding the strip
+        if (i0 >= i1) continue;
         size_t o = (size_t)(k0 + r0) * w->lddkv, a = (size_t)i0 / 2 * ATTN_BK + r0, bq = (size_t)(q0 + i0) / 2 * HS;
-        int kp = half_up(nq - i0);
+        int kp = half_up(i1 - i0);
         s->dot2(nr, HS, kp, w->pp + a, 1, ATTN_BK, w->dop + bq, HS, w->dv + o, w->lddkv, 1);  // dV += P^T dout
         s->dot2(nr, HS, kp, w->dsp + a, 1, ATTN_BK, w->qp + bq, HS, w->dk + o, w->lddkv, 1); // dK += dS^T q
     }
     for (int i0 = 0; i0 < nq; i0 += ATTN_STRIP) {
         int ni = min_i(nq - i0, ATTN_STRIP);
-        int kn = attn_visible(s, q0 + i0 + ni - 1, k0, nk);
-        s->dot2(ni, HS, half_up(kn), w->dsr + (size_t)i0 * ATTN_BK / 2, ATTN_BK / 2, 1, w->kp + (size_t)k0 / 2 * HS,
-                HS, w->dq + (size_t)(q0 + i0) * w->lddq, w->lddq, 1);                        // dq += dS k
+        int kn = attn_visible(s, q0 + i0 + ni - 1, k0, nk), lo = attn_window_skip(s, q0 + i0, k0, 2);
+        if (lo >= kn) continue;
+        s->dot2(ni, HS, half_up(kn) - lo / 2, w->dsr + (size_t)i0 * ATTN_BK / 2 + lo / 2, ATTN_BK / 2, 1,
+                w->kp + (size_t)(k0 + lo) / 2 * HS, HS, w->dq + (size_t)(q0 + i0) * w->lddq, w->lddq, 1); // dq += dS k
     }
 }
 
@@ -648,16 +675,19 @@ static void attn_bwd_block(attn_bwd_scratch *w, const float *lse, const float *D
         int ni = min_i(nq - i0, ATTN_STRIP);
         int kn = attn_visible(s, q0 + i0 + ni - 1, k0, nk);
         kn = min_i(nk, (kn + ATTN_STRIP - 1) / ATTN_STRIP * ATTN_STRIP);
-        float *sp = w->p + (size_t)i0 * ATTN_BK, *dp = w->ds + (size_t)i0 * ATTN_BK;
+        int lo = attn_window_skip(s, q0 + i0, k0, ATTN_STRIP); // keys before every window of the strip
+        if (lo >= kn) continue;
+        float *sp = w->p + (size_t)i0 * ATTN_BK + lo, *dp = w->ds + (size_t)i0 * ATTN_BK + lo;
         if (s->dot2) { /* from the bf16 pairs, as the forward's scores */
             size_t r = (size_t)(q0 + i0) * w->ldq2;
-            s->dot2(ni, round16(kn), HS / 2, w->q2 + r, w->ldq2, 1, (const uint32_t *)w->kt + k0, Tk, sp, ATTN_BK, 0);
-            s->dot2(ni, round16(kn), HS / 2, w->do2 + r, w->ldq2, 1, (const uint32_t *)w->vt + k0, Tk, dp,
-                    ATTN_BK, 0);                                                              // dP = dout v^T
+            const uint32_t *kt = (const uint32_t *)w->kt + k0 + lo, *vt = (const uint32_t *)w->vt + k0 + lo;
+            s->dot2(ni, round16(kn - lo), HS / 2, w->q2 + r, w->ldq2, 1, kt, Tk, sp, ATTN_BK, 0);
+            s->dot2(ni, round16(kn - lo), HS / 2, w->do2 + r, w->ldq2, 1, vt, Tk, dp, ATTN_BK, 0); // dP = dout v^T
             continue;
         }
-        mm_f32(ni, kn, HS, qs + (size_t)i0 * HS, HS, 0, w->kt + k0, Tk, sp, ATTN_BK, 0);      // S = qs k^T
-        mm_f32(ni, kn, HS, dout + (size_t)i0 * w->lddo, w->lddo, 0, w->vt + k0, Tk, dp, ATTN_BK, 0); // dP = dout v^T
+        mm_f32(ni, kn - lo, HS, qs + (size_t)i0 * HS, HS, 0, w->kt + k0 + lo, Tk, sp, ATTN_BK, 0); // S = qs k^T
+        mm_f32(ni, kn - lo, HS, dout + (size_t)i0 * w->lddo, w->lddo, 0, w->vt + k0 + lo, Tk, dp, ATTN_BK,
+               0);                                                                            // dP = dout v^T
     }
     attn_bwd_probs(w, lse + l0, D + l0, b, h, q0, nq, k0, nk, s);
     if (s->dot2) {
@@ -668,18 +698,20 @@ static void attn_bwd_block(attn_bwd_scratch *w, const float *lse, const float *D
         int nr = min_i(nk - r0, ATTN_STRIP);
         int i0 = k0 + r0 - s->q_pos0 - q0; // first query that sees key k0 + r0
         i0 = i0 < 0 ? 0 : i0;
-        if (i0 >= nq) continue;
+        int i1 = attn_window_end(s, k0 + r0 + nr - 1, q0, nq, 1); // past the last window holding the strip
+        if (i0 >= i1) continue;
         size_t o = (size_t)(k0 + r0) * w->lddkv;
-        mm_f32(nr, HS, nq - i0, w->p + (size_t)i0 * ATTN_BK + r0, ATTN_BK, 1, dout + (size_t)i0 * w->lddo, w->lddo,
+        mm_f32(nr, HS, i1 - i0, w->p + (size_t)i0 * ATTN_BK + r0, ATTN_BK, 1, dout + (size_t)i0 * w->lddo, w->lddo,
                w->dv + o, w->lddkv, 1);                                                       // dV += P^T dout
-        mm_f32(nr, HS, nq - i0, w->ds + (size_t)i0 * ATTN_BK + r0, ATTN_BK, 1, qs + (size_t)i0 * HS, HS, w->dk + o,
+        mm_f32(nr, HS, i1 - i0, w->ds + (size_t)i0 * ATTN_BK + r0, ATTN_BK, 1, qs + (size_t)i0 * HS, HS, w->dk + o,
                w->lddkv, 1);                                                                  // dK += dS^T qs
     }
     for (int i0 = 0; i0 < nq; i0 += ATTN_STRIP) {
         int ni = min_i(nq - i0, ATTN_STRIP);
-        int kn = attn_visible(s, q0 + i0 + ni - 1, k0, nk);
-        mm_f32(ni, HS, kn, w->ds + (size_t)i0 * ATTN_BK, ATTN_BK, 0, w->k + (size_t)k0 * w->ldk, w->ldk,
-               w->dq + (size_t)(q0 + i0) * w->lddq, w->lddq, 1);                              // dq += dS k
+        int kn = attn_visible(s, q0 + i0 + ni - 1, k0, nk), lo = attn_window_skip(s, q0 + i0, k0, 1);
+        if (lo >= kn) continue;
+        mm_f32(ni, HS, kn - lo, w->ds + (size_t)i0 * ATTN_BK + lo, ATTN_BK, 0, w->k + (size_t)(k0 + lo) * w->ldk,
+               w->ldk, w->dq + (size_t)(q0 + i0) * w->lddq, w->lddq, 1);                      // dq += dS k
     }
 }
 
