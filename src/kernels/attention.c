@@ -45,10 +45,11 @@
  * factors Z (0 or 1 / (1 - p), from Philox counters by element:
  * attn_dropout_row) after the online softmax has summed it, before P v; the
  * backward regenerates Z, dS = P (dP Z - D) and dV += (P Z)^T dout.
- * On blocks the causal mask cuts (the diagonal), both directions run their
- * products in strips of ATTN_STRIP rows that stop where every further term
- * is masked: what is left out is either never read (masked scores) or exact
- * zeros at the start or end of a sum.
+ * On blocks the causal mask cuts (the diagonal), or a sliding window (its
+ * trailing edge), both directions run their products in strips of
+ * ATTN_STRIP rows that start and stop where every further term is masked:
+ * what is left out is either never read (masked scores) or exact zeros at
+ * the start or end of a sum.
  * Must never: let the thread count or the schedule change a result — every
  * output element is summed by one task in a fixed order.
  */
