@@ -2,8 +2,10 @@
  * rng.c — Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as
  * 1, 2, 3", SC 2011). A stream is (seed, offset): the 64-bit seed is the key
  * {low, high}, the 64-bit block offset the low half {c0, c1} of the 128-bit
- * counter (c2 = c3 = 0). Nothing here keeps hidden state beyond the explicit
- * loom_rng struct.
+ * counter (c2 = c3 = 0). loom_philox4x32_blocks computes runs of
+ * consecutive counters sixteen (AVX-512F) or eight (AVX2) at a time, the
+ * same words. Nothing here keeps hidden state beyond the explicit loom_rng
+ * struct.
  */
 #include "loom/core.h"
 #include "core/rng_internal.h"

@@ -138,7 +138,6 @@ typedef struct attn_opts {
     attn_dropout drop; /* attention dropout (Hugging Face's attention_dropout, training); p 0: none */
 } attn_opts;
 
-
 /* Causal scaled-dot-product attention with grouped-query heads, flash-style:
  * blocked over keys with an online softmax; no Tq x Tk matrix is stored.
  * q, out: (B, Tq, NH, HS) dt;  k, v: (B, Tk, NKV, HS) dt;  NH % NKV == 0,

@@ -4,8 +4,9 @@
  * backward vs central finite differences, the causal mask, the KV-cache
  * shapes (q_pos0 > 0, Tq = 1 and 3), sizes off the block sizes (32 queries,
  * 64 keys), a scale of the caller's (Granite's), softcapped scores (Gemma
- * 2's), sliding windows (Mistral's), and bit-reproducibility across thread
- * counts.
+ * 2's), sliding windows (Mistral's), attention dropout (Granite 3's: the
+ * mask loom_dropout's over the whole batch, a call on part of it told where
+ * it lies), and bit-reproducibility across thread counts.
  */
 #include "testutil.h"
 #include "kernels/kernels.h"
@@ -653,8 +654,7 @@ static void check_dropout_part(loom_dtype dt) {
     assert_true(tu_bits_equal(pdk, wdk, nkv * es, "dk"));
     assert_true(tu_bits_equal(pdv, wdv, nkv * es, "dv"));
     /* told nothing, the part draws the whole's first rows' mask instead: other bits */
-    attn_opts own = whole;
-    attention_fwd_ex(po, NULL, q, k, v, CASE_ARGS(part), &own, dt);
+    attention_fwd_ex(po, NULL, q, k, v, CASE_ARGS(part), &whole, dt);
     assert_false(tu_bits_equal(po, wo, nq * es, NULL));
     free(q); free(k); free(v); free(dout); free(po); free(pdq); free(pdk); free(pdv); free(pl);
     free(wo); free(wdq); free(wdk); free(wdv); free(o); free(l);
