@@ -372,7 +372,7 @@ loom_status loom_llama_generate_until(loom_llama *m, const int32_t *prompt, int 
         for (int k = 0; k < n_stops; k++) stopped |= next == stops[k];
         if (stopped || i + 1 == n_new || c.len >= c.cap) break;
         if (all) all[c.len] = next;
-        if (restart && c.len == orig) { /* the cache's keys rotated with the short factors: run them all again */
+        if (all && c.len == orig) { /* the cache's keys rotated with the short factors: run them all again */
             c.len = 0;
             st = forward_tokens(m, &c, &s, all, orig + 1);
         } else {

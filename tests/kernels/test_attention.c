@@ -416,6 +416,30 @@ static void test_bwd_finite_differences(void **state) {
     }
 }
 
+/* The flash output o and lse l of d with ao: against the formula in double
+ * (probabilities times z, dropout's factors, when given), and the backward
+ * against the reference, within the tolerances of the checks above (the
+ * gradients' atol scaled by dropout's 1 / (1 - p), as they are). */
+static void check_against_references(const attn_data *d, const void *o, const float *l, const attn_opts *ao,
+                                     const float *z) {
+    loom_dtype dt = d->dt;
+    float *wo = malloc(d->nq * 4), *wl = malloc(d->nlse * 4);
+    attention_double_opts(wo, wl, d, ao->scale, ao->softcap, ao->window, z);
+    float *got = tu_to_f32(o, d->nq, dt), *bound = pv_rounding_bound_opts(d, ao);
+    assert_close_bound(got, wo, bound, d->nq, 1e-5, unit_roundoff(dt) + 1e-5);
+    TU_ASSERT_CLOSE(l, wl, d->nlse, 1e-5, 1e-5);
+    attn_grads g1 = grads_alloc(d), g2 = grads_alloc(d);
+    attention_bwd_ex(g1.dq, g1.dk, g1.dv, d->dout, d->q, d->k, d->v, o, l, CASE_ARGS(d->c), ao, dt);
+    attention_bwd_ref_ex(g2.dq, g2.dk, g2.dv, d->dout, d->q, d->k, d->v, CASE_ARGS(d->c), ao, dt);
+    double u = unit_roundoff(dt), atol = (dt == LOOM_F32 ? 1e-5 : 4.0 * u) / (1.0 - ao->drop.p);
+    double rtol = 2.0 * u + 1e-5;
+    assert_close_dt(g1.dq, g2.dq, d->nq, dt, atol, rtol);
+    assert_close_dt(g1.dk, g2.dk, d->nkv, dt, atol, rtol);
+    assert_close_dt(g1.dv, g2.dv, d->nkv, dt, atol, rtol);
+    grads_free(&g1); grads_free(&g2);
+    free(wo); free(wl); free(got); free(bound);
+}
+
 /* The kernels with ao on case c in dt: the forward against the formula in
  * double, the backward against the reference, within the tolerances of the
  * checks above; and the output the same bits as LLaMA's attention's
@@ -423,23 +447,12 @@ static void test_bwd_finite_differences(void **state) {
 static void check_opts(const attn_case *c, loom_dtype dt, uint64_t seed, const attn_opts *ao, int same_as_plain) {
     attn_data d = data_make(c, dt, seed);
     void *o = malloc(d.nq * 4), *o0 = malloc(d.nq * 4);
-    float *l = malloc(d.nlse * 4), *wo = malloc(d.nq * 4), *wl = malloc(d.nlse * 4);
+    float *l = malloc(d.nlse * 4);
     attention_fwd_ex(o, l, d.q, d.k, d.v, CASE_ARGS(*c), ao, dt);
     attention_fwd(o0, NULL, d.q, d.k, d.v, CASE_ARGS(*c), dt);
     assert_int_equal(tu_bits_equal(o, o0, d.nq * loom_dtype_size(dt), NULL), same_as_plain);
-    attention_double_opts(wo, wl, &d, ao->scale, ao->softcap, ao->window, NULL);
-    float *got = tu_to_f32(o, d.nq, dt), *bound = pv_rounding_bound_opts(&d, ao);
-    assert_close_bound(got, wo, bound, d.nq, 1e-5, unit_roundoff(dt) + 1e-5);
-    TU_ASSERT_CLOSE(l, wl, d.nlse, 1e-5, 1e-5);
-    attn_grads g1 = grads_alloc(&d), g2 = grads_alloc(&d);
-    attention_bwd_ex(g1.dq, g1.dk, g1.dv, d.dout, d.q, d.k, d.v, o, l, CASE_ARGS(*c), ao, dt);
-    attention_bwd_ref_ex(g2.dq, g2.dk, g2.dv, d.dout, d.q, d.k, d.v, CASE_ARGS(*c), ao, dt);
-    double u = unit_roundoff(dt), atol = dt == LOOM_F32 ? 1e-5 : 4.0 * u, rtol = 2.0 * u + 1e-5;
-    assert_close_dt(g1.dq, g2.dq, d.nq, dt, atol, rtol);
-    assert_close_dt(g1.dk, g2.dk, d.nkv, dt, atol, rtol);
-    assert_close_dt(g1.dv, g2.dv, d.nkv, dt, atol, rtol);
-    grads_free(&g1); grads_free(&g2);
-    free(o); free(o0); free(l); free(wo); free(wl); free(got); free(bound);
+    check_against_references(&d, o, l, ao, NULL);
+    free(o); free(o0); free(l);
     data_free(&d);
 }
 
@@ -573,27 +586,14 @@ static void check_dropout(const attn_case *c, loom_dtype dt, const attn_opts *ao
     double frac = (double)dropped / (double)seen, sd = sqrt(ao->drop.p * (1.0 - ao->drop.p) / (double)seen);
     assert_true(fabs(frac - ao->drop.p) < 5.0 * sd);
     void *o = malloc(d.nq * 4), *o0 = malloc(d.nq * 4);
-    float *l = malloc(d.nlse * 4), *wo = malloc(d.nq * 4), *wl = malloc(d.nlse * 4);
+    float *l = malloc(d.nlse * 4);
     attention_fwd_ex(o, l, d.q, d.k, d.v, CASE_ARGS(*c), ao, dt);
     attn_opts none = *ao;
     none.drop.p = 0.0f;
     attention_fwd_ex(o0, NULL, d.q, d.k, d.v, CASE_ARGS(*c), &none, dt);
     assert_false(tu_bits_equal(o, o0, d.nq * loom_dtype_size(dt), NULL));
-    attention_double_opts(wo, wl, &d, ao->scale, ao->softcap, ao->window, z);
-    float *got = tu_to_f32(o, d.nq, dt), *bound = pv_rounding_bound_opts(&d, ao);
-    assert_close_bound(got, wo, bound, d.nq, 1e-5, unit_roundoff(dt) + 1e-5);
-    TU_ASSERT_CLOSE(l, wl, d.nlse, 1e-5, 1e-5);
-    attn_grads g1 = grads_alloc(&d), g2 = grads_alloc(&d);
-    attention_bwd_ex(g1.dq, g1.dk, g1.dv, d.dout, d.q, d.k, d.v, o, l, CASE_ARGS(*c), ao, dt);
-    attention_bwd_ref_ex(g2.dq, g2.dk, g2.dv, d.dout, d.q, d.k, d.v, CASE_ARGS(*c), ao, dt);
-    /* the reference's tolerances (check_bwd_vs_ref) on gradients up to 1 / (1 - p) larger */
-    double u = unit_roundoff(dt), atol = (dt == LOOM_F32 ? 1e-5 : 4.0 * u) / (1.0 - ao->drop.p);
-    double rtol = 2.0 * u + 1e-5;
-    assert_close_dt(g1.dq, g2.dq, d.nq, dt, atol, rtol);
-    assert_close_dt(g1.dk, g2.dk, d.nkv, dt, atol, rtol);
-    assert_close_dt(g1.dv, g2.dv, d.nkv, dt, atol, rtol);
-    grads_free(&g1); grads_free(&g2);
-    free(o); free(o0); free(l); free(wo); free(wl); free(got); free(bound); free(ones); free(z);
+    check_against_references(&d, o, l, ao, z);
+    free(o); free(o0); free(l); free(ones); free(z);
     data_free(&d);
 }
 
