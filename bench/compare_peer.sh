@@ -22,7 +22,9 @@
 # comparison of speed is bench/lockstep_peer.py, which alternates single
 # steps of both. Both run with OMP_WAIT_POLICY=passive (loom's own default;
 # spinning OpenMP threads collapse on a machine shared with other work)
-# unless the environment sets it. Environment: LOOM (default build/loom),
+# unless the environment sets it, and the peer with its AVX-512 kernels
+# where the CPU has them (bench/peer_env.py: OpenBLAS's SkylakeX, torch's
+# avx512; PEER_ENV=keep leaves the environment as it is). Environment: LOOM (default build/loom),
 # PEER (default ../shared/peers/torch_llama.py), PYTHON (default
 # /usr/bin/python3).
 set -euo pipefail
@@ -31,6 +33,7 @@ loom=${LOOM:-$root/build/loom}
 peer=${PEER:-$root/../shared/peers/torch_llama.py}
 python=${PYTHON:-/usr/bin/python3}
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
+eval "$("$python" "$root/bench/peer_env.py")"  # the peer's AVX-512 kernels where the CPU has them
 preset=tiny threads=2 batch=8 steps=5 peer_steps='' seq='' repeat=1
 configs=()
 while [ $# -gt 0 ]; do
@@ -42,7 +45,7 @@ while [ $# -gt 0 ]; do
     --steps) steps=$2; shift 2 ;;
     --peer-steps) peer_steps=$2; shift 2 ;;
     --repeat) repeat=$2; shift 2 ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
     -*) echo "compare_peer: unknown flag $1" >&2; exit 2 ;;
     *) configs+=("$1"); shift ;;
   esac
@@ -66,7 +69,7 @@ esac
 field() { sed -n "s/.*[ ]$1=\([0-9.]*\).*/\1/p" | head -n 1; }
 
 echo "# $(date -u +%Y-%m-%dT%H:%MZ)  preset=$preset batch=$batch seq=$seq threads=$threads loom_steps=$steps peer_steps=${peer_steps:-9 (fp32), 3 (bf16)}"
-echo "# $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) CPUs"
+echo "# $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) CPUs; peer: OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-} ATEN_CPU_CAPABILITY=${ATEN_CPU_CAPABILITY:-}"
 printf '%-22s %10s %10s %7s %11s %11s %9s %9s %9s\n' config loom_tok/s peer_tok/s speedup loom_ms peer_ms loom_rss peer_rss rss_ratio
 summary=()
 for c in "${configs[@]}"; do

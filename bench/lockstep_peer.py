@@ -37,6 +37,9 @@ import sys
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # before torch starts its OpenMP pool
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peer_env  # noqa: E402  (the peer's fastest kernels, also before torch starts)
+peer_env.apply()
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = {  # loom's presets (src/nn/llama.c)
@@ -191,7 +194,9 @@ def main():
     import torch
     print(f"# {time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())} lockstep preset={a.preset} batch={a.batch} "
           f"seq={seq} threads={a.threads} precision={a.precision} loom_recompute={a.loom_recompute} "
-          f"peer_recompute={a.peer_recompute} pairs={a.steps} warmup={a.warmup} torch={torch.__version__}",
+          f"peer_recompute={a.peer_recompute} pairs={a.steps} warmup={a.warmup} torch={torch.__version__} "
+          f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '')} "
+          f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '')}",
           flush=True)
     pairs = []
     for k in range(a.warmup + a.steps):

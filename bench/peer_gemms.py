@@ -10,9 +10,14 @@ flags as ../shared/peers/torch_llama.py. Run with /usr/bin/python3 (Debian's
 python3-torch).
 """
 import argparse
+import os
+import sys
 import time
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peer_env  # noqa: E402  (before torch: the peer's fastest kernels)
+peer_env.apply()
+import torch  # noqa: E402
 
 
 def best_ms(fn, warmup, steps):

@@ -154,6 +154,18 @@ if [ -f "$peer" ] && /usr/bin/python3 -c 'import torch' 2>/dev/null; then
   cmp=$(LOOM=$loom "$src/bench/compare_peer.sh" --preset tiny --batch 1 --seq 16 --steps 1 --peer-steps 1 --repeat 2 \
         bf16:none:none)
   [ "$(grep -cE '^bf16 loom:none peer:none +[0-9]+ +[0-9]+ +[0-9.]+x ' <<<"$cmp")" = 2 ] || fail "compare_peer: not two pairs: $cmp"
+  # The peer gets OpenBLAS's and torch's AVX-512 kernels exactly where the CPU has
+  # AVX-512 F, BW, DQ and VL, whatever the environment says, unless PEER_ENV=keep.
+  if grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -cxE 'avx512(f|bw|dq|vl)' | grep -qx 4; then
+    want='OPENBLAS_CORETYPE=SkylakeX ATEN_CPU_CAPABILITY=avx512'
+    [ "$(python3 "$src/bench/peer_env.py" | tr '\n' ' ')" = "export OPENBLAS_CORETYPE=SkylakeX export ATEN_CPU_CAPABILITY=avx512 " ] ||
+      fail "peer_env: $(python3 "$src/bench/peer_env.py")"
+  else
+    want='OPENBLAS_CORETYPE=[^ ]* ATEN_CPU_CAPABILITY=[^ ]*'
+    [ -z "$(python3 "$src/bench/peer_env.py")" ] || fail "peer_env without AVX-512: $(python3 "$src/bench/peer_env.py")"
+  fi
+  grep -q "; peer: $want\$" <<<"$cmp" || fail "compare_peer: the peer's kernels: $cmp"
+  [ -z "$(PEER_ENV=keep python3 "$src/bench/peer_env.py")" ] || fail "peer_env with PEER_ENV=keep"
   grep -q '^bf16 loom:none peer:none .*median speedup [0-9.]*x over 2 pairs (range ' <<<"$cmp" ||
     fail "compare_peer: no median line: $cmp"
   pg=$(/usr/bin/python3 "$src/bench/peer_gemms.py" --batch 1 --seq 16 --steps 1 --warmup 0)
@@ -164,6 +176,7 @@ if [ -f "$peer" ] && /usr/bin/python3 -c 'import torch' 2>/dev/null; then
        --floor 2)
   [ "$(grep -cE '^pair [1-3] first=(loom|peer) loom_ms=[0-9.]+ peer_ms=[0-9.]+ speedup=[0-9.]+$' <<<"$lp")" = 3 ] ||
     fail "lockstep_peer pairs: $lp"
+  grep -q "^# .* lockstep .* torch=[^ ]* $want\$" <<<"$lp" || fail "lockstep_peer: the peer's kernels: $lp"
   grep -qE '^lockstep preset=tiny precision=fp32 loom_step_ms=[0-9.]+ peer_step_ms=[0-9.]+ .*speedup_median=[0-9.]+ range=[0-9.]+-[0-9.]+ pairs=3$' <<<"$lp" ||
     fail "lockstep_peer summary: $lp"
   # --floor: two rounds of both sides' GEMMs alone, the lower of each kept, and what is left of each step.
