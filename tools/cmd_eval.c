@@ -42,6 +42,12 @@ static loom_status same_tokenizer(const char *model, const loom_dataloader *dl) 
     return st;
 }
 
+/* --seq's default: the model's context, but not the 32k to 128k of some
+ * imported models, whose activations and attention would not fit. */
+#define EVAL_SEQ_CAP 4096
+#define EVAL_STR_(x) #x
+#define EVAL_STR(x) EVAL_STR_(x)
+
 static int run(int argc, char **argv) {
     const char *model = NULL, *data = NULL, *split = NULL, *precision = "fp32", *adapter = NULL;
     int batch = 8, seq = 0, batches = 0, threads = 0;
@@ -51,7 +57,7 @@ static int run(int argc, char **argv) {
         {"data", FLAG_STRING, &data, "PATH", "token shards: a dataset directory, a glob or one file"},
         {"split", FLAG_STRING, &split, "S", "which shards of a dataset directory: val or train (default val)"},
         {"batch", FLAG_INT, &batch, "B", "sequences per batch (default 8)"},
-        {"seq", FLAG_INT, &seq, "T", "tokens per sequence (default: the model's context length)"},
+        {"seq", FLAG_INT, &seq, "T", "tokens per sequence (default: the model's context length, at most " EVAL_STR(EVAL_SEQ_CAP) ")"},
         {"batches", FLAG_INT, &batches, "N", "N batches from the first, as a run's validation reads them; 0: one pass (default 0)"},
         {"precision", FLAG_STRING, &precision, "P", "compute dtype: fp32, bf16 or fp16 (default fp32)"},
         {"threads", FLAG_INT, &threads, "N", "OpenMP threads (default: OMP_NUM_THREADS, else the cores this process may use)"},
@@ -82,14 +88,14 @@ static int run(int argc, char **argv) {
     int32_t *inputs = NULL, *targets = NULL;
     loom_status st = loom_model_dir_load(model, prec, &m);
     if (st == LOOM_OK && adapter) st = loom_lora_load_peft(m, adapter);
-    if (st == LOOM_OK && seq == 0) seq = m->cfg.max_seq;
+    if (st == LOOM_OK && seq == 0) seq = m->cfg.max_seq < EVAL_SEQ_CAP ? m->cfg.max_seq : EVAL_SEQ_CAP;
     if (st == LOOM_OK && seq > m->cfg.max_seq) {
         int max_seq = m->cfg.max_seq;
         loom_llama_free(m);
         return cli_usage_error("eval", "--seq %d is longer than the model's context (%d)", seq, max_seq);
     }
     if (st == LOOM_OK && (size_t)batch * (size_t)seq > (size_t)1 << 30)
-        st = loom_error(LOOM_ERR_INVALID, "--batch %d x the model's context %d is more than 2^30 tokens per batch: "
+        st = loom_error(LOOM_ERR_INVALID, "--batch %d x the default --seq %d is more than 2^30 tokens per batch: "
                         "lower --batch or --seq", batch, seq);
     if (st == LOOM_OK) {
         loom_dataloader_options o = {batch, seq, 0, 1, m->cfg.vocab_size, split};

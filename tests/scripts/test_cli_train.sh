@@ -27,6 +27,15 @@ n=$(echo "$ev" | sed 's/.* batches=\([0-9]*\) .*/\1/')
 want=0 # each val shard gives (tokens - 1) / (B*T) whole batches (2-byte tokens after a 1024-byte header)
 for f in "$WORK"/data/val_*.bin; do want=$(( want + (($(stat -c %s "$f") - 1024) / 2 - 1) / (16 * 64) )); done
 [ "$n" -eq "$want" ] || fail "one pass over the val shards is $want batches, not $n: $ev"
+# --seq's default: the model's context (64 here), but at most 4096 (a model of 8192).
+ev=$("$LOOM" eval --model "$WORK/run/model" --data "$WORK/data" --batch 2 --batches 1)
+grep -q ' batches=1 tokens=128 ' <<<"$ev" || fail "eval's default --seq is not the context, 64: $ev"
+sed 's/"max_position_embeddings": 64/"max_position_embeddings": 8192/' "$WORK/cfg.json" > "$WORK/cfg8k.json"
+grep -q '"max_position_embeddings": 8192' "$WORK/cfg8k.json" || fail "cfg8k.json: $(cat "$WORK/cfg8k.json")"
+"$LOOM" train --data "$WORK/data" --config "$WORK/cfg8k.json" --out "$WORK/run8k" --steps 1 --batch 2 --seq 16 \
+  --eval-every 0 2>"$WORK/train8k.log" || { cat "$WORK/train8k.log"; fail "train, context 8192"; }
+ev=$("$LOOM" eval --model "$WORK/run8k/model" --data "$WORK/data" --split train --batch 1 --batches 1)
+grep -q ' batches=1 tokens=4096 ' <<<"$ev" || fail "eval's default --seq is not 4096 for a context of 8192: $ev"
 # --schedule wsd reaches the optimizer: the logged learning rates are warmup
 # (2 steps), stable, then linear to --min-lr over the last 25% (3 of 12
 # steps), reaching it at the last step.
