@@ -728,7 +728,7 @@ static int run(int argc, char **argv) {
         {"out", FLAG_STRING, &o->out, "DIR", "output: checkpoints, metrics, plot, final model (default out; with "
                                              "--resume, the resumed run's directory)"},
         {"preset", FLAG_STRING, &o->preset, "NAME", "model preset: tiny or small (default tiny)"},
-        {"config", FLAG_STRING, &o->config, "FILE", "model from a Hugging Face config.json instead of a preset (model_type llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, granite, phi3 or smollm3)"},
+        {"config", FLAG_STRING, &o->config, "FILE", "model from a Hugging Face config.json instead of a preset (model_type llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, granite, phi3 or smollm3; gemma3, Gemma 3's multimodal, as its text model)"},
         {"tie-embeddings", FLAG_BOOL, &o->tie, NULL, "share the embedding and lm_head weights (presets)"},
         {"init", FLAG_STRING, &o->init, "DIR", "start from the weights of a model directory (its generation_config.json goes into the checkpoints and the final model)"},
         {"resume", FLAG_STRING, &o->resume, "DIR", "continue from a checkpoint (or the latest in DIR)"},

@@ -57,7 +57,7 @@ extern "C" {
  * rope_scaling (Qwen2Config's for a "qwen2" file: 32 kv heads, 32768
  * positions; GemmaConfig's for "gemma": 16 kv heads, 8192 positions, head_dim
  * 256, tied). model_type may be "llama", "mistral", "qwen2", "qwen3",
- * "gemma", "gemma2", "gemma3_text", "granite", "phi3" or "smollm3". sliding_window is
+ * "gemma", "gemma2", "gemma3_text", "gemma3", "granite", "phi3" or "smollm3". sliding_window is
  * computed as a window (sliding_window, window_from,
  * window_global_interval): Mistral's (4096 when a "mistral" file leaves it
  * out) and Phi-3's on every block, Gemma 2's (4096) on every other block
@@ -123,7 +123,14 @@ extern "C" {
  * every sliding_window_pattern-th (6; or layer_types), and those blocks
  * rotating with the plain RoPE of rope_local_base_freq (10000,
  * rope_local_theta); it saves as Gemma3ForCausalLM with both the pattern
- * and layer_types. A Gemma 3 without a window is refused.
+ * and layer_types. A Gemma 3 without a window is refused. Its shape
+ * fields (hidden_size, num_hidden_layers, num_attention_heads,
+ * intermediate_size, vocab_size) take Gemma3TextConfig's defaults too
+ * (2304, 26, 8, 9216, 262208); other model types require them. A
+ * multimodal "gemma3" file (Gemma3ForConditionalGeneration: the 4B, 12B,
+ * 27B) is read as its text model: its text_config as a "gemma3_text" file
+ * (all defaults without one; the file's tie_word_embeddings where
+ * text_config has none), its vision_config not at all.
  * hidden_act (any model_type): "silu", or the tanh GELU as
  * "gelu_pytorch_tanh" or "gelu_new" (act).
  * Save writes rope_scaling as Hugging Face's files do ("type": "linear" and
@@ -192,7 +199,12 @@ loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokeni
  * gathered whole) and TP rank 0 writes: the write's errors are returned
  * on every rank of the group (the others' name rank 0 and give its
  * message). With ZeRO the masters must be whole
- * (loom_dist_optim_unshard_masters). Errors: LOOM_ERR_INVALID (no
+ * (loom_dist_optim_unshard_masters). When base_model is a Gemma 3
+ * multimodal directory, the tensors are named as its weights name its
+ * language model's modules (base_model.model.language_model.model.<…> or
+ * base_model.model.model.language_model.<…>) and target_modules is a
+ * pattern of those, not the vision tower's linears of the same names.
+ * Errors: LOOM_ERR_INVALID (no
  * adapters), LOOM_ERR_UNSUPPORTED (loom_lora_peft_unwritable), LOOM_ERR_IO,
  * LOOM_ERR_NOMEM. */
 loom_status loom_lora_save_peft(loom_llama *m, const char *dir, const char *base_model);
@@ -228,7 +240,8 @@ loom_status loom_lora_peft_config_layers(const char *dir, int n_layers, loom_lor
  * fan_in_fan_out, a bias or lora_bias, modules_to_save, exclude_modules,
  * layers_to_transform, layer_replication, rank or alpha patterns, other
  * modules or some layers only (target_modules), and tensors that are not
- * those adapters.
+ * those adapters. An adapter of a Gemma 3 multimodal base (its language
+ * model's modules named as above) applies as one of the text model's.
  * Errors also: LOOM_ERR_FORMAT (bad JSON, a missing tensor or one of
  * another shape, NaN), LOOM_ERR_IO, those of loom_llama_add_lora. After an
  * error past the setting's checks the model has adapters that may be
@@ -272,7 +285,11 @@ loom_status loom_model_dir_sampler(const char *dir, unsigned given, loom_sampler
 loom_status loom_model_dir_load_generation_config(loom_llama *m, const char *dir);
 /* Create a model from a directory (config.json + model.safetensors, or the
  * shards of model.safetensors.index.json) with the given precision (after
- * loom_model_dir_check). */
+ * loom_model_dir_check). A Gemma 3 multimodal directory gives its text
+ * model: the tensors of its language model, named as transformers saved
+ * them before 4.52 (language_model.model.<…>, language_model.lm_head.weight)
+ * or after (model.language_model.<…>, lm_head.weight); the vision tower's
+ * and projector's are not read. */
 loom_status loom_model_dir_load(const char *dir, loom_precision prec, loom_llama **out);
 
 /* How a GGUF file stores the model's matrices (norm weights are always

@@ -1,7 +1,8 @@
 /*
  * model_dir.c — model directories in the Hugging Face layout: config.json
  * and model.safetensors with Hugging Face LLaMA names (loom's parameter
- * names are those names, but for Phi-3's fused tensors: file_slot_of).
+ * names are those names, but for Phi-3's fused tensors and Gemma 3's
+ * multimodal files, whose text model is their language_model: file_slot_of).
  * Must never: leave a half-written file (every write is atomic) or a
  * directory whose files come from two saves (all are written before any
  * replaces its old one), or load a tensor whose shape differs from the
@@ -100,20 +101,24 @@ typedef struct family {
     int window_if_used; /* the window applies only with use_sliding_window, from block max_window_layers on */
     int window_from;    /* max_window_layers when absent */
     int window_global;  /* every N-th block keeps full attention (Gemma 2's 2; 0: none) */
+    int dim, layers, heads, ffn, vocab; /* the shape when absent (0: required, as its class's default is a
+                                           model other than the one meant) */
 } family;
 
 static const family families[] = {
-    /* type       theta  eps    kv  max    tie hd  reads window used from global */
-    {"llama",     1e4f,  1e-6f, 0,  2048,  0,  0,   0,  0,     0,   0,   0},
-    {"mistral",   1e4f,  1e-6f, 0,  2048,  0,  0,   1,  4096,  0,   0,   0}, /* MistralConfig's window */
-    {"qwen2",     1e4f,  1e-6f, 32, 32768, 0,  0,   2,  4096,  1,   28,  0},
-    {"qwen3",     1e4f,  1e-6f, 32, 32768, 0,  128, 2,  4096,  1,   28,  0},
-    {"gemma",     1e4f,  1e-6f, 16, 8192,  1,  256, 0,  0,     0,   0,   0},
-    {"gemma2",    1e4f,  1e-6f, 4,  8192,  1,  256, 2,  4096,  0,   0,   2}, /* 4 kv heads with its 256 scalar */
-    {"granite",   1e4f,  1e-6f, 0,  2048,  0,  0,   0,  0,     0,   0,   0},
-    {"phi3",      1e4f,  1e-5f, 0,  4096,  0,  0,   1,  0,     0,   0,   0},
-    {"smollm3",   2e6f,  1e-6f, 4,  32768, 1,  0,   2,  0,     1,   0,   0},
-    {"gemma3_text", 1e6f, 1e-6f, 4, 131072, 1, 256, 2,  4096,  0,   0,   6}, /* sliding_window_pattern 6 */
+    /* type       theta  eps    kv  max    tie hd  reads window used from global  dim layers heads ffn vocab */
+    {"llama",     1e4f,  1e-6f, 0,  2048,  0,  0,   0,  0,     0,   0,   0, 0, 0, 0, 0, 0},
+    {"mistral",   1e4f,  1e-6f, 0,  2048,  0,  0,   1,  4096,  0,   0,   0, 0, 0, 0, 0, 0}, /* MistralConfig's window */
+    {"qwen2",     1e4f,  1e-6f, 32, 32768, 0,  0,   2,  4096,  1,   28,  0, 0, 0, 0, 0, 0},
+    {"qwen3",     1e4f,  1e-6f, 32, 32768, 0,  128, 2,  4096,  1,   28,  0, 0, 0, 0, 0, 0},
+    {"gemma",     1e4f,  1e-6f, 16, 8192,  1,  256, 0,  0,     0,   0,   0, 0, 0, 0, 0, 0},
+    {"gemma2",    1e4f,  1e-6f, 4,  8192,  1,  256, 2,  4096,  0,   0,   2, 0, 0, 0, 0, 0}, /* 4 kv heads with its 256 scalar */
+    {"granite",   1e4f,  1e-6f, 0,  2048,  0,  0,   0,  0,     0,   0,   0, 0, 0, 0, 0, 0},
+    {"phi3",      1e4f,  1e-5f, 0,  4096,  0,  0,   1,  0,     0,   0,   0, 0, 0, 0, 0, 0},
+    {"smollm3",   2e6f,  1e-6f, 4,  32768, 1,  0,   2,  0,     1,   0,   0, 0, 0, 0, 0, 0},
+    /* sliding_window_pattern 6; Gemma3TextConfig's shape, which the text_config of Gemma 3's multimodal files
+     * (4B, 12B, 27B) leaves partly to it */
+    {"gemma3_text", 1e6f, 1e-6f, 4, 131072, 1, 256, 2,  4096,  0,   0,   6, 2304, 26, 8, 9216, 262208},
 };
 
 /* The family of root's model_type: LLaMA's when it has none, NULL for a
@@ -337,8 +342,8 @@ static loom_status read_architecture(json_t *root, const char *path, loom_llama_
     if (!f)
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: model_type \"%s\" is not a LLaMA model (loom reads \"llama\", "
                           "\"mistral\", \"qwen2\", \"qwen3\", \"gemma\", \"gemma2\", \"gemma3_text\", \"granite\", "
-                          "\"phi3\" and \"smollm3\"; Gemma 3's multimodal \"gemma3\" files hold its text model "
-                          "under other names)", path, json_is_string(v) ? json_string_value(v) : "?");
+                          "\"phi3\" and \"smollm3\", and the text model of Gemma 3's multimodal \"gemma3\")", path,
+                          json_is_string(v) ? json_string_value(v) : "?");
     if (is_smollm3(root)) LOOM_TRY(read_nope(root, path, c));
     c->fused_proj = is_phi3(root);
     if (is_phi3(root)) LOOM_TRY(read_phi3(root, path, c));
@@ -689,11 +694,41 @@ static loom_status get_rope(json_t *root, const char *path, loom_llama_config *c
     return LOOM_OK;
 }
 
+/* Gemma 3's multimodal file (model_type "gemma3", Gemma3ForConditionalGeneration: the 4B, 12B and 27B): *root
+ * becomes its text model's config, text_config as a "gemma3_text" file (Gemma3TextConfig's defaults where it
+ * is silent, all of them without one; the file's tie_word_embeddings where text_config has none). The
+ * vision tower and its projector are not read. Other files are left as they are. */
+static loom_status text_config_of(const char *path, json_t **root) {
+    if (!model_type_is(*root, "gemma3")) return LOOM_OK;
+    json_t *tc = json_object_get(*root, "text_config"), *tie = json_object_get(*root, "tie_word_embeddings");
+    if (tc && !json_is_null(tc) && !json_is_object(tc))
+        return loom_error(LOOM_ERR_FORMAT, "%s: text_config must be an object (Gemma 3's text model)", path);
+    json_t *mt = json_is_object(tc) ? json_object_get(tc, "model_type") : NULL;
+    if (mt && !json_is_null(mt) && !(json_is_string(mt) && !strcmp(json_string_value(mt), "gemma3_text")))
+        return loom_error(LOOM_ERR_UNSUPPORTED, "%s: text_config's model_type must be \"gemma3_text\" (Gemma 3's "
+                          "text model), not %s", path, json_is_string(mt) ? json_string_value(mt) : "this");
+    json_t *text = json_is_object(tc) ? json_deep_copy(tc) : json_object();
+    json_t *tt = text ? json_object_get(text, "tie_word_embeddings") : NULL;
+    if (tie && tt && !json_equal(tie, tt)) {
+        json_decref(text);
+        return loom_error(LOOM_ERR_FORMAT, "%s: tie_word_embeddings differs from its text_config's", path);
+    }
+    if (!text || json_object_set_new(text, "model_type", json_string("gemma3_text")) ||
+        (tie && !tt && json_object_set(text, "tie_word_embeddings", tie))) {
+        json_decref(text);
+        return loom_error(LOOM_ERR_NOMEM, "%s: out of memory", path);
+    }
+    json_decref(*root);
+    *root = text;
+    return LOOM_OK;
+}
+
 loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
     json_t *root;
     LOOM_TRY(read_json(path, "config", &root));
     loom_status st = LOOM_OK;
     if (!json_is_object(root)) st = loom_error(LOOM_ERR_FORMAT, "%s: expected a JSON object", path);
+    if (st == LOOM_OK) st = text_config_of(path, &root);
     memset(c, 0, sizeof *c);
     /* Absent fields take the Hugging Face config class's defaults (not
      * loom's presets'): the same directory must give the same model in both.
@@ -702,13 +737,14 @@ loom_status loom_llama_config_load(const char *path, loom_llama_config *c) {
     const family *f = family_of(root) ? family_of(root) : &families[0];
     c->rope_theta = f->theta;
     c->norm_eps = f->eps;
-    if (st == LOOM_OK) st = get_int(root, path, "hidden_size", 1, &c->dim);
-    if (st == LOOM_OK) st = get_int(root, path, "num_hidden_layers", 1, &c->n_layers);
-    if (st == LOOM_OK) st = get_int(root, path, "num_attention_heads", 1, &c->n_heads);
+    c->dim = f->dim, c->n_layers = f->layers, c->n_heads = f->heads, c->ffn_dim = f->ffn, c->vocab_size = f->vocab;
+    if (st == LOOM_OK) st = get_int(root, path, "hidden_size", !f->dim, &c->dim);
+    if (st == LOOM_OK) st = get_int(root, path, "num_hidden_layers", !f->layers, &c->n_layers);
+    if (st == LOOM_OK) st = get_int(root, path, "num_attention_heads", !f->heads, &c->n_heads);
     c->n_kv_heads = !json_object_get(root, "num_key_value_heads") && f->kv_heads ? f->kv_heads : c->n_heads;
     if (st == LOOM_OK) st = get_int(root, path, "num_key_value_heads", 0, &c->n_kv_heads);
-    if (st == LOOM_OK) st = get_int(root, path, "intermediate_size", 1, &c->ffn_dim);
-    if (st == LOOM_OK) st = get_int(root, path, "vocab_size", 1, &c->vocab_size);
+    if (st == LOOM_OK) st = get_int(root, path, "intermediate_size", !f->ffn, &c->ffn_dim);
+    if (st == LOOM_OK) st = get_int(root, path, "vocab_size", !f->vocab, &c->vocab_size);
     c->max_seq = f->max_seq;
     if (st == LOOM_OK) st = get_int(root, path, "max_position_embeddings", 0, &c->max_seq);
     if (st == LOOM_OK) st = get_float(root, path, "rms_norm_eps", &c->norm_eps);
@@ -936,7 +972,42 @@ typedef struct file_slot {
     int parts, part;    /* parameters in the tensor (1: i alone), and which is i */
 } file_slot;
 
-static void file_slot_of(const loom_llama *m, int i, file_slot *f) {
+/* How a file names the text model's tensors: as Hugging Face's text models
+ * (loom's names), or as Gemma 3's multimodal files, whose text model is
+ * their language_model: "language_model.model.…" and
+ * "language_model.lm_head.weight" as transformers wrote them before 4.52,
+ * "model.language_model.…" and "lm_head.weight" after. */
+typedef enum { LAYOUT_TEXT, LAYOUT_MM_OLD, LAYOUT_MM_NEW, LAYOUTS } weights_layout;
+
+/* A text model's tensor name as layout l spells it. */
+static void layout_name(weights_layout l, const char *name, char *out, size_t n) {
+    if (l == LAYOUT_MM_OLD) snprintf(out, n, "language_model.%s", name);
+    else if (l == LAYOUT_MM_NEW && !strncmp(name, "model.", 6)) snprintf(out, n, "model.language_model.%s", name + 6);
+    else snprintf(out, n, "%s", name);
+}
+
+/* The layout whose embedding table `has` finds in a file (ctx its
+ * argument); the text models' when none is found, for the errors to name. */
+static weights_layout layout_of(int (*has)(const void *ctx, const char *name), const void *ctx) {
+    for (int l = 0; l < LAYOUTS; l++) {
+        char name[64];
+        layout_name((weights_layout)l, "model.embed_tokens.weight", name, sizeof name);
+        if (has(ctx, name)) return (weights_layout)l;
+    }
+    return LAYOUT_TEXT;
+}
+
+static void text_slot_of(const loom_llama *m, int i, file_slot *f);
+
+/* Parameter i's slot in a file of layout l. */
+static void file_slot_of(const loom_llama *m, int i, weights_layout l, file_slot *f) {
+    text_slot_of(m, i, f);
+    char text[sizeof f->name];
+    memcpy(text, f->name, sizeof text);
+    layout_name(l, text, f->name, sizeof f->name);
+}
+
+static void text_slot_of(const loom_llama *m, int i, file_slot *f) {
     static const struct { const char *part, *fused; int index, parts; } map[] = {
         {"self_attn.q_proj.weight", "self_attn.qkv_proj.weight", 0, 3},
         {"self_attn.k_proj.weight", "self_attn.qkv_proj.weight", 1, 3},
@@ -1050,7 +1121,7 @@ loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *pa
         loom_llama_param_full_shape(m, i, fs);
         int adapted = loom_llama_lora_of(m, i, &a, &b), add = w && st == LOOM_OK;
         file_slot f;
-        file_slot_of(m, i, &f);
+        file_slot_of(m, i, LAYOUT_TEXT, &f);
         if (f.parts > 1) { /* Phi-3's: the first part writes the fused tensor, the others are in it */
             lazy[i] = (lazy_weight){m, i, dt, 1, 0, f.part ? 0 : f.parts};
             int64_t shape[2] = {f.rows, fs[1]};
@@ -1085,12 +1156,12 @@ loom_status loom_llama_save_weights(loom_llama *m, loom_dtype dt, const char *pa
     return st;
 }
 
-/* Parameter i from the open file sf (named path in messages): its tensor,
- * or its rows of a fused one (file_slot_of). */
-static loom_status load_param(loom_llama *m, int i, const loom_safetensors *sf, const char *path) {
+/* Parameter i from the open file sf (named path in messages), of layout l:
+ * its tensor, or its rows of a fused one (file_slot_of). */
+static loom_status load_param(loom_llama *m, int i, const loom_safetensors *sf, const char *path, weights_layout l) {
     loom_param *p = m->params[i];
     file_slot f;
-    file_slot_of(m, i, &f);
+    file_slot_of(m, i, l, &f);
     if (!loom_safetensors_has(sf, f.name))
         return loom_error(LOOM_ERR_FORMAT, "%s: tensor %s is missing (is this a LLaMA checkpoint of the same "
                           "configuration?)", path, f.name);
@@ -1099,7 +1170,7 @@ static loom_status load_param(loom_llama *m, int i, const loom_safetensors *sf, 
     float *full = malloc((size_t)(fs[0] * fs[1]) * sizeof(float) + 1);
     if (!full) return loom_error(LOOM_ERR_NOMEM, "load weights: out of memory");
     loom_status st = f.parts > 1 ? loom_safetensors_read_rows(sf, f.name, LOOM_F32, f.rows, fs[1], f.row0, fs[0], full)
-                                 : loom_safetensors_read(sf, p->name, LOOM_F32, fs, p->tensor->ndim, full);
+                                 : loom_safetensors_read(sf, f.name, LOOM_F32, fs, p->tensor->ndim, full);
     if (st != LOOM_OK) st = loom_error(st, "%s (the config and the weights disagree)", loom_last_error());
     char what[320]; /* a fused tensor's part: its rows, where the element index counts from */
     if (f.parts > 1) snprintf(what, sizeof what, "%s (rows %lld..%lld, counted from the first)", f.name,
@@ -1111,11 +1182,15 @@ static loom_status load_param(loom_llama *m, int i, const loom_safetensors *sf, 
     return st;
 }
 
+static int file_has(const void *sf, const char *name) { return loom_safetensors_has(sf, name); }
+static int map_has(const void *map, const char *name) { return json_object_get(map, name) != NULL; }
+
 loom_status loom_llama_load_weights(loom_llama *m, const char *path) {
     loom_safetensors *sf;
     LOOM_TRY(loom_safetensors_open(path, &sf));
     loom_status st = LOOM_OK;
-    for (int i = 0; i < m->n_base && st == LOOM_OK; i++) st = load_param(m, i, sf, path);
+    weights_layout l = layout_of(file_has, sf);
+    for (int i = 0; i < m->n_base && st == LOOM_OK; i++) st = load_param(m, i, sf, path, l);
     loom_safetensors_close(sf);
     if (st == LOOM_OK) st = loom_llama_dora_reset(m); /* DoRA's magnitudes follow the weights */
     return st;
@@ -1141,9 +1216,10 @@ static loom_status load_sharded(loom_llama *m, const char *dir, const char *inde
     if (st == LOOM_OK && (!names || !files)) st = loom_error(LOOM_ERR_NOMEM, "load weights: out of memory");
     int n_files = 0;
     char path[4200];
+    weights_layout l = st == LOOM_OK ? layout_of(map_has, map) : LAYOUT_TEXT;
     for (int i = 0; i < m->n_base && st == LOOM_OK; i++) {
         file_slot f;
-        file_slot_of(m, i, &f);
+        file_slot_of(m, i, l, &f);
         const char *name = f.name;
         json_t *v = json_object_get(map, name);
         const char *file = json_is_string(v) ? json_string_value(v) : NULL;
@@ -1163,7 +1239,7 @@ static loom_status load_sharded(loom_llama *m, const char *dir, const char *inde
             st = loom_safetensors_open(path, &files[k]);
             if (st == LOOM_OK) names[n_files++] = file;
         }
-        if (st == LOOM_OK) st = load_param(m, i, files[k], path);
+        if (st == LOOM_OK) st = load_param(m, i, files[k], path, l);
     }
     for (int k = 0; k < n_files; k++) loom_safetensors_close(files[k]);
     free(files);
@@ -1171,6 +1247,28 @@ static loom_status load_sharded(loom_llama *m, const char *dir, const char *inde
     json_decref(root);
     if (st == LOOM_OK) st = loom_llama_dora_reset(m); /* DoRA's magnitudes follow the weights */
     return st;
+}
+
+/* The layout of dir's weights (model.safetensors, else its index); the
+ * text models' when neither can be read. */
+static weights_layout dir_layout(const char *dir) {
+    char single[4096], index[4096];
+    weights_layout l = LAYOUT_TEXT;
+    if (join(single, sizeof single, dir, "model.safetensors") != LOOM_OK ||
+        join(index, sizeof index, dir, "model.safetensors.index.json") != LOOM_OK)
+        return l;
+    loom_safetensors *sf;
+    json_t *root;
+    if (loom_safetensors_open(single, &sf) == LOOM_OK) {
+        l = layout_of(file_has, sf);
+        loom_safetensors_close(sf);
+    } else if (read_json(index, "weight index", &root) == LOOM_OK) {
+        json_t *map = json_object_get(root, "weight_map");
+        if (json_is_object(map)) l = layout_of(map_has, map);
+        json_decref(root);
+    }
+    loom_clear_error();
+    return l;
 }
 
 loom_status loom_model_dir_load_weights(loom_llama *m, const char *dir) {
@@ -1259,17 +1357,23 @@ static const unsigned fused_targets =
 
 int loom_lora_peft_unwritable(const loom_llama *m) { return m->cfg.fused_proj && (m->lora.targets & fused_targets); }
 
+/* The adapters' names and target_modules follow the layout of the base's
+ * weights: for Gemma 3's multimodal files, its language model's modules
+ * (target_modules a pattern of them, not the vision tower's linears of the
+ * same names). */
 static loom_status write_peft(loom_llama *m, const char *dir, const char *base_model, float *const *whole) {
     char path[4200];
     LOOM_TRY(loom_mkdir_p(dir));
+    weights_layout l = base_model ? dir_layout(base_model) : LAYOUT_TEXT;
     loom_safetensors_writer *w;
     LOOM_TRY(loom_safetensors_writer_init(&w));
     loom_status st = LOOM_OK;
-    char name[256];
+    char name[320], text[256];
     for (int i = m->n_base; i < m->n_params && st == LOOM_OK; i++) {
         int64_t fs[2];
         loom_llama_param_full_shape(m, i, fs);
-        snprintf(name, sizeof name, PEFT_PREFIX "%s", m->params[i]->name);
+        layout_name(l, m->params[i]->name, text, sizeof text);
+        snprintf(name, sizeof name, PEFT_PREFIX "%s", text);
         st = loom_safetensors_writer_add(w, name, LOOM_SAFETENSORS_F32, fs, m->params[i]->tensor->ndim,
                                          whole[i - m->n_base]); /* DoRA's magnitudes are vectors */
     }
@@ -1281,12 +1385,21 @@ static loom_status write_peft(loom_llama *m, const char *dir, const char *base_m
     /* A path that is not UTF-8 cannot be a JSON string: null then. */
     json_t *base = base_model ? json_string(base_model) : NULL;
     if (!base) base = json_null();
-    json_t *targets = json_array();
+    json_t *targets = l == LAYOUT_TEXT ? json_array() : NULL;
     for (int t = 0; t < LOOM_LORA_N && targets; t++)
         if (m->lora.targets & (1u << t) && json_array_append_new(targets, json_string(loom_lora_target_name(t)))) {
             json_decref(targets);
             targets = NULL;
         }
+    if (l != LAYOUT_TEXT) { /* e.g. language_model\.model\.layers\.[0-9]+\.(self_attn|mlp)\.(q_proj|v_proj) */
+        char pattern[256], names[128] = "";
+        for (int t = 0, n = 0; t < LOOM_LORA_N; t++)
+            if (m->lora.targets & (1u << t))
+                n += snprintf(names + n, sizeof names - (size_t)n, "%s%s", n ? "|" : "", loom_lora_target_name(t));
+        snprintf(pattern, sizeof pattern, "%s\\.layers\\.[0-9]+\\.(self_attn|mlp)\\.(%s)",
+                 l == LAYOUT_MM_OLD ? "language_model\\.model" : "model\\.language_model", names);
+        targets = json_string(pattern);
+    }
     json_t *root = !targets ? NULL
                             : json_pack("{s:s, s:s, s:i, s:f, s:f, s:o, s:s, s:b, s:b, s:b, s:b, s:o}", "peft_type", "LORA",
                                         "task_type", "CAUSAL_LM", "r", m->lora.rank, "lora_alpha",
@@ -1295,12 +1408,12 @@ static loom_status write_peft(loom_llama *m, const char *dir, const char *base_m
                                         "inference_mode", 1, "use_rslora", m->lora.rslora != 0, "use_dora", m->lora.dora != 0,
                                         "base_model_name_or_path", base);
     if (!root) return loom_error(LOOM_ERR_NOMEM, "save adapter: cannot build adapter_config.json");
-    char *text = json_dumps(root, JSON_INDENT(2) | JSON_REAL_PRECISION(9));
+    char *json = json_dumps(root, JSON_INDENT(2) | JSON_REAL_PRECISION(9));
     json_decref(root);
-    if (!text) return loom_error(LOOM_ERR_NOMEM, "save adapter: cannot format adapter_config.json");
+    if (!json) return loom_error(LOOM_ERR_NOMEM, "save adapter: cannot format adapter_config.json");
     st = join(path, sizeof path, dir, "adapter_config.json");
-    if (st == LOOM_OK) st = loom_file_write_atomic(path, text, strlen(text));
-    free(text);
+    if (st == LOOM_OK) st = loom_file_write_atomic(path, json, strlen(json));
+    free(json);
     return st;
 }
 
@@ -1367,9 +1480,15 @@ static loom_status peft_select(peft_match_fn match, const void *how, const char 
     unsigned chosen = 0;
     for (int t = 0; t < LOOM_LORA_N; t++) {
         int in = 0;
-        for (int l = 0; l < layers; l++) {
+        for (int l = 0; l < layers; l++) { /* its name in a text model, or in Gemma 3's multimodal ones */
             peft_module_name(l, t, name, sizeof name);
-            in += match(how, name) != 0;
+            int hit = 0;
+            for (int k = 0; k < LAYOUTS && !hit; k++) {
+                char named[128];
+                layout_name((weights_layout)k, name, named, sizeof named);
+                hit = match(how, named) != 0;
+            }
+            in += hit;
         }
         if (in && in < layers) {
             peft_module_name(0, t, name, sizeof name);
@@ -1590,12 +1709,22 @@ loom_status loom_lora_load_peft(loom_llama *m, const char *dir) {
     loom_safetensors *sf;
     LOOM_TRY(loom_safetensors_open(path, &sf));
     loom_status st = LOOM_OK;
-    char name[256];
+    char name[320], text[256];
+    weights_layout l = LAYOUT_TEXT; /* the layout in which the file has the first adapter */
+    for (int k = 0; k < LAYOUTS && m->n_params > m->n_base; k++) {
+        layout_name((weights_layout)k, m->params[m->n_base]->name, text, sizeof text);
+        snprintf(name, sizeof name, PEFT_PREFIX "%s", text);
+        if (loom_safetensors_has(sf, name)) {
+            l = (weights_layout)k;
+            break;
+        }
+    }
     for (int i = m->n_base; i < m->n_params && st == LOOM_OK; i++) {
         loom_param *p = m->params[i];
         int64_t fs[2];
         loom_llama_param_full_shape(m, i, fs);
-        snprintf(name, sizeof name, PEFT_PREFIX "%s", p->name);
+        layout_name(l, p->name, text, sizeof text);
+        snprintf(name, sizeof name, PEFT_PREFIX "%s", text);
         float *v = malloc((size_t)(fs[0] * fs[1]) * sizeof(float) + 1);
         if (!v) st = loom_error(LOOM_ERR_NOMEM, "load adapter: out of memory");
         else if (!loom_safetensors_has(sf, name))
@@ -1612,9 +1741,13 @@ loom_status loom_lora_load_peft(loom_llama *m, const char *dir) {
     for (size_t k = 0; st == LOOM_OK && k < loom_safetensors_count(sf); k++) {
         loom_safetensors_tensor t;
         st = loom_safetensors_at(sf, k, &t);
-        if (st == LOOM_OK && (strncmp(t.name, PEFT_PREFIX, strlen(PEFT_PREFIX)) ||
-                              !loom_llama_find_param(m, t.name + strlen(PEFT_PREFIX)) ||
-                              !strstr(t.name, ".lora_")))
+        int known = 0; /* one of the model's adapters, named in the file's layout */
+        for (int i = m->n_base; st == LOOM_OK && i < m->n_params && !known; i++) {
+            layout_name(l, m->params[i]->name, text, sizeof text);
+            snprintf(name, sizeof name, PEFT_PREFIX "%s", text);
+            known = !strcmp(t.name, name);
+        }
+        if (st == LOOM_OK && !known)
             st = loom_error(LOOM_ERR_UNSUPPORTED, "%s: tensor %s is not one of the adapters adapter_config.json "
                             "describes (%zu of them)", path, t.name, expected);
     }

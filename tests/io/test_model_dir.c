@@ -891,7 +891,6 @@ static void test_gemma3_config(void **state) {
     back = saved_and_loaded(&c);
     assert_true(loom_llama_config_same_model(&c, &back) && saved_text_has("\"rope_local_base_freq\": 5000"));
     static const struct { const char *extra, *msg; } bad[] = {
-        {", \"model_type\": \"gemma3\"", "Gemma 3's multimodal \"gemma3\" files"},
         {", \"model_type\": \"gemma3_text\", \"head_dim\": 8, \"num_key_value_heads\": 2, \"sliding_window\": null",
          "Gemma 3's, whose model (Gemma 2's with q/k norms) needs"},
         {", \"model_type\": \"gemma3_text\", \"head_dim\": 8, \"num_key_value_heads\": 2, \"sliding_window_pattern\": 0",
@@ -914,6 +913,164 @@ static void test_gemma3_config(void **state) {
     c.qk_norm = 0; /* Gemma 2's with a local base */
     assert_int_equal(loom_llama_config_validate(&c), LOOM_ERR_INVALID);
     IO_ASSERT_MSG("a local RoPE base");
+}
+
+/* A text model's tensor name as Gemma 3's multimodal files spell it: before
+ * transformers 4.52 (old) or after. */
+static void mm_name(int old, const char *name, char *out, size_t n) {
+    if (old) snprintf(out, n, "language_model.%s", name);
+    else if (!strncmp(name, "model.", 6)) snprintf(out, n, "model.language_model.%s", name + 6);
+    else snprintf(out, n, "%s", name);
+}
+
+/* Directory dir as a Gemma 3 multimodal file of m: config.json's text_config
+ * (text, a JSON object's members), m's weights under mm_name with a vision
+ * tower's and a projector's tensors beside them, in one file or (sharded)
+ * two mapped by an index. */
+static void write_gemma3_mm(const loom_llama *m, const char *dir, const char *top, const char *text, int old,
+                            int sharded) {
+    char path[128], name[256], json[8192];
+    mkdir(io_path(dir), 0755);
+    int n = snprintf(json, sizeof json, "{\"architectures\": [\"Gemma3ForConditionalGeneration\"], \"model_type\": "
+                     "\"gemma3\", \"mm_tokens_per_image\": 256%s, \"text_config\": {%s}, \"vision_config\": "
+                     "{\"model_type\": \"siglip_vision_model\", \"hidden_size\": 1152}}", top, text);
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    io_write_raw(io_path(path), json, (size_t)n);
+    loom_safetensors_writer *w[2];
+    for (int k = 0; k < 2; k++) assert_int_equal(loom_safetensors_writer_init(&w[k]), LOOM_OK);
+    float vision[6] = {1, 2, 3, 4, 5, 6};
+    int64_t vs[2] = {2, 3};
+    assert_int_equal(loom_safetensors_writer_add(w[0], old ? "vision_tower.vision_model.post_layernorm.weight"
+                                                           : "model.vision_tower.vision_model.post_layernorm.weight",
+                                                 LOOM_SAFETENSORS_F32, vs, 2, vision), LOOM_OK);
+    assert_int_equal(loom_safetensors_writer_add(w[sharded], old ? "multi_modal_projector.mm_input_projection_weight"
+                                                                 : "model.multi_modal_projector.mm_input_projection_weight",
+                                                 LOOM_SAFETENSORS_F32, vs, 2, vision), LOOM_OK);
+    n = snprintf(json, sizeof json, "{\"weight_map\": {");
+    for (int i = 0; i < m->n_params; i++) {
+        int64_t fs[2];
+        loom_llama_param_full_shape(m, i, fs);
+        mm_name(old, m->params[i]->name, name, sizeof name);
+        int k = sharded ? i % 2 : 0;
+        assert_int_equal(loom_safetensors_writer_add(w[k], name, LOOM_SAFETENSORS_F32, fs, m->params[i]->tensor->ndim,
+                                                     loom_param_master(m->params[i])), LOOM_OK);
+        n += snprintf(json + n, sizeof json - (size_t)n, "%s\"%s\": \"part-%d.safetensors\"", i ? ", " : "", name, k);
+    }
+    n += snprintf(json + n, sizeof json - (size_t)n, "}}");
+    assert_true((size_t)n < sizeof json);
+    for (int k = 0; k < 1 + sharded; k++) {
+        snprintf(path, sizeof path, sharded ? "%s/part-%d.safetensors" : "%s/model.safetensors", dir, k);
+        assert_int_equal(loom_safetensors_writer_write(w[k], io_path(path)), LOOM_OK);
+    }
+    for (int k = 0; k < 2; k++) loom_safetensors_writer_free(w[k]);
+    if (sharded) {
+        snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+        io_write_raw(io_path(path), json, (size_t)n);
+    }
+}
+
+/* Gemma 3's multimodal files (Gemma3ForConditionalGeneration): their
+ * text_config is read as a gemma3_text file, Gemma3TextConfig's defaults
+ * where it is silent; their language model's weights load, in the names of
+ * transformers before 4.52 and after, in one file or sharded, the vision
+ * tower's left out: the same model, bit for bit, as the text model's own
+ * directory. A PEFT adapter for such a base names its modules as the base's
+ * file does (target_modules a pattern of the language model's) and loads
+ * back. */
+static void test_gemma3_multimodal(void **state) {
+    (void)state;
+    const char *t = "\"model_type\": \"gemma3_text\", \"hidden_size\": 16, \"num_hidden_layers\": 7, "
+                    "\"head_dim\": 8, \"intermediate_size\": 24, \"vocab_size\": 40, \"sliding_window\": 3";
+    char json[1024];
+    snprintf(json, sizeof json, "{%s, \"num_attention_heads\": 8, \"num_key_value_heads\": 4}", t);
+    loom_llama_config text = config_of(json), c;
+    snprintf(json, sizeof json, "{\"model_type\": \"gemma3\", \"text_config\": {%s}, \"vision_config\": {}}", t);
+    c = config_of(json); /* its heads: Gemma3TextConfig's 8 and 4 */
+    assert_true(loom_llama_config_same_model(&c, &text) && c.n_heads == 8 && c.n_kv_heads == 4 && c.tie_embeddings);
+    c = config_of("{\"model_type\": \"gemma3\"}"); /* no text_config: Gemma3TextConfig() */
+    assert_true(c.dim == 2304 && c.n_layers == 26 && c.n_heads == 8 && c.n_kv_heads == 4 && c.head_dim == 256 &&
+                c.ffn_dim == 9216 && c.vocab_size == 262208 && c.max_seq == 131072 && c.post_norms && c.qk_norm &&
+                loom_llama_layer_window(&c, 0) == 4096 && loom_llama_layer_window(&c, 5) == 0);
+    c = config_of("{\"model_type\": \"gemma3_text\", \"num_hidden_layers\": 2}"); /* a text file too */
+    assert_true(c.dim == 2304 && c.n_layers == 2 && c.ffn_dim == 9216 && c.vocab_size == 262208);
+    snprintf(json, sizeof json, "{\"model_type\": \"gemma3\", \"tie_word_embeddings\": false, \"text_config\": {%s}}", t);
+    c = config_of(json);
+    assert_false(c.tie_embeddings);
+    static const struct { const char *json, *msg; } bad[] = {
+        {"{\"model_type\": \"gemma3\", \"text_config\": 3}", "text_config must be an object"},
+        {"{\"model_type\": \"gemma3\", \"text_config\": {\"model_type\": \"llama\"}}",
+         "text_config's model_type must be \"gemma3_text\""},
+        {"{\"model_type\": \"gemma3\", \"tie_word_embeddings\": false, \"text_config\": {\"tie_word_embeddings\": true}}",
+         "tie_word_embeddings differs from its text_config's"},
+        {"{\"model_type\": \"gemma3\", \"text_config\": {\"hidden_size\": 0}}", "\"hidden_size\" must be a positive"},
+        {"{\"model_type\": \"llama\", \"num_hidden_layers\": 2}", "missing field \"hidden_size\""}, /* required there */
+    };
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        io_write_raw(io_path("config.json"), bad[k].json, strlen(bad[k].json));
+        assert_int_not_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
+        IO_ASSERT_MSG(bad[k].msg);
+    }
+
+    /* the weights: tied (old names, one file; new names, sharded), and untied (lm_head's own name in each) */
+    loom_precision p = {LOOM_F32, 0};
+    for (int untied = 0; untied <= 1; untied++) {
+        loom_llama_config tc = text;
+        tc.tie_embeddings = !untied;
+        loom_llama *m, *want;
+        assert_int_equal(loom_llama_new(&tc, p, &m), LOOM_OK);
+        loom_llama_init_weights(m, 21 + (uint64_t)untied);
+        assert_int_equal(loom_model_dir_save(m, LOOM_F32, NULL, io_path("g3text")), LOOM_OK);
+        assert_int_equal(loom_model_dir_load(io_path("g3text"), p, &want), LOOM_OK);
+        for (int old = 0; old <= 1; old++) {
+            char dir[32], members[512];
+            snprintf(dir, sizeof dir, "g3mm-%d-%d", untied, old);
+            snprintf(members, sizeof members, "%s, \"num_attention_heads\": 8", t);
+            write_gemma3_mm(m, dir, untied ? ", \"tie_word_embeddings\": false" : "", members, old, !old);
+            loom_llama *got;
+            assert_int_equal(loom_model_dir_load(io_path(dir), p, &got), LOOM_OK);
+            assert_true(loom_llama_config_same_model(&got->cfg, &want->cfg) && got->n_params == want->n_params);
+            for (int i = 0; i < want->n_params; i++)
+                assert_true(tu_bits_equal(loom_param_master(got->params[i]), loom_param_master(want->params[i]),
+                                          (size_t)loom_param_numel(want->params[i]) * sizeof(float),
+                                          want->params[i]->name));
+            /* saved again: a text model (Gemma3ForCausalLM), the vision tower not written */
+            assert_int_equal(loom_model_dir_save(got, LOOM_F32, NULL, io_path("g3again")), LOOM_OK);
+            loom_safetensors *sf;
+            assert_int_equal(loom_safetensors_open(io_path("g3again/model.safetensors"), &sf), LOOM_OK);
+            assert_true(loom_safetensors_has(sf, "model.embed_tokens.weight") &&
+                        loom_safetensors_count(sf) == (size_t)want->n_params);
+            loom_safetensors_close(sf);
+            if (untied && old) { /* an adapter for this base: its names */
+                loom_lora_config lc = {.rank = 2, .alpha = 4.0f, .targets = (1u << LOOM_LORA_Q) | (1u << LOOM_LORA_DOWN)};
+                assert_int_equal(loom_llama_add_lora(got, &lc, 3), LOOM_OK);
+                for (int i = got->n_base; i < got->n_params; i++)
+                    tu_fill_uniform(loom_param_master(got->params[i]), (size_t)loom_param_numel(got->params[i]), -1, 1,
+                                    70 + (uint64_t)i);
+                assert_int_equal(loom_lora_save_peft(got, io_path("g3adapter"), io_path(dir)), LOOM_OK);
+                assert_int_equal(loom_safetensors_open(io_path("g3adapter/adapter_model.safetensors"), &sf), LOOM_OK);
+                assert_true(loom_safetensors_has(sf, "base_model.model.language_model.model.layers.6.mlp.down_proj."
+                                                     "lora_B.weight"));
+                loom_safetensors_close(sf);
+                size_t n;
+                char *cfg = (char *)io_read_raw(io_path("g3adapter/adapter_config.json"), &n);
+                assert_non_null(strstr(cfg, "\"target_modules\": \"language_model\\\\.model\\\\.layers\\\\.[0-9]+\\\\."
+                                            "(self_attn|mlp)\\\\.(q_proj|down_proj)\""));
+                free(cfg);
+                loom_llama *back;
+                assert_int_equal(loom_model_dir_load(io_path(dir), p, &back), LOOM_OK);
+                assert_int_equal(loom_lora_load_peft(back, io_path("g3adapter")), LOOM_OK);
+                assert_true(back->n_params == got->n_params && back->lora.targets == lc.targets);
+                for (int i = 0; i < got->n_params; i++)
+                    assert_true(tu_bits_equal(loom_param_master(back->params[i]), loom_param_master(got->params[i]),
+                                              (size_t)loom_param_numel(got->params[i]) * sizeof(float),
+                                              got->params[i]->name));
+                loom_llama_free(back);
+            }
+            loom_llama_free(got);
+        }
+        loom_llama_free(want);
+        loom_llama_free(m);
+    }
 }
 
 /* Granite's model: its four multipliers read (GraniteConfig's 1 where left
@@ -1797,6 +1954,7 @@ int main(void) {
         cmocka_unit_test(test_yarn_config),
         cmocka_unit_test(test_partial_rotary_config),
         cmocka_unit_test(test_gemma3_config),
+        cmocka_unit_test(test_gemma3_multimodal),
         cmocka_unit_test(test_smollm3_config),
         cmocka_unit_test(test_gguf_refusals),
     };

@@ -192,6 +192,48 @@ PY
   "$LOOM" train --data "$WORK/data" --init "$WORK/$v-hf" --steps 1 --batch 2 --seq 32 --out "$WORK/$v-ft" \
     2>/dev/null || fail "train --init a $v export"
 done
+# Gemma 3's multimodal layout (Gemma3ForConditionalGeneration, as transformers
+# before 4.52 saved it): the text model nested in text_config, its tensors
+# under language_model., a vision tower beside them. loom reads the text
+# model: the same greedy text as from the text model's own directory; LoRA
+# from it writes an adapter named as that base names its modules, which
+# applies to either directory alike.
+/usr/bin/python3 - "$WORK/gemma3_text/model" "$WORK/g3mm" "$SRC" <<'PY' || fail "make a Gemma 3 multimodal directory"
+import json, os, shutil, sys, torch
+d, out, src = sys.argv[1:4]
+sys.path.insert(0, os.path.join(src, "tests", "python"))
+import llama_ref as ref
+os.makedirs(out, exist_ok=True)
+c = json.load(open(f"{d}/config.json"))
+c.pop("architectures", None)
+json.dump({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": c,
+           "vision_config": {"model_type": "siglip_vision_model"}, "mm_tokens_per_image": 256}, open(f"{out}/config.json", "w"))
+t, meta = ref.read_safetensors(f"{d}/model.safetensors")
+t = {"language_model." + k: v for k, v in t.items()}
+t["vision_tower.vision_model.post_layernorm.weight"] = torch.ones(8)
+ref.write_safetensors(f"{out}/model.safetensors", t, meta)
+shutil.copy(f"{d}/tokenizer.json", out)
+PY
+g_text=$("$LOOM" generate --model "$WORK/gemma3_text/model" --prompt "loom" --tokens 8 --temperature 0 2>/dev/null)
+g_mm=$("$LOOM" generate --model "$WORK/g3mm" --prompt "loom" --tokens 8 --temperature 0 2>/dev/null) ||
+  fail "generate with a Gemma 3 multimodal directory"
+[ -n "$g_text" ] && [ "$g_text" = "$g_mm" ] || fail "Gemma 3 multimodal: '$g_mm', its text model: '$g_text'"
+"$LOOM" train --data "$WORK/data" --init "$WORK/g3mm" --lora 2 --lora-targets q,down --lr 1e-2 --steps 2 --batch 2 \
+  --seq 32 --out "$WORK/g3lora" 2>"$WORK/g3lora.log" || { cat "$WORK/g3lora.log"; fail "LoRA from Gemma 3 multimodal"; }
+/usr/bin/python3 - "$WORK/g3lora/adapter" <<'PY' || fail "the adapter of a Gemma 3 multimodal base"
+import json, struct, sys
+d = sys.argv[1]
+c = json.load(open(f"{d}/adapter_config.json"))
+assert c["target_modules"] == r"language_model\.model\.layers\.[0-9]+\.(self_attn|mlp)\.(q_proj|down_proj)", c
+raw = open(f"{d}/adapter_model.safetensors", "rb").read()
+names = [k for k in json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]]) if k != "__metadata__"]
+assert names and all(k.startswith("base_model.model.language_model.model.layers.") for k in names), names
+PY
+e_mm=$("$LOOM" eval --model "$WORK/g3mm" --adapter "$WORK/g3lora/adapter" --data "$WORK/data" --batch 2 --seq 32 \
+       --batches 2 2>/dev/null) || fail "eval a Gemma 3 multimodal base with its adapter"
+e_text=$("$LOOM" eval --model "$WORK/gemma3_text/model" --adapter "$WORK/g3lora/adapter" --data "$WORK/data" \
+         --batch 2 --seq 32 --batches 2 2>/dev/null) || fail "eval the text model with that adapter"
+[ "${e_mm#* loss=}" = "${e_text#* loss=}" ] || fail "with the adapter: '$e_mm' against '$e_text'"
 # LoRA on Phi-3's fused q, k, v: the merged model is written, and a note
 # says why there is no PEFT adapter directory (PEFT adapts qkv_proj whole).
 "$LOOM" train --data "$WORK/data" --init "$WORK/phi3-hf" --lora 4 --lora-targets q,v --steps 1 --batch 2 \
