@@ -158,6 +158,11 @@ static loom_status build_model(trainer *t, loom_precision prec, loom_recompute_m
     t->m->recompute.blocks = o->recompute_blocks;
     loom_llama_init_weights(t->m, (uint64_t)o->seed);
     if (o->init && !resume_dir) LOOM_TRY(loom_model_dir_load_weights(t->m, o->init));
+    /* --init's directory, absolute, for the adapter's base_model_name_or_path (the checkpoints keep it: a resumed
+     * run has it from them); none when it does not fit */
+    char base[PATH_MAX];
+    if (o->init && !resume_dir && realpath(o->init, base) && strlen(base) < sizeof t->state.init_dir)
+        snprintf(t->state.init_dir, sizeof t->state.init_dir, "%s", base);
     /* Where the base stops generating, carried by checkpoints and the final
      * model: the checkpoint's when resuming, else (or when the checkpoint,
      * written before loom carried it, has none) --init's. */
@@ -569,10 +574,8 @@ static loom_status train_loop(trainer *t) {
     } else if (t->m->lora.rank && t->dist.dp_rank == 0) { /* the adapters alone too, for PEFT */
         char adapter_dir[4200];
         snprintf(adapter_dir, sizeof adapter_dir, "%s/adapter", o->out);
-        /* The base model's directory as an absolute path (null when resumed: the checkpoint does not know it). */
-        char base[PATH_MAX];
-        const char *init = o->resume || !o->init ? NULL : realpath(o->init, base) ? base : o->init;
-        LOOM_TRY(loom_lora_save_peft(t->m, adapter_dir, init));
+        /* The base model's directory as an absolute path, as the first run of a resumed one had it */
+        LOOM_TRY(loom_lora_save_peft(t->m, adapter_dir, t->state.init_dir[0] ? t->state.init_dir : NULL));
         if (t->leader) fprintf(stderr, "train: LoRA adapters (PEFT's layout) in %s\n", adapter_dir);
     }
     if (t->leader) fprintf(stderr, "train: done; model in %s\n", model_dir);

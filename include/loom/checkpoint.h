@@ -340,6 +340,10 @@ typedef struct loom_train_state {
      * --schedule cosine --decay-frac 0.2 --weight-decay ... --clip 1"), kept
      * to compare on resume; "" on load: not recorded. */
     char optimizer[512];
+    /* The run's --init directory as an absolute path, kept from the first
+     * run through its resumes (a LoRA adapter's base_model_name_or_path);
+     * "" for none, or on load: not recorded. */
+    char init_dir[1024];
 } loom_train_state;
 
 /* Write checkpoint `dir` (which must not exist yet; it is created through a

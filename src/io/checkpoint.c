@@ -235,6 +235,7 @@ static loom_status write_state(const char *path, loom_llama *m, const loom_momen
     if (s == LOOM_OK && st->data_shard_name[0])
         s = loom_safetensors_writer_set_metadata(w, "data_shard_name", st->data_shard_name);
     if (s == LOOM_OK && st->optimizer[0]) s = loom_safetensors_writer_set_metadata(w, "optimizer", st->optimizer);
+    if (s == LOOM_OK && st->init_dir[0]) s = loom_safetensors_writer_set_metadata(w, "init_dir", st->init_dir);
     if (s == LOOM_OK && m->lora.rank) {
         char lora[256];
         lora_describe(&m->lora, lora, sizeof lora);
@@ -461,6 +462,8 @@ loom_status loom_checkpoint_load_io(const char *dir, loom_llama *m, const loom_m
         snprintf(st->data_shard_name, sizeof st->data_shard_name, "%s", shard_name ? shard_name : "");
         const char *optimizer = loom_safetensors_metadata(sf, "optimizer");
         snprintf(st->optimizer, sizeof st->optimizer, "%s", optimizer ? optimizer : "");
+        const char *init_dir = loom_safetensors_metadata(sf, "init_dir");
+        snprintf(st->init_dir, sizeof st->init_dir, "%s", init_dir ? init_dir : "");
     }
     loom_safetensors_close(sf);
     return s;

@@ -217,6 +217,9 @@ losses() { grep -o '"step":[0-9]*,"loss":[0-9.e+-]*' "$1/metrics.jsonl"; }
 diff <(losses "$WORK/a" | tail -4) <(losses "$WORK/c") || fail "resumed LoRA losses differ"
 cmp -s "$WORK/a/model/model.safetensors" "$WORK/c/model/model.safetensors" ||
   fail "the resumed LoRA run's final model differs from the uninterrupted run's"
+# The adapter's config too: its base_model_name_or_path is the first run's --init, which the checkpoint kept.
+cmp -s "$WORK/a/adapter/adapter_config.json" "$WORK/c/adapter/adapter_config.json" ||
+  fail "the resumed run's adapter_config.json: $(cat "$WORK/c/adapter/adapter_config.json")"
 # The same under bf16, where the frozen weights have no fp32 master and the
 # checkpoint keeps them as bf16.
 "$LOOM" train "${common[@]}" "${L[@]}" --precision bf16 --steps 6 --out "$WORK/ba" 2>/dev/null
