@@ -129,8 +129,10 @@ extern "C" {
  * (2304, 26, 8, 9216, 262208); other model types require them. A
  * multimodal "gemma3" file (Gemma3ForConditionalGeneration: the 4B, 12B,
  * 27B) is read as its text model: its text_config as a "gemma3_text" file
- * (all defaults without one; the file's tie_word_embeddings where
- * text_config has none), its vision_config not at all.
+ * (all defaults without one), its vision_config not at all; refused there
+ * (LOOM_ERR_UNSUPPORTED), as transformers versions read them differently:
+ * a tie_word_embeddings other than true outside text_config alone, and a
+ * final_logit_softcapping.
  * hidden_act (any model_type): "silu", or the tanh GELU as
  * "gelu_pytorch_tanh" or "gelu_new" (act).
  * Save writes rope_scaling as Hugging Face's files do ("type": "linear" and
@@ -203,7 +205,10 @@ loom_status loom_model_dir_save(loom_llama *m, loom_dtype dt, const char *tokeni
  * multimodal directory, the tensors are named as its weights name its
  * language model's modules (base_model.model.language_model.model.<…> or
  * base_model.model.model.language_model.<…>) and target_modules is a
- * pattern of those, not the vision tower's linears of the same names.
+ * pattern of those under both names (the second is the loaded model's in
+ * transformers 4.52 and later, which PEFT matches), not the vision tower's
+ * linears of the same names. A base_model that is not a directory with
+ * weights (a Hub id) is a name only.
  * Errors: LOOM_ERR_INVALID (no
  * adapters), LOOM_ERR_UNSUPPORTED (loom_lora_peft_unwritable), LOOM_ERR_IO,
  * LOOM_ERR_NOMEM. */
@@ -241,7 +246,9 @@ loom_status loom_lora_peft_config_layers(const char *dir, int n_layers, loom_lor
  * layers_to_transform, layer_replication, rank or alpha patterns, other
  * modules or some layers only (target_modules), and tensors that are not
  * those adapters. An adapter of a Gemma 3 multimodal base (its language
- * model's modules named as above) applies as one of the text model's.
+ * model's modules named as above) applies as one of the text model's; its
+ * vision tower's and projector's tensors (PEFT adapts their q_proj ... too
+ * when target_modules lists names) are passed over.
  * Errors also: LOOM_ERR_FORMAT (bad JSON, a missing tensor or one of
  * another shape, NaN), LOOM_ERR_IO, those of loom_llama_add_lora. After an
  * error past the setting's checks the model has adapters that may be
@@ -286,10 +293,11 @@ loom_status loom_model_dir_load_generation_config(loom_llama *m, const char *dir
 /* Create a model from a directory (config.json + model.safetensors, or the
  * shards of model.safetensors.index.json) with the given precision (after
  * loom_model_dir_check). A Gemma 3 multimodal directory gives its text
- * model: the tensors of its language model, named as transformers saved
- * them before 4.52 (language_model.model.<…>, language_model.lm_head.weight)
- * or after (model.language_model.<…>, lm_head.weight); the vision tower's
- * and projector's are not read. */
+ * model: the tensors of its language model, under the names of the
+ * published files (language_model.model.<…>, language_model.lm_head.weight)
+ * or of transformers' loaded model from 4.52 on (model.language_model.<…>,
+ * lm_head.weight), which some files carry; the vision tower's and
+ * projector's are not read. */
 loom_status loom_model_dir_load(const char *dir, loom_precision prec, loom_llama **out);
 
 /* How a GGUF file stores the model's matrices (norm weights are always

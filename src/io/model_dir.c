@@ -696,7 +696,8 @@ static loom_status get_rope(json_t *root, const char *path, loom_llama_config *c
 
 /* Gemma 3's multimodal file (model_type "gemma3", Gemma3ForConditionalGeneration: the 4B, 12B and 27B): *root
  * becomes its text model's config, text_config as a "gemma3_text" file (Gemma3TextConfig's defaults where it
- * is silent, all of them without one; the file's tie_word_embeddings where text_config has none). The
+ * is silent, all of them without one). What transformers versions read differently in such a file is
+ * refused: a tie_word_embeddings other than true outside text_config alone, a final logit softcap. The
  * vision tower and its projector are not read. Other files are left as they are. */
 static loom_status text_config_of(const char *path, json_t **root) {
     if (!model_type_is(*root, "gemma3")) return LOOM_OK;
@@ -708,10 +709,21 @@ static loom_status text_config_of(const char *path, json_t **root) {
         return loom_error(LOOM_ERR_UNSUPPORTED, "%s: text_config's model_type must be \"gemma3_text\" (Gemma 3's "
                           "text model), not %s", path, json_is_string(mt) ? json_string_value(mt) : "this");
     json_t *text = json_is_object(tc) ? json_deep_copy(tc) : json_object();
-    json_t *tt = text ? json_object_get(text, "tie_word_embeddings") : NULL;
-    if (tie && tt && !json_equal(tie, tt)) {
+    json_t *tt = text ? json_object_get(text, "tie_word_embeddings") : NULL, *cap;
+    loom_status st = LOOM_OK;
+    if (tie && tt && !json_equal(tie, tt))
+        st = loom_error(LOOM_ERR_FORMAT, "%s: tie_word_embeddings differs from its text_config's", path);
+    else if (tie && !tt && !json_is_true(tie)) /* transformers 4.x ties by text_config's (true), v5 by the file's */
+        st = loom_error(LOOM_ERR_UNSUPPORTED, "%s: tie_word_embeddings other than true outside text_config, with none "
+                        "inside it: transformers versions differ on which they read; say it in text_config", path);
+    else if (text && (cap = json_object_get(text, "final_logit_softcapping")) && !json_is_null(cap) &&
+             !(json_is_number(cap) && json_number_value(cap) == 0.0))
+        st = loom_error(LOOM_ERR_UNSUPPORTED, "%s: a final_logit_softcapping in a multimodal Gemma 3 file: "
+                        "transformers 4.52 and later do not apply it to Gemma3ForConditionalGeneration's logits, "
+                        "earlier versions do", path);
+    if (st != LOOM_OK) {
         json_decref(text);
-        return loom_error(LOOM_ERR_FORMAT, "%s: tie_word_embeddings differs from its text_config's", path);
+        return st;
     }
     if (!text || json_object_set_new(text, "model_type", json_string("gemma3_text")) ||
         (tie && !tt && json_object_set(text, "tie_word_embeddings", tie))) {
@@ -975,8 +987,9 @@ typedef struct file_slot {
 /* How a file names the text model's tensors: as Hugging Face's text models
  * (loom's names), or as Gemma 3's multimodal files, whose text model is
  * their language_model: "language_model.model.…" and
- * "language_model.lm_head.weight" as transformers wrote them before 4.52,
- * "model.language_model.…" and "lm_head.weight" after. */
+ * "language_model.lm_head.weight" as the published files have them,
+ * "model.language_model.…" and "lm_head.weight" as transformers 4.52 and
+ * later name the loaded model's (and some files carry). */
 typedef enum { LAYOUT_TEXT, LAYOUT_MM_OLD, LAYOUT_MM_NEW, LAYOUTS } weights_layout;
 
 /* A text model's tensor name as layout l spells it. */
@@ -1249,26 +1262,35 @@ static loom_status load_sharded(loom_llama *m, const char *dir, const char *inde
     return st;
 }
 
-/* The layout of dir's weights (model.safetensors, else its index); the
- * text models' when neither can be read. */
-static weights_layout dir_layout(const char *dir) {
+/* The layout of dir's weights, read as loom_model_dir_load_weights reads
+ * them (model.safetensors, else the index of its shards), into *l; the text
+ * models' when dir has neither (a name, such as a Hub id, not a directory). */
+static loom_status dir_layout(const char *dir, weights_layout *l) {
     char single[4096], index[4096];
-    weights_layout l = LAYOUT_TEXT;
+    struct stat sb;
+    *l = LAYOUT_TEXT;
     if (join(single, sizeof single, dir, "model.safetensors") != LOOM_OK ||
-        join(index, sizeof index, dir, "model.safetensors.index.json") != LOOM_OK)
-        return l;
-    loom_safetensors *sf;
-    json_t *root;
-    if (loom_safetensors_open(single, &sf) == LOOM_OK) {
-        l = layout_of(file_has, sf);
-        loom_safetensors_close(sf);
-    } else if (read_json(index, "weight index", &root) == LOOM_OK) {
-        json_t *map = json_object_get(root, "weight_map");
-        if (json_is_object(map)) l = layout_of(map_has, map);
-        json_decref(root);
+        join(index, sizeof index, dir, "model.safetensors.index.json") != LOOM_OK) {
+        loom_clear_error();
+        return LOOM_OK;
     }
-    loom_clear_error();
-    return l;
+    int has_single = stat(single, &sb) == 0, has_index = stat(index, &sb) == 0;
+    if (!has_single && !has_index) return LOOM_OK;
+    if (!has_single) {
+        json_t *root;
+        LOOM_TRY(read_json(index, "weight index", &root));
+        json_t *map = json_object_get(root, "weight_map");
+        loom_status st = json_is_object(map) ? LOOM_OK
+                                             : loom_error(LOOM_ERR_FORMAT, "%s: no \"weight_map\" object", index);
+        if (st == LOOM_OK) *l = layout_of(map_has, map);
+        json_decref(root);
+        return st;
+    }
+    loom_safetensors *sf;
+    LOOM_TRY(loom_safetensors_open(single, &sf));
+    *l = layout_of(file_has, sf);
+    loom_safetensors_close(sf);
+    return LOOM_OK;
 }
 
 loom_status loom_model_dir_load_weights(loom_llama *m, const char *dir) {
@@ -1357,14 +1379,19 @@ static const unsigned fused_targets =
 
 int loom_lora_peft_unwritable(const loom_llama *m) { return m->cfg.fused_proj && (m->lora.targets & fused_targets); }
 
-/* The adapters' names and target_modules follow the layout of the base's
- * weights: for Gemma 3's multimodal files, its language model's modules
- * (target_modules a pattern of them, not the vision tower's linears of the
- * same names). */
+/* The adapters' names follow the layout of the base's weights: for Gemma
+ * 3's multimodal files, its language model's modules, and target_modules is
+ * a pattern of those under both of transformers' names for them (the
+ * loaded model's, which PEFT matches, changed in 4.52), not the vision
+ * tower's linears of the same names. */
 static loom_status write_peft(loom_llama *m, const char *dir, const char *base_model, float *const *whole) {
     char path[4200];
     LOOM_TRY(loom_mkdir_p(dir));
-    weights_layout l = base_model ? dir_layout(base_model) : LAYOUT_TEXT;
+    weights_layout l = LAYOUT_TEXT;
+    loom_status read = base_model ? dir_layout(base_model, &l) : LOOM_OK;
+    if (read != LOOM_OK)
+        return loom_error(read, "save adapter: the weights of the base model %s, whose tensor names the adapters' "
+                          "follow, cannot be read (%s)", base_model, loom_last_error());
     loom_safetensors_writer *w;
     LOOM_TRY(loom_safetensors_writer_init(&w));
     loom_status st = LOOM_OK;
@@ -1391,13 +1418,13 @@ static loom_status write_peft(loom_llama *m, const char *dir, const char *base_m
             json_decref(targets);
             targets = NULL;
         }
-    if (l != LAYOUT_TEXT) { /* e.g. language_model\.model\.layers\.[0-9]+\.(self_attn|mlp)\.(q_proj|v_proj) */
+    if (l != LAYOUT_TEXT) { /* (language_model\.model|model\.language_model)\.layers\.[0-9]+\.(self_attn|mlp)\.(q_proj|...) */
         char pattern[256], names[128] = "";
         for (int t = 0, n = 0; t < LOOM_LORA_N; t++)
             if (m->lora.targets & (1u << t))
                 n += snprintf(names + n, sizeof names - (size_t)n, "%s%s", n ? "|" : "", loom_lora_target_name(t));
-        snprintf(pattern, sizeof pattern, "%s\\.layers\\.[0-9]+\\.(self_attn|mlp)\\.(%s)",
-                 l == LAYOUT_MM_OLD ? "language_model\\.model" : "model\\.language_model", names);
+        snprintf(pattern, sizeof pattern, "(language_model\\.model|model\\.language_model)\\.layers\\.[0-9]+\\."
+                 "(self_attn|mlp)\\.(%s)", names);
         targets = json_string(pattern);
     }
     json_t *root = !targets ? NULL
@@ -1686,6 +1713,17 @@ loom_status loom_lora_peft_config_layers(const char *dir, int n_layers, loom_lor
     return st;
 }
 
+/* Whether a Gemma 3 multimodal model's module name is its vision tower's or
+ * projector's (either of transformers' names). */
+static int vision_side(const char *name) {
+    static const char *const parts[] = {"vision_tower.", "multi_modal_projector."};
+    for (size_t k = 0; k < sizeof parts / sizeof parts[0]; k++)
+        if (!strncmp(name, parts[k], strlen(parts[k])) ||
+            (!strncmp(name, "model.", 6) && !strncmp(name + 6, parts[k], strlen(parts[k]))))
+            return 1;
+    return 0;
+}
+
 loom_status loom_lora_load_peft(loom_llama *m, const char *dir) {
     loom_lora_config c;
     LOOM_TRY(loom_lora_peft_config_layers(dir, m->cfg.n_layers, &c));
@@ -1741,6 +1779,9 @@ loom_status loom_lora_load_peft(loom_llama *m, const char *dir) {
     for (size_t k = 0; st == LOOM_OK && k < loom_safetensors_count(sf); k++) {
         loom_safetensors_tensor t;
         st = loom_safetensors_at(sf, k, &t);
+        if (st == LOOM_OK && l != LAYOUT_TEXT && !strncmp(t.name, PEFT_PREFIX, strlen(PEFT_PREFIX)) &&
+            vision_side(t.name + strlen(PEFT_PREFIX)))
+            continue; /* PEFT adapts the vision tower's q_proj ... too: no part of a text model */
         int known = 0; /* one of the model's adapters, named in the file's layout */
         for (int i = m->n_base; st == LOOM_OK && i < m->n_params && !known; i++) {
             layout_name(l, m->params[i]->name, text, sizeof text);

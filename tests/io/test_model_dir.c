@@ -915,8 +915,8 @@ static void test_gemma3_config(void **state) {
     IO_ASSERT_MSG("a local RoPE base");
 }
 
-/* A text model's tensor name as Gemma 3's multimodal files spell it: before
- * transformers 4.52 (old) or after. */
+/* A text model's tensor name as Gemma 3's multimodal files spell it: as the
+ * published files (old), or as transformers' loaded model from 4.52 on. */
 static void mm_name(int old, const char *name, char *out, size_t n) {
     if (old) snprintf(out, n, "language_model.%s", name);
     else if (!strncmp(name, "model.", 6)) snprintf(out, n, "model.language_model.%s", name + 6);
@@ -971,12 +971,14 @@ static void write_gemma3_mm(const loom_llama *m, const char *dir, const char *to
 
 /* Gemma 3's multimodal files (Gemma3ForConditionalGeneration): their
  * text_config is read as a gemma3_text file, Gemma3TextConfig's defaults
- * where it is silent; their language model's weights load, in the names of
- * transformers before 4.52 and after, in one file or sharded, the vision
- * tower's left out: the same model, bit for bit, as the text model's own
- * directory. A PEFT adapter for such a base names its modules as the base's
- * file does (target_modules a pattern of the language model's) and loads
- * back. */
+ * where it is silent, what transformers versions read differently refused;
+ * their language model's weights load, under either name (the published
+ * files' in one file, the loaded model's sharded), the vision tower's left
+ * out: the same model, bit for bit, as the text model's own directory. A
+ * PEFT adapter for such a base names its modules as the base's files do
+ * (target_modules a pattern of the language model's under both names) and
+ * loads back, the vision tower's adapters PEFT adds beside them passed
+ * over. */
 static void test_gemma3_multimodal(void **state) {
     (void)state;
     const char *t = "\"model_type\": \"gemma3_text\", \"hidden_size\": 16, \"num_hidden_layers\": 7, "
@@ -993,15 +995,24 @@ static void test_gemma3_multimodal(void **state) {
                 loom_llama_layer_window(&c, 0) == 4096 && loom_llama_layer_window(&c, 5) == 0);
     c = config_of("{\"model_type\": \"gemma3_text\", \"num_hidden_layers\": 2}"); /* a text file too */
     assert_true(c.dim == 2304 && c.n_layers == 2 && c.ffn_dim == 9216 && c.vocab_size == 262208);
-    snprintf(json, sizeof json, "{\"model_type\": \"gemma3\", \"tie_word_embeddings\": false, \"text_config\": {%s}}", t);
+    snprintf(json, sizeof json, "{\"model_type\": \"gemma3\", \"text_config\": {%s, \"tie_word_embeddings\": false}}", t);
     c = config_of(json);
     assert_false(c.tie_embeddings);
+    snprintf(json, sizeof json, "{\"model_type\": \"gemma3\", \"tie_word_embeddings\": true, \"text_config\": {%s}}", t);
+    c = config_of(json);
+    assert_true(c.tie_embeddings);
     static const struct { const char *json, *msg; } bad[] = {
         {"{\"model_type\": \"gemma3\", \"text_config\": 3}", "text_config must be an object"},
         {"{\"model_type\": \"gemma3\", \"text_config\": {\"model_type\": \"llama\"}}",
          "text_config's model_type must be \"gemma3_text\""},
         {"{\"model_type\": \"gemma3\", \"tie_word_embeddings\": false, \"text_config\": {\"tie_word_embeddings\": true}}",
          "tie_word_embeddings differs from its text_config's"},
+        /* transformers 4.x ties by text_config's (true), v5 by the file's */
+        {"{\"model_type\": \"gemma3\", \"tie_word_embeddings\": false, \"text_config\": {}}",
+         "tie_word_embeddings other than true outside text_config"},
+        /* Gemma3ForConditionalGeneration applies none from transformers 4.52 on */
+        {"{\"model_type\": \"gemma3\", \"text_config\": {\"final_logit_softcapping\": 30.0}}",
+         "a final_logit_softcapping in a multimodal Gemma 3 file"},
         {"{\"model_type\": \"gemma3\", \"text_config\": {\"hidden_size\": 0}}", "\"hidden_size\" must be a positive"},
         {"{\"model_type\": \"llama\", \"num_hidden_layers\": 2}", "missing field \"hidden_size\""}, /* required there */
     };
@@ -1022,10 +1033,11 @@ static void test_gemma3_multimodal(void **state) {
         assert_int_equal(loom_model_dir_save(m, LOOM_F32, NULL, io_path("g3text")), LOOM_OK);
         assert_int_equal(loom_model_dir_load(io_path("g3text"), p, &want), LOOM_OK);
         for (int old = 0; old <= 1; old++) {
-            char dir[32], members[512];
+            char dir[32], members[512], name[256], key[320];
             snprintf(dir, sizeof dir, "g3mm-%d-%d", untied, old);
-            snprintf(members, sizeof members, "%s, \"num_attention_heads\": 8", t);
-            write_gemma3_mm(m, dir, untied ? ", \"tie_word_embeddings\": false" : "", members, old, !old);
+            snprintf(members, sizeof members, "%s, \"num_attention_heads\": 8%s", t,
+                     untied ? ", \"tie_word_embeddings\": false" : "");
+            write_gemma3_mm(m, dir, untied ? "" : ", \"tie_word_embeddings\": true", members, old, !old);
             loom_llama *got;
             assert_int_equal(loom_model_dir_load(io_path(dir), p, &got), LOOM_OK);
             assert_true(loom_llama_config_same_model(&got->cfg, &want->cfg) && got->n_params == want->n_params);
@@ -1040,7 +1052,7 @@ static void test_gemma3_multimodal(void **state) {
             assert_true(loom_safetensors_has(sf, "model.embed_tokens.weight") &&
                         loom_safetensors_count(sf) == (size_t)want->n_params);
             loom_safetensors_close(sf);
-            if (untied && old) { /* an adapter for this base: its names */
+            if (untied) { /* an adapter for this base: its names (the new ones: a sharded base) */
                 loom_lora_config lc = {.rank = 2, .alpha = 4.0f, .targets = (1u << LOOM_LORA_Q) | (1u << LOOM_LORA_DOWN)};
                 assert_int_equal(loom_llama_add_lora(got, &lc, 3), LOOM_OK);
                 for (int i = got->n_base; i < got->n_params; i++)
@@ -1048,13 +1060,32 @@ static void test_gemma3_multimodal(void **state) {
                                     70 + (uint64_t)i);
                 assert_int_equal(loom_lora_save_peft(got, io_path("g3adapter"), io_path(dir)), LOOM_OK);
                 assert_int_equal(loom_safetensors_open(io_path("g3adapter/adapter_model.safetensors"), &sf), LOOM_OK);
-                assert_true(loom_safetensors_has(sf, "base_model.model.language_model.model.layers.6.mlp.down_proj."
-                                                     "lora_B.weight"));
-                loom_safetensors_close(sf);
+                mm_name(old, "model.layers.6.mlp.down_proj.lora_B.weight", name, sizeof name);
+                snprintf(key, sizeof key, "base_model.model.%s", name);
+                assert_true(loom_safetensors_has(sf, key));
+                /* what PEFT adds beside them from a list of names: the vision tower's q_proj, no part of the text */
+                size_t n_t = loom_safetensors_count(sf);
+                loom_safetensors_writer *w;
+                assert_int_equal(loom_safetensors_writer_init(&w), LOOM_OK);
+                for (size_t k = 0; k < n_t; k++) {
+                    loom_safetensors_tensor x;
+                    assert_int_equal(loom_safetensors_at(sf, k, &x), LOOM_OK);
+                    assert_int_equal(loom_safetensors_writer_add(w, x.name, x.dtype, x.shape, x.ndim, x.data), LOOM_OK);
+                }
+                float va[6] = {1, 2, 3, 4, 5, 6};
+                int64_t vs[2] = {2, 3};
+                assert_int_equal(loom_safetensors_writer_add(w, old ? "base_model.model.vision_tower.vision_model.encoder."
+                                                                      "layers.0.self_attn.q_proj.lora_A.weight"
+                                                                    : "base_model.model.model.vision_tower.vision_model."
+                                                                      "encoder.layers.0.self_attn.q_proj.lora_A.weight",
+                                                             LOOM_SAFETENSORS_F32, vs, 2, va), LOOM_OK);
+                assert_int_equal(loom_safetensors_writer_write(w, io_path("g3adapter/adapter_model.safetensors")), LOOM_OK);
+                loom_safetensors_writer_free(w);
+                loom_safetensors_close(sf); /* after the write: w took its tensors' data from it */
                 size_t n;
                 char *cfg = (char *)io_read_raw(io_path("g3adapter/adapter_config.json"), &n);
-                assert_non_null(strstr(cfg, "\"target_modules\": \"language_model\\\\.model\\\\.layers\\\\.[0-9]+\\\\."
-                                            "(self_attn|mlp)\\\\.(q_proj|down_proj)\""));
+                assert_non_null(strstr(cfg, "\"target_modules\": \"(language_model\\\\.model|model\\\\.language_model)\\\\."
+                                            "layers\\\\.[0-9]+\\\\.(self_attn|mlp)\\\\.(q_proj|down_proj)\""));
                 free(cfg);
                 loom_llama *back;
                 assert_int_equal(loom_model_dir_load(io_path(dir), p, &back), LOOM_OK);

@@ -192,8 +192,8 @@ PY
   "$LOOM" train --data "$WORK/data" --init "$WORK/$v-hf" --steps 1 --batch 2 --seq 32 --out "$WORK/$v-ft" \
     2>/dev/null || fail "train --init a $v export"
 done
-# Gemma 3's multimodal layout (Gemma3ForConditionalGeneration, as transformers
-# before 4.52 saved it): the text model nested in text_config, its tensors
+# Gemma 3's multimodal layout (Gemma3ForConditionalGeneration, as the published
+# files have it): the text model nested in text_config, its tensors
 # under language_model., a vision tower beside them. loom reads the text
 # model: the same greedy text as from the text model's own directory; LoRA
 # from it writes an adapter named as that base names its modules, which
@@ -224,7 +224,8 @@ g_mm=$("$LOOM" generate --model "$WORK/g3mm" --prompt "loom" --tokens 8 --temper
 import json, struct, sys
 d = sys.argv[1]
 c = json.load(open(f"{d}/adapter_config.json"))
-assert c["target_modules"] == r"language_model\.model\.layers\.[0-9]+\.(self_attn|mlp)\.(q_proj|down_proj)", c
+assert c["target_modules"] == \
+    r"(language_model\.model|model\.language_model)\.layers\.[0-9]+\.(self_attn|mlp)\.(q_proj|down_proj)", c
 raw = open(f"{d}/adapter_model.safetensors", "rb").read()
 names = [k for k in json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]]) if k != "__metadata__"]
 assert names and all(k.startswith("base_model.model.language_model.model.layers.") for k in names), names
