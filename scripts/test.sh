@@ -4,23 +4,26 @@
 # runs the suite again, and checks that a build without MPI still trains in
 # one process, and that a build without oneDNN (loom's own GEMM) passes the kernel,
 # autograd and recompute tests and trains. Exits non-zero on any failure.
+# ctest runs as many tests at a time as there are cores: most of a test's
+# time that is not loom's threads (process starts, Python's imports, the
+# scripts) then overlaps another test's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
 echo "== release build (-Werror)"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_WERROR=ON >/dev/null
 ninja -C build -j "$jobs"
-(cd build && ctest --output-on-failure -j 1)
+(cd build && ctest --output-on-failure -j "$jobs")
 echo "== ASan + UBSan build"
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_WERROR=ON -DLOOM_SANITIZE=ON >/dev/null
 ninja -C build-asan -j "$jobs"
 (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 LOOM_TEST_SANITIZED=1 \
-   ctest --output-on-failure -j 1 -E 'scripts/test_bench')   # timing a sanitized build measures nothing
+   ctest --output-on-failure -j "$jobs" -E 'scripts/test_bench')   # timing a sanitized build measures nothing
 echo "== build without MPI (one process)"
 cmake -S . -B build-nompi -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_WERROR=ON -DLOOM_WITH_MPI=OFF >/dev/null
 ninja -C build-nompi -j "$jobs"
-(cd build-nompi && ctest --output-on-failure -j 1 -R 'scripts/test_cli_train|autograd/')
+(cd build-nompi && ctest --output-on-failure -j "$jobs" -R 'scripts/test_cli_train|autograd/')
 echo "== build without oneDNN (the portable GEMM)"
 cmake -S . -B build-nodnn -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_WERROR=ON -DLOOM_WITH_ONEDNN=OFF >/dev/null
 ninja -C build-nodnn -j "$jobs"
-(cd build-nodnn && ctest --output-on-failure -j 1 -R 'kernels/|autograd/|recompute/|scripts/test_cli_train')
+(cd build-nodnn && ctest --output-on-failure -j "$jobs" -R 'kernels/|autograd/|recompute/|scripts/test_cli_train')
