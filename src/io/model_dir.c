@@ -1010,16 +1010,7 @@ static weights_layout layout_of(int (*has)(const void *ctx, const char *name), c
     return LAYOUT_TEXT;
 }
 
-static void text_slot_of(const loom_llama *m, int i, file_slot *f);
-
-/* Parameter i's slot in a file of layout l. */
-static void file_slot_of(const loom_llama *m, int i, weights_layout l, file_slot *f) {
-    text_slot_of(m, i, f);
-    char text[sizeof f->name];
-    memcpy(text, f->name, sizeof text);
-    layout_name(l, text, f->name, sizeof f->name);
-}
-
+/* Parameter i's slot under the text models' names. */
 static void text_slot_of(const loom_llama *m, int i, file_slot *f) {
     static const struct { const char *part, *fused; int index, parts; } map[] = {
         {"self_attn.q_proj.weight", "self_attn.qkv_proj.weight", 0, 3},
@@ -1051,6 +1042,14 @@ static void text_slot_of(const loom_llama *m, int i, file_slot *f) {
         f->part = map[k].index;
         return;
     }
+}
+
+/* Parameter i's slot in a file of layout l. */
+static void file_slot_of(const loom_llama *m, int i, weights_layout l, file_slot *f) {
+    text_slot_of(m, i, f);
+    char text[sizeof f->name];
+    memcpy(text, f->name, sizeof text);
+    layout_name(l, text, f->name, sizeof f->name);
 }
 
 static loom_status fill_weight(void *user, void *dst, size_t n_bytes) {
