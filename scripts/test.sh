@@ -11,6 +11,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
+# The test executables of some layers (tests/<layer>/test_*.c): what the
+# builds without MPI and without oneDNN need beside loom.
+tests_of() { for d in "$@"; do for f in tests/"$d"/test_*.c; do basename "$f" .c; done; done; }
 echo "== release build (-Werror)"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_WERROR=ON >/dev/null
 ninja -C build -j "$jobs"
@@ -24,9 +27,9 @@ ninja -C build-asan -j "$jobs"
 # release build does, on code paths the sanitized unit and CLI tests run too)
 echo "== build without MPI (one process)"
 cmake -S . -B build-nompi -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_WERROR=ON -DLOOM_WITH_MPI=OFF >/dev/null
-ninja -C build-nompi -j "$jobs"
+ninja -C build-nompi -j "$jobs" loom $(tests_of autograd)
 (cd build-nompi && ctest --output-on-failure -j "$jobs" -R 'scripts/test_cli_train|autograd/')
 echo "== build without oneDNN (the portable GEMM)"
 cmake -S . -B build-nodnn -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_WERROR=ON -DLOOM_WITH_ONEDNN=OFF >/dev/null
-ninja -C build-nodnn -j "$jobs"
+ninja -C build-nodnn -j "$jobs" loom $(tests_of kernels autograd recompute)
 (cd build-nodnn && ctest --output-on-failure -j 1 -R 'kernels/|autograd/|recompute/|scripts/test_cli_train')
