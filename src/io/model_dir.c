@@ -1261,21 +1261,33 @@ static loom_status load_sharded(loom_llama *m, const char *dir, const char *inde
     return st;
 }
 
-/* The layout of dir's weights, read as loom_model_dir_load_weights reads
- * them (model.safetensors, else the index of its shards), into *l; the text
- * models' when dir has neither (a name, such as a Hub id, not a directory). */
-static loom_status dir_layout(const char *dir, weights_layout *l) {
-    char single[4096], index[4096];
+/* dir's weight files (single and index hold WEIGHT_PATH bytes): its
+ * model.safetensors, else (*sharded) the index of its shards; *found is 0
+ * when dir has neither. */
+#define WEIGHT_PATH 4096
+static loom_status weight_files(const char *dir, char *single, char *index, int *sharded, int *found) {
     struct stat sb;
+    LOOM_TRY(join(single, WEIGHT_PATH, dir, "model.safetensors"));
+    LOOM_TRY(join(index, WEIGHT_PATH, dir, "model.safetensors.index.json"));
+    int has_single = stat(single, &sb) == 0, has_index = stat(index, &sb) == 0;
+    *sharded = !has_single && has_index;
+    *found = has_single || has_index;
+    return LOOM_OK;
+}
+
+/* The layout of dir's weights, read as loom_model_dir_load_weights reads
+ * them, into *l; the text models' when dir has none (a name, such as a Hub
+ * id, not a directory). */
+static loom_status dir_layout(const char *dir, weights_layout *l) {
+    char single[WEIGHT_PATH], index[WEIGHT_PATH];
+    int sharded, found;
     *l = LAYOUT_TEXT;
-    if (join(single, sizeof single, dir, "model.safetensors") != LOOM_OK ||
-        join(index, sizeof index, dir, "model.safetensors.index.json") != LOOM_OK) {
+    if (weight_files(dir, single, index, &sharded, &found) != LOOM_OK) { /* too long a path: a name */
         loom_clear_error();
         return LOOM_OK;
     }
-    int has_single = stat(single, &sb) == 0, has_index = stat(index, &sb) == 0;
-    if (!has_single && !has_index) return LOOM_OK;
-    if (!has_single) {
+    if (!found) return LOOM_OK;
+    if (sharded) {
         json_t *root;
         LOOM_TRY(read_json(index, "weight index", &root));
         json_t *map = json_object_get(root, "weight_map");
@@ -1293,11 +1305,10 @@ static loom_status dir_layout(const char *dir, weights_layout *l) {
 }
 
 loom_status loom_model_dir_load_weights(loom_llama *m, const char *dir) {
-    char single[4096], index[4096];
-    struct stat sb;
-    LOOM_TRY(join(single, sizeof single, dir, "model.safetensors"));
-    LOOM_TRY(join(index, sizeof index, dir, "model.safetensors.index.json"));
-    if (stat(single, &sb) != 0 && stat(index, &sb) == 0) return load_sharded(m, dir, index);
+    char single[WEIGHT_PATH], index[WEIGHT_PATH];
+    int sharded, found;
+    LOOM_TRY(weight_files(dir, single, index, &sharded, &found));
+    if (sharded) return load_sharded(m, dir, index);
     return loom_llama_load_weights(m, single); /* names the file when it is missing */
 }
 
@@ -1385,12 +1396,12 @@ int loom_lora_peft_unwritable(const loom_llama *m) { return m->cfg.fused_proj &&
  * tower's linears of the same names. */
 static loom_status write_peft(loom_llama *m, const char *dir, const char *base_model, float *const *whole) {
     char path[4200];
-    LOOM_TRY(loom_mkdir_p(dir));
     weights_layout l = LAYOUT_TEXT;
     loom_status read = base_model ? dir_layout(base_model, &l) : LOOM_OK;
     if (read != LOOM_OK)
         return loom_error(read, "save adapter: the weights of the base model %s, whose tensor names the adapters' "
                           "follow, cannot be read (%s)", base_model, loom_last_error());
+    LOOM_TRY(loom_mkdir_p(dir));
     loom_safetensors_writer *w;
     LOOM_TRY(loom_safetensors_writer_init(&w));
     loom_status st = LOOM_OK;
@@ -1411,13 +1422,15 @@ static loom_status write_peft(loom_llama *m, const char *dir, const char *base_m
     /* A path that is not UTF-8 cannot be a JSON string: null then. */
     json_t *base = base_model ? json_string(base_model) : NULL;
     if (!base) base = json_null();
-    json_t *targets = l == LAYOUT_TEXT ? json_array() : NULL;
-    for (int t = 0; t < LOOM_LORA_N && targets; t++)
-        if (m->lora.targets & (1u << t) && json_array_append_new(targets, json_string(loom_lora_target_name(t)))) {
-            json_decref(targets);
-            targets = NULL;
-        }
-    if (l != LAYOUT_TEXT) { /* (language_model\.model|model\.language_model)\.layers\.[0-9]+\.(self_attn|mlp)\.(q_proj|...) */
+    json_t *targets;
+    if (l == LAYOUT_TEXT) { /* the modules' names */
+        targets = json_array();
+        for (int t = 0; t < LOOM_LORA_N && targets; t++)
+            if (m->lora.targets & (1u << t) && json_array_append_new(targets, json_string(loom_lora_target_name(t)))) {
+                json_decref(targets);
+                targets = NULL;
+            }
+    } else { /* (language_model\.model|model\.language_model)\.layers\.[0-9]+\.(self_attn|mlp)\.(q_proj|...) */
         char pattern[256], names[128] = "";
         for (int t = 0, n = 0; t < LOOM_LORA_N; t++)
             if (m->lora.targets & (1u << t))

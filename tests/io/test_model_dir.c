@@ -1016,11 +1016,7 @@ static void test_gemma3_multimodal(void **state) {
         {"{\"model_type\": \"gemma3\", \"text_config\": {\"hidden_size\": 0}}", "\"hidden_size\" must be a positive"},
         {"{\"model_type\": \"llama\", \"num_hidden_layers\": 2}", "missing field \"hidden_size\""}, /* required there */
     };
-    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
-        io_write_raw(io_path("config.json"), bad[k].json, strlen(bad[k].json));
-        assert_int_not_equal(loom_llama_config_load(io_path("config.json"), &c), LOOM_OK);
-        IO_ASSERT_MSG(bad[k].msg);
-    }
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) assert_refused_with(bad[k].json, "", bad[k].msg);
 
     /* the weights: tied (old names, one file; new names, sharded), and untied (lm_head's own name in each) */
     loom_precision p = {LOOM_F32, 0};
